@@ -1,0 +1,1 @@
+"""ShadowLoader on Grain: metadata, preprocessing workers, materializer."""

@@ -1,0 +1,1 @@
+"""RL algorithms, rewards, tail batching, async control, coordinator."""

@@ -1,0 +1,1 @@
+"""SGLang-protocol rollout: client, fleet, embedded engine and server."""

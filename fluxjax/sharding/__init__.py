@@ -1,0 +1,1 @@
+"""Mesh, logical axis rules, sequence-parallel strategies, balancing."""

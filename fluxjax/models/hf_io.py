@@ -1,0 +1,294 @@
+"""HF safetensors in and out, in the published Qwen2.5-VL layout.
+
+Published checkpoints (and SGLang) use `visual.*`, `model.*`, `lm_head.*`;
+transformers 5 names the same tensors `model.visual.*` and
+`model.language_model.*` in memory. We read both and always write the
+published layout, sharded into several files with an index when large.
+
+Loading builds each parameter with `jax.make_array_from_callback`: a device
+shard is filled from the safetensors files one layer tensor at a time, so no
+host ever holds the whole model (nor, for stacked layers, a whole stack).
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from fluxjax.models import config as config_lib
+from fluxjax.models import vlm
+
+# Stacked module prefixes: ours -> HF (layer index inserted after the prefix).
+_STACKS = {"model.layers": "model.layers", "visual.blocks": "visual.blocks"}
+# Our leaf names that differ from HF's (after the layer prefix is handled).
+_RENAMES = {
+    "model.embed_tokens": "model.embed_tokens.weight",
+    "lm_head": "lm_head.weight",
+    "visual.patch_embed.kernel": "visual.patch_embed.proj.weight",
+    "visual.merger.fc1.kernel": "visual.merger.mlp.0.weight",
+    "visual.merger.fc1.bias": "visual.merger.mlp.0.bias",
+    "visual.merger.fc2.kernel": "visual.merger.mlp.2.weight",
+    "visual.merger.fc2.bias": "visual.merger.mlp.2.bias",
+}
+# Kernels whose input side spans two of our axes ([heads, head_dim, out]).
+_TWO_INPUT_AXES = ("self_attn.o_proj.kernel", "attn.proj.kernel")
+# transformers 5 in-memory prefixes -> published prefixes.
+_ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def canonical_hf_name(name: str) -> str:
+  for alias, canonical in _ALIASES:
+    if name.startswith(alias):
+      return canonical + name[len(alias):]
+  return name
+
+
+def _leaf_rule(path: str):
+  """(stack prefix or None, HF name template, kind) for one of our leaves.
+
+  Stacked leaves get a `{}` in the template for the layer index.
+  """
+  kind = "kernel" if path.endswith(".kernel") or path == "lm_head" else "same"
+  stack = next((s for s in _STACKS if path.startswith(s + ".")), None)
+  if stack is not None:
+    rest = path[len(stack) + 1:]
+    if kind == "kernel":
+      rest = rest.removesuffix(".kernel") + ".weight"
+    return stack, f"{_STACKS[stack]}.{{}}.{rest}", kind
+  if path in _RENAMES:
+    return None, _RENAMES[path], kind
+  if kind == "kernel":
+    return None, path.removesuffix(".kernel") + ".weight", kind
+  return None, path, kind
+
+
+def _hf_to_ours(w: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:
+  """HF tensor -> our layout. HF kernels are [out, in...]; ours [in..., out...]."""
+  if kind == "kernel":
+    w = w.reshape(w.shape[0], -1).T
+  if int(np.prod(w.shape)) != int(np.prod(shape)):
+    raise ValueError(f"checkpoint tensor of shape {w.shape} cannot fill parameter {shape}")
+  return w.reshape(shape)
+
+
+def _ours_to_hf(x: np.ndarray, kind: str, path: str, cfg: config_lib.ModelConfig) -> np.ndarray:
+  if kind != "kernel":
+    return x.reshape(-1) if path.endswith(".bias") else x
+  if path == "visual.patch_embed.kernel":
+    v = cfg.vision
+    return x.T.reshape(v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size,
+                       v.patch_size)
+  n_in = 2 if path.endswith(_TWO_INPUT_AXES) else 1
+  return x.reshape(int(np.prod(x.shape[:n_in])), -1).T
+
+
+class _TensorIndex:
+  """Name -> file over one or several safetensors files, read lazily."""
+
+  def __init__(self, folder: str):
+    index_file = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index_file):
+      with open(index_file) as f:
+        weight_map = json.load(f)["weight_map"]
+      files = sorted(set(weight_map.values()))
+    else:
+      files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
+      if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+      weight_map = None
+    self._handles = {f: safe_open(os.path.join(folder, f), framework="numpy") for f in files}
+    self.where: dict[str, str] = {}
+    for file, handle in self._handles.items():
+      for name in handle.keys():
+        if weight_map is not None and weight_map.get(name) != file:
+          continue
+        self.where[canonical_hf_name(name)] = (file, name)
+
+  def read(self, name: str) -> np.ndarray:
+    if name not in self.where:
+      raise KeyError(f"checkpoint has no tensor {name!r}")
+    file, raw = self.where[name]
+    return self._handles[file].get_tensor(raw)
+
+
+def load_hf_checkpoint(path: str, cfg: config_lib.ModelConfig | None = None, *,
+                       shardings: Mapping[tuple, jax.sharding.Sharding] | None = None,
+                       strict: bool = True) -> vlm.Qwen25VL:
+  """Loads a Qwen2.5-VL HF checkpoint folder into our model.
+
+  Args:
+    path: folder with config.json and model*.safetensors (+ index if sharded).
+    cfg: the model config; read from config.json when None.
+    shardings: optional {state path tuple: Sharding} for each parameter (from
+      the sharding rules); default puts everything on the first device.
+    strict: fail on checkpoint tensors the model does not use.
+
+  Returns:
+    The model, parameters placed as requested.
+  """
+  cfg = cfg or config_lib.load_hf_config(path)
+  tensors = _TensorIndex(path)
+  abstract = vlm.abstract_model(cfg)
+  graphdef, abstract_state = nnx.split(abstract)
+  dtype = jnp.dtype(cfg.param_dtype)
+  default_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  used = set()
+  flat = []
+  for key, var in nnx.to_flat_state(abstract_state):
+    leaf_path = ".".join(map(str, key))
+    shape = tuple(var.get_value().shape)
+    stack, template, kind = _leaf_rule(leaf_path)
+    if leaf_path == "lm_head" and cfg.text.tie_word_embeddings:
+      raise ValueError("tied config but model has an lm_head")
+    layer_shape = shape[1:] if stack else shape
+    names = ([template.format(i) for i in range(shape[0])] if stack else [template])
+    used.update(names)
+    cache = collections.OrderedDict()
+
+    def layer_tensor(name, kind=kind, layer_shape=layer_shape, cache=cache):
+      if name not in cache:
+        cache[name] = _hf_to_ours(tensors.read(name), kind, layer_shape).astype(dtype)
+        if len(cache) > 2:
+          cache.popitem(last=False)
+      return cache[name]
+
+    def fill(index, names=names, stack=stack, layer_tensor=layer_tensor):
+      if not stack:
+        return layer_tensor(names[0])[index]
+      layers = range(*index[0].indices(len(names)))
+      return np.stack([layer_tensor(names[i])[index[1:]] for i in layers])
+
+    sharding = (shardings or {}).get(key, default_sharding)
+    value = jax.make_array_from_callback(shape, sharding, fill)
+    flat.append((key, var.replace(value)))
+  if cfg.text.tie_word_embeddings:
+    used.add("lm_head.weight")  # some exports keep the tied copy; it is the embedding
+  unused = sorted(set(tensors.where) - used)
+  if unused:
+    msg = f"{len(unused)} checkpoint tensors unused by the model, e.g. {unused[:5]}"
+    if strict:
+      raise ValueError(msg)
+    logging.warning(msg)
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(jax.device_get(x))
+
+
+def hf_tensors(model: vlm.Qwen25VL, dtype: str = "bfloat16"):
+  """Yields (HF name, numpy tensor) one layer tensor at a time."""
+  cfg = model.cfg
+  np_dtype = _DTYPES[dtype]
+  for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    leaf_path = ".".join(map(str, key))
+    stack, template, kind = _leaf_rule(leaf_path)
+    value = var.get_value()
+    layers = [(template.format(i), value[i]) for i in range(value.shape[0])] if stack else \
+        [(template, value)]
+    for name, x in layers:
+      # Contiguous: safetensors writes the buffer as laid out, ignoring strides.
+      yield name, np.ascontiguousarray(_ours_to_hf(_to_host(x), kind, leaf_path, cfg), np_dtype)
+
+
+def save_hf_checkpoint(model: vlm.Qwen25VL, path: str, *, dtype: str = "bfloat16",
+                       max_shard_bytes: int = 4 << 30,
+                       extra_files: Mapping[str, str | bytes] | None = None) -> str:
+  """Writes the published layout: config.json, model(-0000k-of-0000n).safetensors.
+
+  The folder is written next to `path` and renamed into place, so a reader
+  (a rollout server loading new weights) never sees a half-written folder.
+  Only process 0 writes; every process must call this (gathers are collective).
+
+  Args:
+    model: the model to export.
+    path: destination folder (replaced if it exists).
+    dtype: tensor dtype on disk.
+    max_shard_bytes: split into several files with an index past this size.
+    extra_files: {file name: source path or bytes} copied in as well
+      (tokenizer.json, preprocessor_config.json, ...).
+
+  Returns:
+    The destination path.
+  """
+  if dtype not in _DTYPES:
+    raise ValueError(f"unsupported dtype {dtype!r}; choose from {sorted(_DTYPES)}")
+  writer = jax.process_index() == 0
+  parent = os.path.dirname(os.path.abspath(path))
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent) if writer else None
+  # Shards are written as soon as they fill, so the host holds at most one.
+  shard_names: list[list[str]] = []
+  current, size = {}, 0
+
+  def flush():
+    nonlocal current, size
+    if writer:
+      save_file(current, os.path.join(tmp, f"shard-{len(shard_names):05d}.safetensors"),
+                metadata={"format": "pt"})
+    shard_names.append(list(current))
+    current, size = {}, 0
+
+  for name, tensor in hf_tensors(model, dtype):
+    if current and size + tensor.nbytes > max_shard_bytes:
+      flush()
+    current[name] = tensor
+    size += tensor.nbytes
+  flush()
+  if not writer:
+    return path
+  _name_shards(tmp, shard_names)
+  with open(os.path.join(tmp, "config.json"), "w") as f:
+    json.dump(config_lib.to_hf_dict(model.cfg, torch_dtype=dtype), f, indent=2)
+  for name, src in (extra_files or {}).items():
+    dst = os.path.join(tmp, name)
+    if isinstance(src, bytes):
+      with open(dst, "wb") as f:
+        f.write(src)
+    else:
+      shutil.copyfile(src, dst)
+  _publish(tmp, path)
+  return path
+
+
+def _name_shards(folder: str, shard_names: list[list[str]]) -> None:
+  """Gives shard files their final names (N is known only at the end) + index."""
+  n = len(shard_names)
+  weight_map = {}
+  for i, names in enumerate(shard_names):
+    final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+    os.replace(os.path.join(folder, f"shard-{i:05d}.safetensors"), os.path.join(folder, final))
+    weight_map.update({name: final for name in names})
+  if n > 1:
+    total = sum(os.path.getsize(os.path.join(folder, f)) for f in set(weight_map.values()))
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def _publish(tmp: str, path: str) -> None:
+  """Renames tmp into path; an existing folder is moved aside, then removed."""
+  if os.path.exists(path):
+    old = tmp + ".old"
+    os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+  else:
+    os.replace(tmp, path)

@@ -1,0 +1,254 @@
+"""Probing and decoding real image and video files (fluxjax.models.media)."""
+
+import os
+
+import av
+import hypothesis
+from hypothesis import strategies as st
+import numpy as np
+import PIL.Image
+import PIL.ImageFile
+import pytest
+
+from fluxjax.models import media
+from fluxjax.models import processor as vp
+
+# H.264 in yuv420p is what real datasets hold; mpeg4 is the fallback encoder
+# for PyAV builds without libx264.
+_CODEC = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+_FRAMES, _FPS, _H, _W = 30, 10, 64, 96
+
+
+def _level(i):
+  """Flat grey level of frame i: distinct per frame, survives compression."""
+  return (i * 8) % 256
+
+
+def _write_video(path, num_frames=_FRAMES, fps=_FPS, height=_H, width=_W,
+                 container_format=None, options=None):
+  with av.open(str(path), "w", format=container_format,
+               options=options or {}) as out:
+    stream = out.add_stream(_CODEC, rate=fps)
+    stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+    for i in range(num_frames):
+      frame_HWC = np.full((height, width, 3), _level(i), np.uint8)
+      frame = av.VideoFrame.from_ndarray(frame_HWC, format="rgb24")
+      out.mux(stream.encode(frame))
+    out.mux(stream.encode())
+  return path
+
+
+def _image_array(height, width, channels=3, seed=0):
+  rng = np.random.default_rng(seed)
+  return rng.integers(0, 256, (height, width, channels), np.uint8)
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+  """Real files written once per module: JPEG, PNG, MP4, MKV."""
+  d = tmp_path_factory.mktemp("media")
+  PIL.Image.fromarray(_image_array(37, 53)).save(d / "a.jpg", quality=95)
+  PIL.Image.fromarray(_image_array(41, 29, channels=4)).save(d / "a.png")
+  # faststart puts the index first, so a cut file still opens (see below).
+  _write_video(d / "a.mp4", options={"movflags": "faststart"})
+  _write_video(d / "plain.mp4")  # index at the end, as ffmpeg writes by default
+  _write_video(d / "a.mkv", container_format="matroska")
+  _write_video(d / "one.mp4", num_frames=1)
+  return d
+
+
+def _cut(src, dst, fraction):
+  data = src.read_bytes()
+  dst.write_bytes(data[: int(len(data) * fraction)])
+  return dst
+
+
+# --- images -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,size", [("a.jpg", (37, 53)), ("a.png", (41, 29))])
+def test_probe_and_load_image(media_dir, name, size):
+  assert media.probe_image(media_dir / name) == size
+  image = media.load_image(media_dir / name)
+  assert image.mode == "RGB"
+  assert (image.height, image.width) == size
+
+
+def test_png_alpha_is_composited_onto_white(media_dir):
+  rgba = np.asarray(PIL.Image.open(media_dir / "a.png"))
+  loaded = np.asarray(media.load_image(media_dir / "a.png")).astype(np.float64)
+  alpha = rgba[..., 3:4] / 255
+  expected = alpha * rgba[..., :3] + (1 - alpha) * 255
+  np.testing.assert_allclose(loaded, expected, atol=1)
+
+
+def test_probe_image_does_not_decode(media_dir, monkeypatch):
+  def no_decoding(self):
+    raise AssertionError("probe_image decoded pixels")
+
+  monkeypatch.setattr(PIL.ImageFile.ImageFile, "load", no_decoding)
+  assert media.probe_image(media_dir / "a.jpg") == (37, 53)
+
+
+def test_exif_rotation_is_applied_in_probe_and_load(tmp_path):
+  path = tmp_path / "rotated.jpg"
+  exif = PIL.Image.Exif()
+  exif[0x0112] = 6  # rotate 90 degrees on display
+  PIL.Image.fromarray(_image_array(20, 50)).save(path, exif=exif)
+  assert media.probe_image(path) == (50, 20)
+  image = media.load_image(path)
+  assert (image.height, image.width) == (50, 20)
+
+
+def test_truncated_jpeg_probes_but_fails_to_load(media_dir, tmp_path):
+  path = _cut(media_dir / "a.jpg", tmp_path / "cut.jpg", 0.5)
+  # The header survives, so probing (header only) still works...
+  assert media.probe_image(path) == (37, 53)
+  # ...but the pixels do not.
+  with pytest.raises(media.MediaError, match="cannot decode image") as e:
+    media.load_image(path)
+  assert e.value.path == str(path)
+
+
+def test_garbage_and_missing_images_raise(tmp_path):
+  garbage = tmp_path / "garbage.jpg"
+  garbage.write_bytes(np.random.default_rng(0).bytes(4096))
+  for fn in (media.probe_image, media.load_image):
+    with pytest.raises(media.MediaError, match="image") as e:
+      fn(garbage)
+    assert e.value.reason
+    with pytest.raises(media.MediaError, match="not found"):
+      fn(tmp_path / "missing.png")
+    with pytest.raises(media.MediaError, match="not a regular file"):
+      fn(tmp_path)
+
+
+# --- videos -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["a.mp4", "plain.mp4", "a.mkv"])
+def test_probe_video(media_dir, name):
+  info = media.probe_video(media_dir / name)
+  assert info.num_frames == _FRAMES
+  assert info.fps == pytest.approx(_FPS)
+  assert (info.height, info.width) == (_H, _W)
+  assert info.duration_s == pytest.approx(_FRAMES / _FPS, abs=0.15)
+  assert info.codec == ("h264" if _CODEC == "libx264" else "mpeg4")
+
+
+@pytest.mark.parametrize("name", ["a.mp4", "plain.mp4", "a.mkv"])
+def test_load_video_keeps_the_sampled_frames(media_dir, name):
+  cfg = vp.VisionProcessorConfig()
+  frames, sampled_fps = media.load_video(media_dir / name, cfg)
+  indices, expected_fps = media.sample_frame_indices(_FRAMES, _FPS, cfg)
+  assert frames.dtype == np.uint8
+  assert frames.shape == (len(indices), _H, _W, 3)
+  assert sampled_fps == pytest.approx(expected_fps)
+  # Each frame is flat grey at its index's level: the right frames were kept.
+  levels = frames[:, _H // 2, _W // 2].astype(np.int64).mean(axis=-1)
+  expected = np.array([_level(i) for i in indices])
+  np.testing.assert_allclose(levels, expected, atol=4)
+
+
+def test_load_video_then_preprocess_agrees_with_probe(media_dir):
+  cfg = vp.VisionProcessorConfig()
+  info = media.probe_video(media_dir / "a.mp4")
+  indices, _ = media.sample_frame_indices(info.num_frames, info.fps, cfg)
+  grid = vp.grid_for_size("video", info.height, info.width, len(indices), cfg)
+  frames, fps = media.load_video(media_dir / "a.mp4", cfg)
+  out = vp.preprocess_video(frames, cfg, fps)
+  assert out.grid_thw == grid
+  assert out.second_per_grid == pytest.approx(cfg.temporal_patch_size / fps)
+
+
+def test_single_frame_video_is_padded(media_dir):
+  cfg = vp.VisionProcessorConfig()
+  frames, fps = media.load_video(media_dir / "one.mp4", cfg)
+  assert frames.shape[0] == 1
+  out = vp.preprocess_video(frames, cfg, fps)
+  assert out.grid_thw[0] == 1
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(
+    num_frames=st.integers(1, 20000),
+    video_fps=st.floats(1.0, 240.0),
+    target_fps=st.sampled_from([0.5, 1.0, 2.0, 4.0]),
+)
+def test_sample_frame_indices_properties(num_frames, video_fps, target_fps):
+  cfg = vp.VisionProcessorConfig(video_fps=target_fps)
+  indices, sampled_fps = media.sample_frame_indices(num_frames, video_fps, cfg)
+  k = len(indices)
+  assert np.all(np.diff(indices) > 0)
+  assert indices[0] == 0 and indices[-1] < num_frames
+  if num_frames >= cfg.temporal_patch_size:
+    assert k % cfg.temporal_patch_size == 0
+    assert k <= cfg.video_max_frames
+    wanted = num_frames / video_fps * target_fps
+    # Never more than the rate asks for, unless the min_frames floor applies.
+    assert k <= max(wanted, cfg.video_min_frames)
+  else:
+    assert k == num_frames
+  assert sampled_fps == pytest.approx(k / num_frames * video_fps)
+
+
+def test_sample_frame_indices_rejects_bad_metadata():
+  cfg = vp.VisionProcessorConfig()
+  with pytest.raises(ValueError, match="num_frames"):
+    media.sample_frame_indices(0, 30.0, cfg)
+  with pytest.raises(ValueError, match="video_fps"):
+    media.sample_frame_indices(10, 0.0, cfg)
+
+
+def test_truncated_mp4_with_index_first(media_dir, tmp_path):
+  path = _cut(media_dir / "a.mp4", tmp_path / "cut.mp4", 0.5)
+  # The header still promises every frame, so probe (no decode) succeeds...
+  assert media.probe_video(path).num_frames == _FRAMES
+  # ...and decoding finds the data missing.
+  with pytest.raises(media.MediaError, match="ended early|decode failed"):
+    media.load_video(path, vp.VisionProcessorConfig())
+
+
+def test_truncated_mp4_with_index_last(media_dir, tmp_path):
+  path = _cut(media_dir / "plain.mp4", tmp_path / "cut.mp4", 0.5)
+  for call in (media.probe_video,
+               lambda p: media.load_video(p, vp.VisionProcessorConfig())):
+    with pytest.raises(media.MediaError) as e:
+      call(path)
+    assert e.value.path == str(path) and e.value.reason
+
+
+def test_bad_video_files_raise(tmp_path):
+  cfg = vp.VisionProcessorConfig()
+  garbage = tmp_path / "garbage.mp4"
+  garbage.write_bytes(np.random.default_rng(1).bytes(8192))
+  text = tmp_path / "notes.mp4"
+  text.write_text("not a video\n" * 100)
+  audio = tmp_path / "tone.wav"
+  with av.open(str(audio), "w") as out:
+    stream = out.add_stream("pcm_s16le", rate=8000, layout="mono")
+    samples = np.zeros((1, 800), np.int16)
+    frame = av.AudioFrame.from_ndarray(samples, format="s16", layout="mono")
+    frame.sample_rate = 8000
+    out.mux(stream.encode(frame))
+    out.mux(stream.encode())
+  cases = [
+      (garbage, "cannot open video|no video stream"),
+      (text, "cannot open video|no video stream"),
+      (audio, "no video stream"),
+      (tmp_path / "missing.mp4", "not found"),
+      (tmp_path, "not a regular file"),
+  ]
+  for path, match in cases:
+    with pytest.raises(media.MediaError, match=match):
+      media.probe_video(path)
+    with pytest.raises(media.MediaError, match=match):
+      media.load_video(path, cfg)
+
+
+def test_media_error_carries_path_and_reason(tmp_path):
+  err = media.MediaError(tmp_path / "x.mp4", "broken")
+  assert err.path == os.fspath(tmp_path / "x.mp4")
+  assert err.reason == "broken"
+  assert "broken" in str(err) and "x.mp4" in str(err)

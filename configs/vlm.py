@@ -1,0 +1,42 @@
+r"""GRPO post-training of a Qwen2.5-VL model: the default fluxjax run.
+
+  python -m fluxjax.train --config=configs/vlm.py --workdir=/tmp/fluxjax
+  python -m fluxjax.train --config=configs/vlm.py:qwen25_vl_7b \
+      --config.model.hf_path=/ckpt/Qwen2.5-VL-7B-Instruct --config.sharding.sp=4
+
+The default (`tiny`) runs on one CPU machine on embedded defaults: the tiny
+preset, the in-process JAX rollout engine and a generated synthetic dataset.
+Variants for real shapes switch model size and sharding; every field can be
+overridden on the command line as --config.section.field=value.
+"""
+
+import ml_collections
+
+from fluxjax import config_args
+
+VARIANTS = ("tiny", "qwen25_vl_3b", "qwen25_vl_7b", "qwen25_vl_32b")
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  arg = config_args.parse_arg(arg, variant="tiny")
+  if arg.variant not in VARIANTS:
+    raise ValueError(f"unknown variant {arg.variant!r}; choose one of {VARIANTS}")
+  c = ml_collections.ConfigDict()
+  c.variant = arg.variant
+  c.seed = 0
+
+  # Model: a preset with random weights, or an HF checkpoint folder (which wins).
+  c.model = ml_collections.ConfigDict()
+  c.model.preset = {"tiny": "tiny", "qwen25_vl_3b": "3b", "qwen25_vl_7b": "7b",
+                    "qwen25_vl_32b": "32b"}[arg.variant]
+  c.model.hf_path = ""
+  c.model.tokenizer_path = ""  # "" = the shipped synthetic tokenizer (tiny) or hf_path's
+  c.model.dtype = "float32" if arg.variant == "tiny" else "bfloat16"
+  c.model.param_dtype = "float32"
+  c.model.attention_backend = "xla"
+  c.model.remat = arg.variant != "tiny"  # activations of 28+ layers do not fit otherwise
+  c.model.logprob_vocab_chunk = 128 if arg.variant == "tiny" else 8192
+  # Trainer and rollout server must build M-RoPE positions the same way; SGLang
+  # starts text after a vision span at max(position)+1 (see models/rope_index.py).
+  c.model.mrope_text_after_vision = "max_plus_one"
+  return c

@@ -86,6 +86,10 @@ class ModelConfig:
   attention_backend: str = "xla"  # "xla" (reference, everywhere) | "pallas_gpu"
   remat: bool = False            # rematerialize each scanned layer in the backward pass
   logprob_vocab_chunk: int = 8192  # vocabulary chunk for target-token logprobs
+  # Where text positions resume after a vision span (models/rope_index.py):
+  # "max_plus_one" (Qwen's original rule, SGLang/vLLM/veRL) or "grid_extent"
+  # (transformers 5). Trainer and rollout server must agree.
+  mrope_text_after_vision: str = "max_plus_one"
 
   def __post_init__(self):
     t, v = self.text, self.vision
@@ -99,6 +103,9 @@ class ModelConfig:
       raise ValueError(f"vision head_dim {v.hidden_size}/{v.num_heads} must be a multiple of 4 (2D rotary)")
     if v.out_hidden_size != t.hidden_size:
       raise ValueError(f"vision out_hidden_size {v.out_hidden_size} != text hidden_size {t.hidden_size}")
+    if self.mrope_text_after_vision not in ("max_plus_one", "grid_extent"):
+      raise ValueError(f"mrope_text_after_vision must be max_plus_one or grid_extent, "
+                       f"got {self.mrope_text_after_vision!r}")
     if any(not 0 <= i < v.depth for i in v.fullatt_block_indexes):
       raise ValueError(f"fullatt_block_indexes {v.fullatt_block_indexes} outside depth {v.depth}")
 

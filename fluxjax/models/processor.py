@@ -11,6 +11,7 @@ P patch side, N patches (= grid t * h * w), D = C * T * P * P.
 """
 
 import dataclasses
+from collections.abc import Sequence
 import math
 from typing import Literal
 
@@ -215,18 +216,25 @@ def grid_for_size(
   return t, h // cfg.patch_size, w // cfg.patch_size
 
 
-def num_vision_tokens(grid_thw: tuple[int, int, int], merge_size: int) -> int:
+def num_vision_tokens(grid_thw: Sequence[int], merge_size: int = 2) -> int:
   """LLM tokens one image/video occupies after the merge_size^2 merger.
 
   Args:
-    grid_thw: (t, h, w) patch grid.
+    grid_thw: (t, h, w) patch grid, as preprocessing reports it.
     merge_size: side of the merger window.
 
   Returns:
-    t * h * w // merge_size^2.
+    t * h * w // merge_size^2: the number of pad tokens its placeholder expands into.
   """
-  t, h, w = grid_thw
-  return t * h * w // (merge_size * merge_size)
+  t, h, w = (int(x) for x in grid_thw)
+  if t <= 0 or h <= 0 or w <= 0:
+    raise ValueError(f"grid {tuple(grid_thw)} must be positive")
+  # The merger folds merge x merge patches into one token; a grid it cannot
+  # tile has no valid token count.
+  if h % merge_size or w % merge_size:
+    raise ValueError(f"grid {tuple(grid_thw)}: h and w must be multiples of "
+                     f"merge_size={merge_size}")
+  return t * h * w // merge_size**2
 
 
 def to_rgb(image: PIL.Image.Image | np.ndarray) -> PIL.Image.Image:

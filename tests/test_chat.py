@@ -19,7 +19,8 @@ from PIL import Image
 from transformers import PreTrainedTokenizerFast
 from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil
 
-from fluxjax.models import chat, processor
+from fluxjax.models import chat
+from fluxjax.models import processor as processor_lib
 from fluxjax.models import tokenizer as tokenizer_lib
 
 QWEN2_5_VL_CHAT_TEMPLATE = (
@@ -263,12 +264,12 @@ def test_expanding_twice_raises(tok):
 
 
 def test_grid_validation():
-  assert processor.num_vision_tokens((2, 4, 6)) == 12
-  assert processor.num_vision_tokens((1, 6, 6), merge_size=3) == 4
+  assert processor_lib.num_vision_tokens((2, 4, 6)) == 12
+  assert processor_lib.num_vision_tokens((1, 6, 6), merge_size=3) == 4
   with pytest.raises(ValueError, match="multiples"):
-    processor.num_vision_tokens((1, 3, 4))
+    processor_lib.num_vision_tokens((1, 3, 4))
   with pytest.raises(ValueError, match="positive"):
-    processor.num_vision_tokens((0, 4, 4))
+    processor_lib.num_vision_tokens((0, 4, 4))
 
 
 def test_expand_vision_tokens_counts(tok):

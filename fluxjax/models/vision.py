@@ -10,7 +10,10 @@ Patch order (from the processor): per frame, per merged 2x2 unit in row-major
 order, the 4 sub-patches. Four consecutive patches therefore form one merged
 token, and merged tokens come out in the order the text expects.
 
-Shapes: N patches, M = N / 4 merged tokens, D vision width, E text width.
+Shapes: B rows (one per device on a mesh), N patches per row, M = N / 4
+merged tokens, D vision width, E text width. Rows never attend to each other,
+so the tower is batch-parallel: sharding rows over devices needs no
+communication.
 """
 
 from __future__ import annotations
@@ -35,20 +38,21 @@ class VisionInputs:
   """Device inputs of the vision tower for a set of images/frames.
 
   Attributes:
-    patches_NP: float [N, C*T*P*P] flattened patches (padding rows anywhere).
-    frame_ids_N: int [N] full-attention group (one per image or video frame);
-      0 marks a padding patch.
-    window_ids_N: int [N] window-attention group; 0 marks padding.
-    hw_N2: int [N, 2] (row, column) of each patch inside its frame, for 2D RoPE.
+    patches_BNP: float [B, N, C*T*P*P] flattened patches; every image/frame
+      lies within one row, padding after the real patches.
+    frame_ids_BN: int [B, N] full-attention group (one per image or video
+      frame); 0 marks a padding patch.
+    window_ids_BN: int [B, N] window-attention group; 0 marks padding.
+    hw_BN2: int [B, N, 2] (row, column) of each patch inside its frame (2D RoPE).
   """
-  patches_NP: jax.Array
-  frame_ids_N: jax.Array
-  window_ids_N: jax.Array
-  hw_N2: jax.Array
+  patches_BNP: jax.Array
+  frame_ids_BN: jax.Array
+  window_ids_BN: jax.Array
+  hw_BN2: jax.Array
 
   @property
   def num_patches(self) -> int:
-    return self.patches_NP.shape[0]
+    return self.patches_BNP.shape[1]
 
 
 def patch_layout(grids_thw: Sequence[Sequence[int]], cfg: VisionConfig,
@@ -91,7 +95,7 @@ def patch_layout(grids_thw: Sequence[Sequence[int]], cfg: VisionConfig,
 
 def make_vision_inputs(patches: Sequence[np.ndarray], grids_thw: Sequence[Sequence[int]],
                        cfg: VisionConfig, capacity: int | None = None) -> VisionInputs:
-  """Concatenates processed images/videos and pads to `capacity` patches.
+  """Concatenates processed images/videos into one row of `capacity` patches.
 
   Padding patches get frame and window id 0, so they attend to nothing and
   their merged outputs are never spliced into the text.
@@ -108,10 +112,10 @@ def make_vision_inputs(patches: Sequence[np.ndarray], grids_thw: Sequence[Sequen
                      f"{cfg.merge_unit}")
   pad = capacity - n
   return VisionInputs(
-      patches_NP=np.pad(flat, ((0, pad), (0, 0))),
-      frame_ids_N=np.pad(frame_ids, (0, pad)),
-      window_ids_N=np.pad(window_ids, (0, pad)),
-      hw_N2=np.pad(hw, ((0, pad), (0, 0))))
+      patches_BNP=np.pad(flat, ((0, pad), (0, 0)))[None],
+      frame_ids_BN=np.pad(frame_ids, (0, pad))[None],
+      window_ids_BN=np.pad(window_ids, (0, pad))[None],
+      hw_BN2=np.pad(hw, ((0, pad), (0, 0)))[None])
 
 
 class VisionAttention(nnx.Module):
@@ -124,15 +128,14 @@ class VisionAttention(nnx.Module):
     self.proj = layers.Dense((n, h), d, (axes.VIS_HEADS, axes.HEAD_DIM), (axes.VIS_EMBED,),
                              use_bias=True, rngs=rngs)
 
-  def __call__(self, x_ND, cos_NH, sin_NH, group_ids_N, backend: str):
-    qkv = self.qkv(x_ND)[None]  # [1, N, 3, n, h]
+  def __call__(self, x_BND, cos_BNH, sin_BNH, group_ids_BN, backend: str):
+    qkv = self.qkv(x_BND)  # [B, N, 3, n, h]
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    q = layers.apply_rotary(q, cos_NH[None], sin_NH[None])
-    k = layers.apply_rotary(k, cos_NH[None], sin_NH[None])
-    ids = group_ids_N[None]
-    out = attn_lib.attention(q, k, v, backend=backend, q_segment_ids=ids, kv_segment_ids=ids,
-                             causal=False)
-    return self.proj(out[0])
+    q = layers.apply_rotary(q, cos_BNH, sin_BNH)
+    k = layers.apply_rotary(k, cos_BNH, sin_BNH)
+    out = attn_lib.attention(q, k, v, backend=backend, q_segment_ids=group_ids_BN,
+                             kv_segment_ids=group_ids_BN, causal=False)
+    return self.proj(out)
 
 
 class VisionBlock(nnx.Module):
@@ -161,13 +164,14 @@ class PatchMerger(nnx.Module):
     self.fc2 = layers.Dense(merged, cfg.out_hidden_size, (axes.VIS_MLP,), (axes.EMBED,),
                             use_bias=True, rngs=rngs)
 
-  def __call__(self, x_ND):
-    x = self.ln_q(x_ND).reshape(-1, self.merge_unit * x_ND.shape[-1])
+  def __call__(self, x_BND):
+    b, n, d = x_BND.shape
+    x = self.ln_q(x_BND).reshape(b, n // self.merge_unit, self.merge_unit * d)
     return self.fc2(jax.nn.gelu(self.fc1(x), approximate=False))
 
 
 class VisionTower(nnx.Module):
-  """Patches [N, C*T*P*P] -> merged embeddings [N/4, text width]."""
+  """Patches [B, N, C*T*P*P] -> merged embeddings [B, N/4, text width]."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     v = cfg.vision
@@ -181,21 +185,21 @@ class VisionTower(nnx.Module):
     self.blocks = layers.stacked(v.depth, lambda r: VisionBlock(v, rngs=r), rngs)
     self.merger = PatchMerger(v, rngs=rngs)
 
-  def rotary(self, hw_N2):
+  def rotary(self, hw_BN2):
     """2D RoPE: rows rotate the first half of each head, columns the second."""
     inv = layers.inverse_frequencies(self.cfg.head_dim // 2, self.cfg.rope_theta)
-    freqs = hw_N2[:, :, None].astype(jnp.float32) * inv  # [N, 2, H/4]
-    freqs = freqs.reshape(freqs.shape[0], -1)            # [N, H/2]: rows then columns
+    freqs = hw_BN2[..., None].astype(jnp.float32) * inv  # [B, N, 2, H/4]
+    freqs = freqs.reshape(*freqs.shape[:2], -1)          # [B, N, H/2]: rows then columns
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
   def __call__(self, vis: VisionInputs) -> jax.Array:
-    x = self.patch_embed(vis.patches_NP.astype(self.dtype))
-    cos, sin = self.rotary(vis.hw_N2)
+    x = self.patch_embed(vis.patches_BNP.astype(self.dtype))
+    cos, sin = self.rotary(vis.hw_BN2)
     backend = self.backend
 
     def body(block, x, is_full):
-      group = jnp.where(is_full, vis.frame_ids_N, vis.window_ids_N)
+      group = jnp.where(is_full, vis.frame_ids_BN, vis.window_ids_BN)
       return block(x, cos, sin, group, backend)
 
     is_full = jnp.asarray(np.isin(np.arange(self.cfg.depth), self.cfg.fullatt_block_indexes))

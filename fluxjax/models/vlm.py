@@ -7,8 +7,12 @@ tokens. The packed forward takes
   segment_ids_BT   int   sequence id inside the row, 0 = padding
   segment_pos_BT   int   index of the token inside its sequence (causal order)
   vision           VisionInputs for all images/frames of the call, or None
-Vision embeddings replace the pad tokens in row-major order of the tokens, so
-the patches must be given in the same order as the pad tokens appear.
+  vision_index_BT  int   for each image/video pad token, the index of its merged
+                   embedding in the flattened [B * N/4] tower output (a gather:
+                   the plan routes embeddings to any token position). When None,
+                   the k-th pad token in row-major order takes the k-th merged
+                   embedding, which is right when patches follow token order
+                   with padding only at the end (one row).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class PackedInputs:
   segment_ids_BT: jax.Array
   segment_pos_BT: jax.Array
   vision: VisionInputs | None = None
+  vision_index_BT: jax.Array | None = None
 
 
 class Qwen25VL(nnx.Module):
@@ -59,24 +64,25 @@ class Qwen25VL(nnx.Module):
       return self.model.embed_tokens[...].T
     return self.lm_head[...]
 
-  def embed(self, tokens_BT: jax.Array, vision: VisionInputs | None) -> jax.Array:
+  def embed(self, tokens_BT: jax.Array, vision: VisionInputs | None,
+            vision_index_BT: jax.Array | None = None) -> jax.Array:
     """Token embeddings with vision embeddings spliced over the pad tokens."""
     x = self.model.embed(tokens_BT, self.dtype)
     if vision is None:
       return x
-    merged_MD = self.visual(vision).astype(x.dtype)
+    merged = self.visual(vision).astype(x.dtype)
+    merged = merged.reshape(-1, merged.shape[-1])          # [B * N/4, E]
     is_vis = (tokens_BT == self.cfg.image_token_id) | (tokens_BT == self.cfg.video_token_id)
-    flat = is_vis.reshape(-1)
-    # k-th vision token (row-major) takes the k-th merged embedding; a gather,
-    # so the same code runs when rows or tokens are sharded.
-    index = jnp.clip(jnp.cumsum(flat) - 1, 0, merged_MD.shape[0] - 1)
-    spliced = jnp.take(merged_MD, index, axis=0).reshape(x.shape)
+    if vision_index_BT is None:
+      vision_index_BT = (jnp.cumsum(is_vis.reshape(-1)) - 1).reshape(is_vis.shape)
+    index = jnp.clip(vision_index_BT, 0, merged.shape[0] - 1)
+    spliced = jnp.take(merged, index, axis=0)              # a gather: works sharded
     return jnp.where(is_vis[..., None], spliced, x)
 
   def hidden_states(self, batch: PackedInputs,
                     attention_fn: AttentionFn | None = None) -> jax.Array:
     """Final-norm hidden states [B, T, D]."""
-    x = self.embed(batch.tokens_BT, batch.vision)
+    x = self.embed(batch.tokens_BT, batch.vision, batch.vision_index_BT)
     return self.model(x, batch.positions_3BT, batch.segment_ids_BT, batch.segment_pos_BT,
                       attention_fn)
 

@@ -1,0 +1,92 @@
+"""The placement plan: which tokens go where, computed from lengths only.
+
+A plan is plain data (ints and tuples) made on the controller, printable,
+testable and cheap to broadcast to other processes. Strategies produce plans;
+`sharding/batch.py` turns a plan and the sequences into device buffers.
+
+Vocabulary:
+  device     an index into the flattened data-parallel devices (0..D-1), in the
+             order of the mesh's device array.
+  row        the sequences one attention group processes together in one
+             microbatch: their tokens are concatenated (segment ids tell them
+             apart) and the stream is cut into `len(devices)` equal contiguous
+             slices of `capacity` tokens, slice k on devices[k]. A row of degree
+             1 is plain packing (packed_dp); degree sp is Ulysses.
+  microbatch every device takes part in exactly one row per microbatch (a row
+             may be empty); gradients accumulate over microbatches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  devices: tuple[int, ...]   # attention group, in slice order; len = Ulysses degree
+  seqs: tuple[int, ...]      # sequence indices, in buffer order
+
+  @property
+  def degree(self) -> int:
+    return len(self.devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Rows per microbatch plus the static capacity every device buffer gets.
+
+  Attributes:
+    strategy: the strategy name that made it.
+    num_devices: D, the data-parallel devices.
+    capacity: tokens per device per microbatch (a static bucket).
+    microbatches: microbatches[m] = rows of microbatch m; every device appears
+      in exactly one row of each microbatch.
+    lengths: token count of every sequence of the batch (for checks and costs).
+  """
+  strategy: str
+  num_devices: int
+  capacity: int
+  microbatches: tuple[tuple[Row, ...], ...]
+  lengths: tuple[int, ...]
+
+  @property
+  def num_microbatches(self) -> int:
+    return len(self.microbatches)
+
+  def validate(self) -> None:
+    """Raises ValueError unless every sequence is placed exactly once and fits."""
+    seen = [0] * len(self.lengths)
+    for m, rows in enumerate(self.microbatches):
+      used = sorted(d for r in rows for d in r.devices)
+      if used != list(range(self.num_devices)):
+        raise ValueError(f"microbatch {m}: devices {used} are not each used once")
+      for r in rows:
+        tokens = sum(self.lengths[s] for s in r.seqs)
+        if tokens > r.degree * self.capacity:
+          raise ValueError(f"microbatch {m}: row on {r.devices} holds {tokens} tokens > "
+                           f"{r.degree} x capacity {self.capacity}")
+        for s in r.seqs:
+          seen[s] += 1
+    bad = [i for i, n in enumerate(seen) if n != 1]
+    if bad:
+      raise ValueError(f"sequences {bad[:10]} placed {[seen[i] for i in bad[:10]]} times")
+
+  def describe(self) -> str:
+    lines = [f"{self.strategy}: {len(self.lengths)} sequences, {self.num_devices} devices, "
+             f"{self.num_microbatches} microbatches x {self.capacity} tokens/device"]
+    for m, rows in enumerate(self.microbatches):
+      for r in rows:
+        if r.seqs:
+          tokens = sum(self.lengths[s] for s in r.seqs)
+          lines.append(f"  mb{m} devices {list(r.devices)}: seqs {list(r.seqs)} ({tokens} tok)")
+    return "\n".join(lines)
+
+
+def capacity_bucket(tokens: int, buckets: Sequence[int]) -> int:
+  """The smallest bucket >= tokens, so the step compiles once per bucket."""
+  for b in sorted(buckets):
+    if tokens <= b:
+      return b
+  raise ValueError(f"{tokens} tokens per device exceed the largest capacity bucket "
+                   f"{max(buckets)}")

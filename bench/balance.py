@@ -1,0 +1,195 @@
+"""Load balance of packed_dp vs fixed-degree Ulysses, as cost-model figures.
+
+Usage (from the repository root):
+  python bench/balance.py [--devices 8,32,64,128] [--seqs-per-device 16]
+      [--capacity 16384] [--seed 0] [--json PATH]
+
+For each mixture of bench/mixtures.py and each device count, the same batch is
+planned by packed_dp and ulysses sp=2/4/8 (fluxjax.sharding.planners) and each
+plan is scored under the Qwen2.5-VL-7B cost model (bf16):
+
+  refused     sequences longer than the strategy's row (degree x capacity):
+              it cannot train them. The other columns cover the rest.
+  mb          microbatches (every device runs all of them).
+  tok/dev     most tokens one device holds in one microbatch (<= capacity).
+  fill        placed tokens / (mb x devices x capacity): static-buffer use.
+  attn        max/mean over devices of attention FLOPs (FlexRL's balance ratio).
+  cost        max/mean over devices of attention + linear FLOPs.
+  lockstep    sum over microbatches of the slowest device's cost, over the
+              mean device's total: the slowdown per-layer sync (FSDP) pays
+              against perfect balance, 1 / (1 - ODC's bubble rate).
+  a2a GB      Ulysses all-to-all bytes of one step, forward + backward, summed
+              over layers and devices (tokens actually held, not padding).
+
+Then ODC's LB-Micro vs LB-Mini bubble rates on long_context_sft (8 devices,
+64K microbatch cap, as ODC's golden setting), and the planners' median wall
+time for 2048 sequences on 128 devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mixtures  # noqa: E402  (lives next to this script)
+
+from fluxjax.sharding import balance, planners  # noqa: E402
+
+STRATEGIES = (("packed_dp", 1), ("ulysses sp=2", 2), ("ulysses sp=4", 4), ("ulysses sp=8", 8))
+COLUMNS = ("strategy", "refused", "mb", "tok/dev", "fill", "attn", "cost", "lockstep", "a2a GB")
+
+
+def _plan(lengths, devices, sp, capacity, shape):
+  if sp == 1:
+    return planners.plan_packed_dp(lengths, devices, capacity, shape)
+  return planners.plan_ulysses(lengths, devices, sp, capacity, shape)
+
+
+def score(lengths: np.ndarray, devices: int, sp: int, capacity: int,
+          shape: balance.CostShape) -> dict:
+  """Plans the sequences that fit one row and returns the cost-model figures."""
+  keep = lengths <= sp * capacity
+  plan = _plan(lengths[keep], devices, sp, capacity, shape)
+  plan.validate()
+  loads = planners.plan_loads(plan, shape)
+  cost = loads.cost
+  total = cost.sum()
+  # Static buffers move whole capacity slices, padding included.
+  static_a2a = sum(
+      r.degree * balance.ulysses_all_to_all_bytes(capacity, r.degree, shape)
+      for rows in plan.microbatches for r in rows)
+  return {
+      "refused": int((~keep).sum()),
+      "microbatches": plan.num_microbatches,
+      "max_tokens_per_device": float(loads.tokens.max()) if loads.tokens.size else 0.0,
+      "fill": float(loads.tokens.sum() / (plan.num_microbatches * devices * capacity))
+              if plan.num_microbatches else 0.0,
+      "attention_ratio": balance.balance_ratio(loads.attention.sum(axis=0)),
+      "cost_ratio": balance.balance_ratio(cost.sum(axis=0)),
+      "lockstep": float(cost.max(axis=1).sum() / (total / devices)) if total > 0 else 1.0,
+      "a2a_bytes_fwd_bwd": 2.0 * float(loads.all_to_all_bytes.sum()),
+      "a2a_bytes_fwd_bwd_static": 2.0 * static_a2a,
+      "attention_flops": float(loads.attention.sum()),
+      "linear_flops": float(loads.linear.sum()),
+  }
+
+
+def _row(name: str, s: dict) -> tuple[str, ...]:
+  if s["microbatches"] == 0:
+    return (name, str(s["refused"])) + ("-",) * (len(COLUMNS) - 2)
+  return (name, str(s["refused"]), str(s["microbatches"]),
+          f"{s['max_tokens_per_device']:.0f}", f"{s['fill']:.2f}",
+          f"{s['attention_ratio']:.3f}", f"{s['cost_ratio']:.3f}", f"{s['lockstep']:.3f}",
+          f"{s['a2a_bytes_fwd_bwd'] / 1e9:.1f}")
+
+
+def format_table(rows: list[tuple[str, ...]], header=COLUMNS) -> str:
+  widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+  fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+                            for i, (c, w) in enumerate(zip(r, widths)))
+  return "\n".join([fmt(header), fmt(tuple("-" * w for w in widths)), *map(fmt, rows)])
+
+
+def odc_bubbles(seed: int, shape: balance.CostShape, devices: int = 8, cap: int = 65536,
+                minibatches: int = 64) -> tuple[str, dict]:
+  """ODC Table 6's comparison on long_context_sft, under the same cost model."""
+  out, rows = {}, []
+  for mbs in (1, 2, 4, 8):
+    lengths = mixtures.long_context_sft(minibatches * mbs * devices, seed)
+    costs = balance.sequence_cost(lengths, shape)
+    micro = balance.lb_micro(costs, lengths, devices, cap, mbs)
+    mini = balance.lb_mini(costs, lengths, devices, cap, mbs)
+    r = {"collective_lb_micro": balance.bubble_rate(micro, costs, "layer"),
+         "odc_lb_micro": balance.bubble_rate(micro, costs, "minibatch"),
+         "odc_lb_mini": balance.bubble_rate(mini, costs, "minibatch")}
+    out[mbs] = r
+    rows.append((str(mbs),) + tuple(f"{100 * v:.2f}" for v in r.values()))
+  header = ("minibatch/device", "Collective LB-Micro %", "ODC LB-Micro %", "ODC LB-Mini %")
+  return format_table(rows, header), out
+
+
+def planner_times(seed: int, shape: balance.CostShape, capacity: int, repeats: int = 11):
+  """Median wall time of each planner on 2048 sequences over 128 devices."""
+  rows, out = [], {}
+  for name, draw in mixtures.MIXTURES.items():
+    lengths = draw(2048, seed)
+    cells = [name]
+    for strat, sp in STRATEGIES:
+      fit = lengths[lengths <= sp * capacity]
+      times = []
+      for _ in range(repeats):
+        t0 = time.perf_counter()
+        _plan(fit, 128, sp, capacity, shape)
+        times.append(time.perf_counter() - t0)
+      ms = 1e3 * float(np.median(times))
+      out.setdefault(name, {})[strat] = ms
+      cells.append(f"{ms:.1f}")
+    rows.append(tuple(cells))
+  header = ("mixture (ms)",) + tuple(s for s, _ in STRATEGIES)
+  return format_table(rows, header), out
+
+
+def _cpu() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--devices", default="8,32,64,128",
+                  help="comma-separated device counts (multiples of 8, for sp=8)")
+  ap.add_argument("--seqs-per-device", type=int, default=16,
+                  help="batch size = devices x this")
+  ap.add_argument("--capacity", type=int, default=16384,
+                  help="tokens per device per microbatch")
+  ap.add_argument("--seed", type=int, default=0, help="mixture seed")
+  ap.add_argument("--json", default=None, help="write the raw figures here")
+  args = ap.parse_args(argv)
+  devices = [int(d) for d in args.devices.split(",")]
+  shape = balance.qwen25_vl_7b()
+
+  print(f"# python bench/balance.py {' '.join(sys.argv[1:])}".rstrip())
+  print(f"# {_cpu()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"numpy {np.__version__}; cost model: Qwen2.5-VL-7B decoder "
+        f"({shape.num_layers} layers, {shape.num_heads}q/{shape.num_kv_heads}kv heads x "
+        f"{shape.head_dim}), bf16 all-to-all")
+  raw = {"args": vars(args), "mixtures": {}}
+  for name, draw in mixtures.MIXTURES.items():
+    for d in devices:
+      lengths = draw(d * args.seqs_per_device, args.seed)
+      print(f"\n## {name}: {lengths.size} sequences (median {int(np.median(lengths))}, "
+            f"max {lengths.max()} tokens) on {d} devices, capacity {args.capacity}")
+      rows = []
+      for strat, sp in STRATEGIES:
+        s = score(lengths, d, sp, args.capacity, shape)
+        raw["mixtures"].setdefault(name, {}).setdefault(str(d), {})[strat] = s
+        rows.append(_row(strat, s))
+      print(format_table(rows))
+
+  table, raw["odc_bubbles"] = odc_bubbles(args.seed, shape)
+  print("\n## ODC bubble rate, long_context_sft, 8 devices, 64K microbatch cap, 64 minibatches")
+  print(table)
+  table, raw["planner_ms"] = planner_times(args.seed, shape, args.capacity)
+  print("\n## planner median wall time, 2048 sequences on 128 devices (too-long ones dropped)")
+  print(table)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(raw, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

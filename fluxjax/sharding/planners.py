@@ -1,0 +1,174 @@
+"""Fixed-degree planners: packed data parallelism and Ulysses, from lengths only.
+
+Both follow one recipe, the veRL-like baseline that fluxjax's flex_ulysses is
+measured against:
+
+  1. Karmarkar-Karp balances the sequences' `sequence_cost` over the attention
+     groups: single devices (packed_dp) or consecutive blocks of sp devices
+     (ulysses).
+  2. Each group packs its sequences first-fit decreasing into rows of at most
+     degree * capacity tokens.
+  3. Every group runs the same number of microbatches (per-layer FSDP
+     collectives demand it, ODC's LB-Micro); groups with fewer rows get empty
+     ones. Microbatch m of every group is its m-th heaviest row, so the steps
+     that per-layer sync serializes pair heavy with heavy.
+
+`plan_loads` evaluates a plan under FlexRL's cost model: a row's tokens and
+FLOPs are shared evenly by its devices (Ulysses splits heads, and heads cost
+the same).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from fluxjax.sharding import balance
+from fluxjax.sharding.plan import Plan, Row
+
+
+def _check_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
+  lens = tuple(int(n) for n in lengths)
+  bad = [i for i, n in enumerate(lens) if n < 0]
+  if bad:
+    raise ValueError(f"sequence {bad[0]} has negative length {lens[bad[0]]}")
+  return lens
+
+
+def _too_long(lens: tuple[int, ...], limit: int, what: str, advice: str) -> None:
+  """Raises for the first sequence longer than `limit`, counting the others."""
+  over = [i for i, n in enumerate(lens) if n > limit]
+  if over:
+    more = f" (and {len(over) - 1} more)" if len(over) > 1 else ""
+    raise ValueError(f"sequence {over[0]} has {lens[over[0]]} tokens > {what} "
+                     f"{limit}{more}; {advice}")
+
+
+def _plan_groups(strategy: str, lens: tuple[int, ...], groups: list[tuple[int, ...]],
+                 num_devices: int, capacity: int, shape: balance.CostShape | None) -> Plan:
+  """Balances sequences over `groups`, packs each, and pads to a common count."""
+  degree = len(groups[0])
+  costs = balance.sequence_cost(np.asarray(lens, dtype=np.int64), shape)
+  parts = balance.karmarkar_karp(costs, len(groups))
+  rows_per_group = []
+  for part in parts:
+    bins = balance.first_fit_decreasing(lens, degree * capacity, part)
+    # Heaviest first, ties by first sequence: microbatch m pairs like with like.
+    bins.sort(key=lambda b: (-float(costs[b].sum()), b[0]))
+    rows_per_group.append(bins)
+  num_mb = max(len(b) for b in rows_per_group)
+  microbatches = tuple(
+      tuple(Row(devices=g, seqs=tuple(bins[m]) if m < len(bins) else ())
+            for g, bins in zip(groups, rows_per_group))
+      for m in range(num_mb))
+  return Plan(strategy=strategy, num_devices=num_devices, capacity=capacity,
+              microbatches=microbatches, lengths=lens)
+
+
+def plan_packed_dp(lengths: Sequence[int], num_devices: int, capacity: int,
+                   shape: balance.CostShape | None = None) -> Plan:
+  """veRL-like packing: each sequence on one device, cost-balanced by KK.
+
+  Args:
+    lengths: tokens of every sequence (prompt + response + vision tokens).
+    num_devices: D, the data-parallel devices.
+    capacity: tokens per device per microbatch.
+    shape: the cost model's model shape; Qwen2.5-VL-7B when None.
+
+  Returns:
+    A Plan of degree-1 rows; every device runs the same number of
+    microbatches (an empty batch gives zero microbatches).
+
+  Raises:
+    ValueError: a sequence is longer than `capacity` (packed_dp cannot split
+      it), a negative length, or a non-positive size.
+  """
+  if num_devices < 1 or capacity < 1:
+    raise ValueError(f"num_devices and capacity must be >= 1, got {num_devices}, {capacity}")
+  lens = _check_lengths(lengths)
+  _too_long(lens, capacity, "packed_dp capacity", "use ulysses or flex_ulysses")
+  groups = [(d,) for d in range(num_devices)]
+  return _plan_groups("packed_dp", lens, groups, num_devices, capacity, shape)
+
+
+def plan_ulysses(lengths: Sequence[int], num_devices: int, sp: int, capacity: int,
+                 shape: balance.CostShape | None = None) -> Plan:
+  """Fixed-degree Ulysses: groups of sp consecutive devices share every row.
+
+  Args:
+    lengths: tokens of every sequence (prompt + response + vision tokens).
+    num_devices: D, the data-parallel devices.
+    sp: the Ulysses degree, a power of two dividing D.
+    capacity: tokens per device per microbatch; a row holds up to sp * capacity.
+    shape: the cost model's model shape; Qwen2.5-VL-7B when None.
+
+  Returns:
+    A Plan whose rows are the device blocks (g*sp, ..., g*sp + sp - 1).
+
+  Raises:
+    ValueError: sp is not a power of two dividing D, a sequence is longer
+      than sp * capacity, a negative length, or a non-positive size.
+  """
+  if num_devices < 1 or capacity < 1:
+    raise ValueError(f"num_devices and capacity must be >= 1, got {num_devices}, {capacity}")
+  if sp < 1 or sp & (sp - 1):
+    raise ValueError(f"ulysses degree sp={sp} must be a power of two (1, 2, 4, 8, ...)")
+  if num_devices % sp:
+    raise ValueError(f"ulysses degree sp={sp} does not divide {num_devices} devices")
+  lens = _check_lengths(lengths)
+  _too_long(lens, sp * capacity, f"ulysses sp={sp} x capacity {capacity} =",
+            "raise sp or capacity, or use flex_ulysses")
+  groups = [tuple(range(g * sp, (g + 1) * sp)) for g in range(num_devices // sp)]
+  return _plan_groups("ulysses", lens, groups, num_devices, capacity, shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanLoads:
+  """Per-microbatch, per-device work of a plan under the cost model.
+
+  Every array is [microbatches, devices].
+
+  Attributes:
+    tokens: tokens a device holds (its even share of its row).
+    attention: attention forward FLOPs.
+    linear: per-token matmul forward FLOPs.
+    all_to_all_bytes: Ulysses all-to-all bytes the device sends, forward pass.
+  """
+  tokens: np.ndarray
+  attention: np.ndarray
+  linear: np.ndarray
+  all_to_all_bytes: np.ndarray
+
+  @property
+  def cost(self) -> np.ndarray:
+    return self.attention + self.linear
+
+
+def plan_loads(plan: Plan, shape: balance.CostShape | None = None) -> PlanLoads:
+  """Spreads each row's tokens, FLOPs and all-to-all traffic over its devices.
+
+  Args:
+    plan: any plan (validated or not).
+    shape: the cost model's model shape; Qwen2.5-VL-7B when None.
+
+  Returns:
+    The loads of every device in every microbatch.
+  """
+  lens = np.asarray(plan.lengths, dtype=np.int64)
+  attn_seq = balance.attention_cost(lens, shape)
+  size = (plan.num_microbatches, plan.num_devices)
+  tokens, attention, linear, a2a = (np.zeros(size) for _ in range(4))
+  for m, rows in enumerate(plan.microbatches):
+    for r in rows:
+      p = r.degree
+      seqs = list(r.seqs)
+      row_tokens = float(lens[seqs].sum()) if seqs else 0.0
+      share = row_tokens / p
+      devs = list(r.devices)
+      tokens[m, devs] = share
+      attention[m, devs] = float(attn_seq[seqs].sum()) / p if seqs else 0.0
+      linear[m, devs] = balance.linear_cost(share, shape)
+      a2a[m, devs] = balance.ulysses_all_to_all_bytes(share, p, shape)
+  return PlanLoads(tokens=tokens, attention=attention, linear=linear, all_to_all_bytes=a2a)

@@ -117,10 +117,12 @@ def _preset_tiny() -> ModelConfig:
   # A few hundred thousand parameters; ids match the shipped synthetic tokenizer
   # (ordinary tokens 0..489, Qwen's 22 special tokens at 490..511 in Qwen order).
   return ModelConfig(
+      # 8 query heads over 2 kv heads: every Ulysses degree up to 8 (with kv
+      # replication) is possible on the fake 8-device mesh.
       vision=VisionConfig(depth=4, hidden_size=32, intermediate_size=64, num_heads=2,
-                          fullatt_block_indexes=(1, 3), out_hidden_size=64),
-      text=TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, mrope_section=(2, 3, 3),
+                          fullatt_block_indexes=(1, 3), out_hidden_size=128),
+      text=TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+                      num_heads=8, num_kv_heads=2, mrope_section=(2, 3, 3),
                       tie_word_embeddings=False, max_position_embeddings=8192),
       image_token_id=502, video_token_id=503, vision_start_token_id=499,
       vision_end_token_id=500, bos_token_id=490, eos_token_id=492,

@@ -8,6 +8,12 @@ Axes, outermost first:
          Parameters are sharded across these too: every device of a replica
          holds a 1/N slice (ZeRO-3 over fsdp x sp).
 Every axis always exists (size 1 allowed), so specs never depend on the strategy.
+
+Axis types are Auto: parameters, optimizer state and batches are placed with
+explicit NamedShardings (jit in/out shardings), and the partitioner inserts
+FSDP's per-layer all-gathers and gradient reduce-scatters. Explicit axes would
+make every weight use a hand-written reshard; where we need exact control of
+communication (Ulysses all-to-alls, minibatch-level sync) we use shard_map.
 The flattened device index used by plans is the row-major position in
 `mesh.devices`; batch arrays shard their leading axis over all axes in order.
 """
@@ -58,12 +64,12 @@ def mesh_shape(num_devices: int, data: int, fsdp: int,
 
 def make_mesh(data: int = 1, fsdp: int = -1, sp_axes: Sequence[tuple[str, int]] = ((SP, 1),),
               devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
-  """A mesh with Explicit axes; inputs must be placed with NamedSharding."""
+  """A mesh with Auto axes (see module docstring); place inputs with NamedSharding."""
   devices = list(devices) if devices is not None else jax.devices()
   shape = mesh_shape(len(devices), data, fsdp, sp_axes)
   names = tuple(shape)
   return jax.make_mesh(tuple(shape.values()), names,
-                       axis_types=(jax.sharding.AxisType.Explicit,) * len(names),
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(names),
                        devices=devices)
 
 

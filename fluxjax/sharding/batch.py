@@ -1,0 +1,212 @@
+"""The packed train batch shared by all strategies, built from a plan.
+
+Every array is [M, D, ...]: M microbatches (scanned, gradients accumulate), D
+devices (the leading device axis is sharded over every mesh axis, so device d
+holds row d). Per device and microbatch the buffer has `capacity` tokens and
+`patch_capacity` vision patches: static buckets, so the step compiles once per
+(capacity, patch capacity, M) bucket.
+
+Per-token RL fields are given per sequence aligned with the tokens they score
+(`old_logprobs_T[i]` is the behaviour logprob of token i) and are shifted here
+to the input position that predicts them: input j predicts target j+1 of the
+same sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from fluxjax.models import vision as vision_lib
+from fluxjax.models import vlm
+from fluxjax.models.config import ModelConfig
+from fluxjax.models.inputs import SequenceInputs
+from fluxjax.sharding import mesh as mesh_lib
+from fluxjax.sharding.plan import Plan
+
+P = jax.sharding.PartitionSpec
+
+
+@dataclasses.dataclass
+class TrainSequence:
+  """One sequence with its per-token training fields (aligned with tokens).
+
+  Attributes:
+    inputs: tokens, positions and media.
+    loss_mask_T: 1 where the token is a trained target (response tokens).
+    advantages_T: advantage per token.
+    old_logprobs_T: behaviour-policy logprob of each token.
+    ref_logprobs_T: reference-policy logprob of each token (for KL), or None.
+  """
+  inputs: SequenceInputs
+  loss_mask_T: np.ndarray
+  advantages_T: np.ndarray
+  old_logprobs_T: np.ndarray
+  ref_logprobs_T: np.ndarray | None = None
+
+  def __len__(self):
+    return len(self.inputs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainBatch:
+  """Device buffers [M, D, ...] (positions [M, 3, D, C]); see module docstring."""
+  inputs: vlm.PackedInputs
+  targets: jax.Array
+  loss_mask: jax.Array
+  advantages: jax.Array
+  old_logprobs: jax.Array
+  ref_logprobs: jax.Array
+
+  @property
+  def num_microbatches(self) -> int:
+    return self.targets.shape[0]
+
+  def microbatch(self, m: int) -> "TrainBatch":
+    return jax.tree.map(lambda x: x[m], self)
+
+
+def _shifted(x_T: np.ndarray) -> np.ndarray:
+  """Aligns a per-token field with the input position that predicts it."""
+  out = np.zeros_like(x_T)
+  out[:-1] = x_T[1:]
+  return out
+
+
+def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
+                patch_capacity: int) -> TrainBatch:
+  """Host numpy buffers for a plan (every device's; see `to_device`)."""
+  if len(seqs) != len(plan.lengths) or any(len(s) != n for s, n in zip(seqs, plan.lengths)):
+    raise ValueError("the plan was made for other sequence lengths")
+  m_count, d_count, cap = plan.num_microbatches, plan.num_devices, plan.capacity
+  vcfg = cfg.vision
+  merged_cap = patch_capacity // vcfg.merge_unit
+  shape = (m_count, d_count, cap)
+  tokens = np.zeros(shape, np.int32)
+  positions = np.zeros((m_count, 3, d_count, cap), np.int32)
+  segment_ids, segment_pos = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+  targets, vision_index = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+  loss_mask, adv = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+  old_lp, ref_lp = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+  patches = np.zeros((m_count, d_count, patch_capacity, vcfg.patch_dim), np.float32)
+  frame_ids = np.zeros((m_count, d_count, patch_capacity), np.int32)
+  window_ids = np.zeros((m_count, d_count, patch_capacity), np.int32)
+  hw = np.zeros((m_count, d_count, patch_capacity, 2), np.int32)
+  is_vis_token = lambda t: (t == cfg.image_token_id) | (t == cfg.video_token_id)
+
+  for m, rows in enumerate(plan.microbatches):
+    for row in rows:
+      if not row.seqs:  # an empty row: its buffers stay zero (segment id 0 = padding)
+        continue
+      width = row.degree * cap
+      stream = {k: [] for k in ("tok", "pos", "seg", "spos", "tgt", "mask", "adv", "old", "ref")}
+      media_at = []  # (stream offset of the item's first pad token, item)
+      offset = 0
+      for j, s in enumerate(row.seqs):
+        seq = seqs[s]
+        t = seq.inputs.tokens_T
+        n = len(t)
+        stream["tok"].append(t)
+        stream["pos"].append(seq.inputs.positions_3T)
+        stream["seg"].append(np.full(n, j + 1, np.int32))
+        stream["spos"].append(np.arange(n, dtype=np.int32))
+        stream["tgt"].append(_shifted(t))
+        stream["mask"].append(_shifted(seq.loss_mask_T.astype(np.float32)))
+        stream["adv"].append(_shifted(seq.advantages_T.astype(np.float32)))
+        stream["old"].append(_shifted(seq.old_logprobs_T.astype(np.float32)))
+        ref = seq.ref_logprobs_T if seq.ref_logprobs_T is not None else np.zeros(n, np.float32)
+        stream["ref"].append(_shifted(ref.astype(np.float32)))
+        pads = np.flatnonzero(is_vis_token(t))
+        start = 0
+        for item in seq.inputs.media:
+          count = item.patches.shape[0] // vcfg.merge_unit
+          media_at.append((offset + pads[start], offset + pads[start:start + count], item))
+          start += count
+        if start != len(pads):
+          raise ValueError(f"sequence {s}: {len(pads)} vision tokens but media give {start}")
+        offset += n
+      pad = width - offset
+      if pad < 0:
+        raise ValueError(f"row on devices {row.devices} holds {offset} tokens > {width}")
+
+      def put(name, dst, fill_dims=()):
+        filler = np.zeros(fill_dims + (pad,), stream[name][0].dtype)
+        arr = np.concatenate(stream[name] + [filler], axis=-1)
+        for k, d in enumerate(row.devices):
+          dst(d, arr[..., k * cap:(k + 1) * cap])
+
+      def setter(buf):
+        def f(d, x):
+          buf[m, d] = x
+        return f
+
+      put("tok", setter(tokens))
+      put("seg", setter(segment_ids))
+      put("spos", setter(segment_pos))
+      put("tgt", setter(targets))
+      put("mask", setter(loss_mask))
+      put("adv", setter(adv))
+      put("old", setter(old_lp))
+      put("ref", setter(ref_lp))
+
+      def set_pos(d, x):
+        positions[m, :, d] = x
+      put("pos", set_pos, fill_dims=(3,))
+
+      # Each image/video is encoded on the device holding its first pad token;
+      # its merged embeddings are then gathered to wherever its tokens sit.
+      per_device = {d: [] for d in row.devices}
+      for first, _, item in media_at:
+        per_device[row.devices[first // cap]].append(item)
+      local_offset = {}
+      for d, items in per_device.items():
+        n_patches = sum(it.patches.shape[0] for it in items)
+        if n_patches > patch_capacity:
+          raise ValueError(f"device {d} microbatch {m}: {n_patches} patches exceed the patch "
+                           f"capacity {patch_capacity}")
+        if not items:
+          continue
+        vis = vision_lib.make_vision_inputs([it.patches for it in items],
+                                            [it.grid_thw for it in items], vcfg, patch_capacity)
+        patches[m, d], frame_ids[m, d] = vis.patches_BNP[0], vis.frame_ids_BN[0]
+        window_ids[m, d], hw[m, d] = vis.window_ids_BN[0], vis.hw_BN2[0]
+        o = 0
+        for it in items:
+          local_offset[id(it)] = (d, o)
+          o += it.patches.shape[0] // vcfg.merge_unit
+      for _, stream_pos, item in media_at:
+        d, o = local_offset[id(item)]
+        flat = d * merged_cap + o + np.arange(len(stream_pos))
+        for p, idx in zip(stream_pos, flat):
+          vision_index[m, row.devices[p // cap], p % cap] = idx
+
+  inputs = vlm.PackedInputs(tokens, positions, segment_ids, segment_pos,
+                            vision_lib.VisionInputs(patches, frame_ids, window_ids, hw),
+                            vision_index)
+  return TrainBatch(inputs, targets, loss_mask, adv, old_lp, ref_lp)
+
+
+def batch_shardings(batch: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch:
+  """The device axis of every buffer sharded over all mesh axes."""
+  rows = mesh_lib.batch_axes(mesh)
+
+  def spec(path, x):
+    is_positions = any(getattr(k, "name", None) == "positions_BT" or
+                       getattr(k, "name", None) == "positions_3BT" for k in path)
+    lead = (None, None) if is_positions else (None,)
+    rest = (None,) * (x.ndim - len(lead) - 1)
+    return jax.sharding.NamedSharding(mesh, P(*lead, rows, *rest))
+
+  return jax.tree_util.tree_map_with_path(spec, batch)
+
+
+def to_device(batch: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch:
+  """Places host buffers; each process only transfers its own devices' rows."""
+  shardings = batch_shardings(batch, mesh)
+  return jax.tree.map(
+      lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx, x=x: x[idx]),
+      batch, shardings)

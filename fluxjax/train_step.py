@@ -1,0 +1,141 @@
+"""The jitted train step every strategy feeds: (state, batch) -> (state, metrics).
+
+One pure function, jitted once with donated state and explicit shardings. It
+scans the batch's microbatches, accumulating gradients; the loss of every token
+is normalized by the global count of trained tokens (a sum over the whole,
+sharded batch: XLA turns it into an all-reduce), so the update does not depend
+on how the plan split the batch. The token-level loss is passed in (the RL code
+supplies PPO/GRPO); `policy_gradient_loss` is the plain default.
+Metrics stay on device: the caller fetches them a step late, never blocking.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+
+from fluxjax.sharding.batch import TrainBatch
+
+# loss_fn(logp_BT, entropy_BT, microbatch) -> (per-token loss [B, T], {name: per-token [B, T]})
+LossFn = Callable[[jax.Array, jax.Array, TrainBatch], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def policy_gradient_loss(logp, entropy, mb: TrainBatch):
+  """-A * pi/pi_old per token: the unclipped importance-weighted policy gradient."""
+  ratio = jnp.exp(logp - jax.lax.stop_gradient(mb.old_logprobs))
+  return -mb.advantages * ratio, {"entropy": entropy, "ratio": ratio}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+  params: nnx.State
+  opt_state: optax.OptState
+  step: jax.Array
+
+
+def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """AdamW with global-norm clipping and warmup + cosine decay."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
+      decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1), end_value=cfg.lr * cfg.end_lr_frac)
+  return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
+                     optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                                 weight_decay=cfg.weight_decay))
+
+
+def create_train_state(model: nnx.Module, tx: optax.GradientTransformation,
+                       mesh: jax.sharding.Mesh):
+  """(graphdef, state, state shardings) for an already-sharded model.
+
+  Optimizer moments are created from the sharded parameters, so they take the
+  parameters' shardings; the shardings of the result are then pinned as the
+  step's in/out shardings.
+  """
+  graphdef, params = nnx.split(model, nnx.Param)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  param_shardings = jax.tree.map(lambda x: x.sharding, params)
+  # Left to propagation, XLA may replicate the moments; pin them explicitly.
+  opt_shardings = optax.tree_map_params(
+      tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings,
+      transform_non_params=lambda _: replicated)
+  with jax.set_mesh(mesh):
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+  state = TrainState(params, opt_state, step)
+  return graphdef, state, jax.tree.map(lambda x: x.sharding, state)
+
+
+def loss_and_metrics(params, graphdef, mb: TrainBatch, total_tokens, loss_fn: LossFn,
+                     attention_fn):
+  """Σ loss / total_tokens of one microbatch, and metric sums."""
+  model = nnx.merge(graphdef, params)
+  logp, entropy = model.token_logprobs(mb.inputs, mb.targets, attention_fn=attention_fn,
+                                       with_entropy=True)
+  per_token, extras = loss_fn(logp, entropy, mb)
+  mask = mb.loss_mask
+  sums = {k: (v * mask).sum() for k, v in extras.items()}
+  sums["tokens"] = mask.sum()
+  return (per_token * mask).sum() / total_tokens, sums
+
+
+def accumulate(graphdef, params, batch: TrainBatch, loss_fn: LossFn = policy_gradient_loss,
+               attention_fn=None, param_shardings=None):
+  """Loss, gradients and metric sums over all microbatches (no update).
+
+  With `param_shardings`, the gradient accumulator is pinned to them: each
+  microbatch's gradients are reduce-scattered into the FSDP shards instead of
+  being held whole.
+  """
+  total = jnp.maximum(batch.loss_mask.sum(), 1.0)
+  grad_fn = jax.value_and_grad(loss_and_metrics, has_aux=True)
+  pin = ((lambda g: jax.lax.with_sharding_constraint(g, param_shardings))
+         if param_shardings is not None else (lambda g: g))
+
+  def micro(grads, mb):
+    (loss, sums), g = grad_fn(params, graphdef, mb, total, loss_fn, attention_fn)
+    return pin(jax.tree.map(jnp.add, grads, g)), (loss, sums)
+
+  zeros = pin(jax.tree.map(jnp.zeros_like, params))
+  grads, (losses, sums) = jax.lax.scan(micro, zeros, batch)
+  return losses.sum(), grads, jax.tree.map(jnp.sum, sums)
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation,
+                    loss_fn: LossFn = policy_gradient_loss, attention_fn=None, *,
+                    state_shardings=None, batch_shardings=None,
+                    on_trace: Callable[[], None] | None = None):
+  """Builds the jitted step.
+
+  Args:
+    graphdef: the model's NNX graph definition (static).
+    tx: the optax optimizer.
+    loss_fn: token-level loss (see LossFn).
+    attention_fn: the strategy's text attention (None = row-local).
+    state_shardings, batch_shardings: explicit in/out shardings.
+    on_trace: called each time the step is traced (tests count compilations).
+  """
+
+  def step(state: TrainState, batch: TrainBatch):
+    if on_trace is not None:
+      on_trace()
+    param_shardings = state_shardings.params if state_shardings is not None else None
+    loss, grads, sums = accumulate(graphdef, state.params, batch, loss_fn, attention_fn,
+                                   param_shardings)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    tokens = jnp.maximum(sums.pop("tokens"), 1.0)
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": tokens,
+               **{k: v / tokens for k, v in sums.items()}}
+    return TrainState(params, opt_state, state.step + 1), metrics
+
+  shardings = state_shardings is not None
+  return jax.jit(step, donate_argnums=(0,),
+                 in_shardings=(state_shardings, batch_shardings) if shardings else None,
+                 out_shardings=(state_shardings, None) if shardings else None)

@@ -1,0 +1,223 @@
+"""packed_dp and ulysses on the fake 8-device mesh equal the single-device reference.
+
+The reference computes each sequence alone (inputs.pack_row, one row, no plan,
+no materializer, no sharding) and normalizes by the total trained tokens; the
+strategies go through planner -> materializer -> FSDP-sharded params -> the
+jitted accumulation. Batches mix text, images and a video.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from fluxjax import train_step
+from fluxjax.models import config as config_lib
+from fluxjax.models import inputs, processor, vlm
+from fluxjax.sharding import batch as batch_lib
+from fluxjax.sharding import mesh as mesh_lib
+from fluxjax.sharding import rules, strategies
+
+CFG = config_lib.preset("tiny")
+PATCHES = 128
+
+
+def _media(rng, kind, grid):
+  n = int(np.prod(grid))
+  return processor.ProcessedVision(rng.standard_normal((n, CFG.vision.patch_dim)).astype(np.float32),
+                                   grid, 1.0 if kind == "video" else None, kind)
+
+
+def _sequence(rng, n_text, items=()):
+  ids, media = list(rng.integers(0, 490, n_text)), []
+  for kind, grid in items:
+    media.append(_media(rng, kind, grid))
+    pad = CFG.image_token_id if kind == "image" else CFG.video_token_id
+    ids += ([CFG.vision_start_token_id] + [pad] * (int(np.prod(grid)) // 4)
+            + [CFG.vision_end_token_id] + list(rng.integers(0, 490, 4)))
+  seq = inputs.sequence_from_tokens(ids, media, CFG)
+  t = len(seq)
+  prompt = t // 3
+  return batch_lib.TrainSequence(
+      seq, loss_mask_T=(np.arange(t) >= prompt).astype(np.float32),
+      # Positive advantages: the loss does not cancel to ~0, so a relative
+      # comparison of the loss is meaningful.
+      advantages_T=rng.uniform(0.5, 1.5, t).astype(np.float32),
+      old_logprobs_T=-rng.uniform(0.5, 3.0, t).astype(np.float32))
+
+
+def mixed_batch(seed=0, long=False):
+  rng = np.random.default_rng(seed)
+  seqs = [_sequence(rng, 10, [("image", (1, 4, 4))]), _sequence(rng, 30),
+          _sequence(rng, 5, [("video", (2, 4, 8))]), _sequence(rng, 17),
+          _sequence(rng, 40, [("image", (1, 8, 4))]), _sequence(rng, 9),
+          _sequence(rng, 23, [("image", (1, 4, 8)), ("image", (1, 4, 4))]), _sequence(rng, 12)]
+  if long:
+    seqs.append(_sequence(rng, 150, [("image", (1, 8, 8))]))
+  return seqs
+
+
+def reference(model, seqs, loss_fn=train_step.policy_gradient_loss):
+  """Loss and gradients with every sequence alone in its own row, on one device.
+
+  Rows are padded to one shape so a single compiled function serves them all.
+  """
+  graphdef, params = nnx.split(model, nnx.Param)
+  total = sum(float(s.loss_mask_T[1:].sum()) for s in seqs)
+  width = max(len(s) for s in seqs)
+  patch_cap = max(4, max(s.inputs.num_patches for s in seqs))
+  shift = lambda x: np.pad(np.concatenate([x[1:], [0]]), (0, width - len(x)))[None].astype(
+      np.float32)
+
+  @jax.jit
+  def loss_sum_and_grads(params, mb):
+    def loss(params):
+      m = nnx.merge(graphdef, params)
+      logp, ent = m.token_logprobs(mb.inputs, mb.targets, with_entropy=True)
+      per_token, _ = loss_fn(logp, ent, mb)
+      return (per_token * mb.loss_mask).sum()
+    return jax.value_and_grad(loss)(params)
+
+  loss_sum, grads = 0.0, None
+  for s in seqs:
+    row = inputs.pack_row([s.inputs], CFG, token_capacity=width, patch_capacity=patch_cap)
+    targets = shift(s.inputs.tokens_T).astype(np.int32)
+    mb = batch_lib.TrainBatch(row, targets, shift(s.loss_mask_T), shift(s.advantages_T),
+                              shift(s.old_logprobs_T), shift(np.zeros(len(s))))
+    l, g = loss_sum_and_grads(params, mb)
+    loss_sum = loss_sum + l
+    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+  return loss_sum / total, jax.tree.map(lambda g: g / total, grads)
+
+
+def sharded_run(strategy, seqs, seed=1):
+  mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
+  model = rules.create_sharded_model(CFG, mesh, seed=seed, log_table=False)
+  graphdef, params = nnx.split(model, nnx.Param)
+  plan = strategy.plan([len(s) for s in seqs], mesh.size)
+  plan.validate()
+  host = batch_lib.materialize(plan, seqs, CFG, PATCHES)
+  with jax.set_mesh(mesh):
+    device_batch = batch_lib.to_device(host, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    loss, grads, _ = jax.jit(
+        lambda p, b: train_step.accumulate(graphdef, p, b, attention_fn=strategy.attention_fn(mesh),
+                                           param_shardings=shardings))(params, device_batch)
+  return plan, loss, grads, params
+
+
+def _strategy(name, sp=1, capacity=96):
+  cfg = ml_collections.ConfigDict({"strategy": name, "sp": sp, "capacity": capacity})
+  return strategies.get_strategy(cfg, CFG)
+
+
+def assert_grads_close(got, want, rtol=1e-5):
+  flat_got = dict(nnx.to_flat_state(got))
+  for key, var in nnx.to_flat_state(want):
+    a, b = np.asarray(flat_got[key].get_value()), np.asarray(var.get_value())
+    err = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+    assert err < rtol, f"{key}: relative gradient error {err:.2e}"
+
+
+@pytest.fixture(scope="module")
+def ref_model():
+  return vlm.create_model(CFG, seed=1)
+
+
+@pytest.fixture(scope="module")
+def mixed_reference(ref_model):
+  seqs = mixed_batch()
+  return seqs, reference(ref_model, seqs)
+
+
+@pytest.mark.parametrize("name,sp", [("packed_dp", 1), ("ulysses", 2), ("ulysses", 4),
+                                     ("ulysses", 8)])
+def test_strategy_equals_single_device_reference(name, sp, mixed_reference, devices):
+  seqs, (want_loss, want_grads) = mixed_reference
+  plan, loss, grads, params = sharded_run(_strategy(name, sp), seqs)
+  assert plan.strategy == name
+  if sp > 1:
+    assert all(r.degree == sp for rows in plan.microbatches for r in rows)
+  # Parameters really were FSDP-sharded over all 8 devices.
+  sharded = [v.get_value().sharding for _, v in nnx.to_flat_state(params)]
+  assert sum(not s.is_fully_replicated for s in sharded) > len(sharded) // 2
+  np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+  assert_grads_close(grads, want_grads)
+
+
+def test_sequence_longer_than_the_cap(ref_model, devices):
+  seqs = mixed_batch(seed=3, long=True)
+  long_len = len(seqs[-1])
+  with pytest.raises(ValueError, match=rf"sequence {len(seqs) - 1} has {long_len} tokens > "
+                                       r"packed_dp capacity 96"):
+    _strategy("packed_dp").plan([len(s) for s in seqs], 8)
+  want_loss, want_grads = reference(ref_model, seqs)
+  _, loss, grads, _ = sharded_run(_strategy("ulysses", 4), seqs)
+  np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+  assert_grads_close(grads, want_grads)
+
+
+def test_config_switches_strategy_and_rejects_bad_ones():
+  assert _strategy("packed_dp").name == "packed_dp"
+  s = _strategy("ulysses", 4)
+  assert (s.name, s.sp, s.sp_axes()) == ("ulysses", 4, (("sp", 4),))
+  with pytest.raises(ValueError, match="unknown sharding.strategy 'flex'"):
+    _strategy("flex")
+  with pytest.raises(ValueError, match="power of two"):
+    _strategy("ulysses", 3)
+  with pytest.raises(ValueError, match="does not divide the 8 query heads"):
+    _strategy("ulysses", 16)
+  with pytest.raises(ValueError, match="no sequence parallelism"):
+    _strategy("packed_dp", 2)
+
+
+def test_train_step_shards_state_and_compiles_once_per_bucket(devices):
+  strategy = _strategy("ulysses", 2)
+  mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
+  model = rules.create_sharded_model(CFG, mesh, seed=0, log_table=False)
+  opt = ml_collections.ConfigDict(dict(lr=1e-3, warmup_steps=2, total_steps=10, end_lr_frac=0.1,
+                                       max_grad_norm=1.0, b1=0.9, b2=0.95, eps=1e-8,
+                                       weight_decay=0.0))
+  tx = train_step.make_optimizer(opt)
+  graphdef, state, state_shardings = train_step.create_train_state(model, tx, mesh)
+  # Optimizer moments live exactly where their parameters do.
+  param_specs = [x.sharding for x in jax.tree.leaves(state.params)]
+  adam = state.opt_state[1][0]
+  for moments in (adam.mu, adam.nu):
+    assert [x.sharding for x in jax.tree.leaves(moments)] == param_specs
+  traces = []
+  batches = {}
+  for capacity in (64, 96):
+    s = _strategy("ulysses", 2, capacity)
+    seqs = mixed_batch(seed=capacity)
+    plan = s.plan([len(q) for q in seqs], mesh.size)
+    batches[capacity] = batch_lib.materialize(plan, seqs, CFG, PATCHES)
+  shardings = batch_lib.batch_shardings(batches[64], mesh)
+  # Pad every bucket to the same microbatch count so only the capacity varies.
+  m = max(b.num_microbatches for b in batches.values())
+  for k, b in batches.items():
+    pad = m - b.num_microbatches
+    batches[k] = jax.tree.map(
+        lambda x: np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)]), b)
+  step = train_step.make_train_step(graphdef, tx, attention_fn=strategy.attention_fn(mesh),
+                                    state_shardings=state_shardings, batch_shardings=shardings,
+                                    on_trace=lambda: traces.append(1))
+  losses = []
+  with jax.set_mesh(mesh):
+    for capacity in (64, 96, 64, 96, 64):
+      state, metrics = step(state, batch_lib.to_device(batches[capacity], mesh))
+      losses.append(metrics["loss"])
+    # Gradients of the step are pinned to the parameter shardings.
+    graphdef_, params = graphdef, state.params
+    _, grads, _ = jax.jit(lambda p, b: train_step.accumulate(
+        graphdef_, p, b, attention_fn=strategy.attention_fn(mesh),
+        param_shardings=state_shardings.params))(params, batch_lib.to_device(batches[64], mesh))
+  assert len(traces) == 2, f"{len(traces)} traces for 2 capacity buckets"
+  assert int(state.step) == 5
+  assert [x.sharding for x in jax.tree.leaves(state.params)] == param_specs
+  for g, p in zip(jax.tree.leaves(grads), param_specs):
+    assert g.sharding.is_equivalent_to(p, g.ndim), (g.sharding.spec, p.spec)
+  assert all(np.isfinite(float(l)) for l in losses)

@@ -39,4 +39,36 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Trainer and rollout server must build M-RoPE positions the same way; SGLang
   # starts text after a vision span at max(position)+1 (see models/rope_index.py).
   c.model.mrope_text_after_vision = "max_plus_one"
+
+  # Mesh: data replicas x FSDP; the strategy adds its sequence-parallel axes
+  # (taken out of fsdp). -1 = all remaining devices.
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = 1
+  c.mesh.fsdp = -1
+  # Multi-controller runs: set the coordinator address (host:port) and ids.
+  c.distributed = ml_collections.ConfigDict()
+  c.distributed.coordinator_address = ""
+  c.distributed.num_processes = 1
+  c.distributed.process_id = 0
+
+  # Sharding strategy: packed_dp (veRL-like), ulysses (fixed degree sp).
+  c.sharding = ml_collections.ConfigDict()
+  c.sharding.strategy = "packed_dp" if arg.variant == "tiny" else "ulysses"
+  c.sharding.sp = 1 if arg.variant == "tiny" else 4
+  c.sharding.capacity = 4096 if arg.variant == "tiny" else 16384  # tokens/device/microbatch
+  c.sharding.patch_capacity = 4096 if arg.variant == "tiny" else 16384
+  # Refuse to start if a parameter larger than this would sit whole on every device.
+  c.sharding.max_replicated_bytes = 1 << 20
+
+  # Optimizer: AdamW + global-norm clipping + warmup/cosine.
+  c.optim = ml_collections.ConfigDict()
+  c.optim.lr = 1e-5 if arg.variant != "tiny" else 3e-4
+  c.optim.warmup_steps = 10
+  c.optim.total_steps = 200
+  c.optim.end_lr_frac = 0.1
+  c.optim.max_grad_norm = 1.0
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.999
+  c.optim.eps = 1e-8
+  c.optim.weight_decay = 0.0
   return c

@@ -131,7 +131,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation,
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     tokens = jnp.maximum(sums.pop("tokens"), 1.0)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": tokens,
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": tokens,
                **{k: v / tokens for k, v in sums.items()}}
     return TrainState(params, opt_state, state.step + 1), metrics
 

@@ -1,0 +1,98 @@
+"""Mesh from config, the logical-axis rules, the parameter table, and CLI switching."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from fluxjax.models import config as config_lib
+from fluxjax.models import vlm
+from fluxjax.sharding import axes
+from fluxjax.sharding import mesh as mesh_lib
+from fluxjax.sharding import rules
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_mesh_shape_resolution_and_errors(devices):
+  assert mesh_lib.mesh_shape(8, 1, -1, (("sp", 4),)) == {"data": 1, "fsdp": 2, "sp": 4}
+  assert mesh_lib.mesh_shape(8, 2, -1, (("sp", 1),)) == {"data": 2, "fsdp": 4, "sp": 1}
+  with pytest.raises(ValueError, match="do not divide"):
+    mesh_lib.mesh_shape(8, 1, -1, (("sp", 3),))
+  with pytest.raises(ValueError, match="at most one"):
+    mesh_lib.mesh_shape(8, -1, -1, (("sp", 1),))
+  with pytest.raises(ValueError, match="!= 8 devices"):
+    mesh_lib.mesh_shape(8, 1, 2, (("sp", 2),))
+  mesh = mesh_lib.make_mesh(data=2, sp_axes=(("sp", 2),))
+  assert mesh.axis_names == ("data", "fsdp", "sp")
+  assert mesh_lib.param_axes(mesh) == ("fsdp", "sp")
+  assert mesh_lib.batch_axes(mesh) == ("data", "fsdp", "sp")
+
+
+def test_rules_shard_every_large_7b_parameter(devices):
+  """On 8 devices every 7B parameter over 1 MiB is sharded, each 8 ways."""
+  mesh = mesh_lib.make_mesh(sp_axes=(("sp", 2),))
+  state = nnx.state(vlm.abstract_model(config_lib.preset("7b")), nnx.Param)
+  table = rules.parameter_table(state, rules.state_shardings(state, rules.fsdp_rules(mesh), mesh))
+  rules.check_sharded(table, 1 << 20)
+  large = [r for r in table if r["bytes"] > 1 << 20]
+  assert large and all(r["bytes_per_device"] * 8 == r["bytes"] for r in large)
+  assert "total per device" in rules.format_table(table)
+
+
+def test_replicated_large_parameter_is_refused(devices):
+  mesh = mesh_lib.make_mesh(sp_axes=(("sp", 1),))
+  state = nnx.state(vlm.abstract_model(config_lib.preset("7b")), nnx.Param)
+  only_vision = [(axes.VIS_EMBED, ("fsdp", "sp"))]  # text weights get no rule
+  table = rules.parameter_table(state, rules.state_shardings(state, only_vision, mesh))
+  with pytest.raises(ValueError, match=r"would be replicated on every device: .*model\."):
+    rules.check_sharded(table, 1 << 20)
+
+
+def test_partition_spec_skips_indivisible_dims(devices):
+  mesh = mesh_lib.make_mesh(sp_axes=(("sp", 1),))
+  r = rules.fsdp_rules(mesh)
+  # 12 does not divide by 8: fall through to the next eligible axis.
+  spec = rules.partition_spec((axes.EMBED, axes.MLP), (12, 16), r, mesh)
+  assert spec == jax.sharding.PartitionSpec(None, "fsdp")
+  assert rules.partition_spec((axes.EMBED,), (12,), r, mesh) == jax.sharding.PartitionSpec(None)
+
+
+def test_sharded_init_places_shards_without_a_whole_copy(devices):
+  mesh = mesh_lib.make_mesh(sp_axes=(("sp", 2),))
+  model = rules.create_sharded_model(config_lib.preset("tiny"), mesh, seed=0, log_table=False)
+  reference = vlm.create_model(config_lib.preset("tiny"), seed=0)
+  want = dict(nnx.to_flat_state(nnx.state(reference, nnx.Param)))
+  for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    value = var.get_value()
+    # Same random init; jitted and eager sampling may differ in the last ulp.
+    np.testing.assert_allclose(np.asarray(value), np.asarray(want[key].get_value()),
+                               rtol=1e-6, atol=1e-9)
+    if value.size >= 1024:
+      assert not value.sharding.is_fully_replicated, key
+      assert all(s.data.size * 8 == value.size for s in value.addressable_shards), key
+
+
+def _train(*overrides):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "fluxjax.train", "--config=configs/vlm.py",
+                         *overrides], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=300)
+
+
+def test_cli_switches_strategy_by_config():
+  out = _train("--config.sharding.strategy=ulysses", "--config.sharding.sp=4")
+  assert "strategy ulysses (sp=4) on mesh {'data': 1, 'fsdp': 2, 'sp': 4}" in out.stderr
+  assert "total per device" in out.stderr  # the parameter table was logged
+  # Until the RL loop lands the entry point says so and fails.
+  assert out.returncode == 1 and "not yet wired" in out.stderr
+  bad = _train("--config.sharding.strategy=ring")
+  assert bad.returncode == 1
+  assert "bad configuration: unknown sharding.strategy 'ring'" in bad.stderr
+  odd = _train("--config.sharding.strategy=ulysses", "--config.sharding.sp=16")
+  assert "does not divide the 8 query heads" in odd.stderr

@@ -56,6 +56,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sharding.strategy = "packed_dp" if arg.variant == "tiny" else "ulysses"
   c.sharding.sp = 1 if arg.variant == "tiny" else 4
   c.sharding.capacity = 4096 if arg.variant == "tiny" else 16384  # tokens/device/microbatch
+  # Static buffer sizes the step compiles for (largest = capacity); () = powers of 2.
+  c.sharding.capacity_buckets = ()
   c.sharding.patch_capacity = 4096 if arg.variant == "tiny" else 16384
   # Refuse to start if a parameter larger than this would sit whole on every device.
   c.sharding.max_replicated_bytes = 1 << 20

@@ -139,3 +139,29 @@ def make_train_step(graphdef, tx: optax.GradientTransformation,
   return jax.jit(step, donate_argnums=(0,),
                  in_shardings=(state_shardings, batch_shardings) if shardings else None,
                  out_shardings=(state_shardings, None) if shardings else None)
+
+
+class DelayedMetrics:
+  """Fetches each step's metrics only after the next step has been dispatched.
+
+  `float(loss)` right after a step would block the host until the device
+  finishes, stalling dispatch of the next step; reading one step late keeps
+  the device queue full (nanodo, MaxText do the same).
+  """
+
+  def __init__(self):
+    self._pending: tuple[int, dict] | None = None
+
+  def push(self, step: int, metrics: dict) -> tuple[int, dict[str, float]] | None:
+    """Queues this step's device metrics; returns the previous step's, on host."""
+    previous, self._pending = self._pending, (step, metrics)
+    return None if previous is None else self._fetch(previous)
+
+  def flush(self) -> tuple[int, dict[str, float]] | None:
+    previous, self._pending = self._pending, None
+    return None if previous is None else self._fetch(previous)
+
+  @staticmethod
+  def _fetch(item):
+    step, metrics = item
+    return step, {k: float(v) for k, v in jax.device_get(metrics).items()}

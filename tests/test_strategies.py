@@ -109,8 +109,9 @@ def sharded_run(strategy, seqs, seed=1):
   return plan, loss, grads, params
 
 
-def _strategy(name, sp=1, capacity=96):
-  cfg = ml_collections.ConfigDict({"strategy": name, "sp": sp, "capacity": capacity})
+def _strategy(name, sp=1, capacity=96, buckets=()):
+  cfg = ml_collections.ConfigDict({"strategy": name, "sp": sp, "capacity": capacity,
+                                   "capacity_buckets": buckets})
   return strategies.get_strategy(cfg, CFG)
 
 
@@ -189,35 +190,40 @@ def test_train_step_shards_state_and_compiles_once_per_bucket(devices):
   for moments in (adam.mu, adam.nu):
     assert [x.sharding for x in jax.tree.leaves(moments)] == param_specs
   traces = []
-  batches = {}
-  for capacity in (64, 96):
-    s = _strategy("ulysses", 2, capacity)
-    seqs = mixed_batch(seed=capacity)
-    plan = s.plan([len(q) for q in seqs], mesh.size)
-    batches[capacity] = batch_lib.materialize(plan, seqs, CFG, PATCHES)
-  shardings = batch_lib.batch_shardings(batches[64], mesh)
-  # Pad every bucket to the same microbatch count so only the capacity varies.
-  m = max(b.num_microbatches for b in batches.values())
-  for k, b in batches.items():
-    pad = m - b.num_microbatches
-    batches[k] = jax.tree.map(
-        lambda x: np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)]), b)
+  # Batches of different sizes: the plan buckets their capacity into 48 or 96
+  # tokens and their microbatch count into a power of two; the patch capacity
+  # into 64 or 128.
   step = train_step.make_train_step(graphdef, tx, attention_fn=strategy.attention_fn(mesh),
-                                    state_shardings=state_shardings, batch_shardings=shardings,
+                                    state_shardings=state_shardings,
                                     on_trace=lambda: traces.append(1))
-  losses = []
+  bucketing = _strategy("ulysses", 2, capacity=96, buckets=(48, 96))
+  seen, losses = set(), []
   with jax.set_mesh(mesh):
-    for capacity in (64, 96, 64, 96, 64):
-      state, metrics = step(state, batch_lib.to_device(batches[capacity], mesh))
+    for seed, n in [(0, 4), (1, 8), (2, 3), (3, 8), (4, 2)]:
+      seqs = mixed_batch(seed)[:n]
+      plan = bucketing.plan([len(q) for q in seqs], mesh.size)
+      patches = batch_lib.patch_capacity_for(plan, seqs, CFG, (64, 128))
+      seen.add((plan.capacity, plan.num_microbatches, patches))
+      host = batch_lib.materialize(plan, seqs, CFG, patches)
+      state, metrics = step(state, batch_lib.to_device(host, mesh))
       losses.append(metrics["loss"])
     # Gradients of the step are pinned to the parameter shardings.
-    graphdef_, params = graphdef, state.params
     _, grads, _ = jax.jit(lambda p, b: train_step.accumulate(
-        graphdef_, p, b, attention_fn=strategy.attention_fn(mesh),
-        param_shardings=state_shardings.params))(params, batch_lib.to_device(batches[64], mesh))
-  assert len(traces) == 2, f"{len(traces)} traces for 2 capacity buckets"
+        graphdef, p, b, attention_fn=strategy.attention_fn(mesh),
+        param_shardings=state_shardings.params))(state.params, batch_lib.to_device(host, mesh))
+  assert len(seen) >= 2, seen
+  assert len(traces) == len(seen), f"{len(traces)} traces for buckets {seen}"
   assert int(state.step) == 5
   assert [x.sharding for x in jax.tree.leaves(state.params)] == param_specs
   for g, p in zip(jax.tree.leaves(grads), param_specs):
     assert g.sharding.is_equivalent_to(p, g.ndim), (g.sharding.spec, p.spec)
   assert all(np.isfinite(float(l)) for l in losses)
+
+
+def test_delayed_metrics_return_the_previous_step():
+  delayed = train_step.DelayedMetrics()
+  assert delayed.push(1, {"loss": jnp.array(1.5)}) is None
+  step, values = delayed.push(2, {"loss": jnp.array(0.5)})
+  assert step == 1 and values == {"loss": 1.5} and isinstance(values["loss"], float)
+  assert delayed.flush() == (2, {"loss": 0.5})
+  assert delayed.flush() is None

@@ -25,7 +25,7 @@ from fluxjax.models import vlm
 from fluxjax.models.config import ModelConfig
 from fluxjax.models.inputs import SequenceInputs
 from fluxjax.sharding import mesh as mesh_lib
-from fluxjax.sharding.plan import Plan
+from fluxjax.sharding.plan import Plan, capacity_bucket
 
 P = jax.sharding.PartitionSpec
 
@@ -77,6 +77,43 @@ def _shifted(x_T: np.ndarray) -> np.ndarray:
   return out
 
 
+def _is_vision_token(tokens_T: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+  return (tokens_T == cfg.image_token_id) | (tokens_T == cfg.video_token_id)
+
+
+def _media_in_row(row, seqs: Sequence[TrainSequence], cfg: ModelConfig):
+  """(stream positions of its pad tokens, item) for each image/video of a row."""
+  offset = 0
+  for s in row.seqs:
+    seq = seqs[s]
+    pads = np.flatnonzero(_is_vision_token(seq.inputs.tokens_T, cfg))
+    start = 0
+    for item in seq.inputs.media:
+      count = item.patches.shape[0] // cfg.vision.merge_unit
+      yield offset + pads[start:start + count], item
+      start += count
+    if start != len(pads):
+      raise ValueError(f"sequence {s}: {len(pads)} vision tokens but media give {start}")
+    offset += len(seq)
+
+
+def patch_capacity_for(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
+                       buckets: Sequence[int]) -> int:
+  """The smallest patch bucket holding every device's images in every microbatch.
+
+  Each image/video is encoded on the device holding its first pad token.
+  """
+  need = cfg.vision.merge_unit  # never zero: the vision inputs keep one static shape
+  for rows in plan.microbatches:
+    for row in rows:
+      per_device: dict[int, int] = {}
+      for stream_pos, item in _media_in_row(row, seqs, cfg):
+        d = row.devices[stream_pos[0] // plan.capacity]
+        per_device[d] = per_device.get(d, 0) + item.patches.shape[0]
+      need = max([need, *per_device.values()])
+  return capacity_bucket(need, buckets)
+
+
 def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
                 patch_capacity: int) -> TrainBatch:
   """Host numpy buffers for a plan (every device's; see `to_device`)."""
@@ -96,7 +133,6 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
   frame_ids = np.zeros((m_count, d_count, patch_capacity), np.int32)
   window_ids = np.zeros((m_count, d_count, patch_capacity), np.int32)
   hw = np.zeros((m_count, d_count, patch_capacity, 2), np.int32)
-  is_vis_token = lambda t: (t == cfg.image_token_id) | (t == cfg.video_token_id)
 
   for m, rows in enumerate(plan.microbatches):
     for row in rows:
@@ -104,7 +140,6 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
         continue
       width = row.degree * cap
       stream = {k: [] for k in ("tok", "pos", "seg", "spos", "tgt", "mask", "adv", "old", "ref")}
-      media_at = []  # (stream offset of the item's first pad token, item)
       offset = 0
       for j, s in enumerate(row.seqs):
         seq = seqs[s]
@@ -120,14 +155,6 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
         stream["old"].append(_shifted(seq.old_logprobs_T.astype(np.float32)))
         ref = seq.ref_logprobs_T if seq.ref_logprobs_T is not None else np.zeros(n, np.float32)
         stream["ref"].append(_shifted(ref.astype(np.float32)))
-        pads = np.flatnonzero(is_vis_token(t))
-        start = 0
-        for item in seq.inputs.media:
-          count = item.patches.shape[0] // vcfg.merge_unit
-          media_at.append((offset + pads[start], offset + pads[start:start + count], item))
-          start += count
-        if start != len(pads):
-          raise ValueError(f"sequence {s}: {len(pads)} vision tokens but media give {start}")
         offset += n
       pad = width - offset
       if pad < 0:
@@ -159,9 +186,10 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
 
       # Each image/video is encoded on the device holding its first pad token;
       # its merged embeddings are then gathered to wherever its tokens sit.
+      media_at = list(_media_in_row(row, seqs, cfg))
       per_device = {d: [] for d in row.devices}
-      for first, _, item in media_at:
-        per_device[row.devices[first // cap]].append(item)
+      for stream_pos, item in media_at:
+        per_device[row.devices[stream_pos[0] // cap]].append(item)
       local_offset = {}
       for d, items in per_device.items():
         n_patches = sum(it.patches.shape[0] for it in items)
@@ -178,7 +206,7 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
         for it in items:
           local_offset[id(it)] = (d, o)
           o += it.patches.shape[0] // vcfg.merge_unit
-      for _, stream_pos, item in media_at:
+      for stream_pos, item in media_at:
         d, o = local_offset[id(item)]
         flat = d * merged_cap + o + np.arange(len(stream_pos))
         for p, idx in zip(stream_pos, flat):

@@ -90,3 +90,32 @@ def capacity_bucket(tokens: int, buckets: Sequence[int]) -> int:
       return b
   raise ValueError(f"{tokens} tokens per device exceed the largest capacity bucket "
                    f"{max(buckets)}")
+
+
+def bucketed(plan: Plan, token_buckets: Sequence[int],
+             microbatch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64)) -> Plan:
+  """Rounds capacity and microbatch count up to static buckets.
+
+  Capacity becomes the smallest bucket that holds the fullest device slice
+  (any plan's rows fit it); microbatches are padded with empty ones. The step
+  then compiles once per (capacity, microbatch) bucket pair, not per batch.
+  """
+  need = 1
+  for rows in plan.microbatches:
+    for r in rows:
+      tokens = sum(plan.lengths[s] for s in r.seqs)
+      need = max(need, -(-tokens // r.degree))
+  capacity = capacity_bucket(need, token_buckets)
+  m = capacity_bucket(plan.num_microbatches, microbatch_buckets)
+  empty = tuple(Row((d,), ()) for d in range(plan.num_devices))
+  return dataclasses.replace(plan, capacity=capacity,
+                             microbatches=plan.microbatches + (empty,) * (m - plan.num_microbatches))
+
+
+def default_buckets(max_capacity: int, smallest: int = 256) -> tuple[int, ...]:
+  """Powers of two from `smallest` up to, and including, `max_capacity`."""
+  out, b = [], smallest
+  while b < max_capacity:
+    out.append(b)
+    b *= 2
+  return tuple(out) + (max_capacity,)

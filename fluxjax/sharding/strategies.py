@@ -16,6 +16,8 @@ import ml_collections
 
 from fluxjax.models.config import ModelConfig
 from fluxjax.sharding import mesh as mesh_lib
+from fluxjax.sharding import plan as plan_lib
+from fluxjax.sharding import planners
 from fluxjax.sharding import ulysses
 from fluxjax.sharding.plan import Plan
 
@@ -24,17 +26,20 @@ from fluxjax.sharding.plan import Plan
 class Strategy:
   name: str
   sp: int                     # Ulysses degree (1 = none)
-  capacity: int               # tokens per device per microbatch
+  capacity: int               # tokens per device per microbatch (the largest bucket)
   model_cfg: ModelConfig
+  buckets: tuple[int, ...] = ()  # static capacities; () = powers of two up to capacity
 
   def sp_axes(self) -> tuple[tuple[str, int], ...]:
     return ((mesh_lib.SP, self.sp),)
 
   def plan(self, lengths: Sequence[int], num_devices: int) -> Plan:
-    from fluxjax.sharding import planners  # the planners module is pure Python
+    """The strategy's plan, with capacity and microbatch count bucketed."""
     if self.name == "packed_dp":
-      return planners.plan_packed_dp(lengths, num_devices, self.capacity)
-    return planners.plan_ulysses(lengths, num_devices, self.sp, self.capacity)
+      plan = planners.plan_packed_dp(lengths, num_devices, self.capacity)
+    else:
+      plan = planners.plan_ulysses(lengths, num_devices, self.sp, self.capacity)
+    return plan_lib.bucketed(plan, self.buckets or plan_lib.default_buckets(self.capacity))
 
   def attention_fn(self, mesh: jax.sharding.Mesh) -> Callable | None:
     """None: the decoder's default (row-local) attention is already correct."""
@@ -44,16 +49,24 @@ class Strategy:
                                      self.model_cfg.attention_backend)
 
 
+def _buckets(cfg) -> tuple[int, ...]:
+  buckets = tuple(sorted(cfg.get("capacity_buckets") or ()))
+  if buckets and buckets[-1] != cfg.capacity:
+    raise ValueError(f"the largest of sharding.capacity_buckets {buckets} must equal "
+                     f"sharding.capacity {cfg.capacity}")
+  return buckets
+
+
 def _packed_dp(cfg, model_cfg):
   if cfg.get("sp", 1) not in (1, None):
     raise ValueError(f"packed_dp has no sequence parallelism; got sharding.sp={cfg.sp}")
-  return Strategy("packed_dp", 1, cfg.capacity, model_cfg)
+  return Strategy("packed_dp", 1, cfg.capacity, model_cfg, _buckets(cfg))
 
 
 def _ulysses(cfg, model_cfg):
   t = model_cfg.text
   ulysses.check_degree(cfg.sp, t.num_heads, t.num_kv_heads)
-  return Strategy("ulysses", cfg.sp, cfg.capacity, model_cfg)
+  return Strategy("ulysses", cfg.sp, cfg.capacity, model_cfg, _buckets(cfg))
 
 
 STRATEGIES: dict[str, Callable[[ml_collections.ConfigDict, ModelConfig], Strategy]] = {

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fluxjax.models import chat, rope_index, vision, vlm
+from fluxjax.models import chat, processor, rope_index, vision, vlm
 from fluxjax.models.config import ModelConfig
 from fluxjax.models.processor import ProcessedVision
 from fluxjax.models.tokenizer import Tokenizer
@@ -39,7 +39,7 @@ class SequenceInputs:
 
   @property
   def num_patches(self) -> int:
-    return sum(m.patches.shape[0] for m in self.media)
+    return sum(processor.num_patches(m.grid_thw) for m in self.media)
 
   def extend(self, new_tokens: Sequence[int]) -> "SequenceInputs":
     """Appends text tokens (a response) with positions continuing the prompt's."""

@@ -216,6 +216,12 @@ def grid_for_size(
   return t, h // cfg.patch_size, w // cfg.patch_size
 
 
+def num_patches(grid_thw: Sequence[int]) -> int:
+  """Patches of an image/video: t * h * w of its (t, h, w) patch grid."""
+  t, h, w = (int(x) for x in grid_thw)
+  return t * h * w
+
+
 def num_vision_tokens(grid_thw: Sequence[int], merge_size: int = 2) -> int:
   """LLM tokens one image/video occupies after the merge_size^2 merger.
 

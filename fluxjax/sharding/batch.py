@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from fluxjax.models import processor
 from fluxjax.models import vision as vision_lib
 from fluxjax.models import vlm
 from fluxjax.models.config import ModelConfig
@@ -81,6 +82,11 @@ def _is_vision_token(tokens_T: np.ndarray, cfg: ModelConfig) -> np.ndarray:
   return (tokens_T == cfg.image_token_id) | (tokens_T == cfg.video_token_id)
 
 
+def num_patches(item) -> int:
+  """Patches of a media item from its grid alone (pixels may live elsewhere)."""
+  return processor.num_patches(item.grid_thw)
+
+
 def _media_in_row(row, seqs: Sequence[TrainSequence], cfg: ModelConfig):
   """(stream positions of its pad tokens, item) for each image/video of a row."""
   offset = 0
@@ -89,7 +95,7 @@ def _media_in_row(row, seqs: Sequence[TrainSequence], cfg: ModelConfig):
     pads = np.flatnonzero(_is_vision_token(seq.inputs.tokens_T, cfg))
     start = 0
     for item in seq.inputs.media:
-      count = item.patches.shape[0] // cfg.vision.merge_unit
+      count = num_patches(item) // cfg.vision.merge_unit
       yield offset + pads[start:start + count], item
       start += count
     if start != len(pads):
@@ -109,14 +115,40 @@ def patch_capacity_for(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConf
       per_device: dict[int, int] = {}
       for stream_pos, item in _media_in_row(row, seqs, cfg):
         d = row.devices[stream_pos[0] // plan.capacity]
-        per_device[d] = per_device.get(d, 0) + item.patches.shape[0]
+        per_device[d] = per_device.get(d, 0) + num_patches(item)
       need = max([need, *per_device.values()])
   return capacity_bucket(need, buckets)
 
 
+def media_placement(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig):
+  """{(microbatch, device): [media items in buffer order]}.
+
+  The one rule for where vision work happens: each image/video is encoded on
+  the device holding its first pad token. The ShadowLoader uses it to send
+  each item's preprocessing to the host that owns that device.
+  """
+  out: dict[tuple[int, int], list] = {}
+  for m, rows in enumerate(plan.microbatches):
+    for row in rows:
+      for stream_pos, item in _media_in_row(row, seqs, cfg):
+        out.setdefault((m, row.devices[stream_pos[0] // plan.capacity]), []).append(item)
+  return out
+
+
 def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
-                patch_capacity: int) -> TrainBatch:
-  """Host numpy buffers for a plan (every device's; see `to_device`)."""
+                patch_capacity: int, patch_source=None) -> TrainBatch:
+  """Host numpy buffers for a plan (every device's; see `to_device`).
+
+  Args:
+    plan: the strategy's plan for these sequences.
+    seqs: the sequences; their media need only `grid_thw` (and `kind`).
+    cfg: the model config.
+    patch_capacity: patches per device per microbatch (a bucket).
+    patch_source: item -> float [num_patches, patch_dim]; default `item.patches`
+      (in-process). The ShadowLoader passes a lookup into its worker store, so
+      pixels never pass through the controller's sequences.
+  """
+  patch_source = patch_source or (lambda item: item.patches)
   if len(seqs) != len(plan.lengths) or any(len(s) != n for s, n in zip(seqs, plan.lengths)):
     raise ValueError("the plan was made for other sequence lengths")
   m_count, d_count, cap = plan.num_microbatches, plan.num_devices, plan.capacity
@@ -192,20 +224,20 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
         per_device[row.devices[stream_pos[0] // cap]].append(item)
       local_offset = {}
       for d, items in per_device.items():
-        n_patches = sum(it.patches.shape[0] for it in items)
+        n_patches = sum(num_patches(it) for it in items)
         if n_patches > patch_capacity:
           raise ValueError(f"device {d} microbatch {m}: {n_patches} patches exceed the patch "
                            f"capacity {patch_capacity}")
         if not items:
           continue
-        vis = vision_lib.make_vision_inputs([it.patches for it in items],
+        vis = vision_lib.make_vision_inputs([patch_source(it) for it in items],
                                             [it.grid_thw for it in items], vcfg, patch_capacity)
         patches[m, d], frame_ids[m, d] = vis.patches_BNP[0], vis.frame_ids_BN[0]
         window_ids[m, d], hw[m, d] = vis.window_ids_BN[0], vis.hw_BN2[0]
         o = 0
         for it in items:
           local_offset[id(it)] = (d, o)
-          o += it.patches.shape[0] // vcfg.merge_unit
+          o += num_patches(it) // vcfg.merge_unit
       for stream_pos, item in media_at:
         d, o = local_offset[id(item)]
         flat = d * merged_cap + o + np.arange(len(stream_pos))

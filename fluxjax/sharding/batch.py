@@ -114,7 +114,7 @@ def patch_capacity_for(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConf
     for row in rows:
       per_device: dict[int, int] = {}
       for stream_pos, item in _media_in_row(row, seqs, cfg):
-        d = row.devices[stream_pos[0] // plan.capacity]
+        d = plan.slot(row, stream_pos[0])[0]
         per_device[d] = per_device.get(d, 0) + num_patches(item)
       need = max([need, *per_device.values()])
   return capacity_bucket(need, buckets)
@@ -131,7 +131,7 @@ def media_placement(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig)
   for m, rows in enumerate(plan.microbatches):
     for row in rows:
       for stream_pos, item in _media_in_row(row, seqs, cfg):
-        out.setdefault((m, row.devices[stream_pos[0] // plan.capacity]), []).append(item)
+        out.setdefault((m, plan.slot(row, stream_pos[0])[0]), []).append(item)
   return out
 
 
@@ -167,9 +167,12 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
   hw = np.zeros((m_count, d_count, patch_capacity, 2), np.int32)
 
   for m, rows in enumerate(plan.microbatches):
+    device_items: dict[int, list] = {}
+    routes = []  # (item, [(device, buffer index) of each of its pad tokens])
     for row in rows:
       if not row.seqs:  # an empty row: its buffers stay zero (segment id 0 = padding)
         continue
+      cap, sec = plan.section(row)
       width = row.degree * cap
       stream = {k: [] for k in ("tok", "pos", "seg", "spos", "tgt", "mask", "adv", "old", "ref")}
       offset = 0
@@ -198,9 +201,9 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
         for k, d in enumerate(row.devices):
           dst(d, arr[..., k * cap:(k + 1) * cap])
 
-      def setter(buf):
+      def setter(buf, cap=cap, sec=sec):
         def f(d, x):
-          buf[m, d] = x
+          buf[m, d, sec:sec + cap] = x
         return f
 
       put("tok", setter(tokens))
@@ -212,37 +215,35 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
       put("old", setter(old_lp))
       put("ref", setter(ref_lp))
 
-      def set_pos(d, x):
-        positions[m, :, d] = x
+      def set_pos(d, x, cap=cap, sec=sec):
+        positions[m, :, d, sec:sec + cap] = x
       put("pos", set_pos, fill_dims=(3,))
 
       # Each image/video is encoded on the device holding its first pad token;
       # its merged embeddings are then gathered to wherever its tokens sit.
-      media_at = list(_media_in_row(row, seqs, cfg))
-      per_device = {d: [] for d in row.devices}
-      for stream_pos, item in media_at:
-        per_device[row.devices[stream_pos[0] // cap]].append(item)
-      local_offset = {}
-      for d, items in per_device.items():
-        n_patches = sum(num_patches(it) for it in items)
-        if n_patches > patch_capacity:
-          raise ValueError(f"device {d} microbatch {m}: {n_patches} patches exceed the patch "
-                           f"capacity {patch_capacity}")
-        if not items:
-          continue
-        vis = vision_lib.make_vision_inputs([patch_source(it) for it in items],
-                                            [it.grid_thw for it in items], vcfg, patch_capacity)
-        patches[m, d], frame_ids[m, d] = vis.patches_BNP[0], vis.frame_ids_BN[0]
-        window_ids[m, d], hw[m, d] = vis.window_ids_BN[0], vis.hw_BN2[0]
-        o = 0
-        for it in items:
-          local_offset[id(it)] = (d, o)
-          o += num_patches(it) // vcfg.merge_unit
-      for stream_pos, item in media_at:
-        d, o = local_offset[id(item)]
-        flat = d * merged_cap + o + np.arange(len(stream_pos))
-        for p, idx in zip(stream_pos, flat):
-          vision_index[m, row.devices[p // cap], p % cap] = idx
+      for stream_pos, item in _media_in_row(row, seqs, cfg):
+        d = plan.slot(row, stream_pos[0])[0]
+        device_items.setdefault(d, []).append(item)
+        routes.append((item, [plan.slot(row, p) for p in stream_pos]))
+
+    # A device may sit in several rows (one per level): fill its vision once.
+    local_offset = {}
+    for d, items in device_items.items():
+      n_patches = sum(num_patches(it) for it in items)
+      if n_patches > patch_capacity:
+        raise ValueError(f"device {d} microbatch {m}: {n_patches} patches exceed the patch "
+                         f"capacity {patch_capacity}")
+      vis = vision_lib.make_vision_inputs([patch_source(it) for it in items],
+                                          [it.grid_thw for it in items], vcfg, patch_capacity)
+      patches[m, d], frame_ids[m, d] = vis.patches_BNP[0], vis.frame_ids_BN[0]
+      window_ids[m, d], hw[m, d] = vis.window_ids_BN[0], vis.hw_BN2[0]
+      o = 0
+      for it in items:
+        local_offset[id(it)] = d * merged_cap + o
+        o += num_patches(it) // vcfg.merge_unit
+    for item, slots in routes:
+      for k, (d, i) in enumerate(slots):
+        vision_index[m, d, i] = local_offset[id(item)] + k
 
   inputs = vlm.PackedInputs(tokens, positions, segment_ids, segment_pos,
                             vision_lib.VisionInputs(patches, frame_ids, window_ids, hw),

@@ -14,6 +14,11 @@ Vocabulary:
              1 is plain packing (packed_dp); degree sp is Ulysses.
   microbatch every device takes part in exactly one row per microbatch (a row
              may be empty); gradients accumulate over microbatches.
+  level      FlexUlysses plans have several degrees at once: the device buffer
+             is cut into one section per degree, highest first, and a device
+             takes part in one row per level. `levels` lists (degree, capacity)
+             of the sections; a plan without levels has one section holding all
+             of `capacity`, whatever its rows' degree.
 """
 
 from __future__ import annotations
@@ -49,23 +54,62 @@ class Plan:
   capacity: int
   microbatches: tuple[tuple[Row, ...], ...]
   lengths: tuple[int, ...]
+  levels: tuple[tuple[int, int], ...] = ()
 
   @property
   def num_microbatches(self) -> int:
     return len(self.microbatches)
 
+  def level_layout(self) -> tuple[tuple[int, int, int], ...]:
+    """(degree, capacity, offset) of each buffer section, highest degree first.
+
+    Without levels there is one section; its degree is that of the non-empty
+    rows (0 when there are none).
+    """
+    if not self.levels:
+      degrees = {r.degree for rows in self.microbatches for r in rows if r.seqs}
+      return ((max(degrees, default=0), self.capacity, 0),)
+    out, offset = [], 0
+    for degree, cap in self.levels:
+      out.append((degree, cap, offset))
+      offset += cap
+    return tuple(out)
+
+  def section(self, row: Row) -> tuple[int, int]:
+    """(capacity, offset) of the buffer section a row's slices go to."""
+    if not self.levels:
+      return self.capacity, 0
+    for degree, cap, offset in self.level_layout():
+      if degree == row.degree:
+        return cap, offset
+    raise ValueError(f"no level of degree {row.degree} in {self.levels}")
+
+  def slot(self, row: Row, pos: int) -> tuple[int, int]:
+    """(device, buffer index) of token `pos` of a row's stream."""
+    cap, offset = self.section(row)
+    return row.devices[pos // cap], offset + pos % cap
+
   def validate(self) -> None:
     """Raises ValueError unless every sequence is placed exactly once and fits."""
+    if self.levels and sum(c for _, c in self.levels) != self.capacity:
+      raise ValueError(f"levels {self.levels} do not add up to capacity {self.capacity}")
     seen = [0] * len(self.lengths)
     for m, rows in enumerate(self.microbatches):
-      used = sorted(d for r in rows for d in r.devices)
-      if used != list(range(self.num_devices)):
-        raise ValueError(f"microbatch {m}: devices {used} are not each used once")
+      if self.levels:
+        for degree, _ in self.levels:
+          used = [d for r in rows if r.degree == degree for d in r.devices]
+          if len(used) != len(set(used)):
+            raise ValueError(f"microbatch {m}: a device is in two rows of degree {degree}")
+      else:
+        used = sorted(d for r in rows for d in r.devices)
+        if used != list(range(self.num_devices)):
+          raise ValueError(f"microbatch {m}: devices {used} are not each used once")
       for r in rows:
         tokens = sum(self.lengths[s] for s in r.seqs)
-        if tokens > r.degree * self.capacity:
+        cap = self.section(r)[0] if r.seqs else self.capacity
+        if tokens > r.degree * cap:
           raise ValueError(f"microbatch {m}: row on {r.devices} holds {tokens} tokens > "
-                           f"{r.degree} x capacity {self.capacity}")
+                           f"{r.degree} x capacity {cap}")
         for s in r.seqs:
           seen[s] += 1
     bad = [i for i, n in enumerate(seen) if n != 1]

@@ -1,0 +1,356 @@
+"""Synthetic multimodal RL datasets: real JPEG/PNG images and H.264 MP4 videos.
+
+Run:
+  python -m fluxjax.data.synth --out DIR --mix image_heavy --n 64 --seed 0
+
+Every task is verifiable: its answer is computed from what was drawn.
+  geo3k    (image) count the shapes of one colour, or read an arithmetic
+           expression rendered in the image.
+  nextqa   (short video) which colour appears last in the clip.
+  longvila (long video) which colour (or shape) appears last in the clip.
+  text     (no media) arithmetic in the prompt.
+
+Sizes follow the distributions of bench/mixtures.py (the balance benchmark's
+token-count models), which document their sources:
+  Geo3K: longer side log-normal, median 420 px, p99 1100 px, in [100, 2000];
+    short/long side ratio uniform in [0.5, 1] (ASSUMED there and here).
+  NExT-QA: duration log-normal, median 40 s, p99 115 s, in [5, 180] (mean
+    44 s, Xiao et al. 2021); 640x480 or 640x360, equally likely (ASSUMED).
+  LongVILA-Reason: duration log-normal, median 300 s, p99 1800 s, in
+    [30, 3600]; 360p/480p/720p/1080p 16:9 with p 0.2/0.3/0.4/0.1 (ASSUMED).
+Mix weights are FlexRL's (section 5.1): image_heavy 5:2:1, video_heavy 1:2:5,
+only_video LongVILA-Reason only; `text` has no media (a control).
+
+Two knobs keep files small enough that `--n 64` writes in seconds; both are
+ASSUMED and documented in the manifest rows (`fps`, `scale`): videos are
+written at `--fps` (default 1) frames per second of their sampled duration
+rather than a camera's 30, and video resolutions are multiplied by
+`--video-scale` (default 0.25). Durations, hence frame counts, are kept, and
+capped at `--max-seconds` (default 600) so one draw cannot write an hour.
+The processor samples at 2 fps and caps frames (64 in FlexRL's 7B runs), so
+frames beyond what it samples still cost decode time, as real files do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import time
+
+import av
+import numpy as np
+import PIL.Image
+import PIL.ImageDraw
+import PIL.ImageFont
+
+from fluxjax.models.tokenizer import COLORS, SHAPES
+
+MIXES = {
+    "image_heavy": (5, 2, 1),
+    "video_heavy": (1, 2, 5),
+    "only_video": (0, 0, 1),
+    "text": None,
+}
+SOURCES = ("geo3k", "nextqa", "longvila")
+
+RGB = {
+    "red": (220, 30, 30), "green": (30, 170, 60), "blue": (30, 60, 220),
+    "yellow": (240, 220, 30), "purple": (140, 40, 170),
+    "orange": (250, 140, 20), "white": (255, 255, 255), "black": (0, 0, 0),
+}
+# Mid grey so that both white and black shapes stand out.
+BACKGROUND = (128, 128, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogNormal:
+  """A log-normal given by median and 99th percentile, clipped to [lo, hi]."""
+  median: float
+  p99: float
+  lo: float
+  hi: float
+
+  def sample(self, rng: np.random.Generator) -> float:
+    sigma = math.log(self.p99 / self.median) / 2.3263478740408408
+    x = self.median * math.exp(sigma * rng.standard_normal())
+    return float(min(max(x, self.lo), self.hi))
+
+
+# The parameters of bench/mixtures.py (see the module docstring).
+GEO3K_LONG_SIDE = LogNormal(420, 1100, 100, 2000)
+NEXTQA_SECONDS = LogNormal(40, 115, 5, 180)
+NEXTQA_RESOLUTIONS = ((480, 640), (360, 640))
+LONGVILA_SECONDS = LogNormal(300, 1800, 30, 3600)
+LONGVILA_RESOLUTIONS = ((360, 640), (480, 854), (720, 1280), (1080, 1920))
+LONGVILA_RES_P = (0.2, 0.3, 0.4, 0.1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SynthConfig:
+  """Knobs of the generator (see the module docstring for why they exist).
+
+  Attributes:
+    fps: frames written per second of video.
+    video_scale: factor on the modelled video resolutions.
+    image_scale: factor on the modelled image sizes.
+    max_seconds: cap on a video's duration.
+  """
+  fps: float = 1.0
+  video_scale: float = 0.25
+  image_scale: float = 1.0
+  max_seconds: float = 600.0
+
+
+def _even(x: float) -> int:
+  # H.264 in yuv420p needs even sides.
+  return max(16, int(round(x / 2)) * 2)
+
+
+def _polygon(shape: str, cx: float, cy: float, r: float):
+  if shape == "square":
+    return [(cx - r, cy - r), (cx + r, cy - r), (cx + r, cy + r),
+            (cx - r, cy + r)]
+  if shape == "triangle":
+    return [(cx, cy - r), (cx + r, cy + r), (cx - r, cy + r)]
+  if shape == "star":
+    pts = []
+    for k in range(10):
+      rad = r if k % 2 == 0 else r * 0.45
+      a = -math.pi / 2 + k * math.pi / 5
+      pts.append((cx + rad * math.cos(a), cy + rad * math.sin(a)))
+    return pts
+  raise ValueError(shape)
+
+
+def draw_shape(draw: PIL.ImageDraw.ImageDraw, shape: str, color: str,
+               cx: float, cy: float, r: float) -> None:
+  """Draws one filled shape of a COLORS colour centred at (cx, cy)."""
+  fill = RGB[color]
+  if shape == "circle":
+    draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
+  else:
+    draw.polygon(_polygon(shape, cx, cy, r), fill=fill)
+
+
+def _image_size(rng: np.random.Generator, cfg: SynthConfig) -> tuple[int, int]:
+  long_side = GEO3K_LONG_SIDE.sample(rng) * cfg.image_scale
+  short = long_side * rng.uniform(0.5, 1.0)
+  if rng.random() < 0.5:
+    return max(32, round(short)), max(32, round(long_side))
+  return max(32, round(long_side)), max(32, round(short))
+
+
+def count_image(rng: np.random.Generator, height: int, width: int):
+  """Shapes on a grid; asks how many of one colour and shape there are.
+
+  Returns:
+    (PIL image, question, answer).
+  """
+  image = PIL.Image.new("RGB", (width, height), BACKGROUND)
+  draw = PIL.ImageDraw.Draw(image)
+  # One shape per grid cell, so shapes never overlap and stay countable.
+  cols, rows = 4, 3
+  cw, ch = width / cols, height / rows
+  cells = rng.permutation(cols * rows)[:rng.integers(3, cols * rows + 1)]
+  target_c, target_s = str(rng.choice(COLORS)), str(rng.choice(SHAPES))
+  drawn = []
+  for cell in cells:
+    # Bias towards the asked-for pair so that answers are not mostly zero.
+    if rng.random() < 0.35:
+      c, s = target_c, target_s
+    else:
+      c, s = str(rng.choice(COLORS)), str(rng.choice(SHAPES))
+    drawn.append((c, s))
+    cx = (cell % cols + 0.5) * cw
+    cy = (cell // cols + 0.5) * ch
+    draw_shape(draw, s, c, cx, cy, 0.38 * min(cw, ch))
+  answer = sum(1 for c, s in drawn if (c, s) == (target_c, target_s))
+  question = f"How many {target_c} {target_s}s are in the image?"
+  return image, question, str(answer)
+
+
+def _arith(rng: np.random.Generator) -> tuple[str, str, int]:
+  sym = str(rng.choice(["+", "-", "*"]))
+  x, y = int(rng.integers(0, 101)), int(rng.integers(0, 50))
+  if sym == "*":
+    y = int(rng.integers(0, 10))
+  if sym == "-":
+    x, y = max(x, y), min(x, y)
+  value = {"+": x + y, "-": x - y, "*": x * y}[sym]
+  return f"{x} {sym} {y}", sym, value
+
+
+def arithmetic_image(rng: np.random.Generator, height: int, width: int):
+  """An expression "x op y" drawn as text; the answer is its value."""
+  expr, _, value = _arith(rng)
+  image = PIL.Image.new("RGB", (width, height), (255, 255, 255))
+  draw = PIL.ImageDraw.Draw(image)
+  size = max(10, int(min(height, width * 2 / max(len(expr), 1)) * 0.4))
+  font = PIL.ImageFont.load_default(size=size)
+  draw.text((width / 2, height / 2), expr, fill=(0, 0, 0), font=font,
+            anchor="mm")
+  question = f"What is {expr}? Read the expression in the image."
+  return image, question, str(value)
+
+
+def _segments(rng: np.random.Generator, num_frames: int):
+  """Splits a clip into 2-5 segments, each showing one coloured shape."""
+  k = int(rng.integers(2, 6))
+  k = min(k, num_frames)
+  cuts = np.sort(rng.choice(np.arange(1, num_frames), k - 1, replace=False))
+  bounds = [0, *cuts.tolist(), num_frames]
+  colors, shapes = [], []
+  for _ in range(k):
+    # Consecutive segments differ in colour so the last one is unambiguous.
+    choices = [c for c in COLORS if not colors or c != colors[-1]]
+    colors.append(str(rng.choice(choices)))
+    shapes.append(str(rng.choice(SHAPES)))
+  return bounds, colors, shapes
+
+
+def write_video(path: str, frames_fn, num_frames: int, height: int,
+                width: int, fps: float) -> None:
+  """Encodes frames_fn(i) -> uint8 [H, W, 3] as H.264 (yuv420p) MP4."""
+  # faststart puts the index first, as web-ready files have it; a file cut
+  # short then still opens and fails only when decoding reaches the cut.
+  with av.open(path, mode="w", options={"movflags": "faststart"}) as container:
+    stream = container.add_stream("libx264", rate=round(fps * 1000) / 1000
+                                  if fps != int(fps) else int(fps))
+    stream.height, stream.width, stream.pix_fmt = height, width, "yuv420p"
+    # ultrafast: the files are test data, encode speed matters, quality not.
+    stream.options = {"preset": "ultrafast", "crf": "28"}
+    for i in range(num_frames):
+      frame = av.VideoFrame.from_ndarray(frames_fn(i), format="rgb24")
+      for packet in stream.encode(frame):
+        container.mux(packet)
+    for packet in stream.encode():
+      container.mux(packet)
+
+
+def last_colour_video(rng: np.random.Generator, path: str, seconds: float,
+                      height: int, width: int, cfg: SynthConfig,
+                      ask_shape: bool = False):
+  """Writes a clip of coloured shapes; asks which colour (shape) is last."""
+  num_frames = max(4, int(round(min(seconds, cfg.max_seconds) * cfg.fps)))
+  bounds, colors, shapes = _segments(rng, num_frames)
+  # Each segment's picture is drawn once; frames reuse it (cheap to encode).
+  pictures = []
+  for c, s in zip(colors, shapes):
+    image = PIL.Image.new("RGB", (width, height), BACKGROUND)
+    draw_shape(PIL.ImageDraw.Draw(image), s, c, width / 2, height / 2,
+               0.35 * min(height, width))
+    pictures.append(np.asarray(image))
+  seg_of = np.searchsorted(np.asarray(bounds[1:]), np.arange(num_frames),
+                           side="right")
+  write_video(path, lambda i: pictures[seg_of[i]], num_frames, height, width,
+              cfg.fps)
+  if ask_shape:
+    return (f"Which shape appears last in the video? Is it a {shapes[-1]}?",
+            shapes[-1], num_frames)
+  return "Which colour appears last in the video?", colors[-1], num_frames
+
+
+def make_sample(i: int, source: str | None, rng: np.random.Generator,
+                out_dir: str, cfg: SynthConfig, prefix: str) -> dict:
+  """Generates one sample's media and returns its manifest row."""
+  sid = f"{prefix}-{i:06d}"
+  row = {"id": sid, "source": source or "text", "images": [], "videos": []}
+  if source is None:
+    expr, _, value = _arith(rng)
+    row.update(prompt=f"What is {expr}?", answer=str(value), task="arith")
+    return row
+  if source == "geo3k":
+    height, width = _image_size(rng, cfg)
+    if rng.random() < 0.5:
+      image, q, a = count_image(rng, height, width)
+      task = "count"
+    else:
+      image, q, a = arithmetic_image(rng, height, width)
+      task = "arith_image"
+    # Diagrams as PNG half the time: both decoders get exercised.
+    ext = "png" if rng.random() < 0.5 else "jpg"
+    rel = os.path.join("media", f"{sid}.{ext}")
+    image.save(os.path.join(out_dir, rel), quality=90)
+    row.update(prompt=q, answer=a, task=task, images=[rel], height=height,
+               width=width)
+    return row
+  if source == "nextqa":
+    seconds = NEXTQA_SECONDS.sample(rng)
+    h, w = NEXTQA_RESOLUTIONS[rng.integers(len(NEXTQA_RESOLUTIONS))]
+  else:
+    seconds = LONGVILA_SECONDS.sample(rng)
+    h, w = LONGVILA_RESOLUTIONS[rng.choice(len(LONGVILA_RESOLUTIONS),
+                                           p=LONGVILA_RES_P)]
+  h, w = _even(h * cfg.video_scale), _even(w * cfg.video_scale)
+  rel = os.path.join("media", f"{sid}.mp4")
+  ask_shape = source == "longvila" and rng.random() < 0.3
+  q, a, frames = last_colour_video(rng, os.path.join(out_dir, rel), seconds,
+                                   h, w, cfg, ask_shape)
+  row.update(prompt=q, answer=a, task="last_shape" if ask_shape else
+             "last_colour", videos=[rel], height=h, width=w, frames=frames,
+             fps=cfg.fps, seconds=round(seconds, 2), scale=cfg.video_scale)
+  return row
+
+
+def generate(out_dir: str, mix: str, n: int, seed: int,
+             cfg: SynthConfig = SynthConfig()) -> str:
+  """Writes n samples of a mix under out_dir; returns the manifest's path.
+
+  Args:
+    out_dir: output directory (created); media go to out_dir/media.
+    mix: one of MIXES.
+    n: number of samples.
+    seed: generator seed; the same seed writes the same dataset.
+    cfg: size knobs.
+
+  Returns:
+    Path of out_dir/manifest.jsonl (one JSON row per sample).
+  """
+  if mix not in MIXES:
+    raise ValueError(f"mix must be one of {sorted(MIXES)}, got {mix!r}")
+  os.makedirs(os.path.join(out_dir, "media"), exist_ok=True)
+  rng = np.random.default_rng(seed)
+  weights = MIXES[mix]
+  manifest = os.path.join(out_dir, "manifest.jsonl")
+  with open(manifest, "w") as f:
+    for i in range(n):
+      if weights is None:
+        source = None
+      else:
+        p = np.asarray(weights, np.float64)
+        source = SOURCES[rng.choice(3, p=p / p.sum())]
+      # One child generator per sample: a row does not depend on how many
+      # random draws earlier rows made beyond their own index.
+      child = np.random.default_rng([seed, i])
+      row = make_sample(i, source, child, out_dir, cfg, f"{mix}-s{seed}")
+      f.write(json.dumps(row) + "\n")
+  return manifest
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--mix", default="image_heavy", choices=sorted(MIXES))
+  parser.add_argument("--n", type=int, default=64)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--fps", type=float, default=SynthConfig.fps)
+  parser.add_argument("--video-scale", type=float,
+                      default=SynthConfig.video_scale)
+  parser.add_argument("--image-scale", type=float,
+                      default=SynthConfig.image_scale)
+  parser.add_argument("--max-seconds", type=float,
+                      default=SynthConfig.max_seconds)
+  args = parser.parse_args(argv)
+  cfg = SynthConfig(args.fps, args.video_scale, args.image_scale,
+                    args.max_seconds)
+  start = time.perf_counter()
+  path = generate(args.out, args.mix, args.n, args.seed, cfg)
+  print(f"wrote {args.n} samples ({args.mix}, seed {args.seed}) to {path} in "
+        f"{time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+  main()

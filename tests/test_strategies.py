@@ -104,14 +104,15 @@ def sharded_run(strategy, seqs, seed=1):
     device_batch = batch_lib.to_device(host, mesh)
     shardings = jax.tree.map(lambda x: x.sharding, params)
     loss, grads, _ = jax.jit(
-        lambda p, b: train_step.accumulate(graphdef, p, b, attention_fn=strategy.attention_fn(mesh),
+        lambda p, b: train_step.accumulate(graphdef, p, b,
+                                           attention_fn=strategy.attention_fn(mesh, plan),
                                            param_shardings=shardings))(params, device_batch)
   return plan, loss, grads, params
 
 
 def _strategy(name, sp=1, capacity=96, buckets=()):
   cfg = ml_collections.ConfigDict({"strategy": name, "sp": sp, "capacity": capacity,
-                                   "capacity_buckets": buckets})
+                                   "capacity_buckets": buckets, "p_max": sp})
   return strategies.get_strategy(cfg, CFG)
 
 
@@ -227,3 +228,23 @@ def test_delayed_metrics_return_the_previous_step():
   assert step == 1 and values == {"loss": 1.5} and isinstance(values["loss"], float)
   assert delayed.flush() == (2, {"loss": 0.5})
   assert delayed.flush() is None
+
+
+@pytest.mark.parametrize("long", [False, True])
+def test_flex_ulysses_equals_single_device_reference(long, mixed_reference, ref_model, devices):
+  """Several degrees in one microbatch (levels 4/2/1 or 8/.../1), HSF all-to-alls."""
+  if long:
+    seqs = mixed_batch(seed=3, long=True)
+    want_loss, want_grads = reference(ref_model, seqs)
+  else:
+    seqs, (want_loss, want_grads) = mixed_reference
+  strategy = _strategy("flex_ulysses", 8, capacity=64, buckets=(16, 32, 64))
+  plan, loss, grads, _ = sharded_run(strategy, seqs)
+  degrees = {r.degree for rows in plan.microbatches for r in rows if r.seqs}
+  assert len(degrees) >= 2 and max(degrees) > 1, plan.describe()
+  if long:  # the long sequence does not fit one device's capacity: it must be split
+    longest = max(range(len(seqs)), key=lambda i: len(seqs[i]))
+    assert len(seqs[longest]) > 64
+    assert any(longest in r.seqs and r.degree > 1 for rows in plan.microbatches for r in rows)
+  np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+  assert_grads_close(grads, want_grads)

@@ -144,16 +144,18 @@ def bucketed(plan: Plan, token_buckets: Sequence[int],
   (any plan's rows fit it); microbatches are padded with empty ones. The step
   then compiles once per (capacity, microbatch) bucket pair, not per batch.
   """
+  m = capacity_bucket(plan.num_microbatches, microbatch_buckets)
+  empty = tuple(Row((d,), ()) for d in range(plan.num_devices))
+  padding = (empty,) * (m - plan.num_microbatches)
+  if plan.levels:  # sections are bucketed by the planner that made them
+    return dataclasses.replace(plan, microbatches=plan.microbatches + padding)
   need = 1
   for rows in plan.microbatches:
     for r in rows:
       tokens = sum(plan.lengths[s] for s in r.seqs)
       need = max(need, -(-tokens // r.degree))
   capacity = capacity_bucket(need, token_buckets)
-  m = capacity_bucket(plan.num_microbatches, microbatch_buckets)
-  empty = tuple(Row((d,), ()) for d in range(plan.num_devices))
-  return dataclasses.replace(plan, capacity=capacity,
-                             microbatches=plan.microbatches + (empty,) * (m - plan.num_microbatches))
+  return dataclasses.replace(plan, capacity=capacity, microbatches=plan.microbatches + padding)
 
 
 def default_buckets(max_capacity: int, smallest: int = 256) -> tuple[int, ...]:

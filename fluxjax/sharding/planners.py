@@ -172,3 +172,40 @@ def plan_loads(plan: Plan, shape: balance.CostShape | None = None) -> PlanLoads:
       linear[m, devs] = balance.linear_cost(share, shape)
       a2a[m, devs] = balance.ulysses_all_to_all_bytes(share, p, shape)
   return PlanLoads(tokens=tokens, attention=attention, linear=linear, all_to_all_bytes=a2a)
+
+
+def plan_flex_ulysses(lengths: Sequence[int], num_devices: int, p_max: int, capacity: int,
+                      buckets: Sequence[int]) -> Plan:
+  """FlexUlysses: a degree per sequence (flex_planner), as a plan with levels.
+
+  The batch is first split into as few microbatches as keep each one's
+  threshold 1.1 M* within `capacity` (Karmarkar-Karp on tokens), then each
+  microbatch is placed by Algorithm 2. Each degree present gets a buffer
+  section whose capacity is the bucket holding its fullest group slice, the
+  same for every microbatch (static shapes).
+  """
+  from fluxjax.sharding import flex_planner
+  from fluxjax.sharding.plan import capacity_bucket
+  lens = _check_lengths(lengths)
+  _too_long(lens, p_max * capacity, "flex_ulysses p_max x capacity",
+            "raise sharding.p_max or sharding.capacity")
+  total = sum(lens)
+  count = max(1, -(-int(flex_planner.ALPHA * total) // (num_devices * capacity)))
+  parts = [p for p in balance.karmarkar_karp(np.asarray(lens, np.float64), count) if p]
+  microbatches, need = [], {}
+  for part in parts:
+    fp = flex_planner.plan_flex([lens[i] for i in part], num_devices, p_max)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for local, pl in enumerate(fp.placements):
+      groups.setdefault((pl.p, pl.first), []).append(part[local])
+    rows = []
+    for (p, first), seqs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+      seqs.sort(key=lambda i: (-lens[i], i))  # long sequences first, short ones packed after
+      rows.append(Row(tuple(range(first, first + p)), tuple(seqs)))
+      need[p] = max(need.get(p, 0), -(-sum(lens[i] for i in seqs) // p))
+    microbatches.append(tuple(rows))
+  levels = tuple((p, capacity_bucket(need[p], buckets)) for p in sorted(need, reverse=True))
+  plan = Plan("flex_ulysses", num_devices, sum(c for _, c in levels), tuple(microbatches), lens,
+              levels)
+  plan.validate()
+  return plan

@@ -25,28 +25,42 @@ from fluxjax.sharding.plan import Plan
 @dataclasses.dataclass(frozen=True)
 class Strategy:
   name: str
-  sp: int                     # Ulysses degree (1 = none)
+  sp: int                     # Ulysses degree (1 = none); flex_ulysses: p_max
   capacity: int               # tokens per device per microbatch (the largest bucket)
   model_cfg: ModelConfig
   buckets: tuple[int, ...] = ()  # static capacities; () = powers of two up to capacity
 
   def sp_axes(self) -> tuple[tuple[str, int], ...]:
+    if self.name == "flex_ulysses":
+      return ulysses.binary_axes(self.sp)
     return ((mesh_lib.SP, self.sp),)
 
   def plan(self, lengths: Sequence[int], num_devices: int) -> Plan:
-    """The strategy's plan, with capacity and microbatch count bucketed."""
+    """The strategy's plan, with capacities and microbatch count bucketed."""
+    buckets = self.buckets or plan_lib.default_buckets(self.capacity)
     if self.name == "packed_dp":
       plan = planners.plan_packed_dp(lengths, num_devices, self.capacity)
-    else:
+    elif self.name == "ulysses":
       plan = planners.plan_ulysses(lengths, num_devices, self.sp, self.capacity)
-    return plan_lib.bucketed(plan, self.buckets or plan_lib.default_buckets(self.capacity))
+    else:
+      plan = planners.plan_flex_ulysses(lengths, num_devices, self.sp, self.capacity, buckets)
+    return plan_lib.bucketed(plan, buckets)
 
-  def attention_fn(self, mesh: jax.sharding.Mesh) -> Callable | None:
-    """None: the decoder's default (row-local) attention is already correct."""
+  def attention_fn(self, mesh: jax.sharding.Mesh, plan: Plan | None = None) -> Callable | None:
+    """The text attention for this strategy; None = the row-local default.
+
+    flex_ulysses needs the plan: its buffer sections are part of the shapes.
+    """
+    backend = self.model_cfg.attention_backend
+    if self.name == "flex_ulysses":
+      if plan is None:
+        raise ValueError("flex_ulysses attention depends on the plan's levels")
+      names = tuple(name for name, _ in self.sp_axes())
+      return ulysses.make_flex_attention_fn(mesh, plan.level_layout(), names,
+                                            mesh_lib.batch_axes(mesh), backend)
     if self.sp == 1:
       return None
-    return ulysses.make_attention_fn(mesh, (mesh_lib.SP,), mesh_lib.batch_axes(mesh),
-                                     self.model_cfg.attention_backend)
+    return ulysses.make_attention_fn(mesh, (mesh_lib.SP,), mesh_lib.batch_axes(mesh), backend)
 
 
 def _buckets(cfg) -> tuple[int, ...]:
@@ -69,9 +83,17 @@ def _ulysses(cfg, model_cfg):
   return Strategy("ulysses", cfg.sp, cfg.capacity, model_cfg, _buckets(cfg))
 
 
+def _flex_ulysses(cfg, model_cfg):
+  t = model_cfg.text
+  p_max = cfg.get("p_max", 8)
+  ulysses.check_degree(p_max, t.num_heads, t.num_kv_heads)
+  return Strategy("flex_ulysses", p_max, cfg.capacity, model_cfg, _buckets(cfg))
+
+
 STRATEGIES: dict[str, Callable[[ml_collections.ConfigDict, ModelConfig], Strategy]] = {
     "packed_dp": _packed_dp,
     "ulysses": _ulysses,
+    "flex_ulysses": _flex_ulysses,
 }
 
 

@@ -79,3 +79,65 @@ def make_attention_fn(mesh: jax.sharding.Mesh, sp_axes: Sequence[str], batch_axe
     return fn(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
 
   return attention_fn
+
+
+def binary_axes(p_max: int) -> tuple[tuple[str, int], ...]:
+  """FlexUlysses' nested binary sequence axes: (sp_0, 2), (sp_1, 2), ... ."""
+  if p_max < 1 or p_max & (p_max - 1):
+    raise ValueError(f"p_max {p_max} must be a power of two")
+  return tuple((f"sp_{i}", 2) for i in range(p_max.bit_length() - 1))
+
+
+def level_axes(degree: int, sp_axes: Sequence[str]) -> tuple[str, ...]:
+  """A degree-2^j group is the last j binary axes (groups nest by construction)."""
+  j = degree.bit_length() - 1
+  return tuple(sp_axes[len(sp_axes) - j:]) if j else ()
+
+
+def make_flex_attention_fn(mesh: jax.sharding.Mesh, layout: Sequence[tuple[int, int, int]],
+                           sp_axes: Sequence[str], batch_axes: Sequence[str],
+                           backend: str = "xla"):
+  """Attention over a buffer cut into per-degree sections (FlexUlysses).
+
+  `layout` is the plan's (degree, capacity, offset) per section, highest degree
+  first. Every device runs the same program: the sections in that order
+  (highest-sharding-first), each with its all-to-alls over its own axes, so all
+  members of a group issue the same collectives in the same order and nested
+  groups cannot deadlock. XLA's scheduler may overlap one section's
+  all-to-all with another's attention.
+  """
+  rows = P(tuple(batch_axes))
+  act = P(tuple(batch_axes), None, None, None)
+  layout = tuple(layout)
+
+  def run_section(degree, q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal):
+    axes = level_axes(degree, sp_axes)
+    if axes:
+      k, v = _replicate_kv(k, degree), _replicate_kv(v, degree)
+      to_heads = lambda x: jax.lax.all_to_all(x, axes, split_axis=2, concat_axis=1, tiled=True)
+      q, k, v = to_heads(q), to_heads(k), to_heads(v)
+      gather = lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True)
+      q_seg, kv_seg, q_pos, kv_pos = gather(q_seg), gather(kv_seg), gather(q_pos), gather(kv_pos)
+    out = attn_lib.attention(q, k, v, backend=backend, q_segment_ids=q_seg,
+                             kv_segment_ids=kv_seg, q_positions=q_pos, kv_positions=kv_pos,
+                             causal=causal)
+    if axes:
+      out = jax.lax.all_to_all(out, axes, split_axis=1, concat_axis=2, tiled=True)
+    return out
+
+  def local(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal):
+    outs = []
+    for degree, cap, off in layout:  # program order = highest-sharding-first
+      cut = lambda x: jax.lax.slice_in_dim(x, off, off + cap, axis=1)
+      outs.append(run_section(max(degree, 1), cut(q), cut(k), cut(v), cut(q_seg), cut(kv_seg),
+                              cut(q_pos), cut(kv_pos), causal))
+    return jnp.concatenate(outs, axis=1)
+
+  def attention_fn(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+                   causal):
+    fn = jax.shard_map(
+        lambda *a: local(*a, causal=causal), mesh=mesh,
+        in_specs=(act, act, act, rows, rows, rows, rows), out_specs=act)
+    return fn(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+
+  return attention_fn

@@ -65,6 +65,7 @@ class FlexPlacement:
   lengths: tuple[int, ...]
   placements: list[Placement]
   m_th: float
+  baseline_feasible: bool = True  # every sequence found a group under M_th
 
   def memory(self) -> list[float]:
     m = [0.0] * self.num_devices
@@ -92,6 +93,7 @@ def _baseline(lens, num_devices, p_max, m_th):
   mem = [0.0] * num_devices
   avail = [m_th] * num_devices
   placements: list[Placement | None] = [None] * len(lens)
+  feasible_all = True
   order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
   for i in order:
     h = lens[i]
@@ -105,13 +107,16 @@ def _baseline(lens, num_devices, p_max, m_th):
 
     while p < p_max and not feasible(p):
       p *= 2
-    candidates = feasible(p) or list(_groups(num_devices, p))
+    candidates = feasible(p)
+    if not candidates:  # nothing fits even at p_max: the least-loaded group
+      feasible_all = False
+      candidates = list(_groups(num_devices, p))
     first = max(candidates, key=lambda g: (sum(avail[d] for d in range(g, g + p)), -g))
     for d in range(first, first + p):
       mem[d] += h / p
       avail[d] -= h / p
     placements[i] = Placement(p, first)
-  return placements
+  return placements, feasible_all
 
 
 def _two_way(items, lens):
@@ -195,7 +200,7 @@ def plan_flex(lengths: Sequence[int], num_devices: int, p_max: int) -> FlexPlace
   lens = tuple(int(h) for h in lengths)
   m_star = sum(lens) / num_devices
   fp = FlexPlacement(num_devices, lens, [], ALPHA * max(m_star, 1.0))
-  fp.placements = _baseline(lens, num_devices, p_max, fp.m_th)
+  fp.placements, fp.baseline_feasible = _baseline(lens, num_devices, p_max, fp.m_th)
   p = p_max
   while p >= 2:
     while _merge_pass(fp, p):

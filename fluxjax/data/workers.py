@@ -1,0 +1,219 @@
+"""Preprocessor worker processes with least-loaded dispatch.
+
+Each worker is a spawned process (not forked: the parent may have started
+JAX, whose threads a fork would copy half-alive) that decodes with
+`fluxjax.models.media` and preprocesses with `fluxjax.models.processor`, the
+same functions the model's processor path uses, so the patches are identical.
+Results go into the host store (`store.py`): by default a shared-memory
+segment per item, reported by name; `transport="pickle"` sends the array
+through the result queue instead (kept for the benchmark's comparison).
+
+Dispatch picks the worker with the fewest outstanding patches (FlexRL's
+least-loaded routing, weighted by work rather than task count since one long
+video outweighs many images). Task queues are bounded, so a flood of
+submissions blocks instead of growing memory. A worker that dies has its
+pending items failed (counted skips upstream) and is restarted.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import time
+
+from fluxjax.data import store as store_lib
+from fluxjax.models import media as media_lib
+from fluxjax.models import processor
+
+log = logging.getLogger(__name__)
+
+
+def preprocess_file(kind: str, path: str,
+                    cfg: processor.VisionProcessorConfig
+                    ) -> processor.ProcessedVision:
+  """Decodes and preprocesses one file exactly as the model's processor does.
+
+  Raises:
+    MediaError: the file cannot be decoded.
+  """
+  if kind == "image":
+    return processor.preprocess_image(media_lib.load_image(path), cfg)
+  frames, fps = media_lib.load_video(path, cfg)
+  return processor.preprocess_video(frames, cfg, fps)
+
+
+def _worker_main(worker: int, cfg, tasks, results, transport: str) -> None:
+  """Worker loop: (media_id, kind, path) in, ("ok"|"failed", ...) out."""
+  while True:
+    task = tasks.get()
+    if task is None:
+      return
+    media_id, kind, path = task
+    start = time.perf_counter()
+    try:
+      pv = preprocess_file(kind, path, cfg)
+      slot = array = None
+      if transport == "shm":
+        slot = store_lib.write_shared(pv.patches)
+      else:
+        array = pv.patches
+      results.put(("ok", worker, media_id, slot, array, pv.patches.shape,
+                   pv.grid_thw, time.perf_counter() - start))
+    except media_lib.MediaError as e:
+      results.put(("failed", worker, media_id, e.reason))
+    except Exception as e:  # pylint: disable=broad-except
+      # Any decoder surprise is a bad file, never a dead worker.
+      results.put(("failed", worker, media_id, f"{type(e).__name__}: {e}"))
+
+
+class WorkerPool:
+  """Preprocessor processes feeding a MetaStore.
+
+  Args:
+    num_workers: processes to start.
+    cfg: the processor configuration.
+    store: where results are registered.
+    queue_size: bound of each worker's task queue.
+    transport: "shm" (shared-memory slots) or "pickle" (arrays via queue).
+  """
+
+  def __init__(self, num_workers: int, cfg: processor.VisionProcessorConfig,
+               store: store_lib.MetaStore, queue_size: int = 64,
+               transport: str = "shm"):
+    if num_workers < 1:
+      raise ValueError(f"need at least one worker, got {num_workers}")
+    if transport not in ("shm", "pickle"):
+      raise ValueError(f"transport must be 'shm' or 'pickle', got {transport}")
+    self.cfg, self.store, self.transport = cfg, store, transport
+    self.patch_dim = 3 * cfg.temporal_patch_size * cfg.patch_size ** 2
+    self._ctx = mp.get_context("spawn")
+    self._queue_size = queue_size
+    self._results = self._ctx.Queue()
+    self._tasks = [None] * num_workers
+    self._procs = [None] * num_workers
+    self._load = [0] * num_workers
+    self._lock = threading.Lock()
+    self._pending: dict[str, tuple[int, int]] = {}  # id -> (worker, patches)
+    self._closed = threading.Event()
+    self.restarts = 0
+    self.decode_s = 0.0
+    for w in range(num_workers):
+      self._start(w)
+    self._collector = threading.Thread(target=self._collect, daemon=True,
+                                       name="fluxjax-worker-results")
+    self._collector.start()
+
+  @property
+  def num_workers(self) -> int:
+    return len(self._procs)
+
+  def _start(self, w: int) -> None:
+    self._tasks[w] = self._ctx.Queue(self._queue_size)
+    proc = self._ctx.Process(
+        target=_worker_main, name=f"fluxjax-preproc-{w}", daemon=True,
+        args=(w, self.cfg, self._tasks[w], self._results, self.transport))
+    proc.start()
+    self._procs[w] = proc
+
+  def loads(self) -> list[int]:
+    """Outstanding patches per worker."""
+    with self._lock:
+      return list(self._load)
+
+  def submit(self, ref) -> int:
+    """Sends a whole MediaRef's decode to the least-loaded worker.
+
+    An item already in the store is not sent again.
+
+    Returns:
+      The worker's index (-1 when it was already there).
+    """
+    if ref.media_id in self.store:
+      return -1
+    cost = processor.num_patches(ref.full_grid)
+    with self._lock:
+      w = min(range(len(self._load)), key=lambda i: (self._load[i], i))
+      self._load[w] += cost
+      self._pending[ref.media_id] = (w, cost)
+    self.store.register(ref.media_id, w, ref.nbytes(self.patch_dim),
+                        ref.full_grid)
+    self._tasks[w].put((ref.media_id, ref.kind, ref.path))
+    return w
+
+  def _done(self, media_id: str) -> None:
+    with self._lock:
+      w, cost = self._pending.pop(media_id, (None, 0))
+      if w is not None:
+        self._load[w] -= cost
+
+  def _collect(self) -> None:
+    while not self._closed.is_set():
+      try:
+        msg = self._results.get(timeout=0.2)
+      except queue.Empty:
+        self._check_alive()
+        continue
+      except (EOFError, OSError):
+        return
+      if msg[0] == "ok":
+        _, _, media_id, slot, array, shape, grid, dt = msg
+        self._done(media_id)
+        self.decode_s += dt
+        self.store.set_ready(media_id, slot=slot, shape=shape, grid=grid,
+                             array=array, decode_s=dt)
+      else:
+        _, w, media_id, reason = msg
+        self._done(media_id)
+        self.store.set_failed(media_id, reason)
+
+  def _check_alive(self) -> None:
+    for w, proc in enumerate(self._procs):
+      if self._closed.is_set() or proc.is_alive():
+        continue
+      log.error("preprocessor %d died (exit %s); restarting", w, proc.exitcode)
+      with self._lock:
+        lost = [k for k, (pw, _) in self._pending.items() if pw == w]
+      for media_id in lost:
+        self._done(media_id)
+        self.store.set_failed(media_id, f"worker {w} died")
+      self.restarts += 1
+      self._start(w)
+
+  def close(self, timeout: float = 5.0) -> None:
+    """Stops the workers (joins, then terminates stragglers)."""
+    if self._closed.is_set():
+      return
+    for q in self._tasks:
+      try:
+        q.put(None, timeout=0.5)
+      except queue.Full:
+        pass
+    deadline = time.monotonic() + timeout
+    for proc in self._procs:
+      proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in self._procs:
+      if proc.is_alive():
+        proc.terminate()
+        proc.join(1.0)
+    # Drain results that landed after the last poll, so their slots unlink.
+    self._closed.set()
+    self._collector.join(2.0)
+    while True:
+      try:
+        msg = self._results.get(timeout=0.05)
+      except (queue.Empty, EOFError, OSError):
+        break
+      if msg[0] == "ok":
+        self.store.set_ready(msg[2], slot=msg[3], shape=msg[5], grid=msg[6],
+                             array=msg[4])
+    for q in self._tasks + [self._results]:
+      q.close()
+      q.cancel_join_thread()
+
+  def __enter__(self) -> "WorkerPool":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

@@ -1,0 +1,275 @@
+"""The ShadowLoader end to end: worker decode parity, bad input, checkpoints.
+
+Every loader runs real spawned preprocessor processes on real JPEG/PNG/MP4
+files; patches read from the store must equal the model processor's output
+for the same file, bit for bit.
+"""
+
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+
+from fluxjax.data import materializer as mat_lib
+from fluxjax.data import pipeline, readers, synth, workers
+from fluxjax.models import config as config_lib
+from fluxjax.models import inputs, processor
+from fluxjax.models.tokenizer import Tokenizer
+from fluxjax.sharding import batch as batch_lib
+from fluxjax.sharding import planners
+
+CFG = processor.VisionProcessorConfig(
+    image_min_pixels=28 * 28 * 4, image_max_pixels=28 * 28 * 16,
+    video_min_pixels=28 * 28 * 4, video_max_pixels=28 * 28 * 8,
+    video_max_frames=8)
+TINY = synth.SynthConfig(fps=2.0, video_scale=0.15, image_scale=0.3,
+                         max_seconds=6.0)
+MODEL = config_lib.preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+  out = tmp_path_factory.mktemp("mix")
+  rows = readers.read_rows(synth.generate(str(out), "video_heavy", 12, 7,
+                                          TINY))
+  rows += readers.read_rows(synth.generate(str(out / "ih"), "image_heavy",
+                                           8, 8, TINY))
+  return out, rows
+
+
+def _all_batches(loader):
+  out = []
+  for batch in loader:
+    out.append(batch)
+    loader.release(batch)
+  return out
+
+
+def test_worker_patches_equal_the_processors(data):
+  _, rows = data
+  kinds = set()
+  with pipeline.ShadowLoader(rows, 4, CFG, num_workers=2, num_epochs=1,
+                             shuffle=False) as loader:
+    for batch in loader:
+      assert len(batch) == 4
+      for sample in batch:
+        for ref in sample.media:
+          got = loader.store.read(ref.media_id)
+          want = workers.preprocess_file(ref.kind, ref.path, CFG)
+          assert got.dtype == np.float32
+          np.testing.assert_array_equal(got, want.patches)
+          kinds.add((ref.kind, os.path.splitext(ref.path)[1]))
+      loader.release(batch)
+    assert loader.store.bytes_in_use == 0 and len(loader.store) == 0
+    assert loader.emitted == len(rows)
+  assert kinds == {("image", ".jpg"), ("image", ".png"), ("video", ".mp4")}
+
+
+def _train_sequences(samples):
+  tok = Tokenizer.default()
+  seqs = []
+  for s in samples:
+    seq = inputs.sequence_from_chat(s.messages(), s.media, tok, MODEL)
+    t = len(seq)
+    seqs.append(batch_lib.TrainSequence(
+        seq, np.ones(t, np.float32), np.ones(t, np.float32),
+        np.zeros(t, np.float32)))
+  return seqs
+
+
+def test_materializer_builds_the_same_vision_buffers(data):
+  _, rows = data
+  with pipeline.ShadowLoader(rows, 6, CFG, num_workers=2, num_epochs=1,
+                             shuffle=False) as loader:
+    samples = loader.next_batch()
+    seqs = _train_sequences(samples)
+    plan = planners.plan_packed_dp([len(s) for s in seqs], 8, 4096)
+    cap = batch_lib.patch_capacity_for(plan, seqs, MODEL, (512, 1024, 4096))
+    # The reference: the same sequences holding in-process processor output.
+    ref_seqs = []
+    for s in seqs:
+      media = [workers.preprocess_file(m.kind, m.path, CFG)
+               for m in s.inputs.media]
+      ref_seqs.append(batch_lib.TrainSequence(
+          inputs.SequenceInputs(s.inputs.tokens_T, s.inputs.positions_3T,
+                                media, s.inputs.mrope_delta),
+          s.loss_mask_T, s.advantages_T, s.old_logprobs_T))
+    want = batch_lib.materialize(plan, ref_seqs, MODEL, cap)
+
+    mat = mat_lib.Materializer(loader.store)
+    got = batch_lib.materialize(plan, seqs, MODEL, cap, patch_source=mat)
+    np.testing.assert_array_equal(got.inputs.vision.patches_BNP,
+                                  want.inputs.vision.patches_BNP)
+
+    # One step ahead: only this process's devices' items, then a measured wait.
+    placement = batch_lib.media_placement(plan, seqs, MODEL)
+    mat.prepare(placement, devices={0, 1, 2, 3})
+    waited = mat.wait()
+    assert waited >= 0 and mat.steps == 1
+    local = mat.local_items(placement, {0, 1, 2, 3})
+    assert set(mat._ready) == {m.id for m in local}  # pylint: disable=protected-access
+    got = batch_lib.materialize(plan, seqs, MODEL, cap, patch_source=mat)
+    np.testing.assert_array_equal(got.inputs.vision.patches_BNP,
+                                  want.inputs.vision.patches_BNP)
+    mat.release()
+    loader.release(samples)
+
+
+def test_slices_read_only_their_frames(data):
+  _, rows = data
+  with pipeline.ShadowLoader(rows, 12, CFG, num_workers=1, num_epochs=1,
+                             shuffle=False) as loader:
+    batch = loader.next_batch()
+    video = next(m for s in batch for m in s.media if m.grid_thw[0] >= 2)
+    full = workers.preprocess_file("video", video.path, CFG).patches
+    mat = mat_lib.Materializer(loader.store)
+    part = video.slice(slice(1, 2))
+    got = mat(part)
+    start, stop = part.patch_rows
+    np.testing.assert_array_equal(got, full[start:stop])
+    assert mat.bytes_read == got.nbytes == full.nbytes // video.grid_thw[0]
+
+
+def media_probe(path):
+  return pipeline.meta_lib.probe("image", path)
+
+
+def _cut(src, dst, fraction):
+  blob = open(src, "rb").read()
+  open(dst, "wb").write(blob[:int(len(blob) * fraction)])
+
+
+def _bad_file(kind, folder, rows):
+  """A row whose media is broken in one way; returns (row, skip kind)."""
+  img = next(r for r in rows if r["images"])
+  vid = max((r for r in rows if r["videos"]),
+            key=lambda r: os.path.getsize(r["videos"][0]))
+  if kind == "missing":
+    return dict(img, id="bad", images=[str(folder / "gone.jpg")]), "missing"
+  if kind == "corrupt":
+    path = folder / "corrupt.jpg"
+    path.write_bytes(b"\xff\xd8\xff\xe0 this is no jpeg" * 10)
+    return dict(img, id="bad", images=[str(path)]), "corrupt"
+  if kind == "truncated_image":
+    path = folder / "cut.png"
+    src = img["images"][0]
+    if not src.endswith(".png"):
+      import PIL.Image  # pylint: disable=import-outside-toplevel
+      PIL.Image.open(src).save(folder / "full.png")
+      src = folder / "full.png"
+    _cut(src, path, 0.5)  # the header survives, the pixel data does not
+    return dict(img, id="bad", images=[str(path)]), "corrupt"
+  if kind == "truncated_mp4":
+    path = folder / "cut.mp4"
+    _cut(vid["videos"][0], path, 0.6)  # faststart: the index survives
+    return dict(vid, id="bad", videos=[str(path)]), "truncated"
+  if kind == "unsupported":
+    path = folder / "text.mp4"
+    path.write_text("plain text, not a container\n" * 20)
+    return dict(vid, id="bad", videos=[str(path)]), "unsupported"
+  if kind == "too_large":
+    big = max((r for r in rows if r["images"]),
+              key=lambda r: np.prod(media_probe(r["images"][0])))
+    return dict(big, id="bad"), "size"
+  raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["missing", "corrupt", "truncated_image",
+                                  "truncated_mp4", "unsupported", "too_large"])
+def test_bad_input_is_a_counted_skip_and_the_batch_stays_full(
+    kind, data, tmp_path, caplog):
+  _, rows = data
+  bad, reason = _bad_file(kind, tmp_path, rows)
+  good = [r for r in rows if r["images"]][:4]
+  limits = pipeline.meta_lib.MediaLimits()
+  if kind == "too_large":
+    # The limit sits just below the bad image; smaller images stay good.
+    pixels = lambda r: np.prod(pipeline.meta_lib.probe("image", r["images"][0]))
+    limits = pipeline.meta_lib.MediaLimits(max_image_pixels=pixels(bad) - 1)
+    good = [r for r in rows if r["images"] and pixels(r) < pixels(bad)]
+    good = (good * 4)[:4]
+  caplog.set_level(logging.WARNING, logger="fluxjax.data.pipeline")
+  with pipeline.ShadowLoader([good[0], bad] + good[1:], 4, CFG, num_workers=1,
+                             num_epochs=1, shuffle=False, limits=limits) as loader:
+    batch = loader.next_batch()
+    assert len(batch) == 4 and "bad" not in [s.id for s in batch]
+    assert loader.skipped == 1
+    assert loader.metrics()[f"data/skipped/{reason}"] == 1
+    assert loader.store.bytes_in_use > 0
+    loader.release(batch)
+    assert loader.store.bytes_in_use == 0
+  assert any("skipping sample bad" in r.getMessage() for r in caplog.records)
+
+
+def test_truncated_mp4_probes_fine_and_fails_in_the_worker(data, tmp_path):
+  _, rows = data
+  bad, _ = _bad_file("truncated_mp4", tmp_path, rows)
+  sample = pipeline.meta_lib.ToMeta(CFG)(0, bad)
+  assert sample.error is None  # the header promised every frame
+
+
+def test_resume_neither_repeats_nor_loses_a_sample(data, tmp_path):
+  _, rows = data
+  rows = list(rows)
+  rows[5] = dict(rows[5], images=[str(tmp_path / "missing.png")], videos=[])
+  kw = dict(num_workers=2, num_epochs=1, seed=11)
+  with pipeline.ShadowLoader(rows, 3, CFG, **kw) as loader:
+    seen = [s.id for _ in range(3) for s in loader.next_batch()]
+    # Samples of the next batch are already decoding in the lookahead window.
+    assert loader.store.bytes_in_use > 0
+    state = json.loads(json.dumps(loader.get_state()))
+  with pipeline.ShadowLoader(rows, 3, CFG, **kw) as loader:
+    loader.set_state(state)
+    rest = [s.id for b in _all_batches(loader) for s in b]
+  good = {r["id"] for i, r in enumerate(rows) if i != 5}
+  assert len(seen) + len(rest) == len(set(seen + rest))
+  assert set(seen + rest) == good
+
+
+def test_dispatch_goes_to_the_least_loaded_worker(data):
+  _, rows = data
+  store = pipeline.store_lib.MetaStore()
+  to_meta = pipeline.meta_lib.ToMeta(CFG)
+  refs = [m for i, r in enumerate(rows) for m in to_meta(i, r).media]
+  with workers.WorkerPool(2, CFG, store) as pool:
+    # Hold the workers' loads by hand: dispatch follows the smaller one.
+    with pool._lock:  # pylint: disable=protected-access
+      pool._load[:] = [10**9, 0]  # pylint: disable=protected-access
+    assert pool.submit(refs[0]) == 1
+    with pool._lock:  # pylint: disable=protected-access
+      pool._load[1] = 2 * 10**9  # pylint: disable=protected-access
+    assert pool.submit(refs[1]) == 0
+    assert pool.submit(refs[1]) == -1  # already in the store
+    for ref in refs[:2]:
+      assert store.wait(ref.media_id, timeout=30).status == "ready"
+  store.close()
+  assert store.bytes_in_use == 0
+
+
+def test_pickle_transport_gives_the_same_patches(data):
+  _, rows = data
+  to_meta = pipeline.meta_lib.ToMeta(CFG)
+  ref = next(m for i, r in enumerate(rows) for m in to_meta(i, r).media
+             if m.kind == "video")
+  store = pipeline.store_lib.MetaStore()
+  with workers.WorkerPool(1, CFG, store, transport="pickle") as pool:
+    pool.submit(ref)
+    got = store.read(ref.media_id, timeout=30)
+  np.testing.assert_array_equal(
+      got, workers.preprocess_file("video", ref.path, CFG).patches)
+  store.close()
+
+
+def test_no_segment_outlives_the_loader(data):
+  _, rows = data
+  if not os.path.isdir("/dev/shm"):
+    pytest.skip("no /dev/shm to inspect")
+  # Python names its segments psm_*; sem.* are the queues' semaphores.
+  segments = lambda: {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
+  before = segments()
+  with pipeline.ShadowLoader(rows, 4, CFG, num_workers=2, num_epochs=1) as loader:
+    loader.next_batch()  # leave consumed and prefetched items behind
+  after = segments() - before
+  assert not after, after

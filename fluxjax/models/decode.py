@@ -1,0 +1,175 @@
+"""KV-cache inference for `vlm.Qwen25VL`: prefill into a slot, decode all slots.
+
+The rollout engine keeps one cache for a fixed number of slots; each slot holds
+one request. Prefill runs a prompt (padded to a bucket length) through the
+decoder, writes its keys/values into the slot and returns the logits of the
+last prompt token. A decode step feeds one token per slot, writes its key/value
+at the slot's current length and returns the next-token logits of every slot.
+
+Everything is built from the model's own submodules (embedding, vision tower,
+the stacked decoder layers, final norm, LM head), so numbers match the
+training forward (`Qwen25VL.hidden_states`) up to summation order.
+
+Cache layout and masks: entries are stored in causal order, so for decode the
+cache index is the causal position: key j is visible to a query at index i iff
+j <= i. M-RoPE positions are separate: a decoded token's rotary position is
+`len(tokens so far) + mrope_delta` (rope_index.py), the same for all three
+sections, given by the caller.
+
+Shapes: L layers, S slots, C cache capacity (tokens per slot), K kv heads,
+H head dim, N query heads, D width, V vocabulary, P prefill bucket length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fluxjax.models import attention as attn_lib
+from fluxjax.models import layers, text, vlm
+from fluxjax.models.vision import VisionInputs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+  """Keys and values of every slot, all layers stacked: [L, S, C, K, H]."""
+  k_LSCKH: jax.Array
+  v_LSCKH: jax.Array
+
+  @property
+  def num_slots(self) -> int:
+    return self.k_LSCKH.shape[1]
+
+  @property
+  def capacity(self) -> int:
+    return self.k_LSCKH.shape[2]
+
+
+def init_cache(model: vlm.Qwen25VL, num_slots: int, capacity: int) -> KVCache:
+  """An empty cache in the model's compute dtype."""
+  t = model.cfg.text
+  shape = (t.num_layers, num_slots, capacity, t.num_kv_heads, t.head_dim)
+  return KVCache(jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
+
+
+def _scan_decoder(model: vlm.Qwen25VL, carry, body):
+  """lax.scan over the stacked decoder layers with the layer index in hand.
+
+  The cache rides in the carry and is updated in place per layer (a
+  dynamic-update-slice or scatter into the carried buffer), so no per-step
+  copy of the whole cache is made.
+  """
+  graphdef, state = nnx.split(model.model.layers)
+
+  def step(carry, inputs):
+    layer_state, i = inputs
+    return body(nnx.merge(graphdef, layer_state), i, carry), None
+
+  carry, _ = jax.lax.scan(step, carry, (state, jnp.arange(model.cfg.text.num_layers)))
+  return carry
+
+
+def _qkv(layer, h, cos, sin):
+  attn = layer.self_attn
+  q = layers.apply_rotary(attn.q_proj(h), cos, sin)
+  k = layers.apply_rotary(attn.k_proj(h), cos, sin)
+  return q, k, attn.v_proj(h)
+
+
+def _head_logits(model: vlm.Qwen25VL, h_ND: jax.Array) -> jax.Array:
+  """fp32 logits, computed as `Qwen25VL.logits` does."""
+  return jnp.einsum("nd,dv->nv", h_ND, model.head_DV().astype(h_ND.dtype),
+                    preferred_element_type=jnp.float32)
+
+
+def prefill(model: vlm.Qwen25VL, cache: KVCache, slot: jax.Array, tokens_P: jax.Array,
+            positions_3P: jax.Array, length: jax.Array,
+            vision: VisionInputs | None = None) -> tuple[jax.Array, KVCache]:
+  """Runs one prompt and writes its keys/values into `slot`.
+
+  Args:
+    model: the model.
+    cache: the cache; entries [0, P) of `slot` are overwritten (those past
+      `length` with padding, which decode overwrites before it can see them).
+    slot: int scalar, the slot to fill.
+    tokens_P: int [P] prompt ids, padded after `length`.
+    positions_3P: int [3, P] M-RoPE positions (padding anything).
+    length: int scalar, real prompt length (>= 1).
+    vision: the prompt's images/videos (one row), or None.
+
+  Returns:
+    (logits_V, cache): fp32 next-token logits after the last prompt token.
+  """
+  p = tokens_P.shape[0]
+  x = model.embed(tokens_P[None], vision)                               # [1, P, D]
+  cos, sin = text.mrope_cos_sin(positions_3P[:, None], model.cfg.text)
+  seg_1P = (jnp.arange(p) < length).astype(jnp.int32)[None]
+  pos_1P = jnp.arange(p, dtype=jnp.int32)[None]
+  backend = model.cfg.attention_backend
+
+  def body(layer, i, carry):
+    x, k_cache, v_cache = carry
+    q, k, v = _qkv(layer, layer.input_layernorm(x), cos, sin)
+    out = attn_lib.attention(q, k, v, backend=backend, q_segment_ids=seg_1P,
+                             kv_segment_ids=seg_1P, q_positions=pos_1P,
+                             kv_positions=pos_1P, causal=True)
+    x = x + layer.self_attn.o_proj(out)
+    x = x + layer.mlp(layer.post_attention_layernorm(x))
+    start = (i, slot, 0, 0, 0)
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k[None].astype(k_cache.dtype), start)
+    v_cache = jax.lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), start)
+    return x, k_cache, v_cache
+
+  x, k_cache, v_cache = _scan_decoder(model, (x, cache.k_LSCKH, cache.v_LSCKH), body)
+  h = model.model.norm(x)[0]                                            # [P, D]
+  last_1D = jax.lax.dynamic_slice_in_dim(h, length - 1, 1, axis=0)
+  return _head_logits(model, last_1D)[0], KVCache(k_cache, v_cache)
+
+
+def decode_step(model: vlm.Qwen25VL, cache: KVCache, tokens_S: jax.Array,
+                lengths_S: jax.Array, rope_pos_S: jax.Array) -> tuple[jax.Array, KVCache]:
+  """Feeds one token per slot; returns next-token logits of every slot.
+
+  Args:
+    model: the model.
+    cache: the cache.
+    tokens_S: int [S] the token each slot feeds (anything for idle slots).
+    lengths_S: int [S] tokens already cached per slot: the new token's
+      key/value goes to this index, and it attends to indices <= it.
+    rope_pos_S: int [S] M-RoPE text position of the fed token
+      (length + mrope_delta).
+
+  Returns:
+    (logits_SV fp32, cache).
+  """
+  s, c = cache.num_slots, cache.capacity
+  x = model.model.embed(tokens_S[:, None], model.dtype)                 # [S, 1, D]
+  positions = jnp.broadcast_to(rope_pos_S[None, :, None], (3, s, 1))
+  cos, sin = text.mrope_cos_sin(positions, model.cfg.text)
+  ones_S1 = jnp.ones((s, 1), jnp.int32)
+  ones_SC = jnp.ones((s, c), jnp.int32)
+  kv_pos_SC = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32)[None], (s, c))
+  q_pos_S1 = lengths_S[:, None].astype(jnp.int32)
+  rows = jnp.arange(s)
+
+  def body(layer, i, carry):
+    x, k_cache, v_cache = carry
+    q, k, v = _qkv(layer, layer.input_layernorm(x), cos, sin)
+    k_cache = k_cache.at[i, rows, lengths_S].set(k[:, 0].astype(k_cache.dtype))
+    v_cache = v_cache.at[i, rows, lengths_S].set(v[:, 0].astype(v_cache.dtype))
+    # One query per slot: the reference attention is the right tool (a
+    # flash kernel gains nothing at query length 1).
+    out = attn_lib.xla_attention(q, k_cache[i], v_cache[i], q_segment_ids=ones_S1,
+                                 kv_segment_ids=ones_SC, q_positions=q_pos_S1,
+                                 kv_positions=kv_pos_SC, causal=True)
+    x = x + layer.self_attn.o_proj(out)
+    x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return x, k_cache, v_cache
+
+  x, k_cache, v_cache = _scan_decoder(model, (x, cache.k_LSCKH, cache.v_LSCKH), body)
+  h = model.model.norm(x)[:, 0]                                         # [S, D]
+  return _head_logits(model, h), KVCache(k_cache, v_cache)

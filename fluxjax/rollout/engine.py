@@ -1,0 +1,450 @@
+"""The embedded rollout engine: slot-based continuous batching in JAX.
+
+A fixed number of slots share one KV cache (models/decode.py). Between steps,
+waiting requests join free slots (one prefill each, its length padded to a
+bucket so that few shapes compile) and finished or aborted requests leave.
+Each step is one jitted call that decodes and samples a token for every slot,
+idle ones included, so the shapes never change. Per-slot sampling parameters
+are arrays (rollout/sampling.py).
+
+The engine is thread-safe: `submit`, `abort`, `pause`, `resume` and
+`update_params` may be called from any thread while `run_forever` steps in a
+background thread (the server) or the caller steps it (`generate`).
+Weights are swapped between steps; the jitted functions take the parameter
+state as an argument, so a swap never recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fluxjax.models import config as config_lib
+from fluxjax.models import decode, hf_io, vision, vlm
+from fluxjax.models.inputs import SequenceInputs
+from fluxjax.models.tokenizer import Tokenizer
+from fluxjax.rollout import protocol, sampling
+from fluxjax.rollout.protocol import ProtocolError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class EngineRequest:
+  """A request inside the engine, with its output as it grows.
+
+  `on_event(req)` is called from the engine thread after each new token and
+  once more when the request finishes (`finish_reason` set).
+  """
+  rid: str
+  prompt: SequenceInputs
+  sampling: SamplingParams
+  return_logprob: bool = True
+  on_event: Callable[["EngineRequest"], None] | None = None
+  output_ids: list[int] = dataclasses.field(default_factory=list)
+  output_logprobs: list[float] = dataclasses.field(default_factory=list)
+  finish_reason: dict | None = None
+  finished_text: str | None = None   # text after stop trimming, set at the end
+  created: float = dataclasses.field(default_factory=time.time)
+  done: threading.Event = dataclasses.field(default_factory=threading.Event)
+  # Engine bookkeeping.
+  seed: int = 0
+  max_new: int = 0
+  slot: int = -1
+  abort_message: str | None = None
+
+  @property
+  def prompt_tokens(self) -> int:
+    return len(self.prompt)
+
+
+def _buckets(capacity: int, smallest: int = 16) -> list[int]:
+  out, b = [], smallest
+  while b < capacity:
+    out.append(b)
+    b *= 2
+  return out + [capacity]
+
+
+def _patch_bucket(n: int, unit: int) -> int:
+  b = max(unit, 16)
+  while b < n:
+    b *= 2
+  return b
+
+
+class Engine:
+  """Continuous batching over `num_slots` slots of `capacity` tokens each."""
+
+  def __init__(self, model: vlm.Qwen25VL, tokenizer: Tokenizer, *, num_slots: int = 8,
+               capacity: int = 512, seed: int = 0, weight_version: str = "default",
+               prefill_buckets: Sequence[int] | None = None):
+    self.cfg = model.cfg
+    self.tokenizer = tokenizer
+    self.num_slots = num_slots
+    self.capacity = capacity
+    self.weight_version = weight_version
+    self.buckets = sorted(prefill_buckets or _buckets(capacity))
+    if self.buckets[-1] > capacity:
+      raise ValueError(f"prefill bucket {self.buckets[-1]} exceeds capacity {capacity}")
+    self._graphdef, self._state = nnx.split(model)
+    self._cache = decode.init_cache(model, num_slots, capacity)
+    self._rng = np.random.default_rng(seed)
+    self.eos_ids = frozenset({self.cfg.eos_token_id, *tokenizer.eos_ids})
+    # Host-side slot state.
+    self._slots: list[EngineRequest | None] = [None] * num_slots
+    self._tokens_S = np.zeros(num_slots, np.int32)
+    self._lengths_S = np.zeros(num_slots, np.int32)
+    self._delta_S = np.zeros(num_slots, np.int32)
+    self._temperature_S = np.ones(num_slots, np.float32)
+    self._top_p_S = np.ones(num_slots, np.float32)
+    self._top_k_S = np.ones(num_slots, np.int32)
+    self._seed_S = np.zeros(num_slots, np.uint32)
+    self._waiting: deque[EngineRequest] = deque()
+    self._by_rid: dict[str, EngineRequest] = {}
+    self._cv = threading.Condition()
+    self._step_lock = threading.RLock()
+    self._paused = False
+    self._stopped = False
+    self._thread: threading.Thread | None = None
+    self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
+
+    graphdef = self._graphdef
+
+    def prefill_fn(state, cache, slot, tokens_P, positions_3P, length, vis, temp, top_p, top_k,
+                   seed):
+      model = nnx.merge(graphdef, state)
+      logits_V, cache = decode.prefill(model, cache, slot, tokens_P, positions_3P, length, vis)
+      tok, lp = sampling.sample(logits_V[None], temp[None], top_p[None], top_k[None],
+                                seed[None], jnp.zeros((1,), jnp.int32))
+      return tok[0], lp[0], cache
+
+    def decode_fn(state, cache, tokens_S, lengths_S, rope_pos_S, steps_S, temp_S, top_p_S,
+                  top_k_S, seed_S):
+      model = nnx.merge(graphdef, state)
+      logits_SV, cache = decode.decode_step(model, cache, tokens_S, lengths_S, rope_pos_S)
+      tok_S, lp_S = sampling.sample(logits_SV, temp_S, top_p_S, top_k_S, seed_S, steps_S)
+      return tok_S, lp_S, cache
+
+    # The cache is donated (updated in place); parameters never are.
+    self._prefill = jax.jit(prefill_fn, donate_argnums=1)
+    self._decode = jax.jit(decode_fn, donate_argnums=1)
+
+  # --- requests ---------------------------------------------------------------------
+
+  def submit(self, req: EngineRequest) -> EngineRequest:
+    """Queues a request; raises ProtocolError if it can never run."""
+    n = len(req.prompt)
+    if n == 0:
+      raise ProtocolError("the prompt is empty")
+    if n >= self.capacity:
+      raise ProtocolError(f"the input ({n} tokens) is longer than the model's context "
+                          f"length ({self.capacity} tokens)")
+    vocab = self.cfg.text.vocab_size
+    if int(req.prompt.tokens_T.max()) >= vocab:
+      raise ProtocolError(f"input_ids must be < vocab_size {vocab}")
+    limit = self.capacity - n
+    mnt = req.sampling.max_new_tokens
+    req.max_new = limit if mnt is None else min(mnt, limit)
+    req.seed = (req.sampling.sampling_seed if req.sampling.sampling_seed is not None
+                else int(self._rng.integers(0, 2**31)))
+    with self._cv:
+      if req.rid in self._by_rid:
+        raise ProtocolError(f"a request with rid {req.rid!r} is already running")
+      self._by_rid[req.rid] = req
+      self._waiting.append(req)
+      self._cv.notify_all()
+    return req
+
+  def abort(self, rid: str | None = None, abort_all: bool = False,
+            message: str = "Abort") -> int:
+    """Marks requests for abort; they finish at the next step boundary."""
+    with self._cv:
+      victims = list(self._by_rid.values()) if abort_all else (
+          [self._by_rid[rid]] if rid in self._by_rid else [])
+      for req in victims:
+        req.abort_message = message
+      self._cv.notify_all()
+    return len(victims)
+
+  def pause(self, mode: str = "abort") -> None:
+    """Stops scheduling; "abort" also aborts everything in flight."""
+    if mode not in ("abort", "in_place", "retract"):
+      raise ProtocolError(f"unknown pause mode {mode!r}; use abort, in_place or retract")
+    with self._cv:
+      self._paused = True
+    if mode == "abort":
+      self.abort(abort_all=True, message="Abort: generation paused")
+      with self._step_lock:
+        self._finish_aborted()
+
+  def resume(self) -> None:
+    with self._cv:
+      self._paused = False
+      self._cv.notify_all()
+
+  @property
+  def paused(self) -> bool:
+    return self._paused
+
+  def load(self) -> dict:
+    with self._cv:
+      running = [r for r in self._slots if r is not None]
+      return {"num_reqs": len(running) + len(self._waiting),
+              "num_running_reqs": len(running), "num_waiting_reqs": len(self._waiting),
+              "num_tokens": int(sum(len(r.prompt) + len(r.output_ids) for r in running))}
+
+  def idle(self) -> bool:
+    with self._cv:
+      return not self._by_rid
+
+  # --- weights ----------------------------------------------------------------------
+
+  def update_params(self, params: nnx.State | vlm.Qwen25VL, weight_version: str) -> None:
+    """Swaps in new parameters between steps (arrays handed over directly)."""
+    state = nnx.split(params)[1] if isinstance(params, nnx.Module) else params
+    with self._step_lock:
+      jax.tree.map(lambda a, b: _check_same(a, b), self._state, state)
+      self._state = state
+      self.weight_version = str(weight_version)
+
+  def load_weights_from_disk(self, path: str, weight_version: str) -> None:
+    """Reads an HF checkpoint folder (same architecture) and swaps it in."""
+    disk = config_lib.load_hf_config(path)
+    if (disk.text, disk.vision) != (self.cfg.text, self.cfg.vision):
+      raise ProtocolError(f"checkpoint at {path} has a different architecture than the "
+                          "served model")
+    model = hf_io.load_hf_checkpoint(path, self.cfg)
+    self.update_params(nnx.split(model)[1], weight_version)
+
+  # --- the loop ---------------------------------------------------------------------
+
+  def start(self) -> None:
+    self._thread = threading.Thread(target=self.run_forever, name="rollout-engine",
+                                    daemon=True)
+    self._thread.start()
+
+  def stop(self) -> None:
+    with self._cv:
+      self._stopped = True
+      self._cv.notify_all()
+    if self._thread is not None:
+      self._thread.join(timeout=10)
+
+  def run_forever(self) -> None:
+    while True:
+      with self._cv:
+        while not self._stopped and not self._has_work():
+          self._cv.wait(timeout=0.5)
+        if self._stopped:
+          return
+      try:
+        self.step()
+      except Exception:  # noqa: BLE001  a failing step must not kill the server silently
+        log.exception("engine step failed; aborting the running requests")
+        self.abort(abort_all=True, message="Abort: engine error")
+        with self._step_lock:
+          self._finish_aborted()
+
+  def _has_work(self) -> bool:
+    if any(r.abort_message for r in self._by_rid.values()):
+      return True
+    if self._paused:
+      return False
+    return bool(self._waiting) or any(s is not None for s in self._slots)
+
+  def generate(self, reqs: Sequence[EngineRequest]) -> list[EngineRequest]:
+    """Runs requests to completion on the calling thread (in-process use)."""
+    for r in reqs:
+      self.submit(r)
+    while not all(r.done.is_set() for r in reqs):
+      if not self.step():
+        time.sleep(0.001)
+    return list(reqs)
+
+  def step(self) -> bool:
+    """Admits, prefills, decodes one token for every slot. Returns if it worked."""
+    with self._step_lock:
+      self._finish_aborted()
+      admitted = self._admit()
+      for req in admitted:
+        self._prefill_one(req)
+      active = [i for i, r in enumerate(self._slots) if r is not None]
+      if not active or self._paused:
+        return bool(admitted)
+      self._decode_all(active)
+      return True
+
+  def _admit(self) -> list[EngineRequest]:
+    out = []
+    with self._cv:
+      if self._paused:
+        return out
+      free = [i for i, r in enumerate(self._slots) if r is None]
+      while free and self._waiting:
+        req = self._waiting.popleft()
+        if req.max_new == 0:
+          self._finish(req, protocol.finish_length(0))
+          continue
+        req.slot = free.pop(0)
+        self._slots[req.slot] = req
+        out.append(req)
+    return out
+
+  def _finish_aborted(self) -> None:
+    with self._cv:
+      victims = [r for r in self._by_rid.values() if r.abort_message]
+      for req in victims:
+        if req.slot >= 0:
+          self._slots[req.slot] = None
+          self._finish(req, protocol.finish_abort(req.abort_message))
+        else:
+          self._waiting.remove(req)
+          self._finish(req, protocol.finish_abort(protocol.ABORT_WAITING))
+
+  def _set_slot_sampling(self, req: EngineRequest) -> None:
+    s, sp = req.slot, req.sampling
+    self._temperature_S[s] = sp.temperature
+    self._top_p_S[s] = sp.top_p
+    self._top_k_S[s] = min(sp.top_k, self.cfg.text.vocab_size)
+    self._seed_S[s] = req.seed
+
+  def _prefill_one(self, req: EngineRequest) -> None:
+    t0 = time.perf_counter()
+    n = len(req.prompt)
+    bucket = next(b for b in self.buckets if b >= n)
+    tokens = np.zeros(bucket, np.int32)
+    tokens[:n] = req.prompt.tokens_T
+    positions = np.zeros((3, bucket), np.int32)
+    positions[:, :n] = req.prompt.positions_3T
+    vis = None
+    if req.prompt.media:
+      media = req.prompt.media
+      cap = _patch_bucket(req.prompt.num_patches, self.cfg.vision.merge_unit)
+      vis = vision.make_vision_inputs([m.patches for m in media], [m.grid_thw for m in media],
+                                      self.cfg.vision, cap)
+    self._set_slot_sampling(req)
+    s = req.slot
+    tok, lp, self._cache = self._prefill(
+        self._state, self._cache, np.int32(s), tokens, positions, np.int32(n), vis,
+        self._temperature_S[s], self._top_p_S[s], self._top_k_S[s], self._seed_S[s])
+    tok, lp = int(tok), float(lp)
+    self.stats["prefill_s"] += time.perf_counter() - t0
+    self._lengths_S[s] = n
+    self._delta_S[s] = req.prompt.mrope_delta
+    self._append(req, tok, lp)
+
+  def _decode_all(self, active: list[int]) -> None:
+    t0 = time.perf_counter()
+    steps_S = np.array([len(r.output_ids) if r is not None else 0 for r in self._slots],
+                       np.int32)
+    tok_S, lp_S, self._cache = self._decode(
+        self._state, self._cache, self._tokens_S, self._lengths_S,
+        self._lengths_S + self._delta_S, steps_S, self._temperature_S, self._top_p_S,
+        self._top_k_S, self._seed_S)
+    tok_S, lp_S = jax.device_get((tok_S, lp_S))
+    self.stats["decode_s"] += time.perf_counter() - t0
+    self.stats["decode_steps"] += 1
+    for s in active:
+      req = self._slots[s]
+      self._lengths_S[s] += 1
+      self._append(req, int(tok_S[s]), float(lp_S[s]))
+
+  def _append(self, req: EngineRequest, tok: int, lp: float) -> None:
+    """Records a sampled token, then finishes the request or feeds the token on."""
+    req.output_ids.append(tok)
+    req.output_logprobs.append(lp)
+    self.stats["tokens"] += 1
+    reason = self._finish_reason(req)
+    if reason is None:
+      self._tokens_S[req.slot] = tok
+      if req.on_event is not None:
+        req.on_event(req)
+      return
+    with self._cv:
+      self._slots[req.slot] = None
+      self._tokens_S[req.slot] = 0
+      self._lengths_S[req.slot] = 0
+      self._finish(req, reason)
+
+  def _finish_reason(self, req: EngineRequest) -> dict | None:
+    """SGLang's `check_finished` order: length, then stop token, then stop string."""
+    sp = req.sampling
+    if len(req.output_ids) >= req.max_new:
+      return protocol.finish_length(req.max_new)
+    last = req.output_ids[-1]
+    if last in sp.stop_token_ids or (not sp.ignore_eos and last in self.eos_ids):
+      return protocol.finish_stop_token(last)
+    if sp.stop:
+      tail = self.tokenizer.decode(req.output_ids)
+      for s in sp.stop:
+        if s in tail:
+          return protocol.finish_stop_str(s)
+    return None
+
+  def _finish(self, req: EngineRequest, reason: dict) -> None:
+    """Sets the final text and wakes the waiter (caller holds `_cv`)."""
+    req.finish_reason = reason
+    req.slot = -1
+    self._by_rid.pop(req.rid, None)
+    req.finished_text = output_text(req, self.tokenizer)
+    req.done.set()
+    if req.on_event is not None:
+      req.on_event(req)
+
+
+def _check_same(a, b):
+  if a.shape != b.shape:
+    raise ValueError(f"new parameter shape {b.shape} != served {a.shape}")
+
+
+def output_text(req: EngineRequest, tokenizer: Tokenizer) -> str:
+  """`text` as SGLang returns it: the matched stop token/string trimmed."""
+  sp = req.sampling
+  ids = req.output_ids
+  reason = req.finish_reason or {}
+  if (reason.get("type") == "stop" and isinstance(reason.get("matched"), int)
+      and not sp.no_stop_trim):
+    ids = ids[:-1]
+  text = tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
+  if (reason.get("type") == "stop" and isinstance(reason.get("matched"), str)
+      and not sp.no_stop_trim):
+    cut = text.find(reason["matched"])
+    text = text[:cut] if cut >= 0 else text
+  return text
+
+
+def response(req: EngineRequest, tokenizer: Tokenizer, weight_version: str,
+             return_text_in_logprobs: bool = False) -> dict:
+  """The /generate response body (also each streamed chunk, cumulative)."""
+  done = req.finish_reason is not None
+  text = req.finished_text if done else output_text(req, tokenizer)
+  meta = {
+      "id": req.rid,
+      "finish_reason": req.finish_reason,
+      "prompt_tokens": req.prompt_tokens,
+      "weight_version": weight_version,
+      "total_retractions": 0,
+      "completion_tokens": len(req.output_ids),
+      "cached_tokens": 0,
+  }
+  if req.return_logprob:
+    meta["input_token_logprobs"] = []
+    # orjson writes NaN/Inf as null; so do we.
+    meta["output_token_logprobs"] = [
+        [lp if np.isfinite(lp) else None, t,
+         tokenizer.decode([t]) if return_text_in_logprobs else None]
+        for lp, t in zip(req.output_logprobs, req.output_ids)]
+  if done:
+    meta["e2e_latency"] = time.time() - req.created
+    meta["response_sent_to_client_ts"] = time.time()
+  return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}

@@ -1,0 +1,128 @@
+"""From a /generate request to model inputs: ids, decoded media, M-RoPE positions.
+
+SGLang (`qwen_vl.py`) accepts prompts whose vision spans are either
+unexpanded (one `<|image_pad|>` per image, as the chat template renders them)
+or already expanded by the HF processor (one pad per merged patch); it
+re-expands both to the same ids. We do the same on ids: each span of pads must
+hold either 1 pad or exactly the image's token count, and spans must match
+`image_data` / `video_data` in number and order.
+
+Media strings: a local file path (what RL clients on a shared filesystem
+send), a `data:<mime>;base64,` URI, or raw base64. URLs are refused: a
+rollout server should not fetch from the network in the middle of a batch.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import tempfile
+
+import numpy as np
+
+from fluxjax.models import inputs, media, processor
+from fluxjax.models.config import ModelConfig
+from fluxjax.models.inputs import SequenceInputs
+from fluxjax.models.tokenizer import Tokenizer
+from fluxjax.rollout.protocol import GenerateRequest, ProtocolError
+
+
+def _materialize(item: str, kind: str, tmpdir: str, index: int) -> str:
+  """A path for a media string (decoding base64 into a temporary file)."""
+  if item.startswith(("http://", "https://")):
+    raise ProtocolError(f"{kind} {index}: URLs are not supported; send a path or base64")
+  if item.startswith("data:"):
+    _, _, payload = item.partition(",")
+  elif os.path.exists(item) or os.sep in item or len(item) < 64:
+    return item  # a path; a missing one fails with "file not found" below
+  else:
+    payload = item
+  try:
+    data = base64.b64decode(payload, validate=True)
+  except (binascii.Error, ValueError) as e:
+    raise ProtocolError(f"{kind} {index}: not a path and not valid base64 ({e})") from e
+  path = os.path.join(tmpdir, f"{kind}{index}")
+  with open(path, "wb") as f:
+    f.write(data)
+  return path
+
+
+def load_media(req: GenerateRequest, proc: processor.VisionProcessorConfig
+               ) -> list[processor.ProcessedVision]:
+  """Decodes and preprocesses the request's images, then its videos."""
+  out = []
+  with tempfile.TemporaryDirectory(prefix="fluxjax-media-") as tmp:
+    try:
+      for i, item in enumerate(req.image_data):
+        path = _materialize(item, "image", tmp, i)
+        out.append(processor.preprocess_image(media.load_image(path), proc))
+      for i, item in enumerate(req.video_data):
+        path = _materialize(item, "video", tmp, i)
+        frames, fps = media.load_video(path, proc)
+        out.append(processor.preprocess_video(frames, proc, fps))
+    except media.MediaError as e:
+      raise ProtocolError(f"cannot load media: {e}") from e
+  return out
+
+
+def _spans(ids_T: np.ndarray, pad: int) -> list[tuple[int, int]]:
+  """(start, length) of each run of `pad` ids."""
+  is_pad = np.concatenate([[False], ids_T == pad, [False]])
+  edges = np.flatnonzero(is_pad[1:] != is_pad[:-1])
+  return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def expand_prompt(ids: list[int], vision: list[processor.ProcessedVision],
+                  cfg: ModelConfig) -> np.ndarray:
+  """Ids with every vision span holding its grid's number of pads."""
+  ids_T = np.asarray(ids, np.int32)
+  m = cfg.vision.spatial_merge_size
+  pieces, cursor = [], 0
+  spans = sorted([(s, n, "image") for s, n in _spans(ids_T, cfg.image_token_id)]
+                 + [(s, n, "video") for s, n in _spans(ids_T, cfg.video_token_id)])
+  kinds = [k for _, _, k in spans]
+  if kinds != [v.kind for v in vision]:
+    raise ProtocolError(f"the prompt's vision spans {kinds} do not match the media sent "
+                        f"({[v.kind for v in vision]}, images first then videos)")
+  for (start, n, kind), v in zip(spans, vision):
+    want = processor.num_vision_tokens(v.grid_thw, m)
+    if n not in (1, want):
+      raise ProtocolError(f"a {kind} span holds {n} pad tokens; expected 1 (unexpanded) or "
+                          f"{want} for grid {tuple(v.grid_thw)}")
+    pad = cfg.image_token_id if kind == "image" else cfg.video_token_id
+    pieces += [ids_T[cursor:start], np.full(want, pad, np.int32)]
+    cursor = start + n
+  pieces.append(ids_T[cursor:])
+  return np.concatenate(pieces)
+
+
+def build_sequence(req: GenerateRequest, tokenizer: Tokenizer, cfg: ModelConfig,
+                   proc: processor.VisionProcessorConfig) -> SequenceInputs:
+  """The request's prompt as SequenceInputs (raises ProtocolError on bad input)."""
+  ids = tokenizer.encode(req.text) if req.text is not None else list(req.input_ids)
+  if not ids:
+    raise ProtocolError("the prompt is empty")
+  vision = load_media(req, proc)
+  # Images and videos come in separate lists; the prompt fixes their interleaving.
+  order = _spans_order(ids, cfg)
+  images = iter([v for v in vision if v.kind == "image"])
+  videos = iter([v for v in vision if v.kind == "video"])
+  n_img, n_vid = len(req.image_data), len(req.video_data)
+  if order.count("image") != n_img or order.count("video") != n_vid:
+    raise ProtocolError(f"the prompt has {order.count('image')} image and "
+                        f"{order.count('video')} video placeholder(s) but the request sent "
+                        f"{n_img} image(s) and {n_vid} video(s)")
+  ordered = [next(images) if k == "image" else next(videos) for k in order]
+  tokens = expand_prompt(ids, ordered, cfg)
+  try:
+    return inputs.sequence_from_tokens(tokens, ordered, cfg)
+  except ValueError as e:
+    raise ProtocolError(str(e)) from e
+
+
+def _spans_order(ids: list[int], cfg: ModelConfig) -> list[str]:
+  ids_T = np.asarray(ids, np.int32)
+  spans = sorted([(s, "image") for s, _ in _spans(ids_T, cfg.image_token_id)]
+                 + [(s, "video") for s, _ in _spans(ids_T, cfg.video_token_id)])
+  return [k for _, k in spans]

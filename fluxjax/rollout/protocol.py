@@ -1,0 +1,239 @@
+"""The subset of SGLang's native HTTP API that RL rollout uses (sglang_api.md).
+
+Our client and our server both speak exactly this, so the client works
+against a real SGLang fleet and is always tested against a real server.
+
+  POST /generate             GenerateRequest -> response dict (or SSE chunks)
+  POST /abort_request        {"rid": str, "abort_all": bool}
+  POST /pause_generation     {"mode": "abort" | "in_place" | "retract"}
+  POST /continue_generation  {}
+  GET|POST /flush_cache
+  POST /update_weights_from_disk  {model_path, load_format, flush_cache,
+                                   abort_all_requests, weight_version}
+  GET /health, /health_generate, /get_model_info, /model_info,
+      /get_server_info, /server_info, /get_weight_version, /get_load
+
+Errors are HTTP 400 with `{"error": {"message": ...}}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Any
+
+# SamplingParams keys and defaults (sampling_params.py). An unknown key is an
+# error, as in SGLang (it builds SamplingParams(**dict)).
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    "max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_new_tokens": 0, "stop": None, "stop_token_ids": None, "stop_regex": None,
+    "ignore_eos": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "no_stop_trim": False, "n": 1, "json_schema": None, "regex": None, "ebnf": None,
+    "structural_tag": None, "logit_bias": None, "custom_params": None,
+    "stream_interval": None, "sampling_seed": None,
+}
+# Known keys our engine does not implement: accepted only at their defaults, so
+# a request never silently gets different sampling than it asked for.
+_UNSUPPORTED = ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+                "min_new_tokens", "stop_regex", "n", "json_schema", "regex", "ebnf",
+                "structural_tag", "logit_bias", "custom_params")
+GREEDY_EPS = 1e-6
+TOP_K_ALL = 1 << 30  # SGLang stores top_k = -1 as 1 << 30
+
+# Top-level GenerateReqInput fields. Those we do not use are accepted and ignored
+# when they hold their defaults.
+_GENERATE_FIELDS = {
+    "text", "input_ids", "input_embeds", "image_data", "video_data", "audio_data",
+    "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
+    "token_ids_logprob", "return_text_in_logprobs", "stream", "return_hidden_states",
+    "return_routed_experts", "lora_path", "session_params", "session_id",
+    "custom_logit_processor", "priority", "routed_dp_rank", "extra_key",
+    "return_prompt_token_ids", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+    "data_parallel_rank", "log_metrics", "modalities",
+}
+
+
+class ProtocolError(ValueError):
+  """A malformed request; the server answers 400 with this message."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Validated sampling parameters, after SGLang's normalization."""
+  max_new_tokens: int | None = 128
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = TOP_K_ALL
+  stop: tuple[str, ...] = ()
+  stop_token_ids: tuple[int, ...] = ()
+  ignore_eos: bool = False
+  skip_special_tokens: bool = True
+  no_stop_trim: bool = False
+  sampling_seed: int | None = None
+
+  @property
+  def greedy(self) -> bool:
+    return self.top_k == 1
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+    d = {} if d is None else d
+    if not isinstance(d, dict):
+      raise ProtocolError(f"sampling_params must be an object, got {type(d).__name__}")
+    unknown = sorted(set(d) - set(SAMPLING_DEFAULTS))
+    if unknown:
+      raise ProtocolError(f"unknown sampling parameter(s) {unknown}; SGLang accepts "
+                          f"{sorted(SAMPLING_DEFAULTS)}")
+    p = {**SAMPLING_DEFAULTS, **d}
+    for key in _UNSUPPORTED:
+      if p[key] != SAMPLING_DEFAULTS[key]:
+        raise ProtocolError(f"sampling parameter {key!r}={p[key]!r} is not supported by "
+                            f"this server (only the default {SAMPLING_DEFAULTS[key]!r})")
+    max_new = p["max_new_tokens"]
+    if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool)
+                                or max_new < 0):
+      raise ProtocolError(f"max_new_tokens must be a non-negative int or null, got {max_new!r}")
+    temperature, top_p, top_k = p["temperature"], p["top_p"], p["top_k"]
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+      raise ProtocolError(f"temperature must be >= 0, got {temperature!r}")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+      raise ProtocolError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not isinstance(top_k, int) or (top_k != -1 and top_k < 1):
+      raise ProtocolError(f"top_k must be -1 (all) or >= 1, got {top_k!r}")
+    top_k = TOP_K_ALL if top_k == -1 else top_k
+    if temperature < GREEDY_EPS:  # SGLang's greedy rewrite
+      temperature, top_k = 1.0, 1
+    stop = p["stop"]
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(s, str) and s for s in stop):
+      raise ProtocolError(f"stop must be a non-empty string or a list of them, got {p['stop']!r}")
+    stop_ids = p["stop_token_ids"] or ()
+    if not all(isinstance(i, int) for i in stop_ids):
+      raise ProtocolError(f"stop_token_ids must be ints, got {stop_ids!r}")
+    seed = p["sampling_seed"]
+    if seed is not None and not isinstance(seed, int):
+      raise ProtocolError(f"sampling_seed must be an int, got {seed!r}")
+    return cls(max_new_tokens=max_new, temperature=float(temperature), top_p=float(top_p),
+               top_k=int(top_k), stop=stop, stop_token_ids=tuple(stop_ids),
+               ignore_eos=bool(p["ignore_eos"]),
+               skip_special_tokens=bool(p["skip_special_tokens"]),
+               no_stop_trim=bool(p["no_stop_trim"]), sampling_seed=seed)
+
+
+@dataclasses.dataclass
+class GenerateRequest:
+  """One (non-batched) /generate request."""
+  rid: str
+  sampling: SamplingParams
+  text: str | None = None
+  input_ids: list[int] | None = None
+  image_data: list[str] = dataclasses.field(default_factory=list)
+  video_data: list[str] = dataclasses.field(default_factory=list)
+  return_logprob: bool = False
+  return_text_in_logprobs: bool = False
+  stream: bool = False
+
+
+def _as_list(x) -> list:
+  if x is None:
+    return []
+  return list(x) if isinstance(x, list) else [x]
+
+
+def parse_generate(body: Any) -> GenerateRequest:
+  """Validates a /generate body. Batches are not supported: fan out instead.
+
+  Raises:
+    ProtocolError: with a message naming the offending field.
+  """
+  if not isinstance(body, dict):
+    raise ProtocolError("the /generate body must be a JSON object")
+  unknown = sorted(set(body) - _GENERATE_FIELDS)
+  if unknown:
+    raise ProtocolError(f"unknown /generate field(s) {unknown}")
+  given = [k for k in ("text", "input_ids", "input_embeds") if body.get(k) is not None]
+  if len(given) != 1:
+    raise ProtocolError(f"give exactly one of text / input_ids / input_embeds, got {given}")
+  if given[0] == "input_embeds":
+    raise ProtocolError("input_embeds is not supported by this server")
+  text, ids = body.get("text"), body.get("input_ids")
+  if isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
+    raise ProtocolError("batched /generate is not supported; send one request per prompt")
+  if text is not None and not isinstance(text, str):
+    raise ProtocolError(f"text must be a string, got {type(text).__name__}")
+  if ids is not None:
+    if not isinstance(ids, list) or not ids:
+      raise ProtocolError("input_ids must be a non-empty list of ints")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+      raise ProtocolError("input_ids must hold non-negative ints")
+  for key in ("top_logprobs_num",):
+    if body.get(key):
+      raise ProtocolError(f"{key} is not supported by this server")
+  if body.get("logprob_start_len", -1) != -1:
+    raise ProtocolError("only logprob_start_len = -1 (output logprobs) is supported")
+  if body.get("token_ids_logprob") is not None:
+    raise ProtocolError("token_ids_logprob is not supported by this server")
+  media = {}
+  for key in ("image_data", "video_data"):
+    items = _as_list(body.get(key))
+    if not all(isinstance(x, str) for x in items):
+      raise ProtocolError(f"{key} items must be strings (path, URL, data URI or base64)")
+    media[key] = items
+  if body.get("audio_data"):
+    raise ProtocolError("audio_data is not supported by this model")
+  rid = body.get("rid") or uuid.uuid4().hex
+  if not isinstance(rid, str):
+    raise ProtocolError("rid must be a string (batches are not supported)")
+  return GenerateRequest(
+      rid=rid, sampling=SamplingParams.from_dict(body.get("sampling_params")), text=text,
+      input_ids=ids, image_data=media["image_data"], video_data=media["video_data"],
+      return_logprob=bool(body.get("return_logprob", False)),
+      return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
+      stream=bool(body.get("stream", False)))
+
+
+# --- finish reasons (schedule_batch.py FINISH_* classes) ---------------------------
+
+def finish_stop_token(token_id: int) -> dict:
+  return {"type": "stop", "matched": int(token_id)}
+
+
+def finish_stop_str(s: str) -> dict:
+  return {"type": "stop", "matched": s}
+
+
+def finish_length(limit: int) -> dict:
+  return {"type": "length", "length": int(limit)}
+
+
+def finish_abort(message: str = "Abort") -> dict:
+  return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+
+
+ABORT_WAITING = "Abort in waiting queue"
+
+
+def error_body(message: str) -> dict:
+  return {"error": {"message": message}}
+
+
+def generate_request_body(input_ids: list[int] | None = None, *, text: str | None = None,
+                          sampling_params: dict | None = None, rid: str | None = None,
+                          image_data: list[str] | None = None,
+                          video_data: list[str] | None = None, return_logprob: bool = True,
+                          stream: bool = False) -> dict:
+  """A /generate body as RL clients send it (slime / AReaL shape)."""
+  body: dict[str, Any] = {"sampling_params": dict(sampling_params or {}),
+                          "return_logprob": return_logprob, "stream": stream}
+  if text is not None:
+    body["text"] = text
+  if input_ids is not None:
+    body["input_ids"] = [int(i) for i in input_ids]
+  if rid is not None:
+    body["rid"] = rid
+  if image_data:
+    body["image_data"] = list(image_data)
+  if video_data:
+    body["video_data"] = list(video_data)
+  return body

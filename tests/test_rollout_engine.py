@@ -1,0 +1,180 @@
+"""The embedded engine in-process: against a plain decode loop and the trainer.
+
+The reference loop re-runs the full (training) forward over the growing
+sequence each step and takes the argmax: no cache, no slots, no buckets.
+Behaviour logprobs are checked against `Qwen25VL.token_logprobs` over
+`pack_row([prompt.extend(response)])`, exactly what the trainer computes.
+"""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from fluxjax.models import config, inputs, processor, vlm
+from fluxjax.models.tokenizer import Tokenizer
+from fluxjax.rollout import engine as engine_lib
+from fluxjax.rollout import protocol
+
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model():
+  return vlm.create_model(config.preset("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return Tokenizer.default()
+
+
+@pytest.fixture(scope="module")
+def engine(model, tok):
+  return engine_lib.Engine(model, tok, num_slots=4, capacity=96, seed=0,
+                           prefill_buckets=(16, 32, 96))
+
+
+def text_seq(cfg, n, seed):
+  ids = np.random.default_rng(seed).integers(0, 490, n)
+  return inputs.sequence_from_tokens(ids, [], cfg)
+
+
+def params(**kw):
+  return protocol.SamplingParams.from_dict(kw)
+
+
+_forward = nnx.jit(lambda m, row: m.logits(row))
+
+
+def reference_greedy(model, seq, n):
+  """Full forward over the whole sequence per token (padded to one shape: one compile)."""
+  out = []
+  patches = 64 if seq.media else None
+  for _ in range(n):
+    cur = seq.extend(out)
+    row = inputs.pack_row([cur], model.cfg, token_capacity=128, patch_capacity=patches)
+    logits = np.asarray(_forward(model, row))[0, len(cur) - 1]
+    out.append(int(np.argmax(logits)))
+  return out
+
+
+def trainer_logprobs(model, seq, response):
+  full = seq.extend(response)
+  targets = np.concatenate([full.tokens_T[1:], [0]])[None]
+  lp = np.asarray(model.token_logprobs(inputs.pack_row([full], model.cfg), targets))[0]
+  return lp[len(seq) - 1:len(full) - 1]
+
+
+def run(engine, seqs, sp, prefix):
+  reqs = [engine_lib.EngineRequest(f"{prefix}{i}", s, sp) for i, s in enumerate(seqs)]
+  return engine.generate(reqs)
+
+
+def test_greedy_equals_reference_loop_with_slots_joining_and_leaving(model, engine):
+  # Five prompts of different lengths (two buckets) over four slots, with
+  # different limits so that requests leave and join between steps.
+  seqs = [text_seq(model.cfg, n, i) for i, n in enumerate((5, 12, 20, 3, 30))]
+  reqs = [engine_lib.EngineRequest(f"g{i}", s, params(max_new_tokens=3 + i, temperature=0))
+          for i, s in enumerate(seqs)]
+  engine.generate(reqs)
+  for i, (r, s) in enumerate(zip(reqs, seqs)):
+    assert r.finish_reason == {"type": "length", "length": 3 + i}
+    assert r.output_ids == reference_greedy(model, s, 3 + i)
+
+
+def test_behaviour_logprobs_equal_trainer_logprobs(model, engine):
+  seqs = [text_seq(model.cfg, n, 10 + n) for n in (7, 18)]
+  sp = params(max_new_tokens=8, temperature=1.0, sampling_seed=5)
+  for r, s in zip(run(engine, seqs, sp, "lp"), seqs):
+    np.testing.assert_allclose(r.output_logprobs, trainer_logprobs(model, s, r.output_ids),
+                               atol=LOGPROB_TOL, rtol=0)
+
+
+def test_seeded_sampling_is_reproducible(model, engine):
+  seq = text_seq(model.cfg, 9, 3)
+  a = run(engine, [seq, seq], params(max_new_tokens=8, sampling_seed=7), "sa")
+  b = run(engine, [seq], params(max_new_tokens=8, sampling_seed=7), "sb")
+  c = run(engine, [seq], params(max_new_tokens=8, sampling_seed=8), "sc")
+  assert a[0].output_ids == a[1].output_ids == b[0].output_ids
+  assert c[0].output_ids != a[0].output_ids
+
+
+def test_top_k_and_top_p_keep_samples_in_the_nucleus(model, engine):
+  seq = text_seq(model.cfg, 9, 4)
+  logits = np.asarray(model.logits(inputs.pack_row([seq], model.cfg)))[0, -1]
+  order = np.argsort(-logits)
+  outs = run(engine, [seq] * 4, params(max_new_tokens=1, top_k=3), "tk")
+  assert all(r.output_ids[0] in order[:3] for r in outs)
+  # top_p tiny: only the argmax survives.
+  outs = run(engine, [seq] * 2, params(max_new_tokens=1, top_p=1e-6), "tp")
+  assert all(r.output_ids[0] == order[0] for r in outs)
+
+
+def test_stop_token_and_stop_string(model, engine, tok):
+  seq = text_seq(model.cfg, 11, 5)
+  full = reference_greedy(model, seq, 6)
+  (r,) = run(engine, [seq], params(max_new_tokens=6, temperature=0,
+                                   stop_token_ids=[full[2]]), "st")
+  first = full.index(full[2])
+  assert r.output_ids == full[:first + 1]
+  assert r.finish_reason == {"type": "stop", "matched": full[2]}
+  stop = next(tok.decode([t]) for t in full[1:] if tok.decode([t]).strip())
+  (r,) = run(engine, [seq], params(max_new_tokens=6, temperature=0, stop=[stop]), "ss")
+  assert r.finish_reason == {"type": "stop", "matched": stop}
+  assert stop not in r.finished_text
+  assert tok.decode(r.output_ids).startswith(r.finished_text)
+
+
+def test_image_and_video_prompt_equals_reference(model, engine, tok):
+  pcfg = processor.VisionProcessorConfig(video_min_pixels=56 * 56, image_min_pixels=56 * 56)
+  rng = np.random.default_rng(0)
+  img = processor.preprocess_image(rng.integers(0, 255, (56, 84, 3), dtype=np.uint8), pcfg)
+  vid = processor.preprocess_video(rng.integers(0, 255, (4, 56, 56, 3), dtype=np.uint8),
+                                   pcfg, fps=2.0)
+  messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "a"},
+                                           {"type": "video"}]}]
+  seq = inputs.sequence_from_chat(messages, [img, vid], tok, model.cfg)
+  assert seq.mrope_delta != 0  # decode positions must continue from the delta
+  (r,) = run(engine, [seq], params(max_new_tokens=4, temperature=0), "mm")
+  assert r.output_ids == reference_greedy(model, seq, 4)
+  np.testing.assert_allclose(r.output_logprobs, trainer_logprobs(model, seq, r.output_ids),
+                             atol=LOGPROB_TOL, rtol=0)
+
+
+def test_abort_returns_partial_output(model, engine):
+  seq = text_seq(model.cfg, 6, 6)
+  req = engine.submit(engine_lib.EngineRequest("ab", seq, params(max_new_tokens=50)))
+  waiting = engine.submit(engine_lib.EngineRequest("ab-wait", seq, params(max_new_tokens=5)))
+  engine.abort("ab-wait")
+  for _ in range(3):
+    engine.step()
+  engine.abort("ab")
+  engine.step()
+  assert req.finish_reason["type"] == "abort" and 0 < len(req.output_ids) < 50
+  assert len(req.output_logprobs) == len(req.output_ids)
+  assert waiting.finish_reason["message"] == protocol.ABORT_WAITING
+  assert engine.idle()
+
+
+def test_prompt_longer_than_context_is_rejected(model, engine):
+  with pytest.raises(protocol.ProtocolError, match="longer than"):
+    engine.submit(engine_lib.EngineRequest("long", text_seq(model.cfg, 96, 0), params()))
+  # max_new_tokens is clipped to the context that is left.
+  (r,) = run(engine, [text_seq(model.cfg, 90, 1)], params(max_new_tokens=50, temperature=0),
+             "clip")
+  assert r.finish_reason == {"type": "length", "length": 6}
+
+
+def test_update_params_swaps_weights(model, engine, tok):
+  seq = text_seq(model.cfg, 8, 8)
+  sp = params(max_new_tokens=5, temperature=0)
+  before = run(engine, [seq], sp, "w0")[0].output_ids
+  other = vlm.create_model(model.cfg, seed=1)
+  engine.update_params(other, "v1")
+  try:
+    after = run(engine, [seq], sp, "w1")[0]
+    assert after.output_ids == reference_greedy(other, seq, 5) != before
+    assert engine_lib.response(after, tok, engine.weight_version)["meta_info"][
+        "weight_version"] == "v1"
+  finally:
+    engine.update_params(model, "default")

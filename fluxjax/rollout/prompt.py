@@ -103,16 +103,16 @@ def build_sequence(req: GenerateRequest, tokenizer: Tokenizer, cfg: ModelConfig,
   ids = tokenizer.encode(req.text) if req.text is not None else list(req.input_ids)
   if not ids:
     raise ProtocolError("the prompt is empty")
-  vision = load_media(req, proc)
   # Images and videos come in separate lists; the prompt fixes their interleaving.
   order = _spans_order(ids, cfg)
-  images = iter([v for v in vision if v.kind == "image"])
-  videos = iter([v for v in vision if v.kind == "video"])
   n_img, n_vid = len(req.image_data), len(req.video_data)
   if order.count("image") != n_img or order.count("video") != n_vid:
     raise ProtocolError(f"the prompt has {order.count('image')} image and "
                         f"{order.count('video')} video placeholder(s) but the request sent "
                         f"{n_img} image(s) and {n_vid} video(s)")
+  vision = load_media(req, proc)
+  images = iter([v for v in vision if v.kind == "image"])
+  videos = iter([v for v in vision if v.kind == "video"])
   ordered = [next(images) if k == "image" else next(videos) for k in order]
   tokens = expand_prompt(ids, ordered, cfg)
   try:

@@ -1,0 +1,178 @@
+"""Async client for one server speaking SGLang's native API (ours or SGLang's).
+
+Errors are split by what the caller should do about them:
+  RequestRejected  the server answered 400: the request is bad, do not retry;
+  ServerUnavailable  connection refused/reset, timeout, 5xx: try another server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+
+class RequestRejected(ValueError):
+  """HTTP 400: a malformed request (message from the server)."""
+
+
+class ServerUnavailable(ConnectionError):
+  """The server is down, unreachable, overloaded or failed."""
+
+
+@dataclasses.dataclass
+class Completion:
+  """One finished (or aborted) response, parsed from the SGLang response body.
+
+  Attributes:
+    rid: the request id.
+    text: decoded output (stop string/token trimmed as the server does).
+    output_ids: generated ids, the matched EOS included.
+    logprobs: behaviour logprob per output id (None where the server sent null).
+    finish_reason: SGLang's dict: {"type": "stop"|"length"|"abort", ...}.
+    prompt_tokens: expanded prompt length.
+    weight_version: the server's weight version when the response was built.
+    server: URL of the server that produced it.
+    meta_info: the full meta_info dict.
+  """
+  rid: str
+  text: str
+  output_ids: list[int]
+  logprobs: list[float | None]
+  finish_reason: dict
+  prompt_tokens: int | None
+  weight_version: str
+  server: str
+  meta_info: dict
+
+  @property
+  def finish_type(self) -> str:
+    return self.finish_reason["type"]
+
+  @classmethod
+  def from_response(cls, body: dict, server: str) -> "Completion":
+    meta = body["meta_info"]
+    lps = meta.get("output_token_logprobs") or []
+    return cls(rid=meta["id"], text=body.get("text", ""), output_ids=list(body["output_ids"]),
+               logprobs=[x[0] for x in lps], finish_reason=meta["finish_reason"],
+               prompt_tokens=meta.get("prompt_tokens"),
+               weight_version=str(meta.get("weight_version")), server=server, meta_info=meta)
+
+
+_CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
+                      asyncio.TimeoutError, ConnectionError)
+
+
+class SGLangClient:
+  """Calls one server. Shares the caller's aiohttp session when given."""
+
+  def __init__(self, url: str, session: aiohttp.ClientSession | None = None,
+               timeout_s: float = 3600.0):
+    self.url = url.rstrip("/")
+    self._session = session
+    self._own_session = session is None
+    self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+  async def session(self) -> aiohttp.ClientSession:
+    if self._session is None or self._session.closed:
+      self._session = aiohttp.ClientSession()
+      self._own_session = True
+    return self._session
+
+  async def close(self) -> None:
+    if self._own_session and self._session is not None:
+      await self._session.close()
+
+  async def request(self, method: str, path: str, body: Any = None,
+                    timeout_s: float | None = None) -> tuple[int, Any]:
+    """(status, parsed JSON or text). Raises ServerUnavailable / RequestRejected."""
+    session = await self.session()
+    timeout = self.timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
+    try:
+      async with session.request(method, self.url + path, json=body, timeout=timeout) as r:
+        raw = await r.text()
+        status = r.status
+    except _CONNECTION_ERRORS as e:
+      raise ServerUnavailable(f"{self.url}{path}: {type(e).__name__}: {e}") from e
+    try:
+      data = json.loads(raw) if raw else None
+    except json.JSONDecodeError:
+      data = raw
+    if status == 400:
+      msg = data.get("error", {}).get("message", raw) if isinstance(data, dict) else raw
+      raise RequestRejected(f"{self.url}{path}: {msg}")
+    if status >= 500:
+      raise ServerUnavailable(f"{self.url}{path}: HTTP {status}: {raw[:200]}")
+    return status, data
+
+  async def generate(self, body: dict) -> Completion:
+    body = {**body, "stream": False}
+    _, data = await self.request("POST", "/generate", body)
+    return Completion.from_response(data, self.url)
+
+  async def generate_stream(self, body: dict) -> AsyncIterator[dict]:
+    """Yields SGLang's cumulative SSE chunks (the last has a finish_reason)."""
+    session = await self.session()
+    body = {**body, "stream": True}
+    try:
+      async with session.post(self.url + "/generate", json=body, timeout=self.timeout) as r:
+        if r.status == 400:
+          raise RequestRejected(f"{self.url}/generate: {await r.text()}")
+        if r.status != 200:
+          raise ServerUnavailable(f"{self.url}/generate: HTTP {r.status}")
+        async for line in r.content:
+          line = line.strip()
+          if not line.startswith(b"data:"):
+            continue
+          payload = line[5:].strip()
+          if payload == b"[DONE]":
+            return
+          yield json.loads(payload)
+    except _CONNECTION_ERRORS as e:
+      raise ServerUnavailable(f"{self.url}/generate: {type(e).__name__}: {e}") from e
+
+  async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+    await self.request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
+
+  async def pause(self, mode: str = "abort") -> None:
+    await self.request("POST", "/pause_generation", {"mode": mode})
+
+  async def resume(self) -> None:
+    await self.request("POST", "/continue_generation", {})
+
+  async def flush_cache(self, retries: int = 50, delay_s: float = 0.1) -> None:
+    """Retries while the server is busy (slime's loop)."""
+    for _ in range(retries):
+      try:
+        await self.request("POST", "/flush_cache", {})
+        return
+      except RequestRejected:
+        await asyncio.sleep(delay_s)
+    raise ServerUnavailable(f"{self.url}: flush_cache kept failing")
+
+  async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                     abort_all_requests: bool = False) -> dict:
+    _, data = await self.request("POST", "/update_weights_from_disk", {
+        "model_path": model_path, "load_format": None, "flush_cache": True,
+        "abort_all_requests": abort_all_requests,
+        "weight_version": None if weight_version is None else str(weight_version)})
+    if not data.get("success"):
+      raise RequestRejected(f"{self.url}: {data.get('message')}")
+    return data
+
+  async def health(self, timeout_s: float = 5.0) -> bool:
+    try:
+      status, _ = await self.request("GET", "/health", timeout_s=timeout_s)
+      return status == 200
+    except (ServerUnavailable, RequestRejected):
+      return False
+
+  async def server_info(self) -> dict:
+    return (await self.request("GET", "/get_server_info"))[1]
+
+  async def weight_version(self) -> str:
+    return str((await self.request("GET", "/get_weight_version"))[1]["weight_version"])

@@ -1,0 +1,344 @@
+"""A fleet of rollout servers: routing, retries, health, weight versions, launching.
+
+Requests are fanned out one response per HTTP call (n = 1), so each can be
+aborted by rid. Routing:
+  * prompt affinity: requests with the same group key (a GRPO group; by
+    default the prompt itself) go to the server the group first went to, so
+    the group shares that server's prefix cache;
+  * otherwise the healthy server with the fewest outstanding tokens
+    (prompt + max_new_tokens of its in-flight requests).
+A server that fails (connection refused or reset, 5xx) is marked down, its
+groups are re-homed, and the request is retried from scratch elsewhere. A
+background task re-checks `/health` and brings servers back.
+
+`launch_servers` starts server processes (`python -m sglang.launch_server ...`
+or ours) on free ports and waits for their health; `make_rollout` builds the
+backend a run config asks for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import aiohttp
+
+from fluxjax.rollout.client import (Completion, RequestRejected, ServerUnavailable,
+                                    SGLangClient)
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class ServerState:
+  client: SGLangClient
+  healthy: bool = True
+  outstanding_tokens: int = 0
+  inflight: set = dataclasses.field(default_factory=set)
+  weight_version: str | None = None
+  completed: int = 0
+
+  @property
+  def url(self) -> str:
+    return self.client.url
+
+
+def _cost(body: dict) -> int:
+  prompt = len(body.get("input_ids") or ()) or len(body.get("text") or "") // 4 + 1
+  max_new = (body.get("sampling_params") or {}).get("max_new_tokens", 128) or 128
+  return prompt + max_new
+
+
+def prompt_key(body: dict) -> str:
+  """Default group key: the prompt ids/text and its media."""
+  h = hashlib.sha1()
+  for k in ("input_ids", "text", "image_data", "video_data"):
+    h.update(json.dumps(body.get(k), sort_keys=True).encode())
+  return h.hexdigest()
+
+
+class NoServerAvailable(ServerUnavailable):
+  """Every server is down."""
+
+
+class Fleet:
+  """Async client over several servers (see module docstring)."""
+
+  def __init__(self, urls: Sequence[str], *, health_interval_s: float = 2.0,
+               request_timeout_s: float = 3600.0, max_attempts: int | None = None):
+    self._session: aiohttp.ClientSession | None = None
+    self.servers = [ServerState(SGLangClient(u, timeout_s=request_timeout_s)) for u in urls]
+    self.affinity: dict[str, ServerState] = {}
+    self.where: dict[str, ServerState] = {}    # rid -> server running it
+    self.health_interval_s = health_interval_s
+    self.max_attempts = max_attempts or 2 * len(self.servers)
+    self._health_task: asyncio.Task | None = None
+    self.retries = 0
+
+  async def __aenter__(self) -> "Fleet":
+    await self.start()
+    return self
+
+  async def __aexit__(self, *exc) -> None:
+    await self.close()
+
+  async def start(self) -> None:
+    self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    for s in self.servers:
+      s.client._session, s.client._own_session = self._session, False
+    self._health_task = asyncio.create_task(self._health_loop())
+
+  async def close(self) -> None:
+    if self._health_task is not None:
+      self._health_task.cancel()
+      try:
+        await self._health_task
+      except asyncio.CancelledError:
+        pass
+    if self._session is not None:
+      await self._session.close()
+
+  # --- routing --------------------------------------------------------------------
+
+  def _pick(self, group: str, exclude: set) -> ServerState:
+    home = self.affinity.get(group)
+    if home is not None and home.healthy and home not in exclude:
+      return home
+    candidates = [s for s in self.servers if s.healthy and s not in exclude]
+    if not candidates:
+      candidates = [s for s in self.servers if s.healthy]
+    if not candidates:
+      raise NoServerAvailable("no healthy rollout server")
+    best = min(candidates, key=lambda s: (s.outstanding_tokens, len(s.inflight)))
+    self.affinity[group] = best
+    return best
+
+  def _mark_down(self, server: ServerState, why: str) -> None:
+    if server.healthy:
+      log.warning("rollout server %s marked down: %s", server.url, why)
+    server.healthy = False
+    for g in [g for g, s in self.affinity.items() if s is server]:
+      del self.affinity[g]
+
+  async def generate(self, body: dict, group: str | None = None) -> Completion:
+    """Runs one request to completion, retrying on other servers if one fails.
+
+    Raises:
+      RequestRejected: the request is malformed (no retry).
+      NoServerAvailable: every attempt failed.
+    """
+    group = group or prompt_key(body)
+    rid = body.get("rid") or os.urandom(16).hex()
+    body = {**body, "rid": rid}
+    cost = _cost(body)
+    tried: set = set()
+    last: Exception | None = None
+    for attempt in range(self.max_attempts):
+      server = self._pick(group, tried)
+      server.outstanding_tokens += cost
+      server.inflight.add(rid)
+      self.where[rid] = server
+      try:
+        out = await server.client.generate(body)
+        server.weight_version = out.weight_version
+        server.completed += 1
+        return out
+      except ServerUnavailable as e:
+        last = e
+        tried.add(server)
+        self._mark_down(server, str(e))
+        self.retries += 1
+        if attempt + 1 < self.max_attempts:
+          await asyncio.sleep(0.05 * attempt)
+      finally:
+        server.outstanding_tokens -= cost
+        server.inflight.discard(rid)
+        self.where.pop(rid, None)
+    raise NoServerAvailable(f"request {rid} failed on every server: {last}")
+
+  async def generate_many(self, bodies: Sequence[dict], groups: Sequence[str | None] | None = None
+                          ) -> AsyncIterator[tuple[int, Completion | Exception]]:
+    """Yields (index, completion or error) as each request finishes."""
+    groups = groups or [None] * len(bodies)
+
+    async def one(i):
+      try:
+        return i, await self.generate(bodies[i], groups[i])
+      except (RequestRejected, ServerUnavailable) as e:
+        return i, e
+
+    tasks = [asyncio.create_task(one(i)) for i in range(len(bodies))]
+    try:
+      for fut in asyncio.as_completed(tasks):
+        yield await fut
+    finally:
+      for t in tasks:
+        t.cancel()
+
+  async def abort(self, rid: str) -> None:
+    server = self.where.get(rid)
+    if server is not None:
+      await server.client.abort(rid)
+
+  async def abort_all(self) -> None:
+    await self.broadcast(lambda c: c.abort(abort_all=True))
+
+  # --- fleet-wide control ------------------------------------------------------------
+
+  async def broadcast(self, fn) -> list:
+    """Runs `fn(client)` on every healthy server concurrently; marks failures down."""
+    servers = [s for s in self.servers if s.healthy]
+
+    async def run(s):
+      try:
+        return await fn(s.client)
+      except ServerUnavailable as e:
+        self._mark_down(s, str(e))
+        return e
+
+    return await asyncio.gather(*(run(s) for s in servers))
+
+  async def check_health(self) -> list[bool]:
+    results = await asyncio.gather(*(s.client.health() for s in self.servers))
+    for s, ok in zip(self.servers, results):
+      if ok and not s.healthy:
+        log.info("rollout server %s is back", s.url)
+      if not ok:
+        self._mark_down(s, "health check failed")
+      s.healthy = ok
+    return list(results)
+
+  async def refresh_versions(self) -> dict[str, str]:
+    for s in self.servers:
+      if s.healthy:
+        try:
+          s.weight_version = await s.client.weight_version()
+        except ServerUnavailable as e:
+          self._mark_down(s, str(e))
+    return {s.url: s.weight_version for s in self.servers}
+
+  async def _health_loop(self) -> None:
+    while True:
+      await asyncio.sleep(self.health_interval_s)
+      try:
+        await self.check_health()
+      except Exception:  # noqa: BLE001  the loop must survive anything
+        log.exception("health check loop")
+
+
+# --- launching ----------------------------------------------------------------------
+
+def free_port(host: str = "127.0.0.1") -> int:
+  with socket.socket() as s:
+    s.bind((host, 0))
+    return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class LaunchedServers:
+  """Server processes started by `launch_servers`; `stop()` ends them."""
+  urls: list[str]
+  procs: list[subprocess.Popen]
+  logs: list[str]
+
+  def stop(self) -> None:
+    for p in self.procs:
+      if p.poll() is None:
+        p.terminate()
+    for p in self.procs:
+      try:
+        p.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
+def launch_servers(cmd: Sequence[str], num_servers: int, *, host: str = "127.0.0.1",
+                   env: dict | None = None, timeout_s: float = 300.0,
+                   log_dir: str | None = None) -> LaunchedServers:
+  """Starts `cmd + --host H --port P` num_servers times and waits for /health.
+
+  `cmd` is e.g. ["python", "-m", "sglang.launch_server", "--model-path", M]
+  (or our `fluxjax.rollout.server`, which takes the same flags).
+  """
+  import tempfile
+  import urllib.request
+
+  log_dir = log_dir or tempfile.mkdtemp(prefix="fluxjax-servers-")
+  urls, procs, logs = [], [], []
+  cmd = [sys.executable if c == "python" else c for c in cmd]
+  for i in range(num_servers):
+    port = free_port(host)
+    path = os.path.join(log_dir, f"server{i}.log")
+    with open(path, "wb") as f:
+      procs.append(subprocess.Popen([*cmd, "--host", host, "--port", str(port)], stdout=f,
+                                    stderr=subprocess.STDOUT, env=env))
+    urls.append(f"http://{host}:{port}")
+    logs.append(path)
+  launched = LaunchedServers(urls, procs, logs)
+  deadline = time.time() + timeout_s
+  pending = set(range(num_servers))
+  try:
+    while pending:
+      for i in list(pending):
+        if procs[i].poll() is not None:
+          raise RuntimeError(f"rollout server {i} exited with {procs[i].returncode}; "
+                             f"log: {open(logs[i]).read()[-2000:]}")
+        try:
+          with urllib.request.urlopen(urls[i] + "/health", timeout=2) as r:
+            if r.status == 200:
+              pending.discard(i)
+        except OSError:
+          pass
+      if pending and time.time() > deadline:
+        raise TimeoutError(f"rollout servers {sorted(pending)} not healthy in {timeout_s}s")
+      if pending:
+        time.sleep(0.25)
+  except BaseException:
+    launched.stop()
+    raise
+  return launched
+
+
+# --- run-config factory --------------------------------------------------------------
+
+def make_rollout(cfg, model=None, tokenizer=None):
+  """Builds the rollout backend of a run config's `rollout` section.
+
+  Fields: backend ("embedded" | "sglang"); for sglang, `urls` (list of
+  server URLs) or `launch` (a command list such as ["python", "-m",
+  "sglang.launch_server", "--model-path", M]) with `num_servers`; for
+  embedded, `num_slots` and `context_length`.
+
+  Returns:
+    (backend, launched): a `Fleet` or an `embedded.EmbeddedRollout`, both with
+    `async generate(body, group)`, and the LaunchedServers to stop (or None).
+  """
+  backend = cfg.backend
+  if backend == "embedded":
+    from fluxjax.rollout import embedded  # local: pulls in JAX model code
+    if model is None or tokenizer is None:
+      raise ValueError("the embedded backend needs the model and tokenizer")
+    return embedded.EmbeddedRollout(model, tokenizer, num_slots=cfg.get("num_slots", 8),
+                                    context_length=cfg.get("context_length", 512)), None
+  if backend != "sglang":
+    raise ValueError(f"rollout.backend must be embedded or sglang, got {backend!r}")
+  urls = list(cfg.get("urls") or [])
+  launch = cfg.get("launch")
+  launched = None
+  if not urls:
+    if not launch:
+      raise ValueError("rollout.backend=sglang needs rollout.urls or rollout.launch")
+    launched = launch_servers(list(launch), int(cfg.get("num_servers", 1)),
+                              timeout_s=float(cfg.get("launch_timeout_s", 600)))
+    urls = launched.urls
+  return Fleet(urls, health_interval_s=float(cfg.get("health_interval_s", 2.0))), launched

@@ -1,0 +1,332 @@
+"""`python -m fluxjax.rollout.server`: the embedded engine behind SGLang's HTTP API.
+
+  python -m fluxjax.rollout.server --model-path DIR --port N
+  python -m fluxjax.rollout.server --preset tiny --seed S --port N   # random weights
+
+The HTTP side is aiohttp on the main thread's event loop; the engine steps in a
+background thread and reports tokens back through `call_soon_threadsafe`.
+The port opens at once and `/health` answers 503 until the model is loaded
+and warmed up (prefill + decode compiled), as SGLang's does while loading.
+Bad requests get 400 `{"error": {"message": ...}}` and never reach the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import threading
+import uuid
+
+from aiohttp import web
+
+from fluxjax.models import config as config_lib
+from fluxjax.models import hf_io, processor, vlm
+from fluxjax.models.tokenizer import Tokenizer
+from fluxjax.rollout import engine as engine_lib
+from fluxjax.rollout import prompt, protocol
+from fluxjax.rollout.protocol import ProtocolError
+
+log = logging.getLogger("fluxjax.rollout.server")
+VERSION = "fluxjax-0.1"
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+  return web.json_response(protocol.error_body(message), status=status)
+
+
+async def _json_body(request: web.Request) -> dict:
+  """The JSON body; empty or `null` bodies count as {} (verl sends those)."""
+  raw = await request.read()
+  if not raw.strip():
+    return {}
+  try:
+    body = json.loads(raw)
+  except json.JSONDecodeError as e:
+    raise ProtocolError(f"the body is not valid JSON: {e}") from e
+  if body is None:
+    return {}
+  if not isinstance(body, dict):
+    raise ProtocolError("the body must be a JSON object")
+  return body
+
+
+class RolloutServer:
+  """Routes and state of one server process."""
+
+  def __init__(self, args: argparse.Namespace):
+    self.args = args
+    self.engine: engine_lib.Engine | None = None
+    self.tokenizer: Tokenizer | None = None
+    self.load_error: str | None = None
+    pixels = {k: getattr(args, k) for k in ("image_min_pixels", "image_max_pixels",
+                                             "video_min_pixels", "video_max_pixels")
+              if getattr(args, k) is not None}
+    # The trainer must preprocess with the same limits (pad counts must agree).
+    self.proc_cfg = processor.VisionProcessorConfig(**pixels)
+    self.app = web.Application(client_max_size=256 << 20)
+    r = self.app.router
+    r.add_route("*", "/generate", self.generate)
+    r.add_post("/abort_request", self.abort_request)
+    r.add_post("/pause_generation", self.pause_generation)
+    r.add_post("/continue_generation", self.continue_generation)
+    r.add_route("*", "/flush_cache", self.flush_cache)
+    r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+    r.add_get("/health", self.health)
+    r.add_get("/health_generate", self.health_generate)
+    for path in ("/get_model_info", "/model_info"):
+      r.add_get(path, self.model_info)
+    for path in ("/get_server_info", "/server_info"):
+      r.add_get(path, self.server_info)
+    r.add_get("/get_weight_version", self.get_weight_version)
+    r.add_post("/update_weight_version", self.update_weight_version)
+    for path in ("/get_load", "/v1/loads"):
+      r.add_get(path, self.get_load)
+
+  # --- start-up -------------------------------------------------------------------
+
+  def load(self) -> None:
+    """Builds the model and engine, then warms up (runs in a thread)."""
+    try:
+      a = self.args
+      overrides = {"dtype": a.dtype, "param_dtype": a.dtype}
+      if a.model_path:
+        cfg = config_lib.load_hf_config(a.model_path, **overrides)
+        model = hf_io.load_hf_checkpoint(a.model_path, cfg)
+        tok_path = a.tokenizer_path or os.path.join(a.model_path, "tokenizer.json")
+      else:
+        model = vlm.create_model(config_lib.preset(a.preset, **overrides), a.seed)
+        tok_path = a.tokenizer_path
+      tokenizer = (Tokenizer.from_file(tok_path) if tok_path and os.path.exists(tok_path)
+                   else Tokenizer.default())
+      engine = engine_lib.Engine(model, tokenizer, num_slots=a.num_slots,
+                                 capacity=a.context_length, seed=a.seed,
+                                 weight_version=a.weight_version)
+      engine.start()
+      # Warm-up compiles the smallest prefill bucket and the decode step.
+      warm = engine_lib.EngineRequest(
+          "warmup-" + uuid.uuid4().hex, _text_sequence([tokenizer.im_start_id], model.cfg),
+          protocol.SamplingParams(max_new_tokens=2, top_k=1))
+      engine.submit(warm)
+      warm.done.wait()
+      self.tokenizer, self.engine = tokenizer, engine
+      log.info("ready: %s slots x %s tokens", a.num_slots, a.context_length)
+    except Exception as e:  # noqa: BLE001  reported by /health
+      log.exception("model load failed")
+      self.load_error = f"{type(e).__name__}: {e}"
+
+  def _ready(self) -> engine_lib.Engine:
+    if self.engine is None:
+      raise web.HTTPServiceUnavailable(
+          text=json.dumps(protocol.error_body(self.load_error or "the model is loading")),
+          content_type="application/json")
+    return self.engine
+
+  # --- generation -----------------------------------------------------------------
+
+  async def generate(self, request: web.Request) -> web.StreamResponse:
+    engine = self._ready()
+    try:
+      req = protocol.parse_generate(await _json_body(request))
+      loop = asyncio.get_running_loop()
+      seq = await loop.run_in_executor(None, prompt.build_sequence, req, self.tokenizer,
+                                       engine.cfg, self.proc_cfg)
+    except ProtocolError as e:
+      return _error(str(e))
+    events: asyncio.Queue = asyncio.Queue()
+    ereq = engine_lib.EngineRequest(
+        req.rid, seq, req.sampling, return_logprob=req.return_logprob,
+        on_event=lambda r: loop.call_soon_threadsafe(events.put_nowait, None))
+    try:
+      engine.submit(ereq)
+    except ProtocolError as e:
+      return _error(str(e))
+    try:
+      if req.stream:
+        return await self._stream(request, ereq, events, req)
+      while ereq.finish_reason is None:
+        await events.get()
+      return web.json_response(self._response(ereq, req))
+    finally:
+      # A client that went away (cancelled handler) aborts its request, as in SGLang.
+      if ereq.finish_reason is None:
+        engine.abort(ereq.rid, message="Abort: client disconnected")
+
+  def _response(self, ereq, req) -> dict:
+    return engine_lib.response(ereq, self.tokenizer, self.engine.weight_version,
+                               req.return_text_in_logprobs)
+
+  async def _stream(self, request, ereq, events, req) -> web.StreamResponse:
+    """SSE: cumulative chunks `data: {...}\\n\\n`, then `data: [DONE]`."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    sent = -1
+    while True:
+      await events.get()
+      while not events.empty():  # coalesce: chunks are cumulative anyway
+        events.get_nowait()
+      done = ereq.finish_reason is not None
+      if len(ereq.output_ids) != sent or done:
+        sent = len(ereq.output_ids)
+        chunk = self._response(ereq, req)
+        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+      if done:
+        break
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+  # --- control --------------------------------------------------------------------
+
+  async def abort_request(self, request: web.Request) -> web.Response:
+    engine = self._ready()
+    try:
+      body = await _json_body(request)
+    except ProtocolError as e:
+      return _error(str(e))
+    engine.abort(body.get("rid"), abort_all=bool(body.get("abort_all", False)))
+    return web.Response(status=200)
+
+  async def pause_generation(self, request: web.Request) -> web.Response:
+    engine = self._ready()
+    try:
+      body = await _json_body(request)
+      await asyncio.get_running_loop().run_in_executor(None, engine.pause,
+                                                       body.get("mode") or "abort")
+    except ProtocolError as e:
+      return _error(str(e))
+    return web.json_response({"message": "Generation paused."})
+
+  async def continue_generation(self, request: web.Request) -> web.Response:
+    self._ready().resume()
+    return web.json_response({"message": "Generation continued."})
+
+  async def flush_cache(self, request: web.Request) -> web.Response:
+    # No prefix cache is kept across requests, so flushing is a no-op once idle;
+    # the busy check keeps SGLang's contract (400 while requests are in flight).
+    if not self._ready().idle():
+      return web.Response(status=400, text="Cache not flushed: there are pending requests.")
+    return web.Response(status=200, text="Cache flushed.")
+
+  async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+    engine = self._ready()
+    try:
+      body = await _json_body(request)
+      path = body.get("model_path")
+      if not isinstance(path, str):
+        raise ProtocolError("model_path (a checkpoint folder) is required")
+      if body.get("load_format") not in (None, "auto", "safetensors"):
+        raise ProtocolError(f"load_format {body['load_format']!r} is not supported")
+      if body.get("abort_all_requests"):
+        engine.abort(abort_all=True, message="Abort: weight update")
+      version = body.get("weight_version")
+      version = engine.weight_version if version is None else str(version)
+      await asyncio.get_running_loop().run_in_executor(None, engine.load_weights_from_disk,
+                                                       path, version)
+    except (ProtocolError, OSError, ValueError, KeyError) as e:
+      return web.json_response({"success": False, "message": f"Failed to update weights: {e}",
+                                "num_paused_requests": 0}, status=400)
+    return web.json_response({"success": True,
+                              "message": "Succeeded to update model weights.",
+                              "num_paused_requests": 0})
+
+  async def update_weight_version(self, request: web.Request) -> web.Response:
+    engine = self._ready()
+    body = await _json_body(request)
+    if body.get("abort_all_requests"):
+      engine.abort(abort_all=True)
+    engine.weight_version = str(body.get("new_version", engine.weight_version))
+    return web.json_response({"success": True, "message": "ok"})
+
+  # --- info -----------------------------------------------------------------------
+
+  async def health(self, request: web.Request) -> web.Response:
+    if self.engine is None:
+      return web.Response(status=503, text=self.load_error or "loading")
+    return web.Response(status=200)
+
+  async def health_generate(self, request: web.Request) -> web.Response:
+    engine = self._ready()
+    ereq = engine_lib.EngineRequest(
+        "health-" + uuid.uuid4().hex, _text_sequence([self.tokenizer.im_start_id], engine.cfg),
+        protocol.SamplingParams(max_new_tokens=1, top_k=1))
+    engine.submit(ereq)
+    ok = await asyncio.get_running_loop().run_in_executor(None, ereq.done.wait, 20.0)
+    if not ok or ereq.finish_reason["type"] == "abort":
+      engine.abort(ereq.rid)
+      return web.Response(status=503, text="generation failed")
+    return web.Response(status=200)
+
+  async def model_info(self, request: web.Request) -> web.Response:
+    engine = self._ready()
+    return web.json_response({
+        "model_path": self.args.model_path or f"preset:{self.args.preset}",
+        "tokenizer_path": self.args.tokenizer_path, "is_generation": True,
+        "preferred_sampling_params": None, "weight_version": engine.weight_version,
+        "has_image_understanding": True, "has_audio_understanding": False,
+        "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"]})
+
+  async def server_info(self, request: web.Request) -> web.Response:
+    engine = self._ready()
+    a = self.args
+    return web.json_response({
+        "model_path": a.model_path or f"preset:{a.preset}", "tp_size": 1, "dp_size": 1,
+        "weight_version": engine.weight_version, "version": VERSION,
+        "max_total_num_tokens": engine.num_slots * engine.capacity,
+        "context_length": engine.capacity, "max_running_requests": engine.num_slots,
+        "random_seed": a.seed, "dtype": a.dtype, "port": a.port, "host": a.host})
+
+  async def get_weight_version(self, request: web.Request) -> web.Response:
+    return web.json_response({"weight_version": self._ready().weight_version})
+
+  async def get_load(self, request: web.Request) -> web.Response:
+    return web.json_response(self._ready().load())
+
+
+def _text_sequence(ids, cfg):
+  from fluxjax.models import inputs  # local: only for warm-up/health prompts
+  return inputs.sequence_from_tokens(ids, [], cfg)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--model-path", default=None, help="HF checkpoint folder")
+  p.add_argument("--preset", default="tiny", help="random weights of this preset "
+                 "when no --model-path is given")
+  p.add_argument("--tokenizer-path", default=None, help="tokenizer.json (default: the "
+                 "checkpoint's, else the shipped synthetic one)")
+  p.add_argument("--host", default="127.0.0.1")
+  p.add_argument("--port", type=int, default=30000)
+  p.add_argument("--seed", "--random-seed", type=int, default=0, dest="seed")
+  p.add_argument("--num-slots", type=int, default=8, help="concurrent sequences")
+  p.add_argument("--context-length", type=int, default=512, help="tokens per slot")
+  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  p.add_argument("--weight-version", default="default")
+  p.add_argument("--log-level", default="warning")
+  for name in ("image-min-pixels", "image-max-pixels", "video-min-pixels", "video-max-pixels"):
+    p.add_argument(f"--{name}", type=int, default=None,
+                   help="vision resize limit (default: processor.VisionProcessorConfig's)")
+  return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+  server = RolloutServer(args)
+  runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
+  await runner.setup()
+  await web.TCPSite(runner, args.host, args.port).start()
+  threading.Thread(target=server.load, name="model-load", daemon=True).start()
+  await asyncio.Event().wait()
+
+
+def main(argv=None) -> None:
+  args = parse_args(argv)
+  logging.basicConfig(level=args.log_level.upper(),
+                      format="%(asctime)s %(name)s %(levelname)s %(message)s")
+  asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+  main()

@@ -41,29 +41,37 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mixtures  # noqa: E402  (lives next to this script)
 
 from fluxjax.sharding import balance, planners  # noqa: E402
+from fluxjax.sharding import plan as plan_lib  # noqa: E402
 
-STRATEGIES = (("packed_dp", 1), ("ulysses sp=2", 2), ("ulysses sp=4", 4), ("ulysses sp=8", 8))
+# (name, degree); flex_ulysses' degree is its p_max. Its degrees are priced like
+# fixed sp=8's (query heads padded to a multiple of the degree).
+STRATEGIES = (("packed_dp", 1), ("ulysses sp=2", 2), ("ulysses sp=4", 4), ("ulysses sp=8", 8),
+              ("flex_ulysses p_max=8", 8))
 COLUMNS = ("strategy", "refused", "mb", "tok/dev", "fill", "attn", "cost", "lockstep", "a2a GB")
 
 
-def _plan(lengths, devices, sp, capacity, shape):
+def _plan(name, lengths, devices, sp, capacity, shape):
+  if name.startswith("flex_ulysses"):
+    return planners.plan_flex_ulysses(lengths, devices, sp, capacity,
+                                      plan_lib.default_buckets(capacity))
   if sp == 1:
     return planners.plan_packed_dp(lengths, devices, capacity, shape)
   return planners.plan_ulysses(lengths, devices, sp, capacity, shape)
 
 
-def score(lengths: np.ndarray, devices: int, sp: int, capacity: int,
+def score(name: str, lengths: np.ndarray, devices: int, sp: int, capacity: int,
           shape: balance.CostShape) -> dict:
   """Plans the sequences that fit one row and returns the cost-model figures."""
   keep = lengths <= sp * capacity
-  plan = _plan(lengths[keep], devices, sp, capacity, shape)
+  plan = _plan(name, lengths[keep], devices, sp, capacity, shape)
   plan.validate()
   loads = planners.plan_loads(plan, shape)
   cost = loads.cost
   total = cost.sum()
   # Static buffers move whole capacity slices, padding included.
   static_a2a = sum(
-      r.degree * balance.ulysses_all_to_all_bytes(capacity, r.degree, shape)
+      r.degree * balance.ulysses_all_to_all_bytes(plan.section(r)[0] if r.seqs else capacity,
+                                                  r.degree, shape)
       for rows in plan.microbatches for r in rows)
   return {
       "refused": int((~keep).sum()),
@@ -126,7 +134,7 @@ def planner_times(seed: int, shape: balance.CostShape, capacity: int, repeats: i
       times = []
       for _ in range(repeats):
         t0 = time.perf_counter()
-        _plan(fit, 128, sp, capacity, shape)
+        _plan(strat, fit, 128, sp, capacity, shape)
         times.append(time.perf_counter() - t0)
       ms = 1e3 * float(np.median(times))
       out.setdefault(name, {})[strat] = ms
@@ -175,7 +183,7 @@ def main(argv=None) -> None:
             f"max {lengths.max()} tokens) on {d} devices, capacity {args.capacity}")
       rows = []
       for strat, sp in STRATEGIES:
-        s = score(lengths, d, sp, args.capacity, shape)
+        s = score(strat, lengths, d, sp, args.capacity, shape)
         raw["mixtures"].setdefault(name, {}).setdefault(str(d), {})[strat] = s
         rows.append(_row(strat, s))
       print(format_table(rows))

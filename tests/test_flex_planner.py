@@ -54,7 +54,9 @@ def test_merge_and_reorder_reduce_communication():
   fp = flex_planner.plan_flex(lens, 8, 8)
   assert fp.placements[0].p > 1 and fp.placements[1].p > 1
   assert all(pl.p == 1 for pl in fp.placements[2:])
-  baseline, _ = flex_planner._baseline(tuple(lens), 8, 8, fp.m_th)
+  s = flex_planner._State(tuple(lens), 8, 8, fp.m_th)
+  flex_planner._baseline(s)
+  baseline = s.pl
   base_comm = sum(flex_planner.comm_cost(h, p.p) for h, p in zip(lens, baseline))
   assert fp.communication() <= base_comm
 

@@ -167,10 +167,11 @@ def plan_loads(plan: Plan, shape: balance.CostShape | None = None) -> PlanLoads:
       row_tokens = float(lens[seqs].sum()) if seqs else 0.0
       share = row_tokens / p
       devs = list(r.devices)
-      tokens[m, devs] = share
-      attention[m, devs] = float(attn_seq[seqs].sum()) / p if seqs else 0.0
-      linear[m, devs] = balance.linear_cost(share, shape)
-      a2a[m, devs] = balance.ulysses_all_to_all_bytes(share, p, shape)
+      # += : under flex_ulysses a device sits in one row per degree.
+      tokens[m, devs] += share
+      attention[m, devs] += float(attn_seq[seqs].sum()) / p if seqs else 0.0
+      linear[m, devs] += balance.linear_cost(share, shape)
+      a2a[m, devs] += balance.ulysses_all_to_all_bytes(share, p, shape)
   return PlanLoads(tokens=tokens, attention=attention, linear=linear, all_to_all_bytes=a2a)
 
 

@@ -20,7 +20,9 @@ import os
 import threading
 import uuid
 
+import jax
 from aiohttp import web
+from flax import nnx
 
 from fluxjax.models import config as config_lib
 from fluxjax.models import hf_io, processor, vlm
@@ -98,6 +100,10 @@ class RolloutServer:
         tok_path = a.tokenizer_path or os.path.join(a.model_path, "tokenizer.json")
       else:
         model = vlm.create_model(config_lib.preset(a.preset, **overrides), a.seed)
+        # Committed to one device like a loaded checkpoint, so that a later
+        # update_weights_from_disk reuses the compiled steps.
+        graphdef, state = nnx.split(model)
+        model = nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))
         tok_path = a.tokenizer_path
       tokenizer = (Tokenizer.from_file(tok_path) if tok_path and os.path.exists(tok_path)
                    else Tokenizer.default())

@@ -59,6 +59,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Static buffer sizes the step compiles for (largest = capacity); () = powers of 2.
   c.sharding.capacity_buckets = ()
   c.sharding.patch_capacity = 4096 if arg.variant == "tiny" else 16384
+  # flex_ulysses: the largest degree (a power of two dividing the query heads).
+  c.sharding.p_max = 8
+  # Spread images and video frames over devices by patch count (vision tower
+  # balancing); embeddings are gathered back to their tokens.
+  c.sharding.balance_vision = arg.variant != "tiny"
   # Refuse to start if a parameter larger than this would sit whole on every device.
   c.sharding.max_replicated_bytes = 1 << 20
 

@@ -103,21 +103,96 @@ def _media_in_row(row, seqs: Sequence[TrainSequence], cfg: ModelConfig):
     offset += len(seq)
 
 
-def patch_capacity_for(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
-                       buckets: Sequence[int]) -> int:
-  """The smallest patch bucket holding every device's images in every microbatch.
+@dataclasses.dataclass(frozen=True)
+class VisionUnit:
+  """Frames [lo, hi) (temporal patch groups) of one image/video, encoded together."""
+  item: object
+  lo: int
+  hi: int
 
-  Each image/video is encoded on the device holding its first pad token.
+  @property
+  def grid_thw(self) -> tuple[int, int, int]:
+    _, h, w = self.item.grid_thw
+    return (self.hi - self.lo, int(h), int(w))
+
+  @property
+  def num_patches(self) -> int:
+    return processor.num_patches(self.grid_thw)
+
+
+def vision_assignment(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
+                      balance: bool = False):
+  """Which device encodes what, and where each merged embedding must go.
+
+  Without balancing each image/video is encoded whole on the device holding
+  its first pad token. With balancing, images and single video frames (the
+  vision tower attends within a frame) are spread over the microbatch's
+  devices by patch count, largest first onto the least-loaded device.
+
+  Returns:
+    Per microbatch: ({device: [VisionUnit in buffer order]},
+                     [(item, [(device, buffer index) of each pad token])]).
   """
-  need = cfg.vision.merge_unit  # never zero: the vision inputs keep one static shape
+  out = []
   for rows in plan.microbatches:
+    routes, firsts = [], []
     for row in rows:
-      per_device: dict[int, int] = {}
       for stream_pos, item in _media_in_row(row, seqs, cfg):
-        d = plan.slot(row, stream_pos[0])[0]
-        per_device[d] = per_device.get(d, 0) + num_patches(item)
-      need = max([need, *per_device.values()])
+        routes.append((item, [plan.slot(row, p) for p in stream_pos]))
+        firsts.append(plan.slot(row, stream_pos[0])[0])
+    units: dict[int, list[VisionUnit]] = {}
+    if not balance:
+      for (item, _), d in zip(routes, firsts):
+        units.setdefault(d, []).append(VisionUnit(item, 0, int(item.grid_thw[0])))
+    else:
+      frames = [VisionUnit(item, f, f + 1) for item, _ in routes
+                for f in range(int(item.grid_thw[0]))]
+      load = np.zeros(plan.num_devices)
+      for u in sorted(frames, key=lambda u: -u.num_patches):  # stable: ties keep order
+        d = int(np.argmin(load))
+        load[d] += u.num_patches
+        units.setdefault(d, []).append(u)
+    out.append((units, routes))
+  return out
+
+
+def patch_capacity_for(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
+                       buckets: Sequence[int], balance: bool = False) -> int:
+  """The smallest patch bucket holding every device's vision work in every microbatch."""
+  need = cfg.vision.merge_unit  # never zero: the vision inputs keep one static shape
+  for units, _ in vision_assignment(plan, seqs, cfg, balance):
+    for us in units.values():
+      need = max(need, sum(u.num_patches for u in us))
   return capacity_bucket(need, buckets)
+
+
+def vision_route_stats(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
+                       balance: bool = False) -> dict[str, float]:
+  """Patch balance and the traffic of routing merged embeddings to their tokens.
+
+  `moved` counts merged embeddings encoded on another device than the one
+  holding their token; each moves `text hidden x dtype` bytes in the gather.
+  """
+  per_mb_max, per_mb_mean, moved = [], [], 0
+  merge = cfg.vision.merge_unit
+  for units, routes in vision_assignment(plan, seqs, cfg, balance):
+    load = np.zeros(plan.num_devices)
+    where = {}
+    for d, us in units.items():
+      for u in us:
+        load[d] += u.num_patches
+        where[(id(u.item), u.lo)] = d
+    for item, slots in routes:
+      per_frame = processor.num_patches(item.grid_thw) // int(item.grid_thw[0]) // merge
+      for k, (d, _) in enumerate(slots):
+        frame = k // per_frame
+        home = where.get((id(item), frame), where.get((id(item), 0)))
+        moved += home != d
+    per_mb_max.append(load.max())
+    per_mb_mean.append(load.mean())
+  bytes_per = cfg.text.hidden_size * np.dtype(cfg.dtype).itemsize
+  return {"patch_max_over_mean": float(np.sum(per_mb_max) / max(np.sum(per_mb_mean), 1e-9)),
+          "embeddings_moved": int(moved), "bytes_moved": float(moved * bytes_per)}
 
 
 def media_placement(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig):
@@ -136,7 +211,7 @@ def media_placement(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig)
 
 
 def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
-                patch_capacity: int, patch_source=None) -> TrainBatch:
+                patch_capacity: int, patch_source=None, balance_vision: bool = False) -> TrainBatch:
   """Host numpy buffers for a plan (every device's; see `to_device`).
 
   Args:
@@ -147,6 +222,9 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
     patch_source: item -> float [num_patches, patch_dim]; default `item.patches`
       (in-process). The ShadowLoader passes a lookup into its worker store, so
       pixels never pass through the controller's sequences.
+    balance_vision: spread images and video frames over devices by patch
+      count (see `vision_assignment`) instead of encoding each where its first
+      token sits.
   """
   patch_source = patch_source or (lambda item: item.patches)
   if len(seqs) != len(plan.lengths) or any(len(s) != n for s, n in zip(seqs, plan.lengths)):
@@ -166,9 +244,8 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
   window_ids = np.zeros((m_count, d_count, patch_capacity), np.int32)
   hw = np.zeros((m_count, d_count, patch_capacity, 2), np.int32)
 
+  assignment = vision_assignment(plan, seqs, cfg, balance_vision)
   for m, rows in enumerate(plan.microbatches):
-    device_items: dict[int, list] = {}
-    routes = []  # (item, [(device, buffer index) of each of its pad tokens])
     for row in rows:
       if not row.seqs:  # an empty row: its buffers stay zero (segment id 0 = padding)
         continue
@@ -219,31 +296,33 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
         positions[m, :, d, sec:sec + cap] = x
       put("pos", set_pos, fill_dims=(3,))
 
-      # Each image/video is encoded on the device holding its first pad token;
-      # its merged embeddings are then gathered to wherever its tokens sit.
-      for stream_pos, item in _media_in_row(row, seqs, cfg):
-        d = plan.slot(row, stream_pos[0])[0]
-        device_items.setdefault(d, []).append(item)
-        routes.append((item, [plan.slot(row, p) for p in stream_pos]))
 
-    # A device may sit in several rows (one per level): fill its vision once.
-    local_offset = {}
-    for d, items in device_items.items():
-      n_patches = sum(num_patches(it) for it in items)
+    # Vision: each unit is encoded where vision_assignment put it; merged
+    # embeddings are then gathered to wherever their tokens sit.
+    units, routes = assignment[m]
+    frame_base = {}
+    for d, us in units.items():
+      n_patches = sum(u.num_patches for u in us)
       if n_patches > patch_capacity:
         raise ValueError(f"device {d} microbatch {m}: {n_patches} patches exceed the patch "
                          f"capacity {patch_capacity}")
-      vis = vision_lib.make_vision_inputs([patch_source(it) for it in items],
-                                          [it.grid_thw for it in items], vcfg, patch_capacity)
+      pieces = []
+      for u in us:
+        per_frame = u.num_patches // (u.hi - u.lo)
+        pieces.append(np.asarray(patch_source(u.item))[u.lo * per_frame:u.hi * per_frame])
+      vis = vision_lib.make_vision_inputs(pieces, [u.grid_thw for u in us], vcfg, patch_capacity)
       patches[m, d], frame_ids[m, d] = vis.patches_BNP[0], vis.frame_ids_BN[0]
       window_ids[m, d], hw[m, d] = vis.window_ids_BN[0], vis.hw_BN2[0]
       o = 0
-      for it in items:
-        local_offset[id(it)] = d * merged_cap + o
-        o += num_patches(it) // vcfg.merge_unit
+      for u in us:
+        per_frame = u.num_patches // (u.hi - u.lo) // vcfg.merge_unit
+        for f in range(u.lo, u.hi):  # where frame f's merged embeddings start
+          frame_base[(id(u.item), f)] = d * merged_cap + o + (f - u.lo) * per_frame
+        o += u.num_patches // vcfg.merge_unit
     for item, slots in routes:
+      per_frame = processor.num_patches(item.grid_thw) // int(item.grid_thw[0]) // vcfg.merge_unit
       for k, (d, i) in enumerate(slots):
-        vision_index[m, d, i] = local_offset[id(item)] + k
+        vision_index[m, d, i] = frame_base[(id(item), k // per_frame)] + k % per_frame
 
   inputs = vlm.PackedInputs(tokens, positions, segment_ids, segment_pos,
                             vision_lib.VisionInputs(patches, frame_ids, window_ids, hw),

@@ -178,3 +178,38 @@ def test_update_params_swaps_weights(model, engine, tok):
         "weight_version"] == "v1"
   finally:
     engine.update_params(model, "default")
+
+
+def test_embedded_backend_from_config_and_in_process_publish(model, tok):
+  import asyncio
+
+  import ml_collections
+
+  from fluxjax.rollout import client, fleet, publish
+
+  cfg = ml_collections.ConfigDict({"backend": "embedded", "num_slots": 4,
+                                   "context_length": 96})
+  backend, launched = fleet.make_rollout(cfg, model, tok)
+  assert launched is None
+  ids = [int(i) for i in text_seq(model.cfg, 8, 9).tokens_T]
+  body = {"input_ids": ids, "return_logprob": True,
+          "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+
+  async def go():
+    try:
+      before = await backend.generate(body)
+      report = publish.publish_in_process([backend], vlm.create_model(model.cfg, seed=2), 5)
+      after = await backend.generate(body)
+      with pytest.raises(client.RequestRejected, match="unknown sampling"):
+        await backend.generate({"input_ids": ids, "sampling_params": {"seed": 1}})
+      return before, report, after
+    finally:
+      await backend.close()
+
+  before, report, after = asyncio.run(go())
+  seq = inputs.sequence_from_tokens(ids, [], model.cfg)
+  assert before.output_ids == reference_greedy(model, seq, 4)
+  assert before.weight_version == "default" and after.weight_version == "5"
+  assert "swap" in report.seconds and after.output_ids != before.output_ids
+  with pytest.raises(ValueError, match="embedded or sglang"):
+    fleet.make_rollout(ml_collections.ConfigDict({"backend": "vllm"}))

@@ -72,6 +72,7 @@ _SKIP_KINDS = (
     ("size rejected", "size"),
     ("decoded grid", "size"),
     ("died", "worker"),
+    ("timed out", "timeout"),
 )
 
 
@@ -107,6 +108,8 @@ class ShadowLoader:
     limits: media size limits.
     read_threads: Grain threads probing headers ahead.
     transport: worker result transport ("shm" or "pickle").
+    decode_timeout_s: a decode that takes longer (a hung decoder) is a
+      counted skip rather than a stalled run.
   """
 
   def __init__(self, rows: Sequence[dict] | str, batch_size: int,
@@ -115,11 +118,13 @@ class ShadowLoader:
                num_epochs: int | None = None, lookahead: int | None = None,
                store_bytes: int = 2 << 30,
                limits: meta_lib.MediaLimits = meta_lib.MediaLimits(),
-               read_threads: int = 2, transport: str = "shm"):
+               read_threads: int = 2, transport: str = "shm",
+               decode_timeout_s: float = 300.0):
     if isinstance(rows, str):
       rows = readers.read_rows(rows)
     self.batch_size = batch_size
     self.cfg = cfg
+    self.decode_timeout_s = decode_timeout_s
     self.lookahead = max(lookahead or 2 * batch_size, batch_size)
     self._ds = meta_dataset(rows, cfg, seed=seed, shuffle=shuffle,
                             num_epochs=num_epochs, limits=limits)
@@ -179,7 +184,12 @@ class ShadowLoader:
     for ref in sample.media:
       if self.pool is None:
         continue
-      entry = self.store.wait(ref.media_id)
+      try:
+        entry = self.store.wait(ref.media_id, self.decode_timeout_s)
+      except TimeoutError:
+        self.store.set_failed(ref.media_id, "decode timed out after "
+                              f"{self.decode_timeout_s} s")
+        entry = self.store.get(ref.media_id)
       if entry.status == store_lib.FAILED:
         return f"{ref.path}: {entry.reason}"
     return None

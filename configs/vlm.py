@@ -59,6 +59,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Static buffer sizes the step compiles for (largest = capacity); () = powers of 2.
   c.sharding.capacity_buckets = ()
   c.sharding.patch_capacity = 4096 if arg.variant == "tiny" else 16384
+  # "layer": FSDP gathers/reduces per layer (LB-Micro for packed_dp); "minibatch":
+  # ODC's relaxation: gather once, each device runs its own microbatches,
+  # reduce-scatter once (LB-Mini for packed_dp).
+  c.sharding.sync = "layer"
   # flex_ulysses: the largest degree (a power of two dividing the query heads).
   c.sharding.p_max = 8
   # Spread images and video frames over devices by patch count (vision tower

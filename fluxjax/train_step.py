@@ -73,11 +73,11 @@ def create_train_state(model: nnx.Module, tx: optax.GradientTransformation,
 
 
 def loss_and_metrics(params, graphdef, mb: TrainBatch, total_tokens, loss_fn: LossFn,
-                     attention_fn):
+                     attention_fn, vision_gather_fn=None):
   """Σ loss / total_tokens of one microbatch, and metric sums."""
   model = nnx.merge(graphdef, params)
   logp, entropy = model.token_logprobs(mb.inputs, mb.targets, attention_fn=attention_fn,
-                                       with_entropy=True)
+                                       vision_gather_fn=vision_gather_fn, with_entropy=True)
   per_token, extras = loss_fn(logp, entropy, mb)
   mask = mb.loss_mask
   sums = {k: (v * mask).sum() for k, v in extras.items()}
@@ -109,7 +109,7 @@ def accumulate(graphdef, params, batch: TrainBatch, loss_fn: LossFn = policy_gra
 
 def make_train_step(graphdef, tx: optax.GradientTransformation,
                     loss_fn: LossFn = policy_gradient_loss, attention_fn=None, *,
-                    state_shardings=None, batch_shardings=None,
+                    state_shardings=None, batch_shardings=None, accumulate_fn=None,
                     on_trace: Callable[[], None] | None = None):
   """Builds the jitted step.
 
@@ -119,15 +119,20 @@ def make_train_step(graphdef, tx: optax.GradientTransformation,
     loss_fn: token-level loss (see LossFn).
     attention_fn: the strategy's text attention (None = row-local).
     state_shardings, batch_shardings: explicit in/out shardings.
+    accumulate_fn: (params, batch) -> (loss, grads, sums), e.g. a strategy's
+      minibatch-sync accumulation; default: `accumulate` with `attention_fn`.
     on_trace: called each time the step is traced (tests count compilations).
   """
 
   def step(state: TrainState, batch: TrainBatch):
     if on_trace is not None:
       on_trace()
-    param_shardings = state_shardings.params if state_shardings is not None else None
-    loss, grads, sums = accumulate(graphdef, state.params, batch, loss_fn, attention_fn,
-                                   param_shardings)
+    if accumulate_fn is not None:
+      loss, grads, sums = accumulate_fn(state.params, batch)
+    else:
+      param_shardings = state_shardings.params if state_shardings is not None else None
+      loss, grads, sums = accumulate(graphdef, state.params, batch, loss_fn, attention_fn,
+                                     param_shardings)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     tokens = jnp.maximum(sums.pop("tokens"), 1.0)

@@ -137,3 +137,20 @@ def test_ulysses_beats_packed_dp_on_one_long_sequence():
   sp = planners.plan_loads(planners.plan_ulysses(lengths, 4, 4, 16384))
   assert (balance.balance_ratio(sp.attention.sum(axis=0))
           < balance.balance_ratio(dp.attention.sum(axis=0)))
+
+
+def test_lb_mini_plan_lets_devices_run_different_microbatch_counts():
+  """Where attention dominates, cost balance leaves token loads uneven."""
+  shape = balance.CostShape(num_layers=1, hidden=8, num_heads=1, num_kv_heads=1, head_dim=8,
+                            intermediate=8, vocab=8)
+  # 4 long sequences cost as much as 100 short ones but hold 40% of their tokens.
+  lens = [500, 500, 500, 500] + [50] * 100
+  plan = planners.plan_packed_dp_lb_mini(lens, 8, 512, shape)
+  plan.validate()
+  counts = [sum(1 for rows in plan.microbatches for r in rows if r.devices == (d,) and r.seqs)
+            for d in range(8)]
+  assert min(counts) == 1 and max(counts) > 1, counts
+  # LB-Micro (layer sync) makes every device run the same count.
+  micro = planners.plan_packed_dp(lens, 8, 512, shape)
+  assert all(len(rows) == 8 for rows in micro.microbatches)
+  assert micro.num_microbatches >= max(counts)

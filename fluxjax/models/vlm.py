@@ -65,13 +65,19 @@ class Qwen25VL(nnx.Module):
     return self.lm_head[...]
 
   def embed(self, tokens_BT: jax.Array, vision: VisionInputs | None,
-            vision_index_BT: jax.Array | None = None) -> jax.Array:
-    """Token embeddings with vision embeddings spliced over the pad tokens."""
+            vision_index_BT: jax.Array | None = None, vision_gather_fn=None) -> jax.Array:
+    """Token embeddings with vision embeddings spliced over the pad tokens.
+
+    `vision_gather_fn` (merged [B*N/4, E] -> what `vision_index_BT` indexes) lets
+    per-device code (minibatch sync) collect other devices' embeddings.
+    """
     x = self.model.embed(tokens_BT, self.dtype)
     if vision is None:
       return x
     merged = self.visual(vision).astype(x.dtype)
     merged = merged.reshape(-1, merged.shape[-1])          # [B * N/4, E]
+    if vision_gather_fn is not None:
+      merged = vision_gather_fn(merged)
     is_vis = (tokens_BT == self.cfg.image_token_id) | (tokens_BT == self.cfg.video_token_id)
     if vision_index_BT is None:
       vision_index_BT = (jnp.cumsum(is_vis.reshape(-1)) - 1).reshape(is_vis.shape)
@@ -79,10 +85,10 @@ class Qwen25VL(nnx.Module):
     spliced = jnp.take(merged, index, axis=0)              # a gather: works sharded
     return jnp.where(is_vis[..., None], spliced, x)
 
-  def hidden_states(self, batch: PackedInputs,
-                    attention_fn: AttentionFn | None = None) -> jax.Array:
+  def hidden_states(self, batch: PackedInputs, attention_fn: AttentionFn | None = None,
+                    vision_gather_fn=None) -> jax.Array:
     """Final-norm hidden states [B, T, D]."""
-    x = self.embed(batch.tokens_BT, batch.vision, batch.vision_index_BT)
+    x = self.embed(batch.tokens_BT, batch.vision, batch.vision_index_BT, vision_gather_fn)
     return self.model(x, batch.positions_3BT, batch.segment_ids_BT, batch.segment_pos_BT,
                       attention_fn)
 
@@ -93,9 +99,10 @@ class Qwen25VL(nnx.Module):
                       preferred_element_type=jnp.float32)
 
   def token_logprobs(self, batch: PackedInputs, targets_BT: jax.Array, *,
-                     attention_fn: AttentionFn | None = None, with_entropy: bool = False):
+                     attention_fn: AttentionFn | None = None, vision_gather_fn=None,
+                     with_entropy: bool = False):
     """log p(targets) per token, chunked over the vocabulary (training path)."""
-    h = self.hidden_states(batch, attention_fn)
+    h = self.hidden_states(batch, attention_fn, vision_gather_fn)
     return logprobs_lib.token_logprobs(h, targets_BT, self.head_DV(),
                                        chunk=self.cfg.logprob_vocab_chunk,
                                        with_entropy=with_entropy)

@@ -210,3 +210,25 @@ def plan_flex_ulysses(lengths: Sequence[int], num_devices: int, p_max: int, capa
               levels)
   plan.validate()
   return plan
+
+
+def plan_packed_dp_lb_mini(lengths: Sequence[int], num_devices: int, capacity: int,
+                           shape: balance.CostShape | None = None) -> Plan:
+  """packed_dp for minibatch-level sync: ODC's LB-Mini.
+
+  Karmarkar-Karp balances the whole minibatch over devices with no count
+  constraint; each device then packs its own sequences into as many
+  microbatches as it needs under `capacity`. Devices may run different numbers
+  of microbatches (their later rows are empty), which only minibatch sync can
+  exploit: with per-layer sync every device would wait for the longest.
+  """
+  lens = _check_lengths(lengths)
+  _too_long(lens, capacity, "packed_dp capacity", "use ulysses or flex_ulysses")
+  costs = balance.sequence_cost(np.asarray(lens, dtype=np.int64), shape)
+  (schedule,) = balance.lb_mini(costs, lens, num_devices, capacity)
+  count = max([len(s) for s in schedule] + [1])
+  microbatches = tuple(
+      tuple(Row((d,), tuple(schedule[d][m]) if m < len(schedule[d]) else ())
+            for d in range(num_devices))
+      for m in range(count))
+  return Plan("packed_dp", num_devices, capacity, microbatches, lens)

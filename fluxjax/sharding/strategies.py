@@ -18,6 +18,7 @@ from fluxjax.models.config import ModelConfig
 from fluxjax.sharding import mesh as mesh_lib
 from fluxjax.sharding import plan as plan_lib
 from fluxjax.sharding import planners
+from fluxjax.sharding import sync as sync_lib
 from fluxjax.sharding import ulysses
 from fluxjax.sharding.plan import Plan
 
@@ -29,6 +30,8 @@ class Strategy:
   capacity: int               # tokens per device per microbatch (the largest bucket)
   model_cfg: ModelConfig
   buckets: tuple[int, ...] = ()  # static capacities; () = powers of two up to capacity
+  sync: str = "layer"            # "layer" (FSDP per layer) | "minibatch" (ODC)
+  balance_vision: bool = False   # spread images/frames over devices by patch count
 
   def sp_axes(self) -> tuple[tuple[str, int], ...]:
     if self.name == "flex_ulysses":
@@ -38,7 +41,9 @@ class Strategy:
   def plan(self, lengths: Sequence[int], num_devices: int) -> Plan:
     """The strategy's plan, with capacities and microbatch count bucketed."""
     buckets = self.buckets or plan_lib.default_buckets(self.capacity)
-    if self.name == "packed_dp":
+    if self.name == "packed_dp" and self.sync == "minibatch":
+      plan = planners.plan_packed_dp_lb_mini(lengths, num_devices, self.capacity)
+    elif self.name == "packed_dp":
       plan = planners.plan_packed_dp(lengths, num_devices, self.capacity)
     elif self.name == "ulysses":
       plan = planners.plan_ulysses(lengths, num_devices, self.sp, self.capacity)
@@ -46,10 +51,12 @@ class Strategy:
       plan = planners.plan_flex_ulysses(lengths, num_devices, self.sp, self.capacity, buckets)
     return plan_lib.bucketed(plan, buckets)
 
-  def attention_fn(self, mesh: jax.sharding.Mesh, plan: Plan | None = None) -> Callable | None:
+  def attention_fn(self, mesh: jax.sharding.Mesh, plan: Plan | None = None,
+                   inside_shard_map: bool = False) -> Callable | None:
     """The text attention for this strategy; None = the row-local default.
 
     flex_ulysses needs the plan: its buffer sections are part of the shapes.
+    `inside_shard_map`: for code already running per device (minibatch sync).
     """
     backend = self.model_cfg.attention_backend
     if self.name == "flex_ulysses":
@@ -57,10 +64,27 @@ class Strategy:
         raise ValueError("flex_ulysses attention depends on the plan's levels")
       names = tuple(name for name, _ in self.sp_axes())
       return ulysses.make_flex_attention_fn(mesh, plan.level_layout(), names,
-                                            mesh_lib.batch_axes(mesh), backend)
+                                            mesh_lib.batch_axes(mesh), backend, inside_shard_map)
     if self.sp == 1:
       return None
-    return ulysses.make_attention_fn(mesh, (mesh_lib.SP,), mesh_lib.batch_axes(mesh), backend)
+    return ulysses.make_attention_fn(mesh, (mesh_lib.SP,), mesh_lib.batch_axes(mesh), backend,
+                                     inside_shard_map)
+
+  def accumulate_fn(self, mesh: jax.sharding.Mesh, plan: Plan, graphdef, param_shardings,
+                    loss_fn) -> Callable:
+    """(params, batch) -> (loss, grads, sums) under this strategy's sync mode."""
+    from fluxjax import train_step  # train_step depends on sharding.batch only
+    if self.sync == "minibatch":
+      independent = all(r.degree == 1 for rows in plan.microbatches for r in rows)
+      return sync_lib.make_accumulate(
+          graphdef, mesh, param_shardings, loss_fn,
+          self.attention_fn(mesh, plan, inside_shard_map=True), independent_rows=independent,
+          # Degree-1 rows keep each image on its tokens' device unless balanced.
+          local_vision=independent and not self.balance_vision,
+          merge_unit=self.model_cfg.vision.merge_unit)
+    attention_fn = self.attention_fn(mesh, plan)
+    return lambda params, batch: train_step.accumulate(graphdef, params, batch, loss_fn,
+                                                       attention_fn, param_shardings)
 
 
 def _buckets(cfg) -> tuple[int, ...]:
@@ -71,23 +95,33 @@ def _buckets(cfg) -> tuple[int, ...]:
   return buckets
 
 
+def _sync(cfg) -> str:
+  mode = cfg.get("sync", "layer")
+  if mode not in ("layer", "minibatch"):
+    raise ValueError(f"sharding.sync must be 'layer' or 'minibatch', got {mode!r}")
+  return mode
+
+
 def _packed_dp(cfg, model_cfg):
   if cfg.get("sp", 1) not in (1, None):
     raise ValueError(f"packed_dp has no sequence parallelism; got sharding.sp={cfg.sp}")
-  return Strategy("packed_dp", 1, cfg.capacity, model_cfg, _buckets(cfg))
+  return Strategy("packed_dp", 1, cfg.capacity, model_cfg, _buckets(cfg), _sync(cfg),
+                  bool(cfg.get("balance_vision", False)))
 
 
 def _ulysses(cfg, model_cfg):
   t = model_cfg.text
   ulysses.check_degree(cfg.sp, t.num_heads, t.num_kv_heads)
-  return Strategy("ulysses", cfg.sp, cfg.capacity, model_cfg, _buckets(cfg))
+  return Strategy("ulysses", cfg.sp, cfg.capacity, model_cfg, _buckets(cfg), _sync(cfg),
+                  bool(cfg.get("balance_vision", False)))
 
 
 def _flex_ulysses(cfg, model_cfg):
   t = model_cfg.text
   p_max = cfg.get("p_max", 8)
   ulysses.check_degree(p_max, t.num_heads, t.num_kv_heads)
-  return Strategy("flex_ulysses", p_max, cfg.capacity, model_cfg, _buckets(cfg))
+  return Strategy("flex_ulysses", p_max, cfg.capacity, model_cfg, _buckets(cfg), _sync(cfg),
+                  bool(cfg.get("balance_vision", False)))
 
 
 STRATEGIES: dict[str, Callable[[ml_collections.ConfigDict, ModelConfig], Strategy]] = {

@@ -39,8 +39,40 @@ def _replicate_kv(k_BTKH: jax.Array, sp: int) -> jax.Array:
   return k_BTKH if kv >= sp else jnp.repeat(k_BTKH, sp // kv, axis=2)
 
 
+def _section(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, axes, degree, causal, backend):
+  """One Ulysses all-to-all round trip over `axes` (none: local attention)."""
+  if axes:
+    k, v = _replicate_kv(k, degree), _replicate_kv(v, degree)
+    to_heads = lambda x: jax.lax.all_to_all(x, axes, split_axis=2, concat_axis=1, tiled=True)
+    q, k, v = to_heads(q), to_heads(k), to_heads(v)
+    gather = lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True)
+    q_seg, kv_seg, q_pos, kv_pos = gather(q_seg), gather(kv_seg), gather(q_pos), gather(kv_pos)
+  out = attn_lib.attention(q, k, v, backend=backend, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                           q_positions=q_pos, kv_positions=kv_pos, causal=causal)
+  if axes:
+    out = jax.lax.all_to_all(out, axes, split_axis=1, concat_axis=2, tiled=True)
+  return out
+
+
+def _wrap(local, mesh, batch_axes, inside_shard_map):
+  """The decoder's attention_fn interface around a per-device function."""
+  rows = P(tuple(batch_axes))
+  act = P(tuple(batch_axes), None, None, None)
+
+  def attention_fn(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+                   causal):
+    args = (q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+    if inside_shard_map:  # the caller already runs per device (minibatch sync)
+      return local(*args, causal=causal)
+    fn = jax.shard_map(lambda *a: local(*a, causal=causal), mesh=mesh,
+                       in_specs=(act, act, act, rows, rows, rows, rows), out_specs=act)
+    return fn(*args)
+
+  return attention_fn
+
+
 def make_attention_fn(mesh: jax.sharding.Mesh, sp_axes: Sequence[str], batch_axes: Sequence[str],
-                      backend: str = "xla"):
+                      backend: str = "xla", inside_shard_map: bool = False):
   """An `attention_fn` for the text decoder (see models/text.py) doing Ulysses.
 
   Args:
@@ -48,37 +80,19 @@ def make_attention_fn(mesh: jax.sharding.Mesh, sp_axes: Sequence[str], batch_axe
     sp_axes: the mesh axes forming one Ulysses group (their product = degree).
     batch_axes: all mesh axes, outermost first.
     backend: the local attention backend.
+    inside_shard_map: the caller is already per-device (no shard_map wrapper).
   """
   sp_axes = tuple(sp_axes)
   sp = 1
   for a in sp_axes:
     sp *= mesh.shape[a]
-  rows = P(tuple(batch_axes))
-  act = P(tuple(batch_axes), None, None, None)
+  axes = sp_axes if sp > 1 else ()
 
   def local(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal):
-    if sp > 1:
-      k, v = _replicate_kv(k, sp), _replicate_kv(v, sp)
-      to_heads = lambda x: jax.lax.all_to_all(x, sp_axes, split_axis=2, concat_axis=1,
-                                              tiled=True)
-      q, k, v = to_heads(q), to_heads(k), to_heads(v)
-      gather = lambda x: jax.lax.all_gather(x, sp_axes, axis=1, tiled=True)
-      q_seg, kv_seg, q_pos, kv_pos = gather(q_seg), gather(kv_seg), gather(q_pos), gather(kv_pos)
-    out = attn_lib.attention(q, k, v, backend=backend, q_segment_ids=q_seg,
-                             kv_segment_ids=kv_seg, q_positions=q_pos, kv_positions=kv_pos,
-                             causal=causal)
-    if sp > 1:
-      out = jax.lax.all_to_all(out, sp_axes, split_axis=1, concat_axis=2, tiled=True)
-    return out
+    return _section(q, k, v, q_seg, kv_seg, q_pos, kv_pos, axes=axes, degree=sp, causal=causal,
+                    backend=backend)
 
-  def attention_fn(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-                   causal):
-    fn = jax.shard_map(
-        lambda *a: local(*a, causal=causal), mesh=mesh,
-        in_specs=(act, act, act, rows, rows, rows, rows), out_specs=act)
-    return fn(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
-
-  return attention_fn
+  return _wrap(local, mesh, batch_axes, inside_shard_map)
 
 
 def binary_axes(p_max: int) -> tuple[tuple[str, int], ...]:
@@ -96,7 +110,7 @@ def level_axes(degree: int, sp_axes: Sequence[str]) -> tuple[str, ...]:
 
 def make_flex_attention_fn(mesh: jax.sharding.Mesh, layout: Sequence[tuple[int, int, int]],
                            sp_axes: Sequence[str], batch_axes: Sequence[str],
-                           backend: str = "xla"):
+                           backend: str = "xla", inside_shard_map: bool = False):
   """Attention over a buffer cut into per-degree sections (FlexUlysses).
 
   `layout` is the plan's (degree, capacity, offset) per section, highest degree
@@ -106,38 +120,16 @@ def make_flex_attention_fn(mesh: jax.sharding.Mesh, layout: Sequence[tuple[int, 
   groups cannot deadlock. XLA's scheduler may overlap one section's
   all-to-all with another's attention.
   """
-  rows = P(tuple(batch_axes))
-  act = P(tuple(batch_axes), None, None, None)
   layout = tuple(layout)
-
-  def run_section(degree, q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal):
-    axes = level_axes(degree, sp_axes)
-    if axes:
-      k, v = _replicate_kv(k, degree), _replicate_kv(v, degree)
-      to_heads = lambda x: jax.lax.all_to_all(x, axes, split_axis=2, concat_axis=1, tiled=True)
-      q, k, v = to_heads(q), to_heads(k), to_heads(v)
-      gather = lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True)
-      q_seg, kv_seg, q_pos, kv_pos = gather(q_seg), gather(kv_seg), gather(q_pos), gather(kv_pos)
-    out = attn_lib.attention(q, k, v, backend=backend, q_segment_ids=q_seg,
-                             kv_segment_ids=kv_seg, q_positions=q_pos, kv_positions=kv_pos,
-                             causal=causal)
-    if axes:
-      out = jax.lax.all_to_all(out, axes, split_axis=1, concat_axis=2, tiled=True)
-    return out
 
   def local(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal):
     outs = []
     for degree, cap, off in layout:  # program order = highest-sharding-first
       cut = lambda x: jax.lax.slice_in_dim(x, off, off + cap, axis=1)
-      outs.append(run_section(max(degree, 1), cut(q), cut(k), cut(v), cut(q_seg), cut(kv_seg),
-                              cut(q_pos), cut(kv_pos), causal))
+      degree = max(degree, 1)
+      outs.append(_section(cut(q), cut(k), cut(v), cut(q_seg), cut(kv_seg), cut(q_pos),
+                           cut(kv_pos), axes=level_axes(degree, sp_axes), degree=degree,
+                           causal=causal, backend=backend))
     return jnp.concatenate(outs, axis=1)
 
-  def attention_fn(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-                   causal):
-    fn = jax.shard_map(
-        lambda *a: local(*a, causal=causal), mesh=mesh,
-        in_specs=(act, act, act, rows, rows, rows, rows), out_specs=act)
-    return fn(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
-
-  return attention_fn
+  return _wrap(local, mesh, batch_axes, inside_shard_map)

@@ -71,6 +71,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Refuse to start if a parameter larger than this would sit whole on every device.
   c.sharding.max_replicated_bytes = 1 << 20
 
+  # Rollout: the embedded JAX engine in-process, or a fleet speaking SGLang's
+  # native HTTP API (a list of URLs, or a launch command started num_servers
+  # times on free ports; the server must accept --port).
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.backend = "embedded" if arg.variant == "tiny" else "sglang"
+  # For sglang give one of: --config.rollout.urls='("http://h1:30000",)' or
+  # --config.rollout.launch='("python","-m","sglang.launch_server","--model-path","/ckpt")'.
+  c.rollout.urls = ()
+  c.rollout.launch = ()
+  c.rollout.num_servers = 1
+  c.rollout.launch_timeout_s = 600.0
+  c.rollout.health_interval_s = 2.0
+  c.rollout.num_slots = 32            # embedded engine: concurrent requests
+  c.rollout.context_length = 1024     # embedded engine: prompt + response tokens
+
   # Optimizer: AdamW + global-norm clipping + warmup/cosine.
   c.optim = ml_collections.ConfigDict()
   c.optim.lr = 1e-5 if arg.variant != "tiny" else 3e-4

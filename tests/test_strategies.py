@@ -86,7 +86,8 @@ def reference(model, seqs, loss_fn=train_step.policy_gradient_loss):
     row = inputs.pack_row([s.inputs], CFG, token_capacity=width, patch_capacity=patch_cap)
     targets = shift(s.inputs.tokens_T).astype(np.int32)
     mb = batch_lib.TrainBatch(row, targets, shift(s.loss_mask_T), shift(s.advantages_T),
-                              shift(s.old_logprobs_T), shift(np.zeros(len(s))))
+                              shift(s.old_logprobs_T), shift(np.zeros(len(s))),
+                              shift(s.old_logprobs_T))
     l, g = loss_sum_and_grads(params, mb)
     loss_sum = loss_sum + l
     grads = g if grads is None else jax.tree.map(jnp.add, grads, g)

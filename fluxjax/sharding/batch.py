@@ -39,14 +39,21 @@ class TrainSequence:
     inputs: tokens, positions and media.
     loss_mask_T: 1 where the token is a trained target (response tokens).
     advantages_T: advantage per token.
-    old_logprobs_T: behaviour-policy logprob of each token.
+    old_logprobs_T: behaviour-policy logprob of each token (what the rollout
+      engine reported when it sampled it).
     ref_logprobs_T: reference-policy logprob of each token (for KL), or None.
+    prox_logprobs_T: proximal-policy logprob (the trainer's policy before this
+      update, for decoupled importance correction), or None = behaviour.
+
+  `loss_mask_T` may hold weights rather than 0/1: the step divides by their
+  global sum, so 1/len(sequence) weights give sequence-mean aggregation.
   """
   inputs: SequenceInputs
   loss_mask_T: np.ndarray
   advantages_T: np.ndarray
   old_logprobs_T: np.ndarray
   ref_logprobs_T: np.ndarray | None = None
+  prox_logprobs_T: np.ndarray | None = None
 
   def __len__(self):
     return len(self.inputs)
@@ -62,6 +69,7 @@ class TrainBatch:
   advantages: jax.Array
   old_logprobs: jax.Array
   ref_logprobs: jax.Array
+  prox_logprobs: jax.Array
 
   @property
   def num_microbatches(self) -> int:
@@ -239,6 +247,7 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
   targets, vision_index = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
   loss_mask, adv = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
   old_lp, ref_lp = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+  prox_lp = np.zeros(shape, np.float32)
   patches = np.zeros((m_count, d_count, patch_capacity, vcfg.patch_dim), np.float32)
   frame_ids = np.zeros((m_count, d_count, patch_capacity), np.int32)
   window_ids = np.zeros((m_count, d_count, patch_capacity), np.int32)
@@ -251,7 +260,8 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
         continue
       cap, sec = plan.section(row)
       width = row.degree * cap
-      stream = {k: [] for k in ("tok", "pos", "seg", "spos", "tgt", "mask", "adv", "old", "ref")}
+      stream = {k: [] for k in ("tok", "pos", "seg", "spos", "tgt", "mask", "adv", "old", "ref",
+                                "prox")}
       offset = 0
       for j, s in enumerate(row.seqs):
         seq = seqs[s]
@@ -267,6 +277,8 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
         stream["old"].append(_shifted(seq.old_logprobs_T.astype(np.float32)))
         ref = seq.ref_logprobs_T if seq.ref_logprobs_T is not None else np.zeros(n, np.float32)
         stream["ref"].append(_shifted(ref.astype(np.float32)))
+        prox = seq.prox_logprobs_T if seq.prox_logprobs_T is not None else seq.old_logprobs_T
+        stream["prox"].append(_shifted(prox.astype(np.float32)))
         offset += n
       pad = width - offset
       if pad < 0:
@@ -291,6 +303,7 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
       put("adv", setter(adv))
       put("old", setter(old_lp))
       put("ref", setter(ref_lp))
+      put("prox", setter(prox_lp))
 
       def set_pos(d, x, cap=cap, sec=sec):
         positions[m, :, d, sec:sec + cap] = x
@@ -327,7 +340,7 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
   inputs = vlm.PackedInputs(tokens, positions, segment_ids, segment_pos,
                             vision_lib.VisionInputs(patches, frame_ids, window_ids, hw),
                             vision_index)
-  return TrainBatch(inputs, targets, loss_mask, adv, old_lp, ref_lp)
+  return TrainBatch(inputs, targets, loss_mask, adv, old_lp, ref_lp, prox_lp)
 
 
 def batch_shardings(batch: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch:

@@ -1,0 +1,201 @@
+"""PPO/GRPO token loss with decoupled importance correction and KL to a reference.
+
+`make_loss_fn(cfg.rl)` returns the `LossFn` the train step calls per
+microbatch (fluxjax/train_step.py): `loss_fn(logp_BT, entropy_BT, mb) ->
+(per_token_loss_BT, {name: per-token metric [B, T]})`. The step multiplies
+both by `mb.loss_mask` and divides by the global sum of the mask, so every
+term here is per token and unaggregated (see rl/advantages.py for the
+aggregation modes, which live in the mask's weights).
+
+Per token, with pi = current policy (logp, differentiated), pi_prox = the
+trainer's policy before this update (`prox_logprobs`), mu = the behaviour
+policy that sampled the token (`old_logprobs`, from the rollout engine),
+pi_ref = the reference (`ref_logprobs`) and A the advantage:
+
+  ratio = exp(logp - prox)                                   PPO ratio
+  w     = sg(min(exp(prox - old), is_cap))                   decoupled IS
+  pg    = w * max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
+  pg    = min(pg, -A * w * clip_c)      where A < 0, if clip_c > 0 (dual clip)
+  kl    = k1: logp - ref
+          k3: exp(ref - logp) - (ref - logp) - 1             (Schulman's k3)
+  loss  = pg + kl_coef * kl - entropy_coef * entropy
+
+Decoupled PPO (Hilton et al. 2022; AReaL `use_decoupled_loss`): the trust
+region is taken around pi_prox, which the trainer controls, while w corrects
+for the tokens having been sampled from mu (an older or numerically different
+engine policy). Truncating w at is_cap (veRL/Tunix truncated IS) bounds the
+variance a very stale token can add. With `is_mode = "mask"` tokens whose
+weight exceeds the cap are dropped instead (AReaL's rejection). When a
+sequence carries no prox logprobs, `materialize` sets prox = old, so w = 1 and
+this is standard PPO-clip.
+
+Config fields (`default_rl_config()`; copy it into configs/vlm.py as `rl`):
+  clip_low: 0.2        lower PPO clip, ratio >= 1 - clip_low.
+  clip_high: 0.28      upper clip (DAPO clip-higher; set 0.2 for symmetric).
+  clip_c: 0.0          dual-clip bound for A < 0 (veRL clip_ratio_c = 3); 0 off.
+  kl_coef: 0.0         KL-to-reference penalty coefficient; 0 disables the
+                       term and its metric (ref logprobs are then not needed).
+  kl_estimator: "k3"   "k1" (unbiased, signed) or "k3" (non-negative,
+                       low variance; veRL low_var_kl).
+  kl_clamp: 10.0       per-token KL clamped to [-kl_clamp, kl_clamp] (veRL
+                       clamps low_var_kl at 10: bf16 overflow); 0 disables.
+  is_cap: 2.0          truncation of w = pi_prox / mu; 0 leaves w uncapped.
+  is_mode: "truncate"  "truncate" (w = min(w, cap)) or "mask" (w = 0 above).
+  entropy_coef: 0.0    entropy bonus coefficient (0: entropy is a metric only).
+  loss_agg_mode: "token-mean"   see rl/advantages.py: the coordinator turns it
+                       into loss_mask weights (aggregation_weights).
+  adv_std_normalize: True       GRPO divides by the group std.
+  adv_eps: 1e-6        added to the group std.
+  dynamic_sampling: False       DAPO: refill zero-variance groups.
+  max_refill_rounds: 3          refill sampling rounds before training anyway.
+  reward: the RewardScheduler section (rl/rewards.py, `RewardScheduler.from_config`):
+    fn: "accuracy_with_format", num_workers: 4, t_min: 2.0, t_max: 30.0,
+    anchor_factor: 1.5, correct_threshold: 1.0.
+
+Metrics (per token, averaged by the step over trained tokens): pg_loss,
+ratio, clipfrac (the clipped branch was taken), is_weight, is_weight_sq (with
+is_weight gives the weight variance the staleness controller uses),
+is_truncated, behaviour_kl (k3 estimate of KL(mu || pi_prox), the staleness
+signal), entropy, and kl when kl_coef > 0.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from fluxjax.sharding.batch import TrainBatch
+from fluxjax.train_step import LossFn
+
+KL_ESTIMATORS = ("k1", "k3")
+IS_MODES = ("truncate", "mask")
+
+
+def default_rl_config() -> ml_collections.ConfigDict:
+  """The `rl` config section with its defaults (fields: module docstring)."""
+  cfg = ml_collections.ConfigDict()
+  cfg.clip_low = 0.2
+  # DAPO's clip-higher: a larger upper bound lets low-probability tokens grow,
+  # which keeps entropy from collapsing (Yu et al. 2025 use 0.28).
+  cfg.clip_high = 0.28
+  cfg.clip_c = 0.0
+  cfg.kl_coef = 0.0
+  cfg.kl_estimator = "k3"
+  cfg.kl_clamp = 10.0
+  cfg.is_cap = 2.0
+  cfg.is_mode = "truncate"
+  cfg.entropy_coef = 0.0
+  cfg.loss_agg_mode = "token-mean"
+  cfg.adv_std_normalize = True
+  cfg.adv_eps = 1e-6
+  cfg.dynamic_sampling = False
+  cfg.max_refill_rounds = 3
+  cfg.reward = ml_collections.ConfigDict()
+  cfg.reward.fn = "accuracy_with_format"
+  cfg.reward.num_workers = 4
+  # Flexes' adaptive timeout, T = min(max(t_min, anchor_factor * T_anchor), t_max).
+  cfg.reward.t_min = 2.0
+  cfg.reward.t_max = 30.0
+  cfg.reward.anchor_factor = 1.5
+  cfg.reward.correct_threshold = 1.0
+  return cfg
+
+
+def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
+  """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi.
+
+  k1 = log(pi / ref) is unbiased but signed and noisy; k3 = r - 1 - log r with
+  r = ref / pi is unbiased, non-negative and lower-variance (Schulman 2020).
+  """
+  log_ratio = ref_logp - logp
+  if estimator == "k1":
+    return -log_ratio
+  if estimator == "k3":
+    return jnp.exp(log_ratio) - log_ratio - 1.0
+  raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def importance_weights(prox_logp: jax.Array, old_logp: jax.Array, cap: float,
+                       mode: str = "truncate") -> tuple[jax.Array, jax.Array]:
+  """Decoupled weight pi_prox / mu per token (no gradient), and where it hit the cap.
+
+  Returns:
+    (w, truncated): w capped ("truncate") or zeroed ("mask") above `cap`;
+    truncated is 1.0 where the raw weight exceeded the cap.
+  """
+  if mode not in IS_MODES:
+    raise ValueError(f"is_mode must be one of {IS_MODES}, got {mode!r}")
+  w = jnp.exp(jax.lax.stop_gradient(prox_logp - old_logp))
+  if cap <= 0:
+    return w, jnp.zeros_like(w)
+  over = w > cap
+  w = jnp.where(over, cap if mode == "truncate" else 0.0, w)
+  return w, over.astype(w.dtype)
+
+
+def make_loss_fn(cfg: ml_collections.ConfigDict) -> LossFn:
+  """The PPO-clip / GRPO token loss for the train step (module docstring).
+
+  Args:
+    cfg: the `rl` config section (`default_rl_config()` fields).
+
+  Returns:
+    loss_fn(logp_BT, entropy_BT, mb) -> (per-token loss, per-token metrics).
+  """
+  clip_low, clip_high = float(cfg.clip_low), float(cfg.clip_high)
+  clip_c = float(cfg.get("clip_c", 0.0))
+  kl_coef, estimator = float(cfg.kl_coef), str(cfg.kl_estimator)
+  kl_clamp = float(cfg.get("kl_clamp", 0.0))
+  is_cap, is_mode = float(cfg.is_cap), str(cfg.get("is_mode", "truncate"))
+  entropy_coef = float(cfg.entropy_coef)
+  if estimator not in KL_ESTIMATORS:
+    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+  if is_mode not in IS_MODES:
+    raise ValueError(f"is_mode must be one of {IS_MODES}, got {is_mode!r}")
+  if not (0 <= clip_low < 1 and clip_high >= 0):
+    raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+  if clip_c and clip_c <= 1:
+    raise ValueError(f"clip_c must exceed 1 (or be 0 to disable), got {clip_c}")
+
+  def loss_fn(logp_BT: jax.Array, entropy_BT: jax.Array, mb: TrainBatch):
+    adv_BT = mb.advantages
+    prox_BT = jax.lax.stop_gradient(mb.prox_logprobs)
+    w_BT, truncated_BT = importance_weights(prox_BT, mb.old_logprobs, is_cap, is_mode)
+    # Clamp the exponent: padding and masked tokens may hold arbitrary logp
+    # differences, and an inf there would turn 0 * inf into NaN gradients.
+    ratio_BT = jnp.exp(jnp.clip(logp_BT - prox_BT, -20.0, 20.0))
+    unclipped_BT = -adv_BT * ratio_BT
+    clipped_BT = -adv_BT * jnp.clip(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
+    pg_BT = jnp.maximum(unclipped_BT, clipped_BT)
+    clipfrac_BT = (clipped_BT > unclipped_BT).astype(pg_BT.dtype)
+    if clip_c:
+      # Dual clip: for A < 0 a huge ratio would make the loss unbounded.
+      dual_BT = jnp.minimum(pg_BT, -adv_BT * clip_c)
+      clipfrac_BT = jnp.where((adv_BT < 0) & (dual_BT < pg_BT), 1.0, clipfrac_BT)
+      pg_BT = jnp.where(adv_BT < 0, dual_BT, pg_BT)
+    pg_BT = w_BT * pg_BT
+    loss_BT = pg_BT
+    # k3 of KL(mu || pi_prox) from tokens sampled from mu: r = pi_prox / mu.
+    log_w_BT = jax.lax.stop_gradient(prox_BT - mb.old_logprobs)
+    extras = {
+        "pg_loss": pg_BT,
+        "ratio": ratio_BT,
+        "clipfrac": clipfrac_BT,
+        "is_weight": w_BT,
+        "is_weight_sq": w_BT * w_BT,
+        "is_truncated": truncated_BT,
+        "behaviour_kl": jnp.exp(log_w_BT) - log_w_BT - 1.0,
+        "entropy": entropy_BT,
+    }
+    if kl_coef:
+      kl_BT = kl_penalty(logp_BT, jax.lax.stop_gradient(mb.ref_logprobs), estimator)
+      if kl_clamp > 0:
+        kl_BT = jnp.clip(kl_BT, -kl_clamp, kl_clamp)
+      loss_BT = loss_BT + kl_coef * kl_BT
+      extras["kl"] = kl_BT
+    if entropy_coef:
+      loss_BT = loss_BT - entropy_coef * entropy_BT
+    return loss_BT, jax.tree.map(jax.lax.stop_gradient, extras)
+
+  return loss_fn

@@ -79,8 +79,10 @@ def group_advantages(rewards_B: np.ndarray, group_ids_B: np.ndarray, *,
     idx = np.flatnonzero(group_ids_B == g)
     r = rewards_B[idx]
     centred = r - r.mean()
-    if std_normalize and len(r) > 1:
-      centred = centred / (r.std(ddof=1) + eps)
+    denom = r.std(ddof=1) + eps if len(r) > 1 else 0.0
+    # Equal rewards give centred == 0; skipping the division keeps eps = 0 finite.
+    if std_normalize and denom > 0:
+      centred = centred / denom
     adv_B[idx] = centred
   return adv_B.astype(np.float32)
 

@@ -314,3 +314,18 @@ def test_minibatch_sync_equals_reference(name, sp, mixed_reference, ref_model, d
     loops = [e for e in capture["jaxpr"].jaxpr.eqns if e.primitive.name == "shard_map"]
     body = loops[0].params["jaxpr"]
     assert any(e.primitive.name == "while" for e in body.eqns)
+
+
+def test_flex_minibatch_sync_with_vision_balancing_and_a_long_sequence(ref_model, devices):
+  """All switches at once: levels, balanced vision, minibatch sync, over-capacity sequence."""
+  seqs = mixed_batch(seed=3, long=True)
+  want_loss, want_grads = reference(ref_model, seqs)
+  cfg = ml_collections.ConfigDict(dict(strategy="flex_ulysses", p_max=8, capacity=64,
+                                       capacity_buckets=(16, 32, 64), sync="minibatch",
+                                       balance_vision=True))
+  strategy = strategies.get_strategy(cfg, CFG)
+  plan, loss, grads, _ = sharded_run(strategy, seqs, balance_vision=True)
+  assert max(len(s) for s in seqs) > 64
+  assert batch_lib.vision_route_stats(plan, seqs, CFG, balance=True)["embeddings_moved"] > 0
+  np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+  assert_grads_close(grads, want_grads)

@@ -1,0 +1,48 @@
+"""Groups of completions become trainer sequences with the right fields."""
+
+import numpy as np
+import pytest
+
+from fluxjax.models import config as config_lib
+from fluxjax.models import inputs
+from fluxjax.rl import trajectories
+from fluxjax.rollout.client import Completion
+
+CFG = config_lib.preset("tiny")
+
+
+def _completion(ids, logprobs, version="3"):
+  return Completion(rid=f"r{len(ids)}", text="", output_ids=list(ids), logprobs=list(logprobs),
+                    finish_reason={"type": "stop"}, prompt_tokens=None, weight_version=version,
+                    server="embedded", meta_info={})
+
+
+def test_group_sequences_fields():
+  prompt = inputs.sequence_from_tokens([5, 6, 7, 8], [], CFG)
+  group = trajectories.Group("s1", prompt, [
+      _completion([10, 11, 492], [-0.5, -1.0, -0.1]),
+      _completion([12, 492], [-2.0, -0.3])], rewards=[1.0, 0.0])
+  a, b = trajectories.group_sequences(group, agg_mode="token-mean")
+  # GRPO: rewards (1, 0) -> mean 0.5, unbiased std sqrt(0.5) = 0.7071 (as veRL's
+  # torch.std) -> advantages 0.5 / 0.7071 = +0.7071 and -0.7071 (eps aside).
+  np.testing.assert_allclose(a.advantages_T, [0, 0, 0, 0] + [0.70711] * 3, atol=1e-4)
+  np.testing.assert_allclose(b.advantages_T, [0, 0, 0, 0] + [-0.70711] * 2, atol=1e-4)
+  np.testing.assert_array_equal(a.loss_mask_T, [0, 0, 0, 0, 1, 1, 1])
+  np.testing.assert_allclose(a.old_logprobs_T, [0, 0, 0, 0, -0.5, -1.0, -0.1])
+  np.testing.assert_array_equal(a.inputs.tokens_T, [5, 6, 7, 8, 10, 11, 492])
+  # Response positions continue the prompt's (text: 4, 5, 6 on every axis).
+  np.testing.assert_array_equal(a.inputs.positions_3T[:, 4:], [[4, 5, 6]] * 3)
+  # Sequence-mean aggregation: each response's weights sum to 1.
+  a2, b2 = trajectories.group_sequences(group, agg_mode="seq-mean-token-mean")
+  assert a2.loss_mask_T.sum() == pytest.approx(1.0) and b2.loss_mask_T.sum() == pytest.approx(1.0)
+  assert trajectories.weight_versions(group) == [3, 3]
+
+
+def test_missing_logprobs_or_rewards_are_errors():
+  prompt = inputs.sequence_from_tokens([5, 6], [], CFG)
+  with pytest.raises(ValueError, match="lacks behaviour logprobs"):
+    trajectories.group_sequences(trajectories.Group(
+        "s", prompt, [_completion([1, 2], [None, -1.0])], [1.0]))
+  with pytest.raises(ValueError, match="2 completions but 1 rewards"):
+    trajectories.group_sequences(trajectories.Group(
+        "s", prompt, [_completion([1], [-1.0]), _completion([2], [-1.0])], [1.0]))

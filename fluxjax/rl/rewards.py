@@ -87,8 +87,9 @@ _TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.S | re.I)
 _PHRASE_RE = re.compile(r"answer(?:\s+is|\s*:)\s*([^\n<]*)", re.I)
 _NUMBER_RE = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")
 _WORD_RE = re.compile(r"[A-Za-z]+")
-_FORMAT_RE = re.compile(r"\s*(?:<think>.*?</think>\s*)?<answer>([^<]*)</answer>\s*",
-                        re.S)
+# One optional think block (no nested or repeated tags), then one answer.
+_FORMAT_RE = re.compile(
+    r"\s*(?:<think>(?:(?!</?think>).)*</think>\s*)?<answer>([^<]*)</answer>\s*", re.S)
 
 
 def extract_answer(response: str) -> str:
@@ -435,10 +436,13 @@ class RewardScheduler:
       # The worker died (os._exit, segfault, OOM kill): its call is an error.
       task = w.task
       w.task = None
+      w.proc.join(timeout=1)
+      reason = f"worker died (exit code {w.proc.exitcode})"
+      # Replace first, so that metrics read when the future resolves count it.
+      self._replace(i)
       if task is not None:
         self._finish(task, RewardResult(0.0, "error", 0.0, task.timeout, task.key, task.tag,
-                                        f"worker died (exit code {w.proc.exitcode})"))
-      self._replace(i)
+                                        reason))
       return
     if msg[0] == "ready":
       w.ready = True
@@ -463,9 +467,9 @@ class RewardScheduler:
       for i, w in enumerate(self._workers):
         if w.task is not None and now >= w.deadline:
           task, w.task = w.task, None
+          self._replace(i)
           self._finish(task, RewardResult(0.0, "timeout", task.timeout, task.timeout,
                                           task.key, task.tag, "timed out"))
-          self._replace(i)
       next_deadline = min((w.deadline for w in self._workers), default=math.inf)
       wait_s = min(max(next_deadline - time.monotonic(), 0.0), 0.5)
       conns = {w.conn: i for i, w in enumerate(self._workers)}

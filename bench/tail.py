@@ -1,0 +1,179 @@
+"""Tail batching vs plain rounds on the embedded engine, long-tailed response lengths.
+
+  python bench/tail.py [--prompts 80] [--P 8] [--R 4] [--slots 64]
+
+Model: the tiny preset with random weights (fluxjax.models.config.preset("tiny")),
+served by EmbeddedRollout (the engine in a background thread, driven through
+the same `generate(body, group)` / `abort(rid)` interface as the fleet).
+
+Response lengths. Random weights have no natural stopping point, so every
+request is sent with ignore_eos=True and max_new_tokens = L, which fixes its
+length. L is log-normal with a cap, drawn per request:
+  log L = log(median) + sigma_prompt * z_p + sigma_resp * z_pj,
+  z ~ N(0, 1), L = min(cap, max(1, round(exp(.)))),
+with z_p shared by the responses of prompt p (some prompts are hard: all their
+responses run long, which is what sends them to the long round) and z_pj per
+response. Marginally log L ~ N(log median, sigma_prompt^2 + sigma_resp^2).
+Lengths are a seeded function of (prompt, response index), so a prompt rerun in
+a long round asks for the same lengths.
+
+Configurations, each one epoch over the same prompts, P prompts x R responses
+kept per round (every configuration trains the same P*R*prompts/P responses):
+  baseline      plain rounds: launch P x R, wait for all (no TailBatcher).
+  eta 1.0       TailBatcher with eta 1.0 (must equal the baseline).
+  eta 1.25/1.5  TailBatcher: short rounds launch ceil(eta P) x ceil(eta R).
+
+Per configuration: rounds, mean / max round time, slot-idle fraction (decode
+slot-steps with no request / all decode slot-steps, over all num_slots slots)
+and bubble fraction (idle slot-steps among the slots the round launched,
+min(launched, num_slots): slots left idle waiting for the round's tail).
+Compilation is excluded (warm-up first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from fluxjax.models import config, vlm  # noqa: E402
+from fluxjax.models.tokenizer import Tokenizer  # noqa: E402
+from fluxjax.rl import tail_batching as tb  # noqa: E402
+from fluxjax.rollout.embedded import EmbeddedRollout  # noqa: E402
+
+
+class Lengths:
+  """The documented log-normal response-length model (see the module docstring)."""
+
+  def __init__(self, median, sigma_prompt, sigma_resp, cap, seed=0):
+    self.median, self.sp, self.sr, self.cap, self.seed = median, sigma_prompt, sigma_resp, cap, seed
+
+  def __call__(self, p: int, j: int) -> int:
+    zp = np.random.default_rng([self.seed, p]).normal()
+    zr = np.random.default_rng([self.seed, p, j + 1]).normal()
+    x = math.log(self.median) + self.sp * zp + self.sr * zr
+    return int(min(self.cap, max(1, round(math.exp(x)))))
+
+
+async def baseline_epoch(rollout, prompts, P, R, make_body):
+  """Plain synchronous rounds: P prompts x R responses, wait for the slowest."""
+  eng = rollout.engine
+  rows = []
+  for i in range(0, len(prompts), P):
+    chunk = prompts[i:i + P]
+    steps0 = eng.stats["decode_steps"]
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*(
+        rollout.generate({**make_body(p, j), "rid": f"base-{p}-{j}"}, str(p))
+        for p in chunk for j in range(R)))
+    wall = time.perf_counter() - t0
+    steps = eng.stats["decode_steps"] - steps0
+    busy = sum(max(len(c.output_ids) - 1, 0) for c in outs)
+    rows.append({"kind": "plain", "wall_s": wall, "decode_steps": steps, "busy": busy,
+                 "launched": len(outs), "max_kept_len": max(len(c.output_ids) for c in outs)})
+  return rows
+
+
+async def tail_epoch(rollout, prompts, P, R, eta, make_body):
+  b = tb.TailBatcher(P, R, eta)
+  b.start_epoch(prompts)
+  rows = []
+  while (res := await tb.run_round(rollout, b, make_body, rid_prefix=f"eta{eta}")) is not None:
+    s = res.stats
+    s["busy"] = round((1 - s["slot_idle_fraction"]) * s["decode_steps"] * rollout.engine.num_slots)
+    s["launched"] = len(res.plan.prompts) * res.plan.responses
+    rows.append(s)
+  assert sorted(b.trained) == sorted(prompts), "a prompt was lost or trained twice"
+  return rows
+
+
+def summarize(rows, slots):
+  steps = sum(r["decode_steps"] for r in rows)
+  busy = sum(r["busy"] for r in rows)
+  own = sum(r["decode_steps"] * min(r["launched"], slots) for r in rows)
+  walls = [r["wall_s"] for r in rows]
+  return {"rounds": len(rows), "long": sum(r["kind"] == "long" for r in rows),
+          "mean": float(np.mean(walls)), "max": float(np.max(walls)), "total": float(np.sum(walls)),
+          "idle": 1 - busy / (steps * slots), "bubble": 1 - busy / own,
+          "maxlen": float(np.mean([r["max_kept_len"] for r in rows]))}
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--preset", default="tiny")
+  p.add_argument("--prompts", type=int, default=80)
+  p.add_argument("--P", type=int, default=8)
+  p.add_argument("--R", type=int, default=4)
+  p.add_argument("--slots", type=int, default=64)
+  p.add_argument("--prompt-len", type=int, default=16)
+  p.add_argument("--median", type=float, default=16.0)
+  p.add_argument("--sigma-prompt", type=float, default=1.2)
+  p.add_argument("--sigma-resp", type=float, default=1.0)
+  p.add_argument("--cap", type=int, default=384)
+  p.add_argument("--seed", type=int, default=0)
+  args = p.parse_args()
+
+  cfg = config.preset(args.preset)
+  model = vlm.create_model(cfg, 0)
+  tok = Tokenizer.default()
+  rng = np.random.default_rng(args.seed)
+  prompt_ids = {i: rng.integers(0, 490, args.prompt_len).tolist() for i in range(args.prompts)}
+  lengths = Lengths(args.median, args.sigma_prompt, args.sigma_resp, args.cap, args.seed)
+
+  def make_body(p, j):
+    return {"input_ids": prompt_ids[p],
+            "sampling_params": {"max_new_tokens": lengths(p, j), "ignore_eos": True,
+                                "temperature": 1.0}}
+
+  all_l = np.array([lengths(p, j) for p in range(args.prompts) for j in range(8)])
+  rollout = EmbeddedRollout(model, tok, num_slots=args.slots,
+                            context_length=args.prompt_len + args.cap, seed=args.seed)
+
+  async def run():
+    # Warm-up: compile the prefill bucket and the decode step.
+    await asyncio.gather(*(rollout.generate(
+        {"input_ids": prompt_ids[0], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}},
+        None) for _ in range(2)))
+    prompts = list(range(args.prompts))
+    out = {"baseline": await baseline_epoch(rollout, prompts, args.P, args.R, make_body)}
+    for eta in (1.0, 1.25, 1.5):
+      out[f"eta {eta}"] = await tail_epoch(rollout, prompts, args.P, args.R, eta, make_body)
+    await rollout.close()
+    return out
+
+  t0 = time.perf_counter()
+  results = asyncio.run(run())
+  total = time.perf_counter() - t0
+
+  print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, jax {jax.__version__} "
+        f"{jax.default_backend()}; preset {args.preset} (random weights), EmbeddedRollout "
+        f"{args.slots} slots")
+  print(f"workload: {args.prompts} prompts x {args.prompt_len} tokens, P={args.P} prompts x "
+        f"R={args.R} responses kept per round; lengths forced with ignore_eos=True and "
+        f"max_new_tokens ~ min({args.cap}, LogNormal(log {args.median:g}, "
+        f"prompt sigma {args.sigma_prompt:g} + response sigma {args.sigma_resp:g})): "
+        f"p50 {np.median(all_l):.0f}, p90 {np.percentile(all_l, 90):.0f}, "
+        f"p99 {np.percentile(all_l, 99):.0f}, max {all_l.max()}, at cap {np.mean(all_l == args.cap):.1%}")
+  print("| config | rounds (long) | mean round s | max round s | epoch s | mean max len "
+        "| slot-idle | bubble | speedup (mean round) |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  base = summarize(results["baseline"], args.slots)
+  for name, rows in results.items():
+    s = summarize(rows, args.slots)
+    print(f"| {name} | {s['rounds']} ({s['long']}) | {s['mean']:.3f} | {s['max']:.3f} | "
+          f"{s['total']:.2f} | {s['maxlen']:.0f} | {s['idle']:.1%} | {s['bubble']:.1%} | "
+          f"{base['mean'] / s['mean']:.2f}x |")
+  print(f"bench wall time {total:.0f} s")
+
+
+if __name__ == "__main__":
+  main()

@@ -37,6 +37,7 @@ import math
 
 import numpy as np
 
+from fluxjax.data import distributions
 from fluxjax.models import processor
 
 # <|im_start|>system ... <|im_end|> <|im_start|>user <|vision_start|> ...
@@ -52,39 +53,25 @@ _PROCESSOR = processor.VisionProcessorConfig(image_min_pixels=56 * 56,
                                              image_max_pixels=12845056)
 
 
-@dataclasses.dataclass(frozen=True)
-class LogNormal:
-  """A log-normal given by its median and 99th percentile, clipped to [lo, hi]."""
-  median: float
-  p99: float
-  lo: float
-  hi: float
-
-  @property
-  def sigma(self) -> float:
-    return math.log(self.p99 / self.median) / 2.3263478740408408  # z of 0.99
-
-  def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
-    x = self.median * np.exp(self.sigma * rng.standard_normal(n))
-    return np.clip(x, self.lo, self.hi)
+LogNormal = distributions.LogNormal
 
 
 # ASSUMED: Geo3K prompts are a short problem statement plus a reasoning
 # instruction; diagrams are small line drawings (longer side ~420 px).
 GEO3K_TEXT = LogNormal(median=110, p99=320, lo=30, hi=1024)
-GEO3K_LONG_SIDE = LogNormal(median=420, p99=1100, lo=100, hi=2000)
+GEO3K_LONG_SIDE = distributions.GEO3K_LONG_SIDE
 GEO3K_RESPONSE = LogNormal(median=450, p99=1600, lo=16, hi=MAX_RESPONSE)
 # NExT-QA: mean duration 44 s (Xiao et al.); median 40 s and p99 115 s give a
 # log-normal mean of 44 s. ASSUMED: half 640x480, half 640x360 (VidOR sources).
-NEXTQA_SECONDS = LogNormal(median=40, p99=115, lo=5, hi=180)
-NEXTQA_RESOLUTIONS = ((480, 640), (360, 640))
+NEXTQA_SECONDS = distributions.NEXTQA_SECONDS
+NEXTQA_RESOLUTIONS = distributions.NEXTQA_RESOLUTIONS
 NEXTQA_TEXT = LogNormal(median=90, p99=220, lo=30, hi=512)
 NEXTQA_RESPONSE = LogNormal(median=300, p99=1400, lo=16, hi=MAX_RESPONSE)
 # LongVILA-Reason. ASSUMED: median 5 min, p99 30 min; 16:9 sources at
 # 360p/480p/720p/1080p with probabilities 0.2/0.3/0.4/0.1.
-LONGVILA_SECONDS = LogNormal(median=300, p99=1800, lo=30, hi=3600)
-LONGVILA_RESOLUTIONS = ((360, 640), (480, 854), (720, 1280), (1080, 1920))
-LONGVILA_RES_P = (0.2, 0.3, 0.4, 0.1)
+LONGVILA_SECONDS = distributions.LONGVILA_SECONDS
+LONGVILA_RESOLUTIONS = distributions.LONGVILA_RESOLUTIONS
+LONGVILA_RES_P = distributions.LONGVILA_RES_P
 LONGVILA_TEXT = LogNormal(median=150, p99=420, lo=40, hi=1024)
 LONGVILA_RESPONSE = LogNormal(median=500, p99=1600, lo=16, hi=MAX_RESPONSE)
 SOURCE_FPS = 30  # ASSUMED: frame rate of the source files

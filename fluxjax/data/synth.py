@@ -46,6 +46,7 @@ import PIL.Image
 import PIL.ImageDraw
 import PIL.ImageFont
 
+from fluxjax.data import distributions
 from fluxjax.models.tokenizer import COLORS, SHAPES
 
 MIXES = {
@@ -65,27 +66,14 @@ RGB = {
 BACKGROUND = (128, 128, 128)
 
 
-@dataclasses.dataclass(frozen=True)
-class LogNormal:
-  """A log-normal given by median and 99th percentile, clipped to [lo, hi]."""
-  median: float
-  p99: float
-  lo: float
-  hi: float
-
-  def sample(self, rng: np.random.Generator) -> float:
-    sigma = math.log(self.p99 / self.median) / 2.3263478740408408
-    x = self.median * math.exp(sigma * rng.standard_normal())
-    return float(min(max(x, self.lo), self.hi))
-
-
-# The parameters of bench/mixtures.py (see the module docstring).
-GEO3K_LONG_SIDE = LogNormal(420, 1100, 100, 2000)
-NEXTQA_SECONDS = LogNormal(40, 115, 5, 180)
-NEXTQA_RESOLUTIONS = ((480, 640), (360, 640))
-LONGVILA_SECONDS = LogNormal(300, 1800, 30, 3600)
-LONGVILA_RESOLUTIONS = ((360, 640), (480, 854), (720, 1280), (1080, 1920))
-LONGVILA_RES_P = (0.2, 0.3, 0.4, 0.1)
+# The parameters bench/mixtures.py uses too (one definition, see distributions).
+LogNormal = distributions.LogNormal
+GEO3K_LONG_SIDE = distributions.GEO3K_LONG_SIDE
+NEXTQA_SECONDS = distributions.NEXTQA_SECONDS
+NEXTQA_RESOLUTIONS = distributions.NEXTQA_RESOLUTIONS
+LONGVILA_SECONDS = distributions.LONGVILA_SECONDS
+LONGVILA_RESOLUTIONS = distributions.LONGVILA_RESOLUTIONS
+LONGVILA_RES_P = distributions.LONGVILA_RES_P
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ overridden on the command line as --config.section.field=value.
 import ml_collections
 
 from fluxjax import config_args
+from fluxjax.rl import losses
 
 VARIANTS = ("tiny", "qwen25_vl_3b", "qwen25_vl_7b", "qwen25_vl_32b")
 
@@ -85,6 +86,29 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.health_interval_s = 2.0
   c.rollout.num_slots = 32            # embedded engine: concurrent requests
   c.rollout.context_length = 1024     # embedded engine: prompt + response tokens
+
+  # Tail batching (Flexes): short rounds launch eta*P prompts x eta*R responses
+  # and keep the first P x R to finish; 1.0 disables speculation.
+  c.rollout.tail_batching = ml_collections.ConfigDict()
+  c.rollout.tail_batching.eta = 1.25
+
+  # RL algorithm: GRPO advantages, PPO clip (DAPO clip-higher), decoupled
+  # truncated importance correction, optional KL to the reference; rewards.
+  c.rl = losses.default_rl_config()
+  c.rl.prompts_per_step = 8 if arg.variant == "tiny" else 64
+  c.rl.responses_per_prompt = 4 if arg.variant == "tiny" else 8
+  c.rl.max_new_tokens = 32 if arg.variant == "tiny" else 1024
+  c.rl.temperature = 1.0
+
+  # Coordinator: how far rollout may run ahead of training (Flux). "sync":
+  # lag 0; "fixed": lag fixed_lag; "adaptive": a PID keeps the staleness near
+  # target_staleness by moving the lag within [min_lag, max_lag]. Admission of
+  # new rollouts is throttled; finished samples are never dropped. (Named `lag`,
+  # not `async`: flag overrides are parsed as Python, where async is a keyword.)
+  c.coordinator = ml_collections.ConfigDict()
+  c.coordinator.lag = ml_collections.ConfigDict(dict(
+      mode="sync" if arg.variant == "tiny" else "adaptive", fixed_lag=1, min_lag=0,
+      max_lag=4, target_staleness=0.3, kp=2.0, ki=0.5, kd=0.0))
 
   # Optimizer: AdamW + global-norm clipping + warmup/cosine.
   c.optim = ml_collections.ConfigDict()

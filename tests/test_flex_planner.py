@@ -68,3 +68,9 @@ def test_bad_arguments():
     flex_planner.plan_flex([1, 2], 8, 16)
   with pytest.raises(ValueError, match="sequence 1 has 9000 tokens > flex_ulysses"):
     planners.plan_flex_ulysses([10, 9000], 8, 2, capacity=4096, buckets=(4096,))
+
+
+def test_reorder_never_breaks_the_memory_threshold():
+  """A case where greedy short-item re-placement paints itself into a corner."""
+  fp = flex_planner.plan_flex([76, 114, 109, 199, 176], 4, 2)
+  assert fp.baseline_feasible and max(fp.memory()) <= fp.m_th

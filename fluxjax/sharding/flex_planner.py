@@ -248,6 +248,8 @@ def _two_way(items, h):
 def _short_item_reorder(s: _State) -> None:
   short = sorted((i for i, pl in enumerate(s.pl) if pl.p <= 2), key=lambda i: (-s.h[i], i))
   previous = {i: s.pl[i] for i in short}
+  snapshot = (s.mem.copy(), s.comp.copy(), list(s.pl))
+  feasible_before = bool((s.mem <= s.m_th + _EPS).all())
   for i in short:
     s.remove(i)
   for i in short:
@@ -265,6 +267,10 @@ def _short_item_reorder(s: _State) -> None:
       s.add(i, p, int(firsts[np.argmin(s.comp.reshape(-1, p).max(axis=1)[firsts // p])]))
     else:
       s.add(i, previous[i].p, previous[i].first)
+  # All or nothing: greedy re-placement can paint itself into a corner; never
+  # trade a plan that respected M_th for one that does not.
+  if feasible_before and (s.mem > s.m_th + _EPS).any():
+    s.mem, s.comp, s.pl = snapshot[0], snapshot[1], snapshot[2]
 
 
 def _refine_moves(s: _State, max_steps: int) -> None:

@@ -25,6 +25,33 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.variant = arg.variant
   c.seed = 0
+  c.total_steps = 40 if arg.variant == "tiny" else 500
+  c.eval_every = 5 if arg.variant == "tiny" else 25
+
+  # Data: JSONL/Parquet files, or (train empty) a synthetic dataset generated
+  # into WORKDIR/data on first use.
+  c.data = ml_collections.ConfigDict()
+  c.data.train = ""
+  c.data.eval = ""
+  c.data.mix = "image_heavy"   # image_heavy | video_heavy | only_video | text
+  c.data.synth_train = 256
+  c.data.synth_eval = 32
+  c.data.eval_prompts = 32
+  c.data.seed = 0
+  c.data.num_workers = 1 if arg.variant == "tiny" else 8
+  # Vision preprocessing limits, shared by the loader's workers and the rollout
+  # engine (the prompt's pad-token counts depend on them). Tiny: a few tokens
+  # per image/frame so a CPU run stays small; real shapes: Qwen2.5-VL's.
+  tiny = arg.variant == "tiny"
+  c.data.vision = ml_collections.ConfigDict(dict(
+      image_min_pixels=28 * 28 * 4 if tiny else 56 * 56,
+      image_max_pixels=112 * 112 if tiny else 28 * 28 * 1280,
+      video_min_pixels=28 * 28 * 4 if tiny else 128 * 28 * 28,
+      video_max_pixels=56 * 56 if tiny else 768 * 28 * 28,
+      video_max_frames=8 if tiny else 768))
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 5 if arg.variant == "tiny" else 25
 
   # Model: a preset with random weights, or an HF checkpoint folder (which wins).
   c.model = ml_collections.ConfigDict()

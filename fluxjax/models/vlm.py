@@ -9,7 +9,8 @@ tokens. The packed forward takes
   vision           VisionInputs for all images/frames of the call, or None
   vision_index_BT  int   for each image/video pad token, the index of its merged
                    embedding in the flattened [B * N/4] tower output (a gather:
-                   the plan routes embeddings to any token position). When None,
+                   the plan routes embeddings to any token position); -1 marks a
+                   text position, whatever its token id. When None,
                    the k-th pad token in row-major order takes the k-th merged
                    embedding, which is right when patches follow token order
                    with padding only at the end (one row).
@@ -78,9 +79,13 @@ class Qwen25VL(nnx.Module):
     merged = merged.reshape(-1, merged.shape[-1])          # [B * N/4, E]
     if vision_gather_fn is not None:
       merged = vision_gather_fn(merged)
-    is_vis = (tokens_BT == self.cfg.image_token_id) | (tokens_BT == self.cfg.video_token_id)
     if vision_index_BT is None:
+      is_vis = (tokens_BT == self.cfg.image_token_id) | (tokens_BT == self.cfg.video_token_id)
       vision_index_BT = (jnp.cumsum(is_vis.reshape(-1)) - 1).reshape(is_vis.shape)
+    else:
+      # Only positions the plan routed are vision: a pad id the policy sampled
+      # in a response is text, as the rollout engine embedded it.
+      is_vis = vision_index_BT >= 0
     index = jnp.clip(vision_index_BT, 0, merged.shape[0] - 1)
     spliced = jnp.take(merged, index, axis=0)              # a gather: works sharded
     return jnp.where(is_vis[..., None], spliced, x)

@@ -23,11 +23,13 @@ class EmbeddedRollout:
   url = "embedded"
 
   def __init__(self, model: vlm.Qwen25VL, tokenizer: Tokenizer, *, num_slots: int = 8,
-               context_length: int = 512, seed: int = 0):
+               context_length: int = 512, seed: int = 0,
+               proc_cfg: processor.VisionProcessorConfig | None = None):
     self.tokenizer = tokenizer
     self.engine = engine_lib.Engine(model, tokenizer, num_slots=num_slots,
                                     capacity=context_length, seed=seed)
-    self.proc_cfg = processor.VisionProcessorConfig()
+    # Must equal the trainer's: the prompt's pad-token counts come from it.
+    self.proc_cfg = proc_cfg or processor.VisionProcessorConfig()
     self.engine.start()
 
   async def generate(self, body: dict, group: str | None = None) -> Completion:

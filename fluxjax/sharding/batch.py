@@ -106,7 +106,9 @@ def _media_in_row(row, seqs: Sequence[TrainSequence], cfg: ModelConfig):
       count = num_patches(item) // cfg.vision.merge_unit
       yield offset + pads[start:start + count], item
       start += count
-    if start != len(pads):
+    # The prompt's pads come first; pad ids beyond the media's count were
+    # sampled in the response and are text.
+    if start > len(pads):
       raise ValueError(f"sequence {s}: {len(pads)} vision tokens but media give {start}")
     offset += len(seq)
 
@@ -244,7 +246,8 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
   tokens = np.zeros(shape, np.int32)
   positions = np.zeros((m_count, 3, d_count, cap), np.int32)
   segment_ids, segment_pos = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
-  targets, vision_index = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+  targets = np.zeros(shape, np.int32)
+  vision_index = np.full(shape, -1, np.int32)  # -1: a text position
   loss_mask, adv = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
   old_lp, ref_lp = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
   prox_lp = np.zeros(shape, np.float32)

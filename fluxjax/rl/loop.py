@@ -144,5 +144,6 @@ def run(config, workdir: str) -> dict:
     eval_loader.close()
     coord.loader.close()
     coord.rewards.shutdown()
-    coord.rollout.engine.stop() if hasattr(coord.rollout, "engine") else None
+    if hasattr(coord.rollout, "engine"):  # the embedded engine's decode thread
+      coord.rollout.engine.stop()
   return last

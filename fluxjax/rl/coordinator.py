@@ -90,17 +90,22 @@ class Coordinator:
                            *, greedy: bool = False) -> list[trajectories.Group]:
     """R responses per prompt (one request each, so each can be aborted)."""
     prompts = [self.prompt(s) for s in samples]
-    tasks = [[asyncio.ensure_future(self.rollout.generate(self.request(s, p, greedy=greedy),
-                                                          s.id))
-              for _ in range(responses)] for s, p in zip(samples, prompts)]
+
+    async def respond_and_score(sample, prompt):
+      # Each response is scored as soon as it finishes, while others decode.
+      completion = await self.rollout.generate(self.request(sample, prompt, greedy=greedy),
+                                               sample.id)
+      scored = await asyncio.wrap_future(
+          self.rewards.submit(completion.text, sample.answer or "", key=sample.id))
+      return completion, scored.reward
+
+    tasks = [[asyncio.ensure_future(respond_and_score(s, p)) for _ in range(responses)]
+             for s, p in zip(samples, prompts)]
     groups = []
     for sample, prompt, ts in zip(samples, prompts, tasks):
-      completions = list(await asyncio.gather(*ts))
-      futures = [self.rewards.submit(c.text, sample.answer or "", key=sample.id)
-                 for c in completions]
-      scored = [f.result() for f in futures]
-      groups.append(trajectories.Group(sample.id, prompt, completions,
-                                       [r.reward for r in scored], sample.answer))
+      done = await asyncio.gather(*ts)
+      groups.append(trajectories.Group(sample.id, prompt, [c for c, _ in done],
+                                       [r for _, r in done], sample.answer))
     return groups
 
   # -- training --------------------------------------------------------------
@@ -124,9 +129,8 @@ class Coordinator:
 
   def train(self, seqs: Sequence[batch_lib.TrainSequence]) -> dict:
     plan = self.strategy.plan([len(s) for s in seqs], self.mesh.size)
-    patches = batch_lib.patch_capacity_for(plan, seqs, self.cfg, PATCH_BUCKETS,
-                                           self.strategy.balance_vision)
-    host = batch_lib.materialize(plan, seqs, self.cfg, patches, patch_source=self.patch_source,
+    host = batch_lib.materialize(plan, seqs, self.cfg, PATCH_BUCKETS,
+                                 patch_source=self.patch_source,
                                  balance_vision=self.strategy.balance_vision)
     step = self._step_fn(plan)
     with jax.set_mesh(self.mesh):

@@ -169,8 +169,12 @@ def vision_assignment(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfi
 def patch_capacity_for(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
                        buckets: Sequence[int], balance: bool = False) -> int:
   """The smallest patch bucket holding every device's vision work in every microbatch."""
+  return _patch_bucket(vision_assignment(plan, seqs, cfg, balance), cfg, buckets)
+
+
+def _patch_bucket(assignment, cfg: ModelConfig, buckets: Sequence[int]) -> int:
   need = cfg.vision.merge_unit  # never zero: the vision inputs keep one static shape
-  for units, _ in vision_assignment(plan, seqs, cfg, balance):
+  for units, _ in assignment:
     for us in units.values():
       need = max(need, sum(u.num_patches for u in us))
   return capacity_bucket(need, buckets)
@@ -221,14 +225,16 @@ def media_placement(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig)
 
 
 def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
-                patch_capacity: int, patch_source=None, balance_vision: bool = False) -> TrainBatch:
+                patch_capacity: int | Sequence[int], patch_source=None,
+                balance_vision: bool = False) -> TrainBatch:
   """Host numpy buffers for a plan (every device's; see `to_device`).
 
   Args:
     plan: the strategy's plan for these sequences.
     seqs: the sequences; their media need only `grid_thw` (and `kind`).
     cfg: the model config.
-    patch_capacity: patches per device per microbatch (a bucket).
+    patch_capacity: patches per device per microbatch (a bucket), or the
+      buckets to pick the smallest fitting one from.
     patch_source: item -> float [num_patches, patch_dim]; default `item.patches`
       (in-process). The ShadowLoader passes a lookup into its worker store, so
       pixels never pass through the controller's sequences.
@@ -241,6 +247,9 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
     raise ValueError("the plan was made for other sequence lengths")
   m_count, d_count, cap = plan.num_microbatches, plan.num_devices, plan.capacity
   vcfg = cfg.vision
+  assignment = vision_assignment(plan, seqs, cfg, balance_vision)
+  if not isinstance(patch_capacity, int):
+    patch_capacity = _patch_bucket(assignment, cfg, patch_capacity)
   merged_cap = patch_capacity // vcfg.merge_unit
   shape = (m_count, d_count, cap)
   tokens = np.zeros(shape, np.int32)
@@ -256,7 +265,6 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
   window_ids = np.zeros((m_count, d_count, patch_capacity), np.int32)
   hw = np.zeros((m_count, d_count, patch_capacity, 2), np.int32)
 
-  assignment = vision_assignment(plan, seqs, cfg, balance_vision)
   for m, rows in enumerate(plan.microbatches):
     for row in rows:
       if not row.seqs:  # an empty row: its buffers stay zero (segment id 0 = padding)
@@ -351,8 +359,7 @@ def batch_shardings(batch: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch:
   rows = mesh_lib.batch_axes(mesh)
 
   def spec(path, x):
-    is_positions = any(getattr(k, "name", None) == "positions_BT" or
-                       getattr(k, "name", None) == "positions_3BT" for k in path)
+    is_positions = any(getattr(k, "name", None) == "positions_3BT" for k in path)
     lead = (None, None) if is_positions else (None,)
     rest = (None,) * (x.ndim - len(lead) - 1)
     return jax.sharding.NamedSharding(mesh, P(*lead, rows, *rest))

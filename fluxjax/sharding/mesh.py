@@ -82,6 +82,3 @@ def param_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
   """The axes parameters are sharded over: everything but `data`."""
   return tuple(a for a in mesh.axis_names if a != DATA)
 
-
-def sp_axis_names(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
-  return tuple(a for a in mesh.axis_names if a == SP or a.startswith(SP + "_"))

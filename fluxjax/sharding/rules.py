@@ -123,7 +123,6 @@ def create_sharded_model(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules
     logging.info("parameters:\n%s", format_table(table))
   check_sharded(table, max_replicated_bytes)
 
-  @jax.jit
   def init():
     return nnx.state(vlm.create_model(cfg, seed))
 

@@ -102,26 +102,29 @@ def _sync(cfg) -> str:
   return mode
 
 
+def _make(name: str, degree: int, cfg, model_cfg) -> Strategy:
+  """The fields every strategy reads the same way from the sharding section."""
+  return Strategy(name, degree, cfg.capacity, model_cfg, _buckets(cfg), _sync(cfg),
+                  bool(cfg.get("balance_vision", False)))
+
+
 def _packed_dp(cfg, model_cfg):
   if cfg.get("sp", 1) not in (1, None):
     raise ValueError(f"packed_dp has no sequence parallelism; got sharding.sp={cfg.sp}")
-  return Strategy("packed_dp", 1, cfg.capacity, model_cfg, _buckets(cfg), _sync(cfg),
-                  bool(cfg.get("balance_vision", False)))
+  return _make("packed_dp", 1, cfg, model_cfg)
 
 
 def _ulysses(cfg, model_cfg):
   t = model_cfg.text
   ulysses.check_degree(cfg.sp, t.num_heads, t.num_kv_heads)
-  return Strategy("ulysses", cfg.sp, cfg.capacity, model_cfg, _buckets(cfg), _sync(cfg),
-                  bool(cfg.get("balance_vision", False)))
+  return _make("ulysses", cfg.sp, cfg, model_cfg)
 
 
 def _flex_ulysses(cfg, model_cfg):
   t = model_cfg.text
   p_max = cfg.get("p_max", 8)
   ulysses.check_degree(p_max, t.num_heads, t.num_kv_heads)
-  return Strategy("flex_ulysses", p_max, cfg.capacity, model_cfg, _buckets(cfg), _sync(cfg),
-                  bool(cfg.get("balance_vision", False)))
+  return _make("flex_ulysses", p_max, cfg, model_cfg)
 
 
 STRATEGIES: dict[str, Callable[[ml_collections.ConfigDict, ModelConfig], Strategy]] = {

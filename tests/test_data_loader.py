@@ -8,6 +8,10 @@ for the same file, bit for bit.
 import json
 import logging
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -273,3 +277,52 @@ def test_no_segment_outlives_the_loader(data):
     loader.next_batch()  # leave consumed and prefetched items behind
   after = segments() - before
   assert not after, after
+
+
+def test_a_dataset_with_no_usable_sample_is_an_error(tmp_path):
+  """Repeating epochs of nothing but bad files must fail loudly, not spin."""
+  rows = [{"id": f"gone{i}", "prompt": "What colour?", "answer": "red",
+           "images": [str(tmp_path / f"gone{i}.jpg")]} for i in range(3)]
+  with pipeline.ShadowLoader(rows, 2, processor.VisionProcessorConfig(), num_workers=0) as loader:
+    with pytest.raises(RuntimeError, match="no usable sample in a whole pass over the 3 rows"):
+      loader.next_batch()
+    assert loader.skipped == 3
+
+
+_KILLED_PARENT = """
+import sys, time
+from fluxjax.data import store as store_lib, workers
+from fluxjax.models import processor
+cfg = processor.VisionProcessorConfig()
+pool = workers.WorkerPool(2, cfg, store_lib.MetaStore())
+print(" ".join(str(p.pid) for p in pool._procs), flush=True)  # pylint: disable=protected-access
+time.sleep(600)
+"""
+
+
+def test_workers_exit_when_their_parent_is_killed():
+  """A loader process killed with SIGKILL (no close) leaves no worker behind."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  parent = subprocess.Popen([sys.executable, "-c", _KILLED_PARENT], stdout=subprocess.PIPE,
+                            text=True, env=env)
+  try:
+    pids = [int(p) for p in parent.stdout.readline().split()]
+  finally:
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+  assert len(pids) == 2
+
+  def alive(pid):
+    try:
+      os.kill(pid, 0)
+    except ProcessLookupError:
+      return False
+    # A zombie (exited, not yet reaped by init) counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().split(")")[-1].split()[0] != "Z"
+
+  deadline = time.monotonic() + 10 * workers.PARENT_CHECK_S + 5
+  while any(alive(p) for p in pids) and time.monotonic() < deadline:
+    time.sleep(0.2)
+  assert not [p for p in pids if alive(p)], "workers outlived their killed parent"

@@ -108,3 +108,26 @@ def test_readers_accept_rl_rows_in_jsonl_and_parquet(tmp_path):
   assert p["images"] == [str(tmp_path / "img/a.png")] and p["answer"] == "3"
   with pytest.raises(ValueError):
     readers.read_rows(tmp_path / "d.csv")
+
+
+def test_shapes_answers_are_verifiable_from_the_pixels(tmp_path):
+  synth.generate(str(tmp_path), "shapes", 24, seed=5)
+  rows = readers.read_rows(tmp_path / "manifest.jsonl")
+  assert {r["task"] for r in rows} == {"colour", "shape_count"}
+  bg = np.array(synth.BACKGROUND)
+  for r in rows:
+    (path,) = r["images"]
+    pixels = np.asarray(media.load_image(path)).astype(int)
+    size = synth.SynthConfig().shapes_size
+    assert pixels.shape == (size, size, 3)
+    drawn = np.abs(pixels - bg).sum(-1) > 0
+    if r["task"] == "colour":
+      # The colour of the drawn pixels, by nearest palette colour.
+      mean = pixels[drawn].mean(0)
+      dist = {c: np.abs(mean - np.array(v)).sum() for c, v in synth.RGB.items()}
+      assert min(dist, key=dist.get) == r["answer"]
+      assert drawn.mean() > 0.1  # one large shape
+    else:
+      half = size // 2
+      quads = [drawn[y:y + half, x:x + half].any() for y in (0, half) for x in (0, half)]
+      assert str(sum(quads)) == r["answer"]

@@ -123,6 +123,8 @@ class ShadowLoader:
     if isinstance(rows, str):
       rows = readers.read_rows(rows)
     self.batch_size = batch_size
+    self.num_rows = len(rows)
+    self._skips_in_a_row = 0
     self.cfg = cfg
     self.decode_timeout_s = decode_timeout_s
     self.lookahead = max(lookahead or 2 * batch_size, batch_size)
@@ -163,7 +165,10 @@ class ShadowLoader:
   def _fill(self) -> None:
     """Tops the window up: the current batch always, the lookahead in budget."""
     while not self._exhausted:
-      if self._good_in_window() < self.batch_size:
+      # Bounded: a dataset of nothing but bad rows must reach next_batch's
+      # whole-pass check instead of being pulled forever.
+      if (self._good_in_window() < self.batch_size
+          and len(self._window) < self.lookahead + self.num_rows):
         self._pull()
       elif len(self._window) < self.lookahead and self.store.has_room():
         self._pull()
@@ -217,7 +222,13 @@ class ShadowLoader:
       self._committed = slot.state_after
       if reason is not None:
         self._skip(sample, reason)
+        self._skips_in_a_row += 1
+        if self._skips_in_a_row >= self.num_rows:
+          # With repeating epochs this would otherwise loop forever.
+          raise RuntimeError(f"no usable sample in a whole pass over the {self.num_rows} rows "
+                             f"(skips by kind: {dict(self.skip_reasons)}; last: {reason})")
         continue
+      self._skips_in_a_row = 0
       batch.append(sample)
     self.last_wait_s = waited
     self.wait_s += waited

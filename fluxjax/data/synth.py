@@ -9,6 +9,11 @@ Every task is verifiable: its answer is computed from what was drawn.
   nextqa   (short video) which colour appears last in the clip.
   longvila (long video) which colour (or shape) appears last in the clip.
   text     (no media) arithmetic in the prompt.
+  shapes   (small image) the colour of the one shape drawn, or how many
+           shapes (1-4) there are; a fixed-size picture (default 112 x 112
+           px, the tiny preset's largest image) so that a model of a few
+           hundred thousand parameters can learn it from the pixels in
+           minutes on a CPU (the default tiny run's task).
 
 Sizes follow the distributions of bench/mixtures.py (the balance benchmark's
 token-count models), which document their sources:
@@ -19,7 +24,8 @@ token-count models), which document their sources:
   LongVILA-Reason: duration log-normal, median 300 s, p99 1800 s, in
     [30, 3600]; 360p/480p/720p/1080p 16:9 with p 0.2/0.3/0.4/0.1 (ASSUMED).
 Mix weights are FlexRL's (section 5.1): image_heavy 5:2:1, video_heavy 1:2:5,
-only_video LongVILA-Reason only; `text` has no media (a control).
+only_video LongVILA-Reason only; `text` has no media (a control); `shapes`
+weighs its two tasks 1:1.
 
 Two knobs keep files small enough that `--n 64` writes in seconds; both are
 ASSUMED and documented in the manifest rows (`fps`, `scale`): videos are
@@ -54,6 +60,8 @@ MIXES = {
     "video_heavy": (1, 2, 5),
     "only_video": (0, 0, 1),
     "text": None,
+    # Task weights rather than source weights: the small-image tasks.
+    "shapes": {"colour": 1, "shape_count": 1},
 }
 SOURCES = ("geo3k", "nextqa", "longvila")
 
@@ -85,11 +93,13 @@ class SynthConfig:
     video_scale: factor on the modelled video resolutions.
     image_scale: factor on the modelled image sizes.
     max_seconds: cap on a video's duration.
+    shapes_size: side in pixels of the `shapes` mix's square images.
   """
   fps: float = 1.0
   video_scale: float = 0.25
   image_scale: float = 1.0
   max_seconds: float = 600.0
+  shapes_size: int = 112
 
 
 def _even(x: float) -> int:
@@ -182,6 +192,44 @@ def arithmetic_image(rng: np.random.Generator, height: int, width: int):
             anchor="mm")
   question = f"What is {expr}? Read the expression in the image."
   return image, question, str(value)
+
+
+def colour_image(rng: np.random.Generator, size: int):
+  """One large shape of a random colour; asks for its colour.
+
+  Returns:
+    (PIL image, question, answer).
+  """
+  image = PIL.Image.new("RGB", (size, size), BACKGROUND)
+  color, shape = str(rng.choice(COLORS)), str(rng.choice(SHAPES))
+  r = size * rng.uniform(0.28, 0.4)
+  cx, cy = size / 2 + rng.uniform(-0.08, 0.08, 2) * size
+  draw_shape(PIL.ImageDraw.Draw(image), shape, color, cx, cy, r)
+  return image, "What colour is the shape in the image?", color
+
+
+def shape_count_image(rng: np.random.Generator, size: int):
+  """1-4 shapes, at most one per quadrant; asks how many there are.
+
+  Colours and shapes are random (never the grey background), so the answer
+  is the number of quadrants that hold something.
+
+  Returns:
+    (PIL image, question, answer).
+  """
+  image = PIL.Image.new("RGB", (size, size), BACKGROUND)
+  draw = PIL.ImageDraw.Draw(image)
+  n = int(rng.integers(1, 5))
+  half = size / 2
+  for q in rng.permutation(4)[:n]:
+    cx, cy = (q % 2 + 0.5) * half, (q // 2 + 0.5) * half
+    jx, jy = rng.uniform(-0.06, 0.06, 2) * half
+    draw_shape(draw, str(rng.choice(SHAPES)), str(rng.choice(COLORS)), cx + jx, cy + jy,
+               half * rng.uniform(0.28, 0.36))
+  return image, "How many shapes are in the image?", str(n)
+
+
+SHAPES_TASKS = {"colour": colour_image, "shape_count": shape_count_image}
 
 
 def _segments(rng: np.random.Generator, num_frames: int):
@@ -283,6 +331,17 @@ def make_sample(i: int, source: str | None, rng: np.random.Generator,
   return row
 
 
+def make_shapes_sample(i: int, task: str, rng: np.random.Generator,
+                       out_dir: str, cfg: SynthConfig, prefix: str) -> dict:
+  """One sample of the `shapes` mix (a lossless PNG, so colours are exact)."""
+  sid = f"{prefix}-{i:06d}"
+  image, q, a = SHAPES_TASKS[task](rng, cfg.shapes_size)
+  rel = os.path.join("media", f"{sid}.png")
+  image.save(os.path.join(out_dir, rel))
+  return {"id": sid, "source": "shapes", "images": [rel], "videos": [], "prompt": q,
+          "answer": a, "task": task, "height": cfg.shapes_size, "width": cfg.shapes_size}
+
+
 def generate(out_dir: str, mix: str, n: int, seed: int,
              cfg: SynthConfig = SynthConfig()) -> str:
   """Writes n samples of a mix under out_dir; returns the manifest's path.
@@ -305,6 +364,14 @@ def generate(out_dir: str, mix: str, n: int, seed: int,
   manifest = os.path.join(out_dir, "manifest.jsonl")
   with open(manifest, "w") as f:
     for i in range(n):
+      if isinstance(weights, dict):  # task weights (the shapes mix)
+        tasks = sorted(weights)
+        p = np.asarray([weights[t] for t in tasks], np.float64)
+        task = tasks[rng.choice(len(tasks), p=p / p.sum())]
+        row = make_shapes_sample(i, task, np.random.default_rng([seed, i]), out_dir, cfg,
+                                 f"{mix}-s{seed}")
+        f.write(json.dumps(row) + "\n")
+        continue
       if weights is None:
         source = None
       else:
@@ -331,9 +398,10 @@ def main(argv=None) -> None:
                       default=SynthConfig.image_scale)
   parser.add_argument("--max-seconds", type=float,
                       default=SynthConfig.max_seconds)
+  parser.add_argument("--shapes-size", type=int, default=SynthConfig.shapes_size)
   args = parser.parse_args(argv)
   cfg = SynthConfig(args.fps, args.video_scale, args.image_scale,
-                    args.max_seconds)
+                    args.max_seconds, args.shapes_size)
   start = time.perf_counter()
   path = generate(args.out, args.mix, args.n, args.seed, cfg)
   print(f"wrote {args.n} samples ({args.mix}, seed {args.seed}) to {path} in "

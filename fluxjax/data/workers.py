@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
@@ -28,6 +29,8 @@ from fluxjax.models import media as media_lib
 from fluxjax.models import processor
 
 log = logging.getLogger(__name__)
+
+PARENT_CHECK_S = 1.0  # how often an idle worker checks that its parent lives
 
 
 def preprocess_file(kind: str, path: str,
@@ -44,10 +47,21 @@ def preprocess_file(kind: str, path: str,
   return processor.preprocess_video(frames, cfg, fps)
 
 
-def _worker_main(worker: int, cfg, tasks, results, transport: str) -> None:
-  """Worker loop: (media_id, kind, path) in, ("ok"|"failed", ...) out."""
+def _worker_main(worker: int, cfg, tasks, results, transport: str,
+                 parent_pid: int | None = None) -> None:
+  """Worker loop: (media_id, kind, path) in, ("ok"|"failed", ...) out.
+
+  Exits when its parent is gone (killed without `close`, e.g. SIGKILL): the
+  task queue carries both ends of its pipe into this process, so a read never
+  sees end-of-file and the worker would otherwise wait forever.
+  """
   while True:
-    task = tasks.get()
+    try:
+      task = tasks.get(timeout=PARENT_CHECK_S)
+    except queue.Empty:
+      if parent_pid is not None and os.getppid() != parent_pid:
+        return
+      continue
     if task is None:
       return
     media_id, kind, path = task
@@ -97,6 +111,7 @@ class WorkerPool:
     self._lock = threading.Lock()
     self._pending: dict[str, tuple[int, int]] = {}  # id -> (worker, patches)
     self._closed = threading.Event()
+    self._stopping = threading.Event()  # close() began: exits are not deaths
     self.restarts = 0
     self.decode_s = 0.0
     for w in range(num_workers):
@@ -113,7 +128,7 @@ class WorkerPool:
     self._tasks[w] = self._ctx.Queue(self._queue_size)
     proc = self._ctx.Process(
         target=_worker_main, name=f"fluxjax-preproc-{w}", daemon=True,
-        args=(w, self.cfg, self._tasks[w], self._results, self.transport))
+        args=(w, self.cfg, self._tasks[w], self._results, self.transport, os.getpid()))
     proc.start()
     self._procs[w] = proc
 
@@ -170,7 +185,7 @@ class WorkerPool:
 
   def _check_alive(self) -> None:
     for w, proc in enumerate(self._procs):
-      if self._closed.is_set() or proc.is_alive():
+      if self._stopping.is_set() or proc.is_alive():
         continue
       log.error("preprocessor %d died (exit %s); restarting", w, proc.exitcode)
       with self._lock:
@@ -183,8 +198,9 @@ class WorkerPool:
 
   def close(self, timeout: float = 5.0) -> None:
     """Stops the workers (joins, then terminates stragglers)."""
-    if self._closed.is_set():
+    if self._stopping.is_set():
       return
+    self._stopping.set()
     for q in self._tasks:
       try:
         q.put(None, timeout=0.5)

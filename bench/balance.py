@@ -1,12 +1,13 @@
-"""Load balance of packed_dp vs fixed-degree Ulysses, as cost-model figures.
+"""Load balance of packed_dp, fixed-degree Ulysses and FlexUlysses, as cost-model figures.
 
 Usage (from the repository root):
   python bench/balance.py [--devices 8,32,64,128] [--seqs-per-device 16]
-      [--capacity 16384] [--seed 0] [--json PATH]
+      [--capacity 16384] [--seed 0] [--json PATH] [--quick]
 
 For each mixture of bench/mixtures.py and each device count, the same batch is
-planned by packed_dp and ulysses sp=2/4/8 (fluxjax.sharding.planners) and each
-plan is scored under the Qwen2.5-VL-7B cost model (bf16):
+planned by packed_dp, ulysses sp=2/4/8 and flex_ulysses p_max=8
+(fluxjax.sharding.planners) and each plan is scored under the Qwen2.5-VL-7B
+cost model (bf16):
 
   refused     sequences longer than the strategy's row (degree x capacity):
               it cannot train them. The other columns cover the rest.
@@ -21,9 +22,10 @@ plan is scored under the Qwen2.5-VL-7B cost model (bf16):
   a2a GB      Ulysses all-to-all bytes of one step, forward + backward, summed
               over layers and devices (tokens actually held, not padding).
 
-Then ODC's LB-Micro vs LB-Mini bubble rates on long_context_sft (8 devices,
-64K microbatch cap, as ODC's golden setting), and the planners' median wall
-time for 2048 sequences on 128 devices.
+A summary puts flex_ulysses beside fixed sp=8 on the same batches. Then
+(unless --quick) ODC's LB-Micro vs LB-Mini bubble rates on long_context_sft
+(8 devices, 64K microbatch cap, as ODC's golden setting), and the planners'
+median wall and CPU time for 2048 sequences on 128 devices.
 """
 
 from __future__ import annotations
@@ -124,24 +126,45 @@ def odc_bubbles(seed: int, shape: balance.CostShape, devices: int = 8, cap: int 
 
 
 def planner_times(seed: int, shape: balance.CostShape, capacity: int, repeats: int = 11):
-  """Median wall time of each planner on 2048 sequences over 128 devices."""
+  """Median wall and CPU (process) time of each planner, 2048 sequences on 128 devices.
+
+  The machine may be shared: wall time then includes waiting for a core,
+  CPU time does not, so both are given, with the load average.
+  """
   rows, out = [], {}
   for name, draw in mixtures.MIXTURES.items():
     lengths = draw(2048, seed)
     cells = [name]
     for strat, sp in STRATEGIES:
       fit = lengths[lengths <= sp * capacity]
-      times = []
+      wall, cpu = [], []
       for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         _plan(strat, fit, 128, sp, capacity, shape)
-        times.append(time.perf_counter() - t0)
-      ms = 1e3 * float(np.median(times))
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+      ms, cpu_ms = 1e3 * float(np.median(wall)), 1e3 * float(np.median(cpu))
       out.setdefault(name, {})[strat] = ms
-      cells.append(f"{ms:.1f}")
+      out[name][strat + " cpu"] = cpu_ms
+      cells.append(f"{ms:.1f} ({cpu_ms:.1f})")
     rows.append(tuple(cells))
-  header = ("mixture (ms)",) + tuple(s for s, _ in STRATEGIES)
+  header = ("mixture: wall (cpu) ms",) + tuple(s for s, _ in STRATEGIES)
   return format_table(rows, header), out
+
+
+def flex_summary(raw: dict) -> str:
+  """flex_ulysses against fixed sp=8 on the same batches: ratios side by side."""
+  rows = []
+  for name, by_devices in raw["mixtures"].items():
+    for d, by_strat in by_devices.items():
+      f, u = by_strat["flex_ulysses p_max=8"], by_strat["ulysses sp=8"]
+      rows.append((name, d, f"{u['attention_ratio']:.3f}", f"{f['attention_ratio']:.3f}",
+                   f"{f['cost_ratio']:.3f}", f"{f['lockstep']:.3f}",
+                   f"{u['a2a_bytes_fwd_bwd'] / 1e9:.0f}", f"{f['a2a_bytes_fwd_bwd'] / 1e9:.0f}",
+                   f"{f['a2a_bytes_fwd_bwd'] / u['a2a_bytes_fwd_bwd']:.2f}x"))
+  header = ("mixture", "devices", "sp=8 attn", "flex attn", "flex cost", "flex lockstep",
+            "sp=8 a2a GB", "flex a2a GB", "flex/sp=8 a2a")
+  return format_table(rows, header)
 
 
 def _cpu() -> str:
@@ -166,6 +189,8 @@ def main(argv=None) -> None:
                   help="tokens per device per microbatch")
   ap.add_argument("--seed", type=int, default=0, help="mixture seed")
   ap.add_argument("--json", default=None, help="write the raw figures here")
+  ap.add_argument("--quick", action="store_true",
+                  help="skip the ODC bubble table and the planner timings")
   args = ap.parse_args(argv)
   devices = [int(d) for d in args.devices.split(",")]
   shape = balance.qwen25_vl_7b()
@@ -188,12 +213,18 @@ def main(argv=None) -> None:
         rows.append(_row(strat, s))
       print(format_table(rows))
 
-  table, raw["odc_bubbles"] = odc_bubbles(args.seed, shape)
-  print("\n## ODC bubble rate, long_context_sft, 8 devices, 64K microbatch cap, 64 minibatches")
-  print(table)
-  table, raw["planner_ms"] = planner_times(args.seed, shape, args.capacity)
-  print("\n## planner median wall time, 2048 sequences on 128 devices (too-long ones dropped)")
-  print(table)
+  print("\n## flex_ulysses p_max=8 vs ulysses sp=8 (same batches as above)")
+  print(flex_summary(raw))
+  if not args.quick:
+    table, raw["odc_bubbles"] = odc_bubbles(args.seed, shape)
+    print("\n## ODC bubble rate, long_context_sft, 8 devices, 64K microbatch cap, 64 minibatches")
+    print(table)
+    load = os.getloadavg()[0]
+    table, raw["planner_ms"] = planner_times(args.seed, shape, args.capacity)
+    print("\n## planner median wall (CPU) time of 11 runs, 2048 sequences on 128 devices "
+          f"(too-long ones dropped); 1-min load average {load:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after, on {os.cpu_count()} CPUs")
+    print(table)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(raw, f, indent=1)

@@ -8,24 +8,34 @@ From lengths only, for one microbatch on D devices:
      room under M_th; degrees double while no group has room, up to p_max. Of
      the groups with room, the least loaded in compute wins (the paper: most
      available memory; compute balances better on our mixtures).
-  2. Balance (ours). The paper's objective is max over devices of sum h^2/p;
-     its stages place by memory. While the most loaded device holds a sequence
-     whose degree can double onto a group with room, and doubling lowers the
-     maximum, it is doubled.
-  3. Merge passes (the paper's), p = p_max ... 2: inside one p-group, two to
+  2. Merge passes (the paper's), p = p_max ... 4: inside one p-group, two to
      four of its smallest degree-p sequences are split two ways and moved to
      the group's halves at degree p/2 when memory stays under M_th and the
      maximum load does not grow; the cheapest (least max load, then least
      communication) is applied. Groups are visited in order and each is merged
      until it has no candidate left (the paper takes the global best each
      time; per group is linear time and finds the same merges when groups do
-     not interact, which they do only through the global maximum).
-  4. Short-item reorder (the paper's): sequences of degree <= 2 are re-placed
+     not interact, which they do only through the global maximum). The
+     paper's p = 2 pass is left out: step 3 re-places every sequence it could
+     produce, and on the bench mixtures the plans are the same without it.
+  3. Short-item reorder (the paper's): sequences of degree <= 2 are re-placed
      whole, longest first, each on the least-loaded device with room.
-     Deviation: a sequence no single device has room for keeps degree 2 (the
-     paper's fallback would overfill a device and break M_th).
-  5. Refine (ours): whole degree-1 sequences move from the most loaded device
-     to the least loaded one while that lowers the maximum; then step 2 again.
+     Deviations: sequences longer than M_th, which no device can hold whole,
+     stay where they are; a sequence no single device has room for keeps
+     degree 2 (the paper's fallback would overfill a device and break M_th).
+  4. Local search (ours; the paper's objective, max over devices of
+     sum h^2/p, which its stages approach by memory only): on the most loaded
+     device, move one of its sequences to another group of the same or twice
+     its degree, or swap it with a shorter same-degree sequence elsewhere;
+     failing that, make room for such a move by moving whole degree-1
+     sequences off the full devices of the target group. Every step lowers
+     the touched devices below the old peak and keeps M_th. It stops at 1%
+     above a lower bound (the mean load; the longest sequence at p_max).
+
+A training step has several microbatches and a device's work is its total
+over them (`plan_flex_step`): each microbatch is placed on top of the load
+the earlier ones left, then one sweep revisits each microbatch against the
+others' final loads (local search, and a fresh placement if that is better).
 
 Groups are aligned blocks of p consecutive devices, so groups of different
 degrees nest: a degree-2^j group is the last j binary mesh axes. The paper's
@@ -37,6 +47,7 @@ it, which is what makes merges "cheaper".
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Sequence
 
 import numpy as np
@@ -44,6 +55,10 @@ import numpy as np
 ALPHA = 1.1
 TAU, GAMMA = 8, 16
 MERGE_CANDIDATES = 4  # the paper's DEFAULT_M_CANDIDATES
+IMPROVE_CANDIDATES = 4  # sequences of the most loaded device tried per step
+MAKE_ROOM = 4  # full groups tried per sequence when no plain move helps
+TOLERANCE = 0.01  # the search stops this far above the lower bound
+SWEEPS = 1  # passes over a step's microbatches after the first placement
 _EPS = 1e-9
 
 
@@ -98,39 +113,88 @@ def _loads(fp: FlexPlacement, power: int) -> np.ndarray:
 
 
 class _State:
-  """Placements plus incrementally kept per-device memory and compute loads."""
+  """Placements plus incrementally kept per-device memory and compute loads.
+
+  Placements live in two integer arrays (degree, first device; degree 0 means
+  not placed) so that the searches below can select items with numpy.
+  """
 
   def __init__(self, lens, num_devices, p_max, m_th):
     self.h = np.asarray(lens, np.float64)
+    self.h2 = self.h * self.h
     self.d, self.p_max, self.m_th = num_devices, p_max, m_th
-    self.mem = np.zeros(num_devices)
-    self.comp = np.zeros(num_devices)
-    self.pl: list[Placement | None] = [None] * len(lens)
+    # Memory and compute per device are the rows of one array, so that one
+    # reduction serves both.
+    self.loads = np.zeros((2, num_devices))
+    self.mem, self.comp = self.loads
+    self.deg = np.zeros(len(self.h), np.int64)
+    self.first = np.zeros(len(self.h), np.int64)
+    self.base = np.zeros(num_devices)  # compute carried from other microbatches
 
-  def add(self, i, p, first, sign=1.0):
-    h = self.h[i]
-    self.mem[first:first + p] += sign * h / p
-    self.comp[first:first + p] += sign * h * h / p
-    if sign > 0:
-      self.pl[i] = Placement(p, first)
+  @property
+  def pl(self) -> list[Placement | None]:
+    return [Placement(int(p), int(f)) if p else None for p, f in zip(self.deg, self.first)]
+
+  def add(self, i, p, first):
+    if p == 1:
+      self.mem[first] += self.h[i]
+      self.comp[first] += self.h2[i]
+    else:
+      self.mem[first:first + p] += self.h[i] / p
+      self.comp[first:first + p] += self.h2[i] / p
+    self.deg[i], self.first[i] = p, first
 
   def remove(self, i):
-    pl = self.pl[i]
-    self.add(i, pl.p, pl.first, -1.0)
-    self.pl[i] = None
+    p, first = int(self.deg[i]), int(self.first[i])
+    if p == 1:
+      self.mem[first] -= self.h[i]
+      self.comp[first] -= self.h2[i]
+    else:
+      self.mem[first:first + p] -= self.h[i] / p
+      self.comp[first:first + p] -= self.h2[i] / p
+    self.deg[i] = 0
 
-  def room(self, p, extra):
-    """First devices of aligned p-groups where every device has room for `extra`."""
-    ok = (self.mem + extra <= self.m_th + _EPS).reshape(-1, p).all(axis=1)
-    return np.flatnonzero(ok) * p
+  def least_loaded(self, p, extra):
+    """Index of the aligned p-group with the least peak compute among those
+    with room for `extra` tokens per device (first on ties); -1 if none."""
+    lim = self.m_th + _EPS - extra
+    if p == 1:
+      key = np.where(self.mem <= lim, self.comp, np.inf)
+    else:
+      mem, comp = _group_max(self.loads, p)
+      key = np.where(mem <= lim, comp, np.inf)
+    g = int(key.argmin())
+    return g if key[g] < np.inf else -1
+
+  def group_max(self, loads, p):
+    return _group_max(loads, p)
+
+  def on(self, t):
+    """Items with a shard on device t."""
+    return np.flatnonzero((self.first <= t) & (t < self.first + self.deg))
+
+  def snapshot(self):
+    return self.loads.copy(), self.deg.copy(), self.first.copy()
+
+  def restore(self, snap):
+    self.loads[:] = snap[0]
+    self.deg, self.first = snap[1].copy(), snap[2].copy()
 
 
-
+def _group_max(loads: np.ndarray, p: int) -> np.ndarray:
+  """Max over aligned blocks of p along the last axis (pairwise maxima for
+  small p: numpy reduces a short axis slowly)."""
+  if p > 4:
+    return loads.reshape(*loads.shape[:-1], -1, p).max(axis=-1)
+  while p > 1:
+    loads = np.maximum(loads[..., 0::2], loads[..., 1::2])
+    p //= 2
+  return loads
 
 
 def _sp_size(h: float, s: "_State", c_star: float) -> int:
   """GETSPSIZE: the smallest degree whose shard fits the memory threshold and
-  whose attention share h^2/p does not exceed the mean per-device load."""
+  whose attention share h^2/p is at most the mean per-device load."""
   p = 1
   while p < s.p_max and (h / p > s.m_th or h * h / p > c_star):
     p *= 2
@@ -139,85 +203,63 @@ def _sp_size(h: float, s: "_State", c_star: float) -> int:
 
 def _baseline(s: _State) -> bool:
   feasible_all = True
-  c_star = float((s.h ** 2).sum()) / s.d
-  for i in sorted(range(len(s.h)), key=lambda i: (-s.h[i], i)):
-    h = s.h[i]
+  c_star = float(s.h2.sum()) / s.d
+  for i in np.lexsort((np.arange(len(s.h)), -s.h)).tolist():
+    h = float(s.h[i])
     p = _sp_size(h, s, c_star)
-    while p < s.p_max and not len(s.room(p, h / p)):
-      p *= 2
-    firsts = s.room(p, h / p)
-    if not len(firsts):  # nothing fits even at p_max: the least-loaded group
-      feasible_all = False
-      firsts = np.arange(0, s.d, p)
     # Among groups with room, the least loaded in compute (the paper takes the
     # most available memory; on the bench mixtures this balances better).
-    key = s.comp.reshape(-1, p).max(axis=1)[firsts // p]
-    first = int(firsts[np.argmin(key)])
-    s.add(i, p, first)
+    g = s.least_loaded(p, h / p)
+    while g < 0 and p < s.p_max:
+      p *= 2
+      g = s.least_loaded(p, h / p)
+    if g < 0:  # nothing fits even at p_max: the least-loaded group
+      feasible_all = False
+      g = int(np.argmin(s.group_max(s.comp, p)))
+    s.add(i, p, g * p)
   return feasible_all
-
-
-def _raise_degrees(s: _State, max_steps: int) -> None:
-  """Doubles degrees of sequences on the most loaded device while it helps."""
-  for _ in range(max_steps):
-    top = int(np.argmax(s.comp))
-    peak = s.comp[top]
-    best = None
-    on_top = [i for i, pl in enumerate(s.pl) if pl.first <= top < pl.first + pl.p and pl.p < s.p_max]
-    for i in sorted(on_top, key=lambda i: (-s.h[i] ** 2 / s.pl[i].p, i))[:4]:
-      pl, h = s.pl[i], s.h[i]
-      q = 2 * pl.p
-      s.remove(i)
-      firsts = s.room(q, h / q)
-      if len(firsts):
-        # Peak after placing on each candidate group, all groups at once:
-        # max(load outside the group, the group's own max + h^2/q).
-        prefix = np.concatenate([[0.0], np.maximum.accumulate(s.comp)])
-        suffix = np.concatenate([np.maximum.accumulate(s.comp[::-1])[::-1], [0.0]])
-        outside = np.maximum(prefix[firsts], suffix[firsts + q])
-        inside = s.comp.reshape(-1, q).max(axis=1)[firsts // q] + h * h / q
-        peaks = np.maximum(outside, inside)
-        k = int(np.argmin(peaks))
-        if peaks[k] < peak * (1 - 1e-6) and (best is None or peaks[k] < best[0]):
-          best = (float(peaks[k]), i, q, int(firsts[k]))
-      s.add(i, pl.p, pl.first)
-    if best is None:
-      return
-    _, i, q, first = best
-    s.remove(i)
-    s.add(i, q, first)
 
 
 def _merge_level(s: _State, p: int) -> None:
   half = p // 2
-  for g in range(0, s.d, p):
-    while True:
-      members = sorted((i for i, pl in enumerate(s.pl) if pl.p == p and pl.first == g),
-                       key=lambda i: (s.h[i], i))
-      if len(members) < 2:
-        break
-      outside = np.concatenate([s.comp[:g], s.comp[g + p:]])
-      peak_outside = float(outside.max()) if len(outside) else 0.0
+  at_p = np.flatnonzero(s.deg == p)
+  if len(at_p) < 2:
+    return
+  lim = s.m_th + _EPS
+  # Members of each p-group, shortest first; merges only take members out.
+  by_group: dict[int, list[int]] = {}
+  for i in at_p[np.lexsort((at_p, s.h[at_p]))].tolist():
+    by_group.setdefault(int(s.first[i]), []).append(i)
+  for g in sorted(by_group):
+    members = by_group[g]
+    while len(members) >= 2:
       peak = float(s.comp.max())
+      outside = [float(s.comp[:g].max())] if g else []
+      if g + p < s.d:
+        outside.append(float(s.comp[g + p:].max()))
+      peak_outside = max(outside, default=0.0)
+      mem_g, comp_g = s.mem[g:g + p].tolist(), s.comp[g:g + p].tolist()
       best = None
       for m in range(2, min(MERGE_CANDIDATES, len(members)) + 1):
         s1, s2 = _two_way(members[:m], s.h)
         if not s1 or not s2:
           continue
-        mem, comp = s.mem[g:g + p].copy(), s.comp[g:g + p].copy()
-        for i in s1 + s2:
-          mem -= s.h[i] / p
-          comp -= s.h[i] ** 2 / p
-        for part, lo in ((s1, 0), (s2, half)):
-          for i in part:
-            mem[lo:lo + half] += s.h[i] / half
-            comp[lo:lo + half] += s.h[i] ** 2 / half
-        if (mem > s.m_th + _EPS).any():
+        # Loads of the group's devices after the split (plain floats: the
+        # group is a handful of devices).
+        sums = [(float(s.h[part].sum()), float(s.h2[part].sum())) for part in (s1, s2)]
+        out_m = (sums[0][0] + sums[1][0]) / p
+        out_c = (sums[0][1] + sums[1][1]) / p
+        new_peak, fits = peak_outside, True
+        for k in range(p):
+          in_m, in_c = sums[k // half]
+          if mem_g[k] - out_m + in_m / half > lim:
+            fits = False
+            break
+          new_peak = max(new_peak, comp_g[k] - out_c + in_c / half)
+        if not fits or new_peak > peak * (1 + 1e-9):
           continue
-        new_peak = max(peak_outside, float(comp.max()))
-        if new_peak > peak * (1 + 1e-9):
-          continue
-        d_comm = sum(comm_cost(s.h[i], half) - comm_cost(s.h[i], p) for i in s1 + s2)
+        both = s1 + s2
+        d_comm = sum(comm_cost(s.h[i], half) - comm_cost(s.h[i], p) for i in both)
         key = (new_peak, d_comm, m)
         if best is None or key < best[0]:
           best = (key, s1, s2)
@@ -230,6 +272,7 @@ def _merge_level(s: _State, p: int) -> None:
         s.add(i, half, g)
       for i in s2:
         s.add(i, half, g + half)
+      members = [i for i in members if s.deg[i] == p]
 
 
 def _two_way(items, h):
@@ -246,73 +289,331 @@ def _two_way(items, h):
 
 
 def _short_item_reorder(s: _State) -> None:
-  short = sorted((i for i, pl in enumerate(s.pl) if pl.p <= 2), key=lambda i: (-s.h[i], i))
-  previous = {i: s.pl[i] for i in short}
-  snapshot = (s.mem.copy(), s.comp.copy(), list(s.pl))
+  short = np.flatnonzero((s.deg <= 2) & (s.h <= s.m_th))
+  short = short[np.lexsort((short, -s.h[short]))].tolist()
+  previous = {i: (int(s.deg[i]), int(s.first[i])) for i in short}
+  snap = s.snapshot()
   feasible_before = bool((s.mem <= s.m_th + _EPS).all())
   for i in short:
     s.remove(i)
   for i in short:
-    ok = np.flatnonzero(s.mem + s.h[i] <= s.m_th + _EPS)
-    if len(ok):
-      s.add(i, 1, int(ok[np.argmin(s.comp[ok])]))
+    h = float(s.h[i])
+    d = s.least_loaded(1, h)
+    if d >= 0:
+      s.add(i, 1, d)
       continue
     # No device has room for it whole: the smallest degree with a group that
     # has room (its old group may have filled up meanwhile).
     p = min(2, s.p_max)
-    while p < s.p_max and not len(s.room(p, s.h[i] / p)):
+    g = s.least_loaded(p, h / p)
+    while g < 0 and p < s.p_max:
       p *= 2
-    firsts = s.room(p, s.h[i] / p)
-    if len(firsts):
-      s.add(i, p, int(firsts[np.argmin(s.comp.reshape(-1, p).max(axis=1)[firsts // p])]))
+      g = s.least_loaded(p, h / p)
+    if g >= 0:
+      s.add(i, p, g * p)
     else:
-      s.add(i, previous[i].p, previous[i].first)
+      s.add(i, *previous[i])
   # All or nothing: greedy re-placement can paint itself into a corner; never
   # trade a plan that respected M_th for one that does not.
   if feasible_before and (s.mem > s.m_th + _EPS).any():
-    s.mem, s.comp, s.pl = snapshot[0], snapshot[1], snapshot[2]
+    s.restore(snap)
 
 
-def _refine_moves(s: _State, max_steps: int) -> None:
-  """Moves whole degree-1 sequences off the most loaded device while it helps."""
+def _improve(s: _State, max_steps: int, target: float) -> None:
+  """Local search on the most loaded device t (ours, beyond the paper).
+
+  Each step takes the few items with the largest share on t and tries
+  (a) moving one to any aligned group of the same or twice its degree, and
+  (b) swapping one with a shorter item of the same degree in another group,
+  keeping every device under M_th. The move whose touched devices end with the
+  smallest maximum wins (ties: less communication); it is applied only if
+  that maximum is below t's load, so the sorted load vector decreases and the
+  search ends. When nothing qualifies, `_make_room` gets one try. Stops early
+  once the peak reaches `target`.
+  """
+  degrees = [1 << k for k in range(s.p_max.bit_length())]
+  lim = s.m_th + _EPS
   for _ in range(max_steps):
-    top = int(np.argmax(s.comp))
-    peak = s.comp[top]
-    moved = False
-    for i in sorted((i for i, pl in enumerate(s.pl) if pl.p == 1 and pl.first == top),
-                    key=lambda i: (-s.h[i], i)):
-      h = s.h[i]
-      ok = np.flatnonzero(s.mem + h <= s.m_th + _EPS)
-      ok = ok[ok != top]
-      if not len(ok):
-        continue
-      d = int(ok[np.argmin(s.comp[ok])])
-      if s.comp[d] + h * h < peak * (1 - 1e-6):
-        s.remove(i)
-        s.add(i, 1, d)
-        moved = True
-        break
-    if not moved:
+    t = int(np.argmax(s.comp))
+    peak = float(s.comp[t])
+    if peak <= target:
       return
+    # Per-group maxima of every degree, shared by all candidates of this step.
+    gcomp, gmem = {1: s.comp}, {1: s.mem}
+    level = s.loads
+    for q in degrees[1:]:
+      level = np.maximum(level[:, 0::2], level[:, 1::2])
+      gmem[q], gcomp[q] = level
+    on = s.on(t)
+    on = on[np.lexsort((on, -s.h2[on] / s.deg[on]))][:IMPROVE_CANDIDATES]
+    best = None
+    for i in on.tolist():
+      p, f, h, h2 = int(s.deg[i]), int(s.first[i]), float(s.h[i]), float(s.h2[i])
+      rest_t = peak - h2 / p
+      # (a) moves. Groups of degree p other than i's own, and degree-2p groups
+      # other than its parent, do not hold i: their maxima are exact.
+      for q in (p, 2 * p):
+        if q > s.p_max:
+          break
+        key = np.maximum(gcomp[q] + h2 / q, rest_t)
+        key[gmem[q] + h / q > lim] = np.inf
+        g = f // q
+        if q == p:
+          key[g] = np.inf
+        else:  # the parent: i's half loses its share, then both halves gain h/q
+          half = slice(f, f + p)
+          sib = slice(f + p, f + q) if f % q == 0 else slice(f - p, f)
+          c_in = max(float(s.comp[half].max()) - h2 / p, float(s.comp[sib].max())) + h2 / q
+          m_in = max(float(s.mem[half].max()) - h / p, float(s.mem[sib].max())) + h / q
+          key[g] = max(c_in, rest_t) if m_in <= lim else np.inf
+        g = int(np.argmin(key))
+        if key[g] < peak * (1 - 1e-9):
+          cand = (float(key[g]), comm_cost(h, q) - comm_cost(h, p), i, q, g * q, -1)
+          if best is None or cand[:2] < best[:2]:
+            best = cand
+      # (b) swaps with a shorter same-degree item in another group.
+      js = np.flatnonzero((s.deg == p) & (s.first != f) & (s.h < h))
+      if len(js):
+        delta = (h2 - s.h2[js]) / p
+        gj = s.first[js] // p
+        key = np.maximum(gcomp[p][gj] + delta, peak - delta)
+        key[gmem[p][gj] + (h - s.h[js]) / p > lim] = np.inf
+        k = int(np.argmin(key))
+        if key[k] < peak * (1 - 1e-9):
+          cand = (float(key[k]), 0.0, i, p, int(s.first[js[k]]), int(js[k]))
+          if best is None or cand[:2] < best[:2]:
+            best = cand
+    if best is None:
+      if not _make_room(s, t, peak, on.tolist()):
+        return
+      continue
+    _, _, i, q, first, j = best
+    if j < 0:
+      s.remove(i)
+      s.add(i, q, first)
+    else:
+      fi = int(s.first[i])
+      s.remove(i)
+      s.remove(j)
+      s.add(i, q, first)
+      s.add(j, q, fi)
 
 
-def plan_flex(lengths: Sequence[int], num_devices: int, p_max: int) -> FlexPlacement:
-  """Places one microbatch (see module docstring)."""
+def _make_room(s: _State, t: int, peak: float, items: list[int]) -> bool:
+  """The search's last resort: move an item of t to a group whose compute
+  has room but whose memory has not, after moving whole degree-1 sequences
+  off that group's full devices onto devices with room (short sequences
+  carry many tokens and little compute). Applied only when every touched
+  device ends below t's load. Returns whether something moved."""
+  lim = s.m_th + _EPS
+  best = None
+  for i in items:
+    p, f, h, h2 = int(s.deg[i]), int(s.first[i]), float(s.h[i]), float(s.h2[i])
+    s.remove(i)
+    rest_t = float(s.comp[t])
+    for q in (p, 2 * p):
+      if q > s.p_max:
+        break
+      key = np.maximum(s.group_max(s.comp, q) + h2 / q, rest_t)
+      if q == p:
+        key[f // p] = np.inf
+      full = s.group_max(s.mem, q) + h / q > lim
+      for g in np.flatnonzero(full & (key < peak * (1 - 1e-9)))[:MAKE_ROOM].tolist():
+        plan = _evict(s, range(g * q, g * q + q), h / q, peak, exclude=i)
+        if plan is None:
+          continue
+        moves, dest_top, group_top = plan
+        new_max = max(dest_top, group_top + h2 / q, rest_t)
+        if new_max >= peak * (1 - 1e-9):
+          continue
+        cand = (new_max, len(moves), i, q, g * q, moves)
+        if best is None or cand[:2] < best[:2]:
+          best = cand
+    s.add(i, p, f)
+  if best is None:
+    return False
+  _, _, i, q, first, moves = best
+  for j, d in moves:
+    s.remove(j)
+    s.add(j, 1, d)
+  s.remove(i)
+  s.add(i, q, first)
+  return True
+
+
+def _evict(s: _State, group: range, extra: float, peak: float, exclude: int):
+  """Degree-1 moves that free room for `extra` more tokens on every device
+  of `group`, each to the least-loaded device outside it with room and
+  ending below `peak`: (moves, peak of the receiving devices, peak of the
+  group after them), or None if impossible."""
+  lim = s.m_th + _EPS
+  mem, comp = s.mem.copy(), s.comp.copy()
+  outside = np.ones(s.d, bool)
+  outside[group.start:group.stop] = False
+  moves, top = [], 0.0
+  for e in group:
+    need = mem[e] + extra - lim
+    if need <= 0:
+      continue
+    mine = np.flatnonzero((s.deg == 1) & (s.first == e))
+    for j in mine[np.lexsort((mine, -s.h[mine]))].tolist():
+      if need <= 0:
+        break
+      if j == exclude:
+        continue
+      hj, h2j = float(s.h[j]), float(s.h2[j])
+      key = np.where(outside & (mem + hj <= lim), comp + h2j, np.inf)
+      d = int(key.argmin())
+      if key[d] >= peak * (1 - 1e-9):
+        continue
+      mem[e] -= hj
+      comp[e] -= h2j
+      mem[d] += hj
+      comp[d] += h2j
+      top = max(top, float(comp[d]))
+      moves.append((j, d))
+      need -= hj
+    if need > 0:
+      return None
+  return moves, top, float(comp[group.start:group.stop].max())
+
+
+def _check(num_devices: int, p_max: int) -> None:
   if num_devices < 1 or num_devices & (num_devices - 1):
     raise ValueError(f"flex_ulysses needs a power-of-two device count, got {num_devices}")
   if p_max < 1 or p_max & (p_max - 1) or p_max > num_devices:
     raise ValueError(f"p_max {p_max} must be a power of two <= {num_devices} devices")
-  lens = tuple(int(h) for h in lengths)
-  m_th = ALPHA * max(sum(lens) / num_devices, 1.0)
+
+
+def _place(lens: tuple[int, ...], num_devices: int, p_max: int,
+           base: np.ndarray, capacity: float | None = None) -> tuple[_State, bool]:
+  """Algorithm 2 with our refinements on top of `base` compute per device."""
+  m_star = max(sum(lens) / num_devices, 1.0)
+  m_th = ALPHA * m_star
+  if capacity is not None and m_star <= capacity:
+    m_th = min(m_th, float(capacity))  # never plan past the device buffer
   s = _State(lens, num_devices, p_max, m_th)
+  s.comp += base
+  s.base = base.copy()
   feasible = _baseline(s)
-  steps = 4 * len(lens) + num_devices
-  _raise_degrees(s, steps)
+  if not feasible and base.any():
+    # Steering by the carried load can paint the memory packing into a
+    # corner; the plain baseline may not, and the search still sees the load.
+    plain = _State(lens, num_devices, p_max, m_th)
+    if _baseline(plain):
+      plain.comp += base
+      plain.base = base.copy()
+      s, feasible = plain, True
   p = p_max
-  while p >= 2:
+  while p >= 4:
     _merge_level(s, p)
     p //= 2
   _short_item_reorder(s)
-  _refine_moves(s, steps)
-  _raise_degrees(s, steps)
-  return FlexPlacement(num_devices, lens, list(s.pl), m_th, feasible)
+  _improve(s, 4 * len(lens) + num_devices, _target(s))
+  return s, feasible
+
+
+def _target(s: _State) -> float:
+  """Peak at which the search stops: no plan beats the mean load, nor the
+  longest sequence at p_max on the least loaded group."""
+  bound = max(float(s.comp.sum()) / s.d,
+              float(s.h2.max(initial=0.0)) / s.p_max + float(s.base.min()))
+  return bound * (1 + TOLERANCE)
+
+
+def _score(s: _State) -> tuple[float, float]:
+  """Memory over M_th (only an infeasible baseline leaves any), then peak compute."""
+  return max(0.0, float(s.mem.max()) - s.m_th), float(s.comp.max())
+
+
+def _placement(s: _State, lens, feasible: bool) -> FlexPlacement:
+  return FlexPlacement(s.d, lens, s.pl, s.m_th, feasible)
+
+
+def plan_flex(lengths: Sequence[int], num_devices: int, p_max: int) -> FlexPlacement:
+  """Places one microbatch (see module docstring)."""
+  _check(num_devices, p_max)
+  lens = tuple(int(h) for h in lengths)
+  s, feasible = _place(lens, num_devices, p_max, np.zeros(num_devices))
+  return _placement(s, lens, feasible)
+
+
+def split_microbatches(lengths: Sequence[int], count: int) -> list[list[int]]:
+  """Splits a step into `count` microbatches of near-equal tokens.
+
+  Longest first onto the microbatch with the fewest tokens so far (LPT), so
+  every microbatch gets its share of long and short sequences and about the
+  same M* (hence M_th); then, while it narrows the spread, the best swap of
+  two sequences (or move of one) between the fullest and the emptiest
+  microbatch. Returns the non-empty parts, indices ascending.
+  """
+  lens = [int(h) for h in lengths]
+  heap = [(0, k) for k in range(max(1, count))]
+  parts: list[list[int]] = [[] for _ in heap]
+  for i in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
+    total, k = heapq.heappop(heap)
+    parts[k].append(i)
+    heapq.heappush(heap, (total + lens[i], k))
+  totals = [0] * len(parts)
+  for total, k in heap:
+    totals[k] = total
+  h = np.asarray(lens, np.int64)
+  for _ in range(len(parts)):
+    hi = max(range(len(parts)), key=lambda k: (totals[k], -k))
+    lo = min(range(len(parts)), key=lambda k: (totals[k], k))
+    gap = totals[hi] - totals[lo]
+    if gap <= 1:
+      break
+    a = np.asarray(parts[hi], np.int64)
+    b = np.asarray(parts[lo] + [-1], np.int64)  # -1: a plain move
+    delta = h[a][:, None] - np.where(b >= 0, h[b], 0)[None, :]  # tokens moved hi -> lo
+    spread = np.abs(gap - 2 * delta)
+    k = int(np.argmin(spread))
+    if spread.flat[k] >= gap:
+      break
+    x, y = int(a[k // len(b)]), int(b[k % len(b)])
+    parts[hi].remove(x)
+    parts[lo].append(x)
+    if y >= 0:
+      parts[lo].remove(y)
+      parts[hi].append(y)
+    d = int(delta.flat[k])
+    totals[hi] -= d
+    totals[lo] += d
+  return [sorted(p) for p in parts if p]
+
+
+def plan_flex_step(microbatches: Sequence[Sequence[int]], num_devices: int,
+                   p_max: int, capacity: int | None = None) -> list[FlexPlacement]:
+  """Places the microbatches of one step jointly (ours, beyond the paper).
+
+  What a device waits for at the step's end is its total over microbatches,
+  so each microbatch is placed on top of the compute the earlier ones left
+  (sum h^2 / p per device), and then, in SWEEPS passes, each microbatch's
+  local search runs again against the others' final totals; if it still
+  ends above the target, the microbatch is placed afresh on those totals and
+  the better of the two kept. Every microbatch keeps its own M_th and all of
+  plan_flex's invariants; with a `capacity` (tokens per device), M_th is at
+  most that.
+  """
+  _check(num_devices, p_max)
+  carried = np.zeros(num_devices)
+  states = []
+  for lengths in microbatches:
+    lens = tuple(int(h) for h in lengths)
+    s, feasible = _place(lens, num_devices, p_max, carried, capacity)
+    carried = s.comp.copy()
+    states.append((s, lens, feasible))
+  for _ in range(SWEEPS if len(states) > 1 else 0):
+    for k, (s, lens, feasible) in enumerate(states):
+      others = carried - (s.comp - s.base)
+      s.comp += others - s.base
+      s.base = others
+      _improve(s, 4 * len(lens) + num_devices, _target(s))
+      if s.comp.max() > _target(s):  # stuck: place it afresh on the others' loads
+        t, f2 = _place(lens, num_devices, p_max, others, capacity)
+        if _score(t) < _score(s) and (f2 or not feasible):
+          s, feasible = t, f2
+          states[k] = (s, lens, feasible)
+      carried = s.comp.copy()
+  return [_placement(s, lens, feasible) for s, lens, feasible in states]

@@ -180,8 +180,11 @@ def plan_flex_ulysses(lengths: Sequence[int], num_devices: int, p_max: int, capa
   """FlexUlysses: a degree per sequence (flex_planner), as a plan with levels.
 
   The batch is first split into as few microbatches as keep each one's
-  threshold 1.1 M* within `capacity` (Karmarkar-Karp on tokens), then each
-  microbatch is placed by Algorithm 2. Each degree present gets a buffer
+  threshold 1.1 M* within `capacity` (longest first onto the microbatch with
+  the fewest tokens; M_th capped at `capacity`, and one more microbatch when
+  that would leave under 5% slack), then the microbatches are placed by Algorithm 2 jointly,
+  so that each device's total over the step is balanced
+  (`flex_planner.plan_flex_step`). Each degree present gets a buffer
   section whose capacity is the bucket holding its fullest group slice, the
   same for every microbatch (static shapes).
   """
@@ -192,10 +195,18 @@ def plan_flex_ulysses(lengths: Sequence[int], num_devices: int, p_max: int, capa
             "raise sharding.p_max or sharding.capacity")
   total = sum(lens)
   count = max(1, -(-int(flex_planner.ALPHA * total) // (num_devices * capacity)))
-  parts = [p for p in balance.karmarkar_karp(np.asarray(lens, np.float64), count) if p]
+  parts = flex_planner.split_microbatches(lens, count)
+  # A part above the mean may push its 1.1 M* past the capacity: M_th is
+  # then capped at the capacity, and below 5% slack the step gets one more
+  # microbatch (a single sequence is placed at p_max and fits anyway).
+  while any(len(p) > 1 and 1.05 * sum(lens[i] for i in p) > num_devices * capacity
+            for p in parts):
+    count += 1
+    parts = flex_planner.split_microbatches(lens, count)
   microbatches, need = [], {}
-  for part in parts:
-    fp = flex_planner.plan_flex([lens[i] for i in part], num_devices, p_max)
+  placed = flex_planner.plan_flex_step([[lens[i] for i in part] for part in parts],
+                                       num_devices, p_max, capacity)
+  for part, fp in zip(parts, placed):
     groups: dict[tuple[int, int], list[int]] = {}
     for local, pl in enumerate(fp.placements):
       groups.setdefault((pl.p, pl.first), []).append(part[local])

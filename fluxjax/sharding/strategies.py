@@ -72,7 +72,11 @@ class Strategy:
 
   def accumulate_fn(self, mesh: jax.sharding.Mesh, plan: Plan, graphdef, param_shardings,
                     loss_fn) -> Callable:
-    """(params, batch) -> (loss, grads, sums) under this strategy's sync mode."""
+    """(params, batch, total=None) -> (loss, grads, sums) under this strategy's sync mode.
+
+    `total` normalizes the loss (default: the batch's token weight, see
+    train_step.accumulate).
+    """
     from fluxjax import train_step  # train_step depends on sharding.batch only
     if self.sync == "minibatch":
       independent = all(r.degree == 1 for rows in plan.microbatches for r in rows)
@@ -83,8 +87,19 @@ class Strategy:
           local_vision=independent and not self.balance_vision,
           merge_unit=self.model_cfg.vision.merge_unit)
     attention_fn = self.attention_fn(mesh, plan)
-    return lambda params, batch: train_step.accumulate(graphdef, params, batch, loss_fn,
-                                                       attention_fn, param_shardings)
+    return lambda params, batch, total=None: train_step.accumulate(
+        graphdef, params, batch, loss_fn, attention_fn, param_shardings, total)
+
+  def logprobs_fn(self, mesh: jax.sharding.Mesh, plan: Plan, graphdef) -> Callable:
+    """(params, batch) -> per-token logprobs [M, D, C]: a forward pass (the reference's).
+
+    Always the layer-sync program: a forward has no gradient barrier for
+    minibatch sync to relax, and every plan's batch is valid under it.
+    """
+    from fluxjax import train_step
+    attention_fn = self.attention_fn(mesh, plan)
+    return lambda params, batch: train_step.token_logprobs(graphdef, params, batch,
+                                                           attention_fn)
 
 
 def _buckets(cfg) -> tuple[int, ...]:

@@ -55,7 +55,7 @@ def reduce_grads(g: jax.Array, spec: P, batch_axes: tuple[str, ...]) -> jax.Arra
 def make_accumulate(graphdef, mesh: jax.sharding.Mesh, param_shardings, loss_fn,
                     local_attention_fn=None, independent_rows: bool = True,
                     local_vision: bool = True, merge_unit: int = 4):
-  """An `accumulate(params, batch) -> (loss, grads, sums)` with minibatch sync.
+  """An `accumulate(params, batch, total=None) -> (loss, grads, sums)`, minibatch sync.
 
   Args:
     graphdef: the model's graph definition.
@@ -117,8 +117,8 @@ def make_accumulate(graphdef, mesh: jax.sharding.Mesh, param_shardings, loss_fn,
     sums = jax.tree.map(lambda x: jax.lax.psum(x, batch_axes), sums)
     return loss, grads, sums
 
-  def accumulate(params, batch: batch_lib.TrainBatch):
-    total = jnp.maximum(batch.loss_mask.sum(), 1.0)
+  def accumulate(params, batch: batch_lib.TrainBatch, total=None):
+    total = train_step.batch_total(batch) if total is None else jnp.asarray(total, jnp.float32)
     batch_specs = jax.tree.map(lambda s: s.spec, batch_lib.batch_shardings(batch, mesh))
     # check_vma=False: inside, every value is per-device by construction and all
     # communication is the explicit gather/reduce above; the varying-axes type

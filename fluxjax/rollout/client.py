@@ -53,6 +53,19 @@ class Completion:
   def finish_type(self) -> str:
     return self.finish_reason["type"]
 
+  def token_versions(self, default: str | None = None) -> list[str]:
+    """The weight version that sampled each output token.
+
+    fluxjax's servers report it per token; an SGLang server reports only the
+    version at the end, so every token gets `default` (the caller's version
+    at launch: the oldest that can have sampled it) or, failing that, the
+    final version.
+    """
+    per_token = self.meta_info.get("output_token_weight_versions")
+    if per_token is not None and len(per_token) == len(self.output_ids):
+      return [str(v) for v in per_token]
+    return [str(self.weight_version if default is None else default)] * len(self.output_ids)
+
   @classmethod
   def from_response(cls, body: dict, server: str) -> "Completion":
     meta = body["meta_info"]

@@ -52,6 +52,9 @@ class EngineRequest:
   on_event: Callable[["EngineRequest"], None] | None = None
   output_ids: list[int] = dataclasses.field(default_factory=list)
   output_logprobs: list[float] = dataclasses.field(default_factory=list)
+  # The weight version that sampled each output token: a request may span a
+  # weight update (partial rollout), and staleness is counted per token.
+  output_versions: list[str] = dataclasses.field(default_factory=list)
   finish_reason: dict | None = None
   finished_text: str | None = None   # text after stop trimming, set at the end
   created: float = dataclasses.field(default_factory=time.time)
@@ -363,6 +366,7 @@ class Engine:
     """Records a sampled token, then finishes the request or feeds the token on."""
     req.output_ids.append(tok)
     req.output_logprobs.append(lp)
+    req.output_versions.append(self.weight_version)
     self.stats["tokens"] += 1
     reason = self._finish_reason(req)
     if reason is None:
@@ -436,6 +440,8 @@ def response(req: EngineRequest, tokenizer: Tokenizer, weight_version: str,
       "total_retractions": 0,
       "completion_tokens": len(req.output_ids),
       "cached_tokens": 0,
+      # fluxjax extension (SGLang sends only weight_version): per-token versions.
+      "output_token_weight_versions": list(req.output_versions),
   }
   if req.return_logprob:
     meta["input_token_logprobs"] = []

@@ -84,6 +84,12 @@ class Fleet:
     self._health_task: asyncio.Task | None = None
     self.retries = 0
 
+  def metrics(self) -> dict[str, float]:
+    """Fault counters for the metrics writer: retried requests, servers down."""
+    down = sum(not s.healthy for s in self.servers)
+    return {"fleet/retries": float(self.retries), "fleet/servers_down": float(down),
+            "fleet/servers": float(len(self.servers))}
+
   async def __aenter__(self) -> "Fleet":
     await self.start()
     return self

@@ -21,6 +21,7 @@ def _batch(adv, prox, old, ref=None):
 
 def _cfg(**overrides):
   cfg = losses.default_rl_config()
+  cfg.prox = "batch"  # these tests give pi_prox explicitly
   cfg.update(overrides)
   return cfg
 
@@ -158,3 +159,17 @@ def test_jits_and_rejects_bad_config():
   for bad in ({"kl_estimator": "k2"}, {"is_mode": "clip"}, {"clip_low": 1.0}, {"clip_c": 0.5}):
     with pytest.raises(ValueError):
       losses.make_loss_fn(_cfg(**bad))
+
+
+def test_trainer_prox_takes_the_current_policy():
+  """prox = "trainer": ratio 1 at the current policy, w = pi / mu (truncated)."""
+  logp = jnp.array([[-1.0, -0.5, -2.0]])
+  old = jnp.array([[-1.2, -0.5, -3.0]])
+  mb = _batch([1.0, -1.0, 1.0], [-9.0, -9.0, -9.0], [-1.2, -0.5, -3.0])  # batch prox ignored
+  loss, extras = losses.make_loss_fn(_cfg(prox="trainer"))(logp, jnp.zeros_like(logp), mb)
+  w = np.minimum(np.exp(np.asarray(logp - old)), 2.0)
+  np.testing.assert_allclose(extras["ratio"], 1.0)
+  np.testing.assert_allclose(extras["is_weight"], w, rtol=1e-6)
+  np.testing.assert_allclose(loss, -np.asarray(mb.advantages) * w, rtol=1e-6)
+  with pytest.raises(ValueError, match="rl.prox"):
+    losses.make_loss_fn(_cfg(prox="nope"))

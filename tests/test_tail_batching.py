@@ -23,10 +23,10 @@ def simulate_round(rnd: tb.Round, finish_time) -> None:
   assert not rnd.outstanding
 
 
-def run_epoch(batcher: tb.TailBatcher, prompts, finish_time):
+def run_epoch(batcher: tb.TailBatcher, prompts, finish_time, limit=lambda: None):
   batcher.start_epoch(prompts)
   rounds = []
-  while (plan := batcher.plan_round()) is not None:
+  while (plan := batcher.plan_round(limit=limit())) is not None:
     rnd = tb.Round(plan)
     simulate_round(rnd, finish_time)
     # Checkpoint round trip between rounds: the state is plain JSON.
@@ -66,6 +66,29 @@ def test_each_prompt_trained_exactly_once_per_epoch(n, P, R, eta, epochs, seed):
         assert plan.responses == R and set(kept) == set(plan.prompts)
     # Every round but the epoch's last trains a full batch of P prompts.
     assert all(len(kept) == P for _, kept, _ in rounds[:-1])
+
+
+@hypothesis.settings(max_examples=100, deadline=None)
+@hypothesis.given(
+    n=st.integers(0, 30), P=st.integers(1, 6), R=st.integers(1, 3),
+    eta=st.sampled_from([1.0, 1.25, 1.5]), seed=st.integers(0, 2**32 - 1))
+def test_smaller_rounds_under_an_admission_limit_keep_exactly_once(n, P, R, eta, seed):
+  """Rounds capped below P (DAPO refills, partly failed rounds) lose nothing."""
+  rng = random.Random(seed)
+  prompts = list(range(n))
+  limits = []
+
+  def limit():
+    limits.append(rng.choice([None, None] + list(range(1, P + 1))))
+    return limits[-1]
+
+  rounds = run_epoch(tb.TailBatcher(P, R, eta), prompts, lambda k: rng.randint(0, 9), limit)
+  trained = [p for _, kept, _ in rounds for p in kept]
+  assert sorted(trained) == prompts
+  for (plan, kept, rnd), cap in zip(rounds, limits):
+    assert len(kept) == plan.keep_prompts <= (cap or P)
+    if plan.kind == "short":  # as wide as a full round, in proportion
+      assert len(plan.prompts) <= max(plan.keep_prompts, -(-eta * plan.keep_prompts // 1))
 
 
 @hypothesis.settings(max_examples=60, deadline=None)
@@ -163,4 +186,48 @@ def test_run_round_against_fake_rollout():
   rest = asyncio.run(main())
   assert [r.plan.kind for r in rest] == ["long"]
   assert sorted(rest[0].groups) == [3, 4, 5]
+  assert sorted(b.trained) == list(range(6)) and b.epoch_done
+
+
+class FailingRollout(FakeRollout):
+  """A FakeRollout whose backend dies (raises) on one prompt's first response."""
+
+  def __init__(self, delay, dies_on):
+    super().__init__(delay)
+    self.dies_on = dies_on
+
+  async def generate(self, body, group=None):
+    if body["rid"].split("-")[3] == str(self.dies_on):
+      await asyncio.sleep(0.05)
+      raise ConnectionError("server went away")
+    return await super().generate(body, group)
+
+
+def test_failed_round_keeps_what_it_finished_and_requeues_the_rest():
+  """A round stopped by a backend error: kept prompts stay trained (they were
+  handed out through on_kept), the others go back to the queue front, and a
+  streamed epoch (extend) then trains every prompt exactly once."""
+  fast = lambda b: 1e-3  # noqa: E731
+  b = tb.TailBatcher(3, 2, 1.0)
+  b.start_epoch([])
+  b.extend(range(4))
+  with pytest.raises(ValueError, match="twice"):
+    b.extend([2])
+  body = lambda p, j: {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}}  # noqa: E731
+  streamed = []
+
+  async def main():
+    with pytest.raises(tb.RoundFailed) as err:
+      await tb.run_round(FailingRollout(fast, dies_on=2), b, body,
+                         on_kept=lambda p, comps: streamed.append((p, len(comps))))
+    assert sorted(err.value.kept) == [0, 1]
+    assert b.fresh == [2, 3] and sorted(b.trained) == [0, 1]
+    b.extend([4, 5])
+    while (r := await tb.run_round(FakeRollout(fast), b, body,
+                                   on_kept=lambda p, comps: streamed.append((p, len(comps))))):
+      pass
+
+  asyncio.run(main())
+  assert sorted(p for p, _ in streamed) == list(range(6))   # each handed out once
+  assert all(n == 2 for _, n in streamed)
   assert sorted(b.trained) == list(range(6)) and b.epoch_done

@@ -25,9 +25,16 @@ region is taken around pi_prox, which the trainer controls, while w corrects
 for the tokens having been sampled from mu (an older or numerically different
 engine policy). Truncating w at is_cap (veRL/Tunix truncated IS) bounds the
 variance a very stale token can add. With `is_mode = "mask"` tokens whose
-weight exceeds the cap are dropped instead (AReaL's rejection). When a
-sequence carries no prox logprobs, `materialize` sets prox = old, so w = 1 and
-this is standard PPO-clip.
+weight exceeds the cap are dropped instead (AReaL's rejection).
+
+Where pi_prox comes from (`prox`): "trainer" (default) takes sg(logp), the
+policy being differentiated. The coordinator applies exactly one optimizer
+update per batch, so that policy *is* the one before the update: AReaL's
+extra forward pass for prox logprobs is not needed, the ratio is 1 where the
+gradient is taken, and w = pi_current / mu carries all of the staleness.
+"batch" reads `prox_logprobs` from the batch (several updates per batch);
+when a sequence carries none, `materialize` sets prox = old, so w = 1 and
+this is standard PPO-clip against the behaviour policy.
 
 Config fields (`default_rl_config()`; copy it into configs/vlm.py as `rl`):
   clip_low: 0.2        lower PPO clip, ratio >= 1 - clip_low.
@@ -35,12 +42,16 @@ Config fields (`default_rl_config()`; copy it into configs/vlm.py as `rl`):
   clip_c: 0.0          dual-clip bound for A < 0 (veRL clip_ratio_c = 3); 0 off.
   kl_coef: 0.0         KL-to-reference penalty coefficient; 0 disables the
                        term and its metric (ref logprobs are then not needed).
+  ref_hf_path: ""      the reference model (an HF checkpoint folder); "" = the
+                       policy as RL begins (rl/reference.py).
   kl_estimator: "k3"   "k1" (unbiased, signed) or "k3" (non-negative,
                        low variance; veRL low_var_kl).
   kl_clamp: 10.0       per-token KL clamped to [-kl_clamp, kl_clamp] (veRL
                        clamps low_var_kl at 10: bf16 overflow); 0 disables.
   is_cap: 2.0          truncation of w = pi_prox / mu; 0 leaves w uncapped.
   is_mode: "truncate"  "truncate" (w = min(w, cap)) or "mask" (w = 0 above).
+  prox: "trainer"      where pi_prox comes from: "trainer" (sg of the policy
+                       being updated; one update per batch) or "batch".
   entropy_coef: 0.0    entropy bonus coefficient (0: entropy is a metric only).
   loss_agg_mode: "token-mean"   see rl/advantages.py: the coordinator turns it
                        into loss_mask weights (aggregation_weights).
@@ -70,6 +81,7 @@ from fluxjax.train_step import LossFn
 
 KL_ESTIMATORS = ("k1", "k3")
 IS_MODES = ("truncate", "mask")
+PROX_SOURCES = ("trainer", "batch")
 
 
 def default_rl_config() -> ml_collections.ConfigDict:
@@ -81,10 +93,12 @@ def default_rl_config() -> ml_collections.ConfigDict:
   cfg.clip_high = 0.28
   cfg.clip_c = 0.0
   cfg.kl_coef = 0.0
+  cfg.ref_hf_path = ""
   cfg.kl_estimator = "k3"
   cfg.kl_clamp = 10.0
   cfg.is_cap = 2.0
   cfg.is_mode = "truncate"
+  cfg.prox = "trainer"
   cfg.entropy_coef = 0.0
   cfg.loss_agg_mode = "token-mean"
   cfg.adv_std_normalize = True
@@ -149,6 +163,9 @@ def make_loss_fn(cfg: ml_collections.ConfigDict) -> LossFn:
   kl_clamp = float(cfg.get("kl_clamp", 0.0))
   is_cap, is_mode = float(cfg.is_cap), str(cfg.get("is_mode", "truncate"))
   entropy_coef = float(cfg.entropy_coef)
+  prox_source = str(cfg.get("prox", "batch"))
+  if prox_source not in PROX_SOURCES:
+    raise ValueError(f"rl.prox must be one of {PROX_SOURCES}, got {prox_source!r}")
   if estimator not in KL_ESTIMATORS:
     raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
   if is_mode not in IS_MODES:
@@ -160,7 +177,7 @@ def make_loss_fn(cfg: ml_collections.ConfigDict) -> LossFn:
 
   def loss_fn(logp_BT: jax.Array, entropy_BT: jax.Array, mb: TrainBatch):
     adv_BT = mb.advantages
-    prox_BT = jax.lax.stop_gradient(mb.prox_logprobs)
+    prox_BT = jax.lax.stop_gradient(logp_BT if prox_source == "trainer" else mb.prox_logprobs)
     w_BT, truncated_BT = importance_weights(prox_BT, mb.old_logprobs, is_cap, is_mode)
     # Clamp the exponent: padding and masked tokens may hold arbitrary logp
     # differences, and an inf there would turn 0 * inf into NaN gradients.

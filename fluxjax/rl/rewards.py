@@ -46,6 +46,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import importlib
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -71,9 +72,23 @@ def register(name: str):
 
 
 def get(name_or_fn: str | RewardFn) -> RewardFn:
-  """A registered reward function by name (callables pass through)."""
+  """A reward function: a registered name, "package.module:function", or a callable.
+
+  The import path is how a user plugs in their own reward without editing
+  fluxjax (veRL's custom_reward_function): `--config.rl.reward.fn=my.mod:score`.
+  The module must be importable by the spawned reward workers.
+  """
   if callable(name_or_fn):
     return name_or_fn
+  if ":" in name_or_fn:
+    module_name, _, attr = name_or_fn.partition(":")
+    try:
+      fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+      raise KeyError(f"cannot load reward {name_or_fn!r}: {e}") from None
+    if not callable(fn):
+      raise KeyError(f"reward {name_or_fn!r} is not callable")
+    return fn
   try:
     return REWARDS[name_or_fn]
   except KeyError:

@@ -141,26 +141,49 @@ class TailBatcher:
     self.long = []
     self.trained = []
 
-  def plan_round(self) -> RoundPlan | None:
-    """The next round, or None when the epoch is exhausted."""
+  def extend(self, prompt_ids: Sequence[PromptId]) -> None:
+    """Appends prompts to the current epoch (a streamed epoch: the coordinator
+    tops the queue up from the data loader instead of listing the epoch first).
+    """
+    queued = set(self.fresh) | set(self.long) | set(self.trained)
+    new = list(prompt_ids)
+    if len(set(new)) != len(new) or queued.intersection(new):
+      raise ValueError("extend() would queue a prompt twice in one epoch")
+    self.fresh.extend(new)
+
+  def plan_round(self, limit: int | None = None) -> RoundPlan | None:
+    """The next round, or None when the epoch is exhausted.
+
+    `limit` caps the prompts the round keeps (default P): a coordinator that
+    is owed fewer than P groups (DAPO refills, a round that failed part way)
+    runs a smaller round of the same kind, as eta-wide as a full one.
+    """
+    k = self.P if limit is None else max(1, min(int(limit), self.P))
     mk = lambda kind, prompts, r, kp: RoundPlan(  # noqa: E731
         kind, tuple(prompts), r, kp, self.R, self.epoch, self.round_index)
     if len(self.long) >= self.P:
-      return mk("long", self.long[:self.P], self.R, self.P)
-    if len(self.fresh) >= self.P:
-      n = min(self.launch_prompts, len(self.fresh))
-      return mk("short", self.fresh[:n], self.launch_responses, self.P)
+      return mk("long", self.long[:k], self.R, k)
+    if len(self.fresh) >= k and (k < self.P or len(self.fresh) >= self.P):
+      width = self.launch_prompts if k == self.P else math.ceil(self.eta * k - 1e-9)
+      n = min(width, len(self.fresh))
+      return mk("short", self.fresh[:n], self.launch_responses, k)
     if self.epoch_done:
       return None
     # End of the epoch: too few prompts for a race, so run what is left with
     # no speculation rather than drop it or carry it into the next epoch.
-    rest = (self.long + self.fresh)[:self.P]
+    rest = (self.long + self.fresh)[:k]
     return mk("long", rest, self.R, len(rest))
 
-  def commit(self, rnd: Round) -> list:
-    """Applies a finished round. Returns the prompt ids trained, in finish order."""
+  def commit(self, rnd: Round, *, partial: bool = False) -> list:
+    """Applies a round. Returns the prompt ids trained, in finish order.
+
+    `partial=True` applies a round that failed part way (a backend error):
+    its kept prompts count as trained (the caller has them), the others go
+    back to the front of the queue they came from, not to the long queue,
+    since they did not lose a race.
+    """
     plan = rnd.plan
-    if not rnd.done:
+    if not rnd.done and not partial:
       raise RuntimeError("commit of an unfinished round")
     if (plan.epoch, plan.index) != (self.epoch, self.round_index):
       raise RuntimeError(f"round {plan.epoch}/{plan.index} is not the current one "
@@ -173,6 +196,13 @@ class TailBatcher:
     for p in kept:
       if len(rnd.kept[p]) != self.R:
         raise RuntimeError(f"prompt {p!r} kept {len(rnd.kept[p])} responses, want {self.R}")
+    if partial and not rnd.done:
+      kept_set = set(kept)
+      self.fresh = [p for p in self.fresh if p not in kept_set]
+      self.long = [p for p in self.long if p not in kept_set]
+      self.trained.extend(kept)
+      self.round_index += 1
+      return kept
     self.fresh = [p for p in self.fresh if p not in launched]
     # Deferred prompts join the back of the long queue; ones already there
     # (never deferred twice: long rounds keep everything) keep their place.
@@ -227,9 +257,23 @@ def _slot_engine(rollout):
   return None
 
 
+class RoundFailed(RuntimeError):
+  """A round stopped by a backend error; its kept prompts were committed.
+
+  Attributes:
+    kept: prompt ids kept (and handed to `on_kept`) before the failure.
+  """
+
+  def __init__(self, message: str, kept: list):
+    super().__init__(message)
+    self.kept = kept
+
+
 async def run_round(rollout, batcher: TailBatcher,
                     make_body: Callable[[PromptId, int], dict], *, rid_prefix: str = "tb",
-                    max_retries: int = 2, abort_grace_s: float = 30.0) -> RoundResult | None:
+                    max_retries: int = 2, abort_grace_s: float = 30.0,
+                    on_kept: Callable[[PromptId, list], None] | None = None,
+                    plan: RoundPlan | None = None) -> RoundResult | None:
   """Plans, runs and commits one round on `rollout`.
 
   Args:
@@ -243,11 +287,18 @@ async def run_round(rollout, batcher: TailBatcher,
       (pause, engine error) before the round fails.
     abort_grace_s: how long to wait for aborted requests to come back before
       cancelling their tasks.
+    on_kept: called with (prompt id, its R completions) the moment a prompt is
+      kept, so a stream trainer can start on it while the round runs.
+    plan: the round to run (default: `batcher.plan_round()`).
 
   Returns:
     The result, or None if the epoch is exhausted (call `start_epoch`).
+
+  Raises:
+    RoundFailed: a backend error stopped the round; what was kept is
+      committed (`commit(partial=True)`), the rest is queued again.
   """
-  plan = batcher.plan_round()
+  plan = plan or batcher.plan_round()
   if plan is None:
     return None
   rnd = Round(plan)
@@ -292,7 +343,14 @@ async def run_round(rollout, batcher: TailBatcher,
           continue
         if out.finish_type != "abort" and key in rnd.outstanding:
           finished[key] = out
+          kept_before = len(rnd.kept)
           await abort(rnd.finish(*key))
+          if on_kept is not None and len(rnd.kept) > kept_before:
+            on_kept(key[0], [finished[(key[0], j)] for j in rnd.kept[key[0]]])
+  except Exception as e:
+    failure = e
+  else:
+    failure = None
   finally:
     # Whatever is still running is speculation to discard (or a failed
     # round's leftovers): abort it and wait, so the next round starts on free
@@ -306,6 +364,10 @@ async def run_round(rollout, batcher: TailBatcher,
         if t.done() and not t.cancelled() and t.exception() is None:
           all_outputs.append(t.result())
   wall = time.perf_counter() - t0
+  if failure is not None:
+    kept = batcher.commit(rnd, partial=True)
+    raise RoundFailed(f"round {plan.epoch}/{plan.index} failed after keeping {len(kept)} of "
+                      f"{plan.keep_prompts} prompts: {failure!r}", kept) from failure
 
   kept = batcher.commit(rnd)
   groups = {p: [finished[(p, j)] for j in rnd.kept[p]] for p in kept}

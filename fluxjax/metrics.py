@@ -2,7 +2,8 @@
 
 Keys are slash-namespaced (`train/loss`, `rollout/len_mean`, `data/skipped`).
 Values must already be host floats: the loop fetches device metrics one step
-late (train_step.DelayedMetrics), so writing never blocks on the device.
+late (train_step.DelayedMetrics, or after the update in the coordinator), so
+writing never blocks a dispatch queue.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class MetricWriter:
     self._file.write(json.dumps({"step": int(step), "time": time.time(), **clean}) + "\n")
     if self._tb is not None:
       for k, v in metrics.items():
-        self._tb.add_scalar(k, float(v), int(step))
+        if math.isfinite(float(v)):  # NaN = "no value yet" (e.g. no reward anchor)
+          self._tb.add_scalar(k, float(v), int(step))
 
   def close(self) -> None:
     if not self.active:
@@ -65,6 +67,23 @@ class MetricWriter:
 
   def __exit__(self, *exc):
     self.close()
+
+
+def truncate_after(path: str, step: int) -> int:
+  """Drops records of steps > `step` from a JSONL log (a resumed run redoes them).
+
+  Returns how many records were dropped. The file is rewritten atomically.
+  """
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    lines = [ln for ln in f if ln.strip()]
+  keep = [ln for ln in lines if json.loads(ln)["step"] <= step]
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(keep)
+  os.replace(tmp, path)
+  return len(lines) - len(keep)
 
 
 def read_metrics(workdir: str) -> list[dict]:

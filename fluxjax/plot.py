@@ -1,7 +1,10 @@
 r"""python -m fluxjax.plot WORKDIR: PNG curves of a run's metrics.
 
-Writes WORKDIR/plots/{reward,accuracy,response_length,staleness,throughput}.png
-and a combined WORKDIR/plots/summary.png from WORKDIR/metrics.jsonl.
+Writes WORKDIR/plots/{reward,accuracy,response_length,staleness,throughput,
+sft_loss}.png and a combined WORKDIR/plots/summary.png from
+WORKDIR/metrics.jsonl. A run with an SFT warm-up (fluxjax/rl/sft.py) logs it
+at steps -S..0; those steps are shaded and labelled in every panel, so the
+accuracy curve shows where the warm-up starts and where GRPO takes over.
 """
 
 from __future__ import annotations
@@ -18,7 +21,16 @@ PANELS = (
     ("response_length", "response length (tokens)", ("rollout/response_len_mean",)),
     ("staleness", "staleness", ("async/staleness", "async/version_gap_mean")),
     ("throughput", "tokens / s", ("perf/tokens_per_s",)),
+    ("sft_loss", "SFT warm-up loss", ("sft/loss",)),
 )
+
+
+def _mark_warm_up(ax, first_step):
+  """Shades the warm-up steps [first_step, 0] (nothing for a run without one)."""
+  if first_step < 0:
+    ax.axvspan(first_step, 0, color="tab:orange", alpha=0.12, lw=0, label="SFT warm-up")
+    ax.axvline(0, color="tab:orange", lw=1, ls="--")
+    ax.legend(loc="best", fontsize=7, frameon=False)
 
 
 def _series(records, key):
@@ -41,6 +53,7 @@ def plot(workdir: str) -> list[str]:
   out_dir = os.path.join(workdir, "plots")
   os.makedirs(out_dir, exist_ok=True)
   written, panels = [], []
+  first_step = min((r["step"] for r in records), default=0)
   for name, title, keys in PANELS:
     for key in keys:
       xs, ys = _series(records, key)
@@ -54,6 +67,7 @@ def plot(workdir: str) -> list[str]:
     ax.set_xlabel("step")
     ax.set_ylabel(key)
     ax.grid(alpha=0.3)
+    _mark_warm_up(ax, first_step)
     fig.tight_layout()
     path = os.path.join(out_dir, f"{name}.png")
     fig.savefig(path, dpi=110)
@@ -66,6 +80,7 @@ def plot(workdir: str) -> list[str]:
       ax.set_title(title)
       ax.set_xlabel("step")
       ax.grid(alpha=0.3)
+      _mark_warm_up(ax, first_step)
     fig.tight_layout()
     path = os.path.join(out_dir, "summary.png")
     fig.savefig(path, dpi=110)

@@ -85,15 +85,37 @@ def loss_and_metrics(params, graphdef, mb: TrainBatch, total_tokens, loss_fn: Lo
   return (per_token * mask).sum() / total_tokens, sums
 
 
+def token_logprobs(graphdef, params, batch: TrainBatch, attention_fn=None) -> jax.Array:
+  """log p(target) of every token of every microbatch, [M, D, C]; a forward only.
+
+  The reference model's pass for the KL term: no gradient flows, so nothing is
+  kept for a backward pass and the microbatches run one after another.
+  """
+  params = jax.lax.stop_gradient(params)
+
+  def one(mb: TrainBatch):
+    model = nnx.merge(graphdef, params)
+    return model.token_logprobs(mb.inputs, mb.targets, attention_fn=attention_fn)
+
+  return jax.lax.map(one, batch)
+
+
+def batch_total(batch: TrainBatch) -> jax.Array:
+  """The loss normalizer: the batch's summed loss weights (at least 1)."""
+  return jnp.maximum(batch.loss_mask.sum(), 1.0)
+
+
 def accumulate(graphdef, params, batch: TrainBatch, loss_fn: LossFn = policy_gradient_loss,
-               attention_fn=None, param_shardings=None):
+               attention_fn=None, param_shardings=None, total=None):
   """Loss, gradients and metric sums over all microbatches (no update).
 
   With `param_shardings`, the gradient accumulator is pinned to them: each
   microbatch's gradients are reduce-scattered into the FSDP shards instead of
-  being held whole.
+  being held whole. `total` is the token count the loss is normalized by
+  (default: this batch's); the stream trainer passes 1 and divides once the
+  whole batch is in.
   """
-  total = jnp.maximum(batch.loss_mask.sum(), 1.0)
+  total = batch_total(batch) if total is None else total
   grad_fn = jax.value_and_grad(loss_and_metrics, has_aux=True)
   pin = ((lambda g: jax.lax.with_sharding_constraint(g, param_shardings))
          if param_shardings is not None else (lambda g: g))
@@ -133,17 +155,69 @@ def make_train_step(graphdef, tx: optax.GradientTransformation,
       param_shardings = state_shardings.params if state_shardings is not None else None
       loss, grads, sums = accumulate(graphdef, state.params, batch, loss_fn, attention_fn,
                                      param_shardings)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    tokens = jnp.maximum(sums.pop("tokens"), 1.0)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": tokens,
-               **{k: v / tokens for k, v in sums.items()}}
-    return TrainState(params, opt_state, state.step + 1), metrics
+    return apply_update(tx, state, loss, grads, sums)
 
   shardings = state_shardings is not None
   return jax.jit(step, donate_argnums=(0,),
                  in_shardings=(state_shardings, batch_shardings) if shardings else None,
                  out_shardings=(state_shardings, None) if shardings else None)
+
+
+def apply_update(tx: optax.GradientTransformation, state: TrainState, loss, grads, sums):
+  """One optimizer update from normalized gradients; metrics are token means."""
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  sums = dict(sums)
+  tokens = jnp.maximum(sums.pop("tokens"), 1.0)
+  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": tokens,
+             **{k: v / tokens for k, v in sums.items()}}
+  return TrainState(params, opt_state, state.step + 1), metrics
+
+
+def make_stream_add(accumulate_fn, param_shardings, ref_logprobs_fn=None,
+                    ref_logprobs_sharding=None):
+  """`add(params, acc, part, ref_params=None) -> acc`: one part of a batch, unnormalized.
+
+  A stream trainer sums loss, gradients and metric sums of each part with the
+  loss normalized by 1 (`accumulate_fn(params, part, 1.0)`), and divides by
+  the whole batch's token weight once, in `make_stream_apply`. Over the same
+  sequences this equals `make_train_step` up to float summation order.
+
+  Args:
+    accumulate_fn: (params, batch, total) -> (loss, grads, sums), a strategy's
+      `accumulate_fn` for the part's plan.
+    param_shardings: the parameters' shardings; gradients are pinned to them.
+    ref_logprobs_fn: (ref_params, batch) -> [M, D, C] logprobs (a strategy's
+      `logprobs_fn`): with `ref_params` given, the part's `ref_logprobs` are
+      computed in the same program, before the policy's pass.
+    ref_logprobs_sharding: where those logprobs live (the batch's layout).
+  """
+
+  def add(params, acc, part: TrainBatch, ref_params=None):
+    if ref_params is not None:
+      ref = ref_logprobs_fn(ref_params, part)
+      if ref_logprobs_sharding is not None:
+        ref = jax.lax.with_sharding_constraint(ref, ref_logprobs_sharding)
+      part = dataclasses.replace(part, ref_logprobs=ref)
+    loss, grads, sums = accumulate_fn(params, part, jnp.float32(1.0))
+    grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+    return jax.tree.map(jnp.add, acc, (loss, grads, sums))
+
+  return jax.jit(add, donate_argnums=(1,))
+
+
+def make_stream_apply(tx: optax.GradientTransformation, state_shardings):
+  """`apply(state, acc) -> (state, metrics)`: normalize the sums and update once."""
+
+  def apply(state: TrainState, acc):
+    loss, grads, sums = acc
+    tokens = jnp.maximum(sums["tokens"], 1.0)
+    grads = jax.tree.map(lambda g: g / tokens, grads)
+    return apply_update(tx, state, loss / tokens, grads, sums)
+
+  # Only the state is donated: the accumulator has no output of its shapes left
+  # to alias once the state takes the parameter-shaped ones.
+  return jax.jit(apply, donate_argnums=(0,), out_shardings=(state_shardings, None))
 
 
 class DelayedMetrics:

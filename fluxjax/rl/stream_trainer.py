@@ -1,0 +1,131 @@
+"""The stream trainer: gradients of finished groups accumulate while rollout runs.
+
+A GRPO group is complete (its advantages known) as soon as its R responses
+are scored, long before the slowest group of the batch. The coordinator hands
+finished groups here in parts; each part is planned by the strategy (lengths
+only), materialized and pushed through the jitted `add`, which sums its
+unnormalized loss, gradients and metric sums into an accumulator on device.
+When the batch is complete, `apply` divides by the batch's token weight and
+applies one optimizer update: the same update as the synchronous step on the
+whole batch (tests/test_stream_trainer.py holds them to 1e-6), so streaming
+changes when the work happens, not what is learned.
+
+With a reference model (`ref_params`, for the KL term), each part's
+reference logprobs are computed in the same program as its gradients, by
+the reference's forward over the part's own layout: they never leave the
+devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import optax
+
+from fluxjax import train_step
+from fluxjax.models.config import ModelConfig
+from fluxjax.sharding import batch as batch_lib
+from fluxjax.sharding.strategies import Strategy
+
+PATCH_BUCKETS = (256, 1024, 4096, 16384, 65536)
+
+
+class StreamTrainer:
+  """Owns the train state; `add` parts of a batch, then `apply` once.
+
+  Args:
+    model_cfg: the model configuration (materialize needs its vision shapes).
+    mesh: the training mesh.
+    strategy: the sharding strategy (plans each part, supplies accumulation).
+    graphdef: the model's graph definition.
+    state: the sharded TrainState (donated to each update).
+    state_shardings: its shardings.
+    tx: the optimizer.
+    loss_fn: the token loss (rl/losses.make_loss_fn).
+    patch_source: item -> patches (the loader's Materializer), or None for
+      text-only sequences.
+    patch_buckets: static patch-buffer sizes.
+    ref_params: the reference model's parameters (sharded like the policy's),
+      or None when the loss has no KL term; settable later (`ref_params`).
+  """
+
+  def __init__(self, model_cfg: ModelConfig, mesh, strategy: Strategy, graphdef, state,
+               state_shardings, tx: optax.GradientTransformation, loss_fn, *,
+               patch_source=None, patch_buckets: Sequence[int] = PATCH_BUCKETS,
+               ref_params=None):
+    self.cfg = model_cfg
+    self.mesh = mesh
+    self.strategy = strategy
+    self.graphdef = graphdef
+    self.state = state
+    self.state_shardings = state_shardings
+    self.loss_fn = loss_fn
+    self.patch_source = patch_source
+    self.patch_buckets = tuple(patch_buckets)
+    self.ref_params = ref_params
+    self._apply = train_step.make_stream_apply(tx, state_shardings)
+    self._adds = {}        # compiled `add` by plan layout (flex levels change shapes)
+    self._sums_shape = None
+    self._acc = None
+    self.parts = 0
+    self.sequences = 0
+
+  def _add_fn(self, plan, batch):
+    key = (plan.level_layout(), plan.num_microbatches)
+    if key not in self._adds:
+      accumulate = self.strategy.accumulate_fn(self.mesh, plan, self.graphdef,
+                                               self.state_shardings.params, self.loss_fn)
+      self._adds[key] = (accumulate, train_step.make_stream_add(
+          accumulate, self.state_shardings.params,
+          self.strategy.logprobs_fn(self.mesh, plan, self.graphdef),
+          batch.ref_logprobs.sharding))  # reference logprobs land in the batch's layout
+    return self._adds[key]
+
+  def _zeros(self, accumulate, batch):
+    if self._sums_shape is None:  # traced once: the loss's metric names
+      self._sums_shape = jax.eval_shape(lambda p, b: accumulate(p, b, 1.0)[2],
+                                        self.state.params, batch)
+    zeros = jax.tree.map(lambda p: jax.numpy.zeros(p.shape, p.dtype, device=p.sharding),
+                         self.state.params)
+    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    sums = {k: jax.numpy.zeros(v.shape, v.dtype, device=replicated)
+            for k, v in self._sums_shape.items()}
+    return (jax.numpy.zeros((), jax.numpy.float32, device=replicated), zeros, sums)
+
+  def add(self, seqs: Sequence[batch_lib.TrainSequence]) -> None:
+    """Adds the gradients of `seqs` (dispatched; returns before they finish)."""
+    if not seqs:
+      return
+    plan = self.strategy.plan([len(s) for s in seqs], self.mesh.size)
+    host = batch_lib.materialize(plan, seqs, self.cfg, self.patch_buckets,
+                                 patch_source=self.patch_source,
+                                 balance_vision=self.strategy.balance_vision)
+    with jax.set_mesh(self.mesh):
+      batch = batch_lib.to_device(host, self.mesh)
+      accumulate, add = self._add_fn(plan, batch)
+      if self._acc is None:
+        self._acc = self._zeros(accumulate, batch)
+      self._acc = add(self.state.params, self._acc, batch, self.ref_params)
+    self.parts += 1
+    self.sequences += len(seqs)
+
+  @property
+  def pending(self) -> bool:
+    return self._acc is not None
+
+  def apply(self) -> dict:
+    """One optimizer update from everything added; returns device metrics."""
+    if self._acc is None:
+      raise RuntimeError("apply() with nothing added")
+    with jax.set_mesh(self.mesh):
+      self.state, metrics = self._apply(self.state, self._acc)
+    self._acc = None
+    metrics = dict(metrics, parts=self.parts, sequences=self.sequences)
+    self.parts = self.sequences = 0
+    return metrics
+
+  def discard(self) -> None:
+    """Drops a partial batch (a failed step is replayed from its prompts)."""
+    self._acc = None
+    self.parts = self.sequences = 0

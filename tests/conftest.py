@@ -10,6 +10,15 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
+# XLA:CPU sizes its Eigen pool to max(CPUs, devices): 8 threads for 8 fake
+# devices on this 2-core machine. A device that runs two independent
+# collectives of one program at once holds two of them, and the last device's
+# part can find no thread: every other thread waits in a rendezvous for it,
+# which XLA aborts after 40 s (seen in ~1 of 6 runs of test_stream_trainer.py:
+# all-gather and all-to-all of one `add`, devices 0-1 in both, device 7 in
+# neither). More threads than devices leave room; tsl reads NPROC for the CPU
+# count.
+os.environ.setdefault("NPROC", "24")
 # Parity tests compare fp32 numbers; keep XLA's CPU matmuls at full precision.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from fluxjax import metrics
+from fluxjax.data import readers
 from fluxjax.rl import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,11 +24,19 @@ def _config(total_steps):
   c.rl.reward.num_workers = 1
   c.rollout.num_slots = 4
   c.checkpoint.every = 1
+  c.sft.enabled = False  # the warm-up before RL has its own loop test (test_sft.py)
   return c
 
 
-def test_loop_runs_checkpoints_and_resumes(tmp_path):
-  last = loop.run(_config(2), str(tmp_path))
+def _kl_config(total_steps):
+  c = _config(total_steps)
+  c.rl.kl_coef = 0.1
+  c.optim.lr, c.optim.warmup_steps = 1e-2, 0  # steps large enough for a clear KL
+  return c
+
+
+def test_loop_runs_checkpoints_and_resumes_with_a_reference_model(tmp_path):
+  last = loop.run(_kl_config(2), str(tmp_path))
   assert last["policy/version"] == 2.0
   # The engine's behaviour logprobs are the trainer's: importance weights are 1.
   recs = metrics.read_metrics(str(tmp_path))
@@ -35,12 +44,61 @@ def test_loop_runs_checkpoints_and_resumes(tmp_path):
   assert recs[2]["train/is_weight"] == pytest.approx(1.0, abs=1e-4)
   assert "eval/accuracy" in recs[0] and "eval/accuracy" in recs[2]
   assert sorted(os.listdir(tmp_path / "checkpoints"))[-1] == "2"
-  # Resume: the run continues at step 3 with the next policy version and data.
-  last = loop.run(_config(3), str(tmp_path))
+  # KL to the reference (the policy as RL began): zero at the first step, up
+  # to the two forward programs' rounding, positive once the policy has moved.
+  assert 0.0 <= recs[1]["train/kl"] < 1e-9
+  assert recs[2]["train/kl"] > 1e-6
+  assert os.path.exists(tmp_path / "reference" / "config.json")
+  # Resume: the run continues at step 3 with the next policy version and data,
+  # and the reference read back from the work directory, not the restored
+  # policy (which would give KL 0 again).
+  last = loop.run(_kl_config(3), str(tmp_path))
   assert last["policy/version"] == 3.0
   recs = metrics.read_metrics(str(tmp_path))
   assert [r["step"] for r in recs] == [0, 1, 2, 3]
-  # The loader's counters come back with its state: 2 batches of 2, then 1 more.
-  assert recs[2]["data/emitted"] == 4 and recs[3]["data/emitted"] == 6
+  assert recs[3]["train/kl"] > recs[2]["train/kl"] * 0.5
+  # The loader's counters come back with its state (tail batching reads ahead,
+  # so the count is at least what was trained), and no prompt trains twice.
+  assert recs[3]["data/emitted"] >= recs[2]["data/emitted"] >= 4
+  trained = [i for r in loop.read_trained(str(tmp_path)) for i in r["ids"]]
+  assert [r["step"] for r in loop.read_trained(str(tmp_path))] == [1, 2, 3]
+  assert len(trained) == 6 == len(set(trained))
   with open(tmp_path / "config.json") as f:
     assert json.load(f)["total_steps"] == 3
+
+
+def test_validate_refuses_what_the_loop_cannot_do():
+  c = _config(1)
+  c.rl.reward.fn = "no_such_module:score"
+  with pytest.raises(ValueError, match="cannot load reward"):
+    loop.validate(c)
+
+
+def test_dynamic_sampling_trains_only_groups_with_signal(tmp_path):
+  """DAPO in the loop: groups whose rewards are all equal are dropped and refilled.
+
+  The reward scores every response to a numeric-answer prompt 0 (those groups
+  have no signal) and others by a hash of the response; so no numeric-answer
+  prompt may be trained, each step is still full, and the drops are counted.
+  """
+  c = _config(3)
+  # More rows than 3 steps can read even if every refill is spent (3 x (3 +
+  # 4 x 3) groups plus the read-ahead): one epoch, so ids are unique in it.
+  c.data.synth_train = 64
+  c.rl.prompts_per_step, c.rl.responses_per_prompt = 3, 4
+  c.rl.dynamic_sampling, c.rl.max_refill_rounds = True, 4
+  c.rl.reward.fn = "fault_rewards:signal_unless_numeric"
+  last = loop.run(c, str(tmp_path))
+  assert last["policy/version"] == 3.0
+  rows = readers.read_rows(str(tmp_path / "data" / "train" / "manifest.jsonl"))
+  numeric = {r["id"] for r in rows if str(r["answer"]).strip().isdigit()}
+  assert 0 < len(numeric) < len(rows)  # the data holds both kinds
+  steps = loop.read_trained(str(tmp_path))
+  trained = [i for r in steps for i in r["ids"]]
+  assert [len(r["ids"]) for r in steps] == [3, 3, 3]  # refills kept every step full
+  assert len(trained) == len(set(trained))
+  assert not numeric & set(trained)
+  assert last["rollout/filtered_groups_total"] >= 1
+  assert last["data/emitted"] <= c.data.synth_train  # still in the first epoch
+  # A dropped group's late speculative responses are discarded, not a fault.
+  assert last.get("faults/round_failures", 0.0) == 0.0

@@ -3,13 +3,13 @@
 Sections of a run: data (a synthetic dataset generated into the work directory
 on first use, or config.data.train/eval files), model (preset or HF checkpoint,
 created sharded), optimizer and train state, rollout (embedded engine or
-fleet), rewards, coordinator; then the loop with delayed metrics, held-out
+fleet), rewards, coordinator, and the reference model when rl.kl_coef > 0
+(rl/reference.py); then the loop with delayed metrics, held-out
 evaluation, checkpoints and auto-resume.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -24,7 +24,7 @@ from fluxjax.models import config as model_config
 from fluxjax.models import hf_io, processor
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rl import coordinator as coordinator_lib
-from fluxjax.rl import rewards
+from fluxjax.rl import reference, rewards, sft
 from fluxjax.rollout import embedded, fleet
 from fluxjax.sharding import mesh as mesh_lib
 from fluxjax.sharding import rules, strategies
@@ -56,6 +56,16 @@ def validate(config):
   cfg = (model_config.load_hf_config(config.model.hf_path, **overrides)
          if config.model.hf_path else model_config.preset(config.model.preset, **overrides))
   strategy = strategies.get_strategy(config.sharding, cfg)
+  ref_path = config.rl.get("ref_hf_path")
+  if config.rl.kl_coef and ref_path:
+    ref_cfg = model_config.load_hf_config(ref_path, **overrides)
+    if (ref_cfg.text, ref_cfg.vision) != (cfg.text, cfg.vision):
+      raise ValueError(f"rl.ref_hf_path {ref_path} has a different architecture than the "
+                       "policy; the KL term compares the two models token by token")
+  try:
+    rewards.get(config.rl.reward.fn)
+  except KeyError as e:
+    raise ValueError(str(e)) from None
   mesh = mesh_lib.make_mesh(config.mesh.data, config.mesh.fsdp, strategy.sp_axes())
   logging.info("strategy %s (sp=%d) on mesh %s", strategy.name, strategy.sp, dict(mesh.shape))
   return cfg, strategy, mesh
@@ -79,20 +89,34 @@ def build(config, workdir: str):
   proc = processor.VisionProcessorConfig(**config.data.vision.to_dict())
   loader = pipeline.ShadowLoader(train_path, config.rl.prompts_per_step, proc,
                                  num_workers=config.data.num_workers, seed=config.seed)
+  launched = None
   if config.rollout.backend == "embedded":
     rollout = embedded.EmbeddedRollout(model, tokenizer, num_slots=config.rollout.num_slots,
                                        context_length=config.rollout.context_length,
                                        seed=config.seed, proc_cfg=proc)
   else:
-    rollout, _ = fleet.make_rollout(config.rollout, model, tokenizer)
+    rollout, launched = fleet.make_rollout(config.rollout, model, tokenizer)
   reward = config.rl.reward
   scheduler = rewards.RewardScheduler(reward.num_workers, reward.fn, t_min=reward.t_min,
                                       t_max=reward.t_max, anchor_factor=reward.anchor_factor,
                                       correct_threshold=reward.correct_threshold)
   coord = coordinator_lib.Coordinator(config, cfg, tokenizer, mesh, strategy, graphdef, state,
-                                      state_shardings, tx, loader, rollout, scheduler)
+                                      state_shardings, tx, loader, rollout, scheduler,
+                                      publish_root=os.path.join(workdir, "weights"))
   eval_rows = readers.read_rows(eval_path)[:config.data.eval_prompts]
-  return coord, {"eval_rows": eval_rows, "proc": proc}
+  return coord, {"eval_rows": eval_rows, "proc": proc, "launched": launched}
+
+
+TRAINED = "trained.jsonl"
+
+
+def read_trained(workdir: str) -> list[dict]:
+  """The per-step record of which samples were trained: [{"step", "ids"}]."""
+  path = os.path.join(workdir, TRAINED)
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
 
 
 def run(config, workdir: str) -> dict:
@@ -102,48 +126,74 @@ def run(config, workdir: str) -> dict:
     f.write(config.to_json_best_effort(indent=2))
   coord, extras = build(config, workdir)
   ckpt = checkpoint_lib.Checkpointer(workdir, save_every=config.checkpoint.every)
-  writer = metrics_lib.MetricWriter(workdir)
   rng = jax.random.key(config.seed)
   first = 0
-  if ckpt.latest_step() is not None:  # auto-resume from the work directory
-    first, coord.state, rng, coord_state, data_state = ckpt.restore(
-        checkpoint_lib.abstract_like(coord.state))
-    coord.version = int(coord_state.get("version", first))
-    coord.loader.set_state(data_state)
-    coord.publish(new_version=False)  # the engine samples from the restored policy
-    logging.info("resumed from step %d", first)
-  eval_loader = pipeline.ShadowLoader(extras["eval_rows"], len(extras["eval_rows"]),
-                                      extras["proc"], num_workers=0, shuffle=False, num_epochs=1)
-  eval_samples = eval_loader.next_batch()
-  delayed = train_step.DelayedMetrics()
-  progress = metrics_lib.Progress(config.total_steps, first)
-  last = {}
+  eval_loader = None
+  writer = None
   try:
+    if ckpt.latest_step() is not None:  # auto-resume from the work directory
+      first, coord.state, rng, coord_state, data_state = ckpt.restore(
+          checkpoint_lib.abstract_like(coord.state))
+      coord.set_state(coord_state, data_state)
+      coord.publish(new_version=False)  # the engine samples from the restored policy
+      # Steps after the checkpoint are redone: their old records go.
+      for name in (metrics_lib.JSONL, TRAINED):
+        dropped = metrics_lib.truncate_after(os.path.join(workdir, name), first)
+        if dropped:
+          logging.info("dropped %d records of %s after step %d", dropped, name, first)
+      logging.info("resumed from step %d (policy version %d)", first, coord.version)
+    writer = metrics_lib.MetricWriter(workdir)
+    trained_log = open(os.path.join(workdir, TRAINED), "a", buffering=1)
+    eval_loader = pipeline.ShadowLoader(extras["eval_rows"], len(extras["eval_rows"]),
+                                        extras["proc"], num_workers=0, shuffle=False,
+                                        num_epochs=1)
+    eval_samples = eval_loader.next_batch()
+    last = {}
+    if first == 0 and not hasattr(coord.rollout, "update_params"):
+      coord.publish(new_version=False)  # a fleet starts from the trainer's weights
     if first == 0:
+      # Warm-up for GRPO (none without RL steps); logged at steps -sft.steps..0.
+      if sft.runs(config):
+        sft.warm_up(coord, config, dataset_paths(config, workdir)[0], extras["proc"], writer,
+                    lambda: coord.evaluate(eval_samples))
       writer.write(0, {"eval/accuracy": coord.evaluate(eval_samples)})
+    if first < config.total_steps:
+      if reference.needed(config):
+        trainer = coord.trainer
+        trainer.ref_params = reference.reference_params(
+            config, workdir, coord.cfg, coord.graphdef, trainer.state.params,
+            trainer.state_shardings.params, fresh=first == 0)
+      coord.start()  # rollout runs ahead from here, within the allowed lag
+    progress = metrics_lib.Progress(config.total_steps, first)  # ETA from RL steps only
     for step in range(first + 1, config.total_steps + 1):
-      samples = coord.loader.next_batch()
-      result = coord.step(samples)
-      coord.loader.release(samples)
-      ready = delayed.push(step, result.metrics["device"])
-      host = dict(result.metrics["host"], **coord.loader.metrics())
+      try:
+        result = coord.step()
+      except StopIteration:
+        logging.info("data exhausted after step %d", step - 1)
+        break
+      host = dict(result.metrics, **coord.loader.metrics())
       if config.eval_every and step % config.eval_every == 0:
         host["eval/accuracy"] = coord.evaluate(eval_samples)
-      if ready is not None:
-        host.update({f"train/{k}": v for k, v in ready[1].items()})
       writer.write(step, host)
+      trained_log.write(json.dumps({"step": step, "ids": result.trained}) + "\n")
       logging.info(progress.line(step, host))
       last = host
-      ckpt.save(step, coord.state, rng, {"version": coord.version}, coord.loader.get_state())
-    done = delayed.flush()
-    if done is not None:
-      writer.write(done[0], {f"train/{k}": v for k, v in done[1].items()})
+      if ckpt.should_save(step) or step == config.total_steps:
+        coord_state, data_state = coord.get_state()
+        ckpt.save(step, coord.state, rng, coord_state, data_state,
+                  force=step == config.total_steps)
+    trained_log.close()
   finally:
+    coord.close()  # the producer first: it reads the loader and the engine
     ckpt.close()
-    writer.close()
-    eval_loader.close()
+    if writer is not None:
+      writer.close()
+    if eval_loader is not None:
+      eval_loader.close()
     coord.loader.close()
     coord.rewards.shutdown()
     if hasattr(coord.rollout, "engine"):  # the embedded engine's decode thread
       coord.rollout.engine.stop()
+    if extras.get("launched") is not None:
+      extras["launched"].stop()
   return last

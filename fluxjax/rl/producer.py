@@ -1,0 +1,367 @@
+"""The rollout side of the coordinator: admission-gated tail-batched rounds in a thread.
+
+The producer owns an asyncio loop in a background thread. It tops a
+`TailBatcher` up with prompts from the data loader, runs rounds on the
+rollout backend (`EmbeddedRollout` or `Fleet`), scores each response in the
+reward pool the moment it finishes, and hands every kept group to the
+trainer through a queue as soon as its last reward is in, while the round
+goes on. Before each round it asks the `AdmissionController` for room: at
+trainer step s (updates applied) at most (s + lag + 1) * P prompts may have
+started, so with
+lag 0 (sync) a round starts only after the previous batch's update, and with
+lag k rollout runs up to k batches ahead. Finished groups are never dropped.
+
+Faults: a round stopped by a backend error (a server killed mid-round, with no
+other server to retry on) keeps what it finished, re-queues the rest and is
+counted; the next round picks them up. A prompt too long for the rollout
+context is a counted, logged skip before it is ever sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from absl import logging
+
+from fluxjax.data import meta as meta_lib
+from fluxjax.rl import async_control, tail_batching, trajectories
+
+
+@dataclasses.dataclass
+class KeptGroup:
+  """A prompt's R scored responses, ready to train.
+
+  Attributes:
+    group: the prompt and its completions with rewards.
+    sample: the data sample (for releasing its media after training).
+    launch_version: the policy version when its round was admitted.
+  """
+  group: trajectories.Group
+  sample: meta_lib.SampleMeta
+  launch_version: int
+
+
+@dataclasses.dataclass
+class RoundEnd:
+  """Marks the end of a round in the queue, with its statistics."""
+  stats: dict
+
+
+class _Scoring:
+  """Wraps a rollout backend: every finished response is submitted for scoring."""
+
+  def __init__(self, rollout, score: Callable[[Any, str], Any]):
+    self._rollout = rollout
+    self._score = score
+    self.futures: dict[str, Any] = {}
+
+  def __getattr__(self, name):  # engine (slot statistics), url, ...
+    return getattr(self._rollout, name)
+
+  async def generate(self, body: dict, group: str | None = None):
+    completion = await self._rollout.generate(body, group)
+    if completion.finish_type != "abort":
+      future = self._score(completion, group)
+      if future is not None:
+        self.futures[completion.rid] = future
+    return completion
+
+  async def abort(self, rid: str) -> None:
+    await self._rollout.abort(rid)
+
+
+class Producer:
+  """Runs rounds ahead of the trainer within the allowed lag.
+
+  Args:
+    rollout: the backend.
+    reward_scheduler: rl/rewards.RewardScheduler.
+    batcher: the tail batcher (P prompts, R responses, eta).
+    admission: the admission controller (batch size P prompts).
+    next_samples: () -> the loader's next batch of SampleMeta ([] or
+      StopIteration at the end of the data).
+    make_body: (sample, prompt inputs, response index) -> /generate body.
+    prompt_fn: sample -> its prompt SequenceInputs.
+    max_prompt_tokens: longer prompts are skipped (counted).
+    release: called with samples the producer drops (skips), to free media.
+    max_round_failures: consecutive failed rounds before the run stops.
+  """
+
+  def __init__(self, rollout, reward_scheduler, batcher: tail_batching.TailBatcher,
+               admission: async_control.AdmissionController, *, next_samples, make_body,
+               prompt_fn, max_prompt_tokens: int, release=lambda samples: None,
+               max_round_failures: int = 5):
+    self.rollout = _Scoring(rollout, self._submit_score)
+    self.rewards = reward_scheduler
+    self.batcher = batcher
+    self.admission = admission
+    self.next_samples = next_samples
+    self.make_body = make_body
+    self.prompt_fn = prompt_fn
+    self.max_prompt_tokens = max_prompt_tokens
+    self.release = release
+    self.max_round_failures = max_round_failures
+    self.samples: dict[int, meta_lib.SampleMeta] = {}
+    self.prompts: dict[int, Any] = {}
+    self.out: queue.Queue = queue.Queue()
+    self.version = 0   # the weight version rollouts sample from (tags)
+    self.step = 0      # updates applied by the trainer (admission)
+    self.counts: collections.Counter = collections.Counter()
+    self._loop = asyncio.new_event_loop()
+    self._thread = threading.Thread(target=self._loop.run_forever, name="rollout", daemon=True)
+    self._wake: asyncio.Event | None = None
+    self._data_lock: asyncio.Lock | None = None
+    self._task = None
+    self._stop = False
+    self._exhausted = False
+
+  # -- thread plumbing -----------------------------------------------------------
+  def start_loop(self) -> None:
+    """Starts the rollout thread's event loop (all backend calls run on it)."""
+    if not self._thread.is_alive():
+      self._thread.start()
+      self.call(self._init_primitives())
+
+  def start(self) -> None:
+    """Starts producing rounds (after any `restore`)."""
+    self.start_loop()
+    if self._task is None:
+      self._task = self.call(self._spawn())
+
+  async def _spawn(self) -> asyncio.Task:
+    return asyncio.ensure_future(self._produce())
+
+  async def _cancel(self) -> None:
+    self._task.cancel()
+    await asyncio.gather(self._task, return_exceptions=True)
+
+  @property
+  def alive(self) -> bool:
+    return self._thread.is_alive()
+
+  async def _init_primitives(self):
+    self._wake = asyncio.Event()
+    self._data_lock = asyncio.Lock()
+
+  def call(self, coro, timeout: float | None = None):
+    """Runs a coroutine on the rollout loop and waits for its result."""
+    return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+  def _notify(self) -> None:
+    if self._wake is not None:
+      self._loop.call_soon_threadsafe(self._wake.set)
+
+  def set_version(self, version: int, step: int | None = None) -> None:
+    """The trainer published `version` (after update `step`): admission may open.
+
+    Admission counts training steps, not versions: a warm-up may publish
+    versions without consuming rollouts.
+    """
+    self.version = version
+    if step is not None:
+      self.step = step
+    self._notify()
+
+  def give_back(self, n: int) -> None:
+    """Returns admission for `n` prompts that will not train (DAPO refill)."""
+    self._loop.call_soon_threadsafe(self.admission.on_cancelled, n)
+    self._notify()
+
+  def stop(self) -> None:
+    self._stop = True
+    self._notify()
+    if self._task is not None and self._thread.is_alive():
+      try:  # cancel on the loop and wait there, so the round's aborts run
+        self.call(self._cancel(), timeout=60)
+      except Exception:  # noqa: BLE001 - shutting down after a failure
+        logging.exception("stopping the rollout producer")
+    if self._thread.is_alive():
+      self._loop.call_soon_threadsafe(self._loop.stop)
+      self._thread.join(timeout=30)
+
+  # -- state ---------------------------------------------------------------------
+  def snapshot(self, loader_state: Callable[[], dict], consumed: set) -> dict:
+    """Coordinator state for a checkpoint, consistent with the loader's.
+
+    Prompts the producer kept but the trainer has not consumed go back to the
+    front of the queue: on resume they are re-issued, so each trains once.
+    Prompts of a round still running stay queued unless the trainer already
+    consumed them. The batcher changes only in synchronous code on the
+    rollout loop (a round's commit, a top-up under the data lock), so taking
+    the snapshot there sees it whole.
+
+    Args:
+      loader_state: the data loader's get_state.
+      consumed: uids of this epoch the trainer has trained (updates applied).
+    """
+
+    async def take():
+      async with self._data_lock:
+        b = self.batcher.get_state()
+        requeue = [u for u in b["trained"] if u not in consumed]
+        b["fresh"] = requeue + [u for u in b["fresh"] if u not in consumed]
+        b["long"] = [u for u in b["long"] if u not in consumed]
+        b["trained"] = sorted(consumed)
+        live = set(b["fresh"]) | set(b["long"])
+        return {"batcher": b, "loader": loader_state(),
+                "admission": self.admission.get_state(),
+                "samples": {str(u): sample_to_dict(self.samples[u]) for u in live},
+                "counts": dict(self.counts)}
+
+    return self.call(take())
+
+  def restore(self, state: dict, step: int) -> None:
+    """Before `start`: the queues and samples of `snapshot` taken after `step`.
+
+    Rounds that were running are re-issued, so admission restarts from what
+    the trained steps consumed: P per step (DAPO refills were given back).
+    """
+    self.batcher.set_state(state["batcher"])
+    self.admission.set_state(state["admission"])
+    self.admission.started = step * self.batcher.P
+    self.step = step
+    self.samples = {int(u): sample_from_dict(d) for u, d in state["samples"].items()}
+    self.counts.update(state.get("counts", {}))
+
+  # -- the producer loop ---------------------------------------------------------
+  def _submit_score(self, completion, group: str):
+    sample = self.samples.get(int(group))
+    if sample is None:
+      # A speculative response that finished as its abort was sent, after its
+      # prompt was kept, trained (or DAPO-dropped) and forgotten: no one reads
+      # its score, and the round must not fail over it.
+      return None
+    return self.rewards.submit(completion.text, sample.answer or "", key=sample.id)
+
+  def _prompt(self, uid: int):
+    if uid not in self.prompts:
+      self.prompts[uid] = self.prompt_fn(self.samples[uid])
+    return self.prompts[uid]
+
+  async def _top_up(self) -> None:
+    """Pulls loader batches until a short round can launch (or data ends)."""
+    loop = asyncio.get_running_loop()
+    while (not self._exhausted and len(self.batcher.fresh) < self.batcher.launch_prompts
+           and len(self.batcher.long) < self.batcher.P):
+      try:
+        batch = await loop.run_in_executor(None, self.next_samples)
+      except StopIteration:
+        batch = []
+      if not batch:
+        self._exhausted = True
+        break
+      fresh, skipped = [], []
+      for sample in batch:
+        self.samples[sample.uid] = sample
+        n = len(self._prompt(sample.uid))
+        if n > self.max_prompt_tokens:
+          # The engine would reject it; a counted skip, not a failed round.
+          logging.warning("skipping sample %s: prompt of %d tokens > %d (rollout context "
+                          "minus max_new_tokens)", sample.id, n, self.max_prompt_tokens)
+          self.counts["data/skipped/prompt_too_long"] += 1
+          skipped.append(sample)
+          self.forget(sample.uid)
+        else:
+          fresh.append(sample.uid)
+      if skipped:
+        self.release(skipped)
+      self.batcher.extend(fresh)
+
+  def forget(self, uid: int) -> None:
+    """Drops a sample the trainer is done with (call on the rollout loop)."""
+    self.samples.pop(uid, None)
+    self.prompts.pop(uid, None)
+
+  def done_with(self, uids) -> None:
+    """From the trainer thread: these samples are trained; drop them."""
+    for u in list(uids):
+      self._loop.call_soon_threadsafe(self.forget, u)
+
+  async def _admission(self) -> int:
+    """Waits until admission allows a prompt; returns how many it allows.
+
+    Usually P at a time (each trainer step opens P); fewer after a DAPO
+    give-back or a round that failed part way, which then runs smaller.
+    """
+    while not self._stop and self.admission.capacity(self.step) < 1:
+      self._wake.clear()
+      if self.admission.capacity(self.step) >= 1:
+        break
+      await self._wake.wait()
+    return self.admission.capacity(self.step)
+
+  async def _produce(self) -> None:
+    failures = 0
+    try:
+      while not self._stop:
+        allowed = await self._admission()
+        if self._stop:
+          return
+        async with self._data_lock:
+          await self._top_up()
+          plan = self.batcher.plan_round(limit=allowed)
+        if plan is None:
+          self.out.put(StopIteration())
+          return
+        self.admission.on_started(plan.keep_prompts)
+        launch_version = self.version
+        pending: list[asyncio.Task] = []
+
+        def on_kept(uid, completions, launch_version=launch_version, pending=pending):
+          pending.append(asyncio.ensure_future(self._deliver(uid, completions, launch_version)))
+
+        try:
+          result = await tail_batching.run_round(
+              self.rollout, self.batcher,
+              lambda uid, j: self.make_body(self.samples[uid], self._prompt(uid), j),
+              on_kept=on_kept, plan=plan)
+        except tail_batching.RoundFailed as e:
+          failures += 1
+          self.counts["faults/round_failures"] += 1
+          self.admission.on_cancelled(plan.keep_prompts - len(e.kept))
+          logging.warning("rollout round failed (%d in a row): %s", failures, e)
+          await asyncio.gather(*pending)
+          self.rollout.futures.clear()
+          if failures >= self.max_round_failures:
+            raise
+          await asyncio.sleep(min(2.0 ** failures, 30.0))
+          continue
+        failures = 0
+        await asyncio.gather(*pending)
+        # Responses that finished but were not kept (their prompt was already
+        # complete, or the round ended): their scores are not needed.
+        self.rollout.futures.clear()
+        for key in ("aborted", "deferred", "tokens_discarded"):
+          self.counts[f"rollout/{key}_total"] += result.stats.get(key, 0)
+        self.out.put(RoundEnd(dict(result.stats)))
+    except asyncio.CancelledError:
+      raise
+    except BaseException as e:  # noqa: BLE001 - the trainer re-raises it
+      logging.exception("rollout producer stopped")
+      self.out.put(e)
+
+  async def _deliver(self, uid: int, completions: list, launch_version: int) -> None:
+    futures = [self.rollout.futures.pop(c.rid) for c in completions]
+    scored = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+    sample = self.samples[uid]
+    group = trajectories.Group(sample.id, self._prompt(uid), list(completions),
+                               [s.reward for s in scored], sample.answer)
+    self.prompts.pop(uid, None)
+    self.out.put(KeptGroup(group, sample, launch_version))
+
+
+def sample_to_dict(sample: meta_lib.SampleMeta) -> dict:
+  """A JSON-able SampleMeta (checkpointed queues)."""
+  return dataclasses.asdict(sample)
+
+
+def sample_from_dict(d: dict) -> meta_lib.SampleMeta:
+  media = tuple(meta_lib.MediaRef(**{**m, "full_grid": tuple(m["full_grid"])})
+                for m in d.get("media", ()))
+  return meta_lib.SampleMeta(**{**d, "media": media})

@@ -1,0 +1,30 @@
+"""Reward functions for the loop tests, loaded by import path in reward workers."""
+
+import hashlib
+import os
+import time
+
+from fluxjax.rl import rewards
+
+
+def hang_once(response: str, answer: str) -> float:
+  """Hangs (an hour) on the first call of the run, then scores normally.
+
+  The first caller creates $FLUXJAX_HANG_FLAG atomically; every later call,
+  in any worker process, finds it and scores with `accuracy_with_format`.
+  """
+  try:
+    fd = os.open(os.environ["FLUXJAX_HANG_FLAG"], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+  except FileExistsError:
+    return rewards.get("accuracy_with_format")(response, answer)
+  os.close(fd)
+  time.sleep(3600)
+  return 0.0
+
+
+def signal_unless_numeric(response: str, answer: str) -> float:
+  """0 for every response to a numeric-answer prompt (a group without signal);
+  otherwise 0 or 1 from a hash of the response (groups mostly with signal)."""
+  if answer.strip().isdigit():
+    return 0.0
+  return float(hashlib.md5(response.encode()).digest()[0] % 2)

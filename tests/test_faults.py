@@ -1,0 +1,120 @@
+"""Faults inside the GRPO loop: the run completes and the metrics count each event.
+
+* a reward function that hangs: the call times out, scores 0, is counted
+  (`reward/timeout`), its worker is replaced;
+* a corrupt image in the dataset: a counted skip of the loader
+  (`data/skipped/corrupt`), the batch is still full;
+* a prompt longer than the rollout context: a counted skip of the producer
+  (`data/skipped/prompt_too_long`), never sent to the engine;
+* a rollout server killed mid-round (real server processes on loopback): the
+  fleet marks it down and retries on the other (`fleet/servers_down`,
+  `fleet/retries` or `faults/round_failures`).
+"""
+
+import json
+import os
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from fluxjax import metrics
+from fluxjax.data import readers, synth
+from fluxjax.rl import loop
+from fluxjax.rollout import fleet as fleet_lib
+from test_rollout_server import server_env  # noqa: E402  (tests/ is on sys.path)
+from test_train_loop import _config  # noqa: E402
+
+
+def _dataset(tmp_path, n=24):
+  """A small `shapes` dataset plus one corrupt image and one over-long prompt."""
+  manifest = synth.generate(str(tmp_path / "data"), "shapes", n, seed=3)
+  rows = readers.read_rows(manifest)
+  image_row = next(r for r in rows if r.get("images"))
+  bad = tmp_path / "corrupt.jpg"
+  bad.write_bytes(b"\xff\xd8\xff\xe0 this is no jpeg" * 10)
+  extra = [dict(image_row, id="corrupt-image", images=[str(bad)]),
+           dict(image_row, id="too-long", images=[],
+                prompt="Count every word of this. " + "word " * 400)]
+  path = tmp_path / "train.jsonl"
+  with open(path, "w") as f:
+    for row in rows[:4] + extra + rows[4:]:
+      f.write(json.dumps(row) + "\n")
+  return str(path), manifest
+
+
+def test_hanging_reward_corrupt_image_and_long_prompt_are_counted(tmp_path, monkeypatch):
+  train, eval_manifest = _dataset(tmp_path)
+  monkeypatch.setenv("FLUXJAX_HANG_FLAG", str(tmp_path / "hung"))
+  c = _config(3)
+  c.data.train, c.data.eval, c.data.eval_prompts = train, eval_manifest, 2
+  c.rl.reward.fn = "fault_rewards:hang_once"
+  c.rl.reward.t_min, c.rl.reward.t_max = 1.0, 3.0  # no correct call yet: T = t_max
+  c.rl.reward.num_workers = 2
+  c.rl.prompts_per_step = 4
+  c.rollout.context_length = 128  # the 400-word prompt does not fit
+  last = loop.run(c, str(tmp_path / "run"))
+  assert last["policy/version"] == 3.0
+  assert os.path.exists(tmp_path / "hung")
+  assert last["reward/timeout"] >= 1 and last["reward/worker_restarts"] >= 1
+  assert last["data/skipped/corrupt"] >= 1
+  assert last["data/skipped/prompt_too_long"] >= 1
+  trained = [i for r in loop.read_trained(str(tmp_path / "run")) for i in r["ids"]]
+  # Every step full, none twice (the data holds more than one pass needs).
+  assert len(trained) == 12 and len(set(trained)) == 12
+  assert not {"corrupt-image", "too-long"} & set(trained)
+
+
+def test_server_killed_mid_round(tmp_path):
+  c = _config(4)
+  c.data.synth_train = 32  # more than the run reads: ids repeat only across epochs
+  c.rl.prompts_per_step, c.rl.responses_per_prompt = 3, 2
+  c.rl.max_new_tokens = 16
+  c.coordinator.lag.mode = "fixed"  # rounds keep running while the trainer steps
+  v = c.data.vision
+  cmd = ["python", "-m", "fluxjax.rollout.server", "--preset", "tiny", "--num-slots", "4",
+         "--context-length", str(c.rollout.context_length),
+         "--image-min-pixels", str(v.image_min_pixels),
+         "--image-max-pixels", str(v.image_max_pixels),
+         "--video-min-pixels", str(v.video_min_pixels),
+         "--video-max-pixels", str(v.video_max_pixels)]
+  servers = fleet_lib.launch_servers(cmd, 2, env=server_env(), timeout_s=300)
+  try:
+    c.rollout.backend, c.rollout.urls = "sglang", tuple(servers.urls)
+    # No health probe during the run: the fleet must learn of the death from
+    # the requests it sends there (in flight or new), which it retries elsewhere.
+    c.rollout.health_interval_s = 600.0
+    workdir = tmp_path / "run"
+
+    def kill_mid_round_after_first_step():
+      # After step 1, kill the server the moment it holds requests, so the death
+      # is met by requests in flight rather than by the next weight update.
+      load_url = servers.urls[0] + "/get_load"
+      while servers.procs[0].poll() is None:
+        recs = (metrics.read_metrics(str(workdir))
+                if os.path.exists(workdir / metrics.JSONL) else [])
+        if any(r["step"] >= 1 for r in recs):
+          try:
+            with urllib.request.urlopen(load_url, timeout=5) as resp:
+              busy = json.load(resp)["num_reqs"] > 0
+          except OSError:
+            busy = False
+          if busy:
+            servers.procs[0].kill()
+            return
+          time.sleep(0.01)
+        else:
+          time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_mid_round_after_first_step, daemon=True)
+    killer.start()
+    last = loop.run(c, str(workdir))
+  finally:
+    servers.stop()
+  assert servers.procs[0].poll() is not None, "the server was never killed"
+  assert last["policy/version"] == 4.0
+  assert last["fleet/servers_down"] == 1.0
+  assert last["fleet/retries"] + last.get("faults/round_failures", 0.0) >= 1
+  trained = [i for r in loop.read_trained(str(workdir)) for i in r["ids"]]
+  assert len(trained) == 12 and len(set(trained)) == 12

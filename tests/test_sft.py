@@ -1,0 +1,159 @@
+"""The SFT warm-up (fluxjax.rl.sft): its loss, its targets, and its place in the loop."""
+
+import importlib.util
+import os
+import types
+
+import jax
+import numpy as np
+import PIL.Image
+import PIL.ImageDraw
+import pytest
+from flax import nnx
+
+from fluxjax import metrics, train_step
+from fluxjax.data import synth
+from fluxjax.models import inputs, processor
+from fluxjax.models.tokenizer import Tokenizer
+from fluxjax.rl import loop, rewards, sft
+from fluxjax.sharding import rules
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config():
+  spec = importlib.util.spec_from_file_location("vlm_config", os.path.join(ROOT, "configs", "vlm.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def _image(colour, size=56):
+  image = PIL.Image.new("RGB", (size, size), synth.BACKGROUND)
+  synth.draw_shape(PIL.ImageDraw.Draw(image), "circle", colour, size / 2, size / 2, size / 3)
+  return image
+
+
+@pytest.fixture(scope="module")
+def setup(devices):
+  del devices  # the fake 8-device mesh: the warm-up runs sharded, as RL does
+  config = _config()
+  config.sft.lr, config.sft.warmup_steps, config.sft.steps = 1e-2, 0, 5
+  cfg, strategy, mesh = loop.validate(config)
+  model = rules.create_sharded_model(cfg, mesh, seed=0)
+  tx = train_step.make_optimizer(config.optim)
+  graphdef, state, shardings = train_step.create_train_state(model, tx, mesh)
+  tokenizer = Tokenizer.default()
+  proc = processor.VisionProcessorConfig(**config.data.vision.to_dict())
+  coord = types.SimpleNamespace(cfg=cfg, tokenizer=tokenizer, mesh=mesh, strategy=strategy,
+                                graphdef=graphdef, state=state, state_shardings=shardings)
+  seqs, answers = [], []
+  for colour, question in (("red", "What colour is the shape in the image?"),
+                           ("blue", "Which colour is the shape?"), ("white", "Colour?")):
+    img = processor.preprocess_image(_image(colour), proc)
+    messages = [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": question}]}]
+    prompt = inputs.sequence_from_chat(messages, [img], tokenizer, cfg)
+    ids = sft.answer_ids(tokenizer, colour)
+    seqs.append(sft.sft_sequence(prompt, ids))
+    answers.append((colour, len(prompt), ids))
+  return config, coord, seqs, answers
+
+
+def _numpy_nll(coord, seqs, answers, answer_only=True):
+  """Mean NLL of the answer tokens, one sequence at a time, outside any plan."""
+  model = nnx.merge(coord.graphdef, coord.state.params)
+  total, count = 0.0, 0
+  for seq, (_, prompt_len, ids) in zip(seqs, answers):
+    row = inputs.pack_row([seq.inputs], coord.cfg)
+    targets = np.zeros((1, len(seq)), np.int32)
+    targets[0, :-1] = seq.inputs.tokens_T[1:]
+    logp = np.asarray(jax.device_get(model.token_logprobs(row, targets)))[0].astype(np.float64)
+    # Input j predicts token j + 1: the answer's tokens are predicted from
+    # positions prompt_len - 1 .. len - 2.
+    first = prompt_len - 1 if answer_only else 0
+    trained = logp[first:len(seq) - 1]
+    if answer_only:
+      assert len(trained) == len(ids)
+    total -= trained.sum()
+    count += len(trained)
+  return total / count
+
+
+def test_targets_are_the_formatted_answer_with_eos(setup):
+  _, coord, seqs, answers = setup
+  tok = coord.tokenizer
+  for seq, (colour, prompt_len, ids) in zip(seqs, answers):
+    mask = seq.loss_mask_T
+    assert mask[:prompt_len].sum() == 0 and np.all(mask[prompt_len:] == 1)
+    np.testing.assert_array_equal(seq.advantages_T, mask)
+    answer = seq.inputs.tokens_T[prompt_len:]
+    np.testing.assert_array_equal(answer, ids)
+    assert answer[-1] == tok.im_end_id and tok.im_end_id in tok.eos_ids
+    # What the rollout engine would return for these tokens earns full reward.
+    text = tok.decode(answer, skip_special_tokens=True)
+    assert text == f"<answer>{colour}</answer>"
+    assert rewards.accuracy_with_format(text, colour) == 1.0
+    # The answer continues the prompt's M-RoPE positions.
+    last = seq.inputs.positions_3T[:, prompt_len - 1].max()
+    assert seq.inputs.positions_3T[0, prompt_len] == last + 1
+
+
+def test_loss_is_the_nll_of_answer_tokens_and_steps_lower_it(setup):
+  config, coord, seqs, answers = setup
+  expected = _numpy_nll(coord, seqs, answers)
+  all_tokens = _numpy_nll(coord, seqs, answers, answer_only=False)
+  trainer = sft.Trainer(coord, config)  # patches from the sequences themselves
+  _, host = trainer.batch(seqs)
+  # Sharded over the fake mesh: 8 devices, sequences placed by the strategy.
+  assert host.targets.shape[1] == coord.mesh.size
+  n_answer = sum(len(ids) for _, _, ids in answers)
+  assert host.loss_mask.sum() == n_answer
+  losses = []
+  for _ in range(config.sft.steps):
+    m = jax.device_get(trainer.train(seqs))
+    losses.append(float(m["loss"]))
+    assert m["tokens"] == n_answer
+  # The first step's loss is that of the initial parameters.
+  assert losses[0] == pytest.approx(expected, rel=1e-4)
+  assert abs(all_tokens - expected) > 1e-2  # prompt tokens would change it
+  assert losses[-1] < 0.5 * losses[0], losses
+  # The run's parameters are untouched until finish(), then replaced.
+  assert _numpy_nll(coord, seqs, answers) == pytest.approx(expected, rel=1e-6)
+  trainer.finish()
+  assert coord.state.opt_state is not None and int(coord.state.step) == 0
+  assert _numpy_nll(coord, seqs, answers) < 0.5 * expected
+
+
+def test_optimizer_config_is_the_warm_ups_own(setup):
+  config, *_ = setup
+  optim = sft.optimizer_config(config)
+  assert (optim.lr, optim.total_steps) == (config.sft.lr, config.sft.steps)
+  assert config.optim.lr != optim.lr  # the RL optimizer's settings are not changed
+  assert optim.max_grad_norm == config.optim.max_grad_norm
+
+
+def test_loop_runs_the_warm_up_before_rl(tmp_path):
+  c = _config()
+  assert c.sft.enabled
+  c.total_steps, c.eval_every = 1, 1
+  c.sft.steps, c.sft.batch_size, c.sft.eval_every = 3, 2, 2
+  c.data.synth_train, c.data.synth_eval, c.data.eval_prompts = 8, 2, 2
+  c.rl.prompts_per_step, c.rl.responses_per_prompt, c.rl.max_new_tokens = 2, 2, 6
+  c.rl.reward.num_workers = 1
+  c.rollout.num_slots = 4
+  c.checkpoint.every = 1
+  last = loop.run(c, str(tmp_path))
+  recs = {r["step"]: r for r in metrics.read_metrics(str(tmp_path))}
+  assert sorted(recs) == [-3, -2, -1, 0, 1]
+  assert "eval/accuracy" in recs[-3]  # before the warm-up
+  assert all(np.isfinite(recs[k]["sft/loss"]) for k in (-2, -1, 0))
+  assert "eval/accuracy" in recs[-1] and "eval/accuracy" not in recs[-2]  # every 2 steps
+  assert "eval/accuracy" in recs[0]   # after it, where GRPO starts
+  # The warm-up published a snapshot and its result; the RL step the next one.
+  assert last["policy/version"] == 3.0
+  # A resumed run does not warm up again.
+  c.total_steps = 2
+  loop.run(c, str(tmp_path))
+  recs = metrics.read_metrics(str(tmp_path))
+  assert [r["step"] for r in recs] == [-3, -2, -1, 0, 1, 2]

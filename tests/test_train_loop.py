@@ -102,3 +102,29 @@ def test_dynamic_sampling_trains_only_groups_with_signal(tmp_path):
   assert last["data/emitted"] <= c.data.synth_train  # still in the first epoch
   # A dropped group's late speculative responses are discarded, not a fault.
   assert last.get("faults/round_failures", 0.0) == 0.0
+
+
+def test_grpo_climbs_a_dense_reward(tmp_path):
+  """RL itself works: from a random-init policy, GRPO through the whole loop
+  (rollout, rewards, advantages, loss, stream update, publish) raises a reward
+  that only the policy's choice of tokens can raise.
+
+  The reward is the vowel fraction of the response's letters (0.36 at random
+  init); a sign or weighting error anywhere on the path flattens or reverses
+  the climb (measured 0.37 -> 0.71 over 10 steps of 8 x 8 at lr 1e-2).
+  """
+  c = _config(10)
+  c.eval_every, c.checkpoint.every = 0, 1000
+  c.data.mix, c.data.synth_train = "text", 128
+  c.rl.prompts_per_step, c.rl.responses_per_prompt, c.rl.max_new_tokens = 8, 8, 8
+  c.rollout.num_slots = 32
+  c.optim.lr, c.optim.warmup_steps = 1e-2, 0
+  c.rl.reward.fn = "fault_rewards:vowel_fraction"
+  loop.run(c, str(tmp_path))
+  recs = [r for r in metrics.read_metrics(str(tmp_path)) if r["step"] >= 1]
+  assert [r["step"] for r in recs] == list(range(1, 11))
+  reward = [r["rollout/reward_mean"] for r in recs]
+  first, last = sum(reward[:3]) / 3, sum(reward[-3:]) / 3
+  assert last > first + 0.15, reward
+  # The policy sharpens as it climbs.
+  assert recs[-1]["train/entropy"] < recs[0]["train/entropy"] - 0.5

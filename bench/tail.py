@@ -1,6 +1,13 @@
 """Tail batching vs plain rounds on the embedded engine, long-tailed response lengths.
 
-  python bench/tail.py [--prompts 80] [--P 8] [--R 4] [--slots 64]
+  python bench/tail.py [--prompts 160] [--P 16] [--R 4] [--slots 128] [--seeds 5]
+
+Defaults: P = 16 prompts x R = 4 responses per step (64 kept responses, a small
+GRPO batch; real ones are 256-8192), 128 decode slots so a speculative round
+(20 x 5 = 100 requests) runs without queueing, 10 rounds per epoch. The
+smaller batch of the first version (P = 8 on 64 slots, 80 prompts) is in
+bench/README.md too: the longest response of a batch grows with the batch,
+and that tail is what tail batching takes out of short rounds.
 
 Model: the tiny preset with random weights (fluxjax.models.config.preset("tiny")),
 served by EmbeddedRollout (the engine in a background thread, driven through
@@ -23,7 +30,8 @@ kept per round (every configuration trains the same P*R*prompts/P responses):
   eta 1.0       TailBatcher with eta 1.0 (must equal the baseline).
   eta 1.25/1.5  TailBatcher: short rounds launch ceil(eta P) x ceil(eta R).
 
-Per configuration: rounds, mean / max round time, slot-idle fraction (decode
+Per configuration: rounds, mean / max round time, the engine's prefill and
+decode seconds (and time per decode step), slot-idle fraction (decode
 slot-steps with no request / all decode slot-steps, over all num_slots slots)
 and bubble fraction (idle slot-steps among the slots the round launched,
 min(launched, num_slots): slots left idle waiting for the round's tail).
@@ -110,43 +118,64 @@ def summarize(rows, slots):
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--preset", default="tiny")
-  p.add_argument("--prompts", type=int, default=80)
-  p.add_argument("--P", type=int, default=8)
+  p.add_argument("--prompts", type=int, default=160)
+  p.add_argument("--P", type=int, default=16)
   p.add_argument("--R", type=int, default=4)
-  p.add_argument("--slots", type=int, default=64)
+  p.add_argument("--slots", type=int, default=128)
   p.add_argument("--prompt-len", type=int, default=16)
   p.add_argument("--median", type=float, default=16.0)
   p.add_argument("--sigma-prompt", type=float, default=1.2)
   p.add_argument("--sigma-resp", type=float, default=1.0)
   p.add_argument("--cap", type=int, default=384)
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0, help="first seed")
+  p.add_argument("--seeds", type=int, default=5,
+                 help="workloads (prompts and length draws) seed, seed+1, ...; the table "
+                      "shows means over them, and the speedups are listed per seed")
   args = p.parse_args()
 
   cfg = config.preset(args.preset)
   model = vlm.create_model(cfg, 0)
   tok = Tokenizer.default()
-  rng = np.random.default_rng(args.seed)
-  prompt_ids = {i: rng.integers(0, 490, args.prompt_len).tolist() for i in range(args.prompts)}
-  lengths = Lengths(args.median, args.sigma_prompt, args.sigma_resp, args.cap, args.seed)
+  seeds = list(range(args.seed, args.seed + args.seeds))
+  workloads = {}
+  for seed in seeds:
+    rng = np.random.default_rng(seed)
+    workloads[seed] = (
+        {i: rng.integers(0, 490, args.prompt_len).tolist() for i in range(args.prompts)},
+        Lengths(args.median, args.sigma_prompt, args.sigma_resp, args.cap, seed))
 
-  def make_body(p, j):
-    return {"input_ids": prompt_ids[p],
-            "sampling_params": {"max_new_tokens": lengths(p, j), "ignore_eos": True,
-                                "temperature": 1.0}}
+  def body_maker(seed):
+    prompt_ids, lengths = workloads[seed]
+    return lambda p, j: {"input_ids": prompt_ids[p],
+                         "sampling_params": {"max_new_tokens": lengths(p, j),
+                                             "ignore_eos": True, "temperature": 1.0}}
 
-  all_l = np.array([lengths(p, j) for p in range(args.prompts) for j in range(8)])
+  all_l = np.array([workloads[s][1](p, j) for s in seeds for p in range(args.prompts)
+                    for j in range(8)])
   rollout = EmbeddedRollout(model, tok, num_slots=args.slots,
                             context_length=args.prompt_len + args.cap, seed=args.seed)
 
   async def run():
     # Warm-up: compile the prefill bucket and the decode step.
     await asyncio.gather(*(rollout.generate(
-        {"input_ids": prompt_ids[0], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}},
-        None) for _ in range(2)))
+        {"input_ids": workloads[seeds[0]][0][0],
+         "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}, None)
+        for _ in range(2)))
     prompts = list(range(args.prompts))
-    out = {"baseline": await baseline_epoch(rollout, prompts, args.P, args.R, make_body)}
-    for eta in (1.0, 1.25, 1.5):
-      out[f"eta {eta}"] = await tail_epoch(rollout, prompts, args.P, args.R, eta, make_body)
+    out = {}
+    stats = rollout.engine.stats
+
+    async def timed(name, epoch):
+      before = dict(stats)
+      rows = await epoch
+      engine = {k: stats[k] - before[k] for k in ("prefill_s", "decode_s", "decode_steps")}
+      out.setdefault(name, []).append((rows, engine))
+
+    for seed in seeds:  # configurations alternate within a seed: same machine state
+      make_body = body_maker(seed)
+      await timed("baseline", baseline_epoch(rollout, prompts, args.P, args.R, make_body))
+      for eta in (1.0, 1.25, 1.5):
+        await timed(f"eta {eta}", tail_epoch(rollout, prompts, args.P, args.R, eta, make_body))
     await rollout.close()
     return out
 
@@ -163,15 +192,26 @@ def main():
         f"prompt sigma {args.sigma_prompt:g} + response sigma {args.sigma_resp:g})): "
         f"p50 {np.median(all_l):.0f}, p90 {np.percentile(all_l, 90):.0f}, "
         f"p99 {np.percentile(all_l, 99):.0f}, max {all_l.max()}, at cap {np.mean(all_l == args.cap):.1%}")
-  print("| config | rounds (long) | mean round s | max round s | epoch s | mean max len "
-        "| slot-idle | bubble | speedup (mean round) |")
-  print("|---|---|---|---|---|---|---|---|---|")
-  base = summarize(results["baseline"], args.slots)
-  for name, rows in results.items():
-    s = summarize(rows, args.slots)
-    print(f"| {name} | {s['rounds']} ({s['long']}) | {s['mean']:.3f} | {s['max']:.3f} | "
-          f"{s['total']:.2f} | {s['maxlen']:.0f} | {s['idle']:.1%} | {s['bubble']:.1%} | "
-          f"{base['mean'] / s['mean']:.2f}x |")
+  print(f"seeds {seeds}; every column is the mean over seeds; speedup = baseline mean "
+        "round / config mean round, per seed: mean +- std [min, max]")
+  print("| config | rounds (long) | mean round s | max round s | epoch s | prefill s | "
+        "decode s (ms/step) | mean max len | slot-idle | bubble | speedup (mean round) |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  base = [summarize(rows, args.slots) for rows, _ in results["baseline"]]
+  per_seed = {}
+  for name, runs in results.items():
+    ss = [dict(summarize(rows, args.slots), **engine) for rows, engine in runs]
+    m = {k: float(np.mean([s[k] for s in ss])) for k in ss[0]}
+    per_seed[name] = x = np.array([b["mean"] / s["mean"] for b, s in zip(base, ss)])
+    spread = f" +- {x.std():.2f} [{x.min():.2f}, {x.max():.2f}]" if len(x) > 1 else ""
+    print(f"| {name} | {m['rounds']:.1f} ({m['long']:.1f}) | {m['mean']:.3f} | {m['max']:.3f} | "
+          f"{m['total']:.2f} | {m['prefill_s']:.2f} | {m['decode_s']:.2f} "
+          f"({1e3 * m['decode_s'] / max(m['decode_steps'], 1):.2f}) | {m['maxlen']:.0f} | {m['idle']:.1%} | {m['bubble']:.1%} | "
+          f"{x.mean():.2f}x{spread} |")
+  if len(seeds) > 1:
+    print("speedup per seed (" + ", ".join(map(str, seeds)) + "):")
+    for name, x in per_seed.items():
+      print(f"  {name}: " + " ".join(f"{v:.2f}x" for v in x))
   print(f"bench wall time {total:.0f} s")
 
 

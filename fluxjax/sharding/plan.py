@@ -24,6 +24,7 @@ Vocabulary:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 
@@ -75,14 +76,19 @@ class Plan:
       offset += cap
     return tuple(out)
 
+  @functools.cached_property
+  def _sections(self) -> dict[int, tuple[int, int]]:
+    """degree -> (capacity, offset); one table, as plans are read row by row."""
+    return {degree: (cap, offset) for degree, cap, offset in self.level_layout()}
+
   def section(self, row: Row) -> tuple[int, int]:
     """(capacity, offset) of the buffer section a row's slices go to."""
     if not self.levels:
       return self.capacity, 0
-    for degree, cap, offset in self.level_layout():
-      if degree == row.degree:
-        return cap, offset
-    raise ValueError(f"no level of degree {row.degree} in {self.levels}")
+    try:
+      return self._sections[len(row.devices)]
+    except KeyError:
+      raise ValueError(f"no level of degree {row.degree} in {self.levels}") from None
 
   def slot(self, row: Row, pos: int) -> tuple[int, int]:
     """(device, buffer index) of token `pos` of a row's stream."""
@@ -96,8 +102,10 @@ class Plan:
     seen = [0] * len(self.lengths)
     for m, rows in enumerate(self.microbatches):
       if self.levels:
-        for degree, _ in self.levels:
-          used = [d for r in rows if r.degree == degree for d in r.devices]
+        used_by_degree: dict[int, list[int]] = {}
+        for r in rows:
+          used_by_degree.setdefault(len(r.devices), []).extend(r.devices)
+        for degree, used in used_by_degree.items():
           if len(used) != len(set(used)):
             raise ValueError(f"microbatch {m}: a device is in two rows of degree {degree}")
       else:

@@ -72,6 +72,13 @@ def test_validate_refuses_what_the_loop_cannot_do():
   c.rl.reward.fn = "no_such_module:score"
   with pytest.raises(ValueError, match="cannot load reward"):
     loop.validate(c)
+  # A fleet without servers is refused before any model is built.
+  c = _config(1)
+  c.rollout.backend = "sglang"
+  with pytest.raises(ValueError, match="needs rollout.urls"):
+    loop.validate(c)
+  c.rollout.urls = ("http://127.0.0.1:1",)
+  loop.validate(c)
 
 
 def test_dynamic_sampling_trains_only_groups_with_signal(tmp_path):

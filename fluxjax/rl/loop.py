@@ -66,6 +66,7 @@ def validate(config):
     rewards.get(config.rl.reward.fn)
   except KeyError as e:
     raise ValueError(str(e)) from None
+  fleet.check_config(config.rollout)
   mesh = mesh_lib.make_mesh(config.mesh.data, config.mesh.fsdp, strategy.sp_axes())
   logging.info("strategy %s (sp=%d) on mesh %s", strategy.name, strategy.sp, dict(mesh.shape))
   return cfg, strategy, mesh

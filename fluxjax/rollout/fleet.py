@@ -317,6 +317,17 @@ def launch_servers(cmd: Sequence[str], num_servers: int, *, host: str = "127.0.0
 
 # --- run-config factory --------------------------------------------------------------
 
+def check_config(cfg) -> None:
+  """Raises ValueError for a rollout section that cannot start, before any
+  model is built (a 7B run should not load its weights to learn this)."""
+  backend = cfg.get("backend", "embedded")
+  if backend not in ("embedded", "sglang"):
+    raise ValueError(f"rollout.backend must be embedded or sglang, got {backend!r}")
+  if backend == "sglang" and not (cfg.get("urls") or cfg.get("launch")):
+    raise ValueError("rollout.backend=sglang needs rollout.urls (running servers) or "
+                     "rollout.launch (a command that starts one, given --port)")
+
+
 def make_rollout(cfg, model=None, tokenizer=None):
   """Builds the rollout backend of a run config's `rollout` section.
 
@@ -336,14 +347,11 @@ def make_rollout(cfg, model=None, tokenizer=None):
       raise ValueError("the embedded backend needs the model and tokenizer")
     return embedded.EmbeddedRollout(model, tokenizer, num_slots=cfg.get("num_slots", 8),
                                     context_length=cfg.get("context_length", 512)), None
-  if backend != "sglang":
-    raise ValueError(f"rollout.backend must be embedded or sglang, got {backend!r}")
+  check_config(cfg)
   urls = list(cfg.get("urls") or [])
   launch = cfg.get("launch")
   launched = None
   if not urls:
-    if not launch:
-      raise ValueError("rollout.backend=sglang needs rollout.urls or rollout.launch")
     launched = launch_servers(list(launch), int(cfg.get("num_servers", 1)),
                               timeout_s=float(cfg.get("launch_timeout_s", 600)))
     urls = launched.urls

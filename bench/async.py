@@ -27,7 +27,6 @@ run on different devices; the staleness figures hold on any machine.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -38,19 +37,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # runs from a checkout without `pip install -e .`, as the others
 
 
-def load_config():
-  spec = importlib.util.spec_from_file_location("vlm_config",
-                                                os.path.join(ROOT, "configs", "vlm.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
-
-
 def run_mode(mode: str, args, workdir: str) -> dict:
-  from fluxjax import metrics
+  from fluxjax import config_args, metrics
   from fluxjax.rl import loop
 
-  c = load_config()
+  c = config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"))
   c.total_steps, c.eval_every = args.steps, 0
   c.checkpoint.every = 10**6  # no checkpoint inside the measured steps
   c.sft.enabled = False  # RL only: the warm-up is not what is measured

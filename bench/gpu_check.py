@@ -35,42 +35,9 @@ from flax import nnx  # noqa: E402
 
 from fluxjax import train_step  # noqa: E402
 from fluxjax.models import config as config_lib  # noqa: E402
-from fluxjax.models import inputs, processor  # noqa: E402
 from fluxjax.sharding import batch as batch_lib  # noqa: E402
 from fluxjax.sharding import mesh as mesh_lib  # noqa: E402
-from fluxjax.sharding import rules, strategies  # noqa: E402
-
-
-def make_batch(cfg, seed: int, scale: int):
-  """Text, image and video sequences with RL fields; lengths grow with `scale`."""
-  rng = np.random.default_rng(seed)
-
-  def media(kind, grid):
-    n = int(np.prod(grid))
-    return processor.ProcessedVision(
-        rng.standard_normal((n, cfg.vision.patch_dim)).astype(np.float32), grid,
-        1.0 if kind == "video" else None, kind)
-
-  def sequence(n_text, items=()):
-    ids, ms = list(rng.integers(0, min(cfg.text.vocab_size, 490), n_text)), []
-    for kind, grid in items:
-      ms.append(media(kind, grid))
-      pad = cfg.image_token_id if kind == "image" else cfg.video_token_id
-      ids += ([cfg.vision_start_token_id] + [pad] * (int(np.prod(grid)) // 4)
-              + [cfg.vision_end_token_id] + list(rng.integers(0, 490, 4)))
-    seq = inputs.sequence_from_tokens(ids, ms, cfg)
-    t = len(seq)
-    return batch_lib.TrainSequence(
-        seq, loss_mask_T=(np.arange(t) >= t // 3).astype(np.float32),
-        advantages_T=rng.uniform(-1.0, 1.5, t).astype(np.float32),
-        old_logprobs_T=-rng.uniform(0.5, 3.0, t).astype(np.float32))
-
-  s = scale
-  return [sequence(10 * s, [("image", (1, 4, 4))]), sequence(30 * s),
-          sequence(5 * s, [("video", (2, 4, 8))]), sequence(17 * s),
-          sequence(40 * s, [("image", (1, 8, 4))]), sequence(9 * s),
-          sequence(23 * s, [("image", (1, 4, 8)), ("image", (1, 4, 4))]), sequence(12 * s),
-          sequence(150 * s, [("image", (1, 8, 8))])]
+from fluxjax.sharding import random_batch, rules, strategies  # noqa: E402
 
 
 def run(strategy, cfg, params_host, graphdef, seqs, device, patches):
@@ -118,7 +85,9 @@ def main() -> None:
                                      max_replicated_bytes=1 << 40)
   graphdef, params = nnx.split(model, nnx.Param)
   params_host = jax.device_get(params)
-  seqs = make_batch(cfg, 0, args.scale)
+  # Mixed signs of advantages: the loss is not one-signed, as in RL.
+  seqs = random_batch.mixed_batch(cfg, 0, long=True, scale=args.scale,
+                                  advantage_range=(-1.0, 1.5))
   print(f"batch: {len(seqs)} sequences, {sum(len(s) for s in seqs)} tokens, "
         f"longest {max(len(s) for s in seqs)}")
   print("| strategy | loss (accel) | loss (cpu) | rel loss diff | max rel grad diff | "

@@ -7,6 +7,9 @@ value of a known variant name selects it (`vlm.py:qwen25_vl_7b`).
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import ml_collections
 
 
@@ -40,3 +43,15 @@ def parse_arg(arg: str | None, lazy: bool = False, **spec) -> ml_collections.Con
     else:
       cfg[key] = type(default)(value)
   return cfg
+
+
+def load_config(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
+  """`get_config(arg)` of a config file: what `--config=path:arg` gives train.py,
+  for notebooks, tests and benches that build a run without flags."""
+  spec = importlib.util.spec_from_file_location(
+      f"fluxjax_config_{os.path.splitext(os.path.basename(path))[0]}", path)
+  if spec is None or spec.loader is None:
+    raise ValueError(f"cannot load config file {path!r}")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg) if arg is not None else module.get_config()

@@ -1,6 +1,5 @@
 """The SFT warm-up (fluxjax.rl.sft): its loss, its targets, and its place in the loop."""
 
-import importlib.util
 import os
 import types
 
@@ -11,7 +10,7 @@ import PIL.ImageDraw
 import pytest
 from flax import nnx
 
-from fluxjax import metrics, train_step
+from fluxjax import config_args, metrics, train_step
 from fluxjax.data import synth
 from fluxjax.models import inputs, processor
 from fluxjax.models.tokenizer import Tokenizer
@@ -22,10 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _config():
-  spec = importlib.util.spec_from_file_location("vlm_config", os.path.join(ROOT, "configs", "vlm.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  return config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"))
 
 
 def _image(colour, size=56):

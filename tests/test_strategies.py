@@ -10,54 +10,24 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 from fluxjax import train_step
 from fluxjax.models import config as config_lib
-from fluxjax.models import inputs, processor, vlm
+from fluxjax.models import inputs, vlm
 from fluxjax.sharding import batch as batch_lib
 from fluxjax.sharding import mesh as mesh_lib
-from fluxjax.sharding import rules, strategies
+from fluxjax.sharding import random_batch, rules, strategies
 
 CFG = config_lib.preset("tiny")
 PATCHES = 128
 
 
-def _media(rng, kind, grid):
-  n = int(np.prod(grid))
-  return processor.ProcessedVision(rng.standard_normal((n, CFG.vision.patch_dim)).astype(np.float32),
-                                   grid, 1.0 if kind == "video" else None, kind)
-
-
-def _sequence(rng, n_text, items=()):
-  ids, media = list(rng.integers(0, 490, n_text)), []
-  for kind, grid in items:
-    media.append(_media(rng, kind, grid))
-    pad = CFG.image_token_id if kind == "image" else CFG.video_token_id
-    ids += ([CFG.vision_start_token_id] + [pad] * (int(np.prod(grid)) // 4)
-            + [CFG.vision_end_token_id] + list(rng.integers(0, 490, 4)))
-  seq = inputs.sequence_from_tokens(ids, media, CFG)
-  t = len(seq)
-  prompt = t // 3
-  return batch_lib.TrainSequence(
-      seq, loss_mask_T=(np.arange(t) >= prompt).astype(np.float32),
-      # Positive advantages: the loss does not cancel to ~0, so a relative
-      # comparison of the loss is meaningful.
-      advantages_T=rng.uniform(0.5, 1.5, t).astype(np.float32),
-      old_logprobs_T=-rng.uniform(0.5, 3.0, t).astype(np.float32))
-
-
 def mixed_batch(seed=0, long=False):
-  rng = np.random.default_rng(seed)
-  seqs = [_sequence(rng, 10, [("image", (1, 4, 4))]), _sequence(rng, 30),
-          _sequence(rng, 5, [("video", (2, 4, 8))]), _sequence(rng, 17),
-          _sequence(rng, 40, [("image", (1, 8, 4))]), _sequence(rng, 9),
-          _sequence(rng, 23, [("image", (1, 4, 8)), ("image", (1, 4, 4))]), _sequence(rng, 12)]
-  if long:
-    seqs.append(_sequence(rng, 150, [("image", (1, 8, 8))]))
-  return seqs
+  # Positive advantages: the loss does not cancel to ~0, so a relative
+  # comparison of the loss is meaningful.
+  return random_batch.mixed_batch(CFG, seed, long=long, advantage_range=(0.5, 1.5))
 
 
 def reference(model, seqs, loss_fn=train_step.policy_gradient_loss):

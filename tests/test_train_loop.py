@@ -1,12 +1,11 @@
 """The GRPO loop end to end on the tiny preset: runs, checkpoints, resumes."""
 
-import importlib.util
 import json
 import os
 
 import pytest
 
-from fluxjax import metrics
+from fluxjax import config_args, metrics
 from fluxjax.data import readers
 from fluxjax.rl import loop
 
@@ -14,10 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _config(total_steps):
-  spec = importlib.util.spec_from_file_location("vlm_config", os.path.join(ROOT, "configs", "vlm.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config()
+  c = config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"))
   c.total_steps, c.eval_every = total_steps, 2
   c.data.synth_train, c.data.synth_eval, c.data.eval_prompts = 8, 2, 2
   c.rl.prompts_per_step, c.rl.responses_per_prompt, c.rl.max_new_tokens = 2, 2, 6

@@ -24,17 +24,18 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("NPROC", "24")
 # Parity tests compare fp32 numbers; keep XLA's CPU matmuls at full precision.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
-# A persistent compilation cache for the rollout-server subprocesses only
-# (tests/test_rollout_server.py: server_env), which compile the same programs
-# at every start. Fresh per session, so a run never depends on what an earlier
-# run left. Not for this process nor the training runs it starts: with the
-# cache on for them, a loop test (engine thread and trainer dispatching at
-# once) died once in a segfault inside XLA:CPU (1 of 3 full runs), which we
-# could not yet rule out as the cache's executable loading.
-if "FLUXJAX_TEST_SERVER_XLA_CACHE" not in os.environ:
-  _cache_dir = tempfile.mkdtemp(prefix="fluxjax-test-server-xla-cache-")
-  os.environ["FLUXJAX_TEST_SERVER_XLA_CACHE"] = _cache_dir
+# One persistent compilation cache for the whole session, passed through the
+# environment so the subprocesses (rollout servers, the SIGKILLed and resumed
+# runs) share it: the loop tests compile the same tiny-model programs (engine
+# prefill/decode, train step, eval) again and again, which took ~40% of their
+# time on a 2-core machine. Fresh per session unless the developer names one,
+# so a run never depends on what an earlier run left.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _cache_dir = tempfile.mkdtemp(prefix="fluxjax-test-xla-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
   atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import jax  # noqa: E402  (must follow the environment set-up above)
 import pytest  # noqa: E402

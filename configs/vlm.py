@@ -123,6 +123,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.health_interval_s = 2.0
   c.rollout.num_slots = 32            # embedded engine: concurrent requests
   c.rollout.context_length = 1024     # embedded engine: prompt + response tokens
+  # Each request carries a sampling_seed derived from (seed, sample position,
+  # response index), so its tokens do not depend on batching or thread timing:
+  # a run on the embedded engine repeats. SGLang honours the seed with
+  # --enable-deterministic-inference (as slime's deterministic mode does).
+  c.rollout.seeded = True
 
   # Tail batching (Flexes): short rounds launch eta*P prompts x eta*R responses
   # and keep the first P x R to finish; 1.0 disables speculation.

@@ -24,10 +24,12 @@ def hang_once(response: str, answer: str) -> float:
 
 def signal_unless_numeric(response: str, answer: str) -> float:
   """0 for every response to a numeric-answer prompt (a group without signal);
-  otherwise 0 or 1 from a hash of the response (groups mostly with signal)."""
+  otherwise one of 256 levels from a hash of the response, so that a group of
+  distinct responses has signal but for a 256^-(R-1) chance (a 0/1 hash left
+  1 in 8 groups of 4 without it, and the test's refills could run out)."""
   if answer.strip().isdigit():
     return 0.0
-  return float(hashlib.md5(response.encode()).digest()[0] % 2)
+  return hashlib.md5(response.encode()).digest()[0] / 255.0
 
 
 def vowel_fraction(response: str, answer: str) -> float:

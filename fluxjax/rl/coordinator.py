@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import math
 import os
 import queue
@@ -45,6 +46,17 @@ from fluxjax.rl.stream_trainer import StreamTrainer
 from fluxjax.rollout import publish
 from fluxjax.sharding import batch as batch_lib
 from fluxjax.sharding.strategies import Strategy
+
+
+def sampling_seed(run_seed: int, uid: int, index: int) -> int:
+  """The seed of response `index` to the sample at stream position `uid`.
+
+  Derived, not drawn: the engine samples a seeded request's tokens the same
+  whatever shares its batch, so which requests reach it first (thread timing)
+  cannot change a run's samples, and a retried request repeats its response.
+  """
+  digest = hashlib.blake2b(f"{run_seed}:{uid}:{index}".encode(), digest_size=4).digest()
+  return int.from_bytes(digest, "little") >> 1  # SGLang takes a non-negative int32
 
 
 @dataclasses.dataclass
@@ -84,7 +96,7 @@ class Coordinator:
     admission = async_control.AdmissionController.from_config(config.coordinator.lag, self.P)
     self.producer = producer_lib.Producer(
         rollout, reward_scheduler, batcher, admission, next_samples=loader.next_batch,
-        make_body=lambda sample, prompt, j: self.request(sample, prompt),
+        make_body=lambda sample, prompt, j: self.request(sample, prompt, index=j),
         prompt_fn=self.prompt, release=loader.release,
         max_prompt_tokens=int(config.rollout.context_length) - int(rl.max_new_tokens))
     # Trained sample uids of the (streamed) epoch, for exactly-once on resume.
@@ -111,16 +123,20 @@ class Coordinator:
                                      self.cfg)
 
   def request(self, sample: meta_lib.SampleMeta, prompt: inputs.SequenceInputs, *,
-              greedy: bool = False) -> dict:
+              index: int = 0, greedy: bool = False) -> dict:
+    """The /generate body for response `index` of `sample`."""
     rl = self.config.rl
+    params = {"max_new_tokens": int(rl.max_new_tokens),
+              "temperature": 0.0 if greedy else float(rl.temperature),
+              "stop_token_ids": list(self.tokenizer.eos_ids)}
+    if self.config.rollout.seeded:
+      params["sampling_seed"] = sampling_seed(int(self.config.seed), sample.uid, index)
     return {
         "rid": uuid.uuid4().hex,
         "input_ids": prompt.tokens_T.tolist(),
         "image_data": [m.path for m in sample.media if m.kind == "image"] or None,
         "video_data": [m.path for m in sample.media if m.kind == "video"] or None,
-        "sampling_params": {"max_new_tokens": int(rl.max_new_tokens),
-                            "temperature": 0.0 if greedy else float(rl.temperature),
-                            "stop_token_ids": list(self.tokenizer.eos_ids)},
+        "sampling_params": params,
         "return_logprob": True,
     }
 
@@ -129,15 +145,15 @@ class Coordinator:
     """R responses per prompt, scored as each finishes (evaluation; no admission)."""
     prompts = [self.prompt(s) for s in samples]
 
-    async def respond_and_score(sample, prompt):
-      completion = await self.rollout.generate(self.request(sample, prompt, greedy=greedy),
-                                               sample.id)
+    async def respond_and_score(sample, prompt, j):
+      completion = await self.rollout.generate(
+          self.request(sample, prompt, index=j, greedy=greedy), sample.id)
       scored = await asyncio.wrap_future(
           self.rewards.submit(completion.text, sample.answer or "", key=sample.id))
       return completion, scored.reward
 
-    done = await asyncio.gather(*(asyncio.gather(*(respond_and_score(s, p)
-                                                   for _ in range(responses)))
+    done = await asyncio.gather(*(asyncio.gather(*(respond_and_score(s, p, j)
+                                                   for j in range(responses)))
                                   for s, p in zip(samples, prompts)))
     return [trajectories.Group(s.id, p, [c for c, _ in d], [r for _, r in d], s.answer)
             for s, p, d in zip(samples, prompts, done)]

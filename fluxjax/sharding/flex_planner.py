@@ -46,8 +46,11 @@ it, which is what makes merges "cheaper".
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
+import itertools
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -133,7 +136,8 @@ class _State:
 
   @property
   def pl(self) -> list[Placement | None]:
-    return [Placement(int(p), int(f)) if p else None for p, f in zip(self.deg, self.first)]
+    return [Placement(p, f) if p else None
+            for p, f in zip(self.deg.tolist(), self.first.tolist())]
 
   def add(self, i, p, first):
     if p == 1:
@@ -154,24 +158,10 @@ class _State:
       self.comp[first:first + p] -= self.h2[i] / p
     self.deg[i] = 0
 
-  def least_loaded(self, p, extra):
-    """Index of the aligned p-group with the least peak compute among those
-    with room for `extra` tokens per device (first on ties); -1 if none."""
-    lim = self.m_th + _EPS - extra
-    if p == 1:
-      key = np.where(self.mem <= lim, self.comp, np.inf)
-    else:
-      mem, comp = _group_max(self.loads, p)
-      key = np.where(mem <= lim, comp, np.inf)
-    g = int(key.argmin())
-    return g if key[g] < np.inf else -1
-
-  def group_max(self, loads, p):
-    return _group_max(loads, p)
-
   def on(self, t):
-    """Items with a shard on device t."""
-    return np.flatnonzero((self.first <= t) & (t < self.first + self.deg))
+    """Items with a shard on device t: blocks are aligned, so t is in an
+    item's block iff they agree on all bits above its degree's."""
+    return ((self.first ^ t) < self.deg).nonzero()[0]
 
   def snapshot(self):
     return self.loads.copy(), self.deg.copy(), self.first.copy()
@@ -192,61 +182,200 @@ def _group_max(loads: np.ndarray, p: int) -> np.ndarray:
   return loads
 
 
-def _sp_size(h: float, s: "_State", c_star: float) -> int:
-  """GETSPSIZE: the smallest degree whose shard fits the memory threshold and
-  whose attention share h^2/p is at most the mean per-device load."""
-  p = 1
-  while p < s.p_max and (h / p > s.m_th or h * h / p > c_star):
-    p *= 2
-  return p
+class _Groups:
+  """A state's loads in plain Python lists, for the greedy placements.
+
+  The greedy stages ask, once or more per sequence, for the least-loaded
+  aligned group of some degree with room for the sequence's shard; numpy
+  would rebuild every group's maxima for each question (most of the
+  planner's time, before). Here, per level k (degree 2^k; level 0 is the
+  devices), each group's peak memory and compute follow the placements and,
+  from the first question about the level on, the groups with room for some
+  sequence still to place are kept sorted by (peak compute, index): a scan
+  from the front, past the groups too full for this shard, answers. A
+  level is re-sorted, for the groups that changed, only when next asked
+  about (sequences come longest first, so most placements happen at other
+  levels than the one asked about).
+
+  Placements only add load, after the items `lifted` are taken off (in that
+  order, as `_State.remove` would): so a group too full for the shortest
+  sequence to place leaves the order for good, and the least peak memory
+  found by a failed scan answers the next questions it rules out. Device
+  loads take the same float operations, in the same order, as
+  `_State.add`; `write_back` hands them to the state.
+  """
+
+  def __init__(self, s: "_State", lifted: Sequence[int] = ()):
+    self.s = s
+    self.h, self.h2 = s.h.tolist(), s.h2.tolist()
+    level = s.loads.copy()
+    if lifted:
+      lifted = list(lifted)  # a tuple would index the arrays below as axes
+      mem, comp = level.tolist()
+      for i, p, first in zip(lifted, s.deg[lifted].tolist(), s.first[lifted].tolist()):
+        dm, dc = self.h[i] / p, self.h2[i] / p
+        for d in range(first, first + p):
+          mem[d] -= dm
+          comp[d] -= dc
+      level[0], level[1] = mem, comp
+      s.deg[lifted] = 0
+    shortest = float(s.h[s.deg == 0].min(initial=np.inf))
+    self.room = s.m_th + _EPS  # memory a device may hold
+    # Per level, (mem, comp, full, changed, keys, ids, listed): the groups'
+    # peaks; above `full` memory a group has room for no sequence still to
+    # place (a question's bound, room - h / p, is at most this); the groups
+    # changed since the level was last asked about; the sorted groups' keys
+    # (peak compute) and indices, in two lists as bisecting floats is
+    # cheaper than bisecting pairs; each listed group's key.
+    self.tables = []
+    self.mem, self.comp = [], []
+    for k in range(s.p_max.bit_length()):
+      if k:
+        level = np.maximum(level[:, 0::2], level[:, 1::2])
+      mem, comp = level.tolist()
+      self.mem.append(mem)
+      self.comp.append(comp)
+      self.tables.append((mem, comp, self.room - shortest / (1 << k), set(), [], [], {}))
+    self.levels = [(k, mem, comp, changed)
+                   for k, (mem, comp, _, changed, *_) in enumerate(self.tables)]
+    self.unsorted = [True for _ in self.mem]  # not asked about yet
+    self.min_mem = [-math.inf for _ in self.mem]  # a lower bound: loads only grow
+
+  def least_loaded(self, p: int, extra: float) -> int:
+    """Index of the aligned p-group with the least peak compute among those
+    with room for `extra` tokens per device (first on ties); -1 if none."""
+    k = p.bit_length() - 1
+    lim = self.room - extra
+    if self.min_mem[k] > lim:
+      return -1
+    mem, comp, full, changed, keys, ids, listed = self.tables[k]
+    if self.unsorted[k]:
+      self.unsorted[k] = False
+      # By compute, ties by index (the sort is stable).
+      ids[:] = sorted(itertools.compress(range(len(mem)), map(full.__ge__, mem)),
+                      key=comp.__getitem__)
+      keys[:] = map(comp.__getitem__, ids)
+      listed.update(zip(ids, keys))
+      changed.clear()
+    for g in changed:  # re-sort the groups that changed since the last question
+      old = listed.pop(g, None)
+      if old is not None:
+        at = bisect.bisect_left(keys, old)
+        while ids[at] != g:  # past equal keys of lower index
+          at += 1
+        del keys[at], ids[at]
+      if mem[g] <= full:
+        c = listed[g] = comp[g]
+        at = bisect.bisect_left(keys, c)
+        while at < len(keys) and keys[at] == c and ids[at] < g:
+          at += 1
+        keys.insert(at, c)
+        ids.insert(at, g)
+    changed.clear()
+    for g in ids:
+      if mem[g] <= lim:
+        return g
+    self.min_mem[k] = min(mem)  # exact now
+    return -1
+
+  def least_computed(self, p: int) -> int:
+    """Index of the p-group with the least peak compute, room or not."""
+    comp = self.comp[p.bit_length() - 1]
+    return min(range(len(comp)), key=comp.__getitem__)
+
+  def add(self, i: int, p: int, first: int) -> None:
+    dm, dc = self.h[i] / p, self.h2[i] / p
+    top = p.bit_length() - 1
+    for k, mem, comp, changed in self.levels:
+      g = first >> k
+      if k <= top:
+        # The placement's own groups, of its degree and below: every device
+        # of one gains the same, so its peak gains that too (rounding is
+        # monotone).
+        for own in range(g, (first + p) >> k):
+          mem[own] += dm
+          comp[own] += dc
+          changed.add(own)
+        m, c = mem[g], comp[g]
+        continue
+      # A group around it: its old peaks or the placement's. Once a group's
+      # peaks stay, so do those of the groups around it.
+      old_c = comp[g]
+      if m <= mem[g] and c <= old_c:
+        break
+      mem[g] = max(mem[g], m)
+      if c > old_c:
+        comp[g] = c
+        changed.add(g)
+    self.s.deg[i], self.s.first[i] = p, first
+
+  def write_back(self) -> None:
+    self.s.mem[:] = self.mem[0]
+    self.s.comp[:] = self.comp[0]
+
+
+def _sp_sizes(s: "_State", c_star: float) -> list[int]:
+  """GETSPSIZE per sequence: the smallest degree whose shard fits the memory
+  threshold and whose attention share h^2/p is at most the mean per-device
+  load (at most p_max)."""
+  p = np.ones(len(s.h), np.int64)
+  while True:
+    grow = (p < s.p_max) & ((s.h / p > s.m_th) | (s.h2 / p > c_star))
+    if not grow.any():
+      return p.tolist()
+    p[grow] *= 2
 
 
 def _baseline(s: _State) -> bool:
   feasible_all = True
   c_star = float(s.h2.sum()) / s.d
+  groups = _Groups(s)
+  sp_size = _sp_sizes(s, c_star)
   for i in np.lexsort((np.arange(len(s.h)), -s.h)).tolist():
-    h = float(s.h[i])
-    p = _sp_size(h, s, c_star)
+    h, p = groups.h[i], sp_size[i]
     # Among groups with room, the least loaded in compute (the paper takes the
     # most available memory; on the bench mixtures this balances better).
-    g = s.least_loaded(p, h / p)
+    g = groups.least_loaded(p, h / p)
     while g < 0 and p < s.p_max:
       p *= 2
-      g = s.least_loaded(p, h / p)
+      g = groups.least_loaded(p, h / p)
     if g < 0:  # nothing fits even at p_max: the least-loaded group
       feasible_all = False
-      g = int(np.argmin(s.group_max(s.comp, p)))
-    s.add(i, p, g * p)
+      g = groups.least_computed(p)
+    groups.add(i, p, g * p)
+  groups.write_back()
   return feasible_all
 
 
 def _merge_level(s: _State, p: int) -> None:
   half = p // 2
-  at_p = np.flatnonzero(s.deg == p)
+  at_p = (s.deg == p).nonzero()[0]
   if len(at_p) < 2:
     return
   lim = s.m_th + _EPS
+  h, h2 = s.h.tolist(), s.h2.tolist()
   # Members of each p-group, shortest first; merges only take members out.
   by_group: dict[int, list[int]] = {}
-  for i in at_p[np.lexsort((at_p, s.h[at_p]))].tolist():
-    by_group.setdefault(int(s.first[i]), []).append(i)
+  at_p = at_p[np.lexsort((at_p, s.h[at_p]))]
+  for i, g in zip(at_p.tolist(), s.first[at_p].tolist()):
+    by_group.setdefault(g, []).append(i)
+  # Peak compute of each p-group, and the two highest; a merge changes only
+  # its own group's.
+  peaks = _group_max(s.comp, p).tolist()
+  top = heapq.nlargest(2, range(len(peaks)), key=peaks.__getitem__)
   for g in sorted(by_group):
     members = by_group[g]
     while len(members) >= 2:
-      peak = float(s.comp.max())
-      outside = [float(s.comp[:g].max())] if g else []
-      if g + p < s.d:
-        outside.append(float(s.comp[g + p:].max()))
-      peak_outside = max(outside, default=0.0)
-      mem_g, comp_g = s.mem[g:g + p].tolist(), s.comp[g:g + p].tolist()
+      peak = peaks[top[0]]
+      peak_outside = max((peaks[x] for x in top if x != g // p), default=0.0)
+      mem_g, comp_g = s.loads[:, g:g + p].tolist()
       best = None
       for m in range(2, min(MERGE_CANDIDATES, len(members)) + 1):
-        s1, s2 = _two_way(members[:m], s.h)
+        (s1, s2), sums = _two_way(members[:m], h, h2)
         if not s1 or not s2:
           continue
         # Loads of the group's devices after the split (plain floats: the
         # group is a handful of devices).
-        sums = [(float(s.h[part].sum()), float(s.h2[part].sum())) for part in (s1, s2)]
         out_m = (sums[0][0] + sums[1][0]) / p
         out_c = (sums[0][1] + sums[1][1]) / p
         new_peak, fits = peak_outside, True
@@ -272,47 +401,50 @@ def _merge_level(s: _State, p: int) -> None:
         s.add(i, half, g)
       for i in s2:
         s.add(i, half, g + half)
+      peaks[g // p] = float(s.comp[g:g + p].max())
+      top = heapq.nlargest(2, range(len(peaks)), key=peaks.__getitem__)
       members = [i for i in members if s.deg[i] == p]
 
 
-def _two_way(items, h):
-  """Splits items into two parts balanced in h^2 (greedy, longest first)."""
-  a, b, ca, cb = [], [], 0.0, 0.0
+def _two_way(items, h, h2):
+  """Splits items into two parts balanced in h^2 (greedy, longest first);
+  returns the parts and each one's (tokens, sum of h2), summed in part
+  order (as numpy sums a few numbers)."""
+  parts, sums, weights = ([], []), ([0.0, 0.0], [0.0, 0.0]), [0.0, 0.0]
   for i in sorted(items, key=lambda i: (-h[i], i)):
-    if ca <= cb:
-      a.append(i)
-      ca += h[i] ** 2
-    else:
-      b.append(i)
-      cb += h[i] ** 2
-  return a, b
+    k = 0 if weights[0] <= weights[1] else 1
+    parts[k].append(i)
+    weights[k] += h[i] ** 2
+    sums[k][0] += h[i]
+    sums[k][1] += h2[i]
+  return parts, sums
 
 
 def _short_item_reorder(s: _State) -> None:
   short = np.flatnonzero((s.deg <= 2) & (s.h <= s.m_th))
   short = short[np.lexsort((short, -s.h[short]))].tolist()
-  previous = {i: (int(s.deg[i]), int(s.first[i])) for i in short}
+  previous = dict(zip(short, zip(s.deg[short].tolist(), s.first[short].tolist())))
   snap = s.snapshot()
   feasible_before = bool((s.mem <= s.m_th + _EPS).all())
+  groups = _Groups(s, lifted=short)
   for i in short:
-    s.remove(i)
-  for i in short:
-    h = float(s.h[i])
-    d = s.least_loaded(1, h)
+    h = groups.h[i]
+    d = groups.least_loaded(1, h)
     if d >= 0:
-      s.add(i, 1, d)
+      groups.add(i, 1, d)
       continue
     # No device has room for it whole: the smallest degree with a group that
     # has room (its old group may have filled up meanwhile).
     p = min(2, s.p_max)
-    g = s.least_loaded(p, h / p)
+    g = groups.least_loaded(p, h / p)
     while g < 0 and p < s.p_max:
       p *= 2
-      g = s.least_loaded(p, h / p)
+      g = groups.least_loaded(p, h / p)
     if g >= 0:
-      s.add(i, p, g * p)
+      groups.add(i, p, g * p)
     else:
-      s.add(i, *previous[i])
+      groups.add(i, *previous[i])
+  groups.write_back()
   # All or nothing: greedy re-placement can paint itself into a corner; never
   # trade a plan that respected M_th for one that does not.
   if feasible_before and (s.mem > s.m_th + _EPS).any():
@@ -333,58 +465,77 @@ def _improve(s: _State, max_steps: int, target: float) -> None:
   """
   degrees = [1 << k for k in range(s.p_max.bit_length())]
   lim = s.m_th + _EPS
+  h2_of = s.h2.tolist()
   for _ in range(max_steps):
-    t = int(np.argmax(s.comp))
+    t = int(s.comp.argmax())
     peak = float(s.comp[t])
     if peak <= target:
       return
-    # Per-group maxima of every degree, shared by all candidates of this step.
+    bar = peak * (1 - 1e-9)  # what a move must end below
+    # Per-group maxima of every degree, shared by all candidates of this step,
+    # and the least of them.
     gcomp, gmem = {1: s.comp}, {1: s.mem}
     level = s.loads
     for q in degrees[1:]:
       level = np.maximum(level[:, 0::2], level[:, 1::2])
       gmem[q], gcomp[q] = level
-    on = s.on(t)
-    on = on[np.lexsort((on, -s.h2[on] / s.deg[on]))][:IMPROVE_CANDIDATES]
+    # (argmin and a lookup: numpy's min() costs several times more)
+    least = {q: float(gcomp[q][gcomp[q].argmin()]) for q in degrees}
+    # Largest share on t first, ties by index.
+    on = sorted(s.on(t).tolist(), key=lambda i: (-h2_of[i] / int(s.deg[i]), i))
+    on = on[:IMPROVE_CANDIDATES]
     best = None
-    for i in on.tolist():
-      p, f, h, h2 = int(s.deg[i]), int(s.first[i]), float(s.h[i]), float(s.h2[i])
+    same_degree = {}  # per degree: its items, their h and h^2, their groups' maxima
+    for i in on:
+      p, f, h, h2 = int(s.deg[i]), int(s.first[i]), float(s.h[i]), h2_of[i]
       rest_t = peak - h2 / p
       # (a) moves. Groups of degree p other than i's own, and degree-2p groups
       # other than its parent, do not hold i: their maxima are exact.
       for q in (p, 2 * p):
         if q > s.p_max:
           break
-        key = np.maximum(gcomp[q] + h2 / q, rest_t)
-        key[gmem[q] + h / q > lim] = np.inf
         g = f // q
-        if q == p:
-          key[g] = np.inf
-        else:  # the parent: i's half loses its share, then both halves gain h/q
-          half = slice(f, f + p)
-          sib = slice(f + p, f + q) if f % q == 0 else slice(f - p, f)
-          c_in = max(float(s.comp[half].max()) - h2 / p, float(s.comp[sib].max())) + h2 / q
-          m_in = max(float(s.mem[half].max()) - h / p, float(s.mem[sib].max())) + h / q
-          key[g] = max(c_in, rest_t) if m_in <= lim else np.inf
-        g = int(np.argmin(key))
-        if key[g] < peak * (1 - 1e-9):
-          cand = (float(key[g]), comm_cost(h, q) - comm_cost(h, p), i, q, g * q, -1)
+        parent = np.inf
+        if q > p:  # the parent: i's half loses its share, then both halves gain h/q
+          half, sib = f // p, f // p ^ 1
+          c_in = max(float(gcomp[p][half]) - h2 / p, float(gcomp[p][sib])) + h2 / q
+          m_in = max(float(gmem[p][half]) - h / p, float(gmem[p][sib])) + h / q
+          if m_in <= lim:
+            parent = max(c_in, rest_t)
+        if least[q] + h2 / q < bar:  # else no other group can end below the bar
+          key = np.maximum(gcomp[q] + h2 / q, rest_t)
+          key[gmem[q] + h / q > lim] = np.inf
+          key[g] = parent
+          g = int(key.argmin())
+          top = float(key[g])
+        else:
+          top = parent
+        if top < bar:
+          cand = (top, comm_cost(h, q) - comm_cost(h, p), i, q, g * q, -1)
           if best is None or cand[:2] < best[:2]:
             best = cand
-      # (b) swaps with a shorter same-degree item in another group.
-      js = np.flatnonzero((s.deg == p) & (s.first != f) & (s.h < h))
-      if len(js):
-        delta = (h2 - s.h2[js]) / p
+      # (b) swaps with a shorter same-degree item in another group. All items
+      # of degree p are scored: the others end at the peak or above (i's own
+      # group holds t; a longer item adds to t), so the first of the best is
+      # the same. Memory is checked on the best first, on all if it fails.
+      if p not in same_degree:
+        js = (s.deg == p).nonzero()[0]
         gj = s.first[js] // p
-        key = np.maximum(gcomp[p][gj] + delta, peak - delta)
-        key[gmem[p][gj] + (h - s.h[js]) / p > lim] = np.inf
-        k = int(np.argmin(key))
-        if key[k] < peak * (1 - 1e-9):
-          cand = (float(key[k]), 0.0, i, p, int(s.first[js[k]]), int(js[k]))
-          if best is None or cand[:2] < best[:2]:
-            best = cand
+        same_degree[p] = js, s.h[js], s.h2[js], gcomp[p][gj], gmem[p][gj]
+      js, hj, h2j, gcomp_j, gmem_j = same_degree[p]
+      delta = (h2 - h2j) / p
+      key = np.maximum(gcomp_j + delta, peak - delta)
+      k = int(key.argmin())
+      if gmem_j[k] + (h - hj[k]) / p > lim:
+        key[gmem_j + (h - hj) / p > lim] = np.inf
+        k = int(key.argmin())
+      if key[k] < bar:
+        j = int(js[k])
+        cand = (float(key[k]), 0.0, i, p, int(s.first[j]), j)
+        if best is None or cand[:2] < best[:2]:
+          best = cand
     if best is None:
-      if not _make_room(s, t, peak, on.tolist()):
+      if not _make_room(s, t, peak, on):
         return
       continue
     _, _, i, q, first, j = best
@@ -414,11 +565,12 @@ def _make_room(s: _State, t: int, peak: float, items: list[int]) -> bool:
     for q in (p, 2 * p):
       if q > s.p_max:
         break
-      key = np.maximum(s.group_max(s.comp, q) + h2 / q, rest_t)
+      gmem, gcomp = _group_max(s.loads, q)
+      key = np.maximum(gcomp + h2 / q, rest_t)
       if q == p:
         key[f // p] = np.inf
-      full = s.group_max(s.mem, q) + h / q > lim
-      for g in np.flatnonzero(full & (key < peak * (1 - 1e-9)))[:MAKE_ROOM].tolist():
+      full = gmem + h / q > lim
+      for g in (full & (key < peak * (1 - 1e-9))).nonzero()[0][:MAKE_ROOM].tolist():
         plan = _evict(s, range(g * q, g * q + q), h / q, peak, exclude=i)
         if plan is None:
           continue
@@ -447,15 +599,20 @@ def _evict(s: _State, group: range, extra: float, peak: float, exclude: int):
   ending below `peak`: (moves, peak of the receiving devices, peak of the
   group after them), or None if impossible."""
   lim = s.m_th + _EPS
-  mem, comp = s.mem.copy(), s.comp.copy()
-  outside = np.ones(s.d, bool)
-  outside[group.start:group.stop] = False
+  mem = comp = outside = None  # copies of the loads, once something may move
   moves, top = [], 0.0
   for e in group:
-    need = mem[e] + extra - lim
+    # (the moves so far took load off other devices of the group only)
+    need = s.mem[e] + extra - lim
     if need <= 0:
       continue
-    mine = np.flatnonzero((s.deg == 1) & (s.first == e))
+    mine = ((s.first == e) & (s.deg == 1)).nonzero()[0]
+    if not len(mine):
+      return None  # nothing to move off
+    if mem is None:
+      mem, comp = s.mem.copy(), s.comp.copy()
+      outside = np.ones(s.d, bool)
+      outside[group.start:group.stop] = False
     for j in mine[np.lexsort((mine, -s.h[mine]))].tolist():
       if need <= 0:
         break
@@ -475,7 +632,8 @@ def _evict(s: _State, group: range, extra: float, peak: float, exclude: int):
       need -= hj
     if need > 0:
       return None
-  return moves, top, float(comp[group.start:group.stop].max())
+  after = s.comp if comp is None else comp  # None: no device needed room
+  return moves, top, float(after[group.start:group.stop].max())
 
 
 def _check(num_devices: int, p_max: int) -> None:
@@ -550,10 +708,11 @@ def split_microbatches(lengths: Sequence[int], count: int) -> list[list[int]]:
   lens = [int(h) for h in lengths]
   heap = [(0, k) for k in range(max(1, count))]
   parts: list[list[int]] = [[] for _ in heap]
-  for i in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
-    total, k = heapq.heappop(heap)
+  # Longest first, ties by index (the sort is stable, also reversed).
+  for i in sorted(range(len(lens)), key=lens.__getitem__, reverse=True):
+    total, k = heap[0]
     parts[k].append(i)
-    heapq.heappush(heap, (total + lens[i], k))
+    heapq.heapreplace(heap, (total + lens[i], k))
   totals = [0] * len(parts)
   for total, k in heap:
     totals[k] = total
@@ -566,9 +725,10 @@ def split_microbatches(lengths: Sequence[int], count: int) -> list[list[int]]:
       break
     a = np.asarray(parts[hi], np.int64)
     b = np.asarray(parts[lo] + [-1], np.int64)  # -1: a plain move
-    delta = h[a][:, None] - np.where(b >= 0, h[b], 0)[None, :]  # tokens moved hi -> lo
-    spread = np.abs(gap - 2 * delta)
-    k = int(np.argmin(spread))
+    # |gap - 2 delta| for delta = tokens moved hi -> lo, every pair at once.
+    spread = (gap - 2 * h[a])[:, None] + np.where(b >= 0, 2 * h[b], 0)[None, :]
+    np.abs(spread, out=spread)
+    k = int(spread.argmin())
     if spread.flat[k] >= gap:
       break
     x, y = int(a[k // len(b)]), int(b[k % len(b)])
@@ -577,7 +737,7 @@ def split_microbatches(lengths: Sequence[int], count: int) -> list[list[int]]:
     if y >= 0:
       parts[lo].remove(y)
       parts[hi].append(y)
-    d = int(delta.flat[k])
+    d = lens[x] - (lens[y] if y >= 0 else 0)
     totals[hi] -= d
     totals[lo] += d
   return [sorted(p) for p in parts if p]

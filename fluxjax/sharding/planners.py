@@ -30,15 +30,17 @@ from fluxjax.sharding.plan import Plan, Row
 
 
 def _check_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
-  lens = tuple(int(n) for n in lengths)
-  bad = [i for i, n in enumerate(lens) if n < 0]
-  if bad:
-    raise ValueError(f"sequence {bad[0]} has negative length {lens[bad[0]]}")
+  lens = tuple(map(int, lengths))
+  if lens and min(lens) < 0:
+    bad = next(i for i, n in enumerate(lens) if n < 0)
+    raise ValueError(f"sequence {bad} has negative length {lens[bad]}")
   return lens
 
 
 def _too_long(lens: tuple[int, ...], limit: int, what: str, advice: str) -> None:
   """Raises for the first sequence longer than `limit`, counting the others."""
+  if not lens or max(lens) <= limit:
+    return
   over = [i for i, n in enumerate(lens) if n > limit]
   if over:
     more = f" (and {len(over) - 1} more)" if len(over) > 1 else ""
@@ -206,15 +208,21 @@ def plan_flex_ulysses(lengths: Sequence[int], num_devices: int, p_max: int, capa
   microbatches, need = [], {}
   placed = flex_planner.plan_flex_step([[lens[i] for i in part] for part in parts],
                                        num_devices, p_max, capacity)
+  spans: dict[tuple[int, int], tuple[int, ...]] = {}  # the devices of each group
   for part, fp in zip(parts, placed):
-    groups: dict[tuple[int, int], list[int]] = {}
-    for local, pl in enumerate(fp.placements):
-      groups.setdefault((pl.p, pl.first), []).append(part[local])
+    groups: dict[tuple[int, int], list[int]] = {}  # (-degree, first device): highest first
+    for i, pl in zip(part, fp.placements):
+      groups.setdefault((-pl.p, pl.first), []).append(i)
     rows = []
-    for (p, first), seqs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
-      seqs.sort(key=lambda i: (-lens[i], i))  # long sequences first, short ones packed after
-      rows.append(Row(tuple(range(first, first + p)), tuple(seqs)))
-      need[p] = max(need.get(p, 0), -(-sum(lens[i] for i in seqs) // p))
+    for key in sorted(groups):
+      seqs, p, first = groups[key], -key[0], key[1]
+      # Long sequences first, short ones packed after; ties in index order
+      # (seqs ascend, and the sort is stable, also reversed).
+      seqs.sort(key=lens.__getitem__, reverse=True)
+      if key not in spans:
+        spans[key] = tuple(range(first, first + p))
+      rows.append(Row(spans[key], tuple(seqs)))
+      need[p] = max(need.get(p, 0), -(-sum(map(lens.__getitem__, seqs)) // p))
     microbatches.append(tuple(rows))
   levels = tuple((p, capacity_bucket(need[p], buckets)) for p in sorted(need, reverse=True))
   plan = Plan("flex_ulysses", num_devices, sum(c for _, c in levels), tuple(microbatches), lens,

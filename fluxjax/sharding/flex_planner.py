@@ -187,22 +187,23 @@ class _Groups:
 
   The greedy stages ask, once or more per sequence, for the least-loaded
   aligned group of some degree with room for the sequence's shard; numpy
-  would rebuild every group's maxima for each question (most of the
-  planner's time, before). Here, per level k (degree 2^k; level 0 is the
-  devices), each group's peak memory and compute follow the placements and,
-  from the first question about the level on, the groups with room for some
-  sequence still to place are kept sorted by (peak compute, index): a scan
-  from the front, past the groups too full for this shard, answers. A
-  level is re-sorted, for the groups that changed, only when next asked
-  about (sequences come longest first, so most placements happen at other
-  levels than the one asked about).
+  would rebuild every group's maxima for each question. Here, per level k
+  (degree 2^k; level 0 is the devices), each group's peak memory and compute
+  follow the placements and, from the first question about the level on,
+  the groups with room for some sequence still to place are kept sorted by
+  (peak compute, index): a scan from the front, past the groups too full
+  for this shard, answers. A level is re-sorted, for the groups whose
+  compute changed, only when next asked about (sequences come longest
+  first, so most placements happen at other levels than the one asked
+  about); the scan reads memory as it is.
 
   Placements only add load, after the items `lifted` are taken off (in that
   order, as `_State.remove` would): so a group too full for the shortest
-  sequence to place leaves the order for good, and the least peak memory
-  found by a failed scan answers the next questions it rules out. Device
-  loads take the same float operations, in the same order, as
-  `_State.add`; `write_back` hands them to the state.
+  sequence to place leaves the order for good when next re-sorted, and the
+  least peak memory found by a failed scan stays a lower bound, which
+  answers the questions it rules out without a scan. Device loads take the
+  same float operations, in the same order, as `_State.add`; `write_back`
+  hands them to the state.
   """
 
   def __init__(self, s: "_State", lifted: Sequence[int] = ()):
@@ -236,7 +237,7 @@ class _Groups:
       self.mem.append(mem)
       self.comp.append(comp)
       self.tables.append((mem, comp, self.room - shortest / (1 << k), set(), [], [], {}))
-    self.levels = [(k, mem, comp, changed)
+    self.levels = [(k, mem, comp, changed)  # what `add` updates
                    for k, (mem, comp, _, changed, *_) in enumerate(self.tables)]
     self.unsorted = [True for _ in self.mem]  # not asked about yet
     self.min_mem = [-math.inf for _ in self.mem]  # a lower bound: loads only grow
@@ -275,7 +276,7 @@ class _Groups:
     for g in ids:
       if mem[g] <= lim:
         return g
-    self.min_mem[k] = min(mem)  # exact now
+    self.min_mem[k] = min(mem)  # exact, until the next placement
     return -1
 
   def least_computed(self, p: int) -> int:
@@ -286,25 +287,27 @@ class _Groups:
   def add(self, i: int, p: int, first: int) -> None:
     dm, dc = self.h[i] / p, self.h2[i] / p
     top = p.bit_length() - 1
-    for k, mem, comp, changed in self.levels:
-      g = first >> k
-      if k <= top:
-        # The placement's own groups, of its degree and below: every device
-        # of one gains the same, so its peak gains that too (rounding is
-        # monotone).
-        for own in range(g, (first + p) >> k):
-          mem[own] += dm
-          comp[own] += dc
-          changed.add(own)
-        m, c = mem[g], comp[g]
-        continue
-      # A group around it: its old peaks or the placement's. Once a group's
-      # peaks stay, so do those of the groups around it.
-      old_c = comp[g]
-      if m <= mem[g] and c <= old_c:
+    levels = iter(self.levels)
+    # The placement's own groups, of its degree and below: every device of
+    # one gains the same, so its peak gains that too (rounding is monotone).
+    for k, mem, comp, changed in levels:
+      for g in range(first >> k, (first + p) >> k):
+        mem[g] += dm
+        comp[g] += dc
+        changed.add(g)
+      if k == top:
         break
-      mem[g] = max(mem[g], m)
-      if c > old_c:
+    m, c = mem[first >> top], comp[first >> top]
+    # The groups around it, on from the next level: their old peaks or the
+    # placement's. Once a group's peaks stay, so do those of the groups
+    # around it.
+    for k, mem, comp, changed in levels:
+      g = first >> k
+      if m <= mem[g] and c <= comp[g]:
+        break
+      if m > mem[g]:
+        mem[g] = m
+      if c > comp[g]:
         comp[g] = c
         changed.add(g)
     self.s.deg[i], self.s.first[i] = p, first
@@ -691,7 +694,7 @@ def _placement(s: _State, lens, feasible: bool) -> FlexPlacement:
 def plan_flex(lengths: Sequence[int], num_devices: int, p_max: int) -> FlexPlacement:
   """Places one microbatch (see module docstring)."""
   _check(num_devices, p_max)
-  lens = tuple(int(h) for h in lengths)
+  lens = tuple(map(int, lengths))
   s, feasible = _place(lens, num_devices, p_max, np.zeros(num_devices))
   return _placement(s, lens, feasible)
 
@@ -705,7 +708,7 @@ def split_microbatches(lengths: Sequence[int], count: int) -> list[list[int]]:
   two sequences (or move of one) between the fullest and the emptiest
   microbatch. Returns the non-empty parts, indices ascending.
   """
-  lens = [int(h) for h in lengths]
+  lens = list(map(int, lengths))
   heap = [(0, k) for k in range(max(1, count))]
   parts: list[list[int]] = [[] for _ in heap]
   # Longest first, ties by index (the sort is stable, also reversed).
@@ -760,7 +763,7 @@ def plan_flex_step(microbatches: Sequence[Sequence[int]], num_devices: int,
   carried = np.zeros(num_devices)
   states = []
   for lengths in microbatches:
-    lens = tuple(int(h) for h in lengths)
+    lens = tuple(map(int, lengths))
     s, feasible = _place(lens, num_devices, p_max, carried, capacity)
     carried = s.comp.copy()
     states.append((s, lens, feasible))

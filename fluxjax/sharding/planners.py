@@ -42,10 +42,9 @@ def _too_long(lens: tuple[int, ...], limit: int, what: str, advice: str) -> None
   if not lens or max(lens) <= limit:
     return
   over = [i for i, n in enumerate(lens) if n > limit]
-  if over:
-    more = f" (and {len(over) - 1} more)" if len(over) > 1 else ""
-    raise ValueError(f"sequence {over[0]} has {lens[over[0]]} tokens > {what} "
-                     f"{limit}{more}; {advice}")
+  more = f" (and {len(over) - 1} more)" if len(over) > 1 else ""
+  raise ValueError(f"sequence {over[0]} has {lens[over[0]]} tokens > {what} "
+                   f"{limit}{more}; {advice}")
 
 
 def _plan_groups(strategy: str, lens: tuple[int, ...], groups: list[tuple[int, ...]],
@@ -208,7 +207,6 @@ def plan_flex_ulysses(lengths: Sequence[int], num_devices: int, p_max: int, capa
   microbatches, need = [], {}
   placed = flex_planner.plan_flex_step([[lens[i] for i in part] for part in parts],
                                        num_devices, p_max, capacity)
-  spans: dict[tuple[int, int], tuple[int, ...]] = {}  # the devices of each group
   for part, fp in zip(parts, placed):
     groups: dict[tuple[int, int], list[int]] = {}  # (-degree, first device): highest first
     for i, pl in zip(part, fp.placements):
@@ -219,9 +217,7 @@ def plan_flex_ulysses(lengths: Sequence[int], num_devices: int, p_max: int, capa
       # Long sequences first, short ones packed after; ties in index order
       # (seqs ascend, and the sort is stable, also reversed).
       seqs.sort(key=lens.__getitem__, reverse=True)
-      if key not in spans:
-        spans[key] = tuple(range(first, first + p))
-      rows.append(Row(spans[key], tuple(seqs)))
+      rows.append(Row(tuple(range(first, first + p)), tuple(seqs)))
       need[p] = max(need.get(p, 0), -(-sum(map(lens.__getitem__, seqs)) // p))
     microbatches.append(tuple(rows))
   levels = tuple((p, capacity_bucket(need[p], buckets)) for p in sorted(need, reverse=True))

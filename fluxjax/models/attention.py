@@ -64,6 +64,10 @@ register_backend("xla", xla_attention)
 
 def attention(q_BTNH, k_BSKH, v_BSKH, *, backend: str = "xla", **kw) -> jax.Array:
   """Dispatches to the configured backend (see module docstring)."""
+  if backend == "pallas_gpu" and backend not in _BACKENDS:
+    # Imported on first use, so CPU-only users never load the Triton lowering;
+    # the module registers itself.
+    from fluxjax.models import attention_pallas  # noqa: F401
   if backend not in _BACKENDS:
     raise ValueError(f"unknown attention backend {backend!r}; available: {sorted(_BACKENDS)}")
   return _BACKENDS[backend](q_BTNH, k_BSKH, v_BSKH, **kw)

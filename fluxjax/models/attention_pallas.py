@@ -277,6 +277,18 @@ def _dkv_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_se
 # --- pallas_call wrappers -------------------------------------------------------------
 
 
+def _shape_like(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+  """An out_shape varying over the same shard_map axes as `like`.
+
+  Inside `jax.shard_map(check_vma=True)` (the Ulysses strategies) pallas_call
+  must be told how each output varies over the manual mesh axes.
+  """
+  aval = jax.typeof(like)
+  if hasattr(aval, "manual_axis_type"):
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type)
+  return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)  # JAX before manual_axis_type
+
+
 def _compiler_params(num_warps: int, st: _Static):
   # Naming Triton's params also selects the Triton lowering (not Mosaic GPU).
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=st.blocks.num_stages)
@@ -307,8 +319,7 @@ def _forward(st: _Static, q, k, v, q_seg, k_seg, q_pos, k_pos):
           pl.BlockSpec((None, bq, None, hp), lambda i, j, h: (j, i, h, 0)),
           pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i)),
       ],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((b, n, t), jnp.float32)],
+      out_shape=[_shape_like(q.shape, q.dtype, q), _shape_like((b, n, t), jnp.float32, q)],
       compiler_params=_compiler_params(st.blocks.num_warps_fwd, st),
       interpret=st.interpret,
       name="packed_flash_fwd",
@@ -346,7 +357,7 @@ def _backward(st: _Static, q, k, v, out, lse, do, q_seg, k_seg, q_pos, k_pos):
           pl.BlockSpec((None, s), lambda i, j, h: (j, 0)),
       ],
       out_specs=pl.BlockSpec((None, bq, None, hp), row),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_shape=_shape_like(q.shape, q.dtype, q),
       compiler_params=_compiler_params(st.blocks.num_warps_bwd, st),
       interpret=st.interpret,
       name="packed_flash_dq",
@@ -378,7 +389,7 @@ def _backward(st: _Static, q, k, v, out, lse, do, q_seg, k_seg, q_pos, k_pos):
       ],
       out_specs=[pl.BlockSpec((None, bk, None, hp), key_tile),
                  pl.BlockSpec((None, bk, None, hp), key_tile)],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      out_shape=[_shape_like(k.shape, k.dtype, k), _shape_like(v.shape, v.dtype, v)],
       compiler_params=_compiler_params(st.blocks.num_warps_bwd, st),
       interpret=st.interpret,
       name="packed_flash_dkv",

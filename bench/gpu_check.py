@@ -2,6 +2,7 @@ r"""The training path on an accelerator against the same code on the host CPU.
 
   python bench/gpu_check.py                     # tiny preset, fp32
   python bench/gpu_check.py --dtype bfloat16 --scale 8
+  python bench/gpu_check.py --attention pallas_gpu   # the GPU kernels vs xla on the CPU
 
 The tests run on a fake CPU mesh only; this is the check that the library is
 right on a GPU as well (no CPU-only shortcut). One mixed batch (text, images,
@@ -15,6 +16,9 @@ step on each device (5 runs after one warm-up).
 
 With --dtype bfloat16 the differences measure bf16 rounding, not a bug; the
 fp32 run is the parity check (matmuls at "highest" precision on both).
+With --attention pallas_gpu the accelerator runs the model with that
+attention backend and the CPU keeps the xla reference, so the check covers
+the GPU kernels (text and vision attention, every strategy) as well.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ def main() -> None:
   p.add_argument("--scale", type=int, default=1, help="sequence length multiplier")
   p.add_argument("--capacity", type=int, default=256)
   p.add_argument("--patches", type=int, default=256)
+  p.add_argument("--attention", default="xla",
+                 help="attention backend on the accelerator (the CPU always runs xla)")
   args = p.parse_args()
   jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -77,13 +83,19 @@ def main() -> None:
   if not accel:
     raise SystemExit("no accelerator found: this check compares one against the CPU")
   cfg = config_lib.preset(args.preset, dtype=args.dtype)
+  accel_cfg = cfg.replace(attention_backend=args.attention)
   print(f"python {' '.join(sys.argv)}")
   print(f"accelerator: {accel[0].device_kind} ({accel[0].platform}); jax {jax.__version__}; "
-        f"preset {args.preset}, dtype {args.dtype}")
+        f"preset {args.preset}, dtype {args.dtype}; attention {args.attention} on the "
+        f"accelerator, {cfg.attention_backend} on the cpu")
   cpu_mesh = mesh_lib.make_mesh(devices=[cpu])
-  model = rules.create_sharded_model(cfg, cpu_mesh, seed=0, log_table=False,
-                                     max_replicated_bytes=1 << 40)
-  graphdef, params = nnx.split(model, nnx.Param)
+  create = lambda c: rules.create_sharded_model(c, cpu_mesh, seed=0, log_table=False,
+                                                max_replicated_bytes=1 << 40)
+  graphdef, params = nnx.split(create(cfg), nnx.Param)
+  # The backend is static module state: the accelerator needs its own graphdef
+  # (the parameters are the CPU model's, shared by both runs).
+  accel_graphdef = (graphdef if accel_cfg == cfg else
+                    nnx.split(create(accel_cfg), nnx.Param)[0])
   params_host = jax.device_get(params)
   # Mixed signs of advantages: the loss is not one-signed, as in RL.
   seqs = random_batch.mixed_batch(cfg, 0, long=True, scale=args.scale,
@@ -97,9 +109,10 @@ def main() -> None:
     cap = max(args.capacity, max(len(s) for s in seqs)) if name == "packed_dp" else args.capacity
     scfg = ml_collections.ConfigDict({"strategy": name, "sp": sp, "capacity": cap,
                                       "capacity_buckets": (), "p_max": sp, "sync": "layer"})
-    strategy = strategies.get_strategy(scfg, cfg)
-    la, ga, ta = run(strategy, cfg, params_host, graphdef, seqs, accel[0], args.patches)
-    lc, gc, tc = run(strategy, cfg, params_host, graphdef, seqs, cpu, args.patches)
+    la, ga, ta = run(strategies.get_strategy(scfg, accel_cfg), accel_cfg, params_host,
+                     accel_graphdef, seqs, accel[0], args.patches)
+    lc, gc, tc = run(strategies.get_strategy(scfg, cfg), cfg, params_host, graphdef, seqs, cpu,
+                     args.patches)
     rel = jax.tree.leaves(jax.tree.map(
         lambda a, c: float(np.linalg.norm(np.asarray(a, np.float64) - np.asarray(c, np.float64))
                            / max(np.linalg.norm(np.asarray(c, np.float64)), 1e-30)), ga, gc))

@@ -1,0 +1,260 @@
+r"""Packed-segment attention on a GPU: xla reference vs the pallas_gpu kernels.
+
+  python bench/attention.py                       # 4k, 16k, 32k, 64k tokens
+  python bench/attention.py --tokens 4096 --mixtures image_heavy --reps 5
+  python bench/attention.py --variants            # also alternative tiles at 16k
+
+One packed row (B = 1) of T tokens per case, filled with sequence lengths
+drawn from a mixture of bench/mixtures.py (first fit in draw order, a drawn
+sequence longer than the row is cut to it, what is left is padding), causal,
+segment ids and in-sequence positions as the trainer builds them. Shapes are
+the Qwen2.5-VL-7B decoder's: 28 query heads over 4 kv heads, head dim 128,
+bf16.
+
+Per case and backend: median wall time of the jitted forward and of
+forward + backward (dq, dk, dv) over --reps runs after two warm-ups, and the
+compiled program's memory (arguments + outputs + temporaries, from XLA's
+memory analysis). A backend that does not fit reports the error instead.
+The parity columns compare pallas_gpu with xla on the same bf16 inputs
+(||a - b|| / ||b|| of the output and each gradient; bf16 rounding, not a
+bug), and a last fp32 case gives the max abs errors at "highest" precision.
+
+Cost-model columns (the same on any machine):
+  needed TF   attention FLOPs the masks require, forward (QK^T, PV) +
+              backward (dV, dP, dQ, dK) = 6 matmuls x 2 x heads x head dim
+              per visible query-key pair;
+  dense TF    the same over all T x T pairs (what xla computes);
+  kernel TF   what the kernels compute over the tiles they visit (forward 2,
+              dq 3, dk/dv 4 matmuls per tile pair; the backward recomputes
+              QK^T twice);
+  min GB      fewest bytes fwd + bwd must move: q, k, v, o, do read, o, dq,
+              dk, dv written once (bf16);
+  floor ms    max(needed FLOPs / 798 TFLOP/s, min bytes / 3.0 TB/s): the
+              bf16 matmul rate and copy bandwidth seen on this workplace's
+              H100 (.library/device/KINDS.md), so a lead, not a bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import mixtures  # noqa: E402  (lives next to this script)
+from fluxjax.models import attention as attn_lib  # noqa: E402
+from fluxjax.models import attention_pallas as ap  # noqa: E402
+from fluxjax.sharding import balance  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
+PEAK_FLOPS, PEAK_BYTES = 798e12, 3.0e12  # H100 readings of KINDS.md
+
+
+def pack_row(mixture: str, tokens: int, seed: int) -> np.ndarray:
+  """Lengths of the sequences packed into one row of `tokens` (first fit)."""
+  draws = getattr(mixtures, mixture)(512, seed)
+  lengths, room = [], tokens
+  for n in draws:
+    n = int(min(n, tokens))
+    if n <= room:
+      lengths.append(n)
+      room -= n
+  return np.asarray(lengths)
+
+
+def row_arrays(lengths: np.ndarray, tokens: int):
+  seg = np.zeros(tokens, np.int32)
+  pos = np.zeros(tokens, np.int32)
+  start = 0
+  for i, n in enumerate(lengths):
+    seg[start:start + n] = i + 1
+    pos[start:start + n] = np.arange(n)
+    start += n
+  return jnp.asarray(seg[None]), jnp.asarray(pos[None])
+
+
+def kernel_flops(blocks: ap.BlockSizes, seg, pos) -> float:
+  """FLOPs of the matmuls the three kernels run over the tiles they visit."""
+  per_pair = 2.0 * HEADS * HEAD_DIM
+  total = 0.0
+  for rows_q, bq, bk, matmuls in ((True, blocks.fwd_q, blocks.fwd_k, 2),
+                                  (True, blocks.dq_q, blocks.dq_k, 3),
+                                  (False, blocks.dkv_q, blocks.dkv_k, 4)):
+    q_ranges, k_ranges = ap._block_ranges(seg, pos, bq), ap._block_ranges(seg, pos, bk)
+    table = (ap._visit_table(q_ranges, k_ranges, True, True) if rows_q else
+             ap._visit_table(k_ranges, q_ranges, True, False))
+    total += float(np.asarray(table[..., 0]).sum()) * bq * bk * matmuls * per_pair
+  return total
+
+
+def make_fns(backend: str, kw: dict, blocks: ap.BlockSizes | None, interpret: bool = False):
+  if backend == "xla":
+    attend = lambda q, k, v: attn_lib.xla_attention(q, k, v, causal=True, **kw)
+  else:
+    attend = lambda q, k, v: ap.pallas_attention(q, k, v, causal=True, block_sizes=blocks,
+                                                 interpret=interpret, **kw)
+
+  def fwd_bwd(q, k, v, do):
+    out, vjp = jax.vjp(attend, q, k, v)
+    return (out, *vjp(do))
+
+  return jax.jit(attend), jax.jit(fwd_bwd)
+
+
+def timed(fn, args, reps: int) -> float:
+  for _ in range(2):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t)
+  return statistics.median(times)
+
+
+def run_backend(backend, kw, args, reps, blocks=None, interpret=False):
+  """(fwd s, fwd+bwd s, program GB, outputs) or the error's first line."""
+  fwd, fwd_bwd = make_fns(backend, kw, blocks, interpret)
+  try:
+    compiled = fwd_bwd.lower(*args).compile()
+    mem = compiled.memory_analysis()
+    gb = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes) / 1e9
+    t_fb = timed(compiled, args, reps)
+    outs = jax.device_get(compiled(*args))
+    t_f = timed(fwd, args[:3], reps)
+    return t_f, t_fb, gb, outs
+  except Exception as e:  # noqa: BLE001  (OOM and compile failures are results here)
+    line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"{type(e).__name__}: {line[:110]}"
+
+
+def rel_err(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def fp32_parity(seed: int, tokens: int, interpret: bool) -> None:
+  """Max abs error of pallas_gpu vs xla in fp32 ("highest") on a small packed row."""
+  lengths = pack_row("image_heavy", tokens, seed)
+  seg, pos = row_arrays(lengths, tokens)
+  # Shuffle the buffer order: masks must come from positions, not indices.
+  perm = np.random.default_rng(seed).permutation(tokens)
+  seg, pos = seg[:, perm], pos[:, perm]
+  kw = dict(q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos)
+  key = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(key[0], (1, tokens, HEADS, HEAD_DIM), jnp.float32)
+  k = jax.random.normal(key[1], (1, tokens, KV_HEADS, HEAD_DIM), jnp.float32)
+  v = jax.random.normal(key[2], (1, tokens, KV_HEADS, HEAD_DIM), jnp.float32)
+  do = jax.random.normal(key[3], q.shape, jnp.float32)
+  with jax.default_matmul_precision("highest"):
+    ref = jax.device_get(make_fns("xla", kw, None)[1](q, k, v, do))
+    got = jax.device_get(make_fns("pallas_gpu", kw, None, interpret)[1](q, k, v, do))
+  print(f"\nfp32 parity, {tokens} tokens shuffled ({len(lengths)} sequences), "
+        f"{HEADS}/{KV_HEADS} heads, head dim {HEAD_DIM}, matmul precision highest:")
+  print("| tensor | max abs err | max abs ref | rel norm err |")
+  print("|---|---|---|---|")
+  for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+    print(f"| {name} | {np.abs(a - b).max():.2e} | {np.abs(b).max():.3g} | {rel_err(a, b):.2e} |")
+
+
+VARIANTS = {
+    "default": None,
+    "fwd128x128": ap.BlockSizes(fwd_q=128, fwd_k=128, num_warps_fwd=8, num_stages=2),
+    "bwd64x64": ap.BlockSizes(dq_q=64, dq_k=64, dkv_q=64, dkv_k=64, num_stages=2),
+}
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--tokens", default="4096,16384,32768,65536")
+  p.add_argument("--mixtures", default="image_heavy,long_context_sft")
+  p.add_argument("--reps", type=int, default=10)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--variants", action="store_true", help="also alternative tiles at 16k")
+  p.add_argument("--no-xla", action="store_true", help="skip the reference backend")
+  p.add_argument("--parity-tokens", type=int, default=2048, help="row of the fp32 parity case")
+  p.add_argument("--interpret", action="store_true",
+                 help="Pallas interpret mode: a CPU smoke test of this script, not a benchmark")
+  args = p.parse_args()
+  dev = jax.devices()[0]
+  print(f"python {' '.join(sys.argv)}")
+  print(f"device: {dev.device_kind} ({dev.platform}); jax {jax.__version__}; "
+        f"{HEADS}/{KV_HEADS} heads, head dim {HEAD_DIM}, bf16, causal, B=1")
+  if dev.platform == "cpu" and not args.interpret:
+    raise SystemExit("no accelerator: the Triton kernels run on a GPU only")
+  blocks = ap.default_block_sizes(HEAD_DIM, 2)
+  print(f"default tiles: {blocks}")
+  shape1 = dataclasses.replace(balance.qwen25_vl_7b(), num_layers=1)
+  rows = []
+  for mixture in args.mixtures.split(","):
+    for tokens in map(int, args.tokens.split(",")):
+      lengths = pack_row(mixture, tokens, args.seed)
+      seg, pos = row_arrays(lengths, tokens)
+      kw = dict(q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos)
+      key = jax.random.split(jax.random.key(args.seed), 4)
+      q = jax.random.normal(key[0], (1, tokens, HEADS, HEAD_DIM), jnp.bfloat16)
+      k = jax.random.normal(key[1], (1, tokens, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+      v = jax.random.normal(key[2], (1, tokens, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+      do = jax.random.normal(key[3], q.shape, jnp.bfloat16)
+      needed = 3.0 * float(balance.attention_cost(lengths, shape1).sum())
+      dense = 3.0 * 4.0 * HEADS * HEAD_DIM * tokens * tokens
+      kernel = kernel_flops(blocks.capped(tokens, tokens), seg, pos)
+      min_bytes = 2.0 * HEAD_DIM * tokens * (3 * (HEADS + 2 * KV_HEADS) + 3 * HEADS)
+      floor = max(needed / PEAK_FLOPS, min_bytes / PEAK_BYTES)
+      desc = (f"{mixture} {tokens // 1024}k: {len(lengths)} seqs, longest {lengths.max()}, "
+              f"padding {tokens - lengths.sum()}")
+      print(f"\n{desc}; needed {needed / 1e12:.3f} TF, dense {dense / 1e12:.2f} TF, kernel "
+            f"tiles {kernel / 1e12:.3f} TF, min {min_bytes / 1e9:.3f} GB, floor "
+            f"{floor * 1e3:.3f} ms", flush=True)
+      res = {}
+      for backend in (("pallas_gpu",) if args.no_xla else ("xla", "pallas_gpu")):
+        res[backend] = r = run_backend(backend, kw, (q, k, v, do), args.reps,
+                                       interpret=args.interpret)
+        if isinstance(r, str):
+          print(f"  {backend}: {r}", flush=True)
+        else:
+          print(f"  {backend}: fwd {r[0] * 1e3:.3f} ms, fwd+bwd {r[1] * 1e3:.3f} ms, "
+                f"program {r[2]:.2f} GB, needed-FLOP rate {needed / r[1] / 1e12:.0f} TF/s",
+                flush=True)
+      if args.variants and tokens == 16384:
+        for name, var in VARIANTS.items():
+          if var is None:
+            continue
+          r = run_backend("pallas_gpu", kw, (q, k, v, do), args.reps, var, args.interpret)
+          print(f"  pallas_gpu tiles {name}: " + (r if isinstance(r, str) else
+                f"fwd {r[0] * 1e3:.3f} ms, fwd+bwd {r[1] * 1e3:.3f} ms"), flush=True)
+      if isinstance(res.get("xla"), str) or "xla" not in res:
+        # Nothing to compare against: keep no host copies of the outputs.
+        res = {b: (r if isinstance(r, str) else r[:3]) for b, r in res.items()}
+      rows.append((mixture, tokens, len(lengths), needed, dense, kernel, min_bytes, floor, res))
+  fp32_parity(args.seed, args.parity_tokens, args.interpret)
+
+  print("\n| mixture | tokens | seqs | needed TF | dense TF | kernel TF | min GB | floor ms | "
+        "xla fwd+bwd ms | xla GB | pallas fwd ms | pallas fwd+bwd ms | pallas GB | "
+        "xla/pallas | parity out / dq / dk / dv (bf16, rel) |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  for mixture, tokens, n, needed, dense, kernel, min_bytes, floor, res in rows:
+    x, pg = res.get("xla", "skipped"), res["pallas_gpu"]
+    xs = ("OOM/error", "-") if isinstance(x, str) else (f"{x[1] * 1e3:.2f}", f"{x[2]:.1f}")
+    ps = ("error", "error", "-") if isinstance(pg, str) else (
+        f"{pg[0] * 1e3:.2f}", f"{pg[1] * 1e3:.2f}", f"{pg[2]:.2f}")
+    ratio = "-" if isinstance(x, str) or isinstance(pg, str) else f"{x[1] / pg[1]:.1f}x"
+    parity = "-" if isinstance(x, str) or isinstance(pg, str) else " / ".join(
+        f"{rel_err(a, b):.1e}" for a, b in zip(pg[3], x[3]))
+    print(f"| {mixture} | {tokens} | {n} | {needed / 1e12:.3f} | {dense / 1e12:.2f} | "
+          f"{kernel / 1e12:.3f} | {min_bytes / 1e9:.3f} | {floor * 1e3:.3f} | {xs[0]} | {xs[1]} | "
+          f"{ps[0]} | {ps[1]} | {ps[2]} | {ratio} | {parity} |")
+
+
+if __name__ == "__main__":
+  main()

@@ -71,11 +71,15 @@ def main() -> None:
   p.add_argument("--preset", default="tiny")
   p.add_argument("--dtype", default="float32")
   p.add_argument("--scale", type=int, default=1, help="sequence length multiplier")
-  p.add_argument("--capacity", type=int, default=256)
+  p.add_argument("--capacity", type=int, default=None,
+                 help="tokens per row; default 256 x scale (the batch's lengths scale too)")
   p.add_argument("--patches", type=int, default=256)
   p.add_argument("--attention", default="xla",
                  help="attention backend on the accelerator (the CPU always runs xla)")
   args = p.parse_args()
+  # Without the scaling, --scale 8 (longest sequence 1222) did not fit ulysses'
+  # 256-token rows and the documented bf16 command stopped after packed_dp.
+  args.capacity = args.capacity or 256 * args.scale
   jax.config.update("jax_default_matmul_precision", "highest")
 
   accel = [d for d in jax.devices() if d.platform != "cpu"]

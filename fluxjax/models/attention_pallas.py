@@ -102,11 +102,13 @@ class BlockSizes:
 def default_block_sizes(head_dim_padded: int, itemsize: int) -> BlockSizes:
   """Tiles that fit an H100's registers and 228 KB of shared memory per SM.
 
-  bf16 / head dim 128, measured on an H100 (bench/attention.py, 16k tokens):
-  backward tiles of 32x128 (dk/dv) and 128x32 (dq), as in Triton's
-  fused-attention tutorial, took 3.7x longer than 64x64 here (92.7 against
-  25.3 ms forward + backward). Rows twice as wide (fp32, or head dim 256) get
-  smaller tiles, or the kernels would run out of shared memory.
+  bf16 / head dim 128, measured on an H100 (`bench/attention.py --variants`,
+  16k tokens, forward + backward): 64x64 backward tiles with 4 warps took
+  25.2 ms; the tiles of Triton's fused-attention tutorial (dk/dv 32x128, dq
+  128x32) 89.8 ms, 8 backward warps 42.9 ms, a 128x128 forward tile 24.4 ms
+  (within the spread between runs), 3 pipeline stages 25.4 ms. Rows twice as
+  wide (fp32, or head dim 256) get smaller tiles, or the kernels would run out
+  of shared memory.
   """
   row_bytes = head_dim_padded * itemsize
   if row_bytes <= 256:

@@ -49,11 +49,17 @@ class KVCache:
     return self.k_LSCKH.shape[2]
 
 
-def init_cache(model: vlm.Qwen25VL, num_slots: int, capacity: int) -> KVCache:
-  """An empty cache in the model's compute dtype."""
+def cache_shape(model: vlm.Qwen25VL, num_slots: int, capacity: int) -> tuple[int, ...]:
   t = model.cfg.text
-  shape = (t.num_layers, num_slots, capacity, t.num_kv_heads, t.head_dim)
-  return KVCache(jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
+  return (t.num_layers, num_slots, capacity, t.num_kv_heads, t.head_dim)
+
+
+def init_cache(model: vlm.Qwen25VL, num_slots: int, capacity: int,
+               sharding: jax.sharding.Sharding | None = None) -> KVCache:
+  """An empty cache in the model's compute dtype, placed by `sharding` if given."""
+  shape = cache_shape(model, num_slots, capacity)
+  return KVCache(jnp.zeros(shape, model.dtype, device=sharding),
+                 jnp.zeros(shape, model.dtype, device=sharding))
 
 
 def _scan_decoder(model: vlm.Qwen25VL, carry, body):

@@ -116,7 +116,7 @@ class Qwen25VL(nnx.Module):
     return self.logits(batch)
 
 
-def create_model(cfg: ModelConfig, seed: int = 0) -> Qwen25VL:
+def create_model(cfg: ModelConfig, seed: int | jax.Array = 0) -> Qwen25VL:
   """Builds the model with random weights, unsharded (tests, notebooks).
 
   Sharded creation (abstract init, then a jitted init with out_shardings) lives

@@ -34,6 +34,7 @@ from fluxjax.models.inputs import SequenceInputs
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import protocol, sampling
 from fluxjax.rollout.protocol import ProtocolError, SamplingParams
+from fluxjax.sharding import rules
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,20 @@ def _patch_bucket(n: int, unit: int) -> int:
   return b
 
 
+def _cache_sharding(state: nnx.State, shape) -> jax.sharding.Sharding | None:
+  """The KV cache's layout on the parameters' mesh; None for a one-device model."""
+  for leaf in jax.tree.leaves(state):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
+      return rules.kv_cache_sharding(shape, sharding.mesh)
+  return None
+
+
+def _pin(cache: decode.KVCache, sharding: jax.sharding.Sharding | None) -> decode.KVCache:
+  """The cache leaves each program where it came in: one layout, one compile."""
+  return cache if sharding is None else jax.lax.with_sharding_constraint(cache, sharding)
+
+
 class Engine:
   """Continuous batching over `num_slots` slots of `capacity` tokens each."""
 
@@ -100,7 +115,8 @@ class Engine:
     if self.buckets[-1] > capacity:
       raise ValueError(f"prefill bucket {self.buckets[-1]} exceeds capacity {capacity}")
     self._graphdef, self._state = nnx.split(model)
-    self._cache = decode.init_cache(model, num_slots, capacity)
+    cache_sharding = _cache_sharding(self._state, decode.cache_shape(model, num_slots, capacity))
+    self._cache = decode.init_cache(model, num_slots, capacity, cache_sharding)
     self._rng = np.random.default_rng(seed)
     self.eos_ids = frozenset({self.cfg.eos_token_id, *tokenizer.eos_ids})
     # Host-side slot state.
@@ -127,6 +143,7 @@ class Engine:
                    seed):
       model = nnx.merge(graphdef, state)
       logits_V, cache = decode.prefill(model, cache, slot, tokens_P, positions_3P, length, vis)
+      cache = _pin(cache, cache_sharding)
       tok, lp = sampling.sample(logits_V[None], temp[None], top_p[None], top_k[None],
                                 seed[None], jnp.zeros((1,), jnp.int32))
       return tok[0], lp[0], cache
@@ -135,6 +152,7 @@ class Engine:
                   top_k_S, seed_S):
       model = nnx.merge(graphdef, state)
       logits_SV, cache = decode.decode_step(model, cache, tokens_S, lengths_S, rope_pos_S)
+      cache = _pin(cache, cache_sharding)
       tok_S, lp_S = sampling.sample(logits_SV, temp_S, top_p_S, top_k_S, seed_S, steps_S)
       return tok_S, lp_S, cache
 

@@ -57,6 +57,25 @@ def partition_spec(logical: Sequence[str | None], shape: Sequence[int], rules: R
   return P(*spec)
 
 
+# The rollout engine's KV cache [layers, slots, capacity, kv heads, head dim]:
+# slots over the batch axes where they divide (no reduction is split), else
+# the heads, else the head dim over the parameter axes.
+KV_CACHE_AXES = (axes.LAYERS, axes.ACT_BATCH, None, axes.KV_HEADS, axes.HEAD_DIM)
+
+
+def kv_cache_sharding(shape: Sequence[int],
+                      mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+  """Where the engine's cache lives, fixed up front so its programs compile once.
+
+  Left to propagation, the first prefill (an unplaced cache) returns the cache
+  sharded as XLA chose and the second call compiles again for that layout.
+  """
+  group = mesh_lib.param_axes(mesh)
+  table = [(axes.ACT_BATCH, mesh_lib.batch_axes(mesh)), (axes.KV_HEADS, group),
+           (axes.HEAD_DIM, group)]
+  return jax.sharding.NamedSharding(mesh, partition_spec(KV_CACHE_AXES, shape, table, mesh))
+
+
 def state_shardings(state: nnx.State, rules: Rules, mesh: jax.sharding.Mesh) -> nnx.State:
   """NamedSharding for every leaf of an (abstract) NNX state, from its metadata."""
 
@@ -123,11 +142,13 @@ def create_sharded_model(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules
     logging.info("parameters:\n%s", format_table(table))
   check_sharded(table, max_replicated_bytes)
 
-  def init():
-    return nnx.state(vlm.create_model(cfg, seed))
+  def init(seed_key):
+    return nnx.state(vlm.create_model(cfg, seed_key))
 
+  # The seed is an argument, not a constant of the program: one compile serves
+  # every seed (tests and notebooks build many models of one config).
   with jax.set_mesh(mesh):
-    state = jax.jit(init, out_shardings=shardings)()
+    state = jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
   return nnx.merge(graphdef, state)
 
 

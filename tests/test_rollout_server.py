@@ -34,10 +34,6 @@ def server_env():
   env["JAX_PLATFORMS"] = "cpu"
   env["XLA_FLAGS"] = ""  # one CPU device per server, not the fake test mesh
   env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
-  # Server processes compile the same programs: they share the session's
-  # persistent compilation cache that conftest.py puts in the environment
-  # (start-up drops from ~20 s to ~5 s on 2 cores).
-  assert env.get("JAX_COMPILATION_CACHE_DIR"), "conftest.py sets the session's cache"
   return env
 
 

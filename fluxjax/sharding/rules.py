@@ -10,6 +10,7 @@ Gradients and optimizer state take the same specs as their parameters.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -141,15 +142,28 @@ def create_sharded_model(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules
   if log_table:
     logging.info("parameters:\n%s", format_table(table))
   check_sharded(table, max_replicated_bytes)
+  init = sharded_init(cfg, tuple((name, tuple(mesh_axes)) for name, mesh_axes in rules), mesh)
+  with jax.set_mesh(mesh):
+    state = init(jax.random.key(seed))
+  return nnx.merge(graphdef, state)
+
+
+@functools.lru_cache(maxsize=8)
+def sharded_init(cfg: ModelConfig, rules: Rules, mesh: jax.sharding.Mesh):
+  """`init(seed_key) -> state`, jitted once per (config, rules, mesh).
+
+  The seed is an argument, not a constant of the program, and the jitted
+  function is kept: every model of one config and layout (a reference model,
+  a resumed loop, a notebook re-running a cell) reuses one compiled program.
+  Compiling it costs ~10 s on CPU whatever the model's size: each parameter's
+  random draw is its own threefry kernel. `rules` must be hashable (tuples).
+  """
+  _, abstract_state = nnx.split(vlm.abstract_model(cfg))
 
   def init(seed_key):
     return nnx.state(vlm.create_model(cfg, seed_key))
 
-  # The seed is an argument, not a constant of the program: one compile serves
-  # every seed (tests and notebooks build many models of one config).
-  with jax.set_mesh(mesh):
-    state = jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
-  return nnx.merge(graphdef, state)
+  return jax.jit(init, out_shardings=state_shardings(abstract_state, rules, mesh))
 
 
 def model_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh,

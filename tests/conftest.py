@@ -24,9 +24,10 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # No persistent compilation cache: with executables deserialized from it the
 # suite segfaulted in 3 of 6 full runs (SIGSEGV in XLA:CPU's ExecuteLaunch
 # while the engine thread and the trainer both dispatch, always in
-# test_dynamic_sampling...), against 0 of 3 runs without it. The cache is not
-# shown to be the cause: reusing executables in memory (branch wip/xla-memo)
-# crashed the same way, so reuse, or the faster timing it brings, exposes it.
+# test_dynamic_sampling...), against 0 of 6 full runs without it (one under
+# pytest-xdist). The cache is not shown to be the cause: reusing executables
+# in memory (branch wip/xla-memo) crashed the same way, so reuse, or the
+# faster timing it brings, exposes it.
 os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 
 import jax  # noqa: E402  (must follow the environment set-up above)

@@ -77,16 +77,16 @@ def test_sharded_init_places_shards_without_a_whole_copy(devices):
       assert all(s.data.size * 8 == value.size for s in value.addressable_shards), key
 
 
-
 def test_sharded_init_compiles_once_for_every_seed(devices):
   mesh = mesh_lib.make_mesh()
   cfg = config_lib.preset("tiny")
   a = rules.create_sharded_model(cfg, mesh, seed=3, log_table=False)
   b = rules.create_sharded_model(cfg, mesh, seed=4, log_table=False)
-  init = rules.sharded_init(cfg, tuple((n, tuple(m)) for n, m in rules.fsdp_rules(mesh)), mesh)
+  init = rules.sharded_init(cfg, rules.fsdp_rules(mesh), mesh)
   assert init._cache_size() == 1  # one program, the seed is its argument
   embed_a, embed_b = (np.asarray(m.model.embed_tokens[...]) for m in (a, b))
   assert not np.allclose(embed_a, embed_b)
+
 
 def _train(*overrides):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",

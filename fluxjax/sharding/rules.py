@@ -142,13 +142,12 @@ def create_sharded_model(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules
   if log_table:
     logging.info("parameters:\n%s", format_table(table))
   check_sharded(table, max_replicated_bytes)
-  init = sharded_init(cfg, tuple((name, tuple(mesh_axes)) for name, mesh_axes in rules), mesh)
+  init = sharded_init(cfg, rules, mesh)
   with jax.set_mesh(mesh):
     state = init(jax.random.key(seed))
   return nnx.merge(graphdef, state)
 
 
-@functools.lru_cache(maxsize=8)
 def sharded_init(cfg: ModelConfig, rules: Rules, mesh: jax.sharding.Mesh):
   """`init(seed_key) -> state`, jitted once per (config, rules, mesh).
 
@@ -156,8 +155,13 @@ def sharded_init(cfg: ModelConfig, rules: Rules, mesh: jax.sharding.Mesh):
   function is kept: every model of one config and layout (a reference model,
   a resumed loop, a notebook re-running a cell) reuses one compiled program.
   Compiling it costs ~10 s on CPU whatever the model's size: each parameter's
-  random draw is its own threefry kernel. `rules` must be hashable (tuples).
+  random draw is its own threefry kernel.
   """
+  return _sharded_init(cfg, tuple((name, tuple(mesh_axes)) for name, mesh_axes in rules), mesh)
+
+
+@functools.lru_cache(maxsize=8)
+def _sharded_init(cfg: ModelConfig, rules: Rules, mesh: jax.sharding.Mesh):
   _, abstract_state = nnx.split(vlm.abstract_model(cfg))
 
   def init(seed_key):

@@ -38,7 +38,8 @@ sys.path.insert(0, ROOT)  # runs from a checkout without `pip install -e .`, as 
 
 
 def run_mode(mode: str, args, workdir: str) -> dict:
-  from fluxjax import config_args, metrics
+  from fluxjax import config_args
+  from fluxjax.rl import metrics
   from fluxjax.rl import loop
 
   c = config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"))

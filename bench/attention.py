@@ -54,6 +54,7 @@ import numpy as np  # noqa: E402
 import mixtures  # noqa: E402  (lives next to this script)
 from fluxjax.models import attention as attn_lib  # noqa: E402
 from fluxjax.models import attention_pallas as ap  # noqa: E402
+from fluxjax.models import config as model_config  # noqa: E402
 from fluxjax.sharding import balance  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
@@ -200,7 +201,7 @@ def main() -> None:
     raise SystemExit("no accelerator: the Triton kernels run on a GPU only")
   blocks = ap.default_block_sizes(HEAD_DIM, 2)
   print(f"default tiles: {blocks}")
-  shape1 = dataclasses.replace(balance.qwen25_vl_7b(), num_layers=1)
+  shape1 = dataclasses.replace(model_config.preset("7b").cost_shape(), num_layers=1)
   rows = []
   for mixture in args.mixtures.split(","):
     for tokens in map(int, args.tokens.split(",")):

@@ -42,6 +42,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mixtures  # noqa: E402  (lives next to this script)
 
+from fluxjax.models import config as model_config  # noqa: E402
 from fluxjax.sharding import balance, planners  # noqa: E402
 from fluxjax.sharding import plan as plan_lib  # noqa: E402
 
@@ -193,7 +194,7 @@ def main(argv=None) -> None:
                   help="skip the ODC bubble table and the planner timings")
   args = ap.parse_args(argv)
   devices = [int(d) for d in args.devices.split(",")]
-  shape = balance.qwen25_vl_7b()
+  shape = model_config.preset("7b").cost_shape()
 
   print(f"# python bench/balance.py {' '.join(sys.argv[1:])}".rstrip())
   print(f"# {_cpu()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "

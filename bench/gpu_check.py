@@ -37,11 +37,12 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from fluxjax import train_step  # noqa: E402
+from fluxjax.parallel import train_step  # noqa: E402
 from fluxjax.models import config as config_lib  # noqa: E402
-from fluxjax.sharding import batch as batch_lib  # noqa: E402
+from fluxjax.models import sharded  # noqa: E402
+from fluxjax.parallel import batch as batch_lib  # noqa: E402
 from fluxjax.sharding import mesh as mesh_lib  # noqa: E402
-from fluxjax.sharding import random_batch, rules, strategies  # noqa: E402
+from fluxjax.parallel import random_batch, strategies  # noqa: E402
 
 
 def run(strategy, cfg, params_host, graphdef, seqs, device, patches):
@@ -93,7 +94,7 @@ def main() -> None:
         f"preset {args.preset}, dtype {args.dtype}; attention {args.attention} on the "
         f"accelerator, {cfg.attention_backend} on the cpu")
   cpu_mesh = mesh_lib.make_mesh(devices=[cpu])
-  create = lambda c: rules.create_sharded_model(c, cpu_mesh, seed=0, log_table=False,
+  create = lambda c: sharded.create_sharded_model(c, cpu_mesh, seed=0, log_table=False,
                                                 max_replicated_bytes=1 << 40)
   graphdef, params = nnx.split(create(cfg), nnx.Param)
   # The backend is static module state: the accelerator needs its own graphdef

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from fluxjax import metrics as metrics_lib
+from fluxjax.rl import metrics as metrics_lib
 
 # One panel per curve: (file name, title, candidate metric keys).
 PANELS = (

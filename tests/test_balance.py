@@ -12,6 +12,7 @@ from fluxjax.sharding import balance
 
 TINY = balance.CostShape(num_layers=2, hidden=8, num_heads=4, num_kv_heads=2, head_dim=2,
                          intermediate=16, vocab=32)
+QWEN_7B = config.preset("7b").cost_shape()
 
 _costs = st.lists(st.integers(0, 1000), min_size=0, max_size=40)
 
@@ -26,12 +27,12 @@ def _sums(costs, parts):
 
 def test_cost_shape_reads_the_text_config():
   cfg = config.preset("7b")
-  s = balance.CostShape.from_model_config(cfg)
+  s = cfg.cost_shape()
   t = cfg.text
   assert (s.num_layers, s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate,
           s.vocab) == (t.num_layers, t.hidden_size, t.num_heads, t.num_kv_heads, t.head_dim,
                        t.intermediate_size, t.vocab_size)
-  assert balance.qwen25_vl_7b() == s and s.bytes_per_elem == 2
+  assert s.bytes_per_elem == 2 and cfg.cost_shape(4).bytes_per_elem == 4
 
 
 def test_attention_cost_counts_causal_pairs():
@@ -54,13 +55,14 @@ def test_linear_cost_counts_every_matmul_weight_once_per_token():
 
 def test_costs_vectorize():
   lengths = np.array([0, 1, 100, 5000])
-  np.testing.assert_array_equal(balance.sequence_cost(lengths),
-                                [balance.sequence_cost(int(n)) for n in lengths])
-  assert balance.sequence_cost(100) == balance.attention_cost(100) + balance.linear_cost(100)
+  np.testing.assert_array_equal(balance.sequence_cost(lengths, QWEN_7B),
+                                [balance.sequence_cost(int(n), QWEN_7B) for n in lengths])
+  assert (balance.sequence_cost(100, QWEN_7B)
+          == balance.attention_cost(100, QWEN_7B) + balance.linear_cost(100, QWEN_7B))
 
 
 def test_all_to_all_bytes_pads_heads_and_replicates_kv():
-  s = balance.qwen25_vl_7b()  # 28 query heads, 4 KV heads, head_dim 128, bf16
+  s = QWEN_7B  # 28 query heads, 4 KV heads, head_dim 128, bf16
   assert balance.ulysses_all_to_all_bytes(1000, 1, s) == 0
   # sp=4: q and out move 28 heads each, k and v 4 each; 3/4 leaves the device.
   per_token_layer = 128 * (2 * 28 + 2 * 4) * 2
@@ -165,7 +167,7 @@ def test_kk_balances_a_uniform_batch_exactly():
 def _long_tail(n, seed):
   rng = np.random.default_rng(seed)
   lengths = np.minimum(rng.lognormal(np.log(9000), 1.1, n), 65536).astype(np.int64)
-  return lengths, balance.sequence_cost(lengths)
+  return lengths, balance.sequence_cost(lengths, QWEN_7B)
 
 
 def _check_schedules(schedules, lengths, cap, devices):
@@ -184,7 +186,7 @@ def _check_schedules(schedules, lengths, cap, devices):
                   st.integers(4096, 20000))
 def test_lb_micro_and_lb_mini_cover_items_and_respect_the_cap(lengths, devices, mbs, cap):
   lengths = np.asarray(lengths, dtype=np.int64)
-  costs = balance.sequence_cost(lengths)
+  costs = balance.sequence_cost(lengths, QWEN_7B)
   micro = balance.lb_micro(costs, lengths, devices, cap, mbs)
   mini = balance.lb_mini(costs, lengths, devices, cap, mbs)
   _check_schedules(micro, lengths, cap, devices)
@@ -236,7 +238,7 @@ def test_bubble_rate_by_hand():
                   st.sampled_from([2, 4, 8]), st.sampled_from([None, 1, 2]))
 def test_minibatch_sync_never_idles_more_than_layer_sync(lengths, devices, mbs):
   lengths = np.asarray(lengths)
-  costs = balance.sequence_cost(lengths)
+  costs = balance.sequence_cost(lengths, QWEN_7B)
   for schedules in (balance.lb_micro(costs, lengths, devices, 32768, mbs),
                     balance.lb_mini(costs, lengths, devices, 32768, mbs)):
     layer = balance.bubble_rate(schedules, costs, "layer")

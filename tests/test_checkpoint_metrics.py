@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fluxjax import checkpoint, metrics, plot, train_step
+from fluxjax import plot
+from fluxjax.rl import checkpoint, metrics
+from fluxjax.parallel import train_step
 from fluxjax.models import config as config_lib
+from fluxjax.models import sharded
 from fluxjax.sharding import mesh as mesh_lib
-from fluxjax.sharding import rules
 
 OPT = ml_collections.ConfigDict(dict(lr=1e-3, warmup_steps=2, total_steps=10, end_lr_frac=0.1,
                                      max_grad_norm=1.0, b1=0.9, b2=0.95, eps=1e-8,
@@ -21,7 +23,7 @@ OPT = ml_collections.ConfigDict(dict(lr=1e-3, warmup_steps=2, total_steps=10, en
 
 
 def _state(mesh, seed):
-  model = rules.create_sharded_model(config_lib.preset("tiny"), mesh, seed=seed, log_table=False)
+  model = sharded.create_sharded_model(config_lib.preset("tiny"), mesh, seed=seed, log_table=False)
   tx = train_step.make_optimizer(OPT)
   return train_step.create_train_state(model, tx, mesh)
 

@@ -21,7 +21,7 @@ from fluxjax.data import pipeline, readers, synth, workers
 from fluxjax.models import config as config_lib
 from fluxjax.models import inputs, processor
 from fluxjax.models.tokenizer import Tokenizer
-from fluxjax.sharding import batch as batch_lib
+from fluxjax.parallel import batch as batch_lib
 from fluxjax.sharding import planners
 
 CFG = processor.VisionProcessorConfig(
@@ -89,7 +89,7 @@ def test_materializer_builds_the_same_vision_buffers(data):
                              shuffle=False) as loader:
     samples = loader.next_batch()
     seqs = _train_sequences(samples)
-    plan = planners.plan_packed_dp([len(s) for s in seqs], 8, 4096)
+    plan = planners.plan_packed_dp([len(s) for s in seqs], 8, 4096, MODEL.cost_shape())
     cap = batch_lib.patch_capacity_for(plan, seqs, MODEL, (512, 1024, 4096))
     # The reference: the same sequences holding in-process processor output.
     ref_seqs = []

@@ -19,7 +19,7 @@ import urllib.request
 
 import pytest
 
-from fluxjax import metrics
+from fluxjax.rl import metrics
 from fluxjax.data import readers, synth
 from fluxjax.rl import loop
 from fluxjax.rollout import fleet as fleet_lib

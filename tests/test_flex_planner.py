@@ -5,6 +5,7 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 
+from fluxjax.models import config
 from fluxjax.sharding import flex_planner, planners
 
 lengths = st.lists(st.integers(1, 5000), min_size=1, max_size=40)
@@ -156,4 +157,4 @@ def test_no_device_holds_more_than_the_capacity(seed):
   lens = rng.integers(10000, 24500, int(rng.integers(20, 200))).tolist()
   plan = planners.plan_flex_ulysses(lens, 8, 8, 16384, buckets=(4096, 8192, 16384))
   plan.validate()
-  assert planners.plan_loads(plan).tokens.max() <= 16384
+  assert planners.plan_loads(plan, config.preset("7b").cost_shape()).tokens.max() <= 16384

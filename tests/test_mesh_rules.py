@@ -11,6 +11,7 @@ from flax import nnx
 
 from fluxjax.models import config as config_lib
 from fluxjax.models import vlm
+from fluxjax.models import sharded
 from fluxjax.sharding import axes
 from fluxjax.sharding import mesh as mesh_lib
 from fluxjax.sharding import rules
@@ -64,7 +65,7 @@ def test_partition_spec_skips_indivisible_dims(devices):
 
 def test_sharded_init_places_shards_without_a_whole_copy(devices):
   mesh = mesh_lib.make_mesh(sp_axes=(("sp", 2),))
-  model = rules.create_sharded_model(config_lib.preset("tiny"), mesh, seed=0, log_table=False)
+  model = sharded.create_sharded_model(config_lib.preset("tiny"), mesh, seed=0, log_table=False)
   reference = vlm.create_model(config_lib.preset("tiny"), seed=0)
   want = dict(nnx.to_flat_state(nnx.state(reference, nnx.Param)))
   for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -80,9 +81,9 @@ def test_sharded_init_places_shards_without_a_whole_copy(devices):
 def test_sharded_init_compiles_once_for_every_seed(devices):
   mesh = mesh_lib.make_mesh()
   cfg = config_lib.preset("tiny")
-  a = rules.create_sharded_model(cfg, mesh, seed=3, log_table=False)
-  b = rules.create_sharded_model(cfg, mesh, seed=4, log_table=False)
-  init = rules.sharded_init(cfg, rules.fsdp_rules(mesh), mesh)
+  a = sharded.create_sharded_model(cfg, mesh, seed=3, log_table=False)
+  b = sharded.create_sharded_model(cfg, mesh, seed=4, log_table=False)
+  init = sharded.sharded_init(cfg, rules.fsdp_rules(mesh), mesh)
   assert init._cache_size() == 1  # one program, the seed is its argument
   embed_a, embed_b = (np.asarray(m.model.embed_tokens[...]) for m in (a, b))
   assert not np.allclose(embed_a, embed_b)

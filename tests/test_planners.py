@@ -5,9 +5,11 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 
+from fluxjax.models import config
 from fluxjax.sharding import balance, planners
 
 CAP = 4096
+SHAPE = config.preset("7b").cost_shape()
 
 
 @st.composite
@@ -36,7 +38,7 @@ def _device_rows(plan):
 @hypothesis.given(_batches())
 def test_packed_dp_plans_are_valid(batch):
   lengths, devices = batch
-  plan = planners.plan_packed_dp(lengths, devices, CAP)
+  plan = planners.plan_packed_dp(lengths, devices, CAP, SHAPE)
   plan.validate()
   assert plan.strategy == "packed_dp" and plan.capacity == CAP
   assert plan.lengths == tuple(lengths)
@@ -50,7 +52,7 @@ def test_packed_dp_plans_are_valid(batch):
 @hypothesis.given(_ulysses_cases([1, 2, 4, 8]))
 def test_ulysses_plans_are_valid_with_consecutive_blocks(case):
   sp, (lengths, devices) = case
-  plan = planners.plan_ulysses(lengths, devices, sp, CAP)
+  plan = planners.plan_ulysses(lengths, devices, sp, CAP, SHAPE)
   plan.validate()
   assert plan.strategy == "ulysses"
   blocks = [tuple(range(g * sp, (g + 1) * sp)) for g in range(devices // sp)]
@@ -62,43 +64,43 @@ def test_ulysses_plans_are_valid_with_consecutive_blocks(case):
 def test_plans_are_deterministic():
   rng = np.random.default_rng(0)
   lengths = rng.integers(1, CAP, 300).tolist()
-  assert planners.plan_packed_dp(lengths, 8, CAP) == planners.plan_packed_dp(lengths, 8, CAP)
-  assert (planners.plan_ulysses(lengths, 8, 4, CAP)
-          == planners.plan_ulysses(lengths, 8, 4, CAP))
+  assert planners.plan_packed_dp(lengths, 8, CAP, SHAPE) == planners.plan_packed_dp(lengths, 8, CAP, SHAPE)
+  assert (planners.plan_ulysses(lengths, 8, 4, CAP, SHAPE)
+          == planners.plan_ulysses(lengths, 8, 4, CAP, SHAPE))
 
 
 def test_too_long_sequences_are_named():
   lengths = [100, 200, 300, 9000, 50, 9001]
   with pytest.raises(ValueError, match=r"sequence 3 has 9000 tokens > packed_dp capacity "
                                        r"8192 \(and 1 more\); use ulysses or flex_ulysses"):
-    planners.plan_packed_dp(lengths, 4, 8192)
+    planners.plan_packed_dp(lengths, 4, 8192, SHAPE)
   with pytest.raises(ValueError, match=r"sequence 1 has 40000 tokens > ulysses sp=2 x "
                                        r"capacity 16384 = 32768"):
-    planners.plan_ulysses([10, 40000], 4, 2, 16384)
+    planners.plan_ulysses([10, 40000], 4, 2, 16384, SHAPE)
   # The same sequence fits a degree-2 row.
-  planners.plan_ulysses(lengths, 4, 2, 8192).validate()
+  planners.plan_ulysses(lengths, 4, 2, 8192, SHAPE).validate()
 
 
 def test_bad_degrees_are_refused():
   with pytest.raises(ValueError, match="sp=4 does not divide 6 devices"):
-    planners.plan_ulysses([10], 6, 4, CAP)
+    planners.plan_ulysses([10], 6, 4, CAP, SHAPE)
   with pytest.raises(ValueError, match="sp=3 must be a power of two"):
-    planners.plan_ulysses([10], 6, 3, CAP)
+    planners.plan_ulysses([10], 6, 3, CAP, SHAPE)
   with pytest.raises(ValueError, match="negative"):
-    planners.plan_packed_dp([10, -1], 2, CAP)
+    planners.plan_packed_dp([10, -1], 2, CAP, SHAPE)
   with pytest.raises(ValueError, match=">= 1"):
-    planners.plan_packed_dp([10], 0, CAP)
+    planners.plan_packed_dp([10], 0, CAP, SHAPE)
 
 
 def test_empty_batch_gives_no_microbatches():
-  for plan in (planners.plan_packed_dp([], 8, CAP), planners.plan_ulysses([], 8, 2, CAP)):
+  for plan in (planners.plan_packed_dp([], 8, CAP, SHAPE), planners.plan_ulysses([], 8, 2, CAP, SHAPE)):
     plan.validate()
     assert plan.num_microbatches == 0
 
 
 def test_uniform_batch_is_perfectly_balanced():
-  plan = planners.plan_packed_dp([1000] * 64, 8, CAP)
-  loads = planners.plan_loads(plan)
+  plan = planners.plan_packed_dp([1000] * 64, 8, CAP, SHAPE)
+  loads = planners.plan_loads(plan, SHAPE)
   assert balance.balance_ratio(loads.attention.sum(axis=0)) == pytest.approx(1.0)
   assert balance.balance_ratio(loads.tokens.sum(axis=0)) == pytest.approx(1.0)
   assert plan.num_microbatches == 2  # 8 x 1000 tokens per device, 4 per microbatch
@@ -107,8 +109,8 @@ def test_uniform_batch_is_perfectly_balanced():
 def test_microbatches_run_heaviest_rows_first():
   rng = np.random.default_rng(3)
   lengths = rng.integers(1, CAP, 200)
-  plan = planners.plan_packed_dp(lengths, 4, CAP)
-  cost = planners.plan_loads(plan).cost
+  plan = planners.plan_packed_dp(lengths, 4, CAP, SHAPE)
+  cost = planners.plan_loads(plan, SHAPE).cost
   assert np.all(np.diff(cost, axis=0) <= 1e-6 * cost.max())
 
 
@@ -116,10 +118,10 @@ def test_microbatches_run_heaviest_rows_first():
 @hypothesis.given(_ulysses_cases([1, 2, 4]))
 def test_plan_loads_conserve_tokens_and_flops(case):
   sp, (lengths, devices) = case
-  plan = planners.plan_ulysses(lengths, devices, sp, CAP)
-  loads = planners.plan_loads(plan)
+  plan = planners.plan_ulysses(lengths, devices, sp, CAP, SHAPE)
+  loads = planners.plan_loads(plan, SHAPE)
   assert loads.tokens.sum() == pytest.approx(sum(lengths))
-  assert loads.attention.sum() == pytest.approx(balance.attention_cost(np.array(lengths)).sum())
+  assert loads.attention.sum() == pytest.approx(balance.attention_cost(np.array(lengths), SHAPE).sum())
   assert loads.tokens.max(initial=0) <= CAP
   # Devices of one row share its work evenly.
   for m, rows in enumerate(plan.microbatches):
@@ -133,8 +135,8 @@ def test_ulysses_beats_packed_dp_on_one_long_sequence():
   # FlexRL Figure 3 (middle): one long outlier makes its packed_dp device the
   # straggler; a degree-4 row spreads it over four devices.
   lengths = [16000] + [1000] * 31
-  dp = planners.plan_loads(planners.plan_packed_dp(lengths, 4, 16384))
-  sp = planners.plan_loads(planners.plan_ulysses(lengths, 4, 4, 16384))
+  dp = planners.plan_loads(planners.plan_packed_dp(lengths, 4, 16384, SHAPE), SHAPE)
+  sp = planners.plan_loads(planners.plan_ulysses(lengths, 4, 4, 16384, SHAPE), SHAPE)
   assert (balance.balance_ratio(sp.attention.sum(axis=0))
           < balance.balance_ratio(dp.attention.sum(axis=0)))
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from fluxjax import metrics
+from fluxjax.rl import metrics
 from fluxjax.data import pipeline, readers
 from fluxjax.models import processor
 from fluxjax.rl import loop

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fluxjax.rl import losses
-from fluxjax.sharding.batch import TrainBatch
+from fluxjax.parallel.batch import TrainBatch
 
 
 def _batch(adv, prox, old, ref=None):

@@ -10,12 +10,14 @@ import PIL.ImageDraw
 import pytest
 from flax import nnx
 
-from fluxjax import config_args, metrics, train_step
+from fluxjax import config_args
+from fluxjax.rl import metrics
+from fluxjax.parallel import train_step
 from fluxjax.data import synth
 from fluxjax.models import inputs, processor
 from fluxjax.models.tokenizer import Tokenizer
+from fluxjax.models import sharded
 from fluxjax.rl import loop, rewards, sft
-from fluxjax.sharding import rules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,7 +38,7 @@ def setup(devices):
   config = _config()
   config.sft.lr, config.sft.warmup_steps, config.sft.steps = 1e-2, 0, 5
   cfg, strategy, mesh = loop.validate(config)
-  model = rules.create_sharded_model(cfg, mesh, seed=0)
+  model = sharded.create_sharded_model(cfg, mesh, seed=0)
   tx = train_step.make_optimizer(config.optim)
   graphdef, state, shardings = train_step.create_train_state(model, tx, mesh)
   tokenizer = Tokenizer.default()

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fluxjax import train_step
+from fluxjax.parallel import train_step
 from fluxjax.models import config as config_lib
 from fluxjax.models import inputs, vlm
-from fluxjax.sharding import batch as batch_lib
+from fluxjax.models import sharded
+from fluxjax.parallel import batch as batch_lib
 from fluxjax.sharding import mesh as mesh_lib
-from fluxjax.sharding import random_batch, rules, strategies
+from fluxjax.parallel import random_batch, strategies
 
 CFG = config_lib.preset("tiny")
 PATCHES = 128
@@ -66,7 +67,7 @@ def reference(model, seqs, loss_fn=train_step.policy_gradient_loss):
 
 def sharded_run(strategy, seqs, seed=1, balance_vision=False, capture=None):
   mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
-  model = rules.create_sharded_model(CFG, mesh, seed=seed, log_table=False)
+  model = sharded.create_sharded_model(CFG, mesh, seed=seed, log_table=False)
   graphdef, params = nnx.split(model, nnx.Param)
   plan = strategy.plan([len(s) for s in seqs], mesh.size)
   plan.validate()
@@ -151,7 +152,7 @@ def test_config_switches_strategy_and_rejects_bad_ones():
 def test_train_step_shards_state_and_compiles_once_per_bucket(devices):
   strategy = _strategy("ulysses", 2)
   mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
-  model = rules.create_sharded_model(CFG, mesh, seed=0, log_table=False)
+  model = sharded.create_sharded_model(CFG, mesh, seed=0, log_table=False)
   opt = ml_collections.ConfigDict(dict(lr=1e-3, warmup_steps=2, total_steps=10, end_lr_frac=0.1,
                                        max_grad_norm=1.0, b1=0.9, b2=0.95, eps=1e-8,
                                        weight_decay=0.0))

@@ -17,13 +17,13 @@ import optax
 import pytest
 from flax import nnx
 
-from fluxjax import train_step
+from fluxjax.parallel import train_step
 from fluxjax.models import inputs, vlm
+from fluxjax.models import sharded
 from fluxjax.rl import losses
 from fluxjax.rl.stream_trainer import StreamTrainer
-from fluxjax.sharding import batch as batch_lib
+from fluxjax.parallel import batch as batch_lib
 from fluxjax.sharding import mesh as mesh_lib
-from fluxjax.sharding import rules
 from tests.test_strategies import CFG, PATCHES, _strategy, mixed_batch
 
 OPT = ml_collections.ConfigDict(dict(lr=1e-2, warmup_steps=0, total_steps=10, end_lr_frac=1.0,
@@ -33,7 +33,7 @@ SGD = optax.sgd(0.5, momentum=0.9)
 
 
 def _fresh_state(mesh, tx):
-  model = rules.create_sharded_model(CFG, mesh, seed=4, log_table=False)
+  model = sharded.create_sharded_model(CFG, mesh, seed=4, log_table=False)
   return train_step.create_train_state(model, tx, mesh)
 
 
@@ -130,7 +130,7 @@ def test_stream_reference_kl_equals_update_with_single_device_reference(name, sp
 
   for s in seqs:  # the stream trainer must compute them itself
     s.ref_logprobs_T = None
-  sharded_ref = rules.create_sharded_model(CFG, mesh, seed=1, log_table=False)
+  sharded_ref = sharded.create_sharded_model(CFG, mesh, seed=1, log_table=False)
   graphdef, state, shardings = _fresh_state(mesh, tx)
   trainer = StreamTrainer(CFG, mesh, strategy, graphdef, state, shardings, tx, loss_fn,
                           patch_buckets=(PATCHES,), ref_params=nnx.state(sharded_ref, nnx.Param))

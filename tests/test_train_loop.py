@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from fluxjax import config_args, metrics
+from fluxjax import config_args
+from fluxjax.rl import metrics
 from fluxjax.data import readers
 from fluxjax.rl import coordinator, loop
 

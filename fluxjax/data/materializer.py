@@ -1,7 +1,7 @@
 """The Materializer: device vision buffers from the worker store, one step ahead.
 
 Two uses:
-  * as `patch_source` for `fluxjax.sharding.batch.materialize`: item ->
+  * as `patch_source` for `fluxjax.parallel.batch.materialize`: item ->
     float32 [num_patches, patch_dim], the rows of its (possibly sliced)
     MediaRef, identical to the processor's output for that file;
   * in the background: `prepare(placement)` takes the plan's

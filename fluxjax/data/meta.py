@@ -4,7 +4,7 @@
 its size and the patch grid the processor's resize rule gives it, with
 `slice()` over temporal groups so a planner can split a video and a
 materializer fetch only the frames one device needs. It is a media item for
-`fluxjax.models.inputs` and `fluxjax.sharding.batch` (`kind`, `grid_thw`,
+`fluxjax.models.inputs` and `fluxjax.parallel.batch` (`kind`, `grid_thw`,
 `second_per_grid`, `id`). Probing reads headers only and is cached per file
 (path, size, mtime), so the controller never decodes or holds pixels.
 """

@@ -1,14 +1,15 @@
 """Attention over packed sequences, behind one backend switch.
 
-Masks come from segment ids and in-sequence positions, never from buffer
-indices, so a sharding strategy may reorder or split tokens freely:
-  key j is visible to query i  iff  seg[i] == seg[j] != 0  (and pos[j] <= pos[i]
-  when causal).
-Segment id 0 marks padding; padded queries return zeros.
-
-Backends: `xla` is the reference and runs everywhere. GPU kernels register
-themselves here; cuDNN flash through `jax.nn.dot_product_attention` ignores
-segment ids and must not be used for packed sequences.
+Every backend takes the same arguments and masks the same way as the `xla`
+reference (`fluxjax.models.attention_xla`): segment ids and in-sequence
+positions decide visibility, never buffer indices. Built in:
+  xla         the reference; any platform.
+  pallas_gpu  packed-segment flash attention in Pallas/Triton
+              (`fluxjax.models.attention_pallas`), loaded on first use so
+              CPU-only users never import the Triton lowering.
+Other backends register with `register_backend`. cuDNN flash through
+`jax.nn.dot_product_attention` ignores segment ids and must not be used for
+packed sequences.
 """
 
 from __future__ import annotations
@@ -16,58 +17,30 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 
-_BACKENDS: dict[str, Callable] = {}
-_NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
+from fluxjax.models.attention_xla import segment_mask, xla_attention
+
+__all__ = ["attention", "register_backend", "segment_mask", "xla_attention"]
+
+_BACKENDS: dict[str, Callable] = {"xla": xla_attention}
 
 
 def register_backend(name: str, fn: Callable) -> None:
   _BACKENDS[name] = fn
 
 
-def segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
-                 q_positions: jax.Array | None, kv_positions: jax.Array | None,
-                 causal: bool) -> jax.Array:
-  """bool [B, T, S]: which keys each query may attend to."""
-  mask = (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]) & (q_segment_ids[:, :, None] != 0)
-  if causal:
-    if q_positions is None or kv_positions is None:
-      raise ValueError("causal attention needs query and key positions")
-    mask &= kv_positions[:, None, :] <= q_positions[:, :, None]
-  return mask
-
-
-def xla_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *,
-                  q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
-                  q_positions: jax.Array | None = None, kv_positions: jax.Array | None = None,
-                  causal: bool) -> jax.Array:
-  """Reference attention with grouped KV heads; softmax in fp32."""
-  b, t, n, h = q_BTNH.shape
-  kv_heads = k_BSKH.shape[2]
-  if n % kv_heads:
-    raise ValueError(f"{n} query heads do not group over {kv_heads} kv heads")
-  q = q_BTNH.reshape(b, t, kv_heads, n // kv_heads, h)
-  logits = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH,
-                      preferred_element_type=jnp.float32) * (h ** -0.5)
-  mask = segment_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, causal)
-  logits = jnp.where(mask[:, None, None], logits, _NEG_INF)
-  probs = jax.nn.softmax(logits, axis=-1)
-  # A padded query sees no key; its softmax is uniform garbage, so zero it.
-  probs = jnp.where(mask.any(-1)[:, None, None, :, None], probs, 0.0)
-  out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_BSKH.dtype), v_BSKH)
-  return out.reshape(b, t, n, h)
-
-
-register_backend("xla", xla_attention)
+def _builtin(name: str) -> Callable | None:
+  if name == "pallas_gpu":
+    from fluxjax.models import attention_pallas
+    return attention_pallas.pallas_attention
+  return None
 
 
 def attention(q_BTNH, k_BSKH, v_BSKH, *, backend: str = "xla", **kw) -> jax.Array:
   """Dispatches to the configured backend (see module docstring)."""
-  if backend == "pallas_gpu" and backend not in _BACKENDS:
-    # Imported on first use, so CPU-only users never load the Triton lowering;
-    # the module registers itself.
-    from fluxjax.models import attention_pallas  # noqa: F401
+  if backend not in _BACKENDS and (fn := _builtin(backend)) is not None:
+    register_backend(backend, fn)
   if backend not in _BACKENDS:
-    raise ValueError(f"unknown attention backend {backend!r}; available: {sorted(_BACKENDS)}")
+    raise ValueError(f"unknown attention backend {backend!r}; available: "
+                     f"{sorted(set(_BACKENDS) | {'pallas_gpu'})}")
   return _BACKENDS[backend](q_BTNH, k_BSKH, v_BSKH, **kw)

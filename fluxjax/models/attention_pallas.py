@@ -52,7 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fluxjax.models import attention as attn_lib
+from fluxjax.models import attention_xla
 
 # Masked logits take this finite value, not -inf: the running max of a row
 # that has seen only masked keys stays finite, so exp2(m_old - m_new) never
@@ -174,7 +174,7 @@ def _visit_table(rows, cols, causal: bool, rows_are_queries: bool) -> jax.Array:
 
 
 def _mask(q_seg, q_pos, k_seg, k_pos, causal: bool):
-  """bool [bq, bk] visibility, exactly as `attention.segment_mask`."""
+  """bool [bq, bk] visibility, exactly as `attention_xla.segment_mask`."""
   mask = (q_seg[:, None] == k_seg[None, :]) & (q_seg[:, None] != 0)
   if causal:
     mask &= k_pos[None, :] <= q_pos[:, None]
@@ -438,7 +438,7 @@ def pallas_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *,
                      kv_positions: jax.Array | None = None, causal: bool,
                      interpret: bool = False,
                      block_sizes: BlockSizes | None = None) -> jax.Array:
-  """Flash attention over packed segments; same contract as `attention.xla_attention`.
+  """Flash attention over packed segments; same contract as `attention_xla.xla_attention`.
 
   Args:
     q_BTNH, k_BSKH, v_BSKH: queries [B, T, N, H] and keys/values [B, S, K, H]
@@ -463,7 +463,7 @@ def pallas_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *,
             q_positions=q_positions, kv_positions=kv_positions, causal=causal)
   if t < MIN_QUERY_LEN or h > MAX_HEAD_DIM:
     # Decode-sized queries or oversized heads: see MIN_QUERY_LEN / MAX_HEAD_DIM.
-    return attn_lib.xla_attention(q_BTNH, k_BSKH, v_BSKH, **kw)
+    return attention_xla.xla_attention(q_BTNH, k_BSKH, v_BSKH, **kw)
 
   hp = max(16, pl.next_power_of_2(h))
   itemsize = jnp.dtype(q_BTNH.dtype).itemsize
@@ -490,5 +490,3 @@ def pallas_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *,
                q_seg, k_seg, q_pos, k_pos)
   return out[:, :t, :, :h]
 
-
-attn_lib.register_backend("pallas_gpu", pallas_attention)

@@ -12,6 +12,8 @@ import json
 import os
 from typing import Any
 
+from fluxjax.sharding import balance
+
 
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
@@ -111,6 +113,14 @@ class ModelConfig:
 
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)
+
+  def cost_shape(self, bytes_per_elem: int = 2) -> balance.CostShape:
+    """The decoder dimensions the planners' cost model reads (bf16 activations)."""
+    t = self.text
+    return balance.CostShape(num_layers=t.num_layers, hidden=t.hidden_size,
+                             num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
+                             head_dim=t.head_dim, intermediate=t.intermediate_size,
+                             vocab=t.vocab_size, bytes_per_elem=bytes_per_elem)
 
 
 def _preset_tiny() -> ModelConfig:

@@ -44,8 +44,8 @@ from fluxjax.rl import async_control, losses, producer as producer_lib, rewards,
 from fluxjax.rl import trajectories
 from fluxjax.rl.stream_trainer import StreamTrainer
 from fluxjax.rollout import publish
-from fluxjax.sharding import batch as batch_lib
-from fluxjax.sharding.strategies import Strategy
+from fluxjax.parallel import batch as batch_lib
+from fluxjax.parallel.strategies import Strategy
 
 
 def sampling_seed(run_seed: int, uid: int, index: int) -> int:

@@ -16,18 +16,18 @@ import os
 import jax
 from absl import logging
 
-from fluxjax import checkpoint as checkpoint_lib
-from fluxjax import metrics as metrics_lib
-from fluxjax import train_step
 from fluxjax.data import pipeline, readers, synth
 from fluxjax.models import config as model_config
 from fluxjax.models import hf_io, processor
 from fluxjax.models.tokenizer import Tokenizer
+from fluxjax.models import sharded
+from fluxjax.rl import checkpoint as checkpoint_lib
 from fluxjax.rl import coordinator as coordinator_lib
+from fluxjax.rl import metrics as metrics_lib
 from fluxjax.rl import reference, rewards, sft
 from fluxjax.rollout import embedded, fleet
 from fluxjax.sharding import mesh as mesh_lib
-from fluxjax.sharding import rules, strategies
+from fluxjax.parallel import strategies, train_step
 
 
 def dataset_paths(config, workdir: str) -> tuple[str, str]:
@@ -79,9 +79,9 @@ def build(config, workdir: str):
                else Tokenizer.default())
   if config.model.hf_path:
     model = hf_io.load_hf_checkpoint(config.model.hf_path, cfg,
-                                     shardings=rules.model_shardings(cfg, mesh))
+                                     shardings=sharded.model_shardings(cfg, mesh))
   else:
-    model = rules.create_sharded_model(cfg, mesh, seed=config.seed,
+    model = sharded.create_sharded_model(cfg, mesh, seed=config.seed,
                                        max_replicated_bytes=config.sharding.max_replicated_bytes)
   tx = train_step.make_optimizer(config.optim)
   graphdef, state, state_shardings = train_step.create_train_state(model, tx, mesh)

@@ -76,8 +76,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from fluxjax.sharding.batch import TrainBatch
-from fluxjax.train_step import LossFn
+from fluxjax.parallel.batch import TrainBatch
+from fluxjax.parallel.train_step import LossFn
 
 KL_ESTIMATORS = ("k1", "k3")
 IS_MODES = ("truncate", "mask")

@@ -38,14 +38,14 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from fluxjax import train_step
+from fluxjax.parallel import train_step
 from fluxjax.data import materializer as materializer_lib
 from fluxjax.data import meta as meta_lib
 from fluxjax.data import pipeline
 from fluxjax.models.inputs import SequenceInputs
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rl import stream_trainer
-from fluxjax.sharding import batch as batch_lib
+from fluxjax.parallel import batch as batch_lib
 
 
 def response_text(answer: str) -> str:

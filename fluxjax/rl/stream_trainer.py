@@ -23,10 +23,10 @@ from collections.abc import Sequence
 import jax
 import optax
 
-from fluxjax import train_step
+from fluxjax.parallel import train_step
 from fluxjax.models.config import ModelConfig
-from fluxjax.sharding import batch as batch_lib
-from fluxjax.sharding.strategies import Strategy
+from fluxjax.parallel import batch as batch_lib
+from fluxjax.parallel.strategies import Strategy
 
 PATCH_BUCKETS = (256, 1024, 4096, 16384, 65536)
 

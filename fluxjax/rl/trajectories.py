@@ -20,7 +20,7 @@ import numpy as np
 from fluxjax.models.inputs import SequenceInputs
 from fluxjax.rl import advantages as adv_lib
 from fluxjax.rollout.client import Completion
-from fluxjax.sharding.batch import TrainSequence
+from fluxjax.parallel.batch import TrainSequence
 
 
 @dataclasses.dataclass

@@ -1,1 +1,1 @@
-"""Mesh, logical axis rules, sequence-parallel strategies, balancing."""
+"""Mesh, logical-axis rules, plans, planners and the balance cost model."""

@@ -31,17 +31,13 @@ Balancing:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import itertools
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
-
-if TYPE_CHECKING:
-  from fluxjax.models.config import ModelConfig
 
 # schedule[device][microbatch] = item indices: one minibatch of LB-Micro/LB-Mini.
 Schedule = list[list[list[int]]]
@@ -50,7 +46,7 @@ SyncMode = Literal["layer", "minibatch"]
 
 @dataclasses.dataclass(frozen=True)
 class CostShape:
-  """The decoder dimensions the cost model needs.
+  """The decoder dimensions the cost model needs (`ModelConfig.cost_shape()`).
 
   Attributes:
     num_layers: decoder layers.
@@ -71,15 +67,6 @@ class CostShape:
   vocab: int
   bytes_per_elem: int = 2
 
-  @classmethod
-  def from_model_config(cls, cfg: ModelConfig, bytes_per_elem: int = 2) -> CostShape:
-    """Reads the text-model dimensions of a `fluxjax.models.config.ModelConfig`."""
-    t = cfg.text
-    return cls(num_layers=t.num_layers, hidden=t.hidden_size, num_heads=t.num_heads,
-               num_kv_heads=t.num_kv_heads, head_dim=t.head_dim,
-               intermediate=t.intermediate_size, vocab=t.vocab_size,
-               bytes_per_elem=bytes_per_elem)
-
   @property
   def matmul_params_per_token(self) -> int:
     """Weights every token multiplies through once: q, k, v, o, SwiGLU, LM head."""
@@ -89,54 +76,41 @@ class CostShape:
     return self.num_layers * per_layer + self.hidden * self.vocab
 
 
-@functools.cache
-def qwen25_vl_7b() -> CostShape:
-  """The Qwen2.5-VL-7B decoder shape, bf16 activations."""
-  from fluxjax.models import config  # pure dataclasses; keeps this module import-light
-  return CostShape.from_model_config(config.preset("7b"))
-
-
-def _shape(shape: CostShape | None) -> CostShape:
-  return qwen25_vl_7b() if shape is None else shape
-
-
-def attention_cost(length, shape: CostShape | None = None):
+def attention_cost(length, shape: CostShape):
   """Causal attention forward FLOPs of one sequence (or an array of them).
 
   Args:
     length: tokens of a sequence; an int or an array of lengths.
-    shape: the model; Qwen2.5-VL-7B when None.
+    shape: the model's dimensions.
 
   Returns:
     layers * 4 * L(L+1)/2 * heads * head_dim, as a float (or float64 array).
   """
-  s = _shape(shape)
   n = np.asarray(length, dtype=np.float64)
-  out = s.num_layers * 4.0 * (n * (n + 1) / 2) * s.num_heads * s.head_dim
+  out = shape.num_layers * 4.0 * (n * (n + 1) / 2) * shape.num_heads * shape.head_dim
   return float(out) if out.ndim == 0 else out
 
 
-def linear_cost(length, shape: CostShape | None = None):
+def linear_cost(length, shape: CostShape):
   """Forward FLOPs of every per-token matmul of one sequence (or an array).
 
   Args:
     length: tokens of a sequence; an int or an array of lengths.
-    shape: the model; Qwen2.5-VL-7B when None.
+    shape: the model's dimensions.
 
   Returns:
     2 * matmul_params_per_token * L, as a float (or float64 array).
   """
-  s = _shape(shape)
-  out = 2.0 * s.matmul_params_per_token * np.asarray(length, dtype=np.float64)
+  out = 2.0 * shape.matmul_params_per_token * np.asarray(length, dtype=np.float64)
   return float(out) if out.ndim == 0 else out
 
 
-def sequence_cost(length, shape: CostShape | None = None):
+def sequence_cost(length, shape: CostShape):
   """attention_cost + linear_cost: the work a sequence puts on its devices."""
   return attention_cost(length, shape) + linear_cost(length, shape)
 
 
-def ulysses_all_to_all_bytes(tokens, sp: int, shape: CostShape | None = None):
+def ulysses_all_to_all_bytes(tokens, sp: int, shape: CostShape):
   """Bytes one device sends in Ulysses all-to-alls, forward, summed over layers.
 
   Before attention each device holds `tokens` positions of q, k and v for all
@@ -149,16 +123,15 @@ def ulysses_all_to_all_bytes(tokens, sp: int, shape: CostShape | None = None):
   Args:
     tokens: positions the device holds before the exchange (int or array).
     sp: the Ulysses degree; 1 sends nothing.
-    shape: the model; Qwen2.5-VL-7B when None.
+    shape: the model's dimensions.
 
   Returns:
     (sp-1)/sp * tokens * head_dim * (2 * q_heads + 2 * kv_heads) * bytes * layers,
     where q (in) and the output (back) each move q_heads, and k, v move kv_heads.
   """
-  s = _shape(shape)
-  q_heads = -(-s.num_heads // sp) * sp
-  kv_heads = -(-s.num_kv_heads // sp) * sp
-  per_token = s.head_dim * (2 * q_heads + 2 * kv_heads) * s.bytes_per_elem * s.num_layers
+  q_heads = -(-shape.num_heads // sp) * sp
+  kv_heads = -(-shape.num_kv_heads // sp) * sp
+  per_token = shape.head_dim * (2 * q_heads + 2 * kv_heads) * shape.bytes_per_elem * shape.num_layers
   out = (sp - 1) / sp * np.asarray(tokens, dtype=np.float64) * per_token
   return float(out) if out.ndim == 0 else out
 

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fluxjax.sharding import balance
-from fluxjax.sharding.plan import Plan, Row
+from fluxjax.sharding import balance, flex_planner
+from fluxjax.sharding.plan import Plan, Row, capacity_bucket
 
 
 def _check_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
@@ -48,7 +48,7 @@ def _too_long(lens: tuple[int, ...], limit: int, what: str, advice: str) -> None
 
 
 def _plan_groups(strategy: str, lens: tuple[int, ...], groups: list[tuple[int, ...]],
-                 num_devices: int, capacity: int, shape: balance.CostShape | None) -> Plan:
+                 num_devices: int, capacity: int, shape: balance.CostShape) -> Plan:
   """Balances sequences over `groups`, packs each, and pads to a common count."""
   degree = len(groups[0])
   costs = balance.sequence_cost(np.asarray(lens, dtype=np.int64), shape)
@@ -69,14 +69,14 @@ def _plan_groups(strategy: str, lens: tuple[int, ...], groups: list[tuple[int, .
 
 
 def plan_packed_dp(lengths: Sequence[int], num_devices: int, capacity: int,
-                   shape: balance.CostShape | None = None) -> Plan:
+                   shape: balance.CostShape) -> Plan:
   """veRL-like packing: each sequence on one device, cost-balanced by KK.
 
   Args:
     lengths: tokens of every sequence (prompt + response + vision tokens).
     num_devices: D, the data-parallel devices.
     capacity: tokens per device per microbatch.
-    shape: the cost model's model shape; Qwen2.5-VL-7B when None.
+    shape: the model's dimensions for the cost model.
 
   Returns:
     A Plan of degree-1 rows; every device runs the same number of
@@ -95,7 +95,7 @@ def plan_packed_dp(lengths: Sequence[int], num_devices: int, capacity: int,
 
 
 def plan_ulysses(lengths: Sequence[int], num_devices: int, sp: int, capacity: int,
-                 shape: balance.CostShape | None = None) -> Plan:
+                 shape: balance.CostShape) -> Plan:
   """Fixed-degree Ulysses: groups of sp consecutive devices share every row.
 
   Args:
@@ -103,7 +103,7 @@ def plan_ulysses(lengths: Sequence[int], num_devices: int, sp: int, capacity: in
     num_devices: D, the data-parallel devices.
     sp: the Ulysses degree, a power of two dividing D.
     capacity: tokens per device per microbatch; a row holds up to sp * capacity.
-    shape: the cost model's model shape; Qwen2.5-VL-7B when None.
+    shape: the model's dimensions for the cost model.
 
   Returns:
     A Plan whose rows are the device blocks (g*sp, ..., g*sp + sp - 1).
@@ -147,12 +147,12 @@ class PlanLoads:
     return self.attention + self.linear
 
 
-def plan_loads(plan: Plan, shape: balance.CostShape | None = None) -> PlanLoads:
+def plan_loads(plan: Plan, shape: balance.CostShape) -> PlanLoads:
   """Spreads each row's tokens, FLOPs and all-to-all traffic over its devices.
 
   Args:
     plan: any plan (validated or not).
-    shape: the cost model's model shape; Qwen2.5-VL-7B when None.
+    shape: the model's dimensions for the cost model.
 
   Returns:
     The loads of every device in every microbatch.
@@ -189,8 +189,6 @@ def plan_flex_ulysses(lengths: Sequence[int], num_devices: int, p_max: int, capa
   section whose capacity is the bucket holding its fullest group slice, the
   same for every microbatch (static shapes).
   """
-  from fluxjax.sharding import flex_planner
-  from fluxjax.sharding.plan import capacity_bucket
   lens = _check_lengths(lengths)
   _too_long(lens, p_max * capacity, "flex_ulysses p_max x capacity",
             "raise sharding.p_max or sharding.capacity")
@@ -228,7 +226,7 @@ def plan_flex_ulysses(lengths: Sequence[int], num_devices: int, p_max: int, capa
 
 
 def plan_packed_dp_lb_mini(lengths: Sequence[int], num_devices: int, capacity: int,
-                           shape: balance.CostShape | None = None) -> Plan:
+                           shape: balance.CostShape) -> Plan:
   """packed_dp for minibatch-level sync: ODC's LB-Mini.
 
   Karmarkar-Karp balances the whole minibatch over devices with no count

@@ -1,4 +1,4 @@
-"""The one table from logical axis names to mesh axes, and sharded creation.
+"""The one table from logical axis names to mesh axes.
 
 Rules are an ordered list of (logical axis, mesh axes). For each parameter the
 rules are tried in order: a rule applies to the first dimension carrying its
@@ -10,17 +10,13 @@ Gradients and optimizer state take the same specs as their parameters.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 
 import jax
 import numpy as np
-from absl import logging
 from flax import nnx
 
-from fluxjax.models import vlm
-from fluxjax.models.config import ModelConfig
 from fluxjax.sharding import axes
 from fluxjax.sharding import mesh as mesh_lib
 
@@ -124,55 +120,3 @@ def format_table(table: list[dict]) -> str:
   lines.append(f"total per device: {total / 2**20:.2f} MiB "
                f"(unsharded {sum(r['bytes'] for r in table) / 2**20:.2f} MiB)")
   return "\n".join(lines)
-
-
-def create_sharded_model(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules | None = None,
-                         *, seed: int = 0, max_replicated_bytes: int = 1 << 20,
-                         log_table: bool = True) -> vlm.Qwen25VL:
-  """Random-init model whose parameters are created already sharded.
-
-  The abstract model gives shapes and logical axes; a jitted init with
-  out_shardings then materializes each shard on its device only.
-  """
-  rules = fsdp_rules(mesh) if rules is None else rules
-  abstract = vlm.abstract_model(cfg)
-  graphdef, abstract_state = nnx.split(abstract)
-  shardings = state_shardings(abstract_state, rules, mesh)
-  table = parameter_table(abstract_state, shardings)
-  if log_table:
-    logging.info("parameters:\n%s", format_table(table))
-  check_sharded(table, max_replicated_bytes)
-  init = sharded_init(cfg, rules, mesh)
-  with jax.set_mesh(mesh):
-    state = init(jax.random.key(seed))
-  return nnx.merge(graphdef, state)
-
-
-def sharded_init(cfg: ModelConfig, rules: Rules, mesh: jax.sharding.Mesh):
-  """`init(seed_key) -> state`, jitted once per (config, rules, mesh).
-
-  The seed is an argument, not a constant of the program, and the jitted
-  function is kept: every model of one config and layout (a reference model,
-  a resumed loop, a notebook re-running a cell) reuses one compiled program.
-  Compiling it costs ~10 s on CPU whatever the model's size: each parameter's
-  random draw is its own threefry kernel.
-  """
-  return _sharded_init(cfg, tuple((name, tuple(mesh_axes)) for name, mesh_axes in rules), mesh)
-
-
-@functools.lru_cache(maxsize=8)
-def _sharded_init(cfg: ModelConfig, rules: Rules, mesh: jax.sharding.Mesh):
-  _, abstract_state = nnx.split(vlm.abstract_model(cfg))
-
-  def init(seed_key):
-    return nnx.state(vlm.create_model(cfg, seed_key))
-
-  return jax.jit(init, out_shardings=state_shardings(abstract_state, rules, mesh))
-
-
-def model_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh,
-                    rules: Rules | None = None) -> dict[tuple, jax.sharding.Sharding]:
-  """{state path: sharding} for `hf_io.load_hf_checkpoint(shardings=...)`."""
-  rules = fsdp_rules(mesh) if rules is None else rules
-  _, abstract_state = nnx.split(vlm.abstract_model(cfg))
-  return dict(nnx.to_flat_state(state_shardings(abstract_state, rules, mesh)))

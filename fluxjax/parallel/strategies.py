@@ -18,8 +18,8 @@ from fluxjax.models.config import ModelConfig
 from fluxjax.sharding import mesh as mesh_lib
 from fluxjax.sharding import plan as plan_lib
 from fluxjax.sharding import planners
-from fluxjax.sharding import sync as sync_lib
-from fluxjax.sharding import ulysses
+from fluxjax.parallel import sync as sync_lib
+from fluxjax.parallel import train_step, ulysses
 from fluxjax.sharding.plan import Plan
 
 
@@ -41,12 +41,13 @@ class Strategy:
   def plan(self, lengths: Sequence[int], num_devices: int) -> Plan:
     """The strategy's plan, with capacities and microbatch count bucketed."""
     buckets = self.buckets or plan_lib.default_buckets(self.capacity)
+    shape = self.model_cfg.cost_shape()
     if self.name == "packed_dp" and self.sync == "minibatch":
-      plan = planners.plan_packed_dp_lb_mini(lengths, num_devices, self.capacity)
+      plan = planners.plan_packed_dp_lb_mini(lengths, num_devices, self.capacity, shape)
     elif self.name == "packed_dp":
-      plan = planners.plan_packed_dp(lengths, num_devices, self.capacity)
+      plan = planners.plan_packed_dp(lengths, num_devices, self.capacity, shape)
     elif self.name == "ulysses":
-      plan = planners.plan_ulysses(lengths, num_devices, self.sp, self.capacity)
+      plan = planners.plan_ulysses(lengths, num_devices, self.sp, self.capacity, shape)
     else:
       plan = planners.plan_flex_ulysses(lengths, num_devices, self.sp, self.capacity, buckets)
     return plan_lib.bucketed(plan, buckets)
@@ -77,7 +78,6 @@ class Strategy:
     `total` normalizes the loss (default: the batch's token weight, see
     train_step.accumulate).
     """
-    from fluxjax import train_step  # train_step depends on sharding.batch only
     if self.sync == "minibatch":
       independent = all(r.degree == 1 for rows in plan.microbatches for r in rows)
       return sync_lib.make_accumulate(
@@ -96,7 +96,6 @@ class Strategy:
     Always the layer-sync program: a forward has no gradient barrier for
     minibatch sync to relax, and every plan's batch is valid under it.
     """
-    from fluxjax import train_step
     attention_fn = self.attention_fn(mesh, plan)
     return lambda params, batch: train_step.token_logprobs(graphdef, params, batch,
                                                            attention_fn)

@@ -20,7 +20,7 @@ import ml_collections
 import optax
 from flax import nnx
 
-from fluxjax.sharding.batch import TrainBatch
+from fluxjax.parallel.batch import TrainBatch
 
 # loss_fn(logp_BT, entropy_BT, microbatch) -> (per-token loss [B, T], {name: per-token [B, T]})
 LossFn = Callable[[jax.Array, jax.Array, TrainBatch], tuple[jax.Array, dict[str, jax.Array]]]

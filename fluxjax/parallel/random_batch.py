@@ -12,7 +12,7 @@ import numpy as np
 
 from fluxjax.models import inputs, processor
 from fluxjax.models.config import ModelConfig
-from fluxjax.sharding.batch import TrainSequence
+from fluxjax.parallel.batch import TrainSequence
 
 # (text tokens, [(kind, (t, h, w) patch grid), ...]) of the mixed batch; the
 # last entry is longer than the capacities the checks use.

@@ -23,7 +23,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from fluxjax.sharding import batch as batch_lib
+from fluxjax.parallel import batch as batch_lib
+from fluxjax.parallel import train_step
 from fluxjax.sharding import mesh as mesh_lib
 
 P = jax.sharding.PartitionSpec
@@ -70,7 +71,6 @@ def make_accumulate(graphdef, mesh: jax.sharding.Mesh, param_shardings, loss_fn,
       encoded it (no cross-device route); otherwise they are all-gathered.
     merge_unit: patches per merged vision token (the model's 2x2 merger: 4).
   """
-  from fluxjax import train_step  # train_step imports sharding.batch; avoid a cycle
 
   batch_axes = mesh_lib.batch_axes(mesh)
   param_specs = jax.tree.map(lambda s: s.spec, param_shardings)

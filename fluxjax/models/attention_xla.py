@@ -1,0 +1,49 @@
+"""The reference attention over packed sequences: plain XLA, runs everywhere.
+
+Masks come from segment ids and in-sequence positions, never from buffer
+indices, so a sharding strategy may reorder or split tokens freely:
+  key j is visible to query i  iff  seg[i] == seg[j] != 0  (and pos[j] <= pos[i]
+  when causal).
+Segment id 0 marks padding; padded queries return zeros. Every other backend
+is tested against this one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
+                 q_positions: jax.Array | None, kv_positions: jax.Array | None,
+                 causal: bool) -> jax.Array:
+  """bool [B, T, S]: which keys each query may attend to."""
+  mask = (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]) & (q_segment_ids[:, :, None] != 0)
+  if causal:
+    if q_positions is None or kv_positions is None:
+      raise ValueError("causal attention needs query and key positions")
+    mask &= kv_positions[:, None, :] <= q_positions[:, :, None]
+  return mask
+
+
+def xla_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *,
+                  q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
+                  q_positions: jax.Array | None = None, kv_positions: jax.Array | None = None,
+                  causal: bool) -> jax.Array:
+  """Reference attention with grouped KV heads; softmax in fp32."""
+  b, t, n, h = q_BTNH.shape
+  kv_heads = k_BSKH.shape[2]
+  if n % kv_heads:
+    raise ValueError(f"{n} query heads do not group over {kv_heads} kv heads")
+  q = q_BTNH.reshape(b, t, kv_heads, n // kv_heads, h)
+  logits = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH,
+                      preferred_element_type=jnp.float32) * (h ** -0.5)
+  mask = segment_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, causal)
+  logits = jnp.where(mask[:, None, None], logits, _NEG_INF)
+  probs = jax.nn.softmax(logits, axis=-1)
+  # A padded query sees no key; its softmax is uniform garbage, so zero it.
+  probs = jnp.where(mask.any(-1)[:, None, None, :, None], probs, 0.0)
+  out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_BSKH.dtype), v_BSKH)
+  return out.reshape(b, t, n, h)

@@ -1,0 +1,1 @@
+"""The parallel training layer: batch packing, strategies, Ulysses, sync, the step."""

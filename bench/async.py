@@ -2,6 +2,7 @@ r"""Adaptive async: steps/s and staleness for sync, fixed lag 1 and adaptive lag
 
   python bench/async.py                 # 12 steps each, tiny preset, embedded engine
   python bench/async.py --steps 20 --eta 1.0
+  python bench/async.py --json PATH     # also write the figures (with command, machine, commit)
 
 Each mode runs the real GRPO loop (`fluxjax.rl.loop.run`: producer thread,
 tail batching, stream trainer, weight publishing) on the same config, seed,
@@ -35,6 +36,12 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # runs from a checkout without `pip install -e .`, as the others
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import runinfo  # noqa: E402  (lives next to this script)
+
+
+PER_STEP_KEYS = ("step", "time", "async/staleness", "async/version_gap", "async/allowed_lag",
+                 "train/is_weight", "rollout/wait_seconds", "rollout/reward_mean")
 
 
 def run_mode(mode: str, args, workdir: str) -> dict:
@@ -63,7 +70,9 @@ def run_mode(mode: str, args, workdir: str) -> dict:
           "steps_per_s": (len(recs) - 1) / (times[-1] - times[0]),
           "staleness": mean("async/staleness"), "version_gap": mean("async/version_gap"),
           "lag": mean("async/allowed_lag"), "is_weight": mean("train/is_weight"),
-          "wait_s": mean("rollout/wait_seconds"), "reward": mean("rollout/reward_mean")}
+          "wait_s": mean("rollout/wait_seconds"), "reward": mean("rollout/reward_mean"),
+          # What the means above are taken over, for --json.
+          "per_step": [{k: r[k] for k in PER_STEP_KEYS if k in r} for r in recs]}
 
 
 def main(argv=None) -> None:
@@ -74,6 +83,8 @@ def main(argv=None) -> None:
   p.add_argument("--max-new-tokens", type=int, default=24)
   p.add_argument("--eta", type=float, default=1.25, help="tail batching eta")
   p.add_argument("--modes", default="sync,fixed,adaptive")
+  p.add_argument("--json", metavar="PATH",
+                 help="also write the figures here, with the command, machine, commit and date")
   args = p.parse_args(argv)
   print(f"python {' '.join(sys.argv)}")
   print(f"config: tiny preset, embedded engine, {args.steps} steps x {args.P} prompts x "
@@ -91,6 +102,10 @@ def main(argv=None) -> None:
     print(f"| {r['mode']} | {r['steps_per_s']:.3f} | {r['steps_per_s'] / base:.2f}x | "
           f"{r['staleness']:.3f} | {r['version_gap']:.2f} | {r['lag']:.2f} | "
           f"{r['is_weight']:.3f} | {r['wait_s']:.2f} | {r['reward']:.3f} |")
+  if args.json:
+    runinfo.write(args.json, "async.py", {
+        "args": vars(args),
+        "rows": [dict(r, steps_per_s_vs_first_mode=r["steps_per_s"] / base) for r in rows]})
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ r"""Packed-segment attention on a GPU: xla reference vs the pallas_gpu kernels.
   python bench/attention.py                       # 4k, 16k, 32k, 64k tokens
   python bench/attention.py --tokens 4096 --mixtures image_heavy --reps 5
   python bench/attention.py --variants            # also alternative tiles at 16k
+  python bench/attention.py --json PATH           # also write the figures, command, commit
 
 One packed row (B = 1) of T tokens per case, filled with sequence lengths
 drawn from a mixture of bench/mixtures.py (first fit in draw order, a drawn
@@ -52,6 +53,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import mixtures  # noqa: E402  (lives next to this script)
+import runinfo  # noqa: E402
 from fluxjax.models import attention as attn_lib  # noqa: E402
 from fluxjax.models import attention_pallas as ap  # noqa: E402
 from fluxjax.models import config as model_config  # noqa: E402
@@ -144,7 +146,7 @@ def rel_err(a, b) -> float:
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def fp32_parity(seed: int, tokens: int, interpret: bool) -> None:
+def fp32_parity(seed: int, tokens: int, interpret: bool) -> dict:
   """Max abs error of pallas_gpu vs xla in fp32 ("highest") on a small packed row."""
   lengths = pack_row("image_heavy", tokens, seed)
   seg, pos = row_arrays(lengths, tokens)
@@ -164,8 +166,20 @@ def fp32_parity(seed: int, tokens: int, interpret: bool) -> None:
         f"{HEADS}/{KV_HEADS} heads, head dim {HEAD_DIM}, matmul precision highest:")
   print("| tensor | max abs err | max abs ref | rel norm err |")
   print("|---|---|---|---|")
+  rows = []
   for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
     print(f"| {name} | {np.abs(a - b).max():.2e} | {np.abs(b).max():.3g} | {rel_err(a, b):.2e} |")
+    rows.append({"tensor": name, "max_abs_err": float(np.abs(a - b).max()),
+                 "max_abs_ref": float(np.abs(b).max()), "rel_norm_err": rel_err(a, b)})
+  return {"tokens": tokens, "sequences": len(lengths), "shuffled": True,
+          "matmul_precision": "highest", "rows": rows}
+
+
+def _backend_figures(r) -> dict:
+  """A run_backend result (or skip message) as JSON figures, without the output arrays."""
+  if isinstance(r, str):
+    return {"status": r}
+  return {"status": "ok", "fwd_ms": r[0] * 1e3, "fwd_bwd_ms": r[1] * 1e3, "program_gb": r[2]}
 
 
 # Alternatives to the default tiles (ap.BlockSizes()), timed with --variants.
@@ -192,6 +206,8 @@ def main() -> None:
   p.add_argument("--parity-tokens", type=int, default=2048, help="row of the fp32 parity case")
   p.add_argument("--interpret", action="store_true",
                  help="Pallas interpret mode: a CPU smoke test of this script, not a benchmark")
+  p.add_argument("--json", metavar="PATH",
+                 help="also write the figures here, with the command, machine, commit and date")
   args = p.parse_args()
   dev = jax.devices()[0]
   print(f"python {' '.join(sys.argv)}")
@@ -202,7 +218,7 @@ def main() -> None:
   blocks = ap.default_block_sizes(HEAD_DIM, 2)
   print(f"default tiles: {blocks}")
   shape1 = dataclasses.replace(model_config.preset("7b").cost_shape(), num_layers=1)
-  rows = []
+  rows, cases = [], []
   for mixture in args.mixtures.split(","):
     for tokens in map(int, args.tokens.split(",")):
       lengths = pack_row(mixture, tokens, args.seed)
@@ -237,22 +253,32 @@ def main() -> None:
           print(f"  {backend}: fwd {r[0] * 1e3:.3f} ms, fwd+bwd {r[1] * 1e3:.3f} ms, "
                 f"program {r[2]:.2f} GB, needed-FLOP rate {needed / r[1] / 1e12:.0f} TF/s",
                 flush=True)
+      case = {"mixture": mixture, "tokens": tokens, "seqs": len(lengths),
+              "longest": int(lengths.max()), "padding": int(tokens - lengths.sum()),
+              "needed_tflop": needed / 1e12, "dense_tflop": dense / 1e12,
+              "kernel_tflop": kernel / 1e12, "min_gb": min_bytes / 1e9, "floor_ms": floor * 1e3,
+              **{b: _backend_figures(r) for b, r in res.items()}}
+      if not isinstance(res.get("pallas_gpu"), str):
+        case["pallas_gpu"]["needed_tflop_per_s"] = needed / res["pallas_gpu"][1] / 1e12
       if args.variants and tokens == 16384:
+        case["tile_variants"] = {}
         for name, var in VARIANTS.items():
           r = run_backend("pallas_gpu", kw, (q, k, v, do), args.reps, var, args.interpret)
           print(f"  pallas_gpu tiles {name}: " + (r if isinstance(r, str) else
                 f"fwd {r[0] * 1e3:.3f} ms, fwd+bwd {r[1] * 1e3:.3f} ms"), flush=True)
+          case["tile_variants"][name] = dict(_backend_figures(r), tiles=str(var))
+      cases.append(case)
       if isinstance(res.get("xla"), str) or "xla" not in res:
         # Nothing to compare against: keep no host copies of the outputs.
         res = {b: (r if isinstance(r, str) else r[:3]) for b, r in res.items()}
       rows.append((mixture, tokens, len(lengths), needed, dense, kernel, min_bytes, floor, res))
-  fp32_parity(args.seed, args.parity_tokens, args.interpret)
+  parity32 = fp32_parity(args.seed, args.parity_tokens, args.interpret)
 
   print("\n| mixture | tokens | seqs | needed TF | dense TF | kernel TF | min GB | floor ms | "
         "xla fwd+bwd ms | xla GB | pallas fwd ms | pallas fwd+bwd ms | pallas GB | "
         "xla/pallas | parity out / dq / dk / dv (bf16, rel) |")
   print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-  for mixture, tokens, n, needed, dense, kernel, min_bytes, floor, res in rows:
+  for (mixture, tokens, n, needed, dense, kernel, min_bytes, floor, res), case in zip(rows, cases):
     x, pg = res.get("xla", "skipped"), res["pallas_gpu"]
     if isinstance(x, str):
       xs = ("skipped" if x.startswith("skipped") else "OOM/error", "-")
@@ -266,6 +292,17 @@ def main() -> None:
     print(f"| {mixture} | {tokens} | {n} | {needed / 1e12:.3f} | {dense / 1e12:.2f} | "
           f"{kernel / 1e12:.3f} | {min_bytes / 1e9:.3f} | {floor * 1e3:.3f} | {xs[0]} | {xs[1]} | "
           f"{ps[0]} | {ps[1]} | {ps[2]} | {ratio} | {parity} |")
+    if ratio != "-":
+      case["xla_over_pallas_fwd_bwd"] = x[1] / pg[1]
+      case["parity_bf16_rel"] = {t: rel_err(a, b) for t, a, b in
+                                 zip(("out", "dq", "dk", "dv"), pg[3], x[3])}
+  if args.json:
+    runinfo.write(args.json, "attention.py", {
+        "args": vars(args), "device": {"device_kind": dev.device_kind, "platform": dev.platform},
+        "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                  "dtype": "bfloat16", "causal": True, "batch": 1},
+        "floor_rates": {"matmul_flop_per_s": PEAK_FLOPS, "bytes_per_s": PEAK_BYTES},
+        "default_tiles": str(blocks), "cases": cases, "fp32_parity": parity32})
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ median wall and CPU time for 2048 sequences on 128 devices.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -41,6 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mixtures  # noqa: E402  (lives next to this script)
+import runinfo  # noqa: E402
 
 from fluxjax.models import config as model_config  # noqa: E402
 from fluxjax.sharding import balance, planners  # noqa: E402
@@ -189,7 +189,8 @@ def main(argv=None) -> None:
   ap.add_argument("--capacity", type=int, default=16384,
                   help="tokens per device per microbatch")
   ap.add_argument("--seed", type=int, default=0, help="mixture seed")
-  ap.add_argument("--json", default=None, help="write the raw figures here")
+  ap.add_argument("--json", default=None, metavar="PATH",
+                  help="write the raw figures here, with the command, machine, commit and date")
   ap.add_argument("--quick", action="store_true",
                   help="skip the ODC bubble table and the planner timings")
   args = ap.parse_args(argv)
@@ -201,10 +202,13 @@ def main(argv=None) -> None:
         f"numpy {np.__version__}; cost model: Qwen2.5-VL-7B decoder "
         f"({shape.num_layers} layers, {shape.num_heads}q/{shape.num_kv_heads}kv heads x "
         f"{shape.head_dim}), bf16 all-to-all")
-  raw = {"args": vars(args), "mixtures": {}}
+  raw = {"args": vars(args), "batches": {}, "mixtures": {}}
   for name, draw in mixtures.MIXTURES.items():
     for d in devices:
       lengths = draw(d * args.seqs_per_device, args.seed)
+      raw["batches"].setdefault(name, {})[str(d)] = {
+          "sequences": int(lengths.size), "median_tokens": int(np.median(lengths)),
+          "max_tokens": int(lengths.max()), "capacity": args.capacity}
       print(f"\n## {name}: {lengths.size} sequences (median {int(np.median(lengths))}, "
             f"max {lengths.max()} tokens) on {d} devices, capacity {args.capacity}")
       rows = []
@@ -222,13 +226,15 @@ def main(argv=None) -> None:
     print(table)
     load = os.getloadavg()[0]
     table, raw["planner_ms"] = planner_times(args.seed, shape, args.capacity)
+    load_after = os.getloadavg()[0]
+    raw["planner_load_average_1min"] = {"before": load, "after": load_after,
+                                        "cpus": os.cpu_count()}
     print("\n## planner median wall (CPU) time of 11 runs, 2048 sequences on 128 devices "
           f"(too-long ones dropped); 1-min load average {load:.1f} before, "
-          f"{os.getloadavg()[0]:.1f} after, on {os.cpu_count()} CPUs")
+          f"{load_after:.1f} after, on {os.cpu_count()} CPUs")
     print(table)
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(raw, f, indent=1)
+    runinfo.write(args.json, "balance.py", raw)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ r"""The training path on an accelerator against the same code on the host CPU.
   python bench/gpu_check.py                     # tiny preset, fp32
   python bench/gpu_check.py --dtype bfloat16 --scale 8
   python bench/gpu_check.py --attention pallas_gpu   # the GPU kernels vs xla on the CPU
+  python bench/gpu_check.py --json PATH         # also write the figures (command, machine, commit)
 
 The tests run on a fake CPU mesh only; this is the check that the library is
 right on a GPU as well (no CPU-only shortcut). One mixed batch (text, images,
@@ -31,6 +32,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import ml_collections  # noqa: E402
@@ -43,6 +45,8 @@ from fluxjax.models import sharded  # noqa: E402
 from fluxjax.parallel import batch as batch_lib  # noqa: E402
 from fluxjax.sharding import mesh as mesh_lib  # noqa: E402
 from fluxjax.parallel import random_batch, strategies  # noqa: E402
+
+import runinfo  # noqa: E402  (lives next to this script)
 
 
 def run(strategy, cfg, params_host, graphdef, seqs, device, patches):
@@ -77,6 +81,8 @@ def main() -> None:
   p.add_argument("--patches", type=int, default=256)
   p.add_argument("--attention", default="xla",
                  help="attention backend on the accelerator (the CPU always runs xla)")
+  p.add_argument("--json", metavar="PATH",
+                 help="also write the figures here, with the command, machine, commit and date")
   args = p.parse_args()
   # Without the scaling, --scale 8 (longest sequence 1222) did not fit ulysses'
   # 256-token rows and the documented bf16 command stopped after packed_dp.
@@ -110,6 +116,7 @@ def main() -> None:
   print("| strategy | loss (accel) | loss (cpu) | rel loss diff | max rel grad diff | "
         "step ms (accel) | step ms (cpu) |")
   print("|---|---|---|---|---|---|---|")
+  rows = []
   for name, sp in (("packed_dp", 1), ("ulysses", 1), ("flex_ulysses", 1)):
     cap = max(args.capacity, max(len(s) for s in seqs)) if name == "packed_dp" else args.capacity
     scfg = ml_collections.ConfigDict({"strategy": name, "sp": sp, "capacity": cap,
@@ -123,6 +130,18 @@ def main() -> None:
                            / max(np.linalg.norm(np.asarray(c, np.float64)), 1e-30)), ga, gc))
     print(f"| {name} | {la:.6f} | {lc:.6f} | {abs(la - lc) / max(abs(lc), 1e-30):.2e} | "
           f"{max(rel):.2e} | {ta * 1e3:.1f} | {tc * 1e3:.1f} |")
+    rows.append({"strategy": name, "loss_accel": la, "loss_cpu": lc,
+                 "rel_loss_diff": abs(la - lc) / max(abs(lc), 1e-30),
+                 "max_rel_grad_diff": max(rel), "step_ms_accel": ta * 1e3,
+                 "step_ms_cpu": tc * 1e3})
+  if args.json:
+    runinfo.write(args.json, "gpu_check.py", {
+        "args": vars(args),
+        "accelerator": {"device_kind": accel[0].device_kind, "platform": accel[0].platform},
+        "attention": {"accelerator": args.attention, "cpu": cfg.attention_backend},
+        "batch": {"sequences": len(seqs), "tokens": sum(len(s) for s in seqs),
+                  "longest": max(len(s) for s in seqs)},
+        "rows": rows})
 
 
 if __name__ == "__main__":

@@ -211,7 +211,9 @@ def main():
   parser.add_argument("--workers", default="1,2,4")
   parser.add_argument("--step-s", default="auto")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--json")
+  parser.add_argument("--json", metavar="PATH",
+                      help="also write the figures here, with the command, machine, commit "
+                           "and date")
   parser.add_argument("--child", nargs=5)
   args = parser.parse_args()
   if args.child:
@@ -251,8 +253,12 @@ def main():
                f"{r['samples_s']:.2f}")
         print("| " + " | ".join(row) + " |", flush=True)
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
+    # Imported here, not at the top: the children's peak RSS is a result.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import runinfo  # noqa: PLC0415  (lives next to this script)
+    runinfo.write(args.json, "loader.py", {
+        "args": {k: v for k, v in vars(args).items() if k != "child"},
+        "processor": PROC, "steps_per_run": steps, **results})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Rollout engine throughput: continuous batching vs a one-at-a-time decode loop.
 
   python bench/rollout.py [--preset tiny] [--requests 32] [--prompt-len 32] [--new-tokens 64]
+      [--slots 32] [--json PATH]
 
 Both sides run the same model and the same jitted KV-cache kernels
 (models/decode.py); both are greedy with EOS ignored, so every request
@@ -24,6 +25,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -34,6 +36,8 @@ from fluxjax.models import config, decode, inputs, vlm  # noqa: E402
 from fluxjax.models.tokenizer import Tokenizer  # noqa: E402
 from fluxjax.rollout import engine as engine_lib  # noqa: E402
 from fluxjax.rollout import protocol  # noqa: E402
+
+import runinfo  # noqa: E402  (lives next to this script)
 
 
 def make_loop(model, capacity):
@@ -93,6 +97,8 @@ def main():
   p.add_argument("--prompt-len", type=int, default=32)
   p.add_argument("--new-tokens", type=int, default=64)
   p.add_argument("--slots", type=int, default=32)
+  p.add_argument("--json", metavar="PATH",
+                 help="also write the figures here, with the command, machine, commit and date")
   args = p.parse_args()
 
   cfg = config.preset(args.preset)
@@ -132,6 +138,14 @@ def main():
   print(f"| loop (one at a time) | 1 | {loop_tps:,.0f} | 1.00x |")
   for c, tps in rows:
     print(f"| engine | {c} | {tps:,.0f} | {tps / loop_tps:.2f}x |")
+  if args.json:
+    runinfo.write(args.json, "rollout.py", {
+        "args": vars(args),
+        "rows": [{"mode": "loop (one at a time)", "concurrent_requests": 1,
+                  "generated_tokens_per_s": loop_tps, "vs_loop": 1.0}] + [
+                 {"mode": "engine", "concurrent_requests": c, "generated_tokens_per_s": tps,
+                  "vs_loop": tps / loop_tps} for c, tps in rows],
+        "engine_matches_loop": True})  # the assert above
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Tail batching vs plain rounds on the embedded engine, long-tailed response lengths.
 
-  python bench/tail.py [--prompts 160] [--P 16] [--R 4] [--slots 128] [--seeds 5]
+  python bench/tail.py [--prompts 160] [--P 16] [--R 4] [--slots 128] [--seeds 5] [--json PATH]
 
 Defaults: P = 16 prompts x R = 4 responses per step (64 kept responses, a small
 GRPO batch; real ones are 256-8192), 128 decode slots so a speculative round
@@ -49,6 +49,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -57,6 +58,8 @@ from fluxjax.models import config, vlm  # noqa: E402
 from fluxjax.models.tokenizer import Tokenizer  # noqa: E402
 from fluxjax.rl import tail_batching as tb  # noqa: E402
 from fluxjax.rollout.embedded import EmbeddedRollout  # noqa: E402
+
+import runinfo  # noqa: E402  (lives next to this script)
 
 
 class Lengths:
@@ -131,6 +134,9 @@ def main():
   p.add_argument("--seeds", type=int, default=5,
                  help="workloads (prompts and length draws) seed, seed+1, ...; the table "
                       "shows means over them, and the speedups are listed per seed")
+  p.add_argument("--json", metavar="PATH",
+                 help="also write the figures (per seed and per round too) here, with the "
+                      "command, machine, commit and date")
   args = p.parse_args()
 
   cfg = config.preset(args.preset)
@@ -199,10 +205,15 @@ def main():
   print("|---|---|---|---|---|---|---|---|---|---|---|")
   base = [summarize(rows, args.slots) for rows, _ in results["baseline"]]
   per_seed = {}
+  configs = {}
   for name, runs in results.items():
     ss = [dict(summarize(rows, args.slots), **engine) for rows, engine in runs]
     m = {k: float(np.mean([s[k] for s in ss])) for k in ss[0]}
     per_seed[name] = x = np.array([b["mean"] / s["mean"] for b, s in zip(base, ss)])
+    configs[name] = {"mean_over_seeds": m, "speedup_mean": float(x.mean()),
+                     "speedup_std": float(x.std()), "speedup_min": float(x.min()),
+                     "speedup_max": float(x.max()), "speedup_per_seed": x.tolist(),
+                     "per_seed": ss, "rounds_per_seed": [rows for rows, _ in runs]}
     spread = f" +- {x.std():.2f} [{x.min():.2f}, {x.max():.2f}]" if len(x) > 1 else ""
     print(f"| {name} | {m['rounds']:.1f} ({m['long']:.1f}) | {m['mean']:.3f} | {m['max']:.3f} | "
           f"{m['total']:.2f} | {m['prefill_s']:.2f} | {m['decode_s']:.2f} "
@@ -213,6 +224,13 @@ def main():
     for name, x in per_seed.items():
       print(f"  {name}: " + " ".join(f"{v:.2f}x" for v in x))
   print(f"bench wall time {total:.0f} s")
+  if args.json:
+    runinfo.write(args.json, "tail.py", {
+        "args": vars(args), "seeds": seeds,
+        "lengths": {"p50": float(np.median(all_l)), "p90": float(np.percentile(all_l, 90)),
+                    "p99": float(np.percentile(all_l, 99)), "max": int(all_l.max()),
+                    "at_cap_fraction": float(np.mean(all_l == args.cap))},
+        "configs": configs, "bench_wall_s": total})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,104 @@
+"""Run metadata and the --json writer the benchmarks share (results go to bench/results/).
+
+Every file a benchmark writes with `--json PATH` starts with the same header:
+
+  bench     the script's name, e.g. "balance.py"
+  command   the command line, as typed after `python`
+  machine   platform, processor, CPU count, Python, numpy and (where importable)
+            jax version, backend and devices
+  commit    `git rev-parse --short HEAD` of the checkout, or "unknown";
+            tree_dirty says whether tracked files differed from it
+  date      UTC, ISO 8601
+
+followed by the script's own figures (its args and everything its tables print,
+unrounded). Name a file that records a run `<bench>-<machine>-<short commit>.json`
+under bench/results/.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _git(*args: str) -> str | None:
+  try:
+    out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return out.stdout.strip() if out.returncode == 0 else None
+
+
+def commit() -> str:
+  return _git("rev-parse", "--short", "HEAD") or "unknown"
+
+
+def tree_dirty() -> bool | None:
+  status = _git("status", "--porcelain", "--untracked-files=no")
+  return None if status is None else bool(status)
+
+
+def cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+  """What ran the benchmark. Imports jax only to describe it (and only here)."""
+  m = {"platform": platform.platform(), "machine": platform.machine(),
+       "processor": cpu_model(), "cpu_count": os.cpu_count(),
+       "python": platform.python_version()}
+  try:
+    m["load_average_1min"] = os.getloadavg()[0]
+  except OSError:
+    pass
+  try:
+    import numpy
+    m["numpy"] = numpy.__version__
+  except ImportError:
+    pass
+  try:
+    import jax
+    m["jax"] = jax.__version__
+    m["jax_backend"] = jax.default_backend()
+    m["jax_devices"] = [{"id": d.id, "platform": d.platform, "device_kind": d.device_kind}
+                        for d in jax.devices()]
+  except Exception as e:  # noqa: BLE001  (no jax, or no backend: say so, do not fail the run)
+    m["jax_devices"] = f"unavailable: {type(e).__name__}: {e}"
+  return m
+
+
+def header(bench: str) -> dict:
+  return {"bench": bench, "command": "python " + shlex.join(sys.argv), "machine": machine(),
+          "commit": commit(), "tree_dirty": tree_dirty(),
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def _plain(o):
+  """JSON fallback for numpy scalars and arrays, tuples of them, and anything else (str)."""
+  if hasattr(o, "tolist"):
+    return o.tolist()
+  if hasattr(o, "item"):
+    return o.item()
+  return str(o)
+
+
+def write(path: str, bench: str, figures: dict) -> None:
+  """Writes header(bench) followed by figures to path (indented JSON)."""
+  record = {**header(bench), **figures}
+  with open(path, "w") as f:
+    json.dump(record, f, indent=1, default=_plain)
+    f.write("\n")

@@ -120,7 +120,7 @@ def main() -> None:
   for name, sp in (("packed_dp", 1), ("ulysses", 1), ("flex_ulysses", 1)):
     cap = max(args.capacity, max(len(s) for s in seqs)) if name == "packed_dp" else args.capacity
     scfg = ml_collections.ConfigDict({"strategy": name, "sp": sp, "capacity": cap,
-                                      "capacity_buckets": (), "p_max": sp, "sync": "layer"})
+                                      "capacity_buckets": (), "sync": "layer"})
     la, ga, ta = run(strategies.get_strategy(scfg, accel_cfg), accel_cfg, params_host,
                      accel_graphdef, seqs, accel[0], args.patches)
     lc, gc, tc = run(strategies.get_strategy(scfg, cfg), cfg, params_host, graphdef, seqs, cpu,

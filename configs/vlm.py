@@ -2,18 +2,25 @@ r"""GRPO post-training of a Qwen2.5-VL model: the default fluxjax run.
 
   python -m fluxjax.train --config=configs/vlm.py --workdir=/tmp/fluxjax
   python -m fluxjax.train --config=configs/vlm.py:qwen25_vl_7b \
-      --config.model.hf_path=/ckpt/Qwen2.5-VL-7B-Instruct --config.sharding.sp=4
+      --config.model.hf_path=/ckpt/Qwen2.5-VL-7B-Instruct
+  python -m fluxjax.train --config=configs/vlm.py --config.sharding.strategy=ulysses
 
 The default (`tiny`) runs on one CPU machine on embedded defaults: the tiny
 preset, the in-process JAX rollout engine and a generated synthetic dataset.
 Variants for real shapes switch model size and sharding; every field can be
 overridden on the command line as --config.section.field=value.
+
+Sharding strategies swap by `--config.sharding.strategy` alone on every
+variant and mesh: `sharding.sp` (the largest sequence-parallel degree) is 0 =
+auto, the largest degree the model's heads and the devices allow; set it (e.g.
+--config.sharding.sp=4) to fix ulysses' degree or flex_ulysses' maximum.
+
+Reading this file imports no JAX (tests/test_config.py checks).
 """
 
 import ml_collections
 
 from fluxjax import config_args
-from fluxjax.rl import losses
 
 VARIANTS = ("tiny", "qwen25_vl_3b", "qwen25_vl_7b", "qwen25_vl_32b")
 
@@ -72,8 +79,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # starts text after a vision span at max(position)+1 (see models/rope_index.py).
   c.model.mrope_text_after_vision = "max_plus_one"
 
-  # Mesh: data replicas x FSDP; the strategy adds its sequence-parallel axes
-  # (taken out of fsdp). -1 = all remaining devices.
+  # Mesh: data replicas x FSDP x the strategy's sequence-parallel axes
+  # (sharding.sp devices). -1 = all devices the other axes leave.
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1
   c.mesh.fsdp = -1
@@ -83,12 +90,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.distributed.num_processes = 1
   c.distributed.process_id = 0
 
-  # Sharding strategy: packed_dp (veRL-like), ulysses (fixed degree sp),
-  # flex_ulysses (degree per sequence up to p_max).
+  # Sharding strategy, swapped by --config.sharding.strategy alone (every
+  # other field keeps its meaning): packed_dp (veRL-like: sequences packed
+  # whole into each device's rows), ulysses (every sequence split over sp
+  # devices), flex_ulysses (FlexRL: each sequence split only as far as its
+  # length needs, up to sp).
   c.sharding = ml_collections.ConfigDict()
-  # flex_ulysses (FlexRL): each sequence sharded only as far as it needs.
   c.sharding.strategy = "packed_dp" if arg.variant == "tiny" else "flex_ulysses"
-  c.sharding.sp = 1 if arg.variant == "tiny" else 4
+  # The largest sequence-parallel degree: ulysses' fixed degree, flex_ulysses'
+  # p_max; packed_dp ignores it. A power of two dividing the query heads (and
+  # the kv heads, or divided by them) and the devices left after mesh.data and
+  # mesh.fsdp. 0 = auto: the largest such degree within one host's devices,
+  # e.g. on 8 devices 4 for 7B (28 query heads) and 8 for tiny, 3B and 32B.
+  c.sharding.sp = 0
   # Tokens/device/microbatch. Tiny: 256 (~4 sequences of the shapes task and
   # their 256 patches); attention is dense per row on CPU, so one 2048-token
   # row costs ~30x the time of eight 256-token microbatches.
@@ -100,9 +114,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # ODC's relaxation: gather once, each device runs its own microbatches,
   # reduce-scatter once (LB-Mini for packed_dp).
   c.sharding.sync = "layer"
-  # flex_ulysses: the largest degree (a power of two dividing the query heads).
-  # 7B's 28 query heads allow degree 4 at most.
-  c.sharding.p_max = 4 if arg.variant == "qwen25_vl_7b" else 8
   # Spread images and video frames over devices by patch count (vision tower
   # balancing); embeddings are gathered back to their tokens.
   c.sharding.balance_vision = arg.variant != "tiny"
@@ -134,13 +145,66 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.tail_batching = ml_collections.ConfigDict()
   c.rollout.tail_batching.eta = 1.25
 
-  # RL algorithm: GRPO advantages, PPO clip (DAPO clip-higher), decoupled
-  # truncated importance correction, optional KL to the reference; rewards.
-  c.rl = losses.default_rl_config()
+  # RL algorithm (rl/losses.py has the loss formula): GRPO advantages, PPO
+  # clip (DAPO clip-higher), decoupled truncated importance correction,
+  # optional KL to a reference; rewards. These are the only defaults: code
+  # reads every field from here (tests: config_args.load_config().rl).
+  c.rl = ml_collections.ConfigDict()
   c.rl.prompts_per_step = 16 if arg.variant == "tiny" else 64
   c.rl.responses_per_prompt = 8
   c.rl.max_new_tokens = 16 if arg.variant == "tiny" else 1024
   c.rl.temperature = 1.0
+  # PPO clip around pi_prox: the ratio stays in [1 - clip_low, 1 + clip_high].
+  # clip_high above clip_low is DAPO's clip-higher: low-probability tokens can
+  # grow, which keeps entropy from collapsing (Yu et al. 2025 use 0.28; 0.2
+  # for symmetric clipping).
+  c.rl.clip_low = 0.2
+  c.rl.clip_high = 0.28
+  # Dual-clip bound for A < 0 (veRL clip_ratio_c = 3); 0 = off, else > 1.
+  c.rl.clip_c = 0.0
+  # KL-to-reference penalty coefficient; 0 disables the term and its metric
+  # (no reference logprobs are computed then).
+  c.rl.kl_coef = 0.0
+  # The reference model (an HF checkpoint folder); "" = the policy as RL
+  # begins (rl/reference.py).
+  c.rl.ref_hf_path = ""
+  # "k1" (unbiased, signed) or "k3" (non-negative, low variance; veRL low_var_kl).
+  c.rl.kl_estimator = "k3"
+  # Per-token KL clamped to [-kl_clamp, kl_clamp] (veRL clamps low_var_kl at
+  # 10 against bf16 overflow); 0 disables.
+  c.rl.kl_clamp = 10.0
+  # Truncation of the decoupled importance weight w = pi_prox / mu (veRL/Tunix
+  # truncated IS); 0 leaves w uncapped.
+  c.rl.is_cap = 2.0
+  # "truncate" (w = min(w, is_cap)) or "mask" (w = 0 above is_cap; AReaL's rejection).
+  c.rl.is_mode = "truncate"
+  # Where pi_prox comes from: "trainer" (sg of the policy being updated; one
+  # update per batch, so no extra forward pass) or "batch" (the batch's
+  # prox_logprobs; the behaviour logprobs where a sequence carries none).
+  c.rl.prox = "trainer"
+  # Entropy bonus coefficient (0: entropy is a metric only).
+  c.rl.entropy_coef = 0.0
+  # How token losses aggregate (veRL's loss_agg_mode; rl/advantages.py):
+  # "token-mean", "seq-mean-token-mean" or "seq-mean-token-sum".
+  c.rl.loss_agg_mode = "token-mean"
+  # GRPO divides advantages by the group's std (+ adv_eps).
+  c.rl.adv_std_normalize = True
+  c.rl.adv_eps = 1e-6
+  # DAPO dynamic sampling: groups whose rewards are all equal carry no signal
+  # and are refilled, for up to max_refill_rounds rounds before training anyway.
+  c.rl.dynamic_sampling = False
+  c.rl.max_refill_rounds = 3
+  # Rewards (rl/rewards.py RewardScheduler): the function ("module:fn" for
+  # your own, veRL's custom_reward_function), worker processes, and Flexes'
+  # adaptive timeout T = min(max(t_min, anchor_factor * T_anchor), t_max)
+  # seconds; a reward >= correct_threshold counts as correct.
+  c.rl.reward = ml_collections.ConfigDict()
+  c.rl.reward.fn = "accuracy_with_format"
+  c.rl.reward.num_workers = 4
+  c.rl.reward.t_min = 2.0
+  c.rl.reward.t_max = 30.0
+  c.rl.reward.anchor_factor = 1.5
+  c.rl.reward.correct_threshold = 1.0
 
   # Coordinator: how far rollout may run ahead of training (Flux). "sync":
   # lag 0; "fixed": lag fixed_lag; "adaptive": a PID keeps the staleness near

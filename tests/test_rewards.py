@@ -210,8 +210,8 @@ def test_adaptive_timeout(make_scheduler):
 
 
 def test_production_defaults_and_shutdown():
-  from fluxjax.rl import losses
-  cfg = losses.default_rl_config().reward
+  from fluxjax import config_args
+  cfg = config_args.load_config().rl.reward
   assert (cfg.t_min, cfg.t_max, cfg.anchor_factor) == (2.0, 30.0, 1.5)
   cfg.num_workers = 1
   with rewards.RewardScheduler.from_config(cfg) as rs:

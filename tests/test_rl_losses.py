@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fluxjax import config_args
 from fluxjax.rl import losses
 from fluxjax.parallel.batch import TrainBatch
 
@@ -20,7 +21,7 @@ def _batch(adv, prox, old, ref=None):
 
 
 def _cfg(**overrides):
-  cfg = losses.default_rl_config()
+  cfg = config_args.load_config().rl
   cfg.prox = "batch"  # these tests give pi_prox explicitly
   cfg.update(overrides)
   return cfg
@@ -173,3 +174,13 @@ def test_trainer_prox_takes_the_current_policy():
   np.testing.assert_allclose(loss, -np.asarray(mb.advantages) * w, rtol=1e-6)
   with pytest.raises(ValueError, match="rl.prox"):
     losses.make_loss_fn(_cfg(prox="nope"))
+
+
+@pytest.mark.parametrize("field", ["clip_c", "kl_clamp", "is_mode", "prox"])
+def test_settings_come_only_from_the_config_section(field):
+  """The config file holds the only defaults: a field missing from the section
+  is an error, not a silent default of the loss's own."""
+  cfg = _cfg()
+  del cfg[field]
+  with pytest.raises((AttributeError, KeyError), match=field):
+    losses.make_loss_fn(cfg)

@@ -85,7 +85,7 @@ def sharded_run(strategy, seqs, seed=1, balance_vision=False, capture=None):
 
 def _strategy(name, sp=1, capacity=96, buckets=(), sync="layer"):
   cfg = ml_collections.ConfigDict({"strategy": name, "sp": sp, "capacity": capacity,
-                                   "capacity_buckets": buckets, "p_max": sp, "sync": sync})
+                                   "capacity_buckets": buckets, "sync": sync})
   return strategies.get_strategy(cfg, CFG)
 
 
@@ -145,8 +145,9 @@ def test_config_switches_strategy_and_rejects_bad_ones():
     _strategy("ulysses", 3)
   with pytest.raises(ValueError, match="does not divide the 8 query heads"):
     _strategy("ulysses", 16)
-  with pytest.raises(ValueError, match="no sequence parallelism"):
-    _strategy("packed_dp", 2)
+  # sharding.sp is the largest degree of the sequence-parallel strategies;
+  # packed_dp keeps sequences whole, so a config can swap to it alone.
+  assert _strategy("packed_dp", 2).sp_axes() == (("sp", 1),)
 
 
 def test_train_step_shards_state_and_compiles_once_per_bucket(devices):
@@ -291,7 +292,7 @@ def test_flex_minibatch_sync_with_vision_balancing_and_a_long_sequence(ref_model
   """All switches at once: levels, balanced vision, minibatch sync, over-capacity sequence."""
   seqs = mixed_batch(seed=3, long=True)
   want_loss, want_grads = reference(ref_model, seqs)
-  cfg = ml_collections.ConfigDict(dict(strategy="flex_ulysses", p_max=8, capacity=64,
+  cfg = ml_collections.ConfigDict(dict(strategy="flex_ulysses", sp=8, capacity=64,
                                        capacity_buckets=(16, 32, 64), sync="minibatch",
                                        balance_vision=True))
   strategy = strategies.get_strategy(cfg, CFG)

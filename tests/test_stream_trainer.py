@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 from fluxjax.parallel import train_step
+from fluxjax import config_args
 from fluxjax.models import inputs, vlm
 from fluxjax.models import sharded
 from fluxjax.rl import losses
@@ -62,7 +63,7 @@ def test_stream_update_equals_synchronous_update(name, sp, sync, devices):
   strategy = _strategy(name, sp, capacity=128, sync=sync)
   mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
   tx = SGD
-  loss_fn = losses.make_loss_fn(losses.default_rl_config())
+  loss_fn = losses.make_loss_fn(config_args.load_config().rl)
   seqs = mixed_batch(seed=5)
   # Behaviour logprobs near the policy's, so importance weights are not all capped.
   for s in seqs:
@@ -117,7 +118,7 @@ def test_stream_reference_kl_equals_update_with_single_device_reference(name, sp
   strategy = _strategy(name, sp, capacity=128, sync=sync)
   mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
   tx = SGD
-  rl = losses.default_rl_config()
+  rl = config_args.load_config().rl
   rl.kl_coef, rl.kl_estimator = 0.5, "k3"
   loss_fn = losses.make_loss_fn(rl)
   seqs = mixed_batch(seed=6)

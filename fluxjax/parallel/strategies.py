@@ -4,6 +4,15 @@ A strategy decides three things: the sequence-parallel factorization of the
 mesh, the plan for a batch (from lengths only), and the attention function the
 text decoder runs with. Everything else (FSDP, the packed batch, the step) is
 shared, so switching strategies by config changes nothing else.
+
+`sharding.sp` has one meaning for all of them: the largest sequence-parallel
+degree. ulysses splits every sequence over exactly sp devices, flex_ulysses
+each sequence over at most sp (its p_max), packed_dp ignores it. sp = 0 (auto)
+takes the largest degree that fits: a power of two the model's heads allow
+(ulysses.degree_problem), dividing the devices left after mesh.data and
+mesh.fsdp, and no larger than one host's devices, so the all-to-alls stay on
+the host's fast interconnect. A strategy swap is then the one flag
+`--config.sharding.strategy` on any mesh.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from fluxjax.sharding.plan import Plan
 @dataclasses.dataclass(frozen=True)
 class Strategy:
   name: str
-  sp: int                     # Ulysses degree (1 = none); flex_ulysses: p_max
+  sp: int                     # largest degree: ulysses' fixed one, flex_ulysses' p_max; 1 = none
   capacity: int               # tokens per device per microbatch (the largest bucket)
   model_cfg: ModelConfig
   buckets: tuple[int, ...] = ()  # static capacities; () = powers of two up to capacity
@@ -116,41 +125,82 @@ def _sync(cfg) -> str:
   return mode
 
 
+AUTO = 0  # sharding.sp = 0: the largest degree that fits
+
+
 def _make(name: str, degree: int, cfg, model_cfg) -> Strategy:
   """The fields every strategy reads the same way from the sharding section."""
   return Strategy(name, degree, cfg.capacity, model_cfg, _buckets(cfg), _sync(cfg),
                   bool(cfg.get("balance_vision", False)))
 
 
-def _packed_dp(cfg, model_cfg):
-  if cfg.get("sp", 1) not in (1, None):
-    raise ValueError(f"packed_dp has no sequence parallelism; got sharding.sp={cfg.sp}")
-  return _make("packed_dp", 1, cfg, model_cfg)
-
-
-def _ulysses(cfg, model_cfg):
+def sp_choices(model_cfg: ModelConfig, room: int) -> tuple[int, ...]:
+  """Degrees the model's heads allow that divide `room` devices, ascending."""
   t = model_cfg.text
-  ulysses.check_degree(cfg.sp, t.num_heads, t.num_kv_heads)
-  return _make("ulysses", cfg.sp, cfg, model_cfg)
+  powers = (1 << k for k in range(room.bit_length()))
+  return tuple(p for p in powers
+               if not room % p and not ulysses.degree_problem(p, t.num_heads, t.num_kv_heads))
 
 
-def _flex_ulysses(cfg, model_cfg):
+def resolve_sp(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig, num_devices: int,
+               mesh_cfg: ml_collections.ConfigDict | None = None,
+               max_auto: int | None = None) -> int:
+  """The sequence-parallel degree `cfg.sp` asks for on this mesh (module docstring).
+
+  Args:
+    cfg: the `sharding` section; sp = 0 is auto.
+    model_cfg: the model (its query and kv heads bound the degree).
+    num_devices: devices of the whole mesh.
+    mesh_cfg: the `mesh` section (data, fsdp); None = the default data 1, fsdp -1.
+    max_auto: the largest degree auto may pick (one host's devices); None = no cap.
+
+  Raises:
+    ValueError naming the flag to change and the values that fit.
+  """
+  data, fsdp = (mesh_cfg.data, mesh_cfg.fsdp) if mesh_cfg is not None else (1, -1)
+  room = mesh_lib.sp_room(num_devices, data, fsdp)
+  fits = sp_choices(model_cfg, room)
+  auto = max(p for p in fits if max_auto is None or p <= max(max_auto, 1))
+  sp = cfg.get("sp", AUTO)
+  if sp == AUTO:
+    return auto
+  if sp in fits:
+    return sp
   t = model_cfg.text
-  p_max = cfg.get("p_max", 8)
-  ulysses.check_degree(p_max, t.num_heads, t.num_kv_heads)
-  return _make("flex_ulysses", p_max, cfg, model_cfg)
+  reason = (ulysses.degree_problem(sp, t.num_heads, t.num_kv_heads)
+            or f"the {room} devices left after mesh.data={data}, mesh.fsdp={fsdp} do not "
+               f"divide by {sp}")
+  hint = "" if fsdp == -1 else ", or --config.mesh.fsdp=-1 to leave sp the devices it needs"
+  raise ValueError(f"sharding.sp={sp} does not fit {cfg.strategy}: {reason}; set "
+                   f"--config.sharding.sp to one of {list(fits)}, or 0 (auto: {auto} here)"
+                   f"{hint}")
 
 
-STRATEGIES: dict[str, Callable[[ml_collections.ConfigDict, ModelConfig], Strategy]] = {
-    "packed_dp": _packed_dp,
-    "ulysses": _ulysses,
-    "flex_ulysses": _flex_ulysses,
-}
+# The names `sharding.strategy` accepts; Strategy's methods dispatch on them.
+STRATEGIES = ("packed_dp", "ulysses", "flex_ulysses")
 
 
-def get_strategy(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig) -> Strategy:
-  """The strategy named by `cfg.strategy` (a `sharding` config section)."""
+def get_strategy(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
+                 mesh_cfg: ml_collections.ConfigDict | None = None,
+                 num_devices: int | None = None) -> Strategy:
+  """The strategy named by `cfg.strategy` (a `sharding` config section).
+
+  Args:
+    cfg: the `sharding` section.
+    model_cfg: the model config.
+    mesh_cfg: the `mesh` section; auto sp leaves room for mesh.data and
+      mesh.fsdp. None = the default mesh (data 1, fsdp -1).
+    num_devices: devices of the mesh; None = jax.device_count(). Auto sp is
+      capped at jax.local_device_count() either way.
+  """
   if cfg.strategy not in STRATEGIES:
     raise ValueError(f"unknown sharding.strategy {cfg.strategy!r}; choose one of "
                      f"{sorted(STRATEGIES)}")
-  return STRATEGIES[cfg.strategy](cfg, model_cfg)
+  if "p_max" in cfg:
+    raise ValueError("sharding.p_max is not a setting: flex_ulysses' largest degree is "
+                     "sharding.sp (e.g. --config.sharding.sp=8; 0 = auto)")
+  num_devices = jax.device_count() if num_devices is None else num_devices
+  # packed_dp keeps every sequence whole on one device: sp does not apply.
+  degree = (1 if cfg.strategy == "packed_dp" else
+            resolve_sp(cfg, model_cfg, num_devices, mesh_cfg, jax.local_device_count()))
+  return _make(cfg.strategy, degree, cfg, model_cfg)

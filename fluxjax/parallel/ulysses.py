@@ -24,14 +24,21 @@ from fluxjax.models import attention as attn_lib
 P = jax.sharding.PartitionSpec
 
 
-def check_degree(sp: int, num_heads: int, num_kv_heads: int) -> None:
+def degree_problem(sp: int, num_heads: int, num_kv_heads: int) -> str:
+  """Why `sp` cannot be a Ulysses degree for these heads; "" when it can."""
   if sp < 1 or sp & (sp - 1):
-    raise ValueError(f"Ulysses degree {sp} must be a power of two")
+    return f"Ulysses degree {sp} must be a power of two"
   if num_heads % sp:
-    raise ValueError(f"Ulysses degree {sp} does not divide the {num_heads} query heads")
+    return f"Ulysses degree {sp} does not divide the {num_heads} query heads"
   if num_kv_heads % sp and sp % num_kv_heads:
-    raise ValueError(f"Ulysses degree {sp} and {num_kv_heads} kv heads: one must divide "
-                     "the other")
+    return f"Ulysses degree {sp} and {num_kv_heads} kv heads: one must divide the other"
+  return ""
+
+
+def check_degree(sp: int, num_heads: int, num_kv_heads: int) -> None:
+  problem = degree_problem(sp, num_heads, num_kv_heads)
+  if problem:
+    raise ValueError(problem)
 
 
 def _replicate_kv(k_BTKH: jax.Array, sp: int) -> jax.Array:

@@ -36,32 +36,11 @@ gradient is taken, and w = pi_current / mu carries all of the staleness.
 when a sequence carries none, `materialize` sets prox = old, so w = 1 and
 this is standard PPO-clip against the behaviour policy.
 
-Config fields (`default_rl_config()`; copy it into configs/vlm.py as `rl`):
-  clip_low: 0.2        lower PPO clip, ratio >= 1 - clip_low.
-  clip_high: 0.28      upper clip (DAPO clip-higher; set 0.2 for symmetric).
-  clip_c: 0.0          dual-clip bound for A < 0 (veRL clip_ratio_c = 3); 0 off.
-  kl_coef: 0.0         KL-to-reference penalty coefficient; 0 disables the
-                       term and its metric (ref logprobs are then not needed).
-  ref_hf_path: ""      the reference model (an HF checkpoint folder); "" = the
-                       policy as RL begins (rl/reference.py).
-  kl_estimator: "k3"   "k1" (unbiased, signed) or "k3" (non-negative,
-                       low variance; veRL low_var_kl).
-  kl_clamp: 10.0       per-token KL clamped to [-kl_clamp, kl_clamp] (veRL
-                       clamps low_var_kl at 10: bf16 overflow); 0 disables.
-  is_cap: 2.0          truncation of w = pi_prox / mu; 0 leaves w uncapped.
-  is_mode: "truncate"  "truncate" (w = min(w, cap)) or "mask" (w = 0 above).
-  prox: "trainer"      where pi_prox comes from: "trainer" (sg of the policy
-                       being updated; one update per batch) or "batch".
-  entropy_coef: 0.0    entropy bonus coefficient (0: entropy is a metric only).
-  loss_agg_mode: "token-mean"   see rl/advantages.py: the coordinator turns it
-                       into loss_mask weights (aggregation_weights).
-  adv_std_normalize: True       GRPO divides by the group std.
-  adv_eps: 1e-6        added to the group std.
-  dynamic_sampling: False       DAPO: refill zero-variance groups.
-  max_refill_rounds: 3          refill sampling rounds before training anyway.
-  reward: the RewardScheduler section (rl/rewards.py, `RewardScheduler.from_config`):
-    fn: "accuracy_with_format", num_workers: 4, t_min: 2.0, t_max: 30.0,
-    anchor_factor: 1.5, correct_threshold: 1.0.
+Config: the `rl` section of configs/vlm.py, where every field is written out
+with its meaning and its only default. The loss reads clip_low, clip_high,
+clip_c, kl_coef, kl_estimator, kl_clamp, is_cap, is_mode, prox and
+entropy_coef; the coordinator, the reference and the reward scheduler read
+the rest.
 
 Metrics (per token, averaged by the step over trained tokens): pg_loss,
 ratio, clipfrac (the clipped branch was taken), is_weight, is_weight_sq (with
@@ -82,38 +61,6 @@ from fluxjax.parallel.train_step import LossFn
 KL_ESTIMATORS = ("k1", "k3")
 IS_MODES = ("truncate", "mask")
 PROX_SOURCES = ("trainer", "batch")
-
-
-def default_rl_config() -> ml_collections.ConfigDict:
-  """The `rl` config section with its defaults (fields: module docstring)."""
-  cfg = ml_collections.ConfigDict()
-  cfg.clip_low = 0.2
-  # DAPO's clip-higher: a larger upper bound lets low-probability tokens grow,
-  # which keeps entropy from collapsing (Yu et al. 2025 use 0.28).
-  cfg.clip_high = 0.28
-  cfg.clip_c = 0.0
-  cfg.kl_coef = 0.0
-  cfg.ref_hf_path = ""
-  cfg.kl_estimator = "k3"
-  cfg.kl_clamp = 10.0
-  cfg.is_cap = 2.0
-  cfg.is_mode = "truncate"
-  cfg.prox = "trainer"
-  cfg.entropy_coef = 0.0
-  cfg.loss_agg_mode = "token-mean"
-  cfg.adv_std_normalize = True
-  cfg.adv_eps = 1e-6
-  cfg.dynamic_sampling = False
-  cfg.max_refill_rounds = 3
-  cfg.reward = ml_collections.ConfigDict()
-  cfg.reward.fn = "accuracy_with_format"
-  cfg.reward.num_workers = 4
-  # Flexes' adaptive timeout, T = min(max(t_min, anchor_factor * T_anchor), t_max).
-  cfg.reward.t_min = 2.0
-  cfg.reward.t_max = 30.0
-  cfg.reward.anchor_factor = 1.5
-  cfg.reward.correct_threshold = 1.0
-  return cfg
 
 
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
@@ -152,18 +99,17 @@ def make_loss_fn(cfg: ml_collections.ConfigDict) -> LossFn:
   """The PPO-clip / GRPO token loss for the train step (module docstring).
 
   Args:
-    cfg: the `rl` config section (`default_rl_config()` fields).
+    cfg: the `rl` config section (configs/vlm.py); every field it reads must be set.
 
   Returns:
     loss_fn(logp_BT, entropy_BT, mb) -> (per-token loss, per-token metrics).
   """
-  clip_low, clip_high = float(cfg.clip_low), float(cfg.clip_high)
-  clip_c = float(cfg.get("clip_c", 0.0))
+  clip_low, clip_high, clip_c = float(cfg.clip_low), float(cfg.clip_high), float(cfg.clip_c)
   kl_coef, estimator = float(cfg.kl_coef), str(cfg.kl_estimator)
-  kl_clamp = float(cfg.get("kl_clamp", 0.0))
-  is_cap, is_mode = float(cfg.is_cap), str(cfg.get("is_mode", "truncate"))
+  kl_clamp = float(cfg.kl_clamp)
+  is_cap, is_mode = float(cfg.is_cap), str(cfg.is_mode)
   entropy_coef = float(cfg.entropy_coef)
-  prox_source = str(cfg.get("prox", "batch"))
+  prox_source = str(cfg.prox)
   if prox_source not in PROX_SOURCES:
     raise ValueError(f"rl.prox must be one of {PROX_SOURCES}, got {prox_source!r}")
   if estimator not in KL_ESTIMATORS:

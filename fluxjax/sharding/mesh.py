@@ -41,24 +41,57 @@ def maybe_initialize_distributed(cfg: ml_collections.ConfigDict | None) -> None:
   logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
 
 
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def sp_room(num_devices: int, data: int, fsdp: int) -> int:
+  """Devices left for the sequence-parallel axes by the explicit mesh.data and
+  mesh.fsdp sizes (a -1 axis takes what sp leaves, so it counts as 1 here).
+
+  Raises ValueError naming the mesh flag to change when they do not divide.
+  """
+  for name, size in (("data", data), ("fsdp", fsdp)):
+    if size != -1 and size < 1:
+      raise ValueError(f"mesh.{name}={size}: a size must be positive or -1 (all remaining "
+                       f"devices); set --config.mesh.{name}")
+  if data == -1 and fsdp == -1:
+    raise ValueError("at most one of mesh.data / mesh.fsdp may be -1; set --config.mesh.data "
+                     f"to one of {_divisors(num_devices)}")
+  if data != -1 and num_devices % data:
+    raise ValueError(f"mesh.data={data} does not divide the {num_devices} devices; set "
+                     f"--config.mesh.data to one of {_divisors(num_devices)}")
+  replica = num_devices // data if data != -1 else num_devices
+  if fsdp != -1 and replica % fsdp:
+    raise ValueError(f"mesh.fsdp={fsdp} does not divide the {replica} devices left after "
+                     f"mesh.data={data}; set --config.mesh.fsdp to -1 (all remaining devices) "
+                     f"or one of {_divisors(replica)}")
+  return replica // (fsdp if fsdp != -1 else 1)
+
+
 def mesh_shape(num_devices: int, data: int, fsdp: int,
                sp_axes: Sequence[tuple[str, int]]) -> dict[str, int]:
-  """Resolves the one -1 among data/fsdp and checks the product."""
+  """Resolves the one -1 among data/fsdp and checks the product.
+
+  Errors name the flag to change: mesh.data, mesh.fsdp, or sharding.sp (the
+  product of `sp_axes`, the strategy's largest sequence-parallel degree).
+  """
   sp = math.prod(size for _, size in sp_axes)
+  room = sp_room(num_devices, data, fsdp)
+  if room % sp:
+    raise ValueError(f"the {room} devices left after mesh.data={data}, mesh.fsdp={fsdp} do "
+                     f"not divide by the sequence-parallel degree {sp}; set "
+                     "--config.sharding.sp to 0 (auto) or a power of two dividing "
+                     f"{room}, or change --config.mesh.data / --config.mesh.fsdp")
   sizes = {DATA: data, FSDP: fsdp}
-  unknown = [k for k, v in sizes.items() if v == -1]
-  if len(unknown) > 1:
-    raise ValueError("at most one of mesh.data / mesh.fsdp may be -1")
-  if unknown:
-    known = math.prod(v for v in sizes.values() if v != -1) * sp
-    if num_devices % known:
-      raise ValueError(f"{num_devices} devices do not divide into data x fsdp x sp with "
-                       f"known factors {known}")
-    sizes[unknown[0]] = num_devices // known
+  for name, size in sizes.items():
+    if size == -1:
+      sizes[name] = room // sp
   total = sizes[DATA] * sizes[FSDP] * sp
-  if total != num_devices:
+  if total != num_devices:  # both sizes explicit: fsdp is what sp and data leave
     raise ValueError(f"mesh data={sizes[DATA]} x fsdp={sizes[FSDP]} x sp={sp} = {total} "
-                     f"!= {num_devices} devices")
+                     f"!= {num_devices} devices; set --config.mesh.fsdp="
+                     f"{num_devices // (data * sp)} or -1 (all remaining devices)")
   return {DATA: sizes[DATA], FSDP: sizes[FSDP], **dict(sp_axes)}
 
 

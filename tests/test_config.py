@@ -1,0 +1,133 @@
+"""configs/vlm.py: every variant parses without JAX, and every variant x
+strategy builds a strategy and mesh from `sharding.strategy` alone."""
+
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from fluxjax import config_args
+from fluxjax.models import config as model_config
+from fluxjax.parallel import strategies
+from fluxjax.rl import loop
+from fluxjax.sharding import mesh as mesh_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = ("tiny", "qwen25_vl_3b", "qwen25_vl_7b", "qwen25_vl_32b")
+# Auto sp on the 8-device test mesh: the largest power of two dividing the
+# query heads (kv heads dividing it or divided by it) and the 8 devices.
+AUTO_SP = {"tiny": 8, "qwen25_vl_3b": 8, "qwen25_vl_7b": 4, "qwen25_vl_32b": 8}
+
+
+def _config(variant, **sections):
+  c = config_args.load_config(arg=variant)
+  if c.rollout.backend == "sglang":  # validate wants a fleet; none is contacted
+    c.rollout.urls = ("http://127.0.0.1:1",)
+  for dotted, value in sections.items():
+    section, field = dotted.split("__")
+    c[section][field] = value
+  return c
+
+
+def _build(c):
+  """Strategy and mesh as a run builds them from its config."""
+  cfg = model_config.preset(c.model.preset)
+  strategy = strategies.get_strategy(c.sharding, cfg, c.mesh)
+  return strategy, mesh_lib.make_mesh(c.mesh.data, c.mesh.fsdp, strategy.sp_axes())
+
+
+def test_every_variant_parses_without_importing_jax():
+  # A fresh interpreter: this process imported jax long ago (conftest.py).
+  code = ("import sys\n"
+          "from fluxjax import config_args\n"
+          f"for v in {VARIANTS!r}:\n"
+          "  c = config_args.load_config('configs/vlm.py', v)\n"
+          "  assert c.variant == v and c.rl.reward.fn and c.sharding.sp == 0\n"
+          "bad = sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.'))\n"
+          "assert not bad, bad\n")
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("strategy", strategies.STRATEGIES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_one_flag_swaps_the_strategy(variant, strategy, devices):
+  c = _config(variant)
+  c.sharding.strategy = strategy
+  _, got, mesh = loop.validate(c)
+  assert got.name == strategy
+  assert got.sp == (1 if strategy == "packed_dp" else AUTO_SP[variant])
+  assert mesh.size == len(devices)
+  sp_size = 1
+  for name, size in got.sp_axes():
+    assert mesh.shape[name] == size
+    sp_size *= size
+  assert sp_size == got.sp
+  assert mesh.shape["data"] * mesh.shape["fsdp"] * sp_size == len(devices)
+
+
+@pytest.mark.parametrize("strategy,sp,data,fsdp,want_sp,want_shape", [
+    ("ulysses", 2, 1, -1, 2, {"data": 1, "fsdp": 4, "sp": 2}),
+    ("flex_ulysses", 4, 1, -1, 4, {"data": 1, "fsdp": 2, "sp_0": 2, "sp_1": 2}),
+    ("ulysses", 0, 2, -1, 4, {"data": 2, "fsdp": 1, "sp": 4}),  # auto leaves data its share
+    ("flex_ulysses", 0, 1, 2, 4, {"data": 1, "fsdp": 2, "sp_0": 2, "sp_1": 2}),
+    ("ulysses", 0, -1, 4, 2, {"data": 1, "fsdp": 4, "sp": 2}),
+    ("packed_dp", 4, 2, -1, 1, {"data": 2, "fsdp": 4, "sp": 1}),  # sp does not apply
+])
+def test_sp_and_mesh_settings(strategy, sp, data, fsdp, want_sp, want_shape, devices):
+  c = _config("tiny", sharding__strategy=strategy, sharding__sp=sp, mesh__data=data,
+              mesh__fsdp=fsdp)
+  got, mesh = _build(c)
+  assert (got.name, got.sp, dict(mesh.shape)) == (strategy, want_sp, want_shape)
+
+
+@pytest.mark.parametrize("variant,overrides,message", [
+    ("tiny", dict(sharding__strategy="ulysses", sharding__sp=16),
+     r"sharding.sp=16 .* 8 query heads; set --config.sharding.sp to one of \[1, 2, 4, 8\]"),
+    ("qwen25_vl_7b", dict(sharding__strategy="flex_ulysses", sharding__sp=8),
+     r"28 query heads; set --config.sharding.sp to one of \[1, 2, 4\], or 0 \(auto: 4"),
+    ("tiny", dict(sharding__strategy="ulysses", sharding__sp=3),
+     r"power of two; set --config.sharding.sp"),
+    ("tiny", dict(sharding__strategy="flex_ulysses", sharding__sp=4, mesh__fsdp=4),
+     r"2 devices left .* set --config.sharding.sp to one of \[1, 2\].*--config.mesh.fsdp=-1"),
+    ("tiny", dict(mesh__data=3), r"mesh.data=3 .* set --config.mesh.data to one of \[1, 2, 4, 8\]"),
+    ("tiny", dict(sharding__strategy="ulysses", mesh__fsdp=3), r"set --config.mesh.fsdp to -1"),
+    ("tiny", dict(mesh__fsdp=4), r"!= 8 devices; set --config.mesh.fsdp=8 or -1"),
+    ("tiny", dict(mesh__data=-1, mesh__fsdp=-1), r"at most one .* set --config.mesh.data"),
+])
+def test_bad_settings_name_the_flag(variant, overrides, message, devices):
+  c = _config(variant, **overrides)
+  with pytest.raises(ValueError, match=message):
+    _build(c)
+
+
+def test_p_max_is_not_a_second_name_for_sp():
+  cfg = ml_collections.ConfigDict(dict(strategy="flex_ulysses", sp=0, p_max=8, capacity=64))
+  with pytest.raises(ValueError, match="largest degree is sharding.sp"):
+    strategies.get_strategy(cfg, model_config.preset("tiny"), num_devices=8)
+
+
+@pytest.mark.parametrize("variant,num_devices,max_auto,want", [
+    ("tiny", 1, 1, 1),            # one accelerator: no sequence parallelism
+    ("qwen25_vl_7b", 2, 2, 2),
+    ("qwen25_vl_7b", 16, 8, 4),   # 28 heads
+    ("qwen25_vl_3b", 64, 8, 8),   # auto stays within one host's 8 devices
+    ("qwen25_vl_32b", 6, 6, 2),   # 6 devices: 2 is the largest power of two dividing them
+])
+def test_auto_sp_on_other_device_counts(variant, num_devices, max_auto, want):
+  c = _config(variant, sharding__strategy="ulysses")
+  cfg = model_config.preset(c.model.preset)
+  assert strategies.resolve_sp(c.sharding, cfg, num_devices, c.mesh, max_auto) == want
+
+
+def test_flex_ulysses_on_one_device_has_no_sequence_axes(devices):
+  c = _config("tiny", sharding__strategy="flex_ulysses")
+  cfg = model_config.preset("tiny")
+  got = strategies.get_strategy(c.sharding, cfg, c.mesh, num_devices=1)
+  mesh = mesh_lib.make_mesh(c.mesh.data, c.mesh.fsdp, got.sp_axes(), devices=devices[:1])
+  assert got.sp == 1 and dict(mesh.shape) == {"data": 1, "fsdp": 1}
+  plan = got.plan([40, 90, 7], mesh.size)
+  plan.validate()

@@ -64,6 +64,9 @@ class _LateSpeculation:
     if rid in self.events:
       self.events[rid].set()
 
+  def slot_stats(self):
+    return None
+
 
 def test_a_late_speculative_response_of_a_forgotten_prompt_does_not_fail_the_round():
   """Prompt 0 is kept with its first 2 responses; its third (speculative) one

@@ -185,31 +185,43 @@ def test_embedded_backend_from_config_and_in_process_publish(model, tok):
 
   import ml_collections
 
+  from fluxjax.rollout import backend as backend_lib
   from fluxjax.rollout import client, fleet, publish
 
   cfg = ml_collections.ConfigDict({"backend": "embedded", "num_slots": 4,
                                    "context_length": 96})
   backend, launched = fleet.make_rollout(cfg, model, tok)
   assert launched is None
+  assert isinstance(backend, backend_lib.RolloutBackend)
   ids = [int(i) for i in text_seq(model.cfg, 8, 9).tokens_T]
   body = {"input_ids": ids, "return_logprob": True,
           "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
 
   async def go():
-    try:
+    async with backend:
+      slots0 = backend.slot_stats()
       before = await backend.generate(body)
+      slots1 = backend.slot_stats()
       report = publish.publish_in_process([backend], vlm.create_model(model.cfg, seed=2), 5)
       after = await backend.generate(body)
       with pytest.raises(client.RequestRejected, match="unknown sampling"):
         await backend.generate({"input_ids": ids, "sampling_params": {"seed": 1}})
-      return before, report, after
-    finally:
-      await backend.close()
+      # The protocol's publish: the original weights back, as version 6.
+      restored = await backend.publish(model, 6)
+      again = await backend.generate(body)
+      return before, report, after, (slots0, slots1), restored, again
 
-  before, report, after = asyncio.run(go())
+  before, report, after, slots, restored, again = asyncio.run(go())
   seq = inputs.sequence_from_tokens(ids, [], model.cfg)
   assert before.output_ids == reference_greedy(model, seq, 4)
   assert before.weight_version == "default" and after.weight_version == "5"
   assert "swap" in report.seconds and after.output_ids != before.output_ids
+  assert restored.version == "6" and not restored.failed
+  assert again.output_ids == before.output_ids and again.weight_version == "6"
+  # The engine's slot counters: a response's first token comes from the
+  # prefill, each later one from a decode step.
+  assert slots[0].num_slots == 4
+  assert slots[1].decode_steps - slots[0].decode_steps == len(before.output_ids) - 1
+  assert backend.metrics() == {}
   with pytest.raises(ValueError, match="embedded or sglang"):
     fleet.make_rollout(ml_collections.ConfigDict({"backend": "vllm"}))

@@ -1,7 +1,7 @@
 """The SFT warm-up (fluxjax.rl.sft): its loss, its targets, and its place in the loop."""
 
+import dataclasses
 import os
-import types
 
 import jax
 import numpy as np
@@ -26,6 +26,27 @@ def _config():
   return config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"))
 
 
+@dataclasses.dataclass
+class _Policy:
+  """The run's policy as the warm-up sees it (`sft.Policy`), without rollout."""
+  cfg: object
+  tokenizer: Tokenizer
+  mesh: object
+  strategy: object
+  graphdef: object
+  state: train_step.TrainState
+
+  def prompt(self, sample):
+    return inputs.sequence_from_chat(sample.messages(), list(sample.media), self.tokenizer,
+                                     self.cfg)
+
+  def load_params(self, params):
+    self.state = train_step.TrainState(params, self.state.opt_state, self.state.step)
+
+  def publish(self, new_version=True):
+    return 0.0
+
+
 def _image(colour, size=56):
   image = PIL.Image.new("RGB", (size, size), synth.BACKGROUND)
   synth.draw_shape(PIL.ImageDraw.Draw(image), "circle", colour, size / 2, size / 2, size / 3)
@@ -40,11 +61,10 @@ def setup(devices):
   cfg, strategy, mesh = loop.validate(config)
   model = sharded.create_sharded_model(cfg, mesh, seed=0)
   tx = train_step.make_optimizer(config.optim)
-  graphdef, state, shardings = train_step.create_train_state(model, tx, mesh)
+  graphdef, state, _ = train_step.create_train_state(model, tx, mesh)
   tokenizer = Tokenizer.default()
   proc = processor.VisionProcessorConfig(**config.data.vision.to_dict())
-  coord = types.SimpleNamespace(cfg=cfg, tokenizer=tokenizer, mesh=mesh, strategy=strategy,
-                                graphdef=graphdef, state=state, state_shardings=shardings)
+  coord = _Policy(cfg, tokenizer, mesh, strategy, graphdef, state)
   seqs, answers = [], []
   for colour, question in (("red", "What colour is the shape in the image?"),
                            ("blue", "Which colour is the shape?"), ("white", "Colour?")):

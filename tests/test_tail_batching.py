@@ -9,6 +9,7 @@ import pytest
 from hypothesis import strategies as st
 
 from fluxjax.rl import tail_batching as tb
+from fluxjax.rollout.backend import SlotStats
 from fluxjax.rollout.client import Completion
 
 
@@ -157,6 +158,9 @@ class FakeRollout:
     if rid in self.events:
       self.events[rid].set()
 
+  def slot_stats(self):
+    return None  # like a fleet: no slot counters
+
 
 def test_run_round_against_fake_rollout():
   # Prompt 3 is slow for every response; response 2 of each prompt is slow too.
@@ -187,6 +191,38 @@ def test_run_round_against_fake_rollout():
   assert [r.plan.kind for r in rest] == ["long"]
   assert sorted(rest[0].groups) == [3, 4, 5]
   assert sorted(b.trained) == list(range(6)) and b.epoch_done
+
+
+class SlotRollout(FakeRollout):
+  """A FakeRollout with an engine's slot counters: one decode step per output token."""
+
+  def __init__(self, delay, num_slots):
+    super().__init__(delay)
+    self.decode_steps, self.num_slots = 0, num_slots
+
+  async def generate(self, body, group=None):
+    out = await super().generate(body, group)
+    self.decode_steps += len(out.output_ids)
+    return out
+
+  def slot_stats(self):
+    return SlotStats(self.decode_steps, self.num_slots)
+
+
+def test_round_slot_statistics_come_from_the_backends_counters():
+  body = lambda p, j: {"input_ids": [1], "sampling_params": {"max_new_tokens": 3 + p}}  # noqa: E731
+  fast = lambda b: 1e-3  # noqa: E731
+  b = tb.TailBatcher(2, 2, 1.0)  # no speculation: every response is kept
+  b.start_epoch(range(2))
+  res = asyncio.run(tb.run_round(SlotRollout(fast, num_slots=8), b, body))
+  # 2 x 3 + 2 x 4 tokens = 14 decode steps; each response's first token is
+  # the prefill's, so 2 x 2 + 2 x 3 = 10 busy slot-steps of 14 x 8.
+  assert res.stats["decode_steps"] == 14
+  assert res.stats["slot_idle_fraction"] == pytest.approx(1.0 - 10 / (14 * 8))
+  b = tb.TailBatcher(2, 2, 1.0)
+  b.start_epoch(range(2))
+  res = asyncio.run(tb.run_round(FakeRollout(fast), b, body))
+  assert "decode_steps" not in res.stats and "slot_idle_fraction" not in res.stats
 
 
 class FailingRollout(FakeRollout):

@@ -87,5 +87,6 @@ class Checkpointer:
 def abstract_like(tree: Any) -> Any:
   """ShapeDtypeStructs with the same shardings: a restore target."""
   return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                     sharding=x.sharding if isinstance(x, jax.Array) else None),
       tree)

@@ -10,6 +10,13 @@
     -> weights published to the rollout backend (in process or the fleet);
        the new version opens admission for the rounds it allows.
 
+The coordinator's collaborators are passed in, built and closed by the run
+loop (rl/loop.py): the rollout backend (`rollout.backend.RolloutBackend`,
+open on the rollout thread's loop), the loader, the reward pool. What others
+may do to it is its methods (`restore`, `load_params`, `set_reference`,
+`publish`, `start`, `step`, `close`); what they may read, read-only
+properties.
+
 Every token carries the policy version that sampled it. After each step the
 staleness of the batch (version gap, KL(behaviour || current), importance
 weight variance, measured in the step) feeds the admission controller, which
@@ -24,7 +31,6 @@ import asyncio
 import dataclasses
 import hashlib
 import math
-import os
 import queue
 import time
 import uuid
@@ -43,8 +49,9 @@ from fluxjax.rl import advantages as adv_lib
 from fluxjax.rl import async_control, losses, producer as producer_lib, rewards, tail_batching
 from fluxjax.rl import trajectories
 from fluxjax.rl.stream_trainer import StreamTrainer
-from fluxjax.rollout import publish
+from fluxjax.rollout.backend import LoopThread, RolloutBackend
 from fluxjax.parallel import batch as batch_lib
+from fluxjax.parallel import train_step
 from fluxjax.parallel.strategies import Strategy
 
 
@@ -67,70 +74,131 @@ class StepResult:
 
 
 class Coordinator:
-  """Owns the per-step flow; the run loop (rl/loop.py) owns the schedule."""
+  """Owns the per-step flow; the run loop (rl/loop.py) owns the schedule.
+
+  A context manager: leaving it stops rollout (`close`).
+
+  Args:
+    config: the run config.
+    model_cfg: the model configuration.
+    tokenizer: the run's tokenizer (prompts, stop tokens).
+    mesh: the training mesh.
+    strategy: the sharding strategy.
+    graphdef, state, state_shardings: the policy's graph, its sharded
+      TrainState (donated to each update) and the state's shardings.
+    tx: the optimizer.
+    loader: the training data (a ShadowLoader).
+    rollout: the backend, already started on `thread`'s loop.
+    reward_scheduler: scores responses.
+    thread: the rollout thread's loop; every backend call runs on it.
+  """
 
   def __init__(self, config, model_cfg: ModelConfig, tokenizer: Tokenizer, mesh,
-               strategy: Strategy, graphdef, state, state_shardings, tx, loader, rollout,
-               reward_scheduler: rewards.RewardScheduler, *, publish_root: str | None = None):
-    self.config = config
-    self.cfg = model_cfg
-    self.tokenizer = tokenizer
-    self.mesh = mesh
-    self.strategy = strategy
-    self.graphdef = graphdef
-    self.loader = loader
-    self.rollout = rollout
-    self.rewards = reward_scheduler
-    self.publish_root = publish_root
-    self.patch_source = materializer_lib.Materializer(loader.store, loader.pool)
-    self.trainer = StreamTrainer(model_cfg, mesh, strategy, graphdef, state, state_shardings,
-                                 tx, losses.make_loss_fn(config.rl),
-                                 patch_source=self.patch_source)
-    self.version = 0  # weight version published to rollout
-    self.steps = 0    # RL updates applied
+               strategy: Strategy, graphdef, state, state_shardings, tx, loader,
+               rollout: RolloutBackend, reward_scheduler: rewards.RewardScheduler, *,
+               thread: LoopThread):
+    self._config = config
+    self._cfg = model_cfg
+    self._tokenizer = tokenizer
+    self._mesh = mesh
+    self._strategy = strategy
+    self._graphdef = graphdef
+    self._loader = loader
+    self._rollout = rollout
+    self._rewards = reward_scheduler
+    self._patch_source = materializer_lib.Materializer(loader.store, loader.pool)
+    self._trainer = StreamTrainer(model_cfg, mesh, strategy, graphdef, state, state_shardings,
+                                  tx, losses.make_loss_fn(config.rl),
+                                  patch_source=self._patch_source)
+    self._version = 0  # weight version published to rollout
+    self._steps = 0    # RL updates applied
     rl = config.rl
-    self.P, self.R = int(rl.prompts_per_step), int(rl.responses_per_prompt)
-    batcher = tail_batching.TailBatcher(self.P, self.R,
+    self._P, self._R = int(rl.prompts_per_step), int(rl.responses_per_prompt)
+    batcher = tail_batching.TailBatcher(self._P, self._R,
                                         float(config.rollout.tail_batching.eta))
     batcher.start_epoch([])  # a streamed epoch: topped up from the loader
-    admission = async_control.AdmissionController.from_config(config.coordinator.lag, self.P)
-    self.producer = producer_lib.Producer(
+    admission = async_control.AdmissionController.from_config(config.coordinator.lag, self._P)
+    self._producer = producer_lib.Producer(
         rollout, reward_scheduler, batcher, admission, next_samples=loader.next_batch,
         make_body=lambda sample, prompt, j: self.request(sample, prompt, index=j),
         prompt_fn=self.prompt, release=loader.release,
-        max_prompt_tokens=int(config.rollout.context_length) - int(rl.max_new_tokens))
+        max_prompt_tokens=int(config.rollout.context_length) - int(rl.max_new_tokens),
+        thread=thread)
     # Trained sample uids of the (streamed) epoch, for exactly-once on resume.
-    self.consumed: set[int] = set()
-    self.filtered = 0
+    self._consumed: set[int] = set()
+    self._filtered = 0
     self._started = False
     # Every backend call runs on the rollout thread's loop (a fleet's HTTP
     # session belongs to one loop); rounds start only with `start()`.
-    self.producer.start_loop()
-    if hasattr(rollout, "check_health"):  # a Fleet: open its session there
-      self.producer.call(rollout.start())
+    self._producer.start_loop()
+
+  # -- read-only views -------------------------------------------------------
+  @property
+  def cfg(self) -> ModelConfig:
+    return self._cfg
 
   @property
-  def state(self):
-    return self.trainer.state
+  def tokenizer(self) -> Tokenizer:
+    return self._tokenizer
 
-  @state.setter
-  def state(self, value):
-    self.trainer.state = value
+  @property
+  def mesh(self) -> jax.sharding.Mesh:
+    return self._mesh
+
+  @property
+  def strategy(self) -> Strategy:
+    return self._strategy
+
+  @property
+  def graphdef(self):
+    return self._graphdef
+
+  @property
+  def state(self) -> train_step.TrainState:
+    """The policy's train state (each update donates it: read it again after one)."""
+    return self._trainer.state
+
+  @property
+  def state_shardings(self) -> train_step.TrainState:
+    return self._trainer.state_shardings
+
+  @property
+  def version(self) -> int:
+    """The policy version last published to rollout."""
+    return self._version
+
+  @property
+  def steps(self) -> int:
+    """RL updates applied."""
+    return self._steps
+
+  # -- the policy's weights --------------------------------------------------
+  def load_params(self, params) -> None:
+    """Makes `params` the policy's parameters; optimizer state and step stay.
+
+    Rollout keeps sampling the published version until the next `publish`.
+    """
+    state = self._trainer.state
+    self._trainer.load_state(train_step.TrainState(params, state.opt_state, state.step))
+
+  def set_reference(self, params) -> None:
+    """The KL term's reference parameters (sharded like the policy's)."""
+    self._trainer.set_reference(params)
 
   # -- rollout ---------------------------------------------------------------
   def prompt(self, sample: meta_lib.SampleMeta) -> inputs.SequenceInputs:
-    return inputs.sequence_from_chat(sample.messages(), list(sample.media), self.tokenizer,
-                                     self.cfg)
+    return inputs.sequence_from_chat(sample.messages(), list(sample.media), self._tokenizer,
+                                     self._cfg)
 
   def request(self, sample: meta_lib.SampleMeta, prompt: inputs.SequenceInputs, *,
               index: int = 0, greedy: bool = False) -> dict:
     """The /generate body for response `index` of `sample`."""
-    rl = self.config.rl
+    rl = self._config.rl
     params = {"max_new_tokens": int(rl.max_new_tokens),
               "temperature": 0.0 if greedy else float(rl.temperature),
-              "stop_token_ids": list(self.tokenizer.eos_ids)}
-    if self.config.rollout.seeded:
-      params["sampling_seed"] = sampling_seed(int(self.config.seed), sample.uid, index)
+              "stop_token_ids": list(self._tokenizer.eos_ids)}
+    if self._config.rollout.seeded:
+      params["sampling_seed"] = sampling_seed(int(self._config.seed), sample.uid, index)
     return {
         "rid": uuid.uuid4().hex,
         "input_ids": prompt.tokens_T.tolist(),
@@ -146,10 +214,10 @@ class Coordinator:
     prompts = [self.prompt(s) for s in samples]
 
     async def respond_and_score(sample, prompt, j):
-      completion = await self.rollout.generate(
+      completion = await self._rollout.generate(
           self.request(sample, prompt, index=j, greedy=greedy), sample.id)
       scored = await asyncio.wrap_future(
-          self.rewards.submit(completion.text, sample.answer or "", key=sample.id))
+          self._rewards.submit(completion.text, sample.answer or "", key=sample.id))
       return completion, scored.reward
 
     done = await asyncio.gather(*(asyncio.gather(*(respond_and_score(s, p, j)
@@ -161,13 +229,13 @@ class Coordinator:
   def start(self) -> None:
     """Starts rollout (after any restore)."""
     if not self._started:
-      self.producer.set_version(self.version, self.steps)
-      self.producer.start()
+      self._producer.set_version(self._version, self._steps)
+      self._producer.start()
       self._started = True
 
   # -- training --------------------------------------------------------------
   def sequences(self, groups: Sequence[trajectories.Group]) -> list[batch_lib.TrainSequence]:
-    rl = self.config.rl
+    rl = self._config.rl
     out = []
     for g in groups:
       out.extend(trajectories.group_sequences(g, std_normalize=rl.adv_std_normalize,
@@ -177,9 +245,9 @@ class Coordinator:
   def _next_item(self):
     while True:
       try:
-        return self.producer.out.get(timeout=5.0)
+        return self._producer.out.get(timeout=5.0)
       except queue.Empty:
-        if not self.producer.alive:
+        if not self._producer.alive:
           raise RuntimeError("the rollout thread died") from None
 
   def step(self) -> StepResult:
@@ -189,15 +257,15 @@ class Coordinator:
       StopIteration: the data is exhausted and nothing is left to train.
     """
     self.start()
-    rl = self.config.rl
-    chunk = max(1, int(self.config.coordinator.get("stream_groups", 0)) or math.ceil(self.P / 2))
-    refills_left = int(rl.max_refill_rounds) * self.P if rl.dynamic_sampling else 0
+    rl = self._config.rl
+    chunk = max(1, int(self._config.coordinator.get("stream_groups", 0)) or math.ceil(self._P / 2))
+    refills_left = int(rl.max_refill_rounds) * self._P if rl.dynamic_sampling else 0
     t0 = time.perf_counter()
     kept: list[producer_lib.KeptGroup] = []
     pending: list[producer_lib.KeptGroup] = []
     rounds: list[dict] = []
     unrefilled = filtered = 0
-    while len(kept) + unrefilled < self.P:
+    while len(kept) + unrefilled < self._P:
       item = self._next_item()
       if isinstance(item, StopIteration):
         if kept or pending:
@@ -212,39 +280,39 @@ class Coordinator:
         # DAPO: a group whose rewards are all equal has no gradient; drop it
         # and let one more prompt through admission while the budget lasts.
         filtered += 1
-        self.consumed.add(item.sample.uid)
+        self._consumed.add(item.sample.uid)
         self._done_with([item])
         if refills_left > 0:
           refills_left -= 1
-          self.producer.give_back(1)
+          self._producer.give_back(1)
         else:
           unrefilled += 1
         continue
       kept.append(item)
       pending.append(item)
       if len(pending) >= chunk:
-        self.trainer.add(self.sequences([k.group for k in pending]))
+        self._trainer.add(self.sequences([k.group for k in pending]))
         pending = []
     if pending:
-      self.trainer.add(self.sequences([k.group for k in pending]))
+      self._trainer.add(self.sequences([k.group for k in pending]))
     t_rollout = time.perf_counter() - t0
     if not kept:
       raise RuntimeError("dynamic sampling filtered every group of the step; "
                          "raise rl.max_refill_rounds")
     gaps = self._version_gaps(kept)
-    device_metrics = self.trainer.apply()
-    self.steps += 1
+    device_metrics = self._trainer.apply()
+    self._steps += 1
     train = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
     t_publish = self.publish()
-    self.consumed.update(k.sample.uid for k in kept)
+    self._consumed.update(k.sample.uid for k in kept)
     self._done_with(kept)
-    self.patch_source.release()
-    self.filtered += filtered
+    self._patch_source.release()
+    self._filtered += filtered
 
     iw_var = max(train.get("is_weight_sq", 1.0) - train.get("is_weight", 1.0) ** 2, 0.0)
     stale = async_control.combine_staleness(gaps["mean"], gaps["max"],
                                             train.get("behaviour_kl", 0.0), iw_var)
-    lag = self.producer.call(self._observe(stale["staleness"]))
+    lag = self._producer.call(self._observe(stale["staleness"]))
     groups = [k.group for k in kept]
     all_rewards = [r for g in groups for r in g.rewards]
     lengths = [len(c.output_ids) for g in groups for c in g.completions]
@@ -257,7 +325,7 @@ class Coordinator:
             "rollout/filtered_groups": float(filtered),
             "perf/step_seconds": elapsed,
             "perf/tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
-            "publish/seconds": t_publish, "policy/version": float(self.version),
+            "publish/seconds": t_publish, "policy/version": float(self._version),
             "async/allowed_lag": float(lag), **{f"async/{k}": v for k, v in stale.items()},
             **{f"train/{k}": v for k, v in train.items()}}
     if rounds:
@@ -272,54 +340,49 @@ class Coordinator:
     return StepResult(groups, host, [k.sample.id for k in kept])
 
   async def _observe(self, staleness: float) -> int:
-    return self.producer.admission.observe(staleness)
+    return self._producer.admission.observe(staleness)
 
   def _version_gaps(self, kept) -> dict:
     """Version gap of every trained token against the version being updated."""
     tags = [async_control.parse_version(v)
             for k in kept for c in k.group.completions
             for v in c.token_versions(default=str(k.launch_version))]
-    return async_control.version_gap(np.asarray(tags), self.version)
+    return async_control.version_gap(np.asarray(tags), self._version)
 
   def _done_with(self, kept) -> None:
-    self.loader.release([k.sample for k in kept])
-    self.producer.done_with([k.sample.uid for k in kept])
+    self._loader.release([k.sample for k in kept])
+    self._producer.done_with([k.sample.uid for k in kept])
 
   def fault_counts(self) -> dict:
-    """Counted events of the run so far (faults, skips, reward failures)."""
-    out = {k: float(v) for k, v in self.producer.counts.items()}
-    out["rollout/filtered_groups_total"] = float(self.filtered)
-    out.update(self.rewards.metrics())
-    if hasattr(self.rollout, "metrics"):  # a fleet: retries, servers down
-      out.update(self.rollout.metrics())
+    """Counted events of the run so far (faults, skips, reward failures, the backend's)."""
+    out = {k: float(v) for k, v in self._producer.counts.items()}
+    out["rollout/filtered_groups_total"] = float(self._filtered)
+    out.update(self._rewards.metrics())
+    out.update(self._rollout.metrics())
     return out
 
   def publish(self, new_version: bool = True) -> float:
     """Hands the weights to the rollout backend; returns seconds taken.
 
-    `new_version=False` re-publishes the current version (after a resume).
+    `new_version=False` re-publishes the current version (the policy a run
+    starts or resumes with).
     """
     from flax import nnx
-    self.version += int(new_version)
+    self._version += int(new_version)
     # The engine gets its own buffers: the next update donates the trainer's,
     # while rollout goes on sampling from these.
-    params = jax.tree.map(lambda x: x.copy(), self.trainer.state.params)
-    model = nnx.merge(self.graphdef, params)
+    params = jax.tree.map(lambda x: x.copy(), self._trainer.state.params)
+    model = nnx.merge(self._graphdef, params)
     t = time.perf_counter()
-    if hasattr(self.rollout, "update_params"):  # in process: arrays handed over
-      publish.publish_in_process([self.rollout], model, self.version)
-    else:  # a fleet: versioned HF folder, pause -> update -> resume
-      root = self.publish_root or os.path.join("/tmp", "fluxjax_weights")
-      report = self.producer.call(publish.publish_to_fleet(self.rollout, model, root,
-                                                           self.version))
-      if report.failed:
-        logging.warning("weight update failed on %s", report.failed)
-    self.producer.set_version(self.version, self.steps)
+    report = self._producer.call(self._rollout.publish(model, self._version))
+    if report.failed:
+      logging.warning("weight update failed on %s", report.failed)
+    self._producer.set_version(self._version, self._steps)
     return time.perf_counter() - t
 
   def evaluate(self, samples: Sequence[meta_lib.SampleMeta]) -> float:
     """Held-out accuracy: one greedy response per prompt, scored by `accuracy`."""
-    groups = self.producer.call(self.rollout_groups(samples, 1, greedy=True))
+    groups = self._producer.call(self.rollout_groups(samples, 1, greedy=True))
     scores = [rewards.get("accuracy")(g.completions[0].text, g.answer or "") for g in groups]
     logging.info("eval: %s", [(g.completions[0].text[:40], g.answer) for g in groups[:3]])
     return float(np.mean(scores)) if scores else 0.0
@@ -327,26 +390,38 @@ class Coordinator:
   # -- checkpointed state ----------------------------------------------------
   def get_state(self) -> tuple[dict, dict]:
     """(coordinator state, data state) for a checkpoint taken between steps."""
-    snap = self.producer.snapshot(self.loader.get_state, self.consumed)
+    snap = self._producer.snapshot(self._loader.get_state, self._consumed)
     data = snap.pop("loader")
-    return {"version": self.version, "steps": self.steps, "filtered": self.filtered,
+    return {"version": self._version, "steps": self._steps, "filtered": self._filtered,
             **snap}, data
 
-  def set_state(self, state: dict, data: dict) -> None:
-    """Restores `get_state()` (before `start`)."""
-    self.version = int(state["version"])
-    self.steps = int(state.get("steps", 0))
-    self.filtered = int(state.get("filtered", 0))
-    self.loader.set_state(data)
+  def restore(self, train_state: train_step.TrainState, state: dict, data: dict) -> None:
+    """Resumes from a checkpoint (before `start`).
+
+    Args:
+      train_state: the policy's restored TrainState (placed like `state`).
+      state, data: what `get_state()` returned when the checkpoint was taken.
+    """
+    if self._started:
+      raise RuntimeError("restore() after rollout started")
+    self._trainer.load_state(train_state)
+    self._version = int(state["version"])
+    self._steps = int(state.get("steps", 0))
+    self._filtered = int(state.get("filtered", 0))
+    self._loader.set_state(data)
     if "batcher" in state:
-      self.producer.restore(state, self.steps)
-      self.consumed = set(int(u) for u in state["batcher"]["trained"])
+      self._producer.restore(state, self._steps)
+      self._consumed = set(int(u) for u in state["batcher"]["trained"])
 
   def close(self) -> None:
-    """Stops rollout (the producer, then a fleet's session)."""
-    if hasattr(self.rollout, "check_health"):
-      try:
-        self.producer.call(self.rollout.close(), timeout=30)
-      except Exception:  # noqa: BLE001 - closing after a failure
-        logging.exception("closing the fleet")
-    self.producer.stop()
+    """Stops rollout: the running round is cancelled and its requests aborted.
+
+    The backend stays open: its owner closes it (after this).
+    """
+    self._producer.stop()
+
+  def __enter__(self) -> "Coordinator":
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.close()

@@ -5,11 +5,14 @@ on first use, or config.data.train/eval files), model (preset or HF checkpoint,
 created sharded), optimizer and train state, rollout (embedded engine or
 fleet), rewards, coordinator, and the reference model when rl.kl_coef > 0
 (rl/reference.py); then the loop with delayed metrics, held-out
-evaluation, checkpoints and auto-resume.
+evaluation, checkpoints and auto-resume. One ExitStack owns every resource of
+a run and closes them in reverse order of creation, whatever ends it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 
@@ -25,6 +28,7 @@ from fluxjax.rl import checkpoint as checkpoint_lib
 from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import metrics as metrics_lib
 from fluxjax.rl import reference, rewards, sft
+from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout import embedded, fleet
 from fluxjax.sharding import mesh as mesh_lib
 from fluxjax.parallel import strategies, train_step
@@ -55,7 +59,7 @@ def validate(config):
                    mrope_text_after_vision=config.model.mrope_text_after_vision)
   cfg = (model_config.load_hf_config(config.model.hf_path, **overrides)
          if config.model.hf_path else model_config.preset(config.model.preset, **overrides))
-  strategy = strategies.get_strategy(config.sharding, cfg)
+  strategy = strategies.get_strategy(config.sharding, cfg, config.mesh)
   ref_path = config.rl.get("ref_hf_path")
   if config.rl.kl_coef and ref_path:
     ref_cfg = model_config.load_hf_config(ref_path, **overrides)
@@ -72,8 +76,29 @@ def validate(config):
   return cfg, strategy, mesh
 
 
-def build(config, workdir: str):
-  """Everything a run needs, created sharded; returns (coordinator, extras)."""
+@dataclasses.dataclass
+class Built:
+  """What `build` made; each resource is closed by the ExitStack it was given.
+
+  Attributes:
+    coordinator: the run's Coordinator.
+    loader: the training data (the coordinator's).
+    eval_rows: held-out rows for evaluation.
+    proc: the vision processor config.
+  """
+  coordinator: coordinator_lib.Coordinator
+  loader: pipeline.ShadowLoader
+  eval_rows: list[dict]
+  proc: processor.VisionProcessorConfig
+
+
+def build(config, workdir: str, stack: contextlib.ExitStack) -> Built:
+  """Everything a run needs, created sharded; `stack` closes it in reverse order.
+
+  Closing order: the coordinator (rollout stops), the reward pool, the
+  rollout backend (on the rollout thread's loop), any launched servers, the
+  loop, the loader.
+  """
   cfg, strategy, mesh = validate(config)
   tokenizer = (Tokenizer.from_file(config.model.tokenizer_path) if config.model.tokenizer_path
                else Tokenizer.default())
@@ -90,22 +115,30 @@ def build(config, workdir: str):
   proc = processor.VisionProcessorConfig(**config.data.vision.to_dict())
   loader = pipeline.ShadowLoader(train_path, config.rl.prompts_per_step, proc,
                                  num_workers=config.data.num_workers, seed=config.seed)
-  launched = None
+  stack.callback(loader.close)
+  # Every backend call runs on this loop: a fleet's HTTP session belongs to it.
+  thread = stack.enter_context(backend_lib.LoopThread("rollout"))
+  rollout: backend_lib.RolloutBackend
   if config.rollout.backend == "embedded":
     rollout = embedded.EmbeddedRollout(model, tokenizer, num_slots=config.rollout.num_slots,
                                        context_length=config.rollout.context_length,
                                        seed=config.seed, proc_cfg=proc)
   else:
-    rollout, launched = fleet.make_rollout(config.rollout, model, tokenizer)
+    rollout, launched = fleet.make_rollout(config.rollout, model, tokenizer,
+                                           weights_root=os.path.join(workdir, "weights"))
+    if launched is not None:
+      stack.callback(launched.stop)
+  stack.enter_context(thread.running(rollout))
   reward = config.rl.reward
   scheduler = rewards.RewardScheduler(reward.num_workers, reward.fn, t_min=reward.t_min,
                                       t_max=reward.t_max, anchor_factor=reward.anchor_factor,
                                       correct_threshold=reward.correct_threshold)
-  coord = coordinator_lib.Coordinator(config, cfg, tokenizer, mesh, strategy, graphdef, state,
-                                      state_shardings, tx, loader, rollout, scheduler,
-                                      publish_root=os.path.join(workdir, "weights"))
+  stack.callback(scheduler.shutdown)
+  coord = stack.enter_context(coordinator_lib.Coordinator(
+      config, cfg, tokenizer, mesh, strategy, graphdef, state, state_shardings, tx, loader,
+      rollout, scheduler, thread=thread))
   eval_rows = readers.read_rows(eval_path)[:config.data.eval_prompts]
-  return coord, {"eval_rows": eval_rows, "proc": proc, "launched": launched}
+  return Built(coord, loader, eval_rows, proc)
 
 
 TRAINED = "trained.jsonl"
@@ -125,45 +158,44 @@ def run(config, workdir: str) -> dict:
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
-  coord, extras = build(config, workdir)
-  ckpt = checkpoint_lib.Checkpointer(workdir, save_every=config.checkpoint.every)
-  rng = jax.random.key(config.seed)
-  first = 0
-  eval_loader = None
-  writer = None
-  try:
+  with contextlib.ExitStack() as stack:
+    built = build(config, workdir, stack)
+    coord = built.coordinator
+    ckpt = checkpoint_lib.Checkpointer(workdir, save_every=config.checkpoint.every)
+    stack.callback(ckpt.close)
+    rng = jax.random.key(config.seed)
+    first = 0
     if ckpt.latest_step() is not None:  # auto-resume from the work directory
-      first, coord.state, rng, coord_state, data_state = ckpt.restore(
+      first, train_state, rng, coord_state, data_state = ckpt.restore(
           checkpoint_lib.abstract_like(coord.state))
-      coord.set_state(coord_state, data_state)
-      coord.publish(new_version=False)  # the engine samples from the restored policy
+      coord.restore(train_state, coord_state, data_state)
       # Steps after the checkpoint are redone: their old records go.
       for name in (metrics_lib.JSONL, TRAINED):
         dropped = metrics_lib.truncate_after(os.path.join(workdir, name), first)
         if dropped:
           logging.info("dropped %d records of %s after step %d", dropped, name, first)
       logging.info("resumed from step %d (policy version %d)", first, coord.version)
+    # Rollout samples from the policy the run starts (or resumes) with.
+    coord.publish(new_version=False)
     writer = metrics_lib.MetricWriter(workdir)
-    trained_log = open(os.path.join(workdir, TRAINED), "a", buffering=1)
-    eval_loader = pipeline.ShadowLoader(extras["eval_rows"], len(extras["eval_rows"]),
-                                        extras["proc"], num_workers=0, shuffle=False,
-                                        num_epochs=1)
+    stack.callback(writer.close)
+    trained_log = stack.enter_context(open(os.path.join(workdir, TRAINED), "a", buffering=1))
+    eval_loader = pipeline.ShadowLoader(built.eval_rows, len(built.eval_rows), built.proc,
+                                        num_workers=0, shuffle=False, num_epochs=1)
+    stack.callback(eval_loader.close)
     eval_samples = eval_loader.next_batch()
     last = {}
-    if first == 0 and not hasattr(coord.rollout, "update_params"):
-      coord.publish(new_version=False)  # a fleet starts from the trainer's weights
     if first == 0:
       # Warm-up for GRPO (none without RL steps); logged at steps -sft.steps..0.
       if sft.runs(config):
-        sft.warm_up(coord, config, dataset_paths(config, workdir)[0], extras["proc"], writer,
+        sft.warm_up(coord, config, dataset_paths(config, workdir)[0], built.proc, writer,
                     lambda: coord.evaluate(eval_samples))
       writer.write(0, {"eval/accuracy": coord.evaluate(eval_samples)})
     if first < config.total_steps:
       if reference.needed(config):
-        trainer = coord.trainer
-        trainer.ref_params = reference.reference_params(
-            config, workdir, coord.cfg, coord.graphdef, trainer.state.params,
-            trainer.state_shardings.params, fresh=first == 0)
+        coord.set_reference(reference.reference_params(
+            config, workdir, coord.cfg, coord.graphdef, coord.state.params,
+            coord.state_shardings.params, fresh=first == 0))
       coord.start()  # rollout runs ahead from here, within the allowed lag
     progress = metrics_lib.Progress(config.total_steps, first)  # ETA from RL steps only
     for step in range(first + 1, config.total_steps + 1):
@@ -172,7 +204,7 @@ def run(config, workdir: str) -> dict:
       except StopIteration:
         logging.info("data exhausted after step %d", step - 1)
         break
-      host = dict(result.metrics, **coord.loader.metrics())
+      host = dict(result.metrics, **built.loader.metrics())
       if config.eval_every and step % config.eval_every == 0:
         host["eval/accuracy"] = coord.evaluate(eval_samples)
       writer.write(step, host)
@@ -183,18 +215,4 @@ def run(config, workdir: str) -> dict:
         coord_state, data_state = coord.get_state()
         ckpt.save(step, coord.state, rng, coord_state, data_state,
                   force=step == config.total_steps)
-    trained_log.close()
-  finally:
-    coord.close()  # the producer first: it reads the loader and the engine
-    ckpt.close()
-    if writer is not None:
-      writer.close()
-    if eval_loader is not None:
-      eval_loader.close()
-    coord.loader.close()
-    coord.rewards.shutdown()
-    if hasattr(coord.rollout, "engine"):  # the embedded engine's decode thread
-      coord.rollout.engine.stop()
-    if extras.get("launched") is not None:
-      extras["launched"].stop()
   return last

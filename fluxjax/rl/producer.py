@@ -1,8 +1,8 @@
 """The rollout side of the coordinator: admission-gated tail-batched rounds in a thread.
 
-The producer owns an asyncio loop in a background thread. It tops a
-`TailBatcher` up with prompts from the data loader, runs rounds on the
-rollout backend (`EmbeddedRollout` or `Fleet`), scores each response in the
+The producer runs on the rollout thread's asyncio loop (`backend.LoopThread`).
+It tops a `TailBatcher` up with prompts from the data loader, runs rounds on
+the rollout backend (`EmbeddedRollout` or `Fleet`), scores each response in the
 reward pool the moment it finishes, and hands every kept group to the
 trainer through a queue as soon as its last reward is in, while the round
 goes on. Before each round it asks the `AdmissionController` for room: at
@@ -23,7 +23,6 @@ import asyncio
 import collections
 import dataclasses
 import queue
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +30,8 @@ from absl import logging
 
 from fluxjax.data import meta as meta_lib
 from fluxjax.rl import async_control, tail_batching, trajectories
+from fluxjax.rollout.backend import LoopThread, Sampler, SlotStats
+from fluxjax.rollout.client import Completion
 
 
 @dataclasses.dataclass
@@ -54,17 +55,17 @@ class RoundEnd:
 
 
 class _Scoring:
-  """Wraps a rollout backend: every finished response is submitted for scoring."""
+  """The backend as a round's `Sampler`; every finished response is also scored."""
 
-  def __init__(self, rollout, score: Callable[[Any, str], Any]):
+  def __init__(self, rollout: Sampler, score: Callable[[Completion, str | None], Any]):
     self._rollout = rollout
     self._score = score
     self.futures: dict[str, Any] = {}
 
-  def __getattr__(self, name):  # engine (slot statistics), url, ...
-    return getattr(self._rollout, name)
+  def slot_stats(self) -> SlotStats | None:
+    return self._rollout.slot_stats()
 
-  async def generate(self, body: dict, group: str | None = None):
+  async def generate(self, body: dict, group: str | None = None) -> Completion:
     completion = await self._rollout.generate(body, group)
     if completion.finish_type != "abort":
       future = self._score(completion, group)
@@ -80,7 +81,7 @@ class Producer:
   """Runs rounds ahead of the trainer within the allowed lag.
 
   Args:
-    rollout: the backend.
+    rollout: the backend (started; every call runs on `thread`).
     reward_scheduler: rl/rewards.RewardScheduler.
     batcher: the tail batcher (P prompts, R responses, eta).
     admission: the admission controller (batch size P prompts).
@@ -91,12 +92,14 @@ class Producer:
     max_prompt_tokens: longer prompts are skipped (counted).
     release: called with samples the producer drops (skips), to free media.
     max_round_failures: consecutive failed rounds before the run stops.
+    thread: the rollout thread's loop, shared with the backend's other
+      callers; None = a loop of its own, stopped by `stop`.
   """
 
-  def __init__(self, rollout, reward_scheduler, batcher: tail_batching.TailBatcher,
+  def __init__(self, rollout: Sampler, reward_scheduler, batcher: tail_batching.TailBatcher,
                admission: async_control.AdmissionController, *, next_samples, make_body,
                prompt_fn, max_prompt_tokens: int, release=lambda samples: None,
-               max_round_failures: int = 5):
+               max_round_failures: int = 5, thread: LoopThread | None = None):
     self.rollout = _Scoring(rollout, self._submit_score)
     self.rewards = reward_scheduler
     self.batcher = batcher
@@ -113,8 +116,8 @@ class Producer:
     self.version = 0   # the weight version rollouts sample from (tags)
     self.step = 0      # updates applied by the trainer (admission)
     self.counts: collections.Counter = collections.Counter()
-    self._loop = asyncio.new_event_loop()
-    self._thread = threading.Thread(target=self._loop.run_forever, name="rollout", daemon=True)
+    self._owns_thread = thread is None
+    self._thread = LoopThread("rollout") if thread is None else thread
     self._wake: asyncio.Event | None = None
     self._data_lock: asyncio.Lock | None = None
     self._task = None
@@ -124,8 +127,8 @@ class Producer:
   # -- thread plumbing -----------------------------------------------------------
   def start_loop(self) -> None:
     """Starts the rollout thread's event loop (all backend calls run on it)."""
-    if not self._thread.is_alive():
-      self._thread.start()
+    self._thread.start()
+    if self._wake is None:
       self.call(self._init_primitives())
 
   def start(self) -> None:
@@ -143,7 +146,7 @@ class Producer:
 
   @property
   def alive(self) -> bool:
-    return self._thread.is_alive()
+    return self._thread.alive
 
   async def _init_primitives(self):
     self._wake = asyncio.Event()
@@ -151,11 +154,11 @@ class Producer:
 
   def call(self, coro, timeout: float | None = None):
     """Runs a coroutine on the rollout loop and waits for its result."""
-    return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+    return self._thread.call(coro, timeout)
 
   def _notify(self) -> None:
     if self._wake is not None:
-      self._loop.call_soon_threadsafe(self._wake.set)
+      self._thread.call_soon(self._wake.set)
 
   def set_version(self, version: int, step: int | None = None) -> None:
     """The trainer published `version` (after update `step`): admission may open.
@@ -170,20 +173,23 @@ class Producer:
 
   def give_back(self, n: int) -> None:
     """Returns admission for `n` prompts that will not train (DAPO refill)."""
-    self._loop.call_soon_threadsafe(self.admission.on_cancelled, n)
+    self._thread.call_soon(self.admission.on_cancelled, n)
     self._notify()
 
   def stop(self) -> None:
+    """Stops producing: the running round is cancelled (its requests aborted).
+
+    The loop stops too when it is the producer's own.
+    """
     self._stop = True
     self._notify()
-    if self._task is not None and self._thread.is_alive():
+    if self._task is not None and self._thread.alive:
       try:  # cancel on the loop and wait there, so the round's aborts run
         self.call(self._cancel(), timeout=60)
       except Exception:  # noqa: BLE001 - shutting down after a failure
         logging.exception("stopping the rollout producer")
-    if self._thread.is_alive():
-      self._loop.call_soon_threadsafe(self._loop.stop)
-      self._thread.join(timeout=30)
+    if self._owns_thread:
+      self._thread.stop()
 
   # -- state ---------------------------------------------------------------------
   def snapshot(self, loader_state: Callable[[], dict], consumed: set) -> dict:
@@ -230,7 +236,9 @@ class Producer:
     self.counts.update(state.get("counts", {}))
 
   # -- the producer loop ---------------------------------------------------------
-  def _submit_score(self, completion, group: str):
+  def _submit_score(self, completion: Completion, group: str | None):
+    if group is None:
+      raise ValueError(f"request {completion.rid} carries no prompt id to score it by")
     sample = self.samples.get(int(group))
     if sample is None:
       # A speculative response that finished as its abort was sent, after its
@@ -281,7 +289,7 @@ class Producer:
   def done_with(self, uids) -> None:
     """From the trainer thread: these samples are trained; drop them."""
     for u in list(uids):
-      self._loop.call_soon_threadsafe(self.forget, u)
+      self._thread.call_soon(self.forget, u)
 
   async def _admission(self) -> int:
     """Waits until admission allows a prompt; returns how many it allows.

@@ -68,7 +68,7 @@ def reference_params(config, workdir: str, model_cfg, graphdef, policy_params,
     raise FileNotFoundError(
         f"the reference model for rl.kl_coef > 0 is read from {path}, which holds no "
         "checkpoint (a run resumed with KL that began without it?); set rl.ref_hf_path")
-  shardings = {k: v.get_value() if hasattr(v, "get_value") else v
+  shardings = {k: v.get_value() if isinstance(v, nnx.Variable) else v
                for k, v in nnx.to_flat_state(param_shardings)}
   model = hf_io.load_hf_checkpoint(path, model_cfg, shardings=shardings)
   logging.info("reference model: read from %s", path)

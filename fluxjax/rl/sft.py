@@ -11,7 +11,8 @@ It uses the RL path end to end: `TrainSequence`s (the prompt from
 `sequence_from_chat`, exactly as the coordinator builds it, extended with the
 answer tokens; loss mask and advantage 1 on the answer tokens only) planned by
 the run's strategy, materialized with pixels from a worker store, and one
-jitted step per plan layout from `strategy.accumulate_fn` with a token NLL.
+jitted step per plan layout (rl/layout_steps.py) from `strategy.accumulate_fn`
+with a token NLL.
 
 Optimizer: the warm-up has its own AdamW (`config.sft`: lr, warmup, cosine to
 `end_lr_frac`) and its own moments. Afterwards the RL train state gets the
@@ -32,20 +33,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import jax
 import numpy as np
 from absl import logging
 from flax import nnx
 
-from fluxjax.parallel import train_step
 from fluxjax.data import materializer as materializer_lib
 from fluxjax.data import meta as meta_lib
 from fluxjax.data import pipeline
+from fluxjax.models.config import ModelConfig
 from fluxjax.models.inputs import SequenceInputs
 from fluxjax.models.tokenizer import Tokenizer
-from fluxjax.rl import stream_trainer
 from fluxjax.parallel import batch as batch_lib
+from fluxjax.parallel import train_step
+from fluxjax.parallel.strategies import Strategy
+from fluxjax.rl.layout_steps import LayoutSteps
+from fluxjax.sharding.plan import Plan
 
 
 def response_text(answer: str) -> str:
@@ -88,57 +93,85 @@ def optimizer_config(config):
   return optim
 
 
+class Policy(Protocol):
+  """What the warm-up reads from the run's policy, and how it hands weights back.
+
+  The run's `Coordinator` is one.
+  """
+
+  @property
+  def cfg(self) -> ModelConfig: ...
+
+  @property
+  def tokenizer(self) -> Tokenizer: ...
+
+  @property
+  def mesh(self) -> jax.sharding.Mesh: ...
+
+  @property
+  def strategy(self) -> Strategy: ...
+
+  @property
+  def graphdef(self) -> nnx.GraphDef: ...
+
+  @property
+  def state(self) -> train_step.TrainState: ...
+
+  def prompt(self, sample: meta_lib.SampleMeta) -> SequenceInputs:
+    """The sample's prompt, as rollout sees it."""
+    ...
+
+  def load_params(self, params: nnx.State) -> None:
+    """Makes `params` the policy's parameters (optimizer state and step kept)."""
+    ...
+
+  def publish(self, new_version: bool = True) -> float:
+    """Hands the current parameters to rollout as a policy version."""
+    ...
+
+
 class Trainer:
   """Jitted NLL steps on the run's mesh and strategy, from the run's parameters.
 
   Args:
-    coord: the run's Coordinator (model config, tokenizer, mesh, strategy,
-      graphdef, train state); not modified until `finish`.
+    policy: the run's policy (the Coordinator); not modified until `finish`.
     config: the run config (its `optim` and `sft` sections).
     patch_source: MediaRef -> patches (a Materializer over the store the
       media were decoded into).
   """
 
-  def __init__(self, coord, config, patch_source: Callable | None = None):
-    self.coord = coord
-    self.patch_source = patch_source
+  def __init__(self, policy: Policy, config, patch_source: Callable | None = None):
+    self.policy = policy
     self.tx = train_step.make_optimizer(optimizer_config(config))
     # A copy: the step donates its state, and the run's parameters must stay
     # valid (the rollout engine may hold them) until `finish` replaces them.
-    params = jax.tree.map(lambda x: x.copy(), coord.state.params)
+    params = jax.tree.map(lambda x: x.copy(), policy.state.params)
     _, self.state, self.shardings = train_step.create_train_state(
-        nnx.merge(coord.graphdef, params), self.tx, coord.mesh)
-    self._steps = {}
+        nnx.merge(policy.graphdef, params), self.tx, policy.mesh)
+    self._layouts = LayoutSteps(policy.cfg, policy.mesh, policy.strategy, self._compile_step,
+                                patch_source=patch_source)
 
   def sequences(self, samples: Sequence[meta_lib.SampleMeta]) -> list[batch_lib.TrainSequence]:
-    c = self.coord
-    return [sft_sequence(c.prompt(s), answer_ids(c.tokenizer, s.answer or "")) for s in samples]
+    p = self.policy
+    return [sft_sequence(p.prompt(s), answer_ids(p.tokenizer, s.answer or "")) for s in samples]
 
-  def _step_fn(self, plan):
-    key = (plan.level_layout(), plan.num_microbatches)
-    if key not in self._steps:
-      c = self.coord
-      accumulate = c.strategy.accumulate_fn(c.mesh, plan, c.graphdef, self.shardings.params,
-                                            nll_loss)
-      self._steps[key] = train_step.make_train_step(
-          c.graphdef, self.tx, state_shardings=self.shardings, accumulate_fn=accumulate)
-    return self._steps[key]
+  def _compile_step(self, plan: Plan, batch: batch_lib.TrainBatch):
+    del batch  # the step's shardings come from the state and the plan
+    p = self.policy
+    accumulate = p.strategy.accumulate_fn(p.mesh, plan, p.graphdef, self.shardings.params,
+                                          nll_loss)
+    return train_step.make_train_step(p.graphdef, self.tx, state_shardings=self.shardings,
+                                      accumulate_fn=accumulate)
 
   def batch(self, seqs: Sequence[batch_lib.TrainSequence]):
     """(plan, host TrainBatch) for these sequences."""
-    c = self.coord
-    plan = c.strategy.plan([len(s) for s in seqs], c.mesh.size)
-    host = batch_lib.materialize(plan, seqs, c.cfg, stream_trainer.PATCH_BUCKETS,
-                                 patch_source=self.patch_source,
-                                 balance_vision=c.strategy.balance_vision)
-    return plan, host
+    return self._layouts.prepare(seqs)
 
   def train(self, seqs: Sequence[batch_lib.TrainSequence]) -> dict:
     """One update; returns its device metrics (loss = mean NLL per answer token)."""
-    plan, host = self.batch(seqs)
-    step = self._step_fn(plan)
-    with jax.set_mesh(self.coord.mesh):
-      self.state, metrics = step(self.state, batch_lib.to_device(host, self.coord.mesh))
+    placed = self._layouts.place(seqs)
+    with jax.set_mesh(self.policy.mesh):
+      self.state, metrics = placed.step(self.state, placed.batch)
     return metrics
 
   def finish(self, copy: bool = False) -> None:
@@ -147,14 +180,13 @@ class Trainer:
     `copy=True` hands over a copy (a snapshot mid-warm-up, e.g. to evaluate
     it): the next step donates the warm-up's own parameters.
     """
-    c = self.coord
-    if int(c.state.step) != 0:
+    if int(self.policy.state.step) != 0:
       raise RuntimeError("the SFT warm-up runs before the first RL step only")
     params = jax.tree.map(lambda x: x.copy(), self.state.params) if copy else self.state.params
-    c.state = train_step.TrainState(params, c.state.opt_state, c.state.step)
+    self.policy.load_params(params)
 
 
-def warm_up(coord, config, train_path: str, proc, writer,
+def warm_up(coord: Policy, config, train_path: str, proc, writer,
             evaluate: Callable[[], float]) -> dict[str, float]:
   """Runs the warm-up (see the module docstring); returns a summary.
 

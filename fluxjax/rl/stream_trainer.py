@@ -10,10 +10,12 @@ applies one optimizer update: the same update as the synchronous step on the
 whole batch (tests/test_stream_trainer.py holds them to 1e-6), so streaming
 changes when the work happens, not what is learned.
 
-With a reference model (`ref_params`, for the KL term), each part's
-reference logprobs are computed in the same program as its gradients, by
-the reference's forward over the part's own layout: they never leave the
-devices.
+With a reference model (`ref_params` or `set_reference`, for the KL term),
+each part's reference logprobs are computed in the same program as its
+gradients, by the reference's forward over the part's own layout: they never
+leave the devices. Planning, materializing, placing and the compiled `add` of
+each plan layout are `LayoutSteps`' (rl/layout_steps.py), shared with the SFT
+warm-up.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ from collections.abc import Sequence
 import jax
 import optax
 
-from fluxjax.parallel import train_step
 from fluxjax.models.config import ModelConfig
 from fluxjax.parallel import batch as batch_lib
+from fluxjax.parallel import train_step
 from fluxjax.parallel.strategies import Strategy
-
-PATCH_BUCKETS = (256, 1024, 4096, 16384, 65536)
+from fluxjax.rl.layout_steps import PATCH_BUCKETS, LayoutSteps
+from fluxjax.sharding.plan import Plan
 
 
 class StreamTrainer:
@@ -47,47 +49,63 @@ class StreamTrainer:
       text-only sequences.
     patch_buckets: static patch-buffer sizes.
     ref_params: the reference model's parameters (sharded like the policy's),
-      or None when the loss has no KL term; settable later (`ref_params`).
+      or None when the loss has no KL term; settable later (`set_reference`).
   """
 
   def __init__(self, model_cfg: ModelConfig, mesh, strategy: Strategy, graphdef, state,
                state_shardings, tx: optax.GradientTransformation, loss_fn, *,
                patch_source=None, patch_buckets: Sequence[int] = PATCH_BUCKETS,
                ref_params=None):
-    self.cfg = model_cfg
     self.mesh = mesh
     self.strategy = strategy
     self.graphdef = graphdef
-    self.state = state
     self.state_shardings = state_shardings
     self.loss_fn = loss_fn
-    self.patch_source = patch_source
-    self.patch_buckets = tuple(patch_buckets)
-    self.ref_params = ref_params
+    self._state = state
+    self._ref_params = ref_params
     self._apply = train_step.make_stream_apply(tx, state_shardings)
-    self._adds = {}        # compiled `add` by plan layout (flex levels change shapes)
+    # A compiled `add` per plan layout (flex levels change shapes).
+    self._layouts = LayoutSteps(model_cfg, mesh, strategy, self._compile_add,
+                                patch_buckets=patch_buckets, patch_source=patch_source)
     self._sums_shape = None
     self._acc = None
     self.parts = 0
     self.sequences = 0
 
-  def _add_fn(self, plan, batch):
-    key = (plan.level_layout(), plan.num_microbatches)
-    if key not in self._adds:
-      accumulate = self.strategy.accumulate_fn(self.mesh, plan, self.graphdef,
-                                               self.state_shardings.params, self.loss_fn)
-      self._adds[key] = (accumulate, train_step.make_stream_add(
-          accumulate, self.state_shardings.params,
-          self.strategy.logprobs_fn(self.mesh, plan, self.graphdef),
-          batch.ref_logprobs.sharding))  # reference logprobs land in the batch's layout
-    return self._adds[key]
+  @property
+  def state(self) -> train_step.TrainState:
+    """The train state (donated to each update: read it again after `apply`)."""
+    return self._state
+
+  @property
+  def ref_params(self):
+    """The reference model's parameters, or None."""
+    return self._ref_params
+
+  def load_state(self, state: train_step.TrainState) -> None:
+    """Replaces the train state (a restore, new parameters); nothing may be pending."""
+    if self._acc is not None:
+      raise RuntimeError("load_state() with a partial batch added")
+    self._state = state
+
+  def set_reference(self, params) -> None:
+    """The reference parameters of the KL term, sharded like the policy's."""
+    self._ref_params = params
+
+  def _compile_add(self, plan: Plan, batch: batch_lib.TrainBatch):
+    accumulate = self.strategy.accumulate_fn(self.mesh, plan, self.graphdef,
+                                             self.state_shardings.params, self.loss_fn)
+    return accumulate, train_step.make_stream_add(
+        accumulate, self.state_shardings.params,
+        self.strategy.logprobs_fn(self.mesh, plan, self.graphdef),
+        batch.ref_logprobs.sharding)  # reference logprobs land in the batch's layout
 
   def _zeros(self, accumulate, batch):
     if self._sums_shape is None:  # traced once: the loss's metric names
       self._sums_shape = jax.eval_shape(lambda p, b: accumulate(p, b, 1.0)[2],
-                                        self.state.params, batch)
+                                        self._state.params, batch)
     zeros = jax.tree.map(lambda p: jax.numpy.zeros(p.shape, p.dtype, device=p.sharding),
-                         self.state.params)
+                         self._state.params)
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     sums = {k: jax.numpy.zeros(v.shape, v.dtype, device=replicated)
             for k, v in self._sums_shape.items()}
@@ -97,16 +115,12 @@ class StreamTrainer:
     """Adds the gradients of `seqs` (dispatched; returns before they finish)."""
     if not seqs:
       return
-    plan = self.strategy.plan([len(s) for s in seqs], self.mesh.size)
-    host = batch_lib.materialize(plan, seqs, self.cfg, self.patch_buckets,
-                                 patch_source=self.patch_source,
-                                 balance_vision=self.strategy.balance_vision)
+    placed = self._layouts.place(seqs)
+    accumulate, add = placed.step
     with jax.set_mesh(self.mesh):
-      batch = batch_lib.to_device(host, self.mesh)
-      accumulate, add = self._add_fn(plan, batch)
       if self._acc is None:
-        self._acc = self._zeros(accumulate, batch)
-      self._acc = add(self.state.params, self._acc, batch, self.ref_params)
+        self._acc = self._zeros(accumulate, placed.batch)
+      self._acc = add(self._state.params, self._acc, placed.batch, self._ref_params)
     self.parts += 1
     self.sequences += len(seqs)
 
@@ -119,7 +133,7 @@ class StreamTrainer:
     if self._acc is None:
       raise RuntimeError("apply() with nothing added")
     with jax.set_mesh(self.mesh):
-      self.state, metrics = self._apply(self.state, self._acc)
+      self._state, metrics = self._apply(self._state, self._acc)
     self._acc = None
     metrics = dict(metrics, parts=self.parts, sequences=self.sequences)
     self.parts = self.sequences = 0

@@ -9,7 +9,8 @@ round, and at the end of the epoch whatever is left runs without speculation.
 
 The scheduling (`TailBatcher`, `Round`) is pure and synchronous so that it can
 be property-tested; `run_round` is the asyncio driver that talks to a rollout
-backend (`Fleet` or `EmbeddedRollout`: `generate(body, group)`, `abort(rid)`).
+backend (a `backend.Sampler`: `generate(body, group)`, `abort(rid)`, and
+`slot_stats()` where the backend has slot counters).
 eta = 1.0 disables speculation and gives plain batching in dataset order.
 """
 
@@ -21,6 +22,8 @@ import math
 import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
+
+from fluxjax.rollout.backend import Sampler, SlotStats
 
 PromptId = Hashable  # int or str: it goes into JSON checkpoints
 Key = tuple[Any, int]  # (prompt id, response index)
@@ -249,14 +252,6 @@ class RoundResult:
   stats: dict
 
 
-def _slot_engine(rollout):
-  """The backend's slot engine if it exposes one (EmbeddedRollout does)."""
-  eng = getattr(rollout, "engine", None)
-  if eng is not None and hasattr(eng, "stats") and hasattr(eng, "num_slots"):
-    return eng
-  return None
-
-
 class RoundFailed(RuntimeError):
   """A round stopped by a backend error; its kept prompts were committed.
 
@@ -269,7 +264,7 @@ class RoundFailed(RuntimeError):
     self.kept = kept
 
 
-async def run_round(rollout, batcher: TailBatcher,
+async def run_round(rollout: Sampler, batcher: TailBatcher,
                     make_body: Callable[[PromptId, int], dict], *, rid_prefix: str = "tb",
                     max_retries: int = 2, abort_grace_s: float = 30.0,
                     on_kept: Callable[[PromptId, list], None] | None = None,
@@ -277,7 +272,7 @@ async def run_round(rollout, batcher: TailBatcher,
   """Plans, runs and commits one round on `rollout`.
 
   Args:
-    rollout: a `Fleet` or `EmbeddedRollout` (`generate(body, group)`, `abort(rid)`).
+    rollout: the backend (`EmbeddedRollout`, `Fleet`, or what wraps one).
     batcher: the scheduler; committed only if the round succeeds, so a failed
       round loses no prompt.
     make_body: (prompt id, response index) -> SGLang /generate body; `rid` is
@@ -302,8 +297,7 @@ async def run_round(rollout, batcher: TailBatcher,
   if plan is None:
     return None
   rnd = Round(plan)
-  eng = _slot_engine(rollout)
-  steps0 = eng.stats["decode_steps"] if eng is not None else 0
+  slots0 = rollout.slot_stats()
   t0 = time.perf_counter()
   tasks: dict[asyncio.Task, tuple[Key, str]] = {}
   tries: dict[Key, int] = {}
@@ -381,12 +375,20 @@ async def run_round(rollout, batcher: TailBatcher,
       "tokens_discarded": sum(len(c.output_ids) for c in all_outputs if id(c) not in kept_ids),
       "max_kept_len": max((len(c.output_ids) for g in groups.values() for c in g), default=0),
   }
-  if eng is not None:
-    # Slot-steps: every decode step computes all slots; a slot is busy for one
-    # step per token after its first (the first comes from the prefill). This
-    # assumes the round has the engine to itself.
-    steps = eng.stats["decode_steps"] - steps0
-    busy = sum(max(len(c.output_ids) - 1, 0) for c in all_outputs)
-    stats["decode_steps"] = steps
-    stats["slot_idle_fraction"] = 1.0 - busy / (steps * eng.num_slots) if steps else 0.0
+  slots1 = rollout.slot_stats()
+  if slots0 is not None and slots1 is not None:
+    stats.update(_slot_usage(slots0, slots1, all_outputs))
   return RoundResult(plan, groups, rnd.deferred, stats)
+
+
+def _slot_usage(before: SlotStats, after: SlotStats, outputs: Sequence) -> dict:
+  """decode_steps and slot_idle_fraction of a round from the engine's counters.
+
+  Slot-steps: every decode step computes all slots; a slot is busy for one
+  step per token after its first (the first comes from the prefill). This
+  assumes the round has the engine to itself.
+  """
+  steps = after.decode_steps - before.decode_steps
+  busy = sum(max(len(c.output_ids) - 1, 0) for c in outputs)
+  idle = 1.0 - busy / (steps * after.num_slots) if steps else 0.0
+  return {"decode_steps": steps, "slot_idle_fraction": idle}

@@ -1,9 +1,10 @@
 """The in-process rollout backend: the engine in a thread, the fleet's interface.
 
-`EmbeddedRollout.generate(body, group)` takes the same SGLang /generate body
-as `Fleet.generate` and returns the same `Completion`, so the coordinator does
-not care which backend runs. Weight updates hand arrays over directly
-(`update_params`), with no disk round trip.
+`EmbeddedRollout` implements `backend.RolloutBackend`: `generate(body, group)`
+takes the same SGLang /generate body as `Fleet.generate` and returns the same
+`Completion`, so the coordinator does not care which backend runs. Weight
+updates hand arrays over directly (`publish`, `update_params`), with no disk
+round trip, and the engine's slot counters feed tail batching's statistics.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ import asyncio
 from fluxjax.models import processor, vlm
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import engine as engine_lib
-from fluxjax.rollout import prompt, protocol
+from fluxjax.rollout import prompt, protocol, publish as publish_lib
+from fluxjax.rollout.backend import SlotStats
 from fluxjax.rollout.client import Completion, RequestRejected
 
 
 class EmbeddedRollout:
-  """An engine running in a background thread of this process."""
+  """An engine running in a background thread of this process.
+
+  The engine's thread runs from construction until `close`.
+  """
 
   url = "embedded"
 
@@ -63,5 +68,31 @@ class EmbeddedRollout:
   def update_params(self, params, weight_version: str) -> None:
     self.engine.update_params(params, weight_version)
 
+  async def publish(self, model: vlm.Qwen25VL, version: int) -> publish_lib.PublishReport:
+    """Swaps `model`'s arrays into the engine.
+
+    The swap runs in an executor thread: it waits for the engine's current
+    step, which must not stall the event loop.
+    """
+    return await asyncio.get_running_loop().run_in_executor(
+        None, publish_lib.publish_in_process, [self], model, version)
+
+  def metrics(self) -> dict[str, float]:
+    return {}
+
+  def slot_stats(self) -> SlotStats:
+    return SlotStats(decode_steps=int(self.engine.stats["decode_steps"]),
+                     num_slots=self.engine.num_slots)
+
+  async def start(self) -> None:
+    """Nothing to open: the engine's thread runs from construction."""
+
   async def close(self) -> None:
     self.engine.stop()
+
+  async def __aenter__(self) -> "EmbeddedRollout":
+    await self.start()
+    return self
+
+  async def __aexit__(self, *exc: object) -> None:
+    await self.close()

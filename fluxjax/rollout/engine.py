@@ -89,7 +89,7 @@ def _patch_bucket(n: int, unit: int) -> int:
 def _cache_sharding(state: nnx.State, shape) -> jax.sharding.Sharding | None:
   """The KV cache's layout on the parameters' mesh; None for a one-device model."""
   for leaf in jax.tree.leaves(state):
-    sharding = getattr(leaf, "sharding", None)
+    sharding = leaf.sharding if isinstance(leaf, jax.Array) else None
     if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
       return rules.kv_cache_sharding(shape, sharding.mesh)
   return None

@@ -11,6 +11,10 @@ A server that fails (connection refused or reset, 5xx) is marked down, its
 groups are re-homed, and the request is retried from scratch elsewhere. A
 background task re-checks `/health` and brings servers back.
 
+`Fleet` implements `backend.RolloutBackend`: a new policy version is
+published as a versioned HF folder under `weights_root` that every server
+loads (rollout/publish.py).
+
 `launch_servers` starts server processes (`python -m sglang.launch_server ...`
 or ours) on free ports and waits for their health; `make_rollout` builds the
 backend a run config asks for.
@@ -27,13 +31,20 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 import aiohttp
 
+from fluxjax.rollout.backend import SlotStats
 from fluxjax.rollout.client import (Completion, RequestRejected, ServerUnavailable,
                                     SGLangClient)
+
+if TYPE_CHECKING:  # JAX model code: loaded by `publish` only
+  from fluxjax.models import vlm
+  from fluxjax.rollout.publish import PublishReport
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +82,24 @@ class NoServerAvailable(ServerUnavailable):
 
 
 class Fleet:
-  """Async client over several servers (see module docstring)."""
+  """Async client over several servers (see module docstring).
+
+  Args:
+    urls: the servers.
+    health_interval_s: seconds between background `/health` checks.
+    request_timeout_s: one request's limit.
+    max_attempts: tries of a request over the fleet (default: twice per server).
+    weights_root: folder `publish` writes the versions into, which every
+      server must be able to read (default: fluxjax_weights in the temp dir).
+    weights_dtype: tensor dtype of the published checkpoints.
+  """
 
   def __init__(self, urls: Sequence[str], *, health_interval_s: float = 2.0,
-               request_timeout_s: float = 3600.0, max_attempts: int | None = None):
+               request_timeout_s: float = 3600.0, max_attempts: int | None = None,
+               weights_root: str | None = None, weights_dtype: str = "bfloat16"):
     self._session: aiohttp.ClientSession | None = None
+    self.weights_root = weights_root or os.path.join(tempfile.gettempdir(), "fluxjax_weights")
+    self.weights_dtype = weights_dtype
     self.servers = [ServerState(SGLangClient(u, timeout_s=request_timeout_s)) for u in urls]
     self.affinity: dict[str, ServerState] = {}
     self.where: dict[str, ServerState] = {}    # rid -> server running it
@@ -89,6 +113,16 @@ class Fleet:
     down = sum(not s.healthy for s in self.servers)
     return {"fleet/retries": float(self.retries), "fleet/servers_down": float(down),
             "fleet/servers": float(len(self.servers))}
+
+  def slot_stats(self) -> SlotStats | None:
+    """None: the servers' slots are not observable from here."""
+    return None
+
+  async def publish(self, model: vlm.Qwen25VL, version: int) -> PublishReport:
+    """Writes <weights_root>/v<version>, then pause -> update -> continue everywhere."""
+    from fluxjax.rollout import publish  # local: the checkpoint writer is JAX code
+    return await publish.publish_to_fleet(self, model, self.weights_root, version,
+                                          dtype=self.weights_dtype)
 
   async def __aenter__(self) -> "Fleet":
     await self.start()
@@ -328,7 +362,7 @@ def check_config(cfg) -> None:
                      "rollout.launch (a command that starts one, given --port)")
 
 
-def make_rollout(cfg, model=None, tokenizer=None):
+def make_rollout(cfg, model=None, tokenizer=None, *, weights_root: str | None = None):
   """Builds the rollout backend of a run config's `rollout` section.
 
   Fields: backend ("embedded" | "sglang"); for sglang, `urls` (list of
@@ -336,9 +370,14 @@ def make_rollout(cfg, model=None, tokenizer=None):
   "sglang.launch_server", "--model-path", M]) with `num_servers`; for
   embedded, `num_slots` and `context_length`.
 
+  Args:
+    cfg: the `rollout` section.
+    model, tokenizer: what the embedded backend serves.
+    weights_root: where a fleet's published versions are written.
+
   Returns:
-    (backend, launched): a `Fleet` or an `embedded.EmbeddedRollout`, both with
-    `async generate(body, group)`, and the LaunchedServers to stop (or None).
+    (backend, launched): a `Fleet` or an `embedded.EmbeddedRollout`, both
+    `backend.RolloutBackend`s, and the LaunchedServers to stop (or None).
   """
   backend = cfg.backend
   if backend == "embedded":
@@ -355,4 +394,5 @@ def make_rollout(cfg, model=None, tokenizer=None):
     launched = launch_servers(list(launch), int(cfg.get("num_servers", 1)),
                               timeout_s=float(cfg.get("launch_timeout_s", 600)))
     urls = launched.urls
-  return Fleet(urls, health_interval_s=float(cfg.get("health_interval_s", 2.0))), launched
+  return Fleet(urls, health_interval_s=float(cfg.get("health_interval_s", 2.0)),
+               weights_root=weights_root), launched

@@ -1,0 +1,158 @@
+"""The Coordinator's API: read-only views, and the methods that change its state.
+
+A coordinator over the tiny preset on the fake 8-device mesh, with a
+recording rollout backend, a loader that holds no data and instant rewards:
+nothing here compiles a train step.
+"""
+
+import concurrent.futures
+import os
+
+import jax
+import pytest
+
+from fluxjax import config_args
+from fluxjax.models import sharded
+from fluxjax.parallel import train_step
+from fluxjax.rl import coordinator as coordinator_lib
+from fluxjax.rl import loop
+from fluxjax.rollout import backend as backend_lib
+from fluxjax.rollout.publish import PublishReport
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _Backend:
+  """A rollout backend that records what it was handed."""
+
+  def __init__(self):
+    self.published: list[tuple[object, int]] = []
+
+  async def start(self):
+    pass
+
+  async def close(self):
+    pass
+
+  async def __aenter__(self):
+    return self
+
+  async def __aexit__(self, *exc):
+    pass
+
+  async def generate(self, body, group=None):
+    raise AssertionError("no request is expected")
+
+  async def abort(self, rid):
+    pass
+
+  async def publish(self, model, version):
+    self.published.append((model, version))
+    return PublishReport(str(version), None, {"swap": 0.0}, [])
+
+  def metrics(self):
+    return {"fake/publishes": float(len(self.published))}
+
+  def slot_stats(self):
+    return None
+
+
+class _EmptyLoader:
+  """A loader whose data is exhausted; it keeps the state it is given."""
+  store = pool = None
+
+  def __init__(self):
+    self.state = {}
+
+  def next_batch(self):
+    return []
+
+  def release(self, samples):
+    pass
+
+  def get_state(self):
+    return dict(self.state)
+
+  def set_state(self, state):
+    self.state = dict(state)
+
+
+class _Rewards:
+  def submit(self, text, answer, key=None):
+    return concurrent.futures.Future()
+
+  def metrics(self):
+    return {"reward/timeout": 0.0}
+
+
+@pytest.fixture(scope="module")
+def parts(devices):
+  del devices
+  config = config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"))
+  cfg, strategy, mesh = loop.validate(config)
+  model = sharded.create_sharded_model(cfg, mesh, seed=0)
+  tx = train_step.make_optimizer(config.optim)
+  graphdef, state, shardings = train_step.create_train_state(model, tx, mesh)
+  return config, cfg, strategy, mesh, graphdef, state, shardings, tx
+
+
+@pytest.fixture
+def coord(parts):
+  config, cfg, strategy, mesh, graphdef, state, shardings, tx = parts
+  from fluxjax.models.tokenizer import Tokenizer
+  backend = _Backend()
+  assert isinstance(backend, backend_lib.RolloutBackend)
+  with backend_lib.LoopThread() as thread, thread.running(backend):
+    with coordinator_lib.Coordinator(config, cfg, Tokenizer.default(), mesh, strategy, graphdef,
+                                     state, shardings, tx, _EmptyLoader(), backend, _Rewards(),
+                                     thread=thread) as c:
+      yield c, backend
+
+
+def test_views_are_read_only(coord):
+  c, _ = coord
+  for name in ("state", "state_shardings", "version", "steps", "cfg", "tokenizer", "mesh",
+               "strategy", "graphdef"):
+    with pytest.raises(AttributeError):
+      setattr(c, name, None)
+  assert (c.version, c.steps) == (0, 0)
+
+
+def test_publish_hands_the_backend_a_copy_and_counts_versions(coord):
+  c, backend = coord
+  c.publish(new_version=False)
+  c.publish()
+  assert [v for _, v in backend.published] == [0, 1] and c.version == 1
+  from flax import nnx
+  handed = jax.tree.leaves(nnx.state(backend.published[-1][0], nnx.Param))
+  own = jax.tree.leaves(c.state.params)
+  assert len(handed) == len(own)
+  # Its own buffers: the next update donates the trainer's.
+  pointer = lambda x: x.addressable_shards[0].data.unsafe_buffer_pointer()  # noqa: E731
+  assert all(pointer(h) != pointer(o) for h, o in zip(handed, own) if h.size)
+  assert c.fault_counts()["fake/publishes"] == 2.0
+
+
+def test_load_params_replaces_the_parameters_only(coord):
+  c, _ = coord
+  before = c.state
+  params = jax.tree.map(lambda x: x + 1, before.params)
+  c.load_params(params)
+  assert c.state.params is params
+  assert c.state.opt_state is before.opt_state and c.state.step is before.step
+  c.set_reference(before.params)  # the KL reference: no effect on the policy
+  assert c.state.params is params
+
+
+def test_restore_before_start_only(coord):
+  c, _ = coord
+  restored = train_step.TrainState(c.state.params, c.state.opt_state, c.state.step + 3)
+  c.restore(restored, {"version": 4, "steps": 3, "filtered": 2}, {"position": 7})
+  assert c.state is restored and (c.version, c.steps) == (4, 3)
+  assert c.fault_counts()["rollout/filtered_groups_total"] == 2.0
+  state, data = c.get_state()
+  assert (state["version"], state["steps"], state["filtered"]) == (4, 3, 2)
+  assert data == {"position": 7}
+  c.start()
+  with pytest.raises(RuntimeError, match="after rollout started"):
+    c.restore(restored, {"version": 4}, {})

@@ -32,8 +32,8 @@ class LogNormal:
     if n is None:
       x = self.median * math.exp(self.sigma * rng.standard_normal())
       return float(min(max(x, self.lo), self.hi))
-    x = self.median * np.exp(self.sigma * rng.standard_normal(n))
-    return np.clip(x, self.lo, self.hi)
+    xs = self.median * np.exp(self.sigma * rng.standard_normal(n))
+    return np.clip(xs, self.lo, self.hi)
 
 
 # Geo3K: one geometry diagram per problem (longer side, pixels). ASSUMED.

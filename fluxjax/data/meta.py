@@ -148,7 +148,7 @@ class SampleMeta:
 
   def messages(self) -> list[dict]:
     """Chat messages for `fluxjax.models.inputs.sequence_from_chat`."""
-    content = [{"type": m.kind} for m in self.media]
+    content: list[dict[str, str]] = [{"type": m.kind} for m in self.media]
     content.append({"type": "text", "text": self.prompt})
     return [{"role": "user", "content": content}]
 
@@ -241,7 +241,8 @@ class ToMeta:
   def __call__(self, index: int, row: dict) -> SampleMeta:
     base = SampleMeta(uid=int(index), id=row["id"], prompt=row["prompt"],
                       answer=row.get("answer"), source=row.get("source", ""))
-    items = [("image", p) for p in row.get("images", ())]
+    items: list[tuple[processor.Kind, str]] = [
+        ("image", p) for p in row.get("images", ())]
     items += [("video", p) for p in row.get("videos", ())]
     try:
       media = tuple(media_ref(f"{index}/{k}", kind, path, self.cfg, self.limits)

@@ -192,9 +192,12 @@ class ShadowLoader:
       try:
         entry = self.store.wait(ref.media_id, self.decode_timeout_s)
       except TimeoutError:
-        self.store.set_failed(ref.media_id, "decode timed out after "
-                              f"{self.decode_timeout_s} s")
-        entry = self.store.get(ref.media_id)
+        reason = f"decode timed out after {self.decode_timeout_s} s"
+        self.store.set_failed(ref.media_id, reason)
+        failed = self.store.get(ref.media_id)
+        if failed is None:  # released meanwhile: set_failed dropped it
+          return f"{ref.path}: {reason}"
+        entry = failed
       if entry.status == store_lib.FAILED:
         return f"{ref.path}: {entry.reason}"
     return None

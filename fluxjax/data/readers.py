@@ -78,7 +78,7 @@ def normalize_row(raw: dict, index: int, base_dir: str) -> dict:
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
   """Normalized rows of a JSON-lines file (blank lines are ignored)."""
   base = os.path.dirname(os.path.abspath(path))
-  rows = []
+  rows: list[dict] = []
   with open(path) as f:
     for line in f:
       if line.strip():

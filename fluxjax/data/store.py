@@ -123,8 +123,8 @@ class MetaStore:
     with self._cv:
       if media_id in self._entries:
         raise KeyError(f"{media_id} is already registered")
-      self._entries[media_id] = Entry(media_id, worker, nbytes,
-                                      tuple(expected_grid))
+      t, h, w = expected_grid  # stored as a tuple: set_ready compares tuples
+      self._entries[media_id] = Entry(media_id, worker, nbytes, (t, h, w))
       self.bytes_in_use += nbytes
       self.peak_bytes = max(self.peak_bytes, self.bytes_in_use)
 
@@ -195,9 +195,12 @@ class MetaStore:
     entry = self.wait(media_id, timeout)
     if entry.status == FAILED:
       raise ValueError(f"{media_id} failed: {entry.reason}")
+    # READY: set_ready gave it a shape, and a slot when no array.
+    assert entry.shape is not None
     rows = rows or (0, entry.shape[0])
     if entry.array is not None:
       return entry.array[rows[0]:rows[1]]
+    assert entry.slot is not None
     return read_shared(entry.slot, entry.shape, rows)
 
   def _drop(self, media_id: str) -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fractions
 import json
 import math
 import os
@@ -238,7 +239,8 @@ def _segments(rng: np.random.Generator, num_frames: int):
   k = min(k, num_frames)
   cuts = np.sort(rng.choice(np.arange(1, num_frames), k - 1, replace=False))
   bounds = [0, *cuts.tolist(), num_frames]
-  colors, shapes = [], []
+  colors: list[str] = []
+  shapes: list[str] = []
   for _ in range(k):
     # Consecutive segments differ in colour so the last one is unambiguous.
     choices = [c for c in COLORS if not colors or c != colors[-1]]
@@ -253,8 +255,10 @@ def write_video(path: str, frames_fn, num_frames: int, height: int,
   # faststart puts the index first, as web-ready files have it; a file cut
   # short then still opens and fails only when decoding reaches the cut.
   with av.open(path, mode="w", options={"movflags": "faststart"}) as container:
-    stream = container.add_stream("libx264", rate=round(fps * 1000) / 1000
-                                  if fps != int(fps) else int(fps))
+    # A rational rate (to the millisecond): PyAV reads its numerator and
+    # denominator, which a float lacks.
+    stream = container.add_stream(
+        "libx264", rate=fractions.Fraction(round(fps * 1000), 1000))
     stream.height, stream.width, stream.pix_fmt = height, width, "yuv420p"
     # ultrafast: the files are test data, encode speed matters, quality not.
     stream.options = {"preset": "ultrafast", "crf": "28"}
@@ -293,7 +297,8 @@ def make_sample(i: int, source: str | None, rng: np.random.Generator,
                 out_dir: str, cfg: SynthConfig, prefix: str) -> dict:
   """Generates one sample's media and returns its manifest row."""
   sid = f"{prefix}-{i:06d}"
-  row = {"id": sid, "source": source or "text", "images": [], "videos": []}
+  row: dict[str, object] = {"id": sid, "source": source or "text", "images": [],
+                            "videos": []}
   if source is None:
     expr, _, value = _arith(rng)
     row.update(prompt=f"What is {expr}?", answer=str(value), task="arith")

@@ -23,6 +23,8 @@ import os
 import queue
 import threading
 import time
+from multiprocessing import queues
+from multiprocessing.context import SpawnProcess
 
 from fluxjax.data import store as store_lib
 from fluxjax.models import media as media_lib
@@ -105,8 +107,8 @@ class WorkerPool:
     self._ctx = mp.get_context("spawn")
     self._queue_size = queue_size
     self._results = self._ctx.Queue()
-    self._tasks = [None] * num_workers
-    self._procs = [None] * num_workers
+    self._tasks: list[queues.Queue] = [self._ctx.Queue(queue_size)
+                                       for _ in range(num_workers)]
     self._load = [0] * num_workers
     self._lock = threading.Lock()
     self._pending: dict[str, tuple[int, int]] = {}  # id -> (worker, patches)
@@ -114,8 +116,7 @@ class WorkerPool:
     self._stopping = threading.Event()  # close() began: exits are not deaths
     self.restarts = 0
     self.decode_s = 0.0
-    for w in range(num_workers):
-      self._start(w)
+    self._procs: list[SpawnProcess] = [self._start(w) for w in range(num_workers)]
     self._collector = threading.Thread(target=self._collect, daemon=True,
                                        name="fluxjax-worker-results")
     self._collector.start()
@@ -124,13 +125,13 @@ class WorkerPool:
   def num_workers(self) -> int:
     return len(self._procs)
 
-  def _start(self, w: int) -> None:
-    self._tasks[w] = self._ctx.Queue(self._queue_size)
+  def _start(self, w: int) -> SpawnProcess:
+    """Starts worker `w` on its task queue; returns the process."""
     proc = self._ctx.Process(
         target=_worker_main, name=f"fluxjax-preproc-{w}", daemon=True,
         args=(w, self.cfg, self._tasks[w], self._results, self.transport, os.getpid()))
     proc.start()
-    self._procs[w] = proc
+    return proc
 
   def loads(self) -> list[int]:
     """Outstanding patches per worker."""
@@ -194,7 +195,8 @@ class WorkerPool:
         self._done(media_id)
         self.store.set_failed(media_id, f"worker {w} died")
       self.restarts += 1
-      self._start(w)
+      self._tasks[w] = self._ctx.Queue(self._queue_size)
+      self._procs[w] = self._start(w)
 
   def close(self, timeout: float = 5.0) -> None:
     """Stops the workers (joins, then terminates stragglers)."""

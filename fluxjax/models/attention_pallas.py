@@ -299,7 +299,9 @@ def _shape_like(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
   aval = jax.typeof(like)
   if hasattr(aval, "manual_axis_type"):
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type)
-  return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)  # JAX before manual_axis_type
+  # JAX before manual_axis_type took `vma`; the installed JAX's stubs (newer)
+  # do not know the keyword.
+  return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)  # type: ignore[call-arg]
 
 
 def _compiler_params(num_warps: int, st: _Static):
@@ -459,11 +461,12 @@ def pallas_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *,
     raise ValueError(f"{n} query heads do not group over {kv_heads} kv heads")
   if causal and (q_positions is None or kv_positions is None):
     raise ValueError("causal attention needs query and key positions")
-  kw = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-            q_positions=q_positions, kv_positions=kv_positions, causal=causal)
   if t < MIN_QUERY_LEN or h > MAX_HEAD_DIM:
     # Decode-sized queries or oversized heads: see MIN_QUERY_LEN / MAX_HEAD_DIM.
-    return attention_xla.xla_attention(q_BTNH, k_BSKH, v_BSKH, **kw)
+    return attention_xla.xla_attention(
+        q_BTNH, k_BSKH, v_BSKH, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, q_positions=q_positions,
+        kv_positions=kv_positions, causal=causal)
 
   hp = max(16, pl.next_power_of_2(h))
   itemsize = jnp.dtype(q_BTNH.dtype).itemsize
@@ -474,6 +477,7 @@ def pallas_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *,
     # Positions only enter the causal test; any placeholder will do.
     q_positions = jnp.zeros((b, t), jnp.int32)
     kv_positions = jnp.zeros((b, s), jnp.int32)
+  assert q_positions is not None and kv_positions is not None  # causal: checked above
 
   def pad(x, length, head_pad):
     widths = [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2)

@@ -214,7 +214,7 @@ def from_hf_dict(hf: dict[str, Any], **overrides) -> ModelConfig:
   vis_rope = vis_src.get("rope_parameters") or {}
   if "rope_theta" in vis_rope:
     vis_kw["rope_theta"] = float(vis_rope["rope_theta"])
-  tok_kw = {}
+  tok_kw: dict[str, Any] = {}  # keyword arguments of ModelConfig
   for k in _TOKEN_KEYS:
     v = hf.get(k, text_src.get(k))
     if isinstance(v, list):  # eos may be a list in some exports; the first is the turn end

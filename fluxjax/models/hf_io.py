@@ -112,7 +112,7 @@ class _TensorIndex:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
       weight_map = None
     self._handles = {f: safe_open(os.path.join(folder, f), framework="numpy") for f in files}
-    self.where: dict[str, str] = {}
+    self.where: dict[str, tuple[str, str]] = {}  # name -> (file, name in the file)
     for file, handle in self._handles.items():
       for name in handle.keys():
         if weight_map is not None and weight_map.get(name) != file:
@@ -158,7 +158,7 @@ def load_hf_checkpoint(path: str, cfg: config_lib.ModelConfig | None = None, *,
     layer_shape = shape[1:] if stack else shape
     names = ([template.format(i) for i in range(shape[0])] if stack else [template])
     used.update(names)
-    cache = collections.OrderedDict()
+    cache: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
 
     def layer_tensor(name, kind=kind, layer_shape=layer_shape, cache=cache):
       if name not in cache:
@@ -237,7 +237,8 @@ def save_hf_checkpoint(model: vlm.Qwen25VL, path: str, *, dtype: str = "bfloat16
   tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent) if writer else None
   # Shards are written as soon as they fill, so the host holds at most one.
   shard_names: list[list[str]] = []
-  current, size = {}, 0
+  current: dict[str, np.ndarray] = {}
+  size = 0
 
   def flush():
     nonlocal current, size
@@ -255,14 +256,15 @@ def save_hf_checkpoint(model: vlm.Qwen25VL, path: str, *, dtype: str = "bfloat16
   flush()
   if not writer:
     return path
+  assert tmp is not None  # the writer made it
   _name_shards(tmp, shard_names)
   with open(os.path.join(tmp, "config.json"), "w") as f:
     json.dump(config_lib.to_hf_dict(model.cfg, torch_dtype=dtype), f, indent=2)
   for name, src in (extra_files or {}).items():
     dst = os.path.join(tmp, name)
     if isinstance(src, bytes):
-      with open(dst, "wb") as f:
-        f.write(src)
+      with open(dst, "wb") as out:
+        out.write(src)
     else:
       shutil.copyfile(src, dst)
   _publish(tmp, path)

@@ -51,7 +51,8 @@ class SequenceInputs:
                           self.media, self.mrope_delta)
 
 
-def sequence_from_tokens(tokens_T: Sequence[int], media: Sequence[ProcessedVision],
+def sequence_from_tokens(tokens_T: Sequence[int] | np.ndarray,
+                         media: Sequence[ProcessedVision],
                          cfg: ModelConfig) -> SequenceInputs:
   """Positions for already-expanded token ids (e.g. a request's input_ids)."""
   tokens = np.asarray(tokens_T, np.int32)
@@ -59,13 +60,18 @@ def sequence_from_tokens(tokens_T: Sequence[int], media: Sequence[ProcessedVisio
   videos = [m for m in media if m.kind == "video"]
   positions, delta = rope_index.get_rope_index(
       tokens, [m.grid_thw for m in images] or None, [m.grid_thw for m in videos] or None,
-      [m.second_per_grid for m in videos] or None,
+      [_seconds_per_grid(m) for m in videos] or None,
       image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
       spatial_merge_size=cfg.vision.spatial_merge_size,
       tokens_per_second=cfg.vision.tokens_per_second,
       text_after_vision=cfg.mrope_text_after_vision)
   _check_media_order(tokens, media, cfg)
   return SequenceInputs(tokens, positions, list(media), delta)
+
+
+def _seconds_per_grid(video: ProcessedVision) -> float:
+  assert video.second_per_grid is not None, "a video has seconds per grid step"
+  return video.second_per_grid
 
 
 def sequence_from_chat(messages, media: Sequence[ProcessedVision], tokenizer: Tokenizer,

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 Initializer = jax.nn.initializers.Initializer
@@ -41,7 +42,7 @@ class Dense(nnx.Module):
     self.bias = (param(rngs, out_shape, out_axes, jax.nn.initializers.zeros, dtype)
                  if use_bias else None)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array | np.ndarray) -> jax.Array:
     kernel = self.kernel[...].astype(x.dtype)
     y = jnp.tensordot(x, kernel, axes=(tuple(range(x.ndim - self.n_in, x.ndim)),
                                        tuple(range(self.n_in))))

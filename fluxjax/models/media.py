@@ -88,8 +88,7 @@ def load_image(path: str | os.PathLike) -> PIL.Image.Image:
       with PIL.Image.open(path) as image:
         # load() decodes every byte, so a truncated file fails here, not later.
         image.load()
-        image = PIL.ImageOps.exif_transpose(image)
-        return processor.to_rgb(image)
+        return processor.to_rgb(PIL.ImageOps.exif_transpose(image))
   except (OSError, ValueError, SyntaxError, PIL.Image.DecompressionBombError,
           PIL.Image.DecompressionBombWarning) as e:
     raise MediaError(path, f"cannot decode image: {e}") from e

@@ -121,7 +121,9 @@ def _positions_one(types_T: np.ndarray, grids: dict[int, Iterator],
             f"{name} grid {(t, h, w)} needs {count} tokens, but the span "
             f"ending at token {idx} has {run_len} left")
       if kind == _VIDEO:
-        interval = np.float32(tokens_per_second) * np.float32(next(seconds))
+        # The float32 product, as transformers computes it (exact as a float).
+        interval = float(np.float32(tokens_per_second)
+                         * np.float32(next(seconds)))
       else:
         interval = 1.0
       pos = vision_positions(current, (t, h, w), spatial_merge_size, interval)
@@ -138,7 +140,8 @@ def _positions_one(types_T: np.ndarray, grids: dict[int, Iterator],
 def _grid_list(grid_thw) -> list[tuple[int, int, int]]:
   if grid_thw is None:
     return []
-  return [tuple(int(x) for x in g) for g in np.asarray(grid_thw).reshape(-1, 3)]
+  return [(int(t), int(h), int(w))
+          for t, h, w in np.asarray(grid_thw).reshape(-1, 3)]
 
 
 def _iterators(image_grid_thw, video_grid_thw, second_per_grid_ts):

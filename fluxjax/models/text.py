@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from fluxjax.models import attention as attn_lib
@@ -97,7 +98,7 @@ class TextDecoder(nnx.Module):
     self.layers = layers.stacked(t.num_layers, lambda r: DecoderLayer(t, rngs=r), rngs)
     self.norm = layers.RMSNorm(t.hidden_size, axes.EMBED, eps=t.rms_norm_eps, rngs=rngs)
 
-  def embed(self, tokens_BT: jax.Array, dtype) -> jax.Array:
+  def embed(self, tokens_BT: jax.Array | np.ndarray, dtype) -> jax.Array:
     return jnp.take(self.embed_tokens[...], tokens_BT, axis=0).astype(dtype)
 
   def __call__(self, x_BTD, positions_3BT, segment_ids_BT, segment_pos_BT,

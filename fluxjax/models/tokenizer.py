@@ -74,9 +74,14 @@ class Tokenizer:
 
   def __init__(self, tokenizer: tokenizers.Tokenizer):
     self._tok = tokenizer
-    ids = {attr: tokenizer.token_to_id(text)
-           for attr, text in _REQUIRED.items()}
-    missing = [_REQUIRED[attr] for attr, i in ids.items() if i is None]
+    ids: dict[str, int] = {}
+    missing = []
+    for attr, text in _REQUIRED.items():
+      i = tokenizer.token_to_id(text)
+      if i is None:
+        missing.append(text)
+      else:
+        ids[attr] = i
     if missing:
       raise ValueError(
           f"tokenizer lacks required Qwen2.5-VL special tokens: {missing}")
@@ -245,8 +250,9 @@ def build_synthetic_tokenizer() -> tokenizers.Tokenizer:
       pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False,
                                use_regex=False),
   ])
-  tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False,
-                                   use_regex=False)
+  # The ByteLevel decoder takes no options (it only maps bytes back), whatever
+  # the pre-tokenizer's are.
+  tok.decoder = decoders.ByteLevel()
   tok.post_processor = processors.ByteLevel(add_prefix_space=False,
                                             trim_offsets=False,
                                             use_regex=False)

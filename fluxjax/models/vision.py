@@ -35,7 +35,9 @@ from fluxjax.sharding import axes
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class VisionInputs:
-  """Device inputs of the vision tower for a set of images/frames.
+  """Inputs of the vision tower for a set of images/frames.
+
+  Built on the host as numpy arrays; device arrays once placed or traced.
 
   Attributes:
     patches_BNP: float [B, N, C*T*P*P] flattened patches; every image/frame
@@ -45,10 +47,10 @@ class VisionInputs:
     window_ids_BN: int [B, N] window-attention group; 0 marks padding.
     hw_BN2: int [B, N, 2] (row, column) of each patch inside its frame (2D RoPE).
   """
-  patches_BNP: jax.Array
-  frame_ids_BN: jax.Array
-  window_ids_BN: jax.Array
-  hw_BN2: jax.Array
+  patches_BNP: jax.Array | np.ndarray
+  frame_ids_BN: jax.Array | np.ndarray
+  window_ids_BN: jax.Array | np.ndarray
+  hw_BN2: jax.Array | np.ndarray
 
   @property
   def num_patches(self) -> int:

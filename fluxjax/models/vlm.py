@@ -36,13 +36,16 @@ from fluxjax.sharding import axes
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PackedInputs:
-  """One packed batch for the forward pass (see module docstring)."""
-  tokens_BT: jax.Array
-  positions_3BT: jax.Array
-  segment_ids_BT: jax.Array
-  segment_pos_BT: jax.Array
+  """One packed batch for the forward pass (see module docstring).
+
+  Built on the host as numpy arrays; device arrays once placed or traced.
+  """
+  tokens_BT: jax.Array | np.ndarray
+  positions_3BT: jax.Array | np.ndarray
+  segment_ids_BT: jax.Array | np.ndarray
+  segment_pos_BT: jax.Array | np.ndarray
   vision: VisionInputs | None = None
-  vision_index_BT: jax.Array | None = None
+  vision_index_BT: jax.Array | np.ndarray | None = None
 
 
 class Qwen25VL(nnx.Module):
@@ -65,8 +68,9 @@ class Qwen25VL(nnx.Module):
       return self.model.embed_tokens[...].T
     return self.lm_head[...]
 
-  def embed(self, tokens_BT: jax.Array, vision: VisionInputs | None,
-            vision_index_BT: jax.Array | None = None, vision_gather_fn=None) -> jax.Array:
+  def embed(self, tokens_BT: jax.Array | np.ndarray, vision: VisionInputs | None,
+            vision_index_BT: jax.Array | np.ndarray | None = None,
+            vision_gather_fn=None) -> jax.Array:
     """Token embeddings with vision embeddings spliced over the pad tokens.
 
     `vision_gather_fn` (merged [B*N/4, E] -> what `vision_index_BT` indexes) lets

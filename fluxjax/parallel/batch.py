@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -29,6 +30,14 @@ from fluxjax.sharding import mesh as mesh_lib
 from fluxjax.sharding.plan import Plan, capacity_bucket
 
 P = jax.sharding.PartitionSpec
+
+
+class MediaItem(Protocol):
+  """An image/video as the batch sees it (`ProcessedVision`, or a `MediaRef`
+  whose pixels live elsewhere): its patch grid."""
+
+  @property
+  def grid_thw(self) -> tuple[int, int, int]: ...
 
 
 @dataclasses.dataclass
@@ -62,14 +71,17 @@ class TrainSequence:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TrainBatch:
-  """Device buffers [M, D, ...] (positions [M, 3, D, C]); see module docstring."""
+  """Buffers [M, D, ...] (positions [M, 3, D, C]); see module docstring.
+
+  `materialize` builds them as host numpy arrays; `to_device` places them.
+  """
   inputs: vlm.PackedInputs
-  targets: jax.Array
-  loss_mask: jax.Array
-  advantages: jax.Array
-  old_logprobs: jax.Array
-  ref_logprobs: jax.Array
-  prox_logprobs: jax.Array
+  targets: jax.Array | np.ndarray
+  loss_mask: jax.Array | np.ndarray
+  advantages: jax.Array | np.ndarray
+  old_logprobs: jax.Array | np.ndarray
+  ref_logprobs: jax.Array | np.ndarray
+  prox_logprobs: jax.Array | np.ndarray
 
   @property
   def num_microbatches(self) -> int:
@@ -90,7 +102,7 @@ def _is_vision_token(tokens_T: np.ndarray, cfg: ModelConfig) -> np.ndarray:
   return (tokens_T == cfg.image_token_id) | (tokens_T == cfg.video_token_id)
 
 
-def num_patches(item) -> int:
+def num_patches(item: MediaItem) -> int:
   """Patches of a media item from its grid alone (pixels may live elsewhere)."""
   return processor.num_patches(item.grid_thw)
 
@@ -116,7 +128,7 @@ def _media_in_row(row, seqs: Sequence[TrainSequence], cfg: ModelConfig):
 @dataclasses.dataclass(frozen=True)
 class VisionUnit:
   """Frames [lo, hi) (temporal patch groups) of one image/video, encoded together."""
-  item: object
+  item: MediaItem
   lo: int
   hi: int
 
@@ -271,8 +283,8 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
         continue
       cap, sec = plan.section(row)
       width = row.degree * cap
-      stream = {k: [] for k in ("tok", "pos", "seg", "spos", "tgt", "mask", "adv", "old", "ref",
-                                "prox")}
+      stream: dict[str, list[np.ndarray]] = {
+          k: [] for k in ("tok", "pos", "seg", "spos", "tgt", "mask", "adv", "old", "ref", "prox")}
       offset = 0
       for j, s in enumerate(row.seqs):
         seq = seqs[s]
@@ -370,6 +382,8 @@ def batch_shardings(batch: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch:
 def to_device(batch: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch:
   """Places host buffers; each process only transfers its own devices' rows."""
   shardings = batch_shardings(batch, mesh)
-  return jax.tree.map(
-      lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx, x=x: x[idx]),
-      batch, shardings)
+
+  def place(x: np.ndarray, s: jax.sharding.Sharding) -> jax.Array:
+    return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
+
+  return jax.tree.map(place, batch, shardings)

@@ -23,7 +23,7 @@ LONG = (150, (("image", (1, 8, 8)),))
 
 
 def random_sequence(cfg: ModelConfig, rng: np.random.Generator, n_text: int, media=(), *,
-                    advantage_range=(0.5, 1.5)) -> TrainSequence:
+                    advantage_range: tuple[float, float] = (0.5, 1.5)) -> TrainSequence:
   """`n_text` random tokens, then per (kind, grid) in `media` a vision span and
   4 more tokens. The first third is prompt (loss mask 0); advantages are
   uniform in `advantage_range`, behaviour logprobs uniform in [-3, -0.5]."""
@@ -45,7 +45,7 @@ def random_sequence(cfg: ModelConfig, rng: np.random.Generator, n_text: int, med
 
 
 def mixed_batch(cfg: ModelConfig, seed: int = 0, *, long: bool = False, scale: int = 1,
-                advantage_range=(0.5, 1.5)) -> list[TrainSequence]:
+                advantage_range: tuple[float, float] = (0.5, 1.5)) -> list[TrainSequence]:
   """The MIXED sequences (plus LONG if `long`), text lengths times `scale`."""
   rng = np.random.default_rng(seed)
   spec = MIXED + ((LONG,) if long else ())

@@ -391,7 +391,7 @@ def lb_mini(costs: Sequence[float], lengths: Sequence[int], num_devices: int,
   c, lens = _check_items(costs, lengths, num_devices, max_tokens)
   out = []
   for mb in _minibatches(len(lens), num_devices, minibatch_size):
-    schedule = []
+    schedule: Schedule = []
     for p in karmarkar_karp(c[mb], num_devices):
       items = mb[p]
       if not items.size:

@@ -139,6 +139,11 @@ class _State:
     return [Placement(p, f) if p else None
             for p, f in zip(self.deg.tolist(), self.first.tolist())]
 
+  def placements(self) -> list[Placement]:
+    """`pl` once every sequence is placed."""
+    assert self.deg.all(), "a sequence is not placed"
+    return [Placement(p, f) for p, f in zip(self.deg.tolist(), self.first.tolist())]
+
   def add(self, i, p, first):
     if p == 1:
       self.mem[first] += self.h[i]
@@ -180,6 +185,11 @@ def _group_max(loads: np.ndarray, p: int) -> np.ndarray:
     loads = np.maximum(loads[..., 0::2], loads[..., 1::2])
     p //= 2
   return loads
+
+
+# One level of `_Groups`: (mem, comp, full, changed, keys, ids, listed).
+_Table = tuple[list[float], list[float], float, set[int], list[float], list[int],
+               dict[int, float]]
 
 
 class _Groups:
@@ -228,7 +238,7 @@ class _Groups:
     # changed since the level was last asked about; the sorted groups' keys
     # (peak compute) and indices, in two lists as bisecting floats is
     # cheaper than bisecting pairs; each listed group's key.
-    self.tables = []
+    self.tables: list[_Table] = []
     self.mem, self.comp = [], []
     for k in range(s.p_max.bit_length()):
       if k:
@@ -602,7 +612,8 @@ def _evict(s: _State, group: range, extra: float, peak: float, exclude: int):
   ending below `peak`: (moves, peak of the receiving devices, peak of the
   group after them), or None if impossible."""
   lim = s.m_th + _EPS
-  mem = comp = outside = None  # copies of the loads, once something may move
+  # (memory, compute, outside mask): copies of the loads, once something may move.
+  copies: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
   moves, top = [], 0.0
   for e in group:
     # (the moves so far took load off other devices of the group only)
@@ -612,10 +623,11 @@ def _evict(s: _State, group: range, extra: float, peak: float, exclude: int):
     mine = ((s.first == e) & (s.deg == 1)).nonzero()[0]
     if not len(mine):
       return None  # nothing to move off
-    if mem is None:
-      mem, comp = s.mem.copy(), s.comp.copy()
+    if copies is None:
       outside = np.ones(s.d, bool)
       outside[group.start:group.stop] = False
+      copies = s.mem.copy(), s.comp.copy(), outside
+    mem, comp, outside = copies
     for j in mine[np.lexsort((mine, -s.h[mine]))].tolist():
       if need <= 0:
         break
@@ -635,7 +647,7 @@ def _evict(s: _State, group: range, extra: float, peak: float, exclude: int):
       need -= hj
     if need > 0:
       return None
-  after = s.comp if comp is None else comp  # None: no device needed room
+  after = s.comp if copies is None else copies[1]  # None: no device needed room
   return moves, top, float(after[group.start:group.stop].max())
 
 
@@ -687,8 +699,8 @@ def _score(s: _State) -> tuple[float, float]:
   return max(0.0, float(s.mem.max()) - s.m_th), float(s.comp.max())
 
 
-def _placement(s: _State, lens, feasible: bool) -> FlexPlacement:
-  return FlexPlacement(s.d, lens, s.pl, s.m_th, feasible)
+def _placement(s: _State, lens: tuple[int, ...], feasible: bool) -> FlexPlacement:
+  return FlexPlacement(s.d, lens, s.placements(), s.m_th, feasible)
 
 
 def plan_flex(lengths: Sequence[int], num_devices: int, p_max: int) -> FlexPlacement:

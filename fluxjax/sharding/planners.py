@@ -47,7 +47,7 @@ def _too_long(lens: tuple[int, ...], limit: int, what: str, advice: str) -> None
                    f"{limit}{more}; {advice}")
 
 
-def _plan_groups(strategy: str, lens: tuple[int, ...], groups: list[tuple[int, ...]],
+def _plan_groups(strategy: str, lens: tuple[int, ...], groups: Sequence[tuple[int, ...]],
                  num_devices: int, capacity: int, shape: balance.CostShape) -> Plan:
   """Balances sequences over `groups`, packs each, and pads to a common count."""
   degree = len(groups[0])
@@ -202,7 +202,8 @@ def plan_flex_ulysses(lengths: Sequence[int], num_devices: int, p_max: int, capa
             for p in parts):
     count += 1
     parts = flex_planner.split_microbatches(lens, count)
-  microbatches, need = [], {}
+  microbatches = []
+  need: dict[int, int] = {}  # degree -> per-device tokens of its fullest group
   placed = flex_planner.plan_flex_step([[lens[i] for i in part] for part in parts],
                                        num_devices, p_max, capacity)
   for part, fp in zip(parts, placed):

@@ -50,6 +50,18 @@ def test_plans_place_every_chunk_once(lens, p_max):
   assert degrees == sorted(degrees, reverse=True)  # highest-sharding-first layout
 
 
+def test_sequences_needing_more_devices_than_the_mesh_get_another_microbatch():
+  """Five sequences just over the capacity need degree 2 each: 10 devices of 8,
+  within the token budget of one microbatch, so the step takes two."""
+  lens = [4096, 4097, 4097, 4097, 4097]
+  plan = planners.plan_flex_ulysses(lens, 8, 2, capacity=4096,
+                                    buckets=(256, 512, 1024, 2048, 4096))
+  plan.validate()
+  assert plan.num_microbatches == 2
+  assert all(r.degree == 2 for rows in plan.microbatches for r in rows
+             if any(lens[s] > 4096 for s in r.seqs))
+
+
 def test_merge_and_reorder_reduce_communication():
   """A few long and many short sequences: short ones end local, long ones split."""
   lens = [8000, 7000] + [200] * 30

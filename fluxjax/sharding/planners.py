@@ -191,15 +191,22 @@ def plan_flex_ulysses(lengths: Sequence[int], num_devices: int, p_max: int, capa
   """
   lens = _check_lengths(lengths)
   _too_long(lens, p_max * capacity, "flex_ulysses p_max x capacity",
-            "raise sharding.p_max or sharding.capacity")
+            "raise sharding.sp or sharding.capacity")
   total = sum(lens)
   count = max(1, -(-int(flex_planner.ALPHA * total) // (num_devices * capacity)))
   parts = flex_planner.split_microbatches(lens, count)
   # A part above the mean may push its 1.1 M* past the capacity: M_th is
   # then capped at the capacity, and below 5% slack the step gets one more
-  # microbatch (a single sequence is placed at p_max and fits anyway).
-  while any(len(p) > 1 and 1.05 * sum(lens[i] for i in p) > num_devices * capacity
-            for p in parts):
+  # microbatch (a single sequence is placed at p_max and fits anyway). A
+  # part whose sequences need more devices than there are (each at least
+  # the power of two that brings it within the capacity) gets one more too.
+  min_degree = [1 << max(0, -(-n // capacity) - 1).bit_length() for n in lens]
+
+  def overfull(part: list[int]) -> bool:
+    return len(part) > 1 and (1.05 * sum(lens[i] for i in part) > num_devices * capacity
+                              or sum(min_degree[i] for i in part) > num_devices)
+
+  while any(overfull(p) for p in parts):
     count += 1
     parts = flex_planner.split_microbatches(lens, count)
   microbatches = []

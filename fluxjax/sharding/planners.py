@@ -194,25 +194,38 @@ def plan_flex_ulysses(lengths: Sequence[int], num_devices: int, p_max: int, capa
             "raise sharding.sp or sharding.capacity")
   total = sum(lens)
   count = max(1, -(-int(flex_planner.ALPHA * total) // (num_devices * capacity)))
-  parts = flex_planner.split_microbatches(lens, count)
-  # A part above the mean may push its 1.1 M* past the capacity: M_th is
-  # then capped at the capacity, and below 5% slack the step gets one more
-  # microbatch (a single sequence is placed at p_max and fits anyway). A
-  # part whose sequences need more devices than there are (each at least
-  # the power of two that brings it within the capacity) gets one more too.
-  min_degree = [1 << max(0, -(-n // capacity) - 1).bit_length() for n in lens]
-
-  def overfull(part: list[int]) -> bool:
-    return len(part) > 1 and (1.05 * sum(lens[i] for i in part) > num_devices * capacity
-                              or sum(min_degree[i] for i in part) > num_devices)
-
-  while any(overfull(p) for p in parts):
-    count += 1
+  while True:
     parts = flex_planner.split_microbatches(lens, count)
+    # A part above the mean may push its 1.1 M* past the capacity: M_th is
+    # then capped at the capacity, and below 5% slack the step gets one more
+    # microbatch (a single sequence is placed at p_max and fits anyway).
+    if any(len(p) > 1 and 1.05 * sum(lens[i] for i in p) > num_devices * capacity
+           for p in parts):
+      count += 1
+      continue
+    placed = flex_planner.plan_flex_step([[lens[i] for i in part] for part in parts],
+                                         num_devices, p_max, capacity)
+    microbatches, need = _flex_rows(lens, parts, placed)
+    # Sequences that each need a degree > 1 may still not fit the groups one
+    # microbatch has (five of 4097 tokens at capacity 4096 and p_max 2 need
+    # ten devices of eight): then the step takes one more microbatch. One
+    # sequence per microbatch always fits (checked above).
+    if max(need.values(), default=0) <= capacity or count >= len(lens):
+      break
+    count += 1
+  levels = tuple((p, capacity_bucket(need[p], buckets)) for p in sorted(need, reverse=True))
+  plan = Plan("flex_ulysses", num_devices, sum(c for _, c in levels), tuple(microbatches), lens,
+              levels)
+  plan.validate()
+  return plan
+
+
+def _flex_rows(lens: tuple[int, ...], parts: list[list[int]],
+               placed: list[flex_planner.FlexPlacement]
+               ) -> tuple[list[tuple[Row, ...]], dict[int, int]]:
+  """Rows of each placed microbatch, and per degree its fullest group's per-device tokens."""
   microbatches = []
-  need: dict[int, int] = {}  # degree -> per-device tokens of its fullest group
-  placed = flex_planner.plan_flex_step([[lens[i] for i in part] for part in parts],
-                                       num_devices, p_max, capacity)
+  need: dict[int, int] = {}
   for part, fp in zip(parts, placed):
     groups: dict[tuple[int, int], list[int]] = {}  # (-degree, first device): highest first
     for i, pl in zip(part, fp.placements):
@@ -226,11 +239,7 @@ def plan_flex_ulysses(lengths: Sequence[int], num_devices: int, p_max: int, capa
       rows.append(Row(tuple(range(first, first + p)), tuple(seqs)))
       need[p] = max(need.get(p, 0), -(-sum(map(lens.__getitem__, seqs)) // p))
     microbatches.append(tuple(rows))
-  levels = tuple((p, capacity_bucket(need[p], buckets)) for p in sorted(need, reverse=True))
-  plan = Plan("flex_ulysses", num_devices, sum(c for _, c in levels), tuple(microbatches), lens,
-              levels)
-  plan.validate()
-  return plan
+  return microbatches, need
 
 
 def plan_packed_dp_lb_mini(lengths: Sequence[int], num_devices: int, capacity: int,

@@ -4,6 +4,7 @@ Intentionally thin: flags, then library calls. Everything testable lives in the
 library modules.
 """
 
+import logging
 import os
 import sys
 
@@ -21,6 +22,7 @@ def main(argv):
   del argv
   config = _CONFIG.value
   # Heavy imports after flag parsing, so --help stays fast.
+  from fluxjax import logs
   from fluxjax.rl import loop
   from fluxjax.sharding import mesh as mesh_lib
 
@@ -29,6 +31,8 @@ def main(argv):
     loop.validate(config)
   except ValueError as e:  # a configuration mistake: say what, not where
     sys.exit(f"fluxjax.train: bad configuration: {e}")
+  log_file = logs.configure(_WORKDIR.value)
+  logging.getLogger("fluxjax.train").info("full log: %s", log_file)
   loop.run(config, _WORKDIR.value)
 
 

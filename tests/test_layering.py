@@ -1,6 +1,6 @@
 """The package layering: imports only go down, and no module imports itself back.
 
-  train, plot, config_args    entry points
+  train, plot, logs, config   entry points
   rl                          the loop, coordinator, algorithms, checkpoints, metrics
   data | rollout              peers: neither imports the other
   parallel                    batch packing, strategies, Ulysses, sync, the train step
@@ -29,6 +29,7 @@ LAYERS = {
     "fluxjax.train": (6, "entry"),
     "fluxjax.plot": (6, "entry"),
     "fluxjax.config_args": (6, "entry"),
+    "fluxjax.logs": (6, "entry"),
     "fluxjax.rl": (5, "rl"),
     "fluxjax.data": (4, "data"),
     "fluxjax.rollout": (4, "rollout"),

@@ -104,11 +104,16 @@ def test_cli_switches_strategy_by_config(tmp_path):
                "--config.data.synth_eval=2", "--config.data.eval_prompts=2",
                f"--workdir={tmp_path}")
   assert "strategy ulysses (sp=4) on mesh {'data': 1, 'fsdp': 2, 'sp': 4}" in out.stderr
-  assert "total per device" in out.stderr  # the parameter table was logged
+  assert "total per device" in out.stderr  # the parameter table's total was logged
   assert out.returncode == 0, out.stderr[-3000:]
   assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "config.json").exists()
-  bad = _train("--config.sharding.strategy=ring")
+  # The whole table goes to the run's log file only.
+  assert "MiB/device" in (tmp_path / "train.log").read_text()
+  assert "MiB/device" not in out.stderr
+  bad = _train("--config.sharding.strategy=ring", f"--workdir={tmp_path / 'bad'}")
   assert bad.returncode == 1
   assert "bad configuration: unknown sharding.strategy 'ring'" in bad.stderr
-  odd = _train("--config.sharding.strategy=ulysses", "--config.sharding.sp=16")
+  assert not (tmp_path / "bad").exists()  # refused before anything is written
+  odd = _train("--config.sharding.strategy=ulysses", "--config.sharding.sp=16",
+               f"--workdir={tmp_path / 'odd'}")
   assert "does not divide the 8 query heads" in odd.stderr

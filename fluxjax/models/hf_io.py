@@ -32,6 +32,8 @@ from safetensors.numpy import save_file
 from fluxjax.models import config as config_lib
 from fluxjax.models import vlm
 
+log = logging.getLogger(__name__)
+
 # Stacked module prefixes: ours -> HF (layer index inserted after the prefix).
 _STACKS = {"model.layers": "model.layers", "visual.blocks": "visual.blocks"}
 # Our leaf names that differ from HF's (after the layer prefix is handled).
@@ -183,7 +185,7 @@ def load_hf_checkpoint(path: str, cfg: config_lib.ModelConfig | None = None, *,
     msg = f"{len(unused)} checkpoint tensors unused by the model, e.g. {unused[:5]}"
     if strict:
       raise ValueError(msg)
-    logging.warning(msg)
+    log.warning(msg)
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

@@ -7,16 +7,18 @@ shard where it lives, so no host or device ever holds a whole copy.
 
 from __future__ import annotations
 
+import logging
 import functools
 
 import jax
-from absl import logging
 from flax import nnx
 
 from fluxjax.models import vlm
 from fluxjax.models.config import ModelConfig
 from fluxjax.sharding import rules as rules_lib
 from fluxjax.sharding.rules import Rules
+
+log = logging.getLogger(__name__)
 
 
 def create_sharded_model(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules | None = None,
@@ -33,7 +35,8 @@ def create_sharded_model(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules
   shardings = rules_lib.state_shardings(abstract_state, rules, mesh)
   table = rules_lib.parameter_table(abstract_state, shardings)
   if log_table:
-    logging.info("parameters:\n%s", rules_lib.format_table(table))
+    log.debug("parameters:\n%s", rules_lib.format_table(table))
+    log.info("parameters %s", rules_lib.format_total(table))
   rules_lib.check_sharded(table, max_replicated_bytes)
   init = sharded_init(cfg, rules, mesh)
   with jax.set_mesh(mesh):

@@ -27,6 +27,7 @@ sample is on-policy (importance weights 1 up to engine numerics).
 
 from __future__ import annotations
 
+import logging
 import asyncio
 import dataclasses
 import hashlib
@@ -38,7 +39,6 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from absl import logging
 
 from fluxjax.data import materializer as materializer_lib
 from fluxjax.data import meta as meta_lib
@@ -53,6 +53,8 @@ from fluxjax.rollout.backend import LoopThread, RolloutBackend
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import train_step
 from fluxjax.parallel.strategies import Strategy
+
+log = logging.getLogger(__name__)
 
 
 def sampling_seed(run_seed: int, uid: int, index: int) -> int:
@@ -376,7 +378,7 @@ class Coordinator:
     t = time.perf_counter()
     report = self._producer.call(self._rollout.publish(model, self._version))
     if report.failed:
-      logging.warning("weight update failed on %s", report.failed)
+      log.warning("weight update failed on %s", report.failed)
     self._producer.set_version(self._version, self._steps)
     return time.perf_counter() - t
 
@@ -384,7 +386,7 @@ class Coordinator:
     """Held-out accuracy: one greedy response per prompt, scored by `accuracy`."""
     groups = self._producer.call(self.rollout_groups(samples, 1, greedy=True))
     scores = [rewards.get("accuracy")(g.completions[0].text, g.answer or "") for g in groups]
-    logging.info("eval: %s", [(g.completions[0].text[:40], g.answer) for g in groups[:3]])
+    log.debug("eval: %s", [(g.completions[0].text[:40], g.answer) for g in groups[:3]])
     return float(np.mean(scores)) if scores else 0.0
 
   # -- checkpointed state ----------------------------------------------------

@@ -11,13 +11,13 @@ a run and closes them in reverse order of creation, whatever ends it.
 
 from __future__ import annotations
 
+import logging
 import contextlib
 import dataclasses
 import json
 import os
 
 import jax
-from absl import logging
 
 from fluxjax.data import pipeline, readers, synth
 from fluxjax.models import config as model_config
@@ -33,6 +33,8 @@ from fluxjax.rollout import embedded, fleet
 from fluxjax.sharding import mesh as mesh_lib
 from fluxjax.parallel import strategies, train_step
 
+log = logging.getLogger(__name__)
+
 
 def dataset_paths(config, workdir: str) -> tuple[str, str]:
   """(train, eval) manifests: configured files, or synthetic ones made once."""
@@ -45,7 +47,7 @@ def dataset_paths(config, workdir: str) -> tuple[str, str]:
     out = os.path.join(root, split)
     manifest = os.path.join(out, "manifest.jsonl")
     if not os.path.exists(manifest):
-      logging.info("generating %d synthetic %s samples (%s) into %s", n, split, d.mix, out)
+      log.info("generating %d synthetic %s samples (%s) into %s", n, split, d.mix, out)
       synth.generate(out, d.mix, n, seed)
     paths.append(manifest)
   return paths[0], paths[1]
@@ -72,7 +74,6 @@ def validate(config):
     raise ValueError(str(e)) from None
   fleet.check_config(config.rollout)
   mesh = mesh_lib.make_mesh(config.mesh.data, config.mesh.fsdp, strategy.sp_axes())
-  logging.info("strategy %s (sp=%d) on mesh %s", strategy.name, strategy.sp, dict(mesh.shape))
   return cfg, strategy, mesh
 
 
@@ -100,6 +101,7 @@ def build(config, workdir: str, stack: contextlib.ExitStack) -> Built:
   loop, the loader.
   """
   cfg, strategy, mesh = validate(config)
+  log.info("strategy %s (sp=%d) on mesh %s", strategy.name, strategy.sp, dict(mesh.shape))
   tokenizer = (Tokenizer.from_file(config.model.tokenizer_path) if config.model.tokenizer_path
                else Tokenizer.default())
   if config.model.hf_path:
@@ -173,8 +175,8 @@ def run(config, workdir: str) -> dict:
       for name in (metrics_lib.JSONL, TRAINED):
         dropped = metrics_lib.truncate_after(os.path.join(workdir, name), first)
         if dropped:
-          logging.info("dropped %d records of %s after step %d", dropped, name, first)
-      logging.info("resumed from step %d (policy version %d)", first, coord.version)
+          log.info("dropped %d records of %s after step %d", dropped, name, first)
+      log.info("resumed from step %d (policy version %d)", first, coord.version)
     # Rollout samples from the policy the run starts (or resumes) with.
     coord.publish(new_version=False)
     writer = metrics_lib.MetricWriter(workdir)
@@ -202,14 +204,14 @@ def run(config, workdir: str) -> dict:
       try:
         result = coord.step()
       except StopIteration:
-        logging.info("data exhausted after step %d", step - 1)
+        log.info("data exhausted after step %d", step - 1)
         break
       host = dict(result.metrics, **built.loader.metrics())
       if config.eval_every and step % config.eval_every == 0:
         host["eval/accuracy"] = coord.evaluate(eval_samples)
       writer.write(step, host)
       trained_log.write(json.dumps({"step": step, "ids": result.trained}) + "\n")
-      logging.info(progress.line(step, host))
+      log.info(progress.line(step, host))
       last = host
       if ckpt.should_save(step) or step == config.total_steps:
         coord_state, data_state = coord.get_state()

@@ -8,6 +8,7 @@ writing never blocks a dispatch queue.
 
 from __future__ import annotations
 
+import logging
 import json
 import math
 import os
@@ -15,7 +16,8 @@ import time
 from collections.abc import Mapping
 
 import jax
-from absl import logging
+
+log = logging.getLogger(__name__)
 
 JSONL = "metrics.jsonl"
 
@@ -40,7 +42,7 @@ class MetricWriter:
         from tensorboardX import SummaryWriter
         self._tb = SummaryWriter(os.path.join(workdir, "tb"))
       except ImportError:  # an optional extra: JSONL stays the record
-        logging.warning("tensorboardX not installed; metrics go to %s only", self.path)
+        log.warning("tensorboardX not installed; metrics go to %s only", self.path)
 
   def write(self, step: int, metrics: Mapping[str, float]) -> None:
     if not self.active:

@@ -19,6 +19,7 @@ context is a counted, logged skip before it is ever sent.
 
 from __future__ import annotations
 
+import logging
 import asyncio
 import collections
 import dataclasses
@@ -26,12 +27,13 @@ import queue
 from collections.abc import Callable
 from typing import Any
 
-from absl import logging
 
 from fluxjax.data import meta as meta_lib
 from fluxjax.rl import async_control, tail_batching, trajectories
 from fluxjax.rollout.backend import LoopThread, Sampler, SlotStats
 from fluxjax.rollout.client import Completion
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -187,7 +189,7 @@ class Producer:
       try:  # cancel on the loop and wait there, so the round's aborts run
         self.call(self._cancel(), timeout=60)
       except Exception:  # noqa: BLE001 - shutting down after a failure
-        logging.exception("stopping the rollout producer")
+        log.exception("stopping the rollout producer")
     if self._owns_thread:
       self._thread.stop()
 
@@ -270,7 +272,7 @@ class Producer:
         n = len(self._prompt(sample.uid))
         if n > self.max_prompt_tokens:
           # The engine would reject it; a counted skip, not a failed round.
-          logging.warning("skipping sample %s: prompt of %d tokens > %d (rollout context "
+          log.warning("skipping sample %s: prompt of %d tokens > %d (rollout context "
                           "minus max_new_tokens)", sample.id, n, self.max_prompt_tokens)
           self.counts["data/skipped/prompt_too_long"] += 1
           skipped.append(sample)
@@ -333,7 +335,7 @@ class Producer:
           failures += 1
           self.counts["faults/round_failures"] += 1
           self.admission.on_cancelled(plan.keep_prompts - len(e.kept))
-          logging.warning("rollout round failed (%d in a row): %s", failures, e)
+          log.warning("rollout round failed (%d in a row): %s", failures, e)
           await asyncio.gather(*pending)
           self.rollout.futures.clear()
           if failures >= self.max_round_failures:
@@ -351,7 +353,7 @@ class Producer:
     except asyncio.CancelledError:
       raise
     except BaseException as e:  # noqa: BLE001 - the trainer re-raises it
-      logging.exception("rollout producer stopped")
+      log.exception("rollout producer stopped")
       self.out.put(e)
 
   async def _deliver(self, uid: int, completions: list, launch_version: int) -> None:

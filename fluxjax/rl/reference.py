@@ -19,14 +19,16 @@ program as each part's gradients.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
-from absl import logging
 from flax import nnx
 
 from fluxjax.models import hf_io
 from fluxjax.rl import sft
+
+log = logging.getLogger(__name__)
 
 REFERENCE_DIR = "reference"
 
@@ -62,7 +64,7 @@ def reference_params(config, workdir: str, model_cfg, graphdef, policy_params,
     params = jax.tree.map(lambda x: x.copy(), policy_params)
     if snapshot:
       hf_io.save_hf_checkpoint(nnx.merge(graphdef, params), path, dtype="float32")
-      logging.info("reference model: the policy at the start of RL, saved to %s", path)
+      log.info("reference model: the policy at the start of RL, saved to %s", path)
     return params
   if not os.path.exists(os.path.join(path, "config.json")):
     raise FileNotFoundError(
@@ -71,5 +73,5 @@ def reference_params(config, workdir: str, model_cfg, graphdef, policy_params,
   shardings = {k: v.get_value() if isinstance(v, nnx.Variable) else v
                for k, v in nnx.to_flat_state(param_shardings)}
   model = hf_io.load_hf_checkpoint(path, model_cfg, shardings=shardings)
-  logging.info("reference model: read from %s", path)
+  log.info("reference model: read from %s", path)
   return nnx.state(model, nnx.Param)

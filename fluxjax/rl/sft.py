@@ -31,13 +31,13 @@ loop's own evaluation at step 0 is the accuracy after it, where GRPO starts.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import jax
 import numpy as np
-from absl import logging
 from flax import nnx
 
 from fluxjax.data import materializer as materializer_lib
@@ -51,6 +51,8 @@ from fluxjax.parallel import train_step
 from fluxjax.parallel.strategies import Strategy
 from fluxjax.rl.layout_steps import LayoutSteps
 from fluxjax.sharding.plan import Plan
+
+log = logging.getLogger(__name__)
 
 
 def response_text(answer: str) -> str:
@@ -203,7 +205,7 @@ def warm_up(coord: Policy, config, train_path: str, proc, writer,
   first = -int(s.steps)
   summary = {"eval/accuracy": evaluate()}
   writer.write(first, summary)
-  logging.info("SFT warm-up: %d steps of %d samples, lr %g; accuracy before %.3f",
+  log.info("SFT warm-up: %d steps of %d samples, lr %g; accuracy before %.3f",
                s.steps, s.batch_size, s.lr, summary["eval/accuracy"])
   # Its own loader, store and Materializer rather than coord.patch_source:
   # releasing warm-up media from the RL loader's store would evict the RL
@@ -224,7 +226,7 @@ def warm_up(coord: Policy, config, train_path: str, proc, writer,
       writer.write(first + k, {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"],
                                "sft/tokens": m["tokens"]})
       if k == 1 or k % 10 == 0 or k == s.steps:
-        logging.info("SFT step %d/%d | loss %.4g", k, s.steps, m["loss"])
+        log.info("SFT step %d/%d | loss %.4g", k, s.steps, m["loss"])
 
   try:
     for k in range(1, s.steps + 1):
@@ -243,7 +245,7 @@ def warm_up(coord: Policy, config, train_path: str, proc, writer,
   coord.publish()  # rollouts now sample from the warmed-up policy
   seconds = time.perf_counter() - t0
   writer.write(0, {"sft/seconds": seconds})
-  logging.info("SFT warm-up done in %.1f s: loss %.4g -> %.4g", seconds,
+  log.info("SFT warm-up done in %.1f s: loss %.4g -> %.4g", seconds,
                losses[0] if losses else float("nan"), losses[-1] if losses else float("nan"))
   return {"sft/seconds": seconds, "sft/loss_first": losses[0] if losses else float("nan"),
           "sft/loss_last": losses[-1] if losses else float("nan"), **summary}

@@ -20,12 +20,14 @@ The flattened device index used by plans is the row-major position in
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
 import jax
 import ml_collections
-from absl import logging
+
+log = logging.getLogger(__name__)
 
 DATA = "data"
 FSDP = "fsdp"
@@ -38,7 +40,7 @@ def maybe_initialize_distributed(cfg: ml_collections.ConfigDict | None) -> None:
     return
   jax.distributed.initialize(coordinator_address=cfg.coordinator_address,
                              num_processes=cfg.num_processes, process_id=cfg.process_id)
-  logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+  log.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
 
 
 def _divisors(n: int) -> list[int]:

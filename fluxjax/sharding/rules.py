@@ -116,7 +116,12 @@ def format_table(table: list[dict]) -> str:
   for r in table:
     lines.append(f"{r['name']:<{width}}  {str(r['shape']):<22} {r['spec']:<28} "
                  f"{r['bytes_per_device'] / 2**20:>10.3f}")
-  total = sum(r["bytes_per_device"] for r in table)
-  lines.append(f"total per device: {total / 2**20:.2f} MiB "
-               f"(unsharded {sum(r['bytes'] for r in table) / 2**20:.2f} MiB)")
+  lines.append(format_total(table))
   return "\n".join(lines)
+
+
+def format_total(table: list[dict]) -> str:
+  """The table's last line: parameter bytes per device and unsharded."""
+  total = sum(r["bytes_per_device"] for r in table)
+  return (f"total per device: {total / 2**20:.2f} MiB "
+          f"(unsharded {sum(r['bytes'] for r in table) / 2**20:.2f} MiB)")

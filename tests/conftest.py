@@ -5,31 +5,28 @@ anything imports jax (pytest loads conftest.py first).
 """
 
 import os
+import pathlib
+import subprocess
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
-# XLA:CPU sizes its Eigen pool to max(CPUs, devices): 8 threads for 8 fake
-# devices on this 2-core machine. A device that runs two independent
-# collectives of one program at once holds two of them, and the last device's
-# part can find no thread: every other thread waits in a rendezvous for it,
-# which XLA aborts after 40 s (seen in ~1 of 6 runs of test_stream_trainer.py:
-# all-gather and all-to-all of one `add`, devices 0-1 in both, device 7 in
-# neither). More threads than devices leave room; tsl reads NPROC for the CPU
-# count.
+# XLA:CPU sizes its Eigen pool to max(CPUs, devices), i.e. 8 threads for the
+# 8 fake devices on a 2-core machine. A program with two independent
+# collectives can then leave the last device's part without a thread while
+# the others wait in the rendezvous (XLA aborts after 40 s). tsl reads NPROC
+# as the CPU count: more threads than devices leave room.
 os.environ.setdefault("NPROC", "24")
 # Parity tests compare fp32 numbers; keep XLA's CPU matmuls at full precision.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
-# No persistent compilation cache: with executables deserialized from it the
-# suite segfaulted in 3 of 6 full runs (SIGSEGV in XLA:CPU's ExecuteLaunch
-# while the engine thread and the trainer both dispatch, always in
-# test_dynamic_sampling...), against 0 of 6 full runs without it (one under
-# pytest-xdist). The cache is not shown to be the cause: reusing executables
-# in memory (branch wip/xla-memo) crashed the same way, so reuse, or the
-# faster timing it brings, exposes it.
+# No executable reuse across tests (persistent cache): with it, XLA:CPU's
+# multi-device ExecuteLaunch can crash while the rollout engine's thread and
+# the trainer dispatch at once (docs/testing.md).
 os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 
+import hypothesis  # noqa: E402
 import jax  # noqa: E402  (must follow the environment set-up above)
 import pytest  # noqa: E402
 
@@ -39,3 +36,46 @@ def devices():
   devs = jax.devices()
   assert len(devs) == 8, f"expected the fake 8-device mesh, got {devs}"
   return devs
+
+
+# --- nothing written into the repository tree ----------------------------------------
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Written by Python and pip themselves, not by tests.
+_BUILD_OUTPUTS = ("__pycache__/", ".egg-info/")
+
+# Hypothesis keeps examples and caches under ./.hypothesis unless told otherwise.
+hypothesis.configuration.set_hypothesis_home_dir(tempfile.mkdtemp(prefix="fluxjax-hypothesis-"))
+hypothesis.settings.register_profile("fluxjax", database=None)
+hypothesis.settings.load_profile("fluxjax")
+
+
+def _untracked() -> set[str] | None:
+  """Untracked and ignored paths of the checkout, or None outside a git checkout."""
+  try:
+    out = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  paths = {line[3:] for line in out.splitlines() if line[:2] in ("??", "!!")}
+  return {p for p in paths if not any(part in p for part in _BUILD_OUTPUTS)}
+
+
+def pytest_sessionstart(session):
+  session.config.stash[_TREE] = _untracked()
+
+
+def pytest_sessionfinish(session, exitstatus):
+  before = session.config.stash.get(_TREE, None)
+  after = _untracked()
+  if before is None or after is None:
+    return
+  new = sorted(after - before)
+  if new:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+      reporter.write_line(f"tests wrote into the repository tree: {new[:10]}", red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_TREE = pytest.StashKey[set[str] | None]()

@@ -1,6 +1,5 @@
 """Checkpoint round trips (sharded state, RNG, JSON state), metrics and plots."""
 
-import json
 import os
 
 import jax
@@ -8,7 +7,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from flax import nnx
 
 from fluxjax import plot
 from fluxjax.rl import checkpoint, metrics

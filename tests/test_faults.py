@@ -17,14 +17,14 @@ import threading
 import time
 import urllib.request
 
+
 import pytest
 
 from fluxjax.rl import metrics
 from fluxjax.data import readers, synth
 from fluxjax.rl import loop
 from fluxjax.rollout import fleet as fleet_lib
-from test_rollout_server import server_env  # noqa: E402  (tests/ is on sys.path)
-from test_train_loop import _config  # noqa: E402
+from helpers import server_env, tiny_run_config
 
 
 def _dataset(tmp_path, n=24):
@@ -44,10 +44,11 @@ def _dataset(tmp_path, n=24):
   return str(path), manifest
 
 
+@pytest.mark.slow
 def test_hanging_reward_corrupt_image_and_long_prompt_are_counted(tmp_path, monkeypatch):
   train, eval_manifest = _dataset(tmp_path)
   monkeypatch.setenv("FLUXJAX_HANG_FLAG", str(tmp_path / "hung"))
-  c = _config(3)
+  c = tiny_run_config(3)
   c.data.train, c.data.eval, c.data.eval_prompts = train, eval_manifest, 2
   c.rl.reward.fn = "fault_rewards:hang_once"
   c.rl.reward.t_min, c.rl.reward.t_max = 1.0, 3.0  # no correct call yet: T = t_max
@@ -66,8 +67,9 @@ def test_hanging_reward_corrupt_image_and_long_prompt_are_counted(tmp_path, monk
   assert not {"corrupt-image", "too-long"} & set(trained)
 
 
+@pytest.mark.slow
 def test_server_killed_mid_round(tmp_path):
-  c = _config(4)
+  c = tiny_run_config(4)
   c.data.synth_train = 32  # more than the run reads: ids repeat only across epochs
   c.rl.prompts_per_step, c.rl.responses_per_prompt = 3, 2
   c.rl.max_new_tokens = 16

@@ -14,12 +14,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
-from fluxjax.models import config as config_lib  # noqa: E402
 from fluxjax.models import hf_io, vision, vlm  # noqa: E402
 
-from hf_peer import IMG, TOL, VEND, VID, VSTART, hf_config, random_hf_model  # noqa: E402
+from hf_peer import IMG, TOL, VEND, VID, VSTART, random_hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ nbformat = pytest.importorskip("nbformat")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_mesh_notebook_executes(tmp_path):
   nb = nbformat.read(os.path.join(ROOT, "notebooks", "mesh.ipynb"), as_version=4)
   # A fresh kernel process; the notebook sets its own fake-mesh flags.

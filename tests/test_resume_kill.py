@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from fluxjax.rl import metrics
 from fluxjax.data import pipeline, readers
 from fluxjax.models import processor
@@ -36,6 +38,7 @@ def _command(workdir):
            f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in overrides.items()])
 
 
+@pytest.mark.slow
 def test_sigkill_mid_step_resumes_each_prompt_once(tmp_path):
   workdir = tmp_path / "run"
   log = open(tmp_path / "first.log", "w")

@@ -21,7 +21,8 @@ from fluxjax.rl import layout_steps
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout import fleet as fleet_lib
 from fluxjax.sharding import mesh as mesh_lib
-from tests.test_strategies import CFG, _strategy
+from helpers import TINY as CFG
+from helpers import make_strategy
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -125,7 +126,7 @@ def _seqs(lengths, seed=0):
 
 def test_layout_steps_compile_once_per_layout(devices):
   del devices
-  strategy = _strategy("packed_dp", capacity=128)
+  strategy = make_strategy("packed_dp", capacity=128)
   mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
   compiled = []
 

@@ -18,7 +18,8 @@ from fluxjax.models import config, vlm
 from fluxjax.rollout import fleet as fleet_lib
 from fluxjax.rollout import publish
 
-from test_rollout_server import CONTEXT, server_env  # noqa: E402  (tests/ is on sys.path)
+from helpers import SERVER_CONTEXT as CONTEXT
+from helpers import server_env
 
 
 @pytest.fixture(scope="module")

@@ -23,18 +23,11 @@ from fluxjax.models import tokenizer as tokenizer_lib
 from fluxjax.rollout import client as client_lib
 from fluxjax.rollout import fleet as fleet_lib
 from fluxjax.rollout import protocol, publish
+from helpers import SERVER_CONTEXT, server_env
 
-CONTEXT = 256
+CONTEXT = SERVER_CONTEXT
 PIXELS = 56 * 56
 LOGPROB_TOL = 1e-4
-
-
-def server_env():
-  env = dict(os.environ)
-  env["JAX_PLATFORMS"] = "cpu"
-  env["XLA_FLAGS"] = ""  # one CPU device per server, not the fake test mesh
-  env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
-  return env
 
 
 def http(url, path, body=None, method=None):

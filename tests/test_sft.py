@@ -151,6 +151,7 @@ def test_optimizer_config_is_the_warm_ups_own(setup):
   assert optim.max_grad_norm == config.optim.max_grad_norm
 
 
+@pytest.mark.slow
 def test_loop_runs_the_warm_up_before_rl(tmp_path):
   c = _config()
   assert c.sft.enabled

@@ -14,21 +14,14 @@ import pytest
 from flax import nnx
 
 from fluxjax.parallel import train_step
-from fluxjax.models import config as config_lib
 from fluxjax.models import inputs, vlm
 from fluxjax.models import sharded
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.sharding import mesh as mesh_lib
-from fluxjax.parallel import random_batch, strategies
+from fluxjax.parallel import strategies
+from helpers import PATCHES, TINY, make_strategy, mixed_batch
 
-CFG = config_lib.preset("tiny")
-PATCHES = 128
-
-
-def mixed_batch(seed=0, long=False):
-  # Positive advantages: the loss does not cancel to ~0, so a relative
-  # comparison of the loss is meaningful.
-  return random_batch.mixed_batch(CFG, seed, long=long, advantage_range=(0.5, 1.5))
+CFG = TINY
 
 
 def reference(model, seqs, loss_fn=train_step.policy_gradient_loss):
@@ -83,12 +76,6 @@ def sharded_run(strategy, seqs, seed=1, balance_vision=False, capture=None):
   return plan, loss, grads, params
 
 
-def _strategy(name, sp=1, capacity=96, buckets=(), sync="layer"):
-  cfg = ml_collections.ConfigDict({"strategy": name, "sp": sp, "capacity": capacity,
-                                   "capacity_buckets": buckets, "sync": sync})
-  return strategies.get_strategy(cfg, CFG)
-
-
 def assert_grads_close(got, want, rtol=1e-5):
   flat_got = dict(nnx.to_flat_state(got))
   for key, var in nnx.to_flat_state(want):
@@ -108,11 +95,11 @@ def mixed_reference(ref_model):
   return seqs, reference(ref_model, seqs)
 
 
-@pytest.mark.parametrize("name,sp", [("packed_dp", 1), ("ulysses", 2), ("ulysses", 4),
+@pytest.mark.parametrize("name,sp", [("packed_dp", 1), ("ulysses", 2), pytest.param("ulysses", 4, marks=pytest.mark.slow),
                                      ("ulysses", 8)])
 def test_strategy_equals_single_device_reference(name, sp, mixed_reference, devices):
   seqs, (want_loss, want_grads) = mixed_reference
-  plan, loss, grads, params = sharded_run(_strategy(name, sp), seqs)
+  plan, loss, grads, params = sharded_run(make_strategy(name, sp), seqs)
   assert plan.strategy == name
   if sp > 1:
     assert all(r.degree == sp for rows in plan.microbatches for r in rows)
@@ -123,35 +110,37 @@ def test_strategy_equals_single_device_reference(name, sp, mixed_reference, devi
   assert_grads_close(grads, want_grads)
 
 
+@pytest.mark.slow
 def test_sequence_longer_than_the_cap(ref_model, devices):
   seqs = mixed_batch(seed=3, long=True)
   long_len = len(seqs[-1])
   with pytest.raises(ValueError, match=rf"sequence {len(seqs) - 1} has {long_len} tokens > "
                                        r"packed_dp capacity 96"):
-    _strategy("packed_dp").plan([len(s) for s in seqs], 8)
+    make_strategy("packed_dp").plan([len(s) for s in seqs], 8)
   want_loss, want_grads = reference(ref_model, seqs)
-  _, loss, grads, _ = sharded_run(_strategy("ulysses", 4), seqs)
+  _, loss, grads, _ = sharded_run(make_strategy("ulysses", 4), seqs)
   np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
   assert_grads_close(grads, want_grads)
 
 
 def test_config_switches_strategy_and_rejects_bad_ones():
-  assert _strategy("packed_dp").name == "packed_dp"
-  s = _strategy("ulysses", 4)
+  assert make_strategy("packed_dp").name == "packed_dp"
+  s = make_strategy("ulysses", 4)
   assert (s.name, s.sp, s.sp_axes()) == ("ulysses", 4, (("sp", 4),))
   with pytest.raises(ValueError, match="unknown sharding.strategy 'flex'"):
-    _strategy("flex")
+    make_strategy("flex")
   with pytest.raises(ValueError, match="power of two"):
-    _strategy("ulysses", 3)
+    make_strategy("ulysses", 3)
   with pytest.raises(ValueError, match="does not divide the 8 query heads"):
-    _strategy("ulysses", 16)
+    make_strategy("ulysses", 16)
   # sharding.sp is the largest degree of the sequence-parallel strategies;
   # packed_dp keeps sequences whole, so a config can swap to it alone.
-  assert _strategy("packed_dp", 2).sp_axes() == (("sp", 1),)
+  assert make_strategy("packed_dp", 2).sp_axes() == (("sp", 1),)
 
 
+@pytest.mark.slow
 def test_train_step_shards_state_and_compiles_once_per_bucket(devices):
-  strategy = _strategy("ulysses", 2)
+  strategy = make_strategy("ulysses", 2)
   mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
   model = sharded.create_sharded_model(CFG, mesh, seed=0, log_table=False)
   opt = ml_collections.ConfigDict(dict(lr=1e-3, warmup_steps=2, total_steps=10, end_lr_frac=0.1,
@@ -171,7 +160,7 @@ def test_train_step_shards_state_and_compiles_once_per_bucket(devices):
   step = train_step.make_train_step(graphdef, tx, attention_fn=strategy.attention_fn(mesh),
                                     state_shardings=state_shardings,
                                     on_trace=lambda: traces.append(1))
-  bucketing = _strategy("ulysses", 2, capacity=96, buckets=(48, 96))
+  bucketing = make_strategy("ulysses", 2, capacity=96, buckets=(48, 96))
   seen, losses = set(), []
   with jax.set_mesh(mesh):
     for seed, n in [(0, 4), (1, 8), (2, 3), (3, 8), (4, 2)]:
@@ -204,7 +193,7 @@ def test_delayed_metrics_return_the_previous_step():
   assert delayed.flush() is None
 
 
-@pytest.mark.parametrize("long", [False, True])
+@pytest.mark.parametrize("long", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_flex_ulysses_equals_single_device_reference(long, mixed_reference, ref_model, devices):
   """Several degrees in one microbatch (levels 4/2/1 or 8/.../1), HSF all-to-alls."""
   if long:
@@ -212,7 +201,7 @@ def test_flex_ulysses_equals_single_device_reference(long, mixed_reference, ref_
     want_loss, want_grads = reference(ref_model, seqs)
   else:
     seqs, (want_loss, want_grads) = mixed_reference
-  strategy = _strategy("flex_ulysses", 8, capacity=64, buckets=(16, 32, 64))
+  strategy = make_strategy("flex_ulysses", 8, capacity=64, buckets=(16, 32, 64))
   plan, loss, grads, _ = sharded_run(strategy, seqs)
   degrees = {r.degree for rows in plan.microbatches for r in rows if r.seqs}
   assert len(degrees) >= 2 and max(degrees) > 1, plan.describe()
@@ -224,12 +213,12 @@ def test_flex_ulysses_equals_single_device_reference(long, mixed_reference, ref_
   assert_grads_close(grads, want_grads)
 
 
-@pytest.mark.parametrize("name,sp", [("packed_dp", 1), ("flex_ulysses", 8)])
+@pytest.mark.parametrize("name,sp", [("packed_dp", 1), pytest.param("flex_ulysses", 8, marks=pytest.mark.slow)])
 def test_vision_balancing_equals_reference(name, sp, mixed_reference, devices):
   """Images and video frames spread by patch count; embeddings routed back."""
   seqs, (want_loss, want_grads) = mixed_reference
   capacity, buckets = (96, ()) if name == "packed_dp" else (64, (16, 32, 64))
-  strategy = _strategy(name, sp, capacity=capacity, buckets=buckets)
+  strategy = make_strategy(name, sp, capacity=capacity, buckets=buckets)
   plan = strategy.plan([len(s) for s in seqs], 8)
   plain = batch_lib.vision_route_stats(plan, seqs, CFG, balance=False)
   balanced = batch_lib.vision_route_stats(plan, seqs, CFG, balance=True)
@@ -262,12 +251,12 @@ def _collectives(jaxpr, inside_loop=False, found=None):
   return found
 
 
-@pytest.mark.parametrize("name,sp", [("packed_dp", 1), ("ulysses", 4), ("flex_ulysses", 8)])
+@pytest.mark.parametrize("name,sp", [pytest.param("packed_dp", 1, marks=pytest.mark.slow), ("ulysses", 4), pytest.param("flex_ulysses", 8, marks=pytest.mark.slow)])
 def test_minibatch_sync_equals_reference(name, sp, mixed_reference, ref_model, devices):
   seqs, (want_loss, want_grads) = mixed_reference
   capacity, buckets = (64, ()) if name == "packed_dp" else (
       (96, ()) if name == "ulysses" else (64, (16, 32, 64)))
-  strategy = _strategy(name, sp, capacity=capacity, buckets=buckets, sync="minibatch")
+  strategy = make_strategy(name, sp, capacity=capacity, buckets=buckets, sync="minibatch")
   capture = {}
   plan, loss, grads, _ = sharded_run(strategy, seqs, capture=capture)
   np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
@@ -288,6 +277,7 @@ def test_minibatch_sync_equals_reference(name, sp, mixed_reference, ref_model, d
     assert any(e.primitive.name == "while" for e in body.eqns)
 
 
+@pytest.mark.slow
 def test_flex_minibatch_sync_with_vision_balancing_and_a_long_sequence(ref_model, devices):
   """All switches at once: levels, balanced vision, minibatch sync, over-capacity sequence."""
   seqs = mixed_batch(seed=3, long=True)

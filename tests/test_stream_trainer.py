@@ -25,7 +25,8 @@ from fluxjax.rl import losses
 from fluxjax.rl.stream_trainer import StreamTrainer
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.sharding import mesh as mesh_lib
-from tests.test_strategies import CFG, PATCHES, _strategy, mixed_batch
+from helpers import PATCHES, make_strategy, mixed_batch
+from helpers import TINY as CFG
 
 OPT = ml_collections.ConfigDict(dict(lr=1e-2, warmup_steps=0, total_steps=10, end_lr_frac=1.0,
                                      max_grad_norm=1e9, b1=0.9, b2=0.95, eps=1e-8,
@@ -58,9 +59,10 @@ def _synchronous_step(strategy, mesh, tx, loss_fn, seqs):
   return jax.block_until_ready(out)
 
 
-@pytest.mark.parametrize("name,sp,sync", [("packed_dp", 1, "layer"), ("ulysses", 2, "minibatch")])
+@pytest.mark.parametrize("name,sp,sync", [("packed_dp", 1, "layer"),
+                                         pytest.param("ulysses", 2, "minibatch", marks=pytest.mark.slow)])
 def test_stream_update_equals_synchronous_update(name, sp, sync, devices):
-  strategy = _strategy(name, sp, capacity=128, sync=sync)
+  strategy = make_strategy(name, sp, capacity=128, sync=sync)
   mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
   tx = SGD
   loss_fn = losses.make_loss_fn(config_args.load_config().rl)
@@ -104,6 +106,7 @@ def _single_device_logprobs(model, seq):
   return np.concatenate([[0.0], logp[:n - 1]]).astype(np.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,sp,sync", [("ulysses", 2, "minibatch")])
 def test_stream_reference_kl_equals_update_with_single_device_reference(name, sp, sync,
                                                                         devices):
@@ -115,7 +118,7 @@ def test_stream_reference_kl_equals_update_with_single_device_reference(name, sp
   the strategy's layout. Tolerance 1e-5: the two forwards differ by sharding
   (the strategy equality tests' bound).
   """
-  strategy = _strategy(name, sp, capacity=128, sync=sync)
+  strategy = make_strategy(name, sp, capacity=128, sync=sync)
   mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
   tx = SGD
   rl = config_args.load_config().rl
@@ -148,7 +151,7 @@ def test_stream_reference_kl_equals_update_with_single_device_reference(name, sp
 
 
 def test_apply_without_parts_is_an_error(devices):
-  strategy = _strategy("packed_dp", capacity=128)
+  strategy = make_strategy("packed_dp", capacity=128)
   mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
   tx = train_step.make_optimizer(OPT)
   graphdef, state, shardings = _fresh_state(mesh, tx)

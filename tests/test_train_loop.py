@@ -5,33 +5,22 @@ import os
 
 import pytest
 
-from fluxjax import config_args
 from fluxjax.rl import metrics
 from fluxjax.data import readers
 from fluxjax.rl import coordinator, loop
+from helpers import tiny_run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _config(total_steps):
-  c = config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"))
-  c.total_steps, c.eval_every = total_steps, 2
-  c.data.synth_train, c.data.synth_eval, c.data.eval_prompts = 8, 2, 2
-  c.rl.prompts_per_step, c.rl.responses_per_prompt, c.rl.max_new_tokens = 2, 2, 6
-  c.rl.reward.num_workers = 1
-  c.rollout.num_slots = 4
-  c.checkpoint.every = 1
-  c.sft.enabled = False  # the warm-up before RL has its own loop test (test_sft.py)
-  return c
-
-
 def _kl_config(total_steps):
-  c = _config(total_steps)
+  c = tiny_run_config(total_steps)
   c.rl.kl_coef = 0.1
   c.optim.lr, c.optim.warmup_steps = 1e-2, 0  # steps large enough for a clear KL
   return c
 
 
+@pytest.mark.slow
 def test_loop_runs_checkpoints_and_resumes_with_a_reference_model(tmp_path):
   last = loop.run(_kl_config(2), str(tmp_path))
   assert last["policy/version"] == 2.0
@@ -68,12 +57,12 @@ def test_loop_runs_checkpoints_and_resumes_with_a_reference_model(tmp_path):
 
 
 def test_validate_refuses_what_the_loop_cannot_do():
-  c = _config(1)
+  c = tiny_run_config(1)
   c.rl.reward.fn = "no_such_module:score"
   with pytest.raises(ValueError, match="cannot load reward"):
     loop.validate(c)
   # A fleet without servers is refused before any model is built.
-  c = _config(1)
+  c = tiny_run_config(1)
   c.rollout.backend = "sglang"
   with pytest.raises(ValueError, match="needs rollout.urls"):
     loop.validate(c)
@@ -81,6 +70,7 @@ def test_validate_refuses_what_the_loop_cannot_do():
   loop.validate(c)
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_trains_only_groups_with_signal(tmp_path):
   """DAPO in the loop: groups whose rewards are all equal are dropped and refilled.
 
@@ -88,7 +78,7 @@ def test_dynamic_sampling_trains_only_groups_with_signal(tmp_path):
   have no signal) and others by a hash of the response; so no numeric-answer
   prompt may be trained, each step is still full, and the drops are counted.
   """
-  c = _config(3)
+  c = tiny_run_config(3)
   # About half the rows have numeric answers, so a step reads 3 + 3 filtered
   # groups on average; 8 refill rounds (24 groups) leave a step short only if
   # 25 of 27 rows in a row are numeric. More rows than 3 steps can read even
@@ -114,6 +104,7 @@ def test_dynamic_sampling_trains_only_groups_with_signal(tmp_path):
   assert last.get("faults/round_failures", 0.0) == 0.0
 
 
+@pytest.mark.slow
 def test_grpo_climbs_a_dense_reward(tmp_path):
   """RL itself works: from a random-init policy, GRPO through the whole loop
   (rollout, rewards, advantages, loss, stream update, publish) raises a reward
@@ -125,7 +116,7 @@ def test_grpo_climbs_a_dense_reward(tmp_path):
   and last three steps 0.357 -> 0.597), the same to 5 digits in repeated runs:
   requests are seeded and nothing is speculative.
   """
-  c = _config(10)
+  c = tiny_run_config(10)
   c.eval_every, c.checkpoint.every = 0, 1000
   c.data.mix, c.data.synth_train = "text", 128
   c.rl.prompts_per_step, c.rl.responses_per_prompt, c.rl.max_new_tokens = 8, 8, 8

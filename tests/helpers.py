@@ -1,0 +1,62 @@
+"""Builders shared by several test modules (test modules never import each other).
+
+  TINY, PATCHES, mixed_batch, make_strategy   strategy-level tests on the
+      tiny preset (tests/test_strategies.py and the trainers built on it);
+  SERVER_CONTEXT, server_env                  rollout server processes;
+  tiny_run_config                             the GRPO loop, cut to seconds.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+from fluxjax import config_args
+from fluxjax.models import config as config_lib
+from fluxjax.parallel import random_batch, strategies
+from fluxjax.parallel.batch import TrainSequence
+from fluxjax.parallel.strategies import Strategy
+
+TINY = config_lib.preset("tiny")
+PATCHES = 128  # patch buffer of the mixed batches below
+SERVER_CONTEXT = 256  # context length of the test servers
+
+
+def mixed_batch(seed: int = 0, long: bool = False) -> list[TrainSequence]:
+  """Text, images and a video in one batch of the tiny preset.
+
+  Positive advantages: the loss does not cancel to ~0, so a relative
+  comparison of the loss is meaningful.
+  """
+  return random_batch.mixed_batch(TINY, seed, long=long, advantage_range=(0.5, 1.5))
+
+
+def make_strategy(name: str, sp: int = 1, capacity: int = 96, buckets: tuple[int, ...] = (),
+                  sync: str = "layer") -> Strategy:
+  """A strategy of the tiny preset from the same config section a run reads."""
+  cfg = ml_collections.ConfigDict({"strategy": name, "sp": sp, "capacity": capacity,
+                                   "capacity_buckets": buckets, "sync": sync})
+  return strategies.get_strategy(cfg, TINY)
+
+
+def server_env() -> dict[str, str]:
+  """Environment of a server subprocess: one plain CPU device, not the fake mesh."""
+  env = dict(os.environ)
+  env["JAX_PLATFORMS"] = "cpu"
+  env["XLA_FLAGS"] = ""
+  env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+  return env
+
+
+def tiny_run_config(total_steps: int) -> ml_collections.ConfigDict:
+  """The default run, cut to 2 prompts x 2 responses of <= 6 tokens, no warm-up."""
+  c = config_args.load_config()
+  c.total_steps, c.eval_every = total_steps, 2
+  c.data.synth_train, c.data.synth_eval, c.data.eval_prompts = 8, 2, 2
+  c.rl.prompts_per_step, c.rl.responses_per_prompt, c.rl.max_new_tokens = 2, 2, 6
+  c.rl.reward.num_workers = 1
+  c.rollout.num_slots = 4
+  c.checkpoint.every = 1
+  c.sft.enabled = False  # the warm-up before RL has its own loop test (test_sft.py)
+  return c

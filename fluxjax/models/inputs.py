@@ -15,7 +15,7 @@ import numpy as np
 
 from fluxjax.models import chat, processor, rope_index, vision, vlm
 from fluxjax.models.config import ModelConfig
-from fluxjax.models.processor import ProcessedVision
+from fluxjax.models.processor import ProcessedVision, VisionMeta
 from fluxjax.models.tokenizer import Tokenizer
 
 
@@ -26,16 +26,25 @@ class SequenceInputs:
   Attributes:
     tokens_T: int32 token ids, vision pads expanded.
     positions_3T: int32 M-RoPE positions.
-    media: processed images/videos in order of appearance.
+    media: images/videos in order of appearance: processed, or metadata
+      only (`VisionMeta`) until a batch is materialized.
     mrope_delta: max(position) + 1 - T; decoding continues at T + delta.
   """
   tokens_T: np.ndarray
   positions_3T: np.ndarray
-  media: list[ProcessedVision]
+  media: list[VisionMeta]
   mrope_delta: int
 
   def __len__(self) -> int:
     return int(self.tokens_T.shape[0])
+
+  def decoded_media(self) -> list[ProcessedVision]:
+    """The media with their pixels; raises for metadata-only items."""
+    decoded = [m for m in self.media if isinstance(m, ProcessedVision)]
+    if len(decoded) != len(self.media):
+      raise TypeError("this needs decoded media (ProcessedVision); metadata-only items are "
+                      "materialized by fluxjax.parallel.batch.materialize")
+    return decoded
 
   @property
   def num_patches(self) -> int:
@@ -52,7 +61,7 @@ class SequenceInputs:
 
 
 def sequence_from_tokens(tokens_T: Sequence[int] | np.ndarray,
-                         media: Sequence[ProcessedVision],
+                         media: Sequence[VisionMeta],
                          cfg: ModelConfig) -> SequenceInputs:
   """Positions for already-expanded token ids (e.g. a request's input_ids)."""
   tokens = np.asarray(tokens_T, np.int32)
@@ -69,12 +78,12 @@ def sequence_from_tokens(tokens_T: Sequence[int] | np.ndarray,
   return SequenceInputs(tokens, positions, list(media), delta)
 
 
-def _seconds_per_grid(video: ProcessedVision) -> float:
+def _seconds_per_grid(video: VisionMeta) -> float:
   assert video.second_per_grid is not None, "a video has seconds per grid step"
   return video.second_per_grid
 
 
-def sequence_from_chat(messages, media: Sequence[ProcessedVision], tokenizer: Tokenizer,
+def sequence_from_chat(messages, media: Sequence[VisionMeta], tokenizer: Tokenizer,
                        cfg: ModelConfig, add_generation_prompt: bool = True) -> SequenceInputs:
   """Renders a chat, expands its vision placeholders and computes positions.
 
@@ -93,7 +102,7 @@ def sequence_from_chat(messages, media: Sequence[ProcessedVision], tokenizer: To
   return sequence_from_tokens(prompt.input_ids, media, cfg)
 
 
-def _check_media_order(tokens_T: np.ndarray, media: Sequence[ProcessedVision],
+def _check_media_order(tokens_T: np.ndarray, media: Sequence[VisionMeta],
                        cfg: ModelConfig) -> None:
   """The model splices media in pad order; a kind mismatch would mix them up."""
   kinds = []
@@ -126,7 +135,7 @@ def pack_row(seqs: Sequence[SequenceInputs], cfg: ModelConfig, *,
                                + [np.zeros(pad, np.int32)])
   segment_pos = np.concatenate([np.arange(len(s), dtype=np.int32) for s in seqs]
                                + [np.zeros(pad, np.int32)])
-  media = [m for s in seqs for m in s.media]
+  media = [m for s in seqs for m in s.decoded_media()]
   vis = None
   if media or patch_capacity:
     vis = vision.make_vision_inputs([m.patches for m in media], [m.grid_thw for m in media],

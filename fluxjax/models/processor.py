@@ -13,7 +13,7 @@ P patch side, N patches (= grid t * h * w), D = C * T * P * P.
 import dataclasses
 from collections.abc import Sequence
 import math
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 import PIL.Image
@@ -79,6 +79,24 @@ class VisionProcessorConfig:
   def factor(self) -> int:
     """Side multiple of resized images: one merged token covers factor^2."""
     return self.patch_size * self.merge_size
+
+
+class VisionMeta(Protocol):
+  """An image or video as prompt building sees it: kind, patch grid, timing.
+
+  `ProcessedVision` holds the pixels too; the ShadowLoader's `MediaRef`
+  (fluxjax/data/meta.py) only the metadata, its pixels decoded elsewhere
+  until a batch is materialized.
+  """
+
+  @property
+  def kind(self) -> str: ...
+
+  @property
+  def grid_thw(self) -> tuple[int, int, int]: ...
+
+  @property
+  def second_per_grid(self) -> float | None: ...
 
 
 @dataclasses.dataclass

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol
 
 import jax
 import numpy as np
@@ -30,14 +29,6 @@ from fluxjax.sharding import mesh as mesh_lib
 from fluxjax.sharding.plan import Plan, capacity_bucket
 
 P = jax.sharding.PartitionSpec
-
-
-class MediaItem(Protocol):
-  """An image/video as the batch sees it (`ProcessedVision`, or a `MediaRef`
-  whose pixels live elsewhere): its patch grid."""
-
-  @property
-  def grid_thw(self) -> tuple[int, int, int]: ...
 
 
 @dataclasses.dataclass
@@ -102,7 +93,7 @@ def _is_vision_token(tokens_T: np.ndarray, cfg: ModelConfig) -> np.ndarray:
   return (tokens_T == cfg.image_token_id) | (tokens_T == cfg.video_token_id)
 
 
-def num_patches(item: MediaItem) -> int:
+def num_patches(item: processor.VisionMeta) -> int:
   """Patches of a media item from its grid alone (pixels may live elsewhere)."""
   return processor.num_patches(item.grid_thw)
 
@@ -128,7 +119,7 @@ def _media_in_row(row, seqs: Sequence[TrainSequence], cfg: ModelConfig):
 @dataclasses.dataclass(frozen=True)
 class VisionUnit:
   """Frames [lo, hi) (temporal patch groups) of one image/video, encoded together."""
-  item: MediaItem
+  item: processor.VisionMeta
   lo: int
   hi: int
 

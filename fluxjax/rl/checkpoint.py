@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -72,7 +73,7 @@ class Checkpointer:
         rng=ocp.args.ArrayRestore(),
         coordinator=ocp.args.JsonRestore(),
         data=ocp.args.JsonRestore()))
-    rng = jax.random.wrap_key_data(np.asarray(out.rng))
+    rng = jax.random.wrap_key_data(jnp.asarray(out.rng))
     return step, out.state, rng, out.coordinator, out.data
 
   def wait(self) -> None:

@@ -54,6 +54,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import ml_collections
+from jax.typing import ArrayLike
 
 from fluxjax.parallel.batch import TrainBatch
 from fluxjax.parallel.train_step import LossFn
@@ -63,13 +64,13 @@ IS_MODES = ("truncate", "mask")
 PROX_SOURCES = ("trainer", "batch")
 
 
-def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
+def kl_penalty(logp: ArrayLike, ref_logp: ArrayLike, estimator: str) -> jax.Array:
   """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi.
 
   k1 = log(pi / ref) is unbiased but signed and noisy; k3 = r - 1 - log r with
   r = ref / pi is unbiased, non-negative and lower-variance (Schulman 2020).
   """
-  log_ratio = ref_logp - logp
+  log_ratio = jnp.asarray(ref_logp) - jnp.asarray(logp)
   if estimator == "k1":
     return -log_ratio
   if estimator == "k3":
@@ -77,7 +78,7 @@ def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Arra
   raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
-def importance_weights(prox_logp: jax.Array, old_logp: jax.Array, cap: float,
+def importance_weights(prox_logp: ArrayLike, old_logp: ArrayLike, cap: float,
                        mode: str = "truncate") -> tuple[jax.Array, jax.Array]:
   """Decoupled weight pi_prox / mu per token (no gradient), and where it hit the cap.
 
@@ -87,7 +88,7 @@ def importance_weights(prox_logp: jax.Array, old_logp: jax.Array, cap: float,
   """
   if mode not in IS_MODES:
     raise ValueError(f"is_mode must be one of {IS_MODES}, got {mode!r}")
-  w = jnp.exp(jax.lax.stop_gradient(prox_logp - old_logp))
+  w = jnp.exp(jax.lax.stop_gradient(jnp.asarray(prox_logp) - jnp.asarray(old_logp)))
   if cap <= 0:
     return w, jnp.zeros_like(w)
   over = w > cap

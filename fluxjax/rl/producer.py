@@ -122,7 +122,7 @@ class Producer:
     self._thread = LoopThread("rollout") if thread is None else thread
     self._wake: asyncio.Event | None = None
     self._data_lock: asyncio.Lock | None = None
-    self._task = None
+    self._task: asyncio.Task | None = None
     self._stop = False
     self._exhausted = False
 
@@ -143,6 +143,8 @@ class Producer:
     return asyncio.ensure_future(self._produce())
 
   async def _cancel(self) -> None:
+    if self._task is None:
+      return
     self._task.cancel()
     await asyncio.gather(self._task, return_exceptions=True)
 
@@ -299,21 +301,25 @@ class Producer:
     Usually P at a time (each trainer step opens P); fewer after a DAPO
     give-back or a round that failed part way, which then runs smaller.
     """
+    wake = self._wake
+    assert wake is not None, "made on the loop by start_loop"
     while not self._stop and self.admission.capacity(self.step) < 1:
-      self._wake.clear()
+      wake.clear()
       if self.admission.capacity(self.step) >= 1:
         break
-      await self._wake.wait()
+      await wake.wait()
     return self.admission.capacity(self.step)
 
   async def _produce(self) -> None:
     failures = 0
+    data_lock = self._data_lock
+    assert data_lock is not None, "made on the loop by start_loop"
     try:
       while not self._stop:
         allowed = await self._admission()
         if self._stop:
           return
-        async with self._data_lock:
+        async with data_lock:
           await self._top_up()
           plan = self.batcher.plan_round(limit=allowed)
         if plan is None:
@@ -326,11 +332,13 @@ class Producer:
         def on_kept(uid, completions, launch_version=launch_version, pending=pending):
           pending.append(asyncio.ensure_future(self._deliver(uid, completions, launch_version)))
 
+        def body(uid: tail_batching.PromptId, j: int) -> dict:
+          assert isinstance(uid, int), "the producer's prompt ids are sample uids"
+          return self.make_body(self.samples[uid], self._prompt(uid), j)
+
         try:
-          result = await tail_batching.run_round(
-              self.rollout, self.batcher,
-              lambda uid, j: self.make_body(self.samples[uid], self._prompt(uid), j),
-              on_kept=on_kept, plan=plan)
+          result = await tail_batching.run_round(self.rollout, self.batcher, body,
+                                                 on_kept=on_kept, plan=plan)
         except tail_batching.RoundFailed as e:
           failures += 1
           self.counts["faults/round_failures"] += 1
@@ -343,6 +351,7 @@ class Producer:
           await asyncio.sleep(min(2.0 ** failures, 30.0))
           continue
         failures = 0
+        assert result is not None, "a round with a plan always returns"
         await asyncio.gather(*pending)
         # Responses that finished but were not kept (their prompt was already
         # complete, or the round ended): their scores are not needed.

@@ -201,11 +201,11 @@ def _worker_main(conn) -> None:
       return
     task_id, fn, response, answer = msg
     start = time.perf_counter()
+    value: float | str  # the reward, or the error's description
     try:
-      value = float(get(fn)(response, answer))
-      status = "ok" if math.isfinite(value) else "error"
-      if status == "error":
-        value = f"non-finite reward {value}"
+      reward = float(get(fn)(response, answer))
+      status, value = ("ok", reward) if math.isfinite(reward) else (
+          "error", f"non-finite reward {reward}")
     except BaseException:  # noqa: BLE001  (any failure of user code is a reward error)
       status, value = "error", traceback.format_exc(limit=3)
     conn.send((task_id, status, value, time.perf_counter() - start))
@@ -298,7 +298,7 @@ class RewardScheduler:
     self._pending: collections.deque[_Task] = collections.deque()
     self._done: collections.deque[RewardResult] = collections.deque()
     self._anchors: dict[Hashable, float] = {}
-    self._counts = collections.Counter()
+    self._counts: collections.Counter[str] = collections.Counter()
     self._next_id = 0
     self._closed = False
     # Wakes the dispatcher when work is submitted or on shutdown.
@@ -309,7 +309,7 @@ class RewardScheduler:
 
   @classmethod
   def from_config(cls, cfg) -> "RewardScheduler":
-    """From the `rl.reward` config section (rl/losses.py default_rl_config)."""
+    """From the `rl.reward` section of the run config (configs/vlm.py)."""
     return cls(num_workers=cfg.num_workers, fn=cfg.fn, t_min=cfg.t_min, t_max=cfg.t_max,
                anchor_factor=cfg.anchor_factor, correct_threshold=cfg.correct_threshold)
 
@@ -323,7 +323,7 @@ class RewardScheduler:
   def submit(self, response: str, answer: str, fn: str | RewardFn | None = None,
              key: Hashable = None, tag: Any = None) -> concurrent.futures.Future:
     """Queues one reward call; returns a Future of its RewardResult."""
-    future = concurrent.futures.Future()
+    future: concurrent.futures.Future[RewardResult] = concurrent.futures.Future()
     with self._lock:
       if self._closed:
         raise RuntimeError("RewardScheduler is shut down")

@@ -93,6 +93,7 @@ class StreamTrainer:
     self._ref_params = params
 
   def _compile_add(self, plan: Plan, batch: batch_lib.TrainBatch):
+    assert isinstance(batch.ref_logprobs, jax.Array), "a placed batch"
     accumulate = self.strategy.accumulate_fn(self.mesh, plan, self.graphdef,
                                              self.state_shardings.params, self.loss_fn)
     return accumulate, train_step.make_stream_add(

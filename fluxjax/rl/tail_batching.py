@@ -342,7 +342,7 @@ async def run_round(rollout: Sampler, batcher: TailBatcher,
           if on_kept is not None and len(rnd.kept) > kept_before:
             on_kept(key[0], [finished[(key[0], j)] for j in rnd.kept[key[0]]])
   except Exception as e:
-    failure = e
+    failure: Exception | None = e
   else:
     failure = None
   finally:

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import threading
 import time
+from typing import Any
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -90,7 +91,8 @@ def _cache_sharding(state: nnx.State, shape) -> jax.sharding.Sharding | None:
   """The KV cache's layout on the parameters' mesh; None for a one-device model."""
   for leaf in jax.tree.leaves(state):
     sharding = leaf.sharding if isinstance(leaf, jax.Array) else None
-    if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
+    if (isinstance(sharding, jax.sharding.NamedSharding)
+        and isinstance(sharding.mesh, jax.sharding.Mesh) and sharding.mesh.size > 1):
       return rules.kv_cache_sharding(shape, sharding.mesh)
   return None
 
@@ -306,7 +308,7 @@ class Engine:
       return True
 
   def _admit(self) -> list[EngineRequest]:
-    out = []
+    out: list[EngineRequest] = []
     with self._cv:
       if self._paused:
         return out
@@ -326,6 +328,7 @@ class Engine:
       victims = [r for r in self._by_rid.values() if r.abort_message]
       for req in victims:
         if req.slot >= 0:
+          assert req.abort_message is not None, "victims are chosen by their message"
           self._slots[req.slot] = None
           self._finish(req, protocol.finish_abort(req.abort_message))
         else:
@@ -349,7 +352,7 @@ class Engine:
     positions[:, :n] = req.prompt.positions_3T
     vis = None
     if req.prompt.media:
-      media = req.prompt.media
+      media = req.prompt.decoded_media()
       cap = _patch_bucket(req.prompt.num_patches, self.cfg.vision.merge_unit)
       vis = vision.make_vision_inputs([m.patches for m in media], [m.grid_thw for m in media],
                                       self.cfg.vision, cap)
@@ -377,6 +380,7 @@ class Engine:
     self.stats["decode_steps"] += 1
     for s in active:
       req = self._slots[s]
+      assert req is not None, "active slots hold a request"
       self._lengths_S[s] += 1
       self._append(req, int(tok_S[s]), float(lp_S[s]))
 
@@ -450,7 +454,7 @@ def response(req: EngineRequest, tokenizer: Tokenizer, weight_version: str,
   """The /generate response body (also each streamed chunk, cumulative)."""
   done = req.finish_reason is not None
   text = req.finished_text if done else output_text(req, tokenizer)
-  meta = {
+  meta: dict[str, Any] = {
       "id": req.rid,
       "finish_reason": req.finish_reason,
       "prompt_tokens": req.prompt_tokens,

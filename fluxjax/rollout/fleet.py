@@ -257,7 +257,8 @@ class Fleet:
       s.healthy = ok
     return list(results)
 
-  async def refresh_versions(self) -> dict[str, str]:
+  async def refresh_versions(self) -> dict[str, str | None]:
+    """{url: weight version} of every server (None: not known, e.g. down since start)."""
     for s in self.servers:
       if s.healthy:
         try:

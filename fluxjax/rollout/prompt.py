@@ -100,7 +100,12 @@ def expand_prompt(ids: list[int], vision: list[processor.ProcessedVision],
 def build_sequence(req: GenerateRequest, tokenizer: Tokenizer, cfg: ModelConfig,
                    proc: processor.VisionProcessorConfig) -> SequenceInputs:
   """The request's prompt as SequenceInputs (raises ProtocolError on bad input)."""
-  ids = tokenizer.encode(req.text) if req.text is not None else list(req.input_ids)
+  if req.text is not None:
+    ids = tokenizer.encode(req.text)
+  elif req.input_ids is not None:
+    ids = list(req.input_ids)
+  else:
+    raise ProtocolError("the prompt needs text or input_ids")
   if not ids:
     raise ProtocolError("the prompt is empty")
   # Images and videos come in separate lists; the prompt fixes their interleaving.

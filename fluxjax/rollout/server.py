@@ -130,6 +130,12 @@ class RolloutServer:
           content_type="application/json")
     return self.engine
 
+  def _tokenizer(self) -> Tokenizer:
+    """The loaded tokenizer (set with the engine; 503 while loading)."""
+    self._ready()
+    assert self.tokenizer is not None, "the tokenizer loads with the engine"
+    return self.tokenizer
+
   # --- generation -----------------------------------------------------------------
 
   async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -137,14 +143,17 @@ class RolloutServer:
     try:
       req = protocol.parse_generate(await _json_body(request))
       loop = asyncio.get_running_loop()
-      seq = await loop.run_in_executor(None, prompt.build_sequence, req, self.tokenizer,
+      seq = await loop.run_in_executor(None, prompt.build_sequence, req, self._tokenizer(),
                                        engine.cfg, self.proc_cfg)
     except ProtocolError as e:
       return _error(str(e))
     events: asyncio.Queue = asyncio.Queue()
-    ereq = engine_lib.EngineRequest(
-        req.rid, seq, req.sampling, return_logprob=req.return_logprob,
-        on_event=lambda r: loop.call_soon_threadsafe(events.put_nowait, None))
+
+    def on_event(_: engine_lib.EngineRequest) -> None:  # called on the engine's thread
+      loop.call_soon_threadsafe(events.put_nowait, None)
+
+    ereq = engine_lib.EngineRequest(req.rid, seq, req.sampling,
+                                    return_logprob=req.return_logprob, on_event=on_event)
     try:
       engine.submit(ereq)
     except ProtocolError as e:
@@ -161,7 +170,7 @@ class RolloutServer:
         engine.abort(ereq.rid, message="Abort: client disconnected")
 
   def _response(self, ereq, req) -> dict:
-    return engine_lib.response(ereq, self.tokenizer, self.engine.weight_version,
+    return engine_lib.response(ereq, self._tokenizer(), self._ready().weight_version,
                                req.return_text_in_logprobs)
 
   async def _stream(self, request, ereq, events, req) -> web.StreamResponse:
@@ -257,11 +266,11 @@ class RolloutServer:
   async def health_generate(self, request: web.Request) -> web.Response:
     engine = self._ready()
     ereq = engine_lib.EngineRequest(
-        "health-" + uuid.uuid4().hex, _text_sequence([self.tokenizer.im_start_id], engine.cfg),
+        "health-" + uuid.uuid4().hex, _text_sequence([self._tokenizer().im_start_id], engine.cfg),
         protocol.SamplingParams(max_new_tokens=1, top_k=1))
     engine.submit(ereq)
     ok = await asyncio.get_running_loop().run_in_executor(None, ereq.done.wait, 20.0)
-    if not ok or ereq.finish_reason["type"] == "abort":
+    if not ok or ereq.finish_reason is None or ereq.finish_reason["type"] == "abort":
       engine.abort(ereq.rid)
       return web.Response(status=503, text="generation failed")
     return web.Response(status=200)

@@ -54,6 +54,17 @@ def test_replicated_large_parameter_is_refused(devices):
     rules.check_sharded(table, 1 << 20)
 
 
+def test_checkpoint_layout_gets_the_same_check(devices):
+  """A checkpoint load (model_shardings) is refused like a random init would be."""
+  mesh = mesh_lib.make_mesh(sp_axes=(("sp", 1),))
+  cfg = config_lib.preset("7b")
+  layout = sharded.model_shardings(cfg, mesh, log_table=False)
+  assert len(layout) == len(nnx.to_flat_state(nnx.state(vlm.abstract_model(cfg))))
+  only_vision = [(axes.VIS_EMBED, ("fsdp", "sp"))]
+  with pytest.raises(ValueError, match="would be replicated on every device"):
+    sharded.model_shardings(cfg, mesh, only_vision, log_table=False)
+
+
 def test_partition_spec_skips_indivisible_dims(devices):
   mesh = mesh_lib.make_mesh(sp_axes=(("sp", 1),))
   r = rules.fsdp_rules(mesh)

@@ -186,11 +186,11 @@ def test_embedded_backend_from_config_and_in_process_publish(model, tok):
   import ml_collections
 
   from fluxjax.rollout import backend as backend_lib
-  from fluxjax.rollout import client, fleet, publish
+  from fluxjax.rollout import client, factory, publish
 
   cfg = ml_collections.ConfigDict({"backend": "embedded", "num_slots": 4,
                                    "context_length": 96})
-  backend, launched = fleet.make_rollout(cfg, model, tok)
+  backend, launched = factory.make_backend(cfg, model=model, tokenizer=tok)
   assert launched is None
   assert isinstance(backend, backend_lib.RolloutBackend)
   ids = [int(i) for i in text_seq(model.cfg, 8, 9).tokens_T]
@@ -224,4 +224,4 @@ def test_embedded_backend_from_config_and_in_process_publish(model, tok):
   assert slots[1].decode_steps - slots[0].decode_steps == len(before.output_ids) - 1
   assert backend.metrics() == {}
   with pytest.raises(ValueError, match="embedded or sglang"):
-    fleet.make_rollout(ml_collections.ConfigDict({"backend": "vllm"}))
+    factory.make_backend(ml_collections.ConfigDict({"backend": "vllm"}))

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from fluxjax.models import config, vlm
+from fluxjax.rollout import factory
 from fluxjax.rollout import fleet as fleet_lib
 from fluxjax.rollout import publish
 
@@ -28,13 +29,13 @@ def launched():
       "backend": "sglang", "urls": [], "num_servers": 3, "launch_timeout_s": 180,
       "launch": ["python", "-m", "fluxjax.rollout.server", "--preset", "tiny", "--seed", "0",
                  "--num-slots", "4", "--context-length", str(CONTEXT)]})
-  # make_rollout launches with the parent's environment; give the servers a
+  # make_backend launches with the parent's environment; give the servers a
   # plain one-device CPU backend instead of the fake test mesh.
   import os
   saved = dict(os.environ)
   os.environ.update(server_env())
   try:
-    fleet, servers = fleet_lib.make_rollout(cfg)
+    fleet, servers = factory.make_backend(cfg)
   finally:
     os.environ.clear()
     os.environ.update(saved)

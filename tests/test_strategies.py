@@ -1,4 +1,4 @@
-"""packed_dp and ulysses on the fake 8-device mesh equal the single-device reference.
+"""Every strategy and sync mode on the fake 8-device mesh equals the single-device reference.
 
 The reference computes each sequence alone (inputs.pack_row, one row, no plan,
 no materializer, no sharding) and normalizes by the total trained tokens; the

@@ -30,18 +30,24 @@ def create_sharded_model(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules
   parameter over `max_replicated_bytes` on every device.
   """
   rules = rules_lib.fsdp_rules(mesh) if rules is None else rules
-  abstract = vlm.abstract_model(cfg)
-  graphdef, abstract_state = nnx.split(abstract)
+  graphdef, _ = _checked_layout(cfg, mesh, rules, max_replicated_bytes, log_table)
+  init = sharded_init(cfg, rules, mesh)
+  with jax.set_mesh(mesh):
+    state = init(jax.random.key(seed))
+  return nnx.merge(graphdef, state)
+
+
+def _checked_layout(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules,
+                    max_replicated_bytes: int, log_table: bool) -> tuple[nnx.GraphDef, nnx.State]:
+  """(graphdef, shardings) of the model's parameters, logged and checked."""
+  graphdef, abstract_state = nnx.split(vlm.abstract_model(cfg))
   shardings = rules_lib.state_shardings(abstract_state, rules, mesh)
   table = rules_lib.parameter_table(abstract_state, shardings)
   if log_table:
     log.debug("parameters:\n%s", rules_lib.format_table(table))
     log.info("parameters %s", rules_lib.format_total(table))
   rules_lib.check_sharded(table, max_replicated_bytes)
-  init = sharded_init(cfg, rules, mesh)
-  with jax.set_mesh(mesh):
-    state = init(jax.random.key(seed))
-  return nnx.merge(graphdef, state)
+  return graphdef, shardings
 
 
 def sharded_init(cfg: ModelConfig, rules: Rules, mesh: jax.sharding.Mesh):
@@ -66,9 +72,14 @@ def _sharded_init(cfg: ModelConfig, rules: Rules, mesh: jax.sharding.Mesh):
   return jax.jit(init, out_shardings=rules_lib.state_shardings(abstract_state, rules, mesh))
 
 
-def model_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh,
-                    rules: Rules | None = None) -> dict[tuple, jax.sharding.Sharding]:
-  """{state path: sharding} for `hf_io.load_hf_checkpoint(shardings=...)`."""
+def model_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules | None = None,
+                    *, max_replicated_bytes: int = 1 << 20,
+                    log_table: bool = True) -> dict[tuple, jax.sharding.Sharding]:
+  """{state path: sharding} for `hf_io.load_hf_checkpoint(shardings=...)`.
+
+  The same table, log line and replication check as `create_sharded_model`:
+  a checkpoint loads into the layout a random init would have.
+  """
   rules = rules_lib.fsdp_rules(mesh) if rules is None else rules
-  _, abstract_state = nnx.split(vlm.abstract_model(cfg))
-  return dict(nnx.to_flat_state(rules_lib.state_shardings(abstract_state, rules, mesh)))
+  _, shardings = _checked_layout(cfg, mesh, rules, max_replicated_bytes, log_table)
+  return dict(nnx.to_flat_state(shardings))

@@ -57,8 +57,10 @@ class Strategy:
       plan = planners.plan_packed_dp(lengths, num_devices, self.capacity, shape)
     elif self.name == "ulysses":
       plan = planners.plan_ulysses(lengths, num_devices, self.sp, self.capacity, shape)
-    else:
+    elif self.name == "flex_ulysses":
       plan = planners.plan_flex_ulysses(lengths, num_devices, self.sp, self.capacity, buckets)
+    else:
+      raise ValueError(f"strategy {self.name!r} has no planner")
     return plan_lib.bucketed(plan, buckets)
 
   def attention_fn(self, mesh: jax.sharding.Mesh, plan: Plan | None = None,

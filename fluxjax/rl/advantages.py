@@ -1,7 +1,7 @@
 """GRPO advantages, DAPO dynamic sampling and loss-aggregation weights.
 
 Host-side numpy: the coordinator computes these per completed group, before
-`sharding.batch.materialize` packs them into the train batch.
+`fluxjax.parallel.batch.materialize` packs them into the train batch.
 
 Shape letters: B sequences (responses) in a batch, G groups, R responses per
 group, T tokens of one sequence.
@@ -31,7 +31,7 @@ of sequences with L_i > 0, veRL's aggregates are
   seq-mean-token-sum:   (1/N) sum_i sum_t l_it
 
 The train step computes sum w_it l_it / sum w_it over the GLOBAL batch, where
-w is `loss_mask` (see fluxjax/train_step.py). `aggregation_weights` gives w:
+w is `loss_mask` (see fluxjax/parallel/train_step.py). `aggregation_weights` gives w:
 
   token-mean:           w_it = 1                 -> exactly the aggregate
   seq-mean-token-mean:  w_it = 1 / L_i           -> sum w = N, exactly

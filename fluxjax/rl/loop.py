@@ -29,7 +29,7 @@ from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import metrics as metrics_lib
 from fluxjax.rl import reference, rewards, sft
 from fluxjax.rollout import backend as backend_lib
-from fluxjax.rollout import embedded, fleet
+from fluxjax.rollout import factory
 from fluxjax.sharding import mesh as mesh_lib
 from fluxjax.parallel import strategies, train_step
 
@@ -72,7 +72,7 @@ def validate(config):
     rewards.get(config.rl.reward.fn)
   except KeyError as e:
     raise ValueError(str(e)) from None
-  fleet.check_config(config.rollout)
+  factory.check_config(config.rollout)
   mesh = mesh_lib.make_mesh(config.mesh.data, config.mesh.fsdp, strategy.sp_axes())
   return cfg, strategy, mesh
 
@@ -104,12 +104,13 @@ def build(config, workdir: str, stack: contextlib.ExitStack) -> Built:
   log.info("strategy %s (sp=%d) on mesh %s", strategy.name, strategy.sp, dict(mesh.shape))
   tokenizer = (Tokenizer.from_file(config.model.tokenizer_path) if config.model.tokenizer_path
                else Tokenizer.default())
+  max_replicated = config.sharding.max_replicated_bytes
   if config.model.hf_path:
-    model = hf_io.load_hf_checkpoint(config.model.hf_path, cfg,
-                                     shardings=sharded.model_shardings(cfg, mesh))
+    shardings = sharded.model_shardings(cfg, mesh, max_replicated_bytes=max_replicated)
+    model = hf_io.load_hf_checkpoint(config.model.hf_path, cfg, shardings=shardings)
   else:
     model = sharded.create_sharded_model(cfg, mesh, seed=config.seed,
-                                       max_replicated_bytes=config.sharding.max_replicated_bytes)
+                                         max_replicated_bytes=max_replicated)
   tx = train_step.make_optimizer(config.optim)
   graphdef, state, state_shardings = train_step.create_train_state(model, tx, mesh)
 
@@ -120,16 +121,11 @@ def build(config, workdir: str, stack: contextlib.ExitStack) -> Built:
   stack.callback(loader.close)
   # Every backend call runs on this loop: a fleet's HTTP session belongs to it.
   thread = stack.enter_context(backend_lib.LoopThread("rollout"))
-  rollout: backend_lib.RolloutBackend
-  if config.rollout.backend == "embedded":
-    rollout = embedded.EmbeddedRollout(model, tokenizer, num_slots=config.rollout.num_slots,
-                                       context_length=config.rollout.context_length,
-                                       seed=config.seed, proc_cfg=proc)
-  else:
-    rollout, launched = fleet.make_rollout(config.rollout, model, tokenizer,
-                                           weights_root=os.path.join(workdir, "weights"))
-    if launched is not None:
-      stack.callback(launched.stop)
+  rollout, launched = factory.make_backend(
+      config.rollout, model=model, tokenizer=tokenizer, seed=config.seed, proc_cfg=proc,
+      weights_root=os.path.join(workdir, "weights"))
+  if launched is not None:
+    stack.callback(launched.stop)
   stack.enter_context(thread.running(rollout))
   reward = config.rl.reward
   scheduler = rewards.RewardScheduler(reward.num_workers, reward.fn, t_min=reward.t_min,

@@ -1,7 +1,7 @@
 """PPO/GRPO token loss with decoupled importance correction and KL to a reference.
 
 `make_loss_fn(cfg.rl)` returns the `LossFn` the train step calls per
-microbatch (fluxjax/train_step.py): `loss_fn(logp_BT, entropy_BT, mb) ->
+microbatch (fluxjax/parallel/train_step.py): `loss_fn(logp_BT, entropy_BT, mb) ->
 (per_token_loss_BT, {name: per-token metric [B, T]})`. The step multiplies
 both by `mb.loss_mask` and divides by the global sum of the mask, so every
 term here is per token and unaggregated (see rl/advantages.py for the

@@ -16,8 +16,7 @@ published as a versioned HF folder under `weights_root` that every server
 loads (rollout/publish.py).
 
 `launch_servers` starts server processes (`python -m sglang.launch_server ...`
-or ours) on free ports and waits for their health; `make_rollout` builds the
-backend a run config asks for.
+or ours) on free ports and waits for their health.
 """
 
 from __future__ import annotations
@@ -348,52 +347,3 @@ def launch_servers(cmd: Sequence[str], num_servers: int, *, host: str = "127.0.0
     launched.stop()
     raise
   return launched
-
-
-# --- run-config factory --------------------------------------------------------------
-
-def check_config(cfg) -> None:
-  """Raises ValueError for a rollout section that cannot start, before any
-  model is built (a 7B run should not load its weights to learn this)."""
-  backend = cfg.get("backend", "embedded")
-  if backend not in ("embedded", "sglang"):
-    raise ValueError(f"rollout.backend must be embedded or sglang, got {backend!r}")
-  if backend == "sglang" and not (cfg.get("urls") or cfg.get("launch")):
-    raise ValueError("rollout.backend=sglang needs rollout.urls (running servers) or "
-                     "rollout.launch (a command that starts one, given --port)")
-
-
-def make_rollout(cfg, model=None, tokenizer=None, *, weights_root: str | None = None):
-  """Builds the rollout backend of a run config's `rollout` section.
-
-  Fields: backend ("embedded" | "sglang"); for sglang, `urls` (list of
-  server URLs) or `launch` (a command list such as ["python", "-m",
-  "sglang.launch_server", "--model-path", M]) with `num_servers`; for
-  embedded, `num_slots` and `context_length`.
-
-  Args:
-    cfg: the `rollout` section.
-    model, tokenizer: what the embedded backend serves.
-    weights_root: where a fleet's published versions are written.
-
-  Returns:
-    (backend, launched): a `Fleet` or an `embedded.EmbeddedRollout`, both
-    `backend.RolloutBackend`s, and the LaunchedServers to stop (or None).
-  """
-  backend = cfg.backend
-  if backend == "embedded":
-    from fluxjax.rollout import embedded  # local: pulls in JAX model code
-    if model is None or tokenizer is None:
-      raise ValueError("the embedded backend needs the model and tokenizer")
-    return embedded.EmbeddedRollout(model, tokenizer, num_slots=cfg.get("num_slots", 8),
-                                    context_length=cfg.get("context_length", 512)), None
-  check_config(cfg)
-  urls = list(cfg.get("urls") or [])
-  launch = cfg.get("launch")
-  launched = None
-  if not urls:
-    launched = launch_servers(list(launch), int(cfg.get("num_servers", 1)),
-                              timeout_s=float(cfg.get("launch_timeout_s", 600)))
-    urls = launched.urls
-  return Fleet(urls, health_interval_s=float(cfg.get("health_interval_s", 2.0)),
-               weights_root=weights_root), launched

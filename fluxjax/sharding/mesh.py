@@ -7,7 +7,9 @@ Axes, outermost first:
          for fixed-degree Ulysses, binary `sp_0, sp_1, ...` for FlexUlysses.
          Parameters are sharded across these too: every device of a replica
          holds a 1/N slice (ZeRO-3 over fsdp x sp).
-Every axis always exists (size 1 allowed), so specs never depend on the strategy.
+`data` and `fsdp` always exist (size 1 allowed); the sequence axes are the
+strategy's (none on a single device), so only code that knows the strategy
+names them: parameter and batch specs go through `param_axes` / `batch_axes`.
 
 Axis types are Auto: parameters, optimizer state and batches are placed with
 explicit NamedShardings (jit in/out shardings), and the partitioner inserts

@@ -2,7 +2,7 @@
 
 A plan is plain data (ints and tuples) made on the controller, printable,
 testable and cheap to broadcast to other processes. Strategies produce plans;
-`sharding/batch.py` turns a plan and the sequences into device buffers.
+`fluxjax/parallel/batch.py` turns a plan and the sequences into device buffers.
 
 Vocabulary:
   device     an index into the flattened data-parallel devices (0..D-1), in the

@@ -1,0 +1,67 @@
+"""The rollout backend a run config's `rollout` section names.
+
+  backend = "embedded"  the JAX engine in this process (rollout/embedded.py),
+                        serving the trainer's model;
+  backend = "sglang"    a `Fleet` of servers speaking SGLang's native API:
+                        `urls` of running servers, or `launch` (a command
+                        such as ["python", "-m", "sglang.launch_server",
+                        "--model-path", M], given --port) started
+                        `num_servers` times.
+"""
+
+from __future__ import annotations
+
+from fluxjax.models import vlm
+from fluxjax.models.processor import VisionProcessorConfig
+from fluxjax.models.tokenizer import Tokenizer
+from fluxjax.rollout import embedded, fleet
+from fluxjax.rollout.backend import RolloutBackend
+
+BACKENDS = ("embedded", "sglang")
+
+
+def check_config(cfg) -> None:
+  """Raises ValueError for a rollout section that cannot start, before any
+  model is built (a 7B run should not load its weights to learn this)."""
+  backend = cfg.get("backend", "embedded")
+  if backend not in BACKENDS:
+    raise ValueError(f"rollout.backend must be embedded or sglang, got {backend!r}")
+  if backend == "sglang" and not (cfg.get("urls") or cfg.get("launch")):
+    raise ValueError("rollout.backend=sglang needs rollout.urls (running servers) or "
+                     "rollout.launch (a command that starts one, given --port)")
+
+
+def make_backend(cfg, *, model: vlm.Qwen25VL | None = None, tokenizer: Tokenizer | None = None,
+                 seed: int = 0, proc_cfg: VisionProcessorConfig | None = None,
+                 weights_root: str | None = None
+                 ) -> tuple[RolloutBackend, fleet.LaunchedServers | None]:
+  """Builds the backend of a `rollout` config section.
+
+  Args:
+    cfg: the `rollout` section (backend, num_slots, context_length, urls,
+      launch, num_servers, launch_timeout_s, health_interval_s).
+    model, tokenizer: what the embedded backend serves (the trainer's).
+    seed: the embedded engine's sampling seed.
+    proc_cfg: the embedded engine's vision processing; must equal the
+      trainer's (the prompt's pad-token counts come from it).
+    weights_root: where a fleet's published versions are written.
+
+  Returns:
+    (backend, launched): the backend, and the servers this call started
+    (to stop after the backend closes), or None.
+  """
+  check_config(cfg)
+  if cfg.get("backend", "embedded") == "embedded":
+    if model is None or tokenizer is None:
+      raise ValueError("the embedded backend needs the model and tokenizer")
+    return embedded.EmbeddedRollout(model, tokenizer, num_slots=cfg.get("num_slots", 8),
+                                    context_length=cfg.get("context_length", 512), seed=seed,
+                                    proc_cfg=proc_cfg), None
+  urls = list(cfg.get("urls") or [])
+  launched = None
+  if not urls:
+    launched = fleet.launch_servers(list(cfg.get("launch")), int(cfg.get("num_servers", 1)),
+                                    timeout_s=float(cfg.get("launch_timeout_s", 600)))
+    urls = launched.urls
+  return fleet.Fleet(urls, health_interval_s=float(cfg.get("health_interval_s", 2.0)),
+                     weights_root=weights_root), launched

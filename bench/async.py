@@ -39,15 +39,21 @@ sys.path.insert(0, ROOT)  # runs from a checkout without `pip install -e .`, as 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runinfo  # noqa: E402  (lives next to this script)
 
-
-PER_STEP_KEYS = ("step", "time", "async/staleness", "async/version_gap", "async/allowed_lag",
-                 "train/is_weight", "rollout/wait_seconds", "rollout/reward_mean")
+PER_STEP_KEYS = (
+  "step",
+  "time",
+  "async/staleness",
+  "async/version_gap",
+  "async/allowed_lag",
+  "train/is_weight",
+  "rollout/wait_seconds",
+  "rollout/reward_mean",
+)
 
 
 def run_mode(mode: str, args, workdir: str) -> dict:
   from fluxjax import config_args
-  from fluxjax.rl import metrics
-  from fluxjax.rl import loop
+  from fluxjax.rl import loop, metrics
 
   c = config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"))
   c.total_steps, c.eval_every = args.steps, 0
@@ -65,14 +71,21 @@ def run_mode(mode: str, args, workdir: str) -> dict:
   wall = time.perf_counter() - t0
   recs = [r for r in metrics.read_metrics(workdir) if r["step"] >= 1]
   times = [r["time"] for r in recs]
-  mean = lambda k: statistics.fmean(float(r[k]) for r in recs if k in r)  # noqa: E731
-  return {"mode": mode, "steps": len(recs), "wall_s": wall,
-          "steps_per_s": (len(recs) - 1) / (times[-1] - times[0]),
-          "staleness": mean("async/staleness"), "version_gap": mean("async/version_gap"),
-          "lag": mean("async/allowed_lag"), "is_weight": mean("train/is_weight"),
-          "wait_s": mean("rollout/wait_seconds"), "reward": mean("rollout/reward_mean"),
-          # What the means above are taken over, for --json.
-          "per_step": [{k: r[k] for k in PER_STEP_KEYS if k in r} for r in recs]}
+  mean = lambda k: statistics.fmean(float(r[k]) for r in recs if k in r)
+  return {
+    "mode": mode,
+    "steps": len(recs),
+    "wall_s": wall,
+    "steps_per_s": (len(recs) - 1) / (times[-1] - times[0]),
+    "staleness": mean("async/staleness"),
+    "version_gap": mean("async/version_gap"),
+    "lag": mean("async/allowed_lag"),
+    "is_weight": mean("train/is_weight"),
+    "wait_s": mean("rollout/wait_seconds"),
+    "reward": mean("rollout/reward_mean"),
+    # What the means above are taken over, for --json.
+    "per_step": [{k: r[k] for k in PER_STEP_KEYS if k in r} for r in recs],
+  }
 
 
 def main(argv=None) -> None:
@@ -83,32 +96,47 @@ def main(argv=None) -> None:
   p.add_argument("--max-new-tokens", type=int, default=24)
   p.add_argument("--eta", type=float, default=1.25, help="tail batching eta")
   p.add_argument("--modes", default="sync,fixed,adaptive")
-  p.add_argument("--json", metavar="PATH",
-                 help="also write the figures here, with the command, machine, commit and date")
+  p.add_argument(
+    "--json",
+    metavar="PATH",
+    help="also write the figures here, with the command, machine, commit and date",
+  )
   args = p.parse_args(argv)
   print(f"python {' '.join(sys.argv)}")
-  print(f"config: tiny preset, embedded engine, {args.steps} steps x {args.P} prompts x "
-        f"{args.R} responses, max_new_tokens {args.max_new_tokens}, eta {args.eta}")
+  print(
+    f"config: tiny preset, embedded engine, {args.steps} steps x {args.P} prompts x "
+    f"{args.R} responses, max_new_tokens {args.max_new_tokens}, eta {args.eta}"
+  )
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     for mode in args.modes.split(","):
       rows.append(run_mode(mode, args, os.path.join(tmp, mode)))
       print(f"  {mode}: done in {rows[-1]['wall_s']:.1f} s", flush=True)
   base = rows[0]["steps_per_s"]
-  print("\n| mode | steps/s | vs sync | staleness | version gap | allowed lag | is_weight "
-        "| trainer wait s | reward |")
+  print(
+    "\n| mode | steps/s | vs sync | staleness | version gap | allowed lag | is_weight "
+    "| trainer wait s | reward |"
+  )
   print("|---|---|---|---|---|---|---|---|---|")
   for r in rows:
-    print(f"| {r['mode']} | {r['steps_per_s']:.3f} | {r['steps_per_s'] / base:.2f}x | "
-          f"{r['staleness']:.3f} | {r['version_gap']:.2f} | {r['lag']:.2f} | "
-          f"{r['is_weight']:.3f} | {r['wait_s']:.2f} | {r['reward']:.3f} |")
+    print(
+      f"| {r['mode']} | {r['steps_per_s']:.3f} | {r['steps_per_s'] / base:.2f}x | "
+      f"{r['staleness']:.3f} | {r['version_gap']:.2f} | {r['lag']:.2f} | "
+      f"{r['is_weight']:.3f} | {r['wait_s']:.2f} | {r['reward']:.3f} |"
+    )
   if args.json:
-    runinfo.write(args.json, "async.py", {
+    runinfo.write(
+      args.json,
+      "async.py",
+      {
         "args": vars(args),
-        "rows": [dict(r, steps_per_s_vs_first_mode=r["steps_per_s"] / base) for r in rows]})
+        "rows": [dict(r, steps_per_s_vs_first_mode=r["steps_per_s"] / base) for r in rows],
+      },
+    )
 
 
 if __name__ == "__main__":
   from absl import logging as absl_logging
+
   absl_logging.set_verbosity(absl_logging.WARNING)
   main()

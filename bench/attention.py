@@ -80,8 +80,8 @@ def row_arrays(lengths: np.ndarray, tokens: int):
   pos = np.zeros(tokens, np.int32)
   start = 0
   for i, n in enumerate(lengths):
-    seg[start:start + n] = i + 1
-    pos[start:start + n] = np.arange(n)
+    seg[start : start + n] = i + 1
+    pos[start : start + n] = np.arange(n)
     start += n
   return jnp.asarray(seg[None]), jnp.asarray(pos[None])
 
@@ -90,12 +90,17 @@ def kernel_flops(blocks: ap.BlockSizes, seg, pos) -> float:
   """FLOPs of the matmuls the three kernels run over the tiles they visit."""
   per_pair = 2.0 * HEADS * HEAD_DIM
   total = 0.0
-  for rows_q, bq, bk, matmuls in ((True, blocks.fwd_q, blocks.fwd_k, 2),
-                                  (True, blocks.dq_q, blocks.dq_k, 3),
-                                  (False, blocks.dkv_q, blocks.dkv_k, 4)):
+  for rows_q, bq, bk, matmuls in (
+    (True, blocks.fwd_q, blocks.fwd_k, 2),
+    (True, blocks.dq_q, blocks.dq_k, 3),
+    (False, blocks.dkv_q, blocks.dkv_k, 4),
+  ):
     q_ranges, k_ranges = ap._block_ranges(seg, pos, bq), ap._block_ranges(seg, pos, bk)
-    table = (ap._visit_table(q_ranges, k_ranges, True, True) if rows_q else
-             ap._visit_table(k_ranges, q_ranges, True, False))
+    table = (
+      ap._visit_table(q_ranges, k_ranges, True, True)
+      if rows_q
+      else ap._visit_table(k_ranges, q_ranges, True, False)
+    )
     total += float(np.asarray(table[..., 0]).sum()) * bq * bk * matmuls * per_pair
   return total
 
@@ -104,8 +109,9 @@ def make_fns(backend: str, kw: dict, blocks: ap.BlockSizes | None, interpret: bo
   if backend == "xla":
     attend = lambda q, k, v: attn_lib.xla_attention(q, k, v, causal=True, **kw)
   else:
-    attend = lambda q, k, v: ap.pallas_attention(q, k, v, causal=True, block_sizes=blocks,
-                                                 interpret=interpret, **kw)
+    attend = lambda q, k, v: ap.pallas_attention(
+      q, k, v, causal=True, block_sizes=blocks, interpret=interpret, **kw
+    )
 
   def fwd_bwd(q, k, v, do):
     out, vjp = jax.vjp(attend, q, k, v)
@@ -136,7 +142,7 @@ def run_backend(backend, kw, args, reps, blocks=None, interpret=False):
     outs = jax.device_get(compiled(*args))
     t_f = timed(fwd, args[:3], reps)
     return t_f, t_fb, gb, outs
-  except Exception as e:  # noqa: BLE001  (OOM and compile failures are results here)
+  except Exception as e:
     line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return f"{type(e).__name__}: {line[:110]}"
 
@@ -162,17 +168,30 @@ def fp32_parity(seed: int, tokens: int, interpret: bool) -> dict:
   with jax.default_matmul_precision("highest"):
     ref = jax.device_get(make_fns("xla", kw, None)[1](q, k, v, do))
     got = jax.device_get(make_fns("pallas_gpu", kw, None, interpret)[1](q, k, v, do))
-  print(f"\nfp32 parity, {tokens} tokens shuffled ({len(lengths)} sequences), "
-        f"{HEADS}/{KV_HEADS} heads, head dim {HEAD_DIM}, matmul precision highest:")
+  print(
+    f"\nfp32 parity, {tokens} tokens shuffled ({len(lengths)} sequences), "
+    f"{HEADS}/{KV_HEADS} heads, head dim {HEAD_DIM}, matmul precision highest:"
+  )
   print("| tensor | max abs err | max abs ref | rel norm err |")
   print("|---|---|---|---|")
   rows = []
   for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
     print(f"| {name} | {np.abs(a - b).max():.2e} | {np.abs(b).max():.3g} | {rel_err(a, b):.2e} |")
-    rows.append({"tensor": name, "max_abs_err": float(np.abs(a - b).max()),
-                 "max_abs_ref": float(np.abs(b).max()), "rel_norm_err": rel_err(a, b)})
-  return {"tokens": tokens, "sequences": len(lengths), "shuffled": True,
-          "matmul_precision": "highest", "rows": rows}
+    rows.append(
+      {
+        "tensor": name,
+        "max_abs_err": float(np.abs(a - b).max()),
+        "max_abs_ref": float(np.abs(b).max()),
+        "rel_norm_err": rel_err(a, b),
+      }
+    )
+  return {
+    "tokens": tokens,
+    "sequences": len(lengths),
+    "shuffled": True,
+    "matmul_precision": "highest",
+    "rows": rows,
+  }
 
 
 def _backend_figures(r) -> dict:
@@ -184,12 +203,11 @@ def _backend_figures(r) -> dict:
 
 # Alternatives to the default tiles (ap.BlockSizes()), timed with --variants.
 VARIANTS = {
-    "fwd 128x128": ap.BlockSizes(fwd_k=128),
-    "bwd 8 warps": ap.BlockSizes(num_warps_bwd=8),
-    "dq 128x64, dkv 64x128, 8 warps": ap.BlockSizes(dq_q=128, dkv_k=128, num_warps_bwd=8),
-    "3 stages": ap.BlockSizes(num_stages=3),
-    "tutorial bwd (dq 128x32, dkv 32x128)": ap.BlockSizes(dq_q=128, dq_k=32, dkv_q=32,
-                                                          dkv_k=128),
+  "fwd 128x128": ap.BlockSizes(fwd_k=128),
+  "bwd 8 warps": ap.BlockSizes(num_warps_bwd=8),
+  "dq 128x64, dkv 64x128, 8 warps": ap.BlockSizes(dq_q=128, dkv_k=128, num_warps_bwd=8),
+  "3 stages": ap.BlockSizes(num_stages=3),
+  "tutorial bwd (dq 128x32, dkv 32x128)": ap.BlockSizes(dq_q=128, dq_k=32, dkv_q=32, dkv_k=128),
 }
 
 
@@ -201,18 +219,30 @@ def main() -> None:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--variants", action="store_true", help="also alternative tiles at 16k")
   p.add_argument("--no-xla", action="store_true", help="skip the reference backend")
-  p.add_argument("--xla-max-tokens", type=int, default=1 << 30,
-                 help="skip xla above this row length (it holds T x T fp32 logits per head)")
+  p.add_argument(
+    "--xla-max-tokens",
+    type=int,
+    default=1 << 30,
+    help="skip xla above this row length (it holds T x T fp32 logits per head)",
+  )
   p.add_argument("--parity-tokens", type=int, default=2048, help="row of the fp32 parity case")
-  p.add_argument("--interpret", action="store_true",
-                 help="Pallas interpret mode: a CPU smoke test of this script, not a benchmark")
-  p.add_argument("--json", metavar="PATH",
-                 help="also write the figures here, with the command, machine, commit and date")
+  p.add_argument(
+    "--interpret",
+    action="store_true",
+    help="Pallas interpret mode: a CPU smoke test of this script, not a benchmark",
+  )
+  p.add_argument(
+    "--json",
+    metavar="PATH",
+    help="also write the figures here, with the command, machine, commit and date",
+  )
   args = p.parse_args()
   dev = jax.devices()[0]
   print(f"python {' '.join(sys.argv)}")
-  print(f"device: {dev.device_kind} ({dev.platform}); jax {jax.__version__}; "
-        f"{HEADS}/{KV_HEADS} heads, head dim {HEAD_DIM}, bf16, causal, B=1")
+  print(
+    f"device: {dev.device_kind} ({dev.platform}); jax {jax.__version__}; "
+    f"{HEADS}/{KV_HEADS} heads, head dim {HEAD_DIM}, bf16, causal, B=1"
+  )
   if dev.platform == "cpu" and not args.interpret:
     raise SystemExit("no accelerator: the Triton kernels run on a GPU only")
   blocks = ap.default_block_sizes(HEAD_DIM, 2)
@@ -234,38 +264,59 @@ def main() -> None:
       kernel = kernel_flops(blocks.capped(tokens, tokens), seg, pos)
       min_bytes = 2.0 * HEAD_DIM * tokens * (3 * (HEADS + 2 * KV_HEADS) + 3 * HEADS)
       floor = max(needed / PEAK_FLOPS, min_bytes / PEAK_BYTES)
-      desc = (f"{mixture} {tokens // 1024}k: {len(lengths)} seqs, longest {lengths.max()}, "
-              f"padding {tokens - lengths.sum()}")
-      print(f"\n{desc}; needed {needed / 1e12:.3f} TF, dense {dense / 1e12:.2f} TF, kernel "
-            f"tiles {kernel / 1e12:.3f} TF, min {min_bytes / 1e9:.3f} GB, floor "
-            f"{floor * 1e3:.3f} ms", flush=True)
+      desc = (
+        f"{mixture} {tokens // 1024}k: {len(lengths)} seqs, longest {lengths.max()}, "
+        f"padding {tokens - lengths.sum()}"
+      )
+      print(
+        f"\n{desc}; needed {needed / 1e12:.3f} TF, dense {dense / 1e12:.2f} TF, kernel "
+        f"tiles {kernel / 1e12:.3f} TF, min {min_bytes / 1e9:.3f} GB, floor "
+        f"{floor * 1e3:.3f} ms",
+        flush=True,
+      )
       res = {}
-      for backend in (("pallas_gpu",) if args.no_xla else ("xla", "pallas_gpu")):
+      for backend in ("pallas_gpu",) if args.no_xla else ("xla", "pallas_gpu"):
         if backend == "xla" and tokens > args.xla_max_tokens:
           logits_gb = HEADS * tokens * tokens * 4 / 1e9
           res[backend] = r = f"skipped: its fp32 logits alone are {logits_gb:.0f} GB"
         else:
-          res[backend] = r = run_backend(backend, kw, (q, k, v, do), args.reps,
-                                         interpret=args.interpret)
+          res[backend] = r = run_backend(
+            backend, kw, (q, k, v, do), args.reps, interpret=args.interpret
+          )
         if isinstance(r, str):
           print(f"  {backend}: {r}", flush=True)
         else:
-          print(f"  {backend}: fwd {r[0] * 1e3:.3f} ms, fwd+bwd {r[1] * 1e3:.3f} ms, "
-                f"program {r[2]:.2f} GB, needed-FLOP rate {needed / r[1] / 1e12:.0f} TF/s",
-                flush=True)
-      case = {"mixture": mixture, "tokens": tokens, "seqs": len(lengths),
-              "longest": int(lengths.max()), "padding": int(tokens - lengths.sum()),
-              "needed_tflop": needed / 1e12, "dense_tflop": dense / 1e12,
-              "kernel_tflop": kernel / 1e12, "min_gb": min_bytes / 1e9, "floor_ms": floor * 1e3,
-              **{b: _backend_figures(r) for b, r in res.items()}}
+          print(
+            f"  {backend}: fwd {r[0] * 1e3:.3f} ms, fwd+bwd {r[1] * 1e3:.3f} ms, "
+            f"program {r[2]:.2f} GB, needed-FLOP rate {needed / r[1] / 1e12:.0f} TF/s",
+            flush=True,
+          )
+      case = {
+        "mixture": mixture,
+        "tokens": tokens,
+        "seqs": len(lengths),
+        "longest": int(lengths.max()),
+        "padding": int(tokens - lengths.sum()),
+        "needed_tflop": needed / 1e12,
+        "dense_tflop": dense / 1e12,
+        "kernel_tflop": kernel / 1e12,
+        "min_gb": min_bytes / 1e9,
+        "floor_ms": floor * 1e3,
+        **{b: _backend_figures(r) for b, r in res.items()},
+      }
       if not isinstance(res.get("pallas_gpu"), str):
         case["pallas_gpu"]["needed_tflop_per_s"] = needed / res["pallas_gpu"][1] / 1e12
       if args.variants and tokens == 16384:
         case["tile_variants"] = {}
         for name, var in VARIANTS.items():
           r = run_backend("pallas_gpu", kw, (q, k, v, do), args.reps, var, args.interpret)
-          print(f"  pallas_gpu tiles {name}: " + (r if isinstance(r, str) else
-                f"fwd {r[0] * 1e3:.3f} ms, fwd+bwd {r[1] * 1e3:.3f} ms"), flush=True)
+          print(
+            f"  pallas_gpu tiles {name}: "
+            + (
+              r if isinstance(r, str) else f"fwd {r[0] * 1e3:.3f} ms, fwd+bwd {r[1] * 1e3:.3f} ms"
+            ),
+            flush=True,
+          )
           case["tile_variants"][name] = dict(_backend_figures(r), tiles=str(var))
       cases.append(case)
       if isinstance(res.get("xla"), str) or "xla" not in res:
@@ -274,9 +325,11 @@ def main() -> None:
       rows.append((mixture, tokens, len(lengths), needed, dense, kernel, min_bytes, floor, res))
   parity32 = fp32_parity(args.seed, args.parity_tokens, args.interpret)
 
-  print("\n| mixture | tokens | seqs | needed TF | dense TF | kernel TF | min GB | floor ms | "
-        "xla fwd+bwd ms | xla GB | pallas fwd ms | pallas fwd+bwd ms | pallas GB | "
-        "xla/pallas | parity out / dq / dk / dv (bf16, rel) |")
+  print(
+    "\n| mixture | tokens | seqs | needed TF | dense TF | kernel TF | min GB | floor ms | "
+    "xla fwd+bwd ms | xla GB | pallas fwd ms | pallas fwd+bwd ms | pallas GB | "
+    "xla/pallas | parity out / dq / dk / dv (bf16, rel) |"
+  )
   print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for (mixture, tokens, n, needed, dense, kernel, min_bytes, floor, res), case in zip(rows, cases):
     x, pg = res.get("xla", "skipped"), res["pallas_gpu"]
@@ -284,25 +337,48 @@ def main() -> None:
       xs = ("skipped" if x.startswith("skipped") else "OOM/error", "-")
     else:
       xs = (f"{x[1] * 1e3:.2f}", f"{x[2]:.1f}")
-    ps = ("error", "error", "-") if isinstance(pg, str) else (
-        f"{pg[0] * 1e3:.2f}", f"{pg[1] * 1e3:.2f}", f"{pg[2]:.2f}")
+    ps = (
+      ("error", "error", "-")
+      if isinstance(pg, str)
+      else (f"{pg[0] * 1e3:.2f}", f"{pg[1] * 1e3:.2f}", f"{pg[2]:.2f}")
+    )
     ratio = "-" if isinstance(x, str) or isinstance(pg, str) else f"{x[1] / pg[1]:.1f}x"
-    parity = "-" if isinstance(x, str) or isinstance(pg, str) else " / ".join(
-        f"{rel_err(a, b):.1e}" for a, b in zip(pg[3], x[3]))
-    print(f"| {mixture} | {tokens} | {n} | {needed / 1e12:.3f} | {dense / 1e12:.2f} | "
-          f"{kernel / 1e12:.3f} | {min_bytes / 1e9:.3f} | {floor * 1e3:.3f} | {xs[0]} | {xs[1]} | "
-          f"{ps[0]} | {ps[1]} | {ps[2]} | {ratio} | {parity} |")
+    parity = (
+      "-"
+      if isinstance(x, str) or isinstance(pg, str)
+      else " / ".join(f"{rel_err(a, b):.1e}" for a, b in zip(pg[3], x[3]))
+    )
+    print(
+      f"| {mixture} | {tokens} | {n} | {needed / 1e12:.3f} | {dense / 1e12:.2f} | "
+      f"{kernel / 1e12:.3f} | {min_bytes / 1e9:.3f} | {floor * 1e3:.3f} | {xs[0]} | {xs[1]} | "
+      f"{ps[0]} | {ps[1]} | {ps[2]} | {ratio} | {parity} |"
+    )
     if ratio != "-":
       case["xla_over_pallas_fwd_bwd"] = x[1] / pg[1]
-      case["parity_bf16_rel"] = {t: rel_err(a, b) for t, a, b in
-                                 zip(("out", "dq", "dk", "dv"), pg[3], x[3])}
+      case["parity_bf16_rel"] = {
+        t: rel_err(a, b) for t, a, b in zip(("out", "dq", "dk", "dv"), pg[3], x[3])
+      }
   if args.json:
-    runinfo.write(args.json, "attention.py", {
-        "args": vars(args), "device": {"device_kind": dev.device_kind, "platform": dev.platform},
-        "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
-                  "dtype": "bfloat16", "causal": True, "batch": 1},
+    runinfo.write(
+      args.json,
+      "attention.py",
+      {
+        "args": vars(args),
+        "device": {"device_kind": dev.device_kind, "platform": dev.platform},
+        "shape": {
+          "heads": HEADS,
+          "kv_heads": KV_HEADS,
+          "head_dim": HEAD_DIM,
+          "dtype": "bfloat16",
+          "causal": True,
+          "batch": 1,
+        },
         "floor_rates": {"matmul_flop_per_s": PEAK_FLOPS, "bytes_per_s": PEAK_BYTES},
-        "default_tiles": str(blocks), "cases": cases, "fp32_parity": parity32})
+        "default_tiles": str(blocks),
+        "cases": cases,
+        "fp32_parity": parity32,
+      },
+    )
 
 
 if __name__ == "__main__":

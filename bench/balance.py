@@ -39,31 +39,37 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import mixtures  # noqa: E402  (lives next to this script)
-import runinfo  # noqa: E402
-
-from fluxjax.models import config as model_config  # noqa: E402
-from fluxjax.sharding import balance, planners  # noqa: E402
-from fluxjax.sharding import plan as plan_lib  # noqa: E402
+import mixtures
+import runinfo
+from fluxjax.models import config as model_config
+from fluxjax.sharding import balance, planners
+from fluxjax.sharding import plan as plan_lib
 
 # (name, degree); flex_ulysses' degree is its p_max. Its degrees are priced like
 # fixed sp=8's (query heads padded to a multiple of the degree).
-STRATEGIES = (("packed_dp", 1), ("ulysses sp=2", 2), ("ulysses sp=4", 4), ("ulysses sp=8", 8),
-              ("flex_ulysses p_max=8", 8))
+STRATEGIES = (
+  ("packed_dp", 1),
+  ("ulysses sp=2", 2),
+  ("ulysses sp=4", 4),
+  ("ulysses sp=8", 8),
+  ("flex_ulysses p_max=8", 8),
+)
 COLUMNS = ("strategy", "refused", "mb", "tok/dev", "fill", "attn", "cost", "lockstep", "a2a GB")
 
 
 def _plan(name, lengths, devices, sp, capacity, shape):
   if name.startswith("flex_ulysses"):
-    return planners.plan_flex_ulysses(lengths, devices, sp, capacity,
-                                      plan_lib.default_buckets(capacity))
+    return planners.plan_flex_ulysses(
+      lengths, devices, sp, capacity, plan_lib.default_buckets(capacity)
+    )
   if sp == 1:
     return planners.plan_packed_dp(lengths, devices, capacity, shape)
   return planners.plan_ulysses(lengths, devices, sp, capacity, shape)
 
 
-def score(name: str, lengths: np.ndarray, devices: int, sp: int, capacity: int,
-          shape: balance.CostShape) -> dict:
+def score(
+  name: str, lengths: np.ndarray, devices: int, sp: int, capacity: int, shape: balance.CostShape
+) -> dict:
   """Plans the sequences that fit one row and returns the cost-model figures."""
   keep = lengths <= sp * capacity
   plan = _plan(name, lengths[keep], devices, sp, capacity, shape)
@@ -73,43 +79,55 @@ def score(name: str, lengths: np.ndarray, devices: int, sp: int, capacity: int,
   total = cost.sum()
   # Static buffers move whole capacity slices, padding included.
   static_a2a = sum(
-      r.degree * balance.ulysses_all_to_all_bytes(plan.section(r)[0] if r.seqs else capacity,
-                                                  r.degree, shape)
-      for rows in plan.microbatches for r in rows)
+    r.degree
+    * balance.ulysses_all_to_all_bytes(plan.section(r)[0] if r.seqs else capacity, r.degree, shape)
+    for rows in plan.microbatches
+    for r in rows
+  )
   return {
-      "refused": int((~keep).sum()),
-      "microbatches": plan.num_microbatches,
-      "max_tokens_per_device": float(loads.tokens.max()) if loads.tokens.size else 0.0,
-      "fill": float(loads.tokens.sum() / (plan.num_microbatches * devices * capacity))
-              if plan.num_microbatches else 0.0,
-      "attention_ratio": balance.balance_ratio(loads.attention.sum(axis=0)),
-      "cost_ratio": balance.balance_ratio(cost.sum(axis=0)),
-      "lockstep": float(cost.max(axis=1).sum() / (total / devices)) if total > 0 else 1.0,
-      "a2a_bytes_fwd_bwd": 2.0 * float(loads.all_to_all_bytes.sum()),
-      "a2a_bytes_fwd_bwd_static": 2.0 * static_a2a,
-      "attention_flops": float(loads.attention.sum()),
-      "linear_flops": float(loads.linear.sum()),
+    "refused": int((~keep).sum()),
+    "microbatches": plan.num_microbatches,
+    "max_tokens_per_device": float(loads.tokens.max()) if loads.tokens.size else 0.0,
+    "fill": float(loads.tokens.sum() / (plan.num_microbatches * devices * capacity))
+    if plan.num_microbatches
+    else 0.0,
+    "attention_ratio": balance.balance_ratio(loads.attention.sum(axis=0)),
+    "cost_ratio": balance.balance_ratio(cost.sum(axis=0)),
+    "lockstep": float(cost.max(axis=1).sum() / (total / devices)) if total > 0 else 1.0,
+    "a2a_bytes_fwd_bwd": 2.0 * float(loads.all_to_all_bytes.sum()),
+    "a2a_bytes_fwd_bwd_static": 2.0 * static_a2a,
+    "attention_flops": float(loads.attention.sum()),
+    "linear_flops": float(loads.linear.sum()),
   }
 
 
 def _row(name: str, s: dict) -> tuple[str, ...]:
   if s["microbatches"] == 0:
     return (name, str(s["refused"])) + ("-",) * (len(COLUMNS) - 2)
-  return (name, str(s["refused"]), str(s["microbatches"]),
-          f"{s['max_tokens_per_device']:.0f}", f"{s['fill']:.2f}",
-          f"{s['attention_ratio']:.3f}", f"{s['cost_ratio']:.3f}", f"{s['lockstep']:.3f}",
-          f"{s['a2a_bytes_fwd_bwd'] / 1e9:.1f}")
+  return (
+    name,
+    str(s["refused"]),
+    str(s["microbatches"]),
+    f"{s['max_tokens_per_device']:.0f}",
+    f"{s['fill']:.2f}",
+    f"{s['attention_ratio']:.3f}",
+    f"{s['cost_ratio']:.3f}",
+    f"{s['lockstep']:.3f}",
+    f"{s['a2a_bytes_fwd_bwd'] / 1e9:.1f}",
+  )
 
 
 def format_table(rows: list[tuple[str, ...]], header=COLUMNS) -> str:
   widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-  fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
-                            for i, (c, w) in enumerate(zip(r, widths)))
+  fmt = lambda r: "  ".join(
+    c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+  )
   return "\n".join([fmt(header), fmt(tuple("-" * w for w in widths)), *map(fmt, rows)])
 
 
-def odc_bubbles(seed: int, shape: balance.CostShape, devices: int = 8, cap: int = 65536,
-                minibatches: int = 64) -> tuple[str, dict]:
+def odc_bubbles(
+  seed: int, shape: balance.CostShape, devices: int = 8, cap: int = 65536, minibatches: int = 64
+) -> tuple[str, dict]:
   """ODC Table 6's comparison on long_context_sft, under the same cost model."""
   out, rows = {}, []
   for mbs in (1, 2, 4, 8):
@@ -117,9 +135,11 @@ def odc_bubbles(seed: int, shape: balance.CostShape, devices: int = 8, cap: int 
     costs = balance.sequence_cost(lengths, shape)
     micro = balance.lb_micro(costs, lengths, devices, cap, mbs)
     mini = balance.lb_mini(costs, lengths, devices, cap, mbs)
-    r = {"collective_lb_micro": balance.bubble_rate(micro, costs, "layer"),
-         "odc_lb_micro": balance.bubble_rate(micro, costs, "minibatch"),
-         "odc_lb_mini": balance.bubble_rate(mini, costs, "minibatch")}
+    r = {
+      "collective_lb_micro": balance.bubble_rate(micro, costs, "layer"),
+      "odc_lb_micro": balance.bubble_rate(micro, costs, "minibatch"),
+      "odc_lb_mini": balance.bubble_rate(mini, costs, "minibatch"),
+    }
     out[mbs] = r
     rows.append((str(mbs),) + tuple(f"{100 * v:.2f}" for v in r.values()))
   header = ("minibatch/device", "Collective LB-Micro %", "ODC LB-Micro %", "ODC LB-Mini %")
@@ -159,12 +179,30 @@ def flex_summary(raw: dict) -> str:
   for name, by_devices in raw["mixtures"].items():
     for d, by_strat in by_devices.items():
       f, u = by_strat["flex_ulysses p_max=8"], by_strat["ulysses sp=8"]
-      rows.append((name, d, f"{u['attention_ratio']:.3f}", f"{f['attention_ratio']:.3f}",
-                   f"{f['cost_ratio']:.3f}", f"{f['lockstep']:.3f}",
-                   f"{u['a2a_bytes_fwd_bwd'] / 1e9:.0f}", f"{f['a2a_bytes_fwd_bwd'] / 1e9:.0f}",
-                   f"{f['a2a_bytes_fwd_bwd'] / u['a2a_bytes_fwd_bwd']:.2f}x"))
-  header = ("mixture", "devices", "sp=8 attn", "flex attn", "flex cost", "flex lockstep",
-            "sp=8 a2a GB", "flex a2a GB", "flex/sp=8 a2a")
+      rows.append(
+        (
+          name,
+          d,
+          f"{u['attention_ratio']:.3f}",
+          f"{f['attention_ratio']:.3f}",
+          f"{f['cost_ratio']:.3f}",
+          f"{f['lockstep']:.3f}",
+          f"{u['a2a_bytes_fwd_bwd'] / 1e9:.0f}",
+          f"{f['a2a_bytes_fwd_bwd'] / 1e9:.0f}",
+          f"{f['a2a_bytes_fwd_bwd'] / u['a2a_bytes_fwd_bwd']:.2f}x",
+        )
+      )
+  header = (
+    "mixture",
+    "devices",
+    "sp=8 attn",
+    "flex attn",
+    "flex cost",
+    "flex lockstep",
+    "sp=8 a2a GB",
+    "flex a2a GB",
+    "flex/sp=8 a2a",
+  )
   return format_table(rows, header)
 
 
@@ -180,37 +218,51 @@ def _cpu() -> str:
 
 
 def main(argv=None) -> None:
-  ap = argparse.ArgumentParser(description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--devices", default="8,32,64,128",
-                  help="comma-separated device counts (multiples of 8, for sp=8)")
-  ap.add_argument("--seqs-per-device", type=int, default=16,
-                  help="batch size = devices x this")
-  ap.add_argument("--capacity", type=int, default=16384,
-                  help="tokens per device per microbatch")
+  ap = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  ap.add_argument(
+    "--devices",
+    default="8,32,64,128",
+    help="comma-separated device counts (multiples of 8, for sp=8)",
+  )
+  ap.add_argument("--seqs-per-device", type=int, default=16, help="batch size = devices x this")
+  ap.add_argument("--capacity", type=int, default=16384, help="tokens per device per microbatch")
   ap.add_argument("--seed", type=int, default=0, help="mixture seed")
-  ap.add_argument("--json", default=None, metavar="PATH",
-                  help="write the raw figures here, with the command, machine, commit and date")
-  ap.add_argument("--quick", action="store_true",
-                  help="skip the ODC bubble table and the planner timings")
+  ap.add_argument(
+    "--json",
+    default=None,
+    metavar="PATH",
+    help="write the raw figures here, with the command, machine, commit and date",
+  )
+  ap.add_argument(
+    "--quick", action="store_true", help="skip the ODC bubble table and the planner timings"
+  )
   args = ap.parse_args(argv)
   devices = [int(d) for d in args.devices.split(",")]
   shape = model_config.preset("7b").cost_shape()
 
   print(f"# python bench/balance.py {' '.join(sys.argv[1:])}".rstrip())
-  print(f"# {_cpu()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-        f"numpy {np.__version__}; cost model: Qwen2.5-VL-7B decoder "
-        f"({shape.num_layers} layers, {shape.num_heads}q/{shape.num_kv_heads}kv heads x "
-        f"{shape.head_dim}), bf16 all-to-all")
+  print(
+    f"# {_cpu()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+    f"numpy {np.__version__}; cost model: Qwen2.5-VL-7B decoder "
+    f"({shape.num_layers} layers, {shape.num_heads}q/{shape.num_kv_heads}kv heads x "
+    f"{shape.head_dim}), bf16 all-to-all"
+  )
   raw = {"args": vars(args), "batches": {}, "mixtures": {}}
   for name, draw in mixtures.MIXTURES.items():
     for d in devices:
       lengths = draw(d * args.seqs_per_device, args.seed)
       raw["batches"].setdefault(name, {})[str(d)] = {
-          "sequences": int(lengths.size), "median_tokens": int(np.median(lengths)),
-          "max_tokens": int(lengths.max()), "capacity": args.capacity}
-      print(f"\n## {name}: {lengths.size} sequences (median {int(np.median(lengths))}, "
-            f"max {lengths.max()} tokens) on {d} devices, capacity {args.capacity}")
+        "sequences": int(lengths.size),
+        "median_tokens": int(np.median(lengths)),
+        "max_tokens": int(lengths.max()),
+        "capacity": args.capacity,
+      }
+      print(
+        f"\n## {name}: {lengths.size} sequences (median {int(np.median(lengths))}, "
+        f"max {lengths.max()} tokens) on {d} devices, capacity {args.capacity}"
+      )
       rows = []
       for strat, sp in STRATEGIES:
         s = score(strat, lengths, d, sp, args.capacity, shape)
@@ -227,11 +279,12 @@ def main(argv=None) -> None:
     load = os.getloadavg()[0]
     table, raw["planner_ms"] = planner_times(args.seed, shape, args.capacity)
     load_after = os.getloadavg()[0]
-    raw["planner_load_average_1min"] = {"before": load, "after": load_after,
-                                        "cpus": os.cpu_count()}
-    print("\n## planner median wall (CPU) time of 11 runs, 2048 sequences on 128 devices "
-          f"(too-long ones dropped); 1-min load average {load:.1f} before, "
-          f"{load_after:.1f} after, on {os.cpu_count()} CPUs")
+    raw["planner_load_average_1min"] = {"before": load, "after": load_after, "cpus": os.cpu_count()}
+    print(
+      "\n## planner median wall (CPU) time of 11 runs, 2048 sequences on 128 devices "
+      f"(too-long ones dropped); 1-min load average {load:.1f} before, "
+      f"{load_after:.1f} after, on {os.cpu_count()} CPUs"
+    )
     print(table)
   if args.json:
     runinfo.write(args.json, "balance.py", raw)

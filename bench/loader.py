@@ -27,7 +27,8 @@ shadow), also as % of the step; samples/s over the whole run.
 
 --step-s auto sets the step per mix to 1.5 x the centralized decode time of
 a batch (median over batches), measured first in the same run, so
-centralized data loading costs about 67% of the step (FlexRL reports 57% of veRL's step time). Not shorter: a
+centralized data loading costs about 67% of the step (FlexRL reports 57% of
+veRL's step time). Not shorter: a
 2-core machine has 2 x step CPU-seconds per step to decode, copy into and
 read out of the store, so shorter steps cannot hide the work.
 Also measured: the cost of moving one item's patches from a worker by
@@ -75,23 +76,26 @@ def run_centralized(manifest, batch, steps, step_s):
   data = 0.0
   start = time.perf_counter()
   samples, per_step = 0, []
-  with pipeline.ShadowLoader(manifest, batch, cfg, num_workers=0,
-                             num_epochs=1, seed=0) as loader:
+  with pipeline.ShadowLoader(manifest, batch, cfg, num_workers=0, num_epochs=1, seed=0) as loader:
     for _ in range(steps):
       t0 = time.perf_counter()
       metas = loader.next_batch()
-      tensors = [workers.preprocess_file(m.kind, m.path, cfg).patches
-                 for s in metas for m in s.media]
+      tensors = [
+        workers.preprocess_file(m.kind, m.path, cfg).patches for s in metas for m in s.media
+      ]
       per_step.append(time.perf_counter() - t0)
       data += per_step[-1]
       time.sleep(step_s)  # the step consumes `tensors`
       del tensors
       samples += len(metas)
   wall = time.perf_counter() - start
-  return {"ctrl_rss_mb": _peak_rss_mb(), "data_s": data / steps,
-          "samples_s": samples / wall,
-          # The first batch also pays lazy imports and codec start-up.
-          "data_median_s": float(np.median(per_step[1:] or per_step))}
+  return {
+    "ctrl_rss_mb": _peak_rss_mb(),
+    "data_s": data / steps,
+    "samples_s": samples / wall,
+    # The first batch also pays lazy imports and codec start-up.
+    "data_median_s": float(np.median(per_step[1:] or per_step)),
+  }
 
 
 def _trainer(inbox, outbox):
@@ -102,8 +106,7 @@ def _trainer(inbox, outbox):
     if msg is None:
       break
     del held  # the previous step's buffers
-    held = [store_lib.read_shared(slot, shape, rows)
-            for slot, shape, rows in msg]
+    held = [store_lib.read_shared(slot, shape, rows) for slot, shape, rows in msg]
     outbox.put((sum(b.nbytes for b in held), _peak_rss_mb()))
 
 
@@ -115,9 +118,9 @@ def run_shadow(manifest, batch, steps, step_s, num_workers):
   trainer.start()
   data = 0.0
   samples, trainer_rss = 0, 0.0
-  with pipeline.ShadowLoader(manifest, batch, cfg, num_workers=num_workers,
-                             num_epochs=1, seed=0,
-                             lookahead=3 * batch) as loader:
+  with pipeline.ShadowLoader(
+    manifest, batch, cfg, num_workers=num_workers, num_epochs=1, seed=0, lookahead=3 * batch
+  ) as loader:
 
     def prepare(metas):
       # Metadata only crosses to the trainer: slot names, shapes, rows.
@@ -152,16 +155,20 @@ def run_shadow(manifest, batch, steps, step_s, num_workers):
     wall = time.perf_counter() - start
     inbox.put(None)
     trainer.join(10)
-  return {"ctrl_rss_mb": _peak_rss_mb(), "trainer_rss_mb": trainer_rss,
-          "data_s": data / steps, "samples_s": samples / wall,
-          "loader_wait_s": loader.wait_s / steps, "warmup_s": warmup}
+  return {
+    "ctrl_rss_mb": _peak_rss_mb(),
+    "trainer_rss_mb": trainer_rss,
+    "data_s": data / steps,
+    "samples_s": samples / wall,
+    "loader_wait_s": loader.wait_s / steps,
+    "warmup_s": warmup,
+  }
 
 
 def transport_cost(mb: float = 64.0, reps: int = 5) -> dict:
   """Seconds to move `mb` of float32 patches: pickled queue vs shm segment."""
   rows = int(mb * 2**20 / 4 / 1176)
-  arr = np.random.default_rng(0).standard_normal((rows, 1176),
-                                                 dtype=np.float32)
+  arr = np.random.default_rng(0).standard_normal((rows, 1176), dtype=np.float32)
   ctx = mp.get_context("spawn")
   q = ctx.Queue()
   t = []
@@ -180,8 +187,7 @@ def transport_cost(mb: float = 64.0, reps: int = 5) -> dict:
     s.append(time.perf_counter() - t0)
   assert back.shape == arr.shape
   q.close()
-  return {"mb": mb, "pickle_queue_s": float(np.median(t)),
-          "shm_write_read_s": float(np.median(s))}
+  return {"mb": mb, "pickle_queue_s": float(np.median(t)), "shm_write_read_s": float(np.median(s))}
 
 
 def _child(args):
@@ -196,11 +202,14 @@ def _child(args):
 
 
 def _spawn(*args) -> dict:
-  proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
-                         *map(str, args)], capture_output=True, text=True,
-                        check=True)
-  line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-  return json.loads(line[len("RESULT "):])
+  proc = subprocess.run(
+    [sys.executable, os.path.abspath(__file__), "--child", *map(str, args)],
+    capture_output=True,
+    text=True,
+    check=True,
+  )
+  line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+  return json.loads(line[len("RESULT ") :])
 
 
 def main():
@@ -211,54 +220,80 @@ def main():
   parser.add_argument("--workers", default="1,2,4")
   parser.add_argument("--step-s", default="auto")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--json", metavar="PATH",
-                      help="also write the figures here, with the command, machine, commit "
-                           "and date")
+  parser.add_argument(
+    "--json",
+    metavar="PATH",
+    help="also write the figures here, with the command, machine, commit and date",
+  )
   parser.add_argument("--child", nargs=5)
   args = parser.parse_args()
   if args.child:
     _child(args.child)
     return
   steps = args.n // args.batch
-  print(f"# machine: {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs, Python {platform.python_version()}")
+  print(
+    f"# machine: {platform.processor() or platform.machine()}, "
+    f"{os.cpu_count()} CPUs, Python {platform.python_version()}"
+  )
   print(f"# batch {args.batch}, {steps} steps per run, processor {PROC}")
   results = {"transport": transport_cost()}
   t = results["transport"]
-  print(f"# moving {t['mb']:.0f} MB of patches: pickled queue "
-        f"{t['pickle_queue_s'] * 1e3:.0f} ms, shm write+read "
-        f"{t['shm_write_read_s'] * 1e3:.0f} ms")
-  header = ("mix", "config", "step s", "ctrl RSS MB", "trainer RSS MB",
-            "data/step s", "data % step", "samples/s")
+  print(
+    f"# moving {t['mb']:.0f} MB of patches: pickled queue "
+    f"{t['pickle_queue_s'] * 1e3:.0f} ms, shm write+read "
+    f"{t['shm_write_read_s'] * 1e3:.0f} ms"
+  )
+  header = (
+    "mix",
+    "config",
+    "step s",
+    "ctrl RSS MB",
+    "trainer RSS MB",
+    "data/step s",
+    "data % step",
+    "samples/s",
+  )
   print("| " + " | ".join(header) + " |")
   print("|" + "---|" * len(header))
   with tempfile.TemporaryDirectory() as tmp:
     for mix in args.mixes.split(","):
-      manifest = synth.generate(os.path.join(tmp, mix), mix, args.n,
-                                args.seed)
+      manifest = synth.generate(os.path.join(tmp, mix), mix, args.n, args.seed)
       if args.step_s == "auto":
         # Calibrate: the centralized decode time of a batch, without a step.
         probe = _spawn("centralized", manifest, args.batch, steps, 0.0)
         step_s = round(1.5 * probe["data_median_s"], 2)
       else:
         step_s = float(args.step_s)
-      configs = ["centralized"] + [f"shadow-{k}" for k in
-                                   args.workers.split(",")]
+      configs = ["centralized"] + [f"shadow-{k}" for k in args.workers.split(",")]
       for config in configs:
         r = _spawn(config, manifest, args.batch, steps, step_s)
         results[f"{mix}/{config}"] = dict(r, step_s=step_s)
-        row = (mix, config, f"{step_s:.2f}", f"{r['ctrl_rss_mb']:.0f}",
-               f"{r['trainer_rss_mb']:.0f}" if "trainer_rss_mb" in r else "-",
-               f"{r['data_s']:.3f}", f"{100 * r['data_s'] / step_s:.1f}",
-               f"{r['samples_s']:.2f}")
+        row = (
+          mix,
+          config,
+          f"{step_s:.2f}",
+          f"{r['ctrl_rss_mb']:.0f}",
+          f"{r['trainer_rss_mb']:.0f}" if "trainer_rss_mb" in r else "-",
+          f"{r['data_s']:.3f}",
+          f"{100 * r['data_s'] / step_s:.1f}",
+          f"{r['samples_s']:.2f}",
+        )
         print("| " + " | ".join(row) + " |", flush=True)
   if args.json:
     # Imported here, not at the top: the children's peak RSS is a result.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import runinfo  # noqa: PLC0415  (lives next to this script)
-    runinfo.write(args.json, "loader.py", {
+    import runinfo
+
+    runinfo.write(
+      args.json,
+      "loader.py",
+      {
         "args": {k: v for k, v in vars(args).items() if k != "child"},
-        "processor": PROC, "steps_per_run": steps, **results})
+        "processor": PROC,
+        "steps_per_run": steps,
+        **results,
+      },
+    )
 
 
 if __name__ == "__main__":

@@ -49,8 +49,7 @@ MAX_RESPONSE = 1024  # FlexRL section 5.1
 # The published Qwen2.5-VL preprocessor_config.json image bounds; video bounds
 # are the transformers / qwen-vl-utils defaults (768 merged tokens per frame
 # pair, a 128K-token whole-video budget), which FlexRL does not say it changes.
-_PROCESSOR = processor.VisionProcessorConfig(image_min_pixels=56 * 56,
-                                             image_max_pixels=12845056)
+_PROCESSOR = processor.VisionProcessorConfig(image_min_pixels=56 * 56, image_max_pixels=12845056)
 
 
 LogNormal = distributions.LogNormal
@@ -114,8 +113,10 @@ def geo3k(n: int, seed: int | np.random.Generator = 0) -> np.ndarray:
   aspect = rng.uniform(0.5, 1.0, n)  # ASSUMED: short/long side ratio
   text = GEO3K_TEXT.sample(rng, n)
   resp = GEO3K_RESPONSE.sample(rng, n)
-  vision = np.array([_image_tokens(max(1, round(a * s)), round(s))
-                     for s, a in zip(long_side, aspect)], dtype=np.int64)
+  vision = np.array(
+    [_image_tokens(max(1, round(a * s)), round(s)) for s, a in zip(long_side, aspect)],
+    dtype=np.int64,
+  )
   return TEMPLATE_TOKENS + text.astype(np.int64) + vision + resp.astype(np.int64)
 
 
@@ -124,26 +125,49 @@ def _videos(n, rng, seconds, resolutions, res_p, text, response, max_frames):
   res = rng.choice(len(resolutions), size=n, p=res_p)
   t = text.sample(rng, n)
   r = response.sample(rng, n)
-  vision = np.array([_video_tokens(*resolutions[i], int(round(s)), max_frames)
-                     for s, i in zip(secs, res)], dtype=np.int64)
+  vision = np.array(
+    [_video_tokens(*resolutions[i], round(s), max_frames) for s, i in zip(secs, res)],
+    dtype=np.int64,
+  )
   return TEMPLATE_TOKENS + t.astype(np.int64) + vision + r.astype(np.int64)
 
 
 def nextqa(n: int, seed: int | np.random.Generator = 0, max_frames: int = 64) -> np.ndarray:
   """NExT-QA-like lengths: a ~44 s video at 2 fps, a multiple-choice question."""
-  return _videos(n, _rng(seed), NEXTQA_SECONDS, NEXTQA_RESOLUTIONS, (0.5, 0.5),
-                 NEXTQA_TEXT, NEXTQA_RESPONSE, max_frames)
+  return _videos(
+    n,
+    _rng(seed),
+    NEXTQA_SECONDS,
+    NEXTQA_RESOLUTIONS,
+    (0.5, 0.5),
+    NEXTQA_TEXT,
+    NEXTQA_RESPONSE,
+    max_frames,
+  )
 
 
-def longvila_reason(n: int, seed: int | np.random.Generator = 0,
-                    max_frames: int = 64) -> np.ndarray:
+def longvila_reason(
+  n: int, seed: int | np.random.Generator = 0, max_frames: int = 64
+) -> np.ndarray:
   """LongVILA-Reason-like lengths: a long video (frame-capped) and a reasoning answer."""
-  return _videos(n, _rng(seed), LONGVILA_SECONDS, LONGVILA_RESOLUTIONS, LONGVILA_RES_P,
-                 LONGVILA_TEXT, LONGVILA_RESPONSE, max_frames)
+  return _videos(
+    n,
+    _rng(seed),
+    LONGVILA_SECONDS,
+    LONGVILA_RESOLUTIONS,
+    LONGVILA_RES_P,
+    LONGVILA_TEXT,
+    LONGVILA_RESPONSE,
+    max_frames,
+  )
 
 
-def mixture(n: int, weights: tuple[float, float, float], seed: int | np.random.Generator = 0,
-            max_frames: int = 64) -> np.ndarray:
+def mixture(
+  n: int,
+  weights: tuple[float, float, float],
+  seed: int | np.random.Generator = 0,
+  max_frames: int = 64,
+) -> np.ndarray:
   """Lengths drawn from Geo3K : NExTQA : LongVILA-Reason with the given weights.
 
   Args:
@@ -159,8 +183,11 @@ def mixture(n: int, weights: tuple[float, float, float], seed: int | np.random.G
   p = np.asarray(weights, dtype=np.float64)
   which = rng.choice(3, size=n, p=p / p.sum())
   out = np.zeros(n, dtype=np.int64)
-  draws = (geo3k, lambda m, g: nextqa(m, g, max_frames),
-           lambda m, g: longvila_reason(m, g, max_frames))
+  draws = (
+    geo3k,
+    lambda m, g: nextqa(m, g, max_frames),
+    lambda m, g: longvila_reason(m, g, max_frames),
+  )
   for d, draw in enumerate(draws):
     idx = np.flatnonzero(which == d)
     if idx.size:
@@ -204,8 +231,8 @@ def long_context_sft(n: int, seed: int | np.random.Generator = 0) -> np.ndarray:
 
 
 MIXTURES = {
-    "image_heavy": image_heavy,
-    "video_heavy": video_heavy,
-    "only_video": only_video,
-    "long_context_sft": long_context_sft,
+  "image_heavy": image_heavy,
+  "video_heavy": video_heavy,
+  "only_video": only_video,
+  "long_context_sft": long_context_sft,
 }

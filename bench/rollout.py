@@ -27,17 +27,16 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-from fluxjax.models import config, decode, inputs, vlm  # noqa: E402
-from fluxjax.models.tokenizer import Tokenizer  # noqa: E402
-from fluxjax.rollout import engine as engine_lib  # noqa: E402
-from fluxjax.rollout import protocol  # noqa: E402
-
-import runinfo  # noqa: E402  (lives next to this script)
+import runinfo
+from fluxjax.models import config, decode, inputs, vlm
+from fluxjax.models.tokenizer import Tokenizer
+from fluxjax.rollout import engine as engine_lib
+from fluxjax.rollout import protocol
 
 
 def make_loop(model, capacity):
@@ -97,8 +96,11 @@ def main():
   p.add_argument("--prompt-len", type=int, default=32)
   p.add_argument("--new-tokens", type=int, default=64)
   p.add_argument("--slots", type=int, default=32)
-  p.add_argument("--json", metavar="PATH",
-                 help="also write the figures here, with the command, machine, commit and date")
+  p.add_argument(
+    "--json",
+    metavar="PATH",
+    help="also write the figures here, with the command, machine, commit and date",
+  )
   args = p.parse_args()
 
   cfg = config.preset(args.preset)
@@ -107,8 +109,10 @@ def main():
   capacity = args.prompt_len + args.new_tokens
   bucket = args.prompt_len
   rng = np.random.default_rng(0)
-  seqs = [inputs.sequence_from_tokens(rng.integers(0, 490, args.prompt_len), [], cfg)
-          for _ in range(args.requests)]
+  seqs = [
+    inputs.sequence_from_tokens(rng.integers(0, 490, args.prompt_len), [], cfg)
+    for _ in range(args.requests)
+  ]
 
   loop = make_loop(model, capacity)
   loop(seqs[0], 3, bucket)  # compile
@@ -116,8 +120,9 @@ def main():
   loop_outs = [loop(s, args.new_tokens, bucket) for s in seqs]
   loop_tps = args.requests * args.new_tokens / (time.perf_counter() - t)
 
-  engine = engine_lib.Engine(model, tok, num_slots=args.slots, capacity=capacity,
-                             prefill_buckets=(bucket, capacity))
+  engine = engine_lib.Engine(
+    model, tok, num_slots=args.slots, capacity=capacity, prefill_buckets=(bucket, capacity)
+  )
   run_engine(engine, seqs[:2], 3, 2)  # compile
   rows = []
   for c in (1, 8, 32):
@@ -125,27 +130,53 @@ def main():
     tokens = run_engine(engine, seqs, args.new_tokens, c)
     rows.append((c, tokens / (time.perf_counter() - t)))
   # Same greedy tokens on both sides (a sanity check, not a timing).
-  check = engine.generate([engine_lib.EngineRequest(
-      "check", seqs[0], protocol.SamplingParams(max_new_tokens=args.new_tokens, top_k=1,
-                                                ignore_eos=True))])[0]
+  check = engine.generate(
+    [
+      engine_lib.EngineRequest(
+        "check",
+        seqs[0],
+        protocol.SamplingParams(max_new_tokens=args.new_tokens, top_k=1, ignore_eos=True),
+      )
+    ]
+  )[0]
   assert check.output_ids == loop_outs[0], "engine and loop disagree"
 
-  print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, jax {jax.__version__} "
-        f"{jax.default_backend()}; preset {args.preset}, {args.requests} requests x "
-        f"{args.prompt_len} prompt + {args.new_tokens} new tokens, engine {args.slots} slots")
+  print(
+    f"machine: {platform.machine()} {os.cpu_count()} CPUs, jax {jax.__version__} "
+    f"{jax.default_backend()}; preset {args.preset}, {args.requests} requests x "
+    f"{args.prompt_len} prompt + {args.new_tokens} new tokens, engine {args.slots} slots"
+  )
   print("| mode | concurrent requests | generated tokens/s | vs loop |")
   print("|---|---|---|---|")
   print(f"| loop (one at a time) | 1 | {loop_tps:,.0f} | 1.00x |")
   for c, tps in rows:
     print(f"| engine | {c} | {tps:,.0f} | {tps / loop_tps:.2f}x |")
   if args.json:
-    runinfo.write(args.json, "rollout.py", {
+    runinfo.write(
+      args.json,
+      "rollout.py",
+      {
         "args": vars(args),
-        "rows": [{"mode": "loop (one at a time)", "concurrent_requests": 1,
-                  "generated_tokens_per_s": loop_tps, "vs_loop": 1.0}] + [
-                 {"mode": "engine", "concurrent_requests": c, "generated_tokens_per_s": tps,
-                  "vs_loop": tps / loop_tps} for c, tps in rows],
-        "engine_matches_loop": True})  # the assert above
+        "rows": [
+          {
+            "mode": "loop (one at a time)",
+            "concurrent_requests": 1,
+            "generated_tokens_per_s": loop_tps,
+            "vs_loop": 1.0,
+          }
+        ]
+        + [
+          {
+            "mode": "engine",
+            "concurrent_requests": c,
+            "generated_tokens_per_s": tps,
+            "vs_loop": tps / loop_tps,
+          }
+          for c, tps in rows
+        ],
+        "engine_matches_loop": True,
+      },
+    )  # the assert above
 
 
 if __name__ == "__main__":

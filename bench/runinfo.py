@@ -58,33 +58,45 @@ def cpu_model() -> str:
 
 def machine() -> dict:
   """What ran the benchmark. Imports jax only to describe it (and only here)."""
-  m = {"platform": platform.platform(), "machine": platform.machine(),
-       "processor": cpu_model(), "cpu_count": os.cpu_count(),
-       "python": platform.python_version()}
+  m = {
+    "platform": platform.platform(),
+    "machine": platform.machine(),
+    "processor": cpu_model(),
+    "cpu_count": os.cpu_count(),
+    "python": platform.python_version(),
+  }
   try:
     m["load_average_1min"] = os.getloadavg()[0]
   except OSError:
     pass
   try:
     import numpy
+
     m["numpy"] = numpy.__version__
   except ImportError:
     pass
   try:
     import jax
+
     m["jax"] = jax.__version__
     m["jax_backend"] = jax.default_backend()
-    m["jax_devices"] = [{"id": d.id, "platform": d.platform, "device_kind": d.device_kind}
-                        for d in jax.devices()]
-  except Exception as e:  # noqa: BLE001  (no jax, or no backend: say so, do not fail the run)
+    m["jax_devices"] = [
+      {"id": d.id, "platform": d.platform, "device_kind": d.device_kind} for d in jax.devices()
+    ]
+  except Exception as e:
     m["jax_devices"] = f"unavailable: {type(e).__name__}: {e}"
   return m
 
 
 def header(bench: str) -> dict:
-  return {"bench": bench, "command": "python " + shlex.join(sys.argv), "machine": machine(),
-          "commit": commit(), "tree_dirty": tree_dirty(),
-          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+  return {
+    "bench": bench,
+    "command": "python " + shlex.join(sys.argv),
+    "machine": machine(),
+    "commit": commit(),
+    "tree_dirty": tree_dirty(),
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+  }
 
 
 def _plain(o):

@@ -51,15 +51,14 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from fluxjax.models import config, vlm  # noqa: E402
-from fluxjax.models.tokenizer import Tokenizer  # noqa: E402
-from fluxjax.rl import tail_batching as tb  # noqa: E402
-from fluxjax.rollout.embedded import EmbeddedRollout  # noqa: E402
-
-import runinfo  # noqa: E402  (lives next to this script)
+import runinfo
+from fluxjax.models import config, vlm
+from fluxjax.models.tokenizer import Tokenizer
+from fluxjax.rl import tail_batching as tb
+from fluxjax.rollout.embedded import EmbeddedRollout
 
 
 class Lengths:
@@ -80,17 +79,29 @@ async def baseline_epoch(rollout, prompts, P, R, make_body):
   eng = rollout.engine
   rows = []
   for i in range(0, len(prompts), P):
-    chunk = prompts[i:i + P]
+    chunk = prompts[i : i + P]
     steps0 = eng.stats["decode_steps"]
     t0 = time.perf_counter()
-    outs = await asyncio.gather(*(
+    outs = await asyncio.gather(
+      *(
         rollout.generate({**make_body(p, j), "rid": f"base-{p}-{j}"}, str(p))
-        for p in chunk for j in range(R)))
+        for p in chunk
+        for j in range(R)
+      )
+    )
     wall = time.perf_counter() - t0
     steps = eng.stats["decode_steps"] - steps0
     busy = sum(max(len(c.output_ids) - 1, 0) for c in outs)
-    rows.append({"kind": "plain", "wall_s": wall, "decode_steps": steps, "busy": busy,
-                 "launched": len(outs), "max_kept_len": max(len(c.output_ids) for c in outs)})
+    rows.append(
+      {
+        "kind": "plain",
+        "wall_s": wall,
+        "decode_steps": steps,
+        "busy": busy,
+        "launched": len(outs),
+        "max_kept_len": max(len(c.output_ids) for c in outs),
+      }
+    )
   return rows
 
 
@@ -112,10 +123,16 @@ def summarize(rows, slots):
   busy = sum(r["busy"] for r in rows)
   own = sum(r["decode_steps"] * min(r["launched"], slots) for r in rows)
   walls = [r["wall_s"] for r in rows]
-  return {"rounds": len(rows), "long": sum(r["kind"] == "long" for r in rows),
-          "mean": float(np.mean(walls)), "max": float(np.max(walls)), "total": float(np.sum(walls)),
-          "idle": 1 - busy / (steps * slots), "bubble": 1 - busy / own,
-          "maxlen": float(np.mean([r["max_kept_len"] for r in rows]))}
+  return {
+    "rounds": len(rows),
+    "long": sum(r["kind"] == "long" for r in rows),
+    "mean": float(np.mean(walls)),
+    "max": float(np.max(walls)),
+    "total": float(np.sum(walls)),
+    "idle": 1 - busy / (steps * slots),
+    "bubble": 1 - busy / own,
+    "maxlen": float(np.mean([r["max_kept_len"] for r in rows])),
+  }
 
 
 def main():
@@ -131,12 +148,19 @@ def main():
   p.add_argument("--sigma-resp", type=float, default=1.0)
   p.add_argument("--cap", type=int, default=384)
   p.add_argument("--seed", type=int, default=0, help="first seed")
-  p.add_argument("--seeds", type=int, default=5,
-                 help="workloads (prompts and length draws) seed, seed+1, ...; the table "
-                      "shows means over them, and the speedups are listed per seed")
-  p.add_argument("--json", metavar="PATH",
-                 help="also write the figures (per seed and per round too) here, with the "
-                      "command, machine, commit and date")
+  p.add_argument(
+    "--seeds",
+    type=int,
+    default=5,
+    help="workloads (prompts and length draws) seed, seed+1, ...; the table "
+    "shows means over them, and the speedups are listed per seed",
+  )
+  p.add_argument(
+    "--json",
+    metavar="PATH",
+    help="also write the figures (per seed and per round too) here, with the "
+    "command, machine, commit and date",
+  )
   args = p.parse_args()
 
   cfg = config.preset(args.preset)
@@ -147,26 +171,38 @@ def main():
   for seed in seeds:
     rng = np.random.default_rng(seed)
     workloads[seed] = (
-        {i: rng.integers(0, 490, args.prompt_len).tolist() for i in range(args.prompts)},
-        Lengths(args.median, args.sigma_prompt, args.sigma_resp, args.cap, seed))
+      {i: rng.integers(0, 490, args.prompt_len).tolist() for i in range(args.prompts)},
+      Lengths(args.median, args.sigma_prompt, args.sigma_resp, args.cap, seed),
+    )
 
   def body_maker(seed):
     prompt_ids, lengths = workloads[seed]
-    return lambda p, j: {"input_ids": prompt_ids[p],
-                         "sampling_params": {"max_new_tokens": lengths(p, j),
-                                             "ignore_eos": True, "temperature": 1.0}}
+    return lambda p, j: {
+      "input_ids": prompt_ids[p],
+      "sampling_params": {"max_new_tokens": lengths(p, j), "ignore_eos": True, "temperature": 1.0},
+    }
 
-  all_l = np.array([workloads[s][1](p, j) for s in seeds for p in range(args.prompts)
-                    for j in range(8)])
-  rollout = EmbeddedRollout(model, tok, num_slots=args.slots,
-                            context_length=args.prompt_len + args.cap, seed=args.seed)
+  all_l = np.array(
+    [workloads[s][1](p, j) for s in seeds for p in range(args.prompts) for j in range(8)]
+  )
+  rollout = EmbeddedRollout(
+    model, tok, num_slots=args.slots, context_length=args.prompt_len + args.cap, seed=args.seed
+  )
 
   async def run():
     # Warm-up: compile the prefill bucket and the decode step.
-    await asyncio.gather(*(rollout.generate(
-        {"input_ids": workloads[seeds[0]][0][0],
-         "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}, None)
-        for _ in range(2)))
+    await asyncio.gather(
+      *(
+        rollout.generate(
+          {
+            "input_ids": workloads[seeds[0]][0][0],
+            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+          },
+          None,
+        )
+        for _ in range(2)
+      )
+    )
     prompts = list(range(args.prompts))
     out = {}
     stats = rollout.engine.stats
@@ -189,19 +225,28 @@ def main():
   results = asyncio.run(run())
   total = time.perf_counter() - t0
 
-  print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, jax {jax.__version__} "
-        f"{jax.default_backend()}; preset {args.preset} (random weights), EmbeddedRollout "
-        f"{args.slots} slots")
-  print(f"workload: {args.prompts} prompts x {args.prompt_len} tokens, P={args.P} prompts x "
-        f"R={args.R} responses kept per round; lengths forced with ignore_eos=True and "
-        f"max_new_tokens ~ min({args.cap}, LogNormal(log {args.median:g}, "
-        f"prompt sigma {args.sigma_prompt:g} + response sigma {args.sigma_resp:g})): "
-        f"p50 {np.median(all_l):.0f}, p90 {np.percentile(all_l, 90):.0f}, "
-        f"p99 {np.percentile(all_l, 99):.0f}, max {all_l.max()}, at cap {np.mean(all_l == args.cap):.1%}")
-  print(f"seeds {seeds}; every column is the mean over seeds; speedup = baseline mean "
-        "round / config mean round, per seed: mean +- std [min, max]")
-  print("| config | rounds (long) | mean round s | max round s | epoch s | prefill s | "
-        "decode s (ms/step) | mean max len | slot-idle | bubble | speedup (mean round) |")
+  print(
+    f"machine: {platform.machine()} {os.cpu_count()} CPUs, jax {jax.__version__} "
+    f"{jax.default_backend()}; preset {args.preset} (random weights), EmbeddedRollout "
+    f"{args.slots} slots"
+  )
+  print(
+    f"workload: {args.prompts} prompts x {args.prompt_len} tokens, P={args.P} prompts x "
+    f"R={args.R} responses kept per round; lengths forced with ignore_eos=True and "
+    f"max_new_tokens ~ min({args.cap}, LogNormal(log {args.median:g}, "
+    f"prompt sigma {args.sigma_prompt:g} + response sigma {args.sigma_resp:g})): "
+    f"p50 {np.median(all_l):.0f}, p90 {np.percentile(all_l, 90):.0f}, "
+    f"p99 {np.percentile(all_l, 99):.0f}, max {all_l.max()}, "
+    f"at cap {np.mean(all_l == args.cap):.1%}"
+  )
+  print(
+    f"seeds {seeds}; every column is the mean over seeds; speedup = baseline mean "
+    "round / config mean round, per seed: mean +- std [min, max]"
+  )
+  print(
+    "| config | rounds (long) | mean round s | max round s | epoch s | prefill s | "
+    "decode s (ms/step) | mean max len | slot-idle | bubble | speedup (mean round) |"
+  )
   print("|---|---|---|---|---|---|---|---|---|---|---|")
   base = [summarize(rows, args.slots) for rows, _ in results["baseline"]]
   per_seed = {}
@@ -210,27 +255,47 @@ def main():
     ss = [dict(summarize(rows, args.slots), **engine) for rows, engine in runs]
     m = {k: float(np.mean([s[k] for s in ss])) for k in ss[0]}
     per_seed[name] = x = np.array([b["mean"] / s["mean"] for b, s in zip(base, ss)])
-    configs[name] = {"mean_over_seeds": m, "speedup_mean": float(x.mean()),
-                     "speedup_std": float(x.std()), "speedup_min": float(x.min()),
-                     "speedup_max": float(x.max()), "speedup_per_seed": x.tolist(),
-                     "per_seed": ss, "rounds_per_seed": [rows for rows, _ in runs]}
+    configs[name] = {
+      "mean_over_seeds": m,
+      "speedup_mean": float(x.mean()),
+      "speedup_std": float(x.std()),
+      "speedup_min": float(x.min()),
+      "speedup_max": float(x.max()),
+      "speedup_per_seed": x.tolist(),
+      "per_seed": ss,
+      "rounds_per_seed": [rows for rows, _ in runs],
+    }
     spread = f" +- {x.std():.2f} [{x.min():.2f}, {x.max():.2f}]" if len(x) > 1 else ""
-    print(f"| {name} | {m['rounds']:.1f} ({m['long']:.1f}) | {m['mean']:.3f} | {m['max']:.3f} | "
-          f"{m['total']:.2f} | {m['prefill_s']:.2f} | {m['decode_s']:.2f} "
-          f"({1e3 * m['decode_s'] / max(m['decode_steps'], 1):.2f}) | {m['maxlen']:.0f} | {m['idle']:.1%} | {m['bubble']:.1%} | "
-          f"{x.mean():.2f}x{spread} |")
+    print(
+      f"| {name} | {m['rounds']:.1f} ({m['long']:.1f}) | {m['mean']:.3f} | {m['max']:.3f} | "
+      f"{m['total']:.2f} | {m['prefill_s']:.2f} | {m['decode_s']:.2f} "
+      f"({1e3 * m['decode_s'] / max(m['decode_steps'], 1):.2f}) | {m['maxlen']:.0f} | "
+      f"{m['idle']:.1%} | {m['bubble']:.1%} | "
+      f"{x.mean():.2f}x{spread} |"
+    )
   if len(seeds) > 1:
     print("speedup per seed (" + ", ".join(map(str, seeds)) + "):")
     for name, x in per_seed.items():
       print(f"  {name}: " + " ".join(f"{v:.2f}x" for v in x))
   print(f"bench wall time {total:.0f} s")
   if args.json:
-    runinfo.write(args.json, "tail.py", {
-        "args": vars(args), "seeds": seeds,
-        "lengths": {"p50": float(np.median(all_l)), "p90": float(np.percentile(all_l, 90)),
-                    "p99": float(np.percentile(all_l, 99)), "max": int(all_l.max()),
-                    "at_cap_fraction": float(np.mean(all_l == args.cap))},
-        "configs": configs, "bench_wall_s": total})
+    runinfo.write(
+      args.json,
+      "tail.py",
+      {
+        "args": vars(args),
+        "seeds": seeds,
+        "lengths": {
+          "p50": float(np.median(all_l)),
+          "p90": float(np.percentile(all_l, 90)),
+          "p99": float(np.percentile(all_l, 99)),
+          "max": int(all_l.max()),
+          "at_cap_fraction": float(np.mean(all_l == args.cap)),
+        },
+        "configs": configs,
+        "bench_wall_s": total,
+      },
+    )
 
 
 if __name__ == "__main__":

@@ -54,20 +54,27 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # engine (the prompt's pad-token counts depend on them). Tiny: a few tokens
   # per image/frame so a CPU run stays small; real shapes: Qwen2.5-VL's.
   tiny = arg.variant == "tiny"
-  c.data.vision = ml_collections.ConfigDict(dict(
+  c.data.vision = ml_collections.ConfigDict(
+    dict(
       image_min_pixels=28 * 28 * 4 if tiny else 56 * 56,
       image_max_pixels=112 * 112 if tiny else 28 * 28 * 1280,
       video_min_pixels=28 * 28 * 4 if tiny else 128 * 28 * 28,
       video_max_pixels=56 * 56 if tiny else 768 * 28 * 28,
-      video_max_frames=8 if tiny else 768))
+      video_max_frames=8 if tiny else 768,
+    )
+  )
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 5 if arg.variant == "tiny" else 25
 
   # Model: a preset with random weights, or an HF checkpoint folder (which wins).
   c.model = ml_collections.ConfigDict()
-  c.model.preset = {"tiny": "tiny", "qwen25_vl_3b": "3b", "qwen25_vl_7b": "7b",
-                    "qwen25_vl_32b": "32b"}[arg.variant]
+  c.model.preset = {
+    "tiny": "tiny",
+    "qwen25_vl_3b": "3b",
+    "qwen25_vl_7b": "7b",
+    "qwen25_vl_32b": "32b",
+  }[arg.variant]
   c.model.hf_path = ""
   c.model.tokenizer_path = ""  # "" = the shipped synthetic tokenizer (tiny) or hf_path's
   c.model.dtype = "float32" if arg.variant == "tiny" else "bfloat16"
@@ -132,8 +139,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.num_servers = 1
   c.rollout.launch_timeout_s = 600.0
   c.rollout.health_interval_s = 2.0
-  c.rollout.num_slots = 32            # embedded engine: concurrent requests
-  c.rollout.context_length = 1024     # embedded engine: prompt + response tokens
+  c.rollout.num_slots = 32  # embedded engine: concurrent requests
+  c.rollout.context_length = 1024  # embedded engine: prompt + response tokens
   # Each request carries a sampling_seed derived from (seed, sample position,
   # response index), so its tokens do not depend on batching or thread timing:
   # a run on the embedded engine repeats. SGLang honours the seed with
@@ -215,9 +222,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Stream trainer: finished groups are trained in parts of this many while
   # rollout continues (0 = half a batch); the update waits for the whole batch.
   c.coordinator.stream_groups = 0
-  c.coordinator.lag = ml_collections.ConfigDict(dict(
-      mode="sync" if arg.variant == "tiny" else "adaptive", fixed_lag=1, min_lag=0,
-      max_lag=4, target_staleness=0.3, kp=2.0, ki=0.5, kd=0.0))
+  c.coordinator.lag = ml_collections.ConfigDict(
+    dict(
+      mode="sync" if arg.variant == "tiny" else "adaptive",
+      fixed_lag=1,
+      min_lag=0,
+      max_lag=4,
+      target_staleness=0.3,
+      kp=2.0,
+      ki=0.5,
+      kd=0.0,
+    )
+  )
 
   # Supervised warm-up (rl/sft.py), once before the first GRPO step of a fresh
   # run: train prompts with their reference answers as "<answer>x</answer>".

@@ -46,8 +46,9 @@ def parse_arg(arg: str | None, lazy: bool = False, **spec) -> ml_collections.Con
 
 
 # The default run's config file: the one place the defaults of every section live.
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "configs", "vlm.py")
+DEFAULT_CONFIG = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "vlm.py"
+)
 
 
 def load_config(path: str = DEFAULT_CONFIG, arg: str | None = None) -> ml_collections.ConfigDict:
@@ -55,7 +56,8 @@ def load_config(path: str = DEFAULT_CONFIG, arg: str | None = None) -> ml_collec
   for notebooks, tests and benches that build a run without flags (e.g. the
   default `rl` section: `load_config().rl`)."""
   spec = importlib.util.spec_from_file_location(
-      f"fluxjax_config_{os.path.splitext(os.path.basename(path))[0]}", path)
+    f"fluxjax_config_{os.path.splitext(os.path.basename(path))[0]}", path
+  )
   if spec is None or spec.loader is None:
     raise ValueError(f"cannot load config file {path!r}")
   module = importlib.util.module_from_spec(spec)

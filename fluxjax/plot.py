@@ -16,12 +16,12 @@ from fluxjax.rl import metrics as metrics_lib
 
 # One panel per curve: (file name, title, candidate metric keys).
 PANELS = (
-    ("reward", "mean reward", ("rollout/reward_mean",)),
-    ("accuracy", "held-out accuracy", ("eval/accuracy",)),
-    ("response_length", "response length (tokens)", ("rollout/response_len_mean",)),
-    ("staleness", "staleness", ("async/staleness", "async/version_gap_mean")),
-    ("throughput", "tokens / s", ("perf/tokens_per_s",)),
-    ("sft_loss", "SFT warm-up loss", ("sft/loss",)),
+  ("reward", "mean reward", ("rollout/reward_mean",)),
+  ("accuracy", "held-out accuracy", ("eval/accuracy",)),
+  ("response_length", "response length (tokens)", ("rollout/response_len_mean",)),
+  ("staleness", "staleness", ("async/staleness", "async/version_gap_mean")),
+  ("throughput", "tokens / s", ("perf/tokens_per_s",)),
+  ("sft_loss", "SFT warm-up loss", ("sft/loss",)),
 )
 
 
@@ -46,6 +46,7 @@ def _series(records, key):
 def plot(workdir: str) -> list[str]:
   """Writes the PNGs; returns their paths (panels with no data are skipped)."""
   import matplotlib
+
   matplotlib.use("Agg")  # files only, no display
   import matplotlib.pyplot as plt
 
@@ -75,7 +76,7 @@ def plot(workdir: str) -> list[str]:
     written.append(path)
   if panels:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2), squeeze=False)
-    for ax, (name, title, key, xs, ys) in zip(axes[0], panels):
+    for ax, (_, title, _, xs, ys) in zip(axes[0], panels):
       ax.plot(xs, ys, lw=1.5)
       ax.set_title(title)
       ax.set_xlabel("step")

@@ -8,14 +8,18 @@ import logging
 import os
 import sys
 
-from absl import app
-from absl import flags
+from absl import app, flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "vlm.py"),
-    "Run config file (configs/vlm.py[:variant]).", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", "workdir/vlm", "Where metrics, config and checkpoints go.")
+  "config",
+  os.path.join(os.path.dirname(__file__), "..", "configs", "vlm.py"),
+  "Run config file (configs/vlm.py[:variant]).",
+  lock_config=True,
+)
+_WORKDIR = flags.DEFINE_string(
+  "workdir", "workdir/vlm", "Where metrics, config and checkpoints go."
+)
 
 
 def main(argv):

@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 # XLA:CPU sizes its Eigen pool to max(CPUs, devices), i.e. 8 threads for the
@@ -26,9 +26,9 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # the trainer dispatch at once (docs/testing.md).
 os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 
-import hypothesis  # noqa: E402
-import jax  # noqa: E402  (must follow the environment set-up above)
-import pytest  # noqa: E402
+import hypothesis
+import jax
+import pytest
 
 
 @pytest.fixture(scope="session")
@@ -53,8 +53,13 @@ hypothesis.settings.load_profile("fluxjax")
 def _untracked() -> set[str] | None:
   """Untracked and ignored paths of the checkout, or None outside a git checkout."""
   try:
-    out = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"],
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+      ["git", "status", "--porcelain", "--ignored", "--untracked-files=all"],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      check=True,
+    ).stdout
   except (OSError, subprocess.CalledProcessError):
     return None
   paths = {line[3:] for line in out.splitlines() if line[:2] in ("??", "!!")}

@@ -1,9 +1,9 @@
 """Builders shared by several test modules (test modules never import each other).
 
-  TINY, PATCHES, mixed_batch, make_strategy   strategy-level tests on the
-      tiny preset (tests/test_strategies.py and the trainers built on it);
-  SERVER_CONTEXT, server_env                  rollout server processes;
-  tiny_run_config                             the GRPO loop, cut to seconds.
+TINY, PATCHES, mixed_batch, make_strategy   strategy-level tests on the
+    tiny preset (tests/test_strategies.py and the trainers built on it);
+SERVER_CONTEXT, server_env                  rollout server processes;
+tiny_run_config                             the GRPO loop, cut to seconds.
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ def mixed_batch(seed: int = 0, long: bool = False) -> list[TrainSequence]:
   return random_batch.mixed_batch(TINY, seed, long=long, advantage_range=(0.5, 1.5))
 
 
-def make_strategy(name: str, sp: int = 1, capacity: int = 96, buckets: tuple[int, ...] = (),
-                  sync: str = "layer") -> Strategy:
+def make_strategy(
+  name: str, sp: int = 1, capacity: int = 96, buckets: tuple[int, ...] = (), sync: str = "layer"
+) -> Strategy:
   """A strategy of the tiny preset from the same config section a run reads."""
-  cfg = ml_collections.ConfigDict({"strategy": name, "sp": sp, "capacity": capacity,
-                                   "capacity_buckets": buckets, "sync": sync})
+  cfg = ml_collections.ConfigDict(
+    {"strategy": name, "sp": sp, "capacity": capacity, "capacity_buckets": buckets, "sync": sync}
+  )
   return strategies.get_strategy(cfg, TINY)
 
 

@@ -15,16 +15,33 @@ IMG, VID, VSTART, VEND = 502, 503, 499, 500
 def hf_config(tie=False):
   """A tiny config; images of > 8 patches per side span several windows."""
   return transformers.Qwen2_5_VLConfig(
-      vision_config=dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2,
-                         out_hidden_size=64, fullatt_block_indexes=[1, 3], window_size=112,
-                         tokens_per_second=2),
-      text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       rms_norm_eps=1e-6, max_position_embeddings=4096,
-                       rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
-                                        "rope_theta": 10000.0}),
-      image_token_id=IMG, video_token_id=VID, vision_start_token_id=VSTART,
-      vision_end_token_id=VEND, tie_word_embeddings=tie)
+    vision_config=dict(
+      depth=4,
+      hidden_size=32,
+      intermediate_size=64,
+      num_heads=2,
+      out_hidden_size=64,
+      fullatt_block_indexes=[1, 3],
+      window_size=112,
+      tokens_per_second=2,
+    ),
+    text_config=dict(
+      vocab_size=512,
+      hidden_size=64,
+      intermediate_size=128,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      rms_norm_eps=1e-6,
+      max_position_embeddings=4096,
+      rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+    ),
+    image_token_id=IMG,
+    video_token_id=VID,
+    vision_start_token_id=VSTART,
+    vision_end_token_id=VEND,
+    tie_word_embeddings=tie,
+  )
 
 
 def random_hf_model(tie=False, seed=0):

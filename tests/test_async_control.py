@@ -33,7 +33,7 @@ def test_staleness_zero_on_policy_and_grows_with_drift():
   # k3 matches the exact KL of a known pair: behaviour N(0,1) vs current N(mu,1).
   x = rng.normal(0, 1, 200_000)
   mu = 0.3
-  est = ac.staleness(-x**2 / 2, -(x - mu)**2 / 2, np.zeros_like(x), 0)["kl"]
+  est = ac.staleness(-(x**2) / 2, -((x - mu) ** 2) / 2, np.zeros_like(x), 0)["kl"]
   assert est == pytest.approx(mu**2 / 2, rel=0.05)
   # Masked and non-finite tokens are ignored.
   s = ac.staleness([-1.0, np.nan, -1.0], [-1.0, -1.0, -9.0], [0, 0, 0], 0, mask_T=[1, 1, 0])
@@ -42,9 +42,14 @@ def test_staleness_zero_on_policy_and_grows_with_drift():
 
 @hypothesis.settings(max_examples=100, deadline=None)
 @hypothesis.given(
-    meas=st.lists(st.floats(-10, 10) | st.sampled_from([np.nan, np.inf, -np.inf]), max_size=60),
-    lo=st.integers(0, 3), span=st.integers(0, 6), target=st.floats(0, 1),
-    kp=st.floats(0, 10), ki=st.floats(0, 5), kd=st.floats(0, 5))
+  meas=st.lists(st.floats(-10, 10) | st.sampled_from([np.nan, np.inf, -np.inf]), max_size=60),
+  lo=st.integers(0, 3),
+  span=st.integers(0, 6),
+  target=st.floats(0, 1),
+  kp=st.floats(0, 10),
+  ki=st.floats(0, 5),
+  kd=st.floats(0, 5),
+)
 def test_pid_output_stays_in_bounds(meas, lo, span, target, kp, ki, kd):
   pid = ac.PIDController(target, lo, lo + span, kp=kp, ki=ki, kd=kd)
   for m in meas:
@@ -107,11 +112,11 @@ def test_modes():
   ad = ac.AdmissionController(4, "adaptive", min_lag=1, max_lag=3, target_staleness=0.2)
   assert ad.allowed_lag == 1
   for _ in range(20):
-    ad.observe(0.0)   # fresh data: allow more lag
+    ad.observe(0.0)  # fresh data: allow more lag
   assert ad.allowed_lag == 3 and ad.capacity(0) == 16
   ad.on_started(16)
   for _ in range(20):
-    ad.observe(1.0)   # too stale: throttle; finished samples are untouched
+    ad.observe(1.0)  # too stale: throttle; finished samples are untouched
   assert ad.allowed_lag == 1 and ad.capacity(0) == 0 and ad.capacity(2) == 0
   assert ad.capacity(3) == 4
 

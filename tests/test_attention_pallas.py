@@ -28,8 +28,17 @@ from fluxjax.models import attention_pallas as ap
 INTERPRET = os.environ.get("FLUXJAX_PALLAS_INTERPRET", "1") != "0"
 # Small tiles so that short rows span several blocks and block skipping is
 # exercised; the tiles of the three kernels differ on purpose.
-SMALL = ap.BlockSizes(fwd_q=32, fwd_k=16, dq_q=16, dq_k=32, dkv_q=16, dkv_k=32,
-                      num_warps_fwd=4, num_warps_bwd=4, num_stages=2)
+SMALL = ap.BlockSizes(
+  fwd_q=32,
+  fwd_k=16,
+  dq_q=16,
+  dq_k=32,
+  dkv_q=16,
+  dkv_k=32,
+  num_warps_fwd=4,
+  num_warps_bwd=4,
+  num_stages=2,
+)
 
 
 def packed_row(rng, length, pad, shuffle, first_id=1):
@@ -39,8 +48,8 @@ def packed_row(rng, length, pad, shuffle, first_id=1):
   filled, sid = 0, first_id
   while filled < length - pad:
     n = int(min(rng.integers(1, 40), length - pad - filled))
-    seg[filled:filled + n] = sid
-    pos[filled:filled + n] = np.arange(n)
+    seg[filled : filled + n] = sid
+    pos[filled : filled + n] = np.arange(n)
     filled += n
     sid += int(rng.integers(1, 3))  # ids need not be consecutive
   if shuffle:
@@ -50,8 +59,7 @@ def packed_row(rng, length, pad, shuffle, first_id=1):
 
 
 def self_batch(rng, b, t, shuffle=True):
-  rows = [packed_row(rng, t, pad=int(rng.integers(0, t // 3)), shuffle=shuffle)
-          for _ in range(b)]
+  rows = [packed_row(rng, t, pad=int(rng.integers(0, t // 3)), shuffle=shuffle) for _ in range(b)]
   seg = jnp.asarray(np.stack([r[0] for r in rows]))
   pos = jnp.asarray(np.stack([r[1] for r in rows]))
   return dict(q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos)
@@ -69,10 +77,12 @@ def cross_batch(rng, b, t, s):
     qs[3:5] = 0  # padding queries
     q_seg.append(qs)
     q_pos.append(qp)
-  return dict(q_segment_ids=jnp.asarray(np.stack(q_seg)),
-              kv_segment_ids=jnp.asarray(np.stack([r[0] for r in kv])),
-              q_positions=jnp.asarray(np.stack(q_pos)),
-              kv_positions=jnp.asarray(np.stack([r[1] for r in kv])))
+  return dict(
+    q_segment_ids=jnp.asarray(np.stack(q_seg)),
+    kv_segment_ids=jnp.asarray(np.stack([r[0] for r in kv])),
+    q_positions=jnp.asarray(np.stack(q_pos)),
+    kv_positions=jnp.asarray(np.stack([r[1] for r in kv])),
+  )
 
 
 def qkv(rng, b, t, s, n, k, h, dtype=jnp.float32):
@@ -90,8 +100,9 @@ def assert_close(got, want, what, tol=1e-5):
 
 
 def check(q, k, v, cot, kw, causal, blocks):
-  pallas = lambda q, k, v: ap.pallas_attention(q, k, v, causal=causal, interpret=INTERPRET,
-                                               block_sizes=blocks, **kw)
+  pallas = lambda q, k, v: ap.pallas_attention(
+    q, k, v, causal=causal, interpret=INTERPRET, block_sizes=blocks, **kw
+  )
   ref = lambda q, k, v: attn_lib.xla_attention(q, k, v, causal=causal, **kw)
   with jax.default_matmul_precision("highest"):
     out_ref, vjp_ref = jax.vjp(ref, q, k, v)
@@ -145,12 +156,13 @@ def test_block_skipping_is_conservative_and_skips():
     mask = attn_lib.segment_mask(seg, seg, pos, pos, causal=True)  # [B, T, S]
     bq, bk = 32, 16
     need = np.asarray(mask.reshape(2, 256 // bq, bq, 256 // bk, bk).any(axis=(2, 4)))
-    table = np.asarray(ap._visit_table(ap._block_ranges(seg, pos, bq),
-                                       ap._block_ranges(seg, pos, bk), True, True))
+    table = np.asarray(
+      ap._visit_table(ap._block_ranges(seg, pos, bq), ap._block_ranges(seg, pos, bk), True, True)
+    )
     visited = np.zeros_like(need)
     for b in range(2):
       for i in range(need.shape[1]):
-        visited[b, i, table[b, i, 1:1 + table[b, i, 0]]] = True
+        visited[b, i, table[b, i, 1 : 1 + table[b, i, 0]]] = True
     assert not (need & ~visited).any()
     if not shuffle:
       assert visited.mean() < 0.35, visited.mean()

@@ -10,8 +10,9 @@ import pytest
 from fluxjax.models import config
 from fluxjax.sharding import balance
 
-TINY = balance.CostShape(num_layers=2, hidden=8, num_heads=4, num_kv_heads=2, head_dim=2,
-                         intermediate=16, vocab=32)
+TINY = balance.CostShape(
+  num_layers=2, hidden=8, num_heads=4, num_kv_heads=2, head_dim=2, intermediate=16, vocab=32
+)
 QWEN_7B = config.preset("7b").cost_shape()
 
 _costs = st.lists(st.integers(0, 1000), min_size=0, max_size=40)
@@ -29,9 +30,23 @@ def test_cost_shape_reads_the_text_config():
   cfg = config.preset("7b")
   s = cfg.cost_shape()
   t = cfg.text
-  assert (s.num_layers, s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate,
-          s.vocab) == (t.num_layers, t.hidden_size, t.num_heads, t.num_kv_heads, t.head_dim,
-                       t.intermediate_size, t.vocab_size)
+  assert (
+    s.num_layers,
+    s.hidden,
+    s.num_heads,
+    s.num_kv_heads,
+    s.head_dim,
+    s.intermediate,
+    s.vocab,
+  ) == (
+    t.num_layers,
+    t.hidden_size,
+    t.num_heads,
+    t.num_kv_heads,
+    t.head_dim,
+    t.intermediate_size,
+    t.vocab_size,
+  )
   assert s.bytes_per_elem == 2 and cfg.cost_shape(4).bytes_per_elem == 4
 
 
@@ -45,9 +60,15 @@ def test_attention_cost_counts_causal_pairs():
 def test_linear_cost_counts_every_matmul_weight_once_per_token():
   s = TINY
   q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-  weights = {"q": (s.hidden, q), "k": (s.hidden, kv), "v": (s.hidden, kv), "o": (q, s.hidden),
-             "gate": (s.hidden, s.intermediate), "up": (s.hidden, s.intermediate),
-             "down": (s.intermediate, s.hidden)}
+  weights = {
+    "q": (s.hidden, q),
+    "k": (s.hidden, kv),
+    "v": (s.hidden, kv),
+    "o": (q, s.hidden),
+    "gate": (s.hidden, s.intermediate),
+    "up": (s.hidden, s.intermediate),
+    "down": (s.intermediate, s.hidden),
+  }
   per_token = s.num_layers * sum(a * b for a, b in weights.values()) + s.hidden * s.vocab
   assert balance.linear_cost(10, s) == 2 * per_token * 10
   assert balance.linear_cost(0, s) == 0
@@ -55,10 +76,13 @@ def test_linear_cost_counts_every_matmul_weight_once_per_token():
 
 def test_costs_vectorize():
   lengths = np.array([0, 1, 100, 5000])
-  np.testing.assert_array_equal(balance.sequence_cost(lengths, QWEN_7B),
-                                [balance.sequence_cost(int(n), QWEN_7B) for n in lengths])
-  assert (balance.sequence_cost(100, QWEN_7B)
-          == balance.attention_cost(100, QWEN_7B) + balance.linear_cost(100, QWEN_7B))
+  np.testing.assert_array_equal(
+    balance.sequence_cost(lengths, QWEN_7B),
+    [balance.sequence_cost(int(n), QWEN_7B) for n in lengths],
+  )
+  assert balance.sequence_cost(100, QWEN_7B) == balance.attention_cost(
+    100, QWEN_7B
+  ) + balance.linear_cost(100, QWEN_7B)
 
 
 def test_all_to_all_bytes_pads_heads_and_replicates_kv():
@@ -67,11 +91,13 @@ def test_all_to_all_bytes_pads_heads_and_replicates_kv():
   # sp=4: q and out move 28 heads each, k and v 4 each; 3/4 leaves the device.
   per_token_layer = 128 * (2 * 28 + 2 * 4) * 2
   assert balance.ulysses_all_to_all_bytes(1000, 4, s) == pytest.approx(
-      0.75 * 1000 * per_token_layer * 28)
+    0.75 * 1000 * per_token_layer * 28
+  )
   # sp=8: 28 heads pad to 32, 4 KV heads replicate to 8.
   per_token_layer = 128 * (2 * 32 + 2 * 8) * 2
   assert balance.ulysses_all_to_all_bytes(1000, 8, s) == pytest.approx(
-      7 / 8 * 1000 * per_token_layer * 28)
+    7 / 8 * 1000 * per_token_layer * 28
+  )
 
 
 def test_balance_ratio():
@@ -137,8 +163,7 @@ def test_kk_is_deterministic_and_depends_on_costs_only(costs, k, rnd):
 @hypothesis.settings(max_examples=150, deadline=None)
 @hypothesis.given(st.integers(1, 6), st.integers(0, 6), st.data())
 def test_kk_equal_size_gives_equal_counts(k, per_part, data):
-  costs = data.draw(st.lists(st.integers(0, 10**6), min_size=k * per_part,
-                             max_size=k * per_part))
+  costs = data.draw(st.lists(st.integers(0, 10**6), min_size=k * per_part, max_size=k * per_part))
   parts = balance.karmarkar_karp(costs, k, equal_size=True)
   assert [len(p) for p in parts] == [per_part] * k
   assert sorted(i for p in parts for i in p) == list(range(len(costs)))
@@ -181,9 +206,12 @@ def _check_schedules(schedules, lengths, cap, devices):
 
 
 @hypothesis.settings(max_examples=60, deadline=None)
-@hypothesis.given(st.lists(st.integers(1, 4096), min_size=0, max_size=60),
-                  st.sampled_from([1, 2, 4, 8]), st.sampled_from([None, 1, 2, 4]),
-                  st.integers(4096, 20000))
+@hypothesis.given(
+  st.lists(st.integers(1, 4096), min_size=0, max_size=60),
+  st.sampled_from([1, 2, 4, 8]),
+  st.sampled_from([None, 1, 2, 4]),
+  st.integers(4096, 20000),
+)
 def test_lb_micro_and_lb_mini_cover_items_and_respect_the_cap(lengths, devices, mbs, cap):
   lengths = np.asarray(lengths, dtype=np.int64)
   costs = balance.sequence_cost(lengths, QWEN_7B)
@@ -227,20 +255,26 @@ def test_bubble_rate_by_hand():
   assert balance.bubble_rate([schedule], costs, "minibatch") == pytest.approx(0.0)
   # A device with fewer microbatches idles through the steps it lacks.
   assert balance.bubble_rate([[[[0]], [[2], [3]]]], costs, "layer") == pytest.approx(
-      1 - 7 / (2 * 5))
+    1 - 7 / (2 * 5)
+  )
   assert balance.bubble_rate([], costs) == 0.0
   with pytest.raises(ValueError, match="sync"):
     balance.bubble_rate([schedule], costs, "step")
 
 
 @hypothesis.settings(max_examples=60, deadline=None)
-@hypothesis.given(st.lists(st.integers(1, 30000), min_size=1, max_size=40),
-                  st.sampled_from([2, 4, 8]), st.sampled_from([None, 1, 2]))
+@hypothesis.given(
+  st.lists(st.integers(1, 30000), min_size=1, max_size=40),
+  st.sampled_from([2, 4, 8]),
+  st.sampled_from([None, 1, 2]),
+)
 def test_minibatch_sync_never_idles_more_than_layer_sync(lengths, devices, mbs):
   lengths = np.asarray(lengths)
   costs = balance.sequence_cost(lengths, QWEN_7B)
-  for schedules in (balance.lb_micro(costs, lengths, devices, 32768, mbs),
-                    balance.lb_mini(costs, lengths, devices, 32768, mbs)):
+  for schedules in (
+    balance.lb_micro(costs, lengths, devices, 32768, mbs),
+    balance.lb_mini(costs, lengths, devices, 32768, mbs),
+  ):
     layer = balance.bubble_rate(schedules, costs, "layer")
     mini = balance.bubble_rate(schedules, costs, "minibatch")
     assert 0.0 <= mini <= layer + 1e-12 < 1.0

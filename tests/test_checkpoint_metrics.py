@@ -9,15 +9,25 @@ import numpy as np
 import pytest
 
 from fluxjax import plot
-from fluxjax.rl import checkpoint, metrics
-from fluxjax.parallel import train_step
 from fluxjax.models import config as config_lib
 from fluxjax.models import sharded
+from fluxjax.parallel import train_step
+from fluxjax.rl import checkpoint, metrics
 from fluxjax.sharding import mesh as mesh_lib
 
-OPT = ml_collections.ConfigDict(dict(lr=1e-3, warmup_steps=2, total_steps=10, end_lr_frac=0.1,
-                                     max_grad_norm=1.0, b1=0.9, b2=0.95, eps=1e-8,
-                                     weight_decay=0.0))
+OPT = ml_collections.ConfigDict(
+  dict(
+    lr=1e-3,
+    warmup_steps=2,
+    total_steps=10,
+    end_lr_frac=0.1,
+    max_grad_norm=1.0,
+    b1=0.9,
+    b2=0.95,
+    eps=1e-8,
+    weight_decay=0.0,
+  )
+)
 
 
 def _state(mesh, seed):
@@ -42,7 +52,8 @@ def test_checkpoint_round_trip_reshards(tmp_path, devices):
   other = mesh_lib.make_mesh(sp_axes=(("sp", 4),))
   _, fresh, _ = _state(other, seed=1)
   step, restored, rng2, coord2, data2 = checkpoint.Checkpointer(str(tmp_path)).restore(
-      checkpoint.abstract_like(fresh))
+    checkpoint.abstract_like(fresh)
+  )
   assert step == 7 and coord2 == coord and data2 == data
   assert jnp.array_equal(jax.random.key_data(rng2), jax.random.key_data(rng))
   for a, b, f in zip(jax.tree.leaves(restored), jax.tree.leaves(state), jax.tree.leaves(fresh)):
@@ -53,6 +64,7 @@ def test_checkpoint_round_trip_reshards(tmp_path, devices):
 
 def dataclasses_replace_step(state, step):
   import dataclasses
+
   return dataclasses.replace(state, step=jnp.asarray(step, jnp.int32))
 
 
@@ -64,8 +76,15 @@ def test_no_checkpoint_is_a_clear_error(tmp_path):
 def test_metrics_jsonl_resume_dedup_and_plots(tmp_path):
   with metrics.MetricWriter(str(tmp_path)) as w:
     for step in range(1, 6):
-      w.write(step, {"rollout/reward_mean": step / 10, "eval/accuracy": step / 20,
-                     "perf/tokens_per_s": 100.0 + step, "train/loss": float("nan")})
+      w.write(
+        step,
+        {
+          "rollout/reward_mean": step / 10,
+          "eval/accuracy": step / 20,
+          "perf/tokens_per_s": 100.0 + step,
+          "train/loss": float("nan"),
+        },
+      )
   # A resumed run redoes step 5 and goes on: the later record wins.
   with metrics.MetricWriter(str(tmp_path)) as w:
     w.write(5, {"rollout/reward_mean": 0.9})

@@ -40,15 +40,23 @@ def _build(c):
 
 def test_every_variant_parses_without_importing_jax():
   # A fresh interpreter: this process imported jax long ago (conftest.py).
-  code = ("import sys\n"
-          "from fluxjax import config_args\n"
-          f"for v in {VARIANTS!r}:\n"
-          "  c = config_args.load_config('configs/vlm.py', v)\n"
-          "  assert c.variant == v and c.rl.reward.fn and c.sharding.sp == 0\n"
-          "bad = sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.'))\n"
-          "assert not bad, bad\n")
-  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+  code = (
+    "import sys\n"
+    "from fluxjax import config_args\n"
+    f"for v in {VARIANTS!r}:\n"
+    "  c = config_args.load_config('configs/vlm.py', v)\n"
+    "  assert c.variant == v and c.rl.reward.fn and c.sharding.sp == 0\n"
+    "bad = sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.'))\n"
+    "assert not bad, bad\n"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env=dict(os.environ, PYTHONPATH=ROOT),
+  )
   assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -69,35 +77,54 @@ def test_one_flag_swaps_the_strategy(variant, strategy, devices):
   assert mesh.shape["data"] * mesh.shape["fsdp"] * sp_size == len(devices)
 
 
-@pytest.mark.parametrize("strategy,sp,data,fsdp,want_sp,want_shape", [
+@pytest.mark.parametrize(
+  "strategy,sp,data,fsdp,want_sp,want_shape",
+  [
     ("ulysses", 2, 1, -1, 2, {"data": 1, "fsdp": 4, "sp": 2}),
     ("flex_ulysses", 4, 1, -1, 4, {"data": 1, "fsdp": 2, "sp_0": 2, "sp_1": 2}),
     ("ulysses", 0, 2, -1, 4, {"data": 2, "fsdp": 1, "sp": 4}),  # auto leaves data its share
     ("flex_ulysses", 0, 1, 2, 4, {"data": 1, "fsdp": 2, "sp_0": 2, "sp_1": 2}),
     ("ulysses", 0, -1, 4, 2, {"data": 1, "fsdp": 4, "sp": 2}),
     ("packed_dp", 4, 2, -1, 1, {"data": 2, "fsdp": 4, "sp": 1}),  # sp does not apply
-])
+  ],
+)
 def test_sp_and_mesh_settings(strategy, sp, data, fsdp, want_sp, want_shape, devices):
-  c = _config("tiny", sharding__strategy=strategy, sharding__sp=sp, mesh__data=data,
-              mesh__fsdp=fsdp)
+  c = _config(
+    "tiny", sharding__strategy=strategy, sharding__sp=sp, mesh__data=data, mesh__fsdp=fsdp
+  )
   got, mesh = _build(c)
   assert (got.name, got.sp, dict(mesh.shape)) == (strategy, want_sp, want_shape)
 
 
-@pytest.mark.parametrize("variant,overrides,message", [
-    ("tiny", dict(sharding__strategy="ulysses", sharding__sp=16),
-     r"sharding.sp=16 .* 8 query heads; set --config.sharding.sp to one of \[1, 2, 4, 8\]"),
-    ("qwen25_vl_7b", dict(sharding__strategy="flex_ulysses", sharding__sp=8),
-     r"28 query heads; set --config.sharding.sp to one of \[1, 2, 4\], or 0 \(auto: 4"),
-    ("tiny", dict(sharding__strategy="ulysses", sharding__sp=3),
-     r"power of two; set --config.sharding.sp"),
-    ("tiny", dict(sharding__strategy="flex_ulysses", sharding__sp=4, mesh__fsdp=4),
-     r"2 devices left .* set --config.sharding.sp to one of \[1, 2\].*--config.mesh.fsdp=-1"),
+@pytest.mark.parametrize(
+  "variant,overrides,message",
+  [
+    (
+      "tiny",
+      dict(sharding__strategy="ulysses", sharding__sp=16),
+      r"sharding.sp=16 .* 8 query heads; set --config.sharding.sp to one of \[1, 2, 4, 8\]",
+    ),
+    (
+      "qwen25_vl_7b",
+      dict(sharding__strategy="flex_ulysses", sharding__sp=8),
+      r"28 query heads; set --config.sharding.sp to one of \[1, 2, 4\], or 0 \(auto: 4",
+    ),
+    (
+      "tiny",
+      dict(sharding__strategy="ulysses", sharding__sp=3),
+      r"power of two; set --config.sharding.sp",
+    ),
+    (
+      "tiny",
+      dict(sharding__strategy="flex_ulysses", sharding__sp=4, mesh__fsdp=4),
+      r"2 devices left .* set --config.sharding.sp to one of \[1, 2\].*--config.mesh.fsdp=-1",
+    ),
     ("tiny", dict(mesh__data=3), r"mesh.data=3 .* set --config.mesh.data to one of \[1, 2, 4, 8\]"),
     ("tiny", dict(sharding__strategy="ulysses", mesh__fsdp=3), r"set --config.mesh.fsdp to -1"),
     ("tiny", dict(mesh__fsdp=4), r"!= 8 devices; set --config.mesh.fsdp=8 or -1"),
     ("tiny", dict(mesh__data=-1, mesh__fsdp=-1), r"at most one .* set --config.mesh.data"),
-])
+  ],
+)
 def test_bad_settings_name_the_flag(variant, overrides, message, devices):
   c = _config(variant, **overrides)
   with pytest.raises(ValueError, match=message):
@@ -106,17 +133,20 @@ def test_bad_settings_name_the_flag(variant, overrides, message, devices):
 
 def test_p_max_is_not_a_second_name_for_sp():
   cfg = ml_collections.ConfigDict(dict(strategy="flex_ulysses", sp=0, p_max=8, capacity=64))
-  with pytest.raises(ValueError, match="largest degree is sharding.sp"):
+  with pytest.raises(ValueError, match=r"largest degree is sharding\.sp"):
     strategies.get_strategy(cfg, model_config.preset("tiny"), num_devices=8)
 
 
-@pytest.mark.parametrize("variant,num_devices,max_auto,want", [
-    ("tiny", 1, 1, 1),            # one accelerator: no sequence parallelism
+@pytest.mark.parametrize(
+  "variant,num_devices,max_auto,want",
+  [
+    ("tiny", 1, 1, 1),  # one accelerator: no sequence parallelism
     ("qwen25_vl_7b", 2, 2, 2),
-    ("qwen25_vl_7b", 16, 8, 4),   # 28 heads
-    ("qwen25_vl_3b", 64, 8, 8),   # auto stays within one host's 8 devices
-    ("qwen25_vl_32b", 6, 6, 2),   # 6 devices: 2 is the largest power of two dividing them
-])
+    ("qwen25_vl_7b", 16, 8, 4),  # 28 heads
+    ("qwen25_vl_3b", 64, 8, 8),  # auto stays within one host's 8 devices
+    ("qwen25_vl_32b", 6, 6, 2),  # 6 devices: 2 is the largest power of two dividing them
+  ],
+)
 def test_auto_sp_on_other_device_counts(variant, num_devices, max_auto, want):
   c = _config(variant, sharding__strategy="ulysses")
   cfg = model_config.preset(c.model.preset)

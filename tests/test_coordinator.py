@@ -59,6 +59,7 @@ class _Backend:
 
 class _EmptyLoader:
   """A loader whose data is exhausted; it keeps the state it is given."""
+
   store = pool = None
 
   def __init__(self):
@@ -100,19 +101,44 @@ def parts(devices):
 def coord(parts):
   config, cfg, strategy, mesh, graphdef, state, shardings, tx = parts
   from fluxjax.models.tokenizer import Tokenizer
+
   backend = _Backend()
   assert isinstance(backend, backend_lib.RolloutBackend)
-  with backend_lib.LoopThread() as thread, thread.running(backend):
-    with coordinator_lib.Coordinator(config, cfg, Tokenizer.default(), mesh, strategy, graphdef,
-                                     state, shardings, tx, _EmptyLoader(), backend, _Rewards(),
-                                     thread=thread) as c:
-      yield c, backend
+  with (
+    backend_lib.LoopThread() as thread,
+    thread.running(backend),
+    coordinator_lib.Coordinator(
+      config,
+      cfg,
+      Tokenizer.default(),
+      mesh,
+      strategy,
+      graphdef,
+      state,
+      shardings,
+      tx,
+      _EmptyLoader(),
+      backend,
+      _Rewards(),
+      thread=thread,
+    ) as c,
+  ):
+    yield c, backend
 
 
 def test_views_are_read_only(coord):
   c, _ = coord
-  for name in ("state", "state_shardings", "version", "steps", "cfg", "tokenizer", "mesh",
-               "strategy", "graphdef"):
+  for name in (
+    "state",
+    "state_shardings",
+    "version",
+    "steps",
+    "cfg",
+    "tokenizer",
+    "mesh",
+    "strategy",
+    "graphdef",
+  ):
     with pytest.raises(AttributeError):
       setattr(c, name, None)
   assert (c.version, c.steps) == (0, 0)
@@ -124,11 +150,12 @@ def test_publish_hands_the_backend_a_copy_and_counts_versions(coord):
   c.publish()
   assert [v for _, v in backend.published] == [0, 1] and c.version == 1
   from flax import nnx
+
   handed = jax.tree.leaves(nnx.state(backend.published[-1][0], nnx.Param))
   own = jax.tree.leaves(c.state.params)
   assert len(handed) == len(own)
   # Its own buffers: the next update donates the trainer's.
-  pointer = lambda x: x.addressable_shards[0].data.unsafe_buffer_pointer()  # noqa: E731
+  pointer = lambda x: x.addressable_shards[0].data.unsafe_buffer_pointer()
   assert all(pointer(h) != pointer(o) for h, o in zip(handed, own) if h.size)
   assert c.fault_counts()["fake/publishes"] == 2.0
 

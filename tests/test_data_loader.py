@@ -25,21 +25,21 @@ from fluxjax.parallel import batch as batch_lib
 from fluxjax.sharding import planners
 
 CFG = processor.VisionProcessorConfig(
-    image_min_pixels=28 * 28 * 4, image_max_pixels=28 * 28 * 16,
-    video_min_pixels=28 * 28 * 4, video_max_pixels=28 * 28 * 8,
-    video_max_frames=8)
-TINY = synth.SynthConfig(fps=2.0, video_scale=0.15, image_scale=0.3,
-                         max_seconds=6.0)
+  image_min_pixels=28 * 28 * 4,
+  image_max_pixels=28 * 28 * 16,
+  video_min_pixels=28 * 28 * 4,
+  video_max_pixels=28 * 28 * 8,
+  video_max_frames=8,
+)
+TINY = synth.SynthConfig(fps=2.0, video_scale=0.15, image_scale=0.3, max_seconds=6.0)
 MODEL = config_lib.preset("tiny")
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
   out = tmp_path_factory.mktemp("mix")
-  rows = readers.read_rows(synth.generate(str(out), "video_heavy", 12, 7,
-                                          TINY))
-  rows += readers.read_rows(synth.generate(str(out / "ih"), "image_heavy",
-                                           8, 8, TINY))
+  rows = readers.read_rows(synth.generate(str(out), "video_heavy", 12, 7, TINY))
+  rows += readers.read_rows(synth.generate(str(out / "ih"), "image_heavy", 8, 8, TINY))
   return out, rows
 
 
@@ -54,8 +54,7 @@ def _all_batches(loader):
 def test_worker_patches_equal_the_processors(data):
   _, rows = data
   kinds = set()
-  with pipeline.ShadowLoader(rows, 4, CFG, num_workers=2, num_epochs=1,
-                             shuffle=False) as loader:
+  with pipeline.ShadowLoader(rows, 4, CFG, num_workers=2, num_epochs=1, shuffle=False) as loader:
     for batch in loader:
       assert len(batch) == 4
       for sample in batch:
@@ -77,16 +76,17 @@ def _train_sequences(samples):
   for s in samples:
     seq = inputs.sequence_from_chat(s.messages(), s.media, tok, MODEL)
     t = len(seq)
-    seqs.append(batch_lib.TrainSequence(
-        seq, np.ones(t, np.float32), np.ones(t, np.float32),
-        np.zeros(t, np.float32)))
+    seqs.append(
+      batch_lib.TrainSequence(
+        seq, np.ones(t, np.float32), np.ones(t, np.float32), np.zeros(t, np.float32)
+      )
+    )
   return seqs
 
 
 def test_materializer_builds_the_same_vision_buffers(data):
   _, rows = data
-  with pipeline.ShadowLoader(rows, 6, CFG, num_workers=2, num_epochs=1,
-                             shuffle=False) as loader:
+  with pipeline.ShadowLoader(rows, 6, CFG, num_workers=2, num_epochs=1, shuffle=False) as loader:
     samples = loader.next_batch()
     seqs = _train_sequences(samples)
     plan = planners.plan_packed_dp([len(s) for s in seqs], 8, 4096, MODEL.cost_shape())
@@ -94,18 +94,22 @@ def test_materializer_builds_the_same_vision_buffers(data):
     # The reference: the same sequences holding in-process processor output.
     ref_seqs = []
     for s in seqs:
-      media = [workers.preprocess_file(m.kind, m.path, CFG)
-               for m in s.inputs.media]
-      ref_seqs.append(batch_lib.TrainSequence(
-          inputs.SequenceInputs(s.inputs.tokens_T, s.inputs.positions_3T,
-                                media, s.inputs.mrope_delta),
-          s.loss_mask_T, s.advantages_T, s.old_logprobs_T))
+      media = [workers.preprocess_file(m.kind, m.path, CFG) for m in s.inputs.media]
+      ref_seqs.append(
+        batch_lib.TrainSequence(
+          inputs.SequenceInputs(
+            s.inputs.tokens_T, s.inputs.positions_3T, media, s.inputs.mrope_delta
+          ),
+          s.loss_mask_T,
+          s.advantages_T,
+          s.old_logprobs_T,
+        )
+      )
     want = batch_lib.materialize(plan, ref_seqs, MODEL, cap)
 
     mat = mat_lib.Materializer(loader.store)
     got = batch_lib.materialize(plan, seqs, MODEL, cap, patch_source=mat)
-    np.testing.assert_array_equal(got.inputs.vision.patches_BNP,
-                                  want.inputs.vision.patches_BNP)
+    np.testing.assert_array_equal(got.inputs.vision.patches_BNP, want.inputs.vision.patches_BNP)
 
     # One step ahead: only this process's devices' items, then a measured wait.
     placement = batch_lib.media_placement(plan, seqs, MODEL)
@@ -115,16 +119,14 @@ def test_materializer_builds_the_same_vision_buffers(data):
     local = mat.local_items(placement, {0, 1, 2, 3})
     assert set(mat._ready) == {m.id for m in local}  # pylint: disable=protected-access
     got = batch_lib.materialize(plan, seqs, MODEL, cap, patch_source=mat)
-    np.testing.assert_array_equal(got.inputs.vision.patches_BNP,
-                                  want.inputs.vision.patches_BNP)
+    np.testing.assert_array_equal(got.inputs.vision.patches_BNP, want.inputs.vision.patches_BNP)
     mat.release()
     loader.release(samples)
 
 
 def test_slices_read_only_their_frames(data):
   _, rows = data
-  with pipeline.ShadowLoader(rows, 12, CFG, num_workers=1, num_epochs=1,
-                             shuffle=False) as loader:
+  with pipeline.ShadowLoader(rows, 12, CFG, num_workers=1, num_epochs=1, shuffle=False) as loader:
     batch = loader.next_batch()
     video = next(m for s in batch for m in s.media if m.grid_thw[0] >= 2)
     full = workers.preprocess_file("video", video.path, CFG).patches
@@ -142,14 +144,13 @@ def media_probe(path):
 
 def _cut(src, dst, fraction):
   blob = open(src, "rb").read()
-  open(dst, "wb").write(blob[:int(len(blob) * fraction)])
+  open(dst, "wb").write(blob[: int(len(blob) * fraction)])
 
 
 def _bad_file(kind, folder, rows):
   """A row whose media is broken in one way; returns (row, skip kind)."""
   img = next(r for r in rows if r["images"])
-  vid = max((r for r in rows if r["videos"]),
-            key=lambda r: os.path.getsize(r["videos"][0]))
+  vid = max((r for r in rows if r["videos"]), key=lambda r: os.path.getsize(r["videos"][0]))
   if kind == "missing":
     return dict(img, id="bad", images=[str(folder / "gone.jpg")]), "missing"
   if kind == "corrupt":
@@ -161,6 +162,7 @@ def _bad_file(kind, folder, rows):
     src = img["images"][0]
     if not src.endswith(".png"):
       import PIL.Image  # pylint: disable=import-outside-toplevel
+
       PIL.Image.open(src).save(folder / "full.png")
       src = folder / "full.png"
     _cut(src, path, 0.5)  # the header survives, the pixel data does not
@@ -174,16 +176,15 @@ def _bad_file(kind, folder, rows):
     path.write_text("plain text, not a container\n" * 20)
     return dict(vid, id="bad", videos=[str(path)]), "unsupported"
   if kind == "too_large":
-    big = max((r for r in rows if r["images"]),
-              key=lambda r: np.prod(media_probe(r["images"][0])))
+    big = max((r for r in rows if r["images"]), key=lambda r: np.prod(media_probe(r["images"][0])))
     return dict(big, id="bad"), "size"
   raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["missing", "corrupt", "truncated_image",
-                                  "truncated_mp4", "unsupported", "too_large"])
-def test_bad_input_is_a_counted_skip_and_the_batch_stays_full(
-    kind, data, tmp_path, caplog):
+@pytest.mark.parametrize(
+  "kind", ["missing", "corrupt", "truncated_image", "truncated_mp4", "unsupported", "too_large"]
+)
+def test_bad_input_is_a_counted_skip_and_the_batch_stays_full(kind, data, tmp_path, caplog):
   _, rows = data
   bad, reason = _bad_file(kind, tmp_path, rows)
   good = [r for r in rows if r["images"]][:4]
@@ -195,8 +196,9 @@ def test_bad_input_is_a_counted_skip_and_the_batch_stays_full(
     good = [r for r in rows if r["images"] and pixels(r) < pixels(bad)]
     good = (good * 4)[:4]
   caplog.set_level(logging.WARNING, logger="fluxjax.data.pipeline")
-  with pipeline.ShadowLoader([good[0], bad] + good[1:], 4, CFG, num_workers=1,
-                             num_epochs=1, shuffle=False, limits=limits) as loader:
+  with pipeline.ShadowLoader(
+    [good[0], bad] + good[1:], 4, CFG, num_workers=1, num_epochs=1, shuffle=False, limits=limits
+  ) as loader:
     batch = loader.next_batch()
     assert len(batch) == 4 and "bad" not in [s.id for s in batch]
     assert loader.skipped == 1
@@ -255,14 +257,12 @@ def test_dispatch_goes_to_the_least_loaded_worker(data):
 def test_pickle_transport_gives_the_same_patches(data):
   _, rows = data
   to_meta = pipeline.meta_lib.ToMeta(CFG)
-  ref = next(m for i, r in enumerate(rows) for m in to_meta(i, r).media
-             if m.kind == "video")
+  ref = next(m for i, r in enumerate(rows) for m in to_meta(i, r).media if m.kind == "video")
   store = pipeline.store_lib.MetaStore()
   with workers.WorkerPool(1, CFG, store, transport="pickle") as pool:
     pool.submit(ref)
     got = store.read(ref.media_id, timeout=30)
-  np.testing.assert_array_equal(
-      got, workers.preprocess_file("video", ref.path, CFG).patches)
+  np.testing.assert_array_equal(got, workers.preprocess_file("video", ref.path, CFG).patches)
   store.close()
 
 
@@ -281,8 +281,15 @@ def test_no_segment_outlives_the_loader(data):
 
 def test_a_dataset_with_no_usable_sample_is_an_error(tmp_path):
   """Repeating epochs of nothing but bad files must fail loudly, not spin."""
-  rows = [{"id": f"gone{i}", "prompt": "What colour?", "answer": "red",
-           "images": [str(tmp_path / f"gone{i}.jpg")]} for i in range(3)]
+  rows = [
+    {
+      "id": f"gone{i}",
+      "prompt": "What colour?",
+      "answer": "red",
+      "images": [str(tmp_path / f"gone{i}.jpg")],
+    }
+    for i in range(3)
+  ]
   with pipeline.ShadowLoader(rows, 2, processor.VisionProcessorConfig(), num_workers=0) as loader:
     with pytest.raises(RuntimeError, match="no usable sample in a whole pass over the 3 rows"):
       loader.next_batch()
@@ -304,8 +311,9 @@ def test_workers_exit_when_their_parent_is_killed():
   """A loader process killed with SIGKILL (no close) leaves no worker behind."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  parent = subprocess.Popen([sys.executable, "-c", _KILLED_PARENT], stdout=subprocess.PIPE,
-                            text=True, env=env)
+  parent = subprocess.Popen(
+    [sys.executable, "-c", _KILLED_PARENT], stdout=subprocess.PIPE, text=True, env=env
+  )
   try:
     pids = [int(p) for p in parent.stdout.readline().split()]
   finally:

@@ -6,18 +6,19 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from fluxjax.data import meta, pipeline, readers, synth
+from fluxjax.data import meta, pipeline, readers, synth, workers
 from fluxjax.models import config as config_lib
 from fluxjax.models import inputs, processor
 from fluxjax.models.tokenizer import Tokenizer
-from fluxjax.data import workers
 
 CFG = processor.VisionProcessorConfig(
-    image_min_pixels=28 * 28 * 4, image_max_pixels=28 * 28 * 16,
-    video_min_pixels=28 * 28 * 4, video_max_pixels=28 * 28 * 8,
-    video_max_frames=8)
-TINY = synth.SynthConfig(fps=2.0, video_scale=0.15, image_scale=0.3,
-                         max_seconds=6.0)
+  image_min_pixels=28 * 28 * 4,
+  image_max_pixels=28 * 28 * 16,
+  video_min_pixels=28 * 28 * 4,
+  video_max_pixels=28 * 28 * 8,
+  video_max_frames=8,
+)
+TINY = synth.SynthConfig(fps=2.0, video_scale=0.15, image_scale=0.3, max_seconds=6.0)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,7 @@ def test_media_ref_grid_is_the_processors(rows):
 
 
 def test_slice_is_a_fake_tensor_shard():
-  ref = meta.MediaRef("7/0", "video", "v.mp4", 90, 160, 40, 2.0, 8,
-                      (4, 6, 10), 1.0)
+  ref = meta.MediaRef("7/0", "video", "v.mp4", 90, 160, 40, 2.0, 8, (4, 6, 10), 1.0)
   part = ref.slice(slice(1, 3))
   assert part.grid_thw == (2, 6, 10) and part.id == "7/0[1:3]"
   assert part.patch_rows == (60, 180)
@@ -60,8 +60,7 @@ def test_media_refs_plug_into_sequence_from_chat(rows):
   to_meta = meta.ToMeta(CFG)
   for i, row in enumerate(rows[:6]):
     sample = to_meta(i, row)
-    seq = inputs.sequence_from_chat(sample.messages(), sample.media,
-                                    Tokenizer.default(), cfg)
+    seq = inputs.sequence_from_chat(sample.messages(), sample.media, Tokenizer.default(), cfg)
     pads = np.isin(seq.tokens_T, [cfg.image_token_id, cfg.video_token_id])
     assert pads.sum() == sample.num_vision_tokens()
 
@@ -71,8 +70,7 @@ def test_probing_is_cached_and_reads_no_pixels(rows, monkeypatch):
   meta.probe("video", path)
   hits = meta.probe_cache_info().hits
   loads = []
-  monkeypatch.setattr(meta.media_lib, "load_video",
-                      lambda *a: loads.append(a))
+  monkeypatch.setattr(meta.media_lib, "load_video", lambda *a: loads.append(a))
   meta.media_ref("x", "video", path, CFG)
   assert meta.probe_cache_info().hits == hits + 1 and not loads
 

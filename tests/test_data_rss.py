@@ -17,9 +17,14 @@ import PIL.Image
 from fluxjax.data import synth
 
 # Bounds wide enough that the processor keeps the 16x growth.
-PROC = dict(image_min_pixels=28 * 28, image_max_pixels=1 << 22,
-            video_min_pixels=28 * 28, video_max_pixels=1 << 22,
-            video_max_frames=16, video_cap_pixels_per_frame=False)
+PROC = dict(
+  image_min_pixels=28 * 28,
+  image_max_pixels=1 << 22,
+  video_min_pixels=28 * 28,
+  video_max_pixels=1 << 22,
+  video_max_frames=16,
+  video_cap_pixels_per_frame=False,
+)
 
 
 def _write(folder, scale):
@@ -36,8 +41,9 @@ def _write(folder, scale):
     h, w = 48 * scale, 64 * scale
     frames = np.asarray(PIL.Image.new("RGB", (w, h), synth.RGB["red"]))
     synth.write_video(path, lambda k: frames, 16, h, w, 2)
-    rows.append({"id": f"v{i}", "prompt": "Which colour appears last?",
-                 "answer": "red", "videos": [path]})
+    rows.append(
+      {"id": f"v{i}", "prompt": "Which colour appears last?", "answer": "red", "videos": [path]}
+    )
   manifest = os.path.join(folder, "manifest.jsonl")
   with open(manifest, "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -48,9 +54,9 @@ def _controller_main(manifest):
   """Runs in the subprocess: drive the loader, print peak RSS and patch bytes."""
   from fluxjax.data import pipeline  # pylint: disable=import-outside-toplevel
   from fluxjax.models import processor  # pylint: disable=import-outside-toplevel
+
   cfg = processor.VisionProcessorConfig(**PROC)
-  with pipeline.ShadowLoader(manifest, 4, cfg, num_workers=1, num_epochs=2,
-                             seed=0) as loader:
+  with pipeline.ShadowLoader(manifest, 4, cfg, num_workers=1, num_epochs=2, seed=0) as loader:
     for batch in loader:
       loader.release(batch)
     peak_store = loader.store.peak_bytes
@@ -61,6 +67,7 @@ def _peak_rss_mb():
   """Peak RSS of this process: VmHWM, since ru_maxrss survives exec and so
   would report the parent's peak if that was higher."""
   import resource  # pylint: disable=import-outside-toplevel
+
   with open("/proc/self/status") as f:
     for line in f:
       if line.startswith("VmHWM:"):
@@ -70,10 +77,13 @@ def _peak_rss_mb():
 
 def _run(manifest):
   here = os.path.dirname(os.path.abspath(__file__))
-  code = (f"import sys; sys.path.insert(0, {here!r}); import test_data_rss as t;"
-          f" t._controller_main({manifest!r})")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                       text=True, timeout=120, check=True)
+  code = (
+    f"import sys; sys.path.insert(0, {here!r}); import test_data_rss as t;"
+    f" t._controller_main({manifest!r})"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+  )
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 

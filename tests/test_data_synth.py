@@ -12,8 +12,7 @@ import pytest
 from fluxjax.data import readers, synth
 from fluxjax.models import media
 
-TINY = synth.SynthConfig(fps=2.0, video_scale=0.15, image_scale=0.3,
-                         max_seconds=6.0)
+TINY = synth.SynthConfig(fps=2.0, video_scale=0.15, image_scale=0.3, max_seconds=6.0)
 
 
 def _digest(folder):
@@ -39,9 +38,26 @@ def test_same_seed_writes_the_same_dataset(tmp_path, video_heavy):
 
 def test_cli_writes_every_mix(tmp_path):
   for mix in synth.MIXES:
-    synth.main(["--out", str(tmp_path / mix), "--mix", mix, "--n", "6",
-                "--seed", "1", "--fps", "2", "--video-scale", "0.15",
-                "--image-scale", "0.3", "--max-seconds", "6"])
+    synth.main(
+      [
+        "--out",
+        str(tmp_path / mix),
+        "--mix",
+        mix,
+        "--n",
+        "6",
+        "--seed",
+        "1",
+        "--fps",
+        "2",
+        "--video-scale",
+        "0.15",
+        "--image-scale",
+        "0.3",
+        "--max-seconds",
+        "6",
+      ]
+    )
     rows = readers.read_rows(tmp_path / mix / "manifest.jsonl")
     assert len(rows) == 6
     if mix == "text":
@@ -59,7 +75,7 @@ def test_answers_are_verifiable_from_the_files(video_heavy):
     for path in r["images"]:
       assert media.probe_image(path) == media.load_image(path).size[::-1]
       if r["prompt"].startswith("What is"):
-        expr = r["prompt"][len("What is "):].split("?")[0]
+        expr = r["prompt"][len("What is ") :].split("?")[0]
         assert str(eval(expr)) == r["answer"]  # pylint: disable=eval-used
     for path in r["videos"]:
       info = media.probe_video(path)
@@ -68,8 +84,7 @@ def test_answers_are_verifiable_from_the_files(video_heavy):
       frames, _ = media.load_video(path, cfg)
       if r["task"] == "last_colour":
         centre = frames[-1, info.height // 2, info.width // 2].astype(int)
-        dist = {c: np.abs(centre - np.array(v)).sum()
-                for c, v in synth.RGB.items()}
+        dist = {c: np.abs(centre - np.array(v)).sum() for c, v in synth.RGB.items()}
         assert min(dist, key=dist.get) == r["answer"]
 
 
@@ -85,23 +100,43 @@ def test_frame_counts_follow_the_durations(video_heavy):
 def test_readers_accept_rl_rows_in_jsonl_and_parquet(tmp_path):
   (tmp_path / "img").mkdir()
   raw = [
-      {"prompt": [{"role": "user", "content": [
-          {"type": "image"}, {"type": "text", "text": "How many?"}]}],
-       "reward_model": {"ground_truth": 3}, "images": [{"path": "img/a.png"}],
-       "data_source": "geo3k"},
-      {"id": "x", "question": "Which colour?", "answer": "red",
-       "video": "/abs/v.mp4"},
+    {
+      "prompt": [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}
+      ],
+      "reward_model": {"ground_truth": 3},
+      "images": [{"path": "img/a.png"}],
+      "data_source": "geo3k",
+    },
+    {"id": "x", "question": "Which colour?", "answer": "red", "video": "/abs/v.mp4"},
   ]
   with open(tmp_path / "d.jsonl", "w") as f:
     for r in raw:
       f.write(json.dumps(r) + "\n")
-  pq.write_table(pa.Table.from_pylist([
-      {"id": "p0", "prompt": "What is 1 + 2?", "answer": "3",
-       "images": ["img/a.png"], "videos": []}]), tmp_path / "d.parquet")
+  pq.write_table(
+    pa.Table.from_pylist(
+      [
+        {
+          "id": "p0",
+          "prompt": "What is 1 + 2?",
+          "answer": "3",
+          "images": ["img/a.png"],
+          "videos": [],
+        }
+      ]
+    ),
+    tmp_path / "d.parquet",
+  )
   a, b = readers.read_rows(tmp_path / "d.jsonl")
-  assert a == {"id": "0", "prompt": "How many?", "answer": "3",
-               "images": [str(tmp_path / "img/a.png")], "videos": [],
-               "source": "geo3k", "task": ""}
+  assert a == {
+    "id": "0",
+    "prompt": "How many?",
+    "answer": "3",
+    "images": [str(tmp_path / "img/a.png")],
+    "videos": [],
+    "source": "geo3k",
+    "task": "",
+  }
   assert b["id"] == "x" and b["videos"] == ["/abs/v.mp4"]
   assert b["answer"] == "red" and b["prompt"] == "Which colour?"
   (p,) = readers.read_rows(tmp_path / "d.parquet")
@@ -129,5 +164,5 @@ def test_shapes_answers_are_verifiable_from_the_pixels(tmp_path):
       assert drawn.mean() > 0.1  # one large shape
     else:
       half = size // 2
-      quads = [drawn[y:y + half, x:x + half].any() for y in (0, half) for x in (0, half)]
+      quads = [drawn[y : y + half, x : x + half].any() for y in (0, half) for x in (0, half)]
       assert str(sum(quads)) == r["answer"]

@@ -11,10 +11,9 @@ from PIL import Image, ImageDraw
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_peer import TOL, random_hf_model  # noqa: E402
-
 from fluxjax.models import hf_io, inputs, media, processor  # noqa: E402
 from fluxjax.models.tokenizer import Tokenizer  # noqa: E402
+from hf_peer import TOL, random_hf_model  # noqa: E402
 
 
 def _draw(width, height, shapes, seed):
@@ -66,13 +65,22 @@ def test_files_to_logits_match_transformers(files, models):
   frames, fps = media.load_video(video_path, cfg)
   img = processor.preprocess_image(image, cfg)
   vid = processor.preprocess_video(frames, cfg, fps)
-  messages = [{"role": "user", "content": [
-      {"type": "image"}, {"type": "text", "text": "How many circles are there?"},
-      {"type": "video"}, {"type": "text", "text": "Which colour appears last?"}]}]
+  messages = [
+    {
+      "role": "user",
+      "content": [
+        {"type": "image"},
+        {"type": "text", "text": "How many circles are there?"},
+        {"type": "video"},
+        {"type": "text", "text": "Which colour appears last?"},
+      ],
+    }
+  ]
   seq = inputs.sequence_from_chat(messages, [img, vid], Tokenizer.default(), ours.cfg)
-  row = inputs.pack_row([seq], ours.cfg, token_capacity=len(seq) + 7,
-                        patch_capacity=seq.num_patches + 12)
-  got = np.asarray(ours.logits(row))[0, :len(seq)]
+  row = inputs.pack_row(
+    [seq], ours.cfg, token_capacity=len(seq) + 7, patch_capacity=seq.num_patches + 12
+  )
+  got = np.asarray(ours.logits(row))[0, : len(seq)]
 
   # The peer: HF's own image processor on the same decoded image, HF's rope
   # index from mm_token_type_ids. (HF's video processor needs torchvision, which
@@ -80,20 +88,28 @@ def test_files_to_logits_match_transformers(files, models):
   # them against the video processor's source.)
   hf_image = transformers.Qwen2VLImageProcessorPil()(images=[image], return_tensors="np")
   np.testing.assert_allclose(hf_image["pixel_values"], img.patches, atol=1e-5, rtol=0)
-  types = np.where(seq.tokens_T == ours.cfg.image_token_id, 1,
-                   np.where(seq.tokens_T == ours.cfg.video_token_id, 2, 0))
+  types = np.where(
+    seq.tokens_T == ours.cfg.image_token_id,
+    1,
+    np.where(seq.tokens_T == ours.cfg.video_token_id, 2, 0),
+  )
   kw = dict(
-      input_ids=torch.tensor(seq.tokens_T[None], dtype=torch.long),
-      mm_token_type_ids=torch.tensor(types[None]),
-      pixel_values=torch.tensor(hf_image["pixel_values"]),
-      image_grid_thw=torch.tensor(hf_image["image_grid_thw"]),
-      pixel_values_videos=torch.tensor(vid.patches),
-      video_grid_thw=torch.tensor([vid.grid_thw]),
-      second_per_grid_ts=torch.tensor([vid.second_per_grid]))
+    input_ids=torch.tensor(seq.tokens_T[None], dtype=torch.long),
+    mm_token_type_ids=torch.tensor(types[None]),
+    pixel_values=torch.tensor(hf_image["pixel_values"]),
+    image_grid_thw=torch.tensor(hf_image["image_grid_thw"]),
+    pixel_values_videos=torch.tensor(vid.patches),
+    video_grid_thw=torch.tensor([vid.grid_thw]),
+    second_per_grid_ts=torch.tensor([vid.second_per_grid]),
+  )
   with torch.no_grad():
-    hf_pos = hf.model.get_rope_index(kw["input_ids"], kw["mm_token_type_ids"],
-                                     kw["image_grid_thw"], kw["video_grid_thw"],
-                                     kw["second_per_grid_ts"])[0][:, 0].numpy()
+    hf_pos = hf.model.get_rope_index(
+      kw["input_ids"],
+      kw["mm_token_type_ids"],
+      kw["image_grid_thw"],
+      kw["video_grid_thw"],
+      kw["second_per_grid_ts"],
+    )[0][:, 0].numpy()
     want = hf(**kw).logits[0].numpy()
   np.testing.assert_array_equal(seq.positions_3T, hf_pos)
   np.testing.assert_allclose(got, want, atol=TOL, rtol=0)

@@ -17,12 +17,10 @@ import threading
 import time
 import urllib.request
 
-
 import pytest
 
-from fluxjax.rl import metrics
 from fluxjax.data import readers, synth
-from fluxjax.rl import loop
+from fluxjax.rl import loop, metrics
 from fluxjax.rollout import fleet as fleet_lib
 from helpers import server_env, tiny_run_config
 
@@ -34,9 +32,10 @@ def _dataset(tmp_path, n=24):
   image_row = next(r for r in rows if r.get("images"))
   bad = tmp_path / "corrupt.jpg"
   bad.write_bytes(b"\xff\xd8\xff\xe0 this is no jpeg" * 10)
-  extra = [dict(image_row, id="corrupt-image", images=[str(bad)]),
-           dict(image_row, id="too-long", images=[],
-                prompt="Count every word of this. " + "word " * 400)]
+  extra = [
+    dict(image_row, id="corrupt-image", images=[str(bad)]),
+    dict(image_row, id="too-long", images=[], prompt="Count every word of this. " + "word " * 400),
+  ]
   path = tmp_path / "train.jsonl"
   with open(path, "w") as f:
     for row in rows[:4] + extra + rows[4:]:
@@ -75,12 +74,25 @@ def test_server_killed_mid_round(tmp_path):
   c.rl.max_new_tokens = 16
   c.coordinator.lag.mode = "fixed"  # rounds keep running while the trainer steps
   v = c.data.vision
-  cmd = ["python", "-m", "fluxjax.rollout.server", "--preset", "tiny", "--num-slots", "4",
-         "--context-length", str(c.rollout.context_length),
-         "--image-min-pixels", str(v.image_min_pixels),
-         "--image-max-pixels", str(v.image_max_pixels),
-         "--video-min-pixels", str(v.video_min_pixels),
-         "--video-max-pixels", str(v.video_max_pixels)]
+  cmd = [
+    "python",
+    "-m",
+    "fluxjax.rollout.server",
+    "--preset",
+    "tiny",
+    "--num-slots",
+    "4",
+    "--context-length",
+    str(c.rollout.context_length),
+    "--image-min-pixels",
+    str(v.image_min_pixels),
+    "--image-max-pixels",
+    str(v.image_max_pixels),
+    "--video-min-pixels",
+    str(v.video_min_pixels),
+    "--video-max-pixels",
+    str(v.video_max_pixels),
+  ]
   servers = fleet_lib.launch_servers(cmd, 2, env=server_env(), timeout_s=300)
   try:
     c.rollout.backend, c.rollout.urls = "sglang", tuple(servers.urls)
@@ -94,8 +106,7 @@ def test_server_killed_mid_round(tmp_path):
       # is met by requests in flight rather than by the next weight update.
       load_url = servers.urls[0] + "/get_load"
       while servers.procs[0].poll() is None:
-        recs = (metrics.read_metrics(str(workdir))
-                if os.path.exists(workdir / metrics.JSONL) else [])
+        recs = metrics.read_metrics(str(workdir)) if os.path.exists(workdir / metrics.JSONL) else []
         if any(r["step"] >= 1 for r in recs):
           try:
             with urllib.request.urlopen(load_url, timeout=5) as resp:

@@ -18,7 +18,7 @@ def test_placement_invariants(lens, num_devices, p_max):
   hypothesis.assume(p_max <= num_devices)
   fp = flex_planner.plan_flex(lens, num_devices, p_max)
   assert len(fp.placements) == len(lens)  # every sequence placed exactly once
-  for h, pl in zip(lens, fp.placements):
+  for _, pl in zip(lens, fp.placements):
     assert pl.p >= 1 and pl.p & (pl.p - 1) == 0 and pl.p <= p_max  # powers of two
     assert pl.first % pl.p == 0  # aligned blocks: groups of all degrees nest
     assert pl.first + pl.p <= num_devices
@@ -33,8 +33,9 @@ def test_placement_invariants(lens, num_devices, p_max):
 @hypothesis.given(lengths, st.sampled_from([2, 4, 8]))
 def test_plans_place_every_chunk_once(lens, p_max):
   """As a Plan: each sequence in exactly one row whose slices cover it, once."""
-  plan = planners.plan_flex_ulysses(lens, 8, p_max, capacity=4096,
-                                    buckets=(256, 512, 1024, 2048, 4096))
+  plan = planners.plan_flex_ulysses(
+    lens, 8, p_max, capacity=4096, buckets=(256, 512, 1024, 2048, 4096)
+  )
   plan.validate()
   rows_of = {}
   for m, rows in enumerate(plan.microbatches):
@@ -54,12 +55,12 @@ def test_sequences_needing_more_devices_than_the_mesh_get_another_microbatch():
   """Five sequences just over the capacity need degree 2 each: 10 devices of 8,
   within the token budget of one microbatch, so the step takes two."""
   lens = [4096, 4097, 4097, 4097, 4097]
-  plan = planners.plan_flex_ulysses(lens, 8, 2, capacity=4096,
-                                    buckets=(256, 512, 1024, 2048, 4096))
+  plan = planners.plan_flex_ulysses(lens, 8, 2, capacity=4096, buckets=(256, 512, 1024, 2048, 4096))
   plan.validate()
   assert plan.num_microbatches == 2
-  assert all(r.degree == 2 for rows in plan.microbatches for r in rows
-             if any(lens[s] > 4096 for s in r.seqs))
+  assert all(
+    r.degree == 2 for rows in plan.microbatches for r in rows if any(lens[s] > 4096 for s in r.seqs)
+  )
 
 
 def test_merge_and_reorder_reduce_communication():
@@ -111,8 +112,9 @@ def test_step_placement_invariants(microbatches, num_devices, p_max):
     assert fp.m_th == pytest.approx(1.1 * max(sum(lens) / num_devices, 1.0))
     _check_placement(fp, lens, num_devices, p_max)
   again = flex_planner.plan_flex_step(microbatches, num_devices, p_max)
-  assert [[(p.p, p.first) for p in fp.placements] for fp in again] == \
-         [[(p.p, p.first) for p in fp.placements] for fp in placed]
+  assert [[(p.p, p.first) for p in fp.placements] for fp in again] == [
+    [(p.p, p.first) for p in fp.placements] for fp in placed
+  ]
 
 
 @hypothesis.settings(max_examples=100, deadline=None)

@@ -25,17 +25,17 @@ PACKAGE = ROOT / "fluxjax"
 
 # (layer rank, group): a module may import a lower rank, or its own group.
 LAYERS = {
-    "fluxjax": (6, "entry"),
-    "fluxjax.train": (6, "entry"),
-    "fluxjax.plot": (6, "entry"),
-    "fluxjax.config_args": (6, "entry"),
-    "fluxjax.logs": (6, "entry"),
-    "fluxjax.rl": (5, "rl"),
-    "fluxjax.data": (4, "data"),
-    "fluxjax.rollout": (4, "rollout"),
-    "fluxjax.parallel": (3, "parallel"),
-    "fluxjax.models": (2, "models"),
-    "fluxjax.sharding": (1, "sharding"),
+  "fluxjax": (6, "entry"),
+  "fluxjax.train": (6, "entry"),
+  "fluxjax.plot": (6, "entry"),
+  "fluxjax.config_args": (6, "entry"),
+  "fluxjax.logs": (6, "entry"),
+  "fluxjax.rl": (5, "rl"),
+  "fluxjax.data": (4, "data"),
+  "fluxjax.rollout": (4, "rollout"),
+  "fluxjax.parallel": (3, "parallel"),
+  "fluxjax.models": (2, "models"),
+  "fluxjax.sharding": (1, "sharding"),
 }
 
 
@@ -65,14 +65,19 @@ def _imports(path: pathlib.Path) -> set[str]:
       names = [a.name for a in node.names]
     elif isinstance(node, ast.ImportFrom):
       if node.level:
-        base = package.split(".")[:len(package.split(".")) - node.level + 1]
+        base = package.split(".")[: len(package.split(".")) - node.level + 1]
         module = ".".join(base + ([node.module] if node.module else []))
       else:
         module = node.module or ""
       names = [f"{module}.{a.name}" for a in node.names]
-    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-          and node.func.attr == "import_module" and node.args
-          and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+    elif (
+      isinstance(node, ast.Call)
+      and isinstance(node.func, ast.Attribute)
+      and node.func.attr == "import_module"
+      and node.args
+      and isinstance(node.args[0], ast.Constant)
+      and isinstance(node.args[0].value, str)
+    ):
       names = [node.args[0].value]
     found.update(_resolve(n) for n in names if n == "fluxjax" or n.startswith("fluxjax."))
   found.discard(mod)
@@ -118,7 +123,7 @@ def test_no_import_cycles():
     stack.append(mod)
     for dep in sorted(graph.get(mod, ())):
       if state.get(dep) == 1:
-        cycles.append(" -> ".join(stack[stack.index(dep):] + [dep]))
+        cycles.append(" -> ".join(stack[stack.index(dep) :] + [dep]))
       elif dep not in state:
         visit(dep, stack)
     stack.pop()
@@ -130,13 +135,16 @@ def test_no_import_cycles():
   assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
-@pytest.mark.parametrize("source, expected", [
+@pytest.mark.parametrize(
+  "source, expected",
+  [
     ("from fluxjax.parallel import train_step\n", {"fluxjax.parallel.train_step"}),
     ("def f():\n  from fluxjax.rl import loop\n", {"fluxjax.rl.loop"}),
     ("from ..rl.loop import run\n", {"fluxjax.rl.loop"}),
     ("import importlib\nimportlib.import_module('fluxjax.rl.sft')\n", {"fluxjax.rl.sft"}),
     ("import fluxjax.models.vlm as v\n", {"fluxjax.models.vlm"}),
-])
+  ],
+)
 def test_the_walk_sees_every_form_of_import(tmp_path, monkeypatch, source, expected):
   """The checker itself: a back-arrow written any of these ways is found."""
   fake = tmp_path / "fluxjax" / "sharding"

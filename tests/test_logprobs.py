@@ -36,7 +36,8 @@ def test_gradients_equal_naive():
   chunked = lambda h, t, w: logprobs.token_logprobs(h, t, w, chunk=128)
   g = jax.grad(lambda h, w: loss(chunked, h, w), argnums=(0, 1))(hidden, head)
   g_ref = jax.grad(lambda h, w: loss(logprobs.naive_token_logprobs, h, w), argnums=(0, 1))(
-      hidden, head)
+    hidden, head
+  )
   for a, b in zip(g, g_ref):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
@@ -68,8 +69,9 @@ def test_never_materializes_full_logits():
   assert max(sizes) < b * t * v // 4, f"largest intermediate {max(sizes)} ~ full logits"
   assert max(sizes) >= b * t * chunk  # the chunk itself is there: the check can see it
   # And the naive path does build it, so the check would catch a regression.
-  naive = jax.make_jaxpr(jax.grad(
-      lambda h: logprobs.naive_token_logprobs(h, targets, head).sum()))(hidden).jaxpr
+  naive = jax.make_jaxpr(jax.grad(lambda h: logprobs.naive_token_logprobs(h, targets, head).sum()))(
+    hidden
+  ).jaxpr
   assert max(int(np.prod(a.shape)) for a in _all_avals(naive)) >= b * t * v
 
 
@@ -79,11 +81,16 @@ def test_model_token_logprobs_match_full_logits():
   t = 20
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, 490, (2, t)).astype(np.int32)
-  batch = vlm.PackedInputs(tokens, np.tile(np.arange(t), (3, 2, 1)).astype(np.int32),
-                           np.ones((2, t), np.int32), np.tile(np.arange(t), (2, 1)).astype(np.int32))
+  batch = vlm.PackedInputs(
+    tokens,
+    np.tile(np.arange(t), (3, 2, 1)).astype(np.int32),
+    np.ones((2, t), np.int32),
+    np.tile(np.arange(t), (2, 1)).astype(np.int32),
+  )
   targets = np.roll(tokens, -1, axis=1)
   lp, ent = model.token_logprobs(batch, targets, with_entropy=True)
   full = jax.nn.log_softmax(model.logits(batch), axis=-1)
-  np.testing.assert_allclose(lp, np.take_along_axis(full, targets[..., None], -1)[..., 0],
-                             atol=1e-5, rtol=0)
+  np.testing.assert_allclose(
+    lp, np.take_along_axis(full, targets[..., None], -1)[..., 0], atol=1e-5, rtol=0
+  )
   np.testing.assert_allclose(ent, -(jnp.exp(full) * full).sum(-1), atol=1e-5, rtol=0)

@@ -51,8 +51,15 @@ def test_console_shows_fluxjax_progress_and_file_keeps_everything(tmp_path, rest
 
   with open(path) as f:
     kept = f.read()
-  for line in ("step 1/2", "eval: answers", "58 lines", "internal layout", "the save failed",
-               "platform detail", "no GPU found"):
+  for line in (
+    "step 1/2",
+    "eval: answers",
+    "58 lines",
+    "internal layout",
+    "the save failed",
+    "platform detail",
+    "no GPU found",
+  ):
     assert line in kept, line
 
 

@@ -4,11 +4,11 @@ import os
 
 import av
 import hypothesis
-from hypothesis import strategies as st
 import numpy as np
 import PIL.Image
 import PIL.ImageFile
 import pytest
+from hypothesis import strategies as st
 
 from fluxjax.models import media
 from fluxjax.models import processor as vp
@@ -24,10 +24,10 @@ def _level(i):
   return (i * 8) % 256
 
 
-def _write_video(path, num_frames=_FRAMES, fps=_FPS, height=_H, width=_W,
-                 container_format=None, options=None):
-  with av.open(str(path), "w", format=container_format,
-               options=options or {}) as out:
+def _write_video(
+  path, num_frames=_FRAMES, fps=_FPS, height=_H, width=_W, container_format=None, options=None
+):
+  with av.open(str(path), "w", format=container_format, options=options or {}) as out:
     stream = out.add_stream(_CODEC, rate=fps)
     stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
     for i in range(num_frames):
@@ -66,8 +66,7 @@ def _cut(src, dst, fraction):
 # --- images -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "name,size", [("a.jpg", (37, 53)), ("a.png", (41, 29))])
+@pytest.mark.parametrize("name,size", [("a.jpg", (37, 53)), ("a.png", (41, 29))])
 def test_probe_and_load_image(media_dir, name, size):
   assert media.probe_image(media_dir / name) == size
   image = media.load_image(media_dir / name)
@@ -172,9 +171,9 @@ def test_single_frame_video_is_padded(media_dir):
 
 @hypothesis.settings(max_examples=200, deadline=None)
 @hypothesis.given(
-    num_frames=st.integers(1, 20000),
-    video_fps=st.floats(1.0, 240.0),
-    target_fps=st.sampled_from([0.5, 1.0, 2.0, 4.0]),
+  num_frames=st.integers(1, 20000),
+  video_fps=st.floats(1.0, 240.0),
+  target_fps=st.sampled_from([0.5, 1.0, 2.0, 4.0]),
 )
 def test_sample_frame_indices_properties(num_frames, video_fps, target_fps):
   cfg = vp.VisionProcessorConfig(video_fps=target_fps)
@@ -206,14 +205,13 @@ def test_truncated_mp4_with_index_first(media_dir, tmp_path):
   # The header still promises every frame, so probe (no decode) succeeds...
   assert media.probe_video(path).num_frames == _FRAMES
   # ...and decoding finds the data missing.
-  with pytest.raises(media.MediaError, match="ended early|decode failed"):
+  with pytest.raises(media.MediaError, match=r"ended early|decode failed"):
     media.load_video(path, vp.VisionProcessorConfig())
 
 
 def test_truncated_mp4_with_index_last(media_dir, tmp_path):
   path = _cut(media_dir / "plain.mp4", tmp_path / "cut.mp4", 0.5)
-  for call in (media.probe_video,
-               lambda p: media.load_video(p, vp.VisionProcessorConfig())):
+  for call in (media.probe_video, lambda p: media.load_video(p, vp.VisionProcessorConfig())):
     with pytest.raises(media.MediaError) as e:
       call(path)
     assert e.value.path == str(path) and e.value.reason
@@ -234,11 +232,11 @@ def test_bad_video_files_raise(tmp_path):
     out.mux(stream.encode(frame))
     out.mux(stream.encode())
   cases = [
-      (garbage, "cannot open video|no video stream"),
-      (text, "cannot open video|no video stream"),
-      (audio, "no video stream"),
-      (tmp_path / "missing.mp4", "not found"),
-      (tmp_path, "not a regular file"),
+    (garbage, "cannot open video|no video stream"),
+    (text, "cannot open video|no video stream"),
+    (audio, "no video stream"),
+    (tmp_path / "missing.mp4", "not found"),
+    (tmp_path, "not a regular file"),
   ]
   for path, match in cases:
     with pytest.raises(media.MediaError, match=match):

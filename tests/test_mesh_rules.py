@@ -10,11 +10,9 @@ import pytest
 from flax import nnx
 
 from fluxjax.models import config as config_lib
-from fluxjax.models import vlm
-from fluxjax.models import sharded
-from fluxjax.sharding import axes
+from fluxjax.models import sharded, vlm
+from fluxjax.sharding import axes, rules
 from fluxjax.sharding import mesh as mesh_lib
-from fluxjax.sharding import rules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,8 +80,9 @@ def test_sharded_init_places_shards_without_a_whole_copy(devices):
   for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     value = var.get_value()
     # Same random init; jitted and eager sampling may differ in the last ulp.
-    np.testing.assert_allclose(np.asarray(value), np.asarray(want[key].get_value()),
-                               rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(
+      np.asarray(value), np.asarray(want[key].get_value()), rtol=1e-6, atol=1e-9
+    )
     if value.size >= 1024:
       assert not value.sharding.is_fully_replicated, key
       assert all(s.data.size * 8 == value.size for s in value.addressable_shards), key
@@ -101,19 +100,28 @@ def test_sharded_init_compiles_once_for_every_seed(devices):
 
 
 def _train(*overrides):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-m", "fluxjax.train", "--config=configs/vlm.py",
-                         *overrides], cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=300)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  return subprocess.run(
+    [sys.executable, "-m", "fluxjax.train", "--config=configs/vlm.py", *overrides],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
 
 
 def test_cli_switches_strategy_by_config(tmp_path):
   # total_steps=0: build everything (data, sharded model, engine), evaluate, stop.
-  out = _train("--config.sharding.strategy=ulysses", "--config.sharding.sp=4",
-               "--config.total_steps=0", "--config.data.synth_train=4",
-               "--config.data.synth_eval=2", "--config.data.eval_prompts=2",
-               f"--workdir={tmp_path}")
+  out = _train(
+    "--config.sharding.strategy=ulysses",
+    "--config.sharding.sp=4",
+    "--config.total_steps=0",
+    "--config.data.synth_train=4",
+    "--config.data.synth_eval=2",
+    "--config.data.eval_prompts=2",
+    f"--workdir={tmp_path}",
+  )
   assert "strategy ulysses (sp=4) on mesh {'data': 1, 'fsdp': 2, 'sp': 4}" in out.stderr
   assert "total per device" in out.stderr  # the parameter table's total was logged
   assert out.returncode == 0, out.stderr[-3000:]
@@ -125,6 +133,7 @@ def test_cli_switches_strategy_by_config(tmp_path):
   assert bad.returncode == 1
   assert "bad configuration: unknown sharding.strategy 'ring'" in bad.stderr
   assert not (tmp_path / "bad").exists()  # refused before anything is written
-  odd = _train("--config.sharding.strategy=ulysses", "--config.sharding.sp=16",
-               f"--workdir={tmp_path / 'odd'}")
+  odd = _train(
+    "--config.sharding.strategy=ulysses", "--config.sharding.sp=16", f"--workdir={tmp_path / 'odd'}"
+  )
   assert "does not divide the 8 query heads" in odd.stderr

@@ -62,9 +62,17 @@ def test_config_json_round_trip_and_published_layout(tmp_path):
 
 def test_bad_configs_are_clear_errors():
   with pytest.raises(ValueError, match="mrope_section"):
-    config_lib.preset("tiny").replace(text=config_lib.TextConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, mrope_section=(16, 24, 24)))
+    config_lib.preset("tiny").replace(
+      text=config_lib.TextConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        mrope_section=(16, 24, 24),
+      )
+    )
   with pytest.raises(ValueError, match="unknown model preset"):
     config_lib.preset("13b")
   with pytest.raises(ValueError, match="qwen2_5_vl"):

@@ -16,7 +16,6 @@ transformers = pytest.importorskip("transformers")
 import jax  # noqa: E402
 
 from fluxjax.models import hf_io, vision, vlm  # noqa: E402
-
 from hf_peer import IMG, TOL, VEND, VID, VSTART, random_hf_model  # noqa: E402
 
 
@@ -55,8 +54,12 @@ def run_hf(hf, ids, types, images=(), videos=(), second_per_grid=None):
     kw["second_per_grid_ts"] = torch.tensor(second_per_grid, dtype=torch.float32)
   with torch.no_grad():
     positions = hf.model.get_rope_index(
-        kw["input_ids"], kw["mm_token_type_ids"], kw.get("image_grid_thw"),
-        kw.get("video_grid_thw"), kw.get("second_per_grid_ts"))[0]
+      kw["input_ids"],
+      kw["mm_token_type_ids"],
+      kw.get("image_grid_thw"),
+      kw.get("video_grid_thw"),
+      kw.get("second_per_grid_ts"),
+    )[0]
     logits = hf(**kw).logits[0].numpy()
   return logits, positions[:, 0].numpy()
 
@@ -64,13 +67,17 @@ def run_hf(hf, ids, types, images=(), videos=(), second_per_grid=None):
 def run_ours(ours, ids, positions_3T, media=(), capacity=None):
   vis = None
   if media:
-    vis = vision.make_vision_inputs([p for p, _ in media], [g for _, g in media],
-                                    ours.cfg.vision, capacity)
+    vis = vision.make_vision_inputs(
+      [p for p, _ in media], [g for _, g in media], ours.cfg.vision, capacity
+    )
   t = len(ids)
-  batch = vlm.PackedInputs(tokens_BT=ids[None].astype(np.int32),
-                           positions_3BT=positions_3T[:, None].astype(np.int32),
-                           segment_ids_BT=np.ones((1, t), np.int32),
-                           segment_pos_BT=np.arange(t, dtype=np.int32)[None], vision=vis)
+  batch = vlm.PackedInputs(
+    tokens_BT=ids[None].astype(np.int32),
+    positions_3BT=positions_3T[:, None].astype(np.int32),
+    segment_ids_BT=np.ones((1, t), np.int32),
+    segment_pos_BT=np.arange(t, dtype=np.int32)[None],
+    vision=vis,
+  )
   return np.asarray(jax.jit(lambda m, b: m.logits(b))(ours, batch))[0]
 
 
@@ -102,8 +109,17 @@ def test_several_images_of_different_sizes(peer):
   hf, ours = peer
   rng = np.random.default_rng(2)
   imgs = [patches(rng, g) for g in [(1, 4, 4), (1, 16, 12), (1, 10, 20)]]
-  ids, types = build_prompt(rng, [("text", 3), ("image", imgs[0][1]), ("text", 2),
-                                  ("image", imgs[1][1]), ("image", imgs[2][1]), ("text", 4)])
+  ids, types = build_prompt(
+    rng,
+    [
+      ("text", 3),
+      ("image", imgs[0][1]),
+      ("text", 2),
+      ("image", imgs[1][1]),
+      ("image", imgs[2][1]),
+      ("text", 4),
+    ],
+  )
   want, pos = run_hf(hf, ids, types, images=imgs)
   got = run_ours(ours, ids, pos, imgs)
   np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
@@ -133,13 +149,15 @@ def test_image_and_video_packed_in_one_row(peer):
   pos = np.concatenate([pos_a, pos_b, np.zeros((3, pad), np.int64)], axis=1)
   seg = np.concatenate([np.full(ta, 1), np.full(tb, 2), np.zeros(pad)]).astype(np.int32)
   spos = np.concatenate([np.arange(ta), np.arange(tb), np.zeros(pad)]).astype(np.int32)
-  vis = vision.make_vision_inputs([img[0], vid[0]], [img[1], vid[1]], ours.cfg.vision,
-                                  capacity=64 + 64 + 32)
-  batch = vlm.PackedInputs(ids[None].astype(np.int32), pos[:, None].astype(np.int32),
-                           seg[None], spos[None], vis)
+  vis = vision.make_vision_inputs(
+    [img[0], vid[0]], [img[1], vid[1]], ours.cfg.vision, capacity=64 + 64 + 32
+  )
+  batch = vlm.PackedInputs(
+    ids[None].astype(np.int32), pos[:, None].astype(np.int32), seg[None], spos[None], vis
+  )
   got = np.asarray(ours.logits(batch))[0]
   np.testing.assert_allclose(got[:ta], want_a, atol=TOL, rtol=0)
-  np.testing.assert_allclose(got[ta:ta + tb], want_b, atol=TOL, rtol=0)
+  np.testing.assert_allclose(got[ta : ta + tb], want_b, atol=TOL, rtol=0)
 
 
 def test_padded_batch_forward(peer):
@@ -151,13 +169,15 @@ def test_padded_batch_forward(peer):
   ids = np.zeros((2, width), np.int64)
   mask = np.zeros((2, width), np.int64)
   for i, r in enumerate(rows):
-    ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    ids[i, width - len(r) :], mask[i, width - len(r) :] = r, 1
   with torch.no_grad():
     want = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
   positions = np.maximum(np.cumsum(mask, 1) - 1, 0)[None].repeat(3, 0)
   got = np.asarray(ours.logits(vlm.padded_inputs(ids, mask, positions)))
   for i, r in enumerate(rows):
-    np.testing.assert_allclose(got[i, width - len(r):], want[i, width - len(r):], atol=TOL, rtol=0)
+    np.testing.assert_allclose(
+      got[i, width - len(r) :], want[i, width - len(r) :], atol=TOL, rtol=0
+    )
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -169,13 +189,13 @@ def test_export_loads_into_transformers(tmp_path, tie):
   assert ours.cfg.text.tie_word_embeddings == tie
   # Perturb our weights so the round trip cannot pass by reading the source back.
   ours.model.norm.weight[...] = ours.model.norm.weight[...] * 1.5
-  hf_io.save_hf_checkpoint(ours, str(tmp_path / "out"), dtype="float32",
-                           max_shard_bytes=200_000)
+  hf_io.save_hf_checkpoint(ours, str(tmp_path / "out"), dtype="float32", max_shard_bytes=200_000)
   files = sorted(p.name for p in (tmp_path / "out").iterdir())
   assert "model.safetensors.index.json" in files and "config.json" in files
   assert sum(f.endswith(".safetensors") for f in files) > 1
   back = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-      tmp_path / "out", dtype=torch.float32).eval()
+    tmp_path / "out", dtype=torch.float32
+  ).eval()
   rng = np.random.default_rng(8)
   img = patches(rng, (1, 8, 12))
   ids, types = build_prompt(rng, [("text", 4), ("image", img[1]), ("text", 3)])
@@ -194,6 +214,7 @@ def test_load_into_sharded_arrays(peer, tmp_path, devices):
   hf.save_pretrained(tmp_path)
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
   from flax import nnx
+
   shardings = {}
   for key, var in nnx.to_flat_state(nnx.state(vlm.abstract_model(ours.cfg), nnx.Param)):
     shape = var.get_value().shape

@@ -64,18 +64,27 @@ def test_ulysses_plans_are_valid_with_consecutive_blocks(case):
 def test_plans_are_deterministic():
   rng = np.random.default_rng(0)
   lengths = rng.integers(1, CAP, 300).tolist()
-  assert planners.plan_packed_dp(lengths, 8, CAP, SHAPE) == planners.plan_packed_dp(lengths, 8, CAP, SHAPE)
-  assert (planners.plan_ulysses(lengths, 8, 4, CAP, SHAPE)
-          == planners.plan_ulysses(lengths, 8, 4, CAP, SHAPE))
+  assert planners.plan_packed_dp(lengths, 8, CAP, SHAPE) == planners.plan_packed_dp(
+    lengths, 8, CAP, SHAPE
+  )
+  assert planners.plan_ulysses(lengths, 8, 4, CAP, SHAPE) == planners.plan_ulysses(
+    lengths, 8, 4, CAP, SHAPE
+  )
 
 
 def test_too_long_sequences_are_named():
   lengths = [100, 200, 300, 9000, 50, 9001]
-  with pytest.raises(ValueError, match=r"sequence 3 has 9000 tokens > packed_dp capacity "
-                                       r"8192 \(and 1 more\); use ulysses or flex_ulysses"):
+  with pytest.raises(
+    ValueError,
+    match=r"sequence 3 has 9000 tokens > packed_dp capacity "
+    r"8192 \(and 1 more\); use ulysses or flex_ulysses",
+  ):
     planners.plan_packed_dp(lengths, 4, 8192, SHAPE)
-  with pytest.raises(ValueError, match=r"sequence 1 has 40000 tokens > ulysses sp=2 x "
-                                       r"capacity 16384 = 32768"):
+  with pytest.raises(
+    ValueError,
+    match=r"sequence 1 has 40000 tokens > ulysses sp=2 x "
+    r"capacity 16384 = 32768",
+  ):
     planners.plan_ulysses([10, 40000], 4, 2, 16384, SHAPE)
   # The same sequence fits a degree-2 row.
   planners.plan_ulysses(lengths, 4, 2, 8192, SHAPE).validate()
@@ -93,7 +102,10 @@ def test_bad_degrees_are_refused():
 
 
 def test_empty_batch_gives_no_microbatches():
-  for plan in (planners.plan_packed_dp([], 8, CAP, SHAPE), planners.plan_ulysses([], 8, 2, CAP, SHAPE)):
+  for plan in (
+    planners.plan_packed_dp([], 8, CAP, SHAPE),
+    planners.plan_ulysses([], 8, 2, CAP, SHAPE),
+  ):
     plan.validate()
     assert plan.num_microbatches == 0
 
@@ -121,7 +133,9 @@ def test_plan_loads_conserve_tokens_and_flops(case):
   plan = planners.plan_ulysses(lengths, devices, sp, CAP, SHAPE)
   loads = planners.plan_loads(plan, SHAPE)
   assert loads.tokens.sum() == pytest.approx(sum(lengths))
-  assert loads.attention.sum() == pytest.approx(balance.attention_cost(np.array(lengths), SHAPE).sum())
+  assert loads.attention.sum() == pytest.approx(
+    balance.attention_cost(np.array(lengths), SHAPE).sum()
+  )
   assert loads.tokens.max(initial=0) <= CAP
   # Devices of one row share its work evenly.
   for m, rows in enumerate(plan.microbatches):
@@ -137,20 +151,24 @@ def test_ulysses_beats_packed_dp_on_one_long_sequence():
   lengths = [16000] + [1000] * 31
   dp = planners.plan_loads(planners.plan_packed_dp(lengths, 4, 16384, SHAPE), SHAPE)
   sp = planners.plan_loads(planners.plan_ulysses(lengths, 4, 4, 16384, SHAPE), SHAPE)
-  assert (balance.balance_ratio(sp.attention.sum(axis=0))
-          < balance.balance_ratio(dp.attention.sum(axis=0)))
+  assert balance.balance_ratio(sp.attention.sum(axis=0)) < balance.balance_ratio(
+    dp.attention.sum(axis=0)
+  )
 
 
 def test_lb_mini_plan_lets_devices_run_different_microbatch_counts():
   """Where attention dominates, cost balance leaves token loads uneven."""
-  shape = balance.CostShape(num_layers=1, hidden=8, num_heads=1, num_kv_heads=1, head_dim=8,
-                            intermediate=8, vocab=8)
+  shape = balance.CostShape(
+    num_layers=1, hidden=8, num_heads=1, num_kv_heads=1, head_dim=8, intermediate=8, vocab=8
+  )
   # 4 long sequences cost as much as 100 short ones but hold 40% of their tokens.
   lens = [500, 500, 500, 500] + [50] * 100
   plan = planners.plan_packed_dp_lb_mini(lens, 8, 512, shape)
   plan.validate()
-  counts = [sum(1 for rows in plan.microbatches for r in rows if r.devices == (d,) and r.seqs)
-            for d in range(8)]
+  counts = [
+    sum(1 for rows in plan.microbatches for r in rows if r.devices == (d,) and r.seqs)
+    for d in range(8)
+  ]
   assert min(counts) == 1 and max(counts) > 1, counts
   # LB-Micro (layer sync) makes every device run the same count.
   micro = planners.plan_packed_dp(lens, 8, 512, shape)

@@ -7,11 +7,11 @@ import sys
 import types
 
 import hypothesis
-from hypothesis import strategies as st
 import numpy as np
 import PIL.Image
 import pytest
 import torch
+from hypothesis import strategies as st
 from transformers import video_utils
 from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as hf_pil
 
@@ -20,10 +20,10 @@ from fluxjax.models import processor as vp
 
 _HF_VIDEO_MODULE = "transformers.models.qwen2_vl.video_processing_qwen2_vl"
 _TORCHVISION_NAMES = (
-    "torchvision",
-    "torchvision.transforms",
-    "torchvision.transforms.v2",
-    "torchvision.transforms.v2.functional",
+  "torchvision",
+  "torchvision.transforms",
+  "torchvision.transforms.v2",
+  "torchvision.transforms.v2.functional",
 )
 
 
@@ -40,7 +40,7 @@ def _smooth_noisy_image(rng, height, width, channels=3):
 def _hf_image(image, cfg):
   """transformers' PIL-backend output for one image: (patches, grid)."""
   hf = hf_pil.Qwen2VLImageProcessorPil(
-      min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels
+    min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels
   )
   out = hf(image, return_tensors="np")
   return out["pixel_values"], tuple(out["image_grid_thw"][0].tolist())
@@ -72,8 +72,7 @@ def hf_video_cls():
   if stubs:  # do not leave a module built on stubs for other tests to import
     sys.modules.pop(_HF_VIDEO_MODULE, None)
     with contextlib.suppress(KeyError, AttributeError):
-      delattr(sys.modules["transformers.models.qwen2_vl"],
-              "video_processing_qwen2_vl")
+      delattr(sys.modules["transformers.models.qwen2_vl"], "video_processing_qwen2_vl")
 
 
 # --- smart_resize and config ------------------------------------------------
@@ -81,16 +80,15 @@ def hf_video_cls():
 
 @hypothesis.settings(max_examples=400, deadline=None)
 @hypothesis.given(
-    height=st.integers(1, 20000),
-    width=st.integers(1, 20000),
-    factor=st.sampled_from([14, 28, 32]),
-    min_pixels=st.sampled_from([56 * 56, 128 * 28 * 28, 4 * 28 * 28]),
-    max_pixels=st.sampled_from([28 * 28 * 1280, 768 * 28 * 28, 200_000]),
+  height=st.integers(1, 20000),
+  width=st.integers(1, 20000),
+  factor=st.sampled_from([14, 28, 32]),
+  min_pixels=st.sampled_from([56 * 56, 128 * 28 * 28, 4 * 28 * 28]),
+  max_pixels=st.sampled_from([28 * 28 * 1280, 768 * 28 * 28, 200_000]),
 )
 def test_smart_resize_matches_hf(height, width, factor, min_pixels, max_pixels):
   try:
-    expected = hf_pil.smart_resize(
-        height, width, factor, min_pixels, max_pixels)
+    expected = hf_pil.smart_resize(height, width, factor, min_pixels, max_pixels)
   except ValueError:
     with pytest.raises(ValueError, match="aspect ratio"):
       vp.smart_resize(height, width, factor, min_pixels, max_pixels)
@@ -113,15 +111,17 @@ def test_default_config_matches_hf_class_defaults(hf_video_cls):
   assert cfg.image_min_pixels == img.size["shortest_edge"]
   assert cfg.image_max_pixels == img.size["longest_edge"]
   assert (cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size) == (
-      img.patch_size, img.temporal_patch_size, img.merge_size)
+    img.patch_size,
+    img.temporal_patch_size,
+    img.merge_size,
+  )
   np.testing.assert_array_equal(cfg.image_mean, img.image_mean)
   np.testing.assert_array_equal(cfg.image_std, img.image_std)
   assert cfg.resample == img.resample
   vid = hf_video_cls
   assert cfg.video_min_pixels == vid.size["shortest_edge"]
   assert cfg.video_max_pixels == vid.size["longest_edge"]
-  assert (cfg.video_min_frames, cfg.video_max_frames) == (
-      vid.min_frames, vid.max_frames)
+  assert (cfg.video_min_frames, cfg.video_max_frames) == (vid.min_frames, vid.max_frames)
   assert cfg.video_max_tokens == vid.max_video_tokens
   assert cfg.temporal_patch_size == vid.temporal_patch_size
 
@@ -132,17 +132,17 @@ _SMALL_MAX = 200_000  # keeps the "above max_pixels" cases fast on both sides
 
 
 @pytest.mark.parametrize(
-    "height,width,max_pixels",
-    [
-        (10, 20, None),  # below min_pixels: upscaled
-        (28, 28, None),
-        (123, 457, None),  # odd sizes
-        (457, 123, None),
-        (37, 1001, None),
-        (56, 84, None),  # already a multiple of 28: no resize
-        (900, 1300, _SMALL_MAX),  # above max_pixels: downscaled
-        (2000, 333, _SMALL_MAX),
-    ],
+  "height,width,max_pixels",
+  [
+    (10, 20, None),  # below min_pixels: upscaled
+    (28, 28, None),
+    (123, 457, None),  # odd sizes
+    (457, 123, None),
+    (37, 1001, None),
+    (56, 84, None),  # already a multiple of 28: no resize
+    (900, 1300, _SMALL_MAX),  # above max_pixels: downscaled
+    (2000, 333, _SMALL_MAX),
+  ],
 )
 def test_image_matches_hf(height, width, max_pixels):
   cfg = vp.VisionProcessorConfig()
@@ -197,15 +197,15 @@ def test_numpy_image_matches_hf(channels):
 
 
 @pytest.mark.parametrize(
-    "bad,match",
-    [
-        (np.zeros((20, 30, 3), np.float32), "uint8"),
-        (np.zeros((20, 30, 2), np.uint8), "shape"),
-        (np.zeros((2, 20, 30, 3), np.uint8), "shape"),
-        (np.zeros((0, 30, 3), np.uint8), "positive"),
-        (np.zeros((2, 500, 3), np.uint8), "aspect ratio"),
-        ("not an image", "PIL image or numpy"),
-    ],
+  "bad,match",
+  [
+    (np.zeros((20, 30, 3), np.float32), "uint8"),
+    (np.zeros((20, 30, 2), np.uint8), "shape"),
+    (np.zeros((2, 20, 30, 3), np.uint8), "shape"),
+    (np.zeros((0, 30, 3), np.uint8), "positive"),
+    (np.zeros((2, 500, 3), np.uint8), "aspect ratio"),
+    ("not an image", "PIL image or numpy"),
+  ],
 )
 def test_bad_image_input_raises(bad, match):
   with pytest.raises(ValueError, match=match):
@@ -232,15 +232,15 @@ def test_grid_and_token_count():
 # config makes them coincide so image and video paths can be compared, and
 # keeps small frames unresized.
 _SAME_LIMITS = vp.VisionProcessorConfig(
-    video_min_pixels=56 * 56,
-    video_max_pixels=28 * 28 * 1280,
-    video_cap_pixels_per_frame=False,
+  video_min_pixels=56 * 56,
+  video_max_pixels=28 * 28 * 1280,
+  video_cap_pixels_per_frame=False,
 )
 
 
 def _patch_by_loops(frames_FHWC, cfg):
   """Independent derivation of the layout: one row per (t, bh, bw, ih, iw)."""
-  f, height, width, c = frames_FHWC.shape
+  f, height, width, _ = frames_FHWC.shape
   p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
   rows = []
   for t in range(f // tp):
@@ -249,7 +249,7 @@ def _patch_by_loops(frames_FHWC, cfg):
         for ih in range(m):
           for iw in range(m):
             y, x = (bh * m + ih) * p, (bw * m + iw) * p
-            block_TPPC = frames_FHWC[t * tp:(t + 1) * tp, y:y + p, x:x + p]
+            block_TPPC = frames_FHWC[t * tp : (t + 1) * tp, y : y + p, x : x + p]
             rows.append(block_TPPC.transpose(3, 0, 1, 2).reshape(-1))
   return np.stack(rows)
 
@@ -277,8 +277,7 @@ def test_video_layout_and_padding(num_frames):
   np.testing.assert_allclose(out.patches, expected, rtol=0, atol=1e-5)
   # The padding slot holds the last real frame, not zeros.
   last_NCTPP = out.patches[-24:].reshape(24, 3, 2, 14, 14)
-  np.testing.assert_array_equal(
-      last_NCTPP[:, :, 1], last_NCTPP[:, :, (num_frames - 1) % 2])
+  np.testing.assert_array_equal(last_NCTPP[:, :, 1], last_NCTPP[:, :, (num_frames - 1) % 2])
 
 
 def test_video_of_repeated_image_equals_image():
@@ -306,7 +305,8 @@ def test_video_frames_match_hf_image_processor_per_frame():
     assert (hf_h, hf_w) == (h, w)
     hf_NCTPP = hf_patches.reshape(h * w, 3, 2, 14, 14)
     np.testing.assert_allclose(
-        ours_GNCTPP[k // 2, :, :, k % 2], hf_NCTPP[:, :, 0], rtol=0, atol=1e-5)
+      ours_GNCTPP[k // 2, :, :, k % 2], hf_NCTPP[:, :, 0], rtol=0, atol=1e-5
+    )
 
 
 def test_video_patchify_matches_hf_peer(hf_video_cls):
@@ -314,21 +314,20 @@ def test_video_patchify_matches_hf_peer(hf_video_cls):
   frames = np.random.default_rng(3).integers(0, 256, (5, 56, 112, 3), np.uint8)
   out = vp.preprocess_video(frames, cfg, fps=2.0)
   normalized_BFCHW = torch.from_numpy(
-      _normalize_reference(frames, cfg).transpose(0, 3, 1, 2)[None].copy())
+    _normalize_reference(frames, cfg).transpose(0, 3, 1, 2)[None].copy()
+  )
   hf_patches, gt, gh, gw = hf_video_cls.patchify(
-      None, normalized_BFCHW, patch_size=14, merge_size=2,
-      temporal_patch_size=2)
+    None, normalized_BFCHW, patch_size=14, merge_size=2, temporal_patch_size=2
+  )
   assert out.grid_thw == (gt, gh, gw)
   np.testing.assert_allclose(out.patches, hf_patches[0].numpy(), atol=1e-5)
 
 
 @pytest.mark.parametrize(
-    "num_frames,height,width",
-    [(4, 360, 640), (64, 1080, 1920), (401, 720, 1280), (768, 480, 854),
-     (2, 50, 60), (7, 3000, 200)],
+  "num_frames,height,width",
+  [(4, 360, 640), (64, 1080, 1920), (401, 720, 1280), (768, 480, 854), (2, 50, 60), (7, 3000, 200)],
 )
-def test_video_resize_rule_matches_hf_peer(hf_video_cls, monkeypatch,
-                                           num_frames, height, width):
+def test_video_resize_rule_matches_hf_peer(hf_video_cls, monkeypatch, num_frames, height, width):
   cfg = vp.VisionProcessorConfig()
   seen = []
 
@@ -342,14 +341,18 @@ def test_video_resize_rule_matches_hf_peer(hf_video_cls, monkeypatch,
   hf = hf_video_cls(cap_pixels_per_frame=cfg.video_cap_pixels_per_frame)
   # A [1, F, C, H, W] view without F*H*W memory: only shapes are read.
   videos = torch.zeros(1, 1, 3, 1, 1).expand(1, num_frames, 3, height, width)
-  hf.resize(videos, size=hf.size, resample=None, factor=cfg.factor,
-            temporal_factor=cfg.temporal_patch_size,
-            cap_pixels_per_frame=cfg.video_cap_pixels_per_frame)
+  hf.resize(
+    videos,
+    size=hf.size,
+    resample=None,
+    factor=cfg.factor,
+    temporal_factor=cfg.temporal_patch_size,
+    cap_pixels_per_frame=cfg.video_cap_pixels_per_frame,
+  )
   assert vp.resized_size("video", height, width, num_frames, cfg) == seen[-1]
   t, h, w = vp.grid_for_size("video", height, width, num_frames, cfg)
   assert (h * 14, w * 14) == seen[-1]
-  expected_patches = hf.get_num_of_video_patches(
-      num_frames, *seen[-1], videos_kwargs={})
+  expected_patches = hf.get_num_of_video_patches(num_frames, *seen[-1], videos_kwargs={})
   assert t * h * w == expected_patches
 
 
@@ -360,9 +363,12 @@ def test_sample_frames_matches_hf_peer(hf_video_cls, total, video_fps):
   cfg = vp.VisionProcessorConfig()
   indices, sampled_fps = media.sample_frame_indices(total, video_fps, cfg)
   peer = types.SimpleNamespace(
-      num_frames=None, fps=cfg.video_fps, min_frames=cfg.video_min_frames,
-      max_frames=cfg.video_max_frames,
-      temporal_patch_size=cfg.temporal_patch_size)
+    num_frames=None,
+    fps=cfg.video_fps,
+    min_frames=cfg.video_min_frames,
+    max_frames=cfg.video_max_frames,
+    temporal_patch_size=cfg.temporal_patch_size,
+  )
   metadata = video_utils.VideoMetadata(total_num_frames=total, fps=video_fps)
   try:
     expected = hf_video_cls.sample_frames(peer, metadata).numpy()
@@ -399,22 +405,21 @@ def test_video_grid_for_size_agrees_with_defaults(num_frames, height, width):
   cfg = vp.VisionProcessorConfig()
   frames = np.zeros((num_frames, height, width, 3), np.uint8)
   out = vp.preprocess_video(frames, cfg, fps=1.0)
-  assert out.grid_thw == vp.grid_for_size("video", height, width,
-                                          num_frames, cfg)
+  assert out.grid_thw == vp.grid_for_size("video", height, width, num_frames, cfg)
   assert out.patches.shape == (np.prod(out.grid_thw), 3 * 2 * 14 * 14)
 
 
 @pytest.mark.parametrize(
-    "frames,fps,match",
-    [
-        (np.zeros((0, 28, 28, 3), np.uint8), 2.0, "at least one frame"),
-        (np.zeros((2, 28, 28, 3), np.float32), 2.0, "uint8"),
-        (np.zeros((2, 28, 28), np.uint8), 2.0, r"\[F, H, W, 3\]"),
-        (np.zeros((2, 28, 28, 4), np.uint8), 2.0, r"\[F, H, W, 3\]"),
-        (np.zeros((2, 28, 28, 3), np.uint8), 0.0, "fps"),
-        (np.zeros((2, 28, 28, 3), np.uint8), float("nan"), "fps"),
-        ([[0]], 2.0, "numpy array"),
-    ],
+  "frames,fps,match",
+  [
+    (np.zeros((0, 28, 28, 3), np.uint8), 2.0, "at least one frame"),
+    (np.zeros((2, 28, 28, 3), np.float32), 2.0, "uint8"),
+    (np.zeros((2, 28, 28), np.uint8), 2.0, r"\[F, H, W, 3\]"),
+    (np.zeros((2, 28, 28, 4), np.uint8), 2.0, r"\[F, H, W, 3\]"),
+    (np.zeros((2, 28, 28, 3), np.uint8), 0.0, "fps"),
+    (np.zeros((2, 28, 28, 3), np.uint8), float("nan"), "fps"),
+    ([[0]], 2.0, "numpy array"),
+  ],
 )
 def test_bad_video_input_raises(frames, fps, match):
   with pytest.raises(ValueError, match=match):

@@ -6,7 +6,8 @@ import dataclasses
 import time
 
 from fluxjax.data.meta import SampleMeta
-from fluxjax.rl import async_control, producer as producer_lib, tail_batching
+from fluxjax.rl import async_control, tail_batching
+from fluxjax.rl import producer as producer_lib
 from fluxjax.rollout.client import Completion
 
 
@@ -46,8 +47,17 @@ class _LateSpeculation:
     rid = body["rid"]  # tb-{epoch}-{round}-{prompt}-{index}-{try}
     prompt, index = rid.split("-")[3:5]
     n = body["sampling_params"]["max_new_tokens"]
-    finished = Completion(rid, "x" * (1 + int(index)), [7] * n, [0.0] * n,
-                          {"type": "length", "length": n}, 3, "0", "fake", {})
+    finished = Completion(
+      rid,
+      "x" * (1 + int(index)),
+      [7] * n,
+      [0.0] * n,
+      {"type": "length", "length": n},
+      3,
+      "0",
+      "fake",
+      {},
+    )
     if (prompt, index) == self.late:
       await asyncio.sleep(self.late_s)
       self.late_done.set()
@@ -55,10 +65,11 @@ class _LateSpeculation:
     ev = self.events[rid] = asyncio.Event()
     try:
       await asyncio.wait_for(ev.wait(), 0.01 if prompt == "0" else self.slow_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
       return finished
-    return Completion(rid, "", [7], [0.0], {"type": "abort", "message": "Abort"}, 3, "0",
-                      "fake", {})
+    return Completion(
+      rid, "", [7], [0.0], {"type": "abort", "message": "Abort"}, 3, "0", "fake", {}
+    )
 
   async def abort(self, rid):
     if rid in self.events:
@@ -80,12 +91,18 @@ def test_a_late_speculative_response_of_a_forgotten_prompt_does_not_fail_the_rou
   rollout = _LateSpeculation(("0", "2"), late_s=0.5, slow_s=1.5)
   rewards = _InstantRewards()
   producer = producer_lib.Producer(
-      rollout, rewards, tail_batching.TailBatcher(P, R, eta=1.5),
-      async_control.AdmissionController(P, "sync"),
-      next_samples=lambda: batches.pop(0) if batches else [],
-      make_body=lambda sample, prompt, j: {"input_ids": [1, 2, 3],
-                                           "sampling_params": {"max_new_tokens": 4}},
-      prompt_fn=lambda sample: [1, 2, 3], max_prompt_tokens=16)
+    rollout,
+    rewards,
+    tail_batching.TailBatcher(P, R, eta=1.5),
+    async_control.AdmissionController(P, "sync"),
+    next_samples=lambda: batches.pop(0) if batches else [],
+    make_body=lambda sample, prompt, j: {
+      "input_ids": [1, 2, 3],
+      "sampling_params": {"max_new_tokens": 4},
+    },
+    prompt_fn=lambda sample: [1, 2, 3],
+    max_prompt_tokens=16,
+  )
   producer.batcher.start_epoch([])
   producer.start()
   try:

@@ -19,23 +19,38 @@ import time
 
 import pytest
 
-from fluxjax.rl import metrics
 from fluxjax.data import pipeline, readers
 from fluxjax.models import processor
-from fluxjax.rl import loop
+from fluxjax.rl import loop, metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, P = 4, 2
 
 
 def _command(workdir):
-  overrides = {"total_steps": STEPS, "eval_every": 0, "checkpoint.every": 1,
-               "sft.enabled": False, "data.synth_train": 16, "data.synth_eval": 2,
-               "data.eval_prompts": 2, "rl.prompts_per_step": P, "rl.responses_per_prompt": 2,
-               "rl.max_new_tokens": 6, "rl.reward.num_workers": 1, "rollout.num_slots": 4,
-               "rollout.tail_batching.eta": 1.0, "coordinator.lag.mode": "sync"}
-  return ([sys.executable, "-m", "fluxjax.train", f"--config={ROOT}/configs/vlm.py",
-           f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in overrides.items()])
+  overrides = {
+    "total_steps": STEPS,
+    "eval_every": 0,
+    "checkpoint.every": 1,
+    "sft.enabled": False,
+    "data.synth_train": 16,
+    "data.synth_eval": 2,
+    "data.eval_prompts": 2,
+    "rl.prompts_per_step": P,
+    "rl.responses_per_prompt": 2,
+    "rl.max_new_tokens": 6,
+    "rl.reward.num_workers": 1,
+    "rollout.num_slots": 4,
+    "rollout.tail_batching.eta": 1.0,
+    "coordinator.lag.mode": "sync",
+  }
+  return [
+    sys.executable,
+    "-m",
+    "fluxjax.train",
+    f"--config={ROOT}/configs/vlm.py",
+    f"--workdir={workdir}",
+  ] + [f"--config.{k}={v}" for k, v in overrides.items()]
 
 
 @pytest.mark.slow
@@ -47,7 +62,8 @@ def test_sigkill_mid_step_resumes_each_prompt_once(tmp_path):
   try:
     while time.time() < deadline and proc.poll() is None:
       if (workdir / metrics.JSONL).exists() and any(
-          r["step"] >= 2 for r in metrics.read_metrics(str(workdir))):
+        r["step"] >= 2 for r in metrics.read_metrics(str(workdir))
+      ):
         break
       time.sleep(0.2)
     assert proc.poll() is None, "the run ended before it could be killed"
@@ -57,8 +73,7 @@ def test_sigkill_mid_step_resumes_each_prompt_once(tmp_path):
   assert proc.returncode == -signal.SIGKILL
   before = {r["step"]: r for r in metrics.read_metrics(str(workdir))}
 
-  second = subprocess.run(_command(workdir), cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+  second = subprocess.run(_command(workdir), cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
   assert "resumed from step" in second.stderr
 
@@ -69,8 +84,13 @@ def test_sigkill_mid_step_resumes_each_prompt_once(tmp_path):
 
   rows = readers.read_rows(str(workdir / "data" / "train" / "manifest.jsonl"))
   config = json.load(open(workdir / "config.json"))
-  loader = pipeline.ShadowLoader(rows, P, processor.VisionProcessorConfig(**config["data"]["vision"]),
-                                 num_workers=0, seed=config["seed"])
+  loader = pipeline.ShadowLoader(
+    rows,
+    P,
+    processor.VisionProcessorConfig(**config["data"]["vision"]),
+    num_workers=0,
+    seed=config["seed"],
+  )
   expected = [sorted(s.id for s in loader.next_batch()) for _ in range(STEPS)]
   loader.close()
   # Within a step groups arrive in finish order; the step's set is the batch's.

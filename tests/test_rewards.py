@@ -14,8 +14,8 @@ import pytest
 
 from fluxjax.rl import rewards
 
-
 # --- reward functions run inside the workers -------------------------------
+
 
 def sleep_then_correct(response, answer):
   """Sleeps `response` seconds, then answers correctly (reward 1)."""
@@ -43,42 +43,52 @@ def die(response, answer):
 
 # --- the registry ------------------------------------------------------------
 
-@pytest.mark.parametrize("response,want", [
+
+@pytest.mark.parametrize(
+  "response,want",
+  [
     ("<answer>7</answer>", "7"),
     ("<think>3 + 4</think><answer> 7 </answer>", "7"),
     ("<answer>5</answer> on reflection <answer>7</answer>", "7"),  # the last tag wins
     ("The answer is 7.", "7."),
     ("Answer: red", "red"),
     ("7", "7"),
-])
+  ],
+)
 def test_extract_answer(response, want):
   assert rewards.extract_answer(response) == want
 
 
-@pytest.mark.parametrize("response,answer,want", [
+@pytest.mark.parametrize(
+  "response,answer,want",
+  [
     ("<answer>red</answer>", "red", 1.0),
-    ("<answer>Red.</answer>", "red", 1.0),      # case and punctuation ignored
+    ("<answer>Red.</answer>", "red", 1.0),  # case and punctuation ignored
     ("The answer is blue.", "blue", 1.0),
     ("Answer: circle", "circle", 1.0),
-    ("It is green", "green", 1.0),             # a bare answer's last word
+    ("It is green", "green", 1.0),  # a bare answer's last word
     ("<answer>red</answer>", "blue", 0.0),
     ("Answer: 12", "13", 0.0),
-])
+  ],
+)
 def test_exact(response, answer, want):
   assert rewards.get("exact")(response, answer) == want
 
 
-@pytest.mark.parametrize("response,answer,want", [
+@pytest.mark.parametrize(
+  "response,answer,want",
+  [
     ("<answer>42</answer>", "42", 1.0),
     ("<answer>42.0</answer>", "42", 1.0),
     ("The answer is 1,000.", "1000", 1.0),
     ("Answer: -3", "-3", 1.0),
-    ("3 * 4 = 12", "12", 1.0),                 # bare: the last number
+    ("3 * 4 = 12", "12", 1.0),  # bare: the last number
     ("<answer>41</answer>", "42", 0.0),
     ("<answer>forty-two</answer>", "42", 0.0),
     ("<answer>0.1000001</answer>", "0.1", 1.0),  # |diff| 1e-7 <= 1e-6 + 1e-6 * 0.1
-    ("<answer>0.10001</answer>", "0.1", 0.0),    # |diff| 1e-5 > 1.1e-6
-])
+    ("<answer>0.10001</answer>", "0.1", 0.0),  # |diff| 1e-5 > 1.1e-6
+  ],
+)
 def test_numeric(response, answer, want):
   assert rewards.get("numeric")(response, answer) == want
 
@@ -88,15 +98,18 @@ def test_numeric_tolerance_override():
   assert rewards.numeric_answer("<answer>10.6</answer>", "10", abs_tol=0.5) == 0.0
 
 
-@pytest.mark.parametrize("response,want", [
+@pytest.mark.parametrize(
+  "response,want",
+  [
     ("<answer>7</answer>", 1.0),
     ("<think>I look at the image carefully.</think><answer>3</answer>", 1.0),
     ("<think>I watch the video frame by frame.</think> <answer>red</answer>\n", 1.0),
-    ("The answer is 7.", 0.0),                 # not the asked-for tags
-    ("<answer></answer>", 0.0),                # empty answer
+    ("The answer is 7.", 0.0),  # not the asked-for tags
+    ("<answer></answer>", 0.0),  # empty answer
     ("<answer>7</answer> and more text", 0.0),  # trailing text
     ("<think>a</think><think>b</think><answer>7</answer>", 0.0),
-])
+  ],
+)
 def test_format(response, want):
   assert rewards.get("format")(response, "7") == want
 
@@ -105,14 +118,15 @@ def test_accuracy_dispatch_and_combined():
   assert rewards.get("accuracy")("<answer>12.0</answer>", "12") == 1.0  # numeric reference
   assert rewards.get("accuracy")("<answer>yellow</answer>", "yellow") == 1.0
   combined = rewards.get("accuracy_with_format")
-  assert combined("<answer>12</answer>", "12") == pytest.approx(1.0)   # 0.9 + 0.1
-  assert combined("The answer is 12.", "12") == pytest.approx(0.9)     # 0.9 + 0
-  assert combined("<answer>11</answer>", "12") == pytest.approx(0.1)   # 0 + 0.1
+  assert combined("<answer>12</answer>", "12") == pytest.approx(1.0)  # 0.9 + 0.1
+  assert combined("The answer is 12.", "12") == pytest.approx(0.9)  # 0.9 + 0
+  assert combined("<answer>11</answer>", "12") == pytest.approx(0.1)  # 0 + 0.1
   with pytest.raises(KeyError):
     rewards.get("no-such-reward")
 
 
 # --- the scheduler -----------------------------------------------------------
+
 
 def _reward_children():
   return [p for p in multiprocessing.active_children() if p.name == "fluxjax-reward"]
@@ -126,6 +140,7 @@ def make_scheduler():
     kw.setdefault("num_workers", 2)
     made.append(rewards.RewardScheduler(**kw))
     return made[-1]
+
   yield make
   for s in made:
     s.shutdown()
@@ -182,8 +197,13 @@ def test_adaptive_timeout(make_scheduler):
   rs = make_scheduler(t_min=0.2, t_max=1.5, anchor_factor=1.5)
   # Before any correct call: T = t_max.
   assert rs.timeout_for("a") == 1.5
-  a, b = rs.gather([rs.submit("0.6", "", fn=sleep_then_correct, key="a"),
-                    rs.submit("1.2", "", fn=sleep_then_correct, key="b")], timeout=20)
+  a, b = rs.gather(
+    [
+      rs.submit("0.6", "", fn=sleep_then_correct, key="a"),
+      rs.submit("1.2", "", fn=sleep_then_correct, key="b"),
+    ],
+    timeout=20,
+  )
   c = rs.submit("0", "", fn=sleep_then_correct, key="c").result(timeout=20)
   assert (a.timeout, b.timeout, c.timeout) == (1.5, 1.5, 1.5)
   # key a: anchor ~0.6 s -> T = 1.5 * 0.6 ~ 0.9 (between the bounds).
@@ -195,13 +215,23 @@ def test_adaptive_timeout(make_scheduler):
   assert rs.timeout_for("c") == 0.2
   t_a = rs.timeout_for("a")
   # A faster correct call and a slow wrong one leave the anchor where it is ...
-  quick, wrong = rs.gather([rs.submit("0.05", "", fn=sleep_then_correct, key="a"),
-                            rs.submit("0.7", "", fn=sleep_then_wrong, key="a")], timeout=20)
+  quick, wrong = rs.gather(
+    [
+      rs.submit("0.05", "", fn=sleep_then_correct, key="a"),
+      rs.submit("0.7", "", fn=sleep_then_wrong, key="a"),
+    ],
+    timeout=20,
+  )
   assert quick.timeout == t_a and wrong.status == "ok" and rs.timeout_for("a") == t_a
   # ... a call slower than T is cut at T with reward 0, while a slower correct
   # call within T raises the anchor.
-  cut, slower = rs.gather([rs.submit("1.4", "", fn=sleep_then_correct, key="a"),
-                           rs.submit("0.75", "", fn=sleep_then_correct, key="a")], timeout=20)
+  cut, slower = rs.gather(
+    [
+      rs.submit("1.4", "", fn=sleep_then_correct, key="a"),
+      rs.submit("0.75", "", fn=sleep_then_correct, key="a"),
+    ],
+    timeout=20,
+  )
   assert (cut.status, cut.reward, cut.timeout) == ("timeout", 0.0, t_a)
   assert slower.status == "ok" and slower.timeout == t_a
   assert rs.timeout_for("a") == pytest.approx(min(1.5 * slower.elapsed, 1.5))
@@ -211,6 +241,7 @@ def test_adaptive_timeout(make_scheduler):
 
 def test_production_defaults_and_shutdown():
   from fluxjax import config_args
+
   cfg = config_args.load_config().rl.reward
   assert (cfg.t_min, cfg.t_max, cfg.anchor_factor) == (2.0, 30.0, 1.5)
   cfg.num_workers = 1

@@ -8,16 +8,22 @@ import numpy as np
 import pytest
 
 from fluxjax import config_args
-from fluxjax.rl import losses
 from fluxjax.parallel.batch import TrainBatch
+from fluxjax.rl import losses
 
 
 def _batch(adv, prox, old, ref=None):
-  f = lambda x: jnp.asarray([x], jnp.float32)  # noqa: E731  ([1, T] like a microbatch row)
+  f = lambda x: jnp.asarray([x], jnp.float32)
   n = len(adv)
-  return TrainBatch(inputs=None, targets=None, loss_mask=jnp.ones((1, n)), advantages=f(adv),
-                    old_logprobs=f(old), ref_logprobs=f(ref if ref is not None else [0.0] * n),
-                    prox_logprobs=f(prox))
+  return TrainBatch(
+    inputs=None,
+    targets=None,
+    loss_mask=jnp.ones((1, n)),
+    advantages=f(adv),
+    old_logprobs=f(old),
+    ref_logprobs=f(ref if ref is not None else [0.0] * n),
+    prox_logprobs=f(prox),
+  )
 
 
 def _cfg(**overrides):
@@ -68,8 +74,7 @@ def test_clip_surrogate_and_importance_weights():
   np.testing.assert_allclose(m["is_truncated"][0], [0, 0, 0, 0, 1, 0])
   # k3 of KL(mu || prox) with r = w_raw: r - 1 - ln r;
   #   t4: 3 - 1 - 1.0986123 = 0.9013877; t5: 1.5 - 1 - 0.4054651 = 0.0945349.
-  np.testing.assert_allclose(m["behaviour_kl"][0], [0, 0, 0, 0, 0.9013877, 0.0945349],
-                             atol=1e-6)
+  np.testing.assert_allclose(m["behaviour_kl"][0], [0, 0, 0, 0, 0.9013877, 0.0945349], atol=1e-6)
   assert "kl" not in m  # kl_coef = 0: no reference needed
 
 
@@ -77,7 +82,8 @@ def test_clip_gradient_is_zero_where_clipped():
   loss_fn = losses.make_loss_fn(_cfg())
   mb = _batch(ADV, PROX, OLD)
   grad = jax.grad(lambda lp: loss_fn(lp, jnp.zeros_like(lp), mb)[0].sum())(
-      jnp.asarray([LOGP], jnp.float32))
+    jnp.asarray([LOGP], jnp.float32)
+  )
   # d pg / d logp = -w A r on the unclipped branch, 0 on the clipped one:
   #   t0: -1.1; t1: 0 (clipped); t2: 0 (clipped); t3: +1.5; t4: -2*2*1 = -4; t5: -1.5*2 = -3.
   np.testing.assert_allclose(grad[0], [-1.1, 0.0, 0.0, 1.5, -4.0, -3.0], rtol=1e-5)
@@ -90,6 +96,7 @@ def test_importance_weight_has_no_gradient():
     mb = _batch(ADV, [0.0] * 6, OLD)
     mb.prox_logprobs = prox
     return loss_fn(jnp.asarray([LOGP]), jnp.zeros((1, 6)), mb)[0].sum()
+
   np.testing.assert_array_equal(jax.grad(f)(jnp.asarray([PROX], jnp.float32)), 0.0)
 
 
@@ -107,14 +114,17 @@ def test_symmetric_clip_and_dual_clip():
   loss, _ = _run(_cfg(clip_high=0.2))
   # t1 now clips at 1.2: max(-1.5, -1.2) = -1.2.
   np.testing.assert_allclose(loss[0][1], -1.2, rtol=1e-5)
-  loss, m = _run(_cfg(clip_c=3.0), logp=[LOGP[0], LOGP[1], LOGP[2], -1.0 + math.log(5.0),
-                                        LOGP[4], LOGP[5]])
+  loss, m = _run(
+    _cfg(clip_c=3.0), logp=[LOGP[0], LOGP[1], LOGP[2], -1.0 + math.log(5.0), LOGP[4], LOGP[5]]
+  )
   # t3: A = -1, ratio 5: max(5, 1.28) = 5, dual clip min(5, -A * 3) = 3.
   np.testing.assert_allclose(loss[0][3], 3.0, rtol=1e-5)
   assert m["clipfrac"][0][3] == 1.0
 
 
-@pytest.mark.parametrize("estimator,want_kl,want_grad", [
+@pytest.mark.parametrize(
+  "estimator,want_kl,want_grad",
+  [
     # logp = -1, ref = -2 (t0) and logp = -2, ref = -1 (t1):
     # k1 = logp - ref = (1, -1); d/dlogp = 1.
     ("k1", [1.0, -1.0], [1.0, 1.0]),
@@ -122,7 +132,8 @@ def test_symmetric_clip_and_dual_clip():
     #   t0: e^-1 + 1 - 1 = 0.3678794;  t1: e^1 - 1 - 1 = 0.7182818.
     # d/dlogp = 1 - e^(ref - logp): t0: 1 - 0.3678794 = 0.6321206; t1: 1 - e = -1.7182818.
     ("k3", [0.3678794, 0.7182818], [0.6321206, -1.7182818]),
-])
+  ],
+)
 def test_kl_estimators(estimator, want_kl, want_grad):
   cfg = _cfg(kl_coef=0.1, kl_estimator=estimator)
   loss_fn = losses.make_loss_fn(cfg)
@@ -172,7 +183,7 @@ def test_trainer_prox_takes_the_current_policy():
   np.testing.assert_allclose(extras["ratio"], 1.0)
   np.testing.assert_allclose(extras["is_weight"], w, rtol=1e-6)
   np.testing.assert_allclose(loss, -np.asarray(mb.advantages) * w, rtol=1e-6)
-  with pytest.raises(ValueError, match="rl.prox"):
+  with pytest.raises(ValueError, match=r"rl\.prox"):
     losses.make_loss_fn(_cfg(prox="nope"))
 
 

@@ -1,10 +1,10 @@
 """The typed seams between the RL side and its parts, checked cheaply.
 
-  the rollout backend protocol (both backends implement it; the loop thread
-      that holds one open);
-  the per-layout step cache both trainers use (one compile per layout);
-  no attribute probing or forwarding in rl/ and rollout/, and no caller
-      outside the coordinator assigning its attributes.
+the rollout backend protocol (both backends implement it; the loop thread
+    that holds one open);
+the per-layout step cache both trainers use (one compile per layout);
+no attribute probing or forwarding in rl/ and rollout/, and no caller
+    outside the coordinator assigning its attributes.
 """
 
 import ast
@@ -29,15 +29,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # --- the rollout backend protocol -----------------------------------------------------
 
+
 def test_both_backends_implement_the_protocol():
   from fluxjax.rollout import embedded  # JAX model code; instances: test_rollout_engine.py
+
   assert issubclass(embedded.EmbeddedRollout, backend_lib.RolloutBackend)
   fleet = fleet_lib.Fleet(["http://127.0.0.1:1"], weights_root="/tmp/w")
   assert isinstance(fleet, backend_lib.RolloutBackend)
   assert isinstance(fleet, backend_lib.Sampler)
   assert fleet.slot_stats() is None
-  assert fleet.metrics() == {"fleet/retries": 0.0, "fleet/servers_down": 0.0,
-                             "fleet/servers": 1.0}
+  assert fleet.metrics() == {"fleet/retries": 0.0, "fleet/servers_down": 0.0, "fleet/servers": 1.0}
   assert fleet.weights_root == "/tmp/w"
 
 
@@ -104,14 +105,14 @@ def test_loop_thread_holds_a_backend_open_on_its_loop():
     # Closed when the block fails too; a failing close is logged, not raised
     # over the block's own error.
     failing = _RecordingBackend(fail_close=True)
-    with pytest.raises(KeyError):
-      with thread.running(failing):
-        raise KeyError("the run failed")
+    with pytest.raises(KeyError), thread.running(failing):
+      raise KeyError("the run failed")
     assert [c for c, _ in failing.calls] == ["start", "close"]
   assert not thread.alive
 
 
 # --- one compiled step per layout -----------------------------------------------------
+
 
 def _seqs(lengths, seed=0):
   rng = np.random.default_rng(seed)
@@ -119,8 +120,11 @@ def _seqs(lengths, seed=0):
   for n in lengths:
     seq = inputs.sequence_from_tokens(rng.integers(0, 400, n).tolist(), [], CFG)
     ones = np.ones(n, np.float32)
-    out.append(batch_lib.TrainSequence(inputs=seq, loss_mask_T=ones, advantages_T=ones,
-                                       old_logprobs_T=np.zeros(n, np.float32)))
+    out.append(
+      batch_lib.TrainSequence(
+        inputs=seq, loss_mask_T=ones, advantages_T=ones, old_logprobs_T=np.zeros(n, np.float32)
+      )
+    )
   return out
 
 
@@ -136,7 +140,7 @@ def test_layout_steps_compile_once_per_layout(devices):
 
   steps = layout_steps.LayoutSteps(CFG, mesh, strategy, compile_step, patch_buckets=(128,))
   small = [_seqs([20, 30, 25]), _seqs([31, 18], seed=1)]  # one microbatch of 8 rows
-  large = _seqs([120] * 12, seed=2)                          # more rows than devices
+  large = _seqs([120] * 12, seed=2)  # more rows than devices
   first = steps.place(small[0])
   again = steps.place(small[1])
   other = steps.place(large)
@@ -153,6 +157,7 @@ def test_layout_steps_compile_once_per_layout(devices):
 
 # --- no probing, no outside assignment ------------------------------------------------
 
+
 def _sources(*folders):
   for folder in folders:
     yield from sorted((ROOT / folder).rglob("*.py"))
@@ -162,11 +167,14 @@ def test_no_attribute_probes_or_forwarding_in_rl_and_rollout():
   found = []
   for path in _sources("fluxjax/rl", "fluxjax/rollout"):
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-      if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-          and node.func.id == "hasattr"):
+      if (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "hasattr"
+      ):
         found.append(f"{path.relative_to(ROOT)}:{node.lineno} hasattr")
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in (
-          "__getattr__", "__getattribute__"):
+        "__getattr__",
+        "__getattribute__",
+      ):
         found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
   assert not found, found
 

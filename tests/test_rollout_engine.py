@@ -30,8 +30,9 @@ def tok():
 
 @pytest.fixture(scope="module")
 def engine(model, tok):
-  return engine_lib.Engine(model, tok, num_slots=4, capacity=96, seed=0,
-                           prefill_buckets=(16, 32, 96))
+  return engine_lib.Engine(
+    model, tok, num_slots=4, capacity=96, seed=0, prefill_buckets=(16, 32, 96)
+  )
 
 
 def text_seq(cfg, n, seed):
@@ -62,7 +63,7 @@ def trainer_logprobs(model, seq, response):
   full = seq.extend(response)
   targets = np.concatenate([full.tokens_T[1:], [0]])[None]
   lp = np.asarray(model.token_logprobs(inputs.pack_row([full], model.cfg), targets))[0]
-  return lp[len(seq) - 1:len(full) - 1]
+  return lp[len(seq) - 1 : len(full) - 1]
 
 
 def run(engine, seqs, sp, prefix):
@@ -74,8 +75,10 @@ def test_greedy_equals_reference_loop_with_slots_joining_and_leaving(model, engi
   # Five prompts of different lengths (two buckets) over four slots, with
   # different limits so that requests leave and join between steps.
   seqs = [text_seq(model.cfg, n, i) for i, n in enumerate((5, 12, 20, 3, 30))]
-  reqs = [engine_lib.EngineRequest(f"g{i}", s, params(max_new_tokens=3 + i, temperature=0))
-          for i, s in enumerate(seqs)]
+  reqs = [
+    engine_lib.EngineRequest(f"g{i}", s, params(max_new_tokens=3 + i, temperature=0))
+    for i, s in enumerate(seqs)
+  ]
   engine.generate(reqs)
   for i, (r, s) in enumerate(zip(reqs, seqs)):
     assert r.finish_reason == {"type": "length", "length": 3 + i}
@@ -86,8 +89,9 @@ def test_behaviour_logprobs_equal_trainer_logprobs(model, engine):
   seqs = [text_seq(model.cfg, n, 10 + n) for n in (7, 18)]
   sp = params(max_new_tokens=8, temperature=1.0, sampling_seed=5)
   for r, s in zip(run(engine, seqs, sp, "lp"), seqs):
-    np.testing.assert_allclose(r.output_logprobs, trainer_logprobs(model, s, r.output_ids),
-                               atol=LOGPROB_TOL, rtol=0)
+    np.testing.assert_allclose(
+      r.output_logprobs, trainer_logprobs(model, s, r.output_ids), atol=LOGPROB_TOL, rtol=0
+    )
 
 
 def test_seeded_sampling_is_reproducible(model, engine):
@@ -113,10 +117,9 @@ def test_top_k_and_top_p_keep_samples_in_the_nucleus(model, engine):
 def test_stop_token_and_stop_string(model, engine, tok):
   seq = text_seq(model.cfg, 11, 5)
   full = reference_greedy(model, seq, 6)
-  (r,) = run(engine, [seq], params(max_new_tokens=6, temperature=0,
-                                   stop_token_ids=[full[2]]), "st")
+  (r,) = run(engine, [seq], params(max_new_tokens=6, temperature=0, stop_token_ids=[full[2]]), "st")
   first = full.index(full[2])
-  assert r.output_ids == full[:first + 1]
+  assert r.output_ids == full[: first + 1]
   assert r.finish_reason == {"type": "stop", "matched": full[2]}
   stop = next(tok.decode([t]) for t in full[1:] if tok.decode([t]).strip())
   (r,) = run(engine, [seq], params(max_new_tokens=6, temperature=0, stop=[stop]), "ss")
@@ -129,16 +132,22 @@ def test_image_and_video_prompt_equals_reference(model, engine, tok):
   pcfg = processor.VisionProcessorConfig(video_min_pixels=56 * 56, image_min_pixels=56 * 56)
   rng = np.random.default_rng(0)
   img = processor.preprocess_image(rng.integers(0, 255, (56, 84, 3), dtype=np.uint8), pcfg)
-  vid = processor.preprocess_video(rng.integers(0, 255, (4, 56, 56, 3), dtype=np.uint8),
-                                   pcfg, fps=2.0)
-  messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "a"},
-                                           {"type": "video"}]}]
+  vid = processor.preprocess_video(
+    rng.integers(0, 255, (4, 56, 56, 3), dtype=np.uint8), pcfg, fps=2.0
+  )
+  messages = [
+    {
+      "role": "user",
+      "content": [{"type": "image"}, {"type": "text", "text": "a"}, {"type": "video"}],
+    }
+  ]
   seq = inputs.sequence_from_chat(messages, [img, vid], tok, model.cfg)
   assert seq.mrope_delta != 0  # decode positions must continue from the delta
   (r,) = run(engine, [seq], params(max_new_tokens=4, temperature=0), "mm")
   assert r.output_ids == reference_greedy(model, seq, 4)
-  np.testing.assert_allclose(r.output_logprobs, trainer_logprobs(model, seq, r.output_ids),
-                             atol=LOGPROB_TOL, rtol=0)
+  np.testing.assert_allclose(
+    r.output_logprobs, trainer_logprobs(model, seq, r.output_ids), atol=LOGPROB_TOL, rtol=0
+  )
 
 
 def test_abort_returns_partial_output(model, engine):
@@ -160,8 +169,7 @@ def test_prompt_longer_than_context_is_rejected(model, engine):
   with pytest.raises(protocol.ProtocolError, match="longer than"):
     engine.submit(engine_lib.EngineRequest("long", text_seq(model.cfg, 96, 0), params()))
   # max_new_tokens is clipped to the context that is left.
-  (r,) = run(engine, [text_seq(model.cfg, 90, 1)], params(max_new_tokens=50, temperature=0),
-             "clip")
+  (r,) = run(engine, [text_seq(model.cfg, 90, 1)], params(max_new_tokens=50, temperature=0), "clip")
   assert r.finish_reason == {"type": "length", "length": 6}
 
 
@@ -174,8 +182,9 @@ def test_update_params_swaps_weights(model, engine, tok):
   try:
     after = run(engine, [seq], sp, "w1")[0]
     assert after.output_ids == reference_greedy(other, seq, 5) != before
-    assert engine_lib.response(after, tok, engine.weight_version)["meta_info"][
-        "weight_version"] == "v1"
+    assert (
+      engine_lib.response(after, tok, engine.weight_version)["meta_info"]["weight_version"] == "v1"
+    )
   finally:
     engine.update_params(model, "default")
 
@@ -188,14 +197,16 @@ def test_embedded_backend_from_config_and_in_process_publish(model, tok):
   from fluxjax.rollout import backend as backend_lib
   from fluxjax.rollout import client, factory, publish
 
-  cfg = ml_collections.ConfigDict({"backend": "embedded", "num_slots": 4,
-                                   "context_length": 96})
+  cfg = ml_collections.ConfigDict({"backend": "embedded", "num_slots": 4, "context_length": 96})
   backend, launched = factory.make_backend(cfg, model=model, tokenizer=tok)
   assert launched is None
   assert isinstance(backend, backend_lib.RolloutBackend)
   ids = [int(i) for i in text_seq(model.cfg, 8, 9).tokens_T]
-  body = {"input_ids": ids, "return_logprob": True,
-          "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+  body = {
+    "input_ids": ids,
+    "return_logprob": True,
+    "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+  }
 
   async def go():
     async with backend:

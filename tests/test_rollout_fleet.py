@@ -15,23 +15,39 @@ import pytest
 from flax import nnx
 
 from fluxjax.models import config, vlm
-from fluxjax.rollout import factory
+from fluxjax.rollout import factory, publish
 from fluxjax.rollout import fleet as fleet_lib
-from fluxjax.rollout import publish
-
 from helpers import SERVER_CONTEXT as CONTEXT
 from helpers import server_env
 
 
 @pytest.fixture(scope="module")
 def launched():
-  cfg = ml_collections.ConfigDict({
-      "backend": "sglang", "urls": [], "num_servers": 3, "launch_timeout_s": 180,
-      "launch": ["python", "-m", "fluxjax.rollout.server", "--preset", "tiny", "--seed", "0",
-                 "--num-slots", "4", "--context-length", str(CONTEXT)]})
+  cfg = ml_collections.ConfigDict(
+    {
+      "backend": "sglang",
+      "urls": [],
+      "num_servers": 3,
+      "launch_timeout_s": 180,
+      "launch": [
+        "python",
+        "-m",
+        "fluxjax.rollout.server",
+        "--preset",
+        "tiny",
+        "--seed",
+        "0",
+        "--num-slots",
+        "4",
+        "--context-length",
+        str(CONTEXT),
+      ],
+    }
+  )
   # make_backend launches with the parent's environment; give the servers a
   # plain one-device CPU backend instead of the fake test mesh.
   import os
+
   saved = dict(os.environ)
   os.environ.update(server_env())
   try:

@@ -32,10 +32,13 @@ LOGPROB_TOL = 1e-4
 
 def http(url, path, body=None, method=None):
   """(status, parsed body) with urllib: the raw wire, no client library."""
-  data = None if body is None else (body if isinstance(body, bytes) else
-                                    json.dumps(body).encode())
-  req = urllib.request.Request(url + path, data=data, method=method or (
-      "POST" if data is not None else "GET"), headers={"Content-Type": "application/json"})
+  data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+  req = urllib.request.Request(
+    url + path,
+    data=data,
+    method=method or ("POST" if data is not None else "GET"),
+    headers={"Content-Type": "application/json"},
+  )
   try:
     with urllib.request.urlopen(req, timeout=60) as r:
       raw, status = r.read(), r.status
@@ -51,8 +54,9 @@ def http(url, path, body=None, method=None):
 def ckpt(tmp_path_factory):
   model = vlm.create_model(config.preset("tiny"), seed=0)
   path = str(tmp_path_factory.mktemp("rollout") / "v0")
-  hf_io.save_hf_checkpoint(model, path, dtype="float32",
-                           extra_files={"tokenizer.json": tokenizer_lib.ASSET_PATH})
+  hf_io.save_hf_checkpoint(
+    model, path, dtype="float32", extra_files={"tokenizer.json": tokenizer_lib.ASSET_PATH}
+  )
   return path
 
 
@@ -63,10 +67,25 @@ def model(ckpt):
 
 @pytest.fixture(scope="module")
 def url(ckpt):
-  cmd = ["python", "-m", "fluxjax.rollout.server", "--model-path", ckpt, "--num-slots", "4",
-         "--context-length", str(CONTEXT), "--seed", "0",
-         "--image-min-pixels", str(PIXELS), "--video-min-pixels", str(PIXELS),
-         "--video-max-pixels", str(PIXELS)]
+  cmd = [
+    "python",
+    "-m",
+    "fluxjax.rollout.server",
+    "--model-path",
+    ckpt,
+    "--num-slots",
+    "4",
+    "--context-length",
+    str(CONTEXT),
+    "--seed",
+    "0",
+    "--image-min-pixels",
+    str(PIXELS),
+    "--video-min-pixels",
+    str(PIXELS),
+    "--video-max-pixels",
+    str(PIXELS),
+  ]
   launched = fleet_lib.launch_servers(cmd, 1, env=server_env(), timeout_s=120)
   yield launched.urls[0]
   launched.stop()
@@ -84,8 +103,9 @@ def reference_greedy(model, seq, n):
   out = []
   for _ in range(n):
     cur = seq.extend(out)
-    row = inputs.pack_row([cur], model.cfg, token_capacity=CONTEXT,
-                          patch_capacity=64 if seq.media else None)
+    row = inputs.pack_row(
+      [cur], model.cfg, token_capacity=CONTEXT, patch_capacity=64 if seq.media else None
+    )
     out.append(int(np.argmax(np.asarray(_forward(model, row))[0, len(cur) - 1])))
   return out
 
@@ -94,7 +114,7 @@ def trainer_logprobs(model, seq, response):
   full = seq.extend(response)
   targets = np.concatenate([full.tokens_T[1:], [0]])[None]
   lp = np.asarray(model.token_logprobs(inputs.pack_row([full], model.cfg), targets))[0]
-  return lp[len(seq) - 1:len(full) - 1]
+  return lp[len(seq) - 1 : len(full) - 1]
 
 
 def prompt_ids(n, seed):
@@ -105,8 +125,16 @@ GREEDY = {"temperature": 0, "max_new_tokens": 6}
 
 
 def test_generate_request_and_response_shapes(url):
-  status, out = http(url, "/generate", {"input_ids": prompt_ids(7, 0), "rid": "shape-1",
-                                        "sampling_params": GREEDY, "return_logprob": True})
+  status, out = http(
+    url,
+    "/generate",
+    {
+      "input_ids": prompt_ids(7, 0),
+      "rid": "shape-1",
+      "sampling_params": GREEDY,
+      "return_logprob": True,
+    },
+  )
   assert status == 200, out
   assert set(out) == {"text", "output_ids", "meta_info"}
   meta = out["meta_info"]
@@ -122,9 +150,15 @@ def test_generate_request_and_response_shapes(url):
   # Without return_logprob there are no logprob keys.
   _, out = http(url, "/generate", {"input_ids": prompt_ids(7, 0), "sampling_params": GREEDY})
   assert "output_token_logprobs" not in out["meta_info"]
-  for path in ("/get_server_info", "/server_info", "/get_model_info", "/model_info",
-               "/get_weight_version", "/get_load"):
-    status, info = http(url, path)
+  for path in (
+    "/get_server_info",
+    "/server_info",
+    "/get_model_info",
+    "/model_info",
+    "/get_weight_version",
+    "/get_load",
+  ):
+    status, _ = http(url, path)
     assert status == 200, path
   assert http(url, "/get_server_info")[1]["context_length"] == CONTEXT
   assert http(url, "/health")[0] == 200 and http(url, "/health_generate")[0] == 200
@@ -135,12 +169,19 @@ def test_greedy_equals_reference_and_logprobs_equal_trainer(url, model):
   seq = inputs.sequence_from_tokens(ids, [], model.cfg)
   _, out = http(url, "/generate", {"input_ids": ids, "sampling_params": GREEDY})
   assert out["output_ids"] == reference_greedy(model, seq, 6)
-  _, out = http(url, "/generate", {
-      "input_ids": ids, "return_logprob": True,
-      "sampling_params": {"temperature": 1.0, "max_new_tokens": 10, "sampling_seed": 3}})
+  _, out = http(
+    url,
+    "/generate",
+    {
+      "input_ids": ids,
+      "return_logprob": True,
+      "sampling_params": {"temperature": 1.0, "max_new_tokens": 10, "sampling_seed": 3},
+    },
+  )
   got = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
-  np.testing.assert_allclose(got, trainer_logprobs(model, seq, out["output_ids"]),
-                             atol=LOGPROB_TOL, rtol=0)
+  np.testing.assert_allclose(
+    got, trainer_logprobs(model, seq, out["output_ids"]), atol=LOGPROB_TOL, rtol=0
+  )
 
 
 def test_text_prompt_and_streaming(url, tok):
@@ -167,8 +208,12 @@ def test_text_prompt_and_streaming(url, tok):
 def test_abort_running_request_returns_partial_tokens(url):
   async def go():
     c = client_lib.SGLangClient(url)
-    body = {"input_ids": prompt_ids(5, 2), "rid": "to-abort", "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 200, "temperature": 1.0}}
+    body = {
+      "input_ids": prompt_ids(5, 2),
+      "rid": "to-abort",
+      "return_logprob": True,
+      "sampling_params": {"max_new_tokens": 200, "temperature": 1.0},
+    }
     chunks = []
     try:
       async for chunk in c.generate_stream(body):
@@ -207,29 +252,57 @@ def media_files(tmp_path_factory):
 
 def test_image_and_video_prompts(url, model, tok, media_files):
   image, video = media_files
-  pcfg = processor.VisionProcessorConfig(image_min_pixels=PIXELS, video_min_pixels=PIXELS,
-                                         video_max_pixels=PIXELS)
+  pcfg = processor.VisionProcessorConfig(
+    image_min_pixels=PIXELS, video_min_pixels=PIXELS, video_max_pixels=PIXELS
+  )
   img = processor.preprocess_image(media.load_image(image), pcfg)
   frames, fps = media.load_video(video, pcfg)
   vid = processor.preprocess_video(frames, pcfg, fps)
-  messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"},
-                                           {"type": "video"}, {"type": "text", "text": "?"}]}]
+  messages = [
+    {
+      "role": "user",
+      "content": [
+        {"type": "image"},
+        {"type": "text", "text": "and"},
+        {"type": "video"},
+        {"type": "text", "text": "?"},
+      ],
+    }
+  ]
   seq = inputs.sequence_from_chat(messages, [img, vid], tok, model.cfg)
   want = reference_greedy(model, seq, 6)
   # Unexpanded placeholders in text, files as paths.
-  _, out = http(url, "/generate", {"text": chat.render_chat(messages), "image_data": [image],
-                                   "video_data": [video], "sampling_params": GREEDY})
+  _, out = http(
+    url,
+    "/generate",
+    {
+      "text": chat.render_chat(messages),
+      "image_data": [image],
+      "video_data": [video],
+      "sampling_params": GREEDY,
+    },
+  )
   assert out["meta_info"]["prompt_tokens"] == len(seq)
   assert out["output_ids"] == want
   # Already expanded input_ids (as AReaL/verl send), the image as a data URI.
   with open(image, "rb") as f:
     uri = "data:image/png;base64," + base64.b64encode(f.read()).decode()
-  _, out = http(url, "/generate", {"input_ids": seq.tokens_T.tolist(), "image_data": uri,
-                                   "video_data": [video], "sampling_params": GREEDY})
+  _, out = http(
+    url,
+    "/generate",
+    {
+      "input_ids": seq.tokens_T.tolist(),
+      "image_data": uri,
+      "video_data": [video],
+      "sampling_params": GREEDY,
+    },
+  )
   assert out["output_ids"] == want
 
 
-@pytest.mark.parametrize("body, message", [
+@pytest.mark.parametrize(
+  "body, message",
+  [
     ({"input_ids": [1, 2], "sampling_params": {"seed": 1}}, "unknown sampling parameter"),
     ({"input_ids": [1, 2], "text": "hi"}, "exactly one of text / input_ids"),
     ({"input_ids": list(range(CONTEXT + 10))}, "longer than the model's context length"),
@@ -238,7 +311,8 @@ def test_image_and_video_prompts(url, model, tok, media_files):
     ({"text": chat.IMAGE_PLACEHOLDER, "image_data": ["/no/such/file.png"]}, "file not found"),
     ({"input_ids": [1, 2], "bogus": 1}, "unknown /generate field"),
     (b"{not json", "not valid JSON"),
-])
+  ],
+)
 def test_malformed_request_gets_400_and_server_stays_up(url, body, message):
   status, out = http(url, "/generate", body)
   assert status == 400
@@ -272,8 +346,7 @@ def test_weight_update_changes_outputs_and_version(url, ckpt, tmp_path):
 
   async def go(model, version):
     async with fleet_lib.Fleet([url]) as fleet:
-      return await publish.publish_to_fleet(fleet, model, str(tmp_path), version,
-                                            dtype="float32")
+      return await publish.publish_to_fleet(fleet, model, str(tmp_path), version, dtype="float32")
 
   report = asyncio.run(go(new, 1))
   assert set(report.seconds) == {"write", "pause", "flush", "update", "resume"}
@@ -285,8 +358,9 @@ def test_weight_update_changes_outputs_and_version(url, ckpt, tmp_path):
   # A checkpoint of another architecture is refused and the old weights stay.
   status, out = http(url, "/update_weights_from_disk", {"model_path": "/no/such/dir"})
   assert status == 400 and out["success"] is False
-  status, out = http(url, "/update_weights_from_disk",
-                     {"model_path": ckpt, "weight_version": "default"})
+  status, out = http(
+    url, "/update_weights_from_disk", {"model_path": ckpt, "weight_version": "default"}
+  )
   assert status == 200 and out["success"], out
   _, again = http(url, "/generate", {"input_ids": ids, "sampling_params": GREEDY})
   assert again["output_ids"] == before["output_ids"]

@@ -18,7 +18,7 @@ from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf_qwen
 
 from fluxjax.models import rope_index
 
-IMAGE, VIDEO = 502, 503           # the shipped synthetic tokenizer's pads
+IMAGE, VIDEO = 502, 503  # the shipped synthetic tokenizer's pads
 VISION_START, VISION_END, PAD = 499, 500, 490
 MERGE = 2
 TPS = 2
@@ -27,11 +27,13 @@ IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO)
 
 def _hf_model(tokens_per_second=TPS):
   """An object that `Qwen2_5_VLModel.get_rope_index` can run on unbound."""
-  cfg = Qwen2_5_VLConfig(vision_config=dict(
-      spatial_merge_size=MERGE, tokens_per_second=tokens_per_second))
+  cfg = Qwen2_5_VLConfig(
+    vision_config=dict(spatial_merge_size=MERGE, tokens_per_second=tokens_per_second)
+  )
   model = types.SimpleNamespace(config=cfg)
   model.get_vision_position_ids = functools.partial(
-      hf_qwen.Qwen2_5_VLModel.get_vision_position_ids, model)
+    hf_qwen.Qwen2_5_VLModel.get_vision_position_ids, model
+  )
   return model
 
 
@@ -48,13 +50,14 @@ def hf_rope_index(ids_BT, images, videos, seconds, mask_BT=None, tps=TPS):
   types_BT[ids_BT == VIDEO] = 2
   # As the HF processor hands them over: long grids, float32 seconds.
   pos, deltas = hf_qwen.Qwen2_5_VLModel.get_rope_index(
-      _HF[tps], torch.from_numpy(ids_BT),
-      mm_token_type_ids=torch.from_numpy(types_BT),
-      image_grid_thw=torch.tensor(images, dtype=torch.long) if images else None,
-      video_grid_thw=torch.tensor(videos, dtype=torch.long) if videos else None,
-      second_per_grid_ts=(torch.tensor(seconds, dtype=torch.float32)
-                          if videos else None),
-      attention_mask=None if mask_BT is None else torch.tensor(mask_BT))
+    _HF[tps],
+    torch.from_numpy(ids_BT),
+    mm_token_type_ids=torch.from_numpy(types_BT),
+    image_grid_thw=torch.tensor(images, dtype=torch.long) if images else None,
+    video_grid_thw=torch.tensor(videos, dtype=torch.long) if videos else None,
+    second_per_grid_ts=(torch.tensor(seconds, dtype=torch.float32) if videos else None),
+    attention_mask=None if mask_BT is None else torch.tensor(mask_BT),
+  )
   return pos.numpy(), deltas.numpy().reshape(-1)
 
 
@@ -69,15 +72,13 @@ def original_rule(ids, images, videos, seconds, tps=TPS):
   image_it, video_it, sec_it = iter(images), iter(videos), iter(seconds)
   text_start = 0
   while i < len(ids):
-    if ids[i] == VISION_START and i + 1 < len(ids) and ids[i + 1] in (IMAGE,
-                                                                      VIDEO):
+    if ids[i] == VISION_START and i + 1 < len(ids) and ids[i + 1] in (IMAGE, VIDEO):
       text_len = i + 1 - text_start
       chunks.append(np.tile(np.arange(text_len) + st_pos, (3, 1)))
       st_pos += text_len
       is_video = ids[i + 1] == VIDEO
       t, h, w = next(video_it if is_video else image_it)
-      spg = torch.tensor(next(sec_it) if is_video else 0.0,
-                         dtype=torch.float32)
+      spg = torch.tensor(next(sec_it) if is_video else 0.0, dtype=torch.float32)
       rng = torch.arange(t).view(-1, 1).expand(-1, (h // MERGE) * (w // MERGE))
       t_idx = (rng * spg * tps).long().flatten().numpy()
       if not is_video:
@@ -101,6 +102,7 @@ def original_rule(ids, images, videos, seconds, tps=TPS):
 
 # --- sequence builders -------------------------------------------------------
 
+
 def build(segments):
   """segments: ("text", n) | ("image", (t,h,w)) | ("video", ((t,h,w), spg))."""
   ids, images, videos, seconds = [], [], [], []
@@ -123,13 +125,15 @@ def build(segments):
 _side = st.integers(1, 4).map(lambda k: MERGE * k)
 _image = st.tuples(st.just(1), _side, _side).map(lambda g: ("image", g))
 _spg = st.sampled_from([0.5, 1.0, 2.0, 0.25, 1.5, 0.3, 2 / 3, 4 / 3, 0.1])
-_video = st.tuples(st.tuples(st.integers(1, 6), _side, _side), _spg).map(
-    lambda a: ("video", a))
+_video = st.tuples(st.tuples(st.integers(1, 6), _side, _side), _spg).map(lambda a: ("video", a))
 _text = st.integers(1, 5).map(lambda n: ("text", n))
 
 
+_VISION = st.one_of(_image, _video)
+
+
 @st.composite
-def layouts(draw, vision=st.one_of(_image, _video)):
+def layouts(draw, vision=_VISION):
   segs = [draw(_text)]
   for _ in range(draw(st.integers(0, 4))):
     segs += [draw(vision), draw(_text)]
@@ -140,29 +144,44 @@ def layouts(draw, vision=st.one_of(_image, _video)):
 
 def ours(ids, images, videos, seconds, mode, tps=TPS):
   return rope_index.get_rope_index(
-      ids, images or None, videos or None, seconds or None, **IDS,
-      spatial_merge_size=MERGE, tokens_per_second=tps,
-      text_after_vision=mode)
+    ids,
+    images or None,
+    videos or None,
+    seconds or None,
+    **IDS,
+    spatial_merge_size=MERGE,
+    tokens_per_second=tps,
+    text_after_vision=mode,
+  )
 
 
 # --- grid_extent == transformers ---------------------------------------------
 
 CASES = {
-    "text_only": [("text", 7)],
-    "one_image": [("text", 3), ("image", (1, 4, 6)), ("text", 4)],
-    "images_of_different_sizes": [
-        ("text", 2), ("image", (1, 4, 4)), ("text", 1), ("image", (1, 8, 2)),
-        ("text", 3), ("image", (1, 2, 10)), ("text", 2)],
-    "video_half_second": [("text", 3), ("video", ((4, 4, 4), 0.5)),
-                          ("text", 3)],
-    "video_one_second": [("text", 3), ("video", ((4, 4, 4), 1.0)),
-                         ("text", 3)],
-    "video_fractional": [("text", 1), ("video", ((5, 2, 4), 0.3)),
-                         ("text", 2)],
-    "image_and_video": [("text", 2), ("image", (1, 6, 4)), ("text", 2),
-                        ("video", ((3, 4, 2), 1.0)), ("text", 1),
-                        ("image", (1, 2, 2)), ("text", 2)],
-    "ends_on_vision": [("text", 2), ("image", (1, 4, 4))],
+  "text_only": [("text", 7)],
+  "one_image": [("text", 3), ("image", (1, 4, 6)), ("text", 4)],
+  "images_of_different_sizes": [
+    ("text", 2),
+    ("image", (1, 4, 4)),
+    ("text", 1),
+    ("image", (1, 8, 2)),
+    ("text", 3),
+    ("image", (1, 2, 10)),
+    ("text", 2),
+  ],
+  "video_half_second": [("text", 3), ("video", ((4, 4, 4), 0.5)), ("text", 3)],
+  "video_one_second": [("text", 3), ("video", ((4, 4, 4), 1.0)), ("text", 3)],
+  "video_fractional": [("text", 1), ("video", ((5, 2, 4), 0.3)), ("text", 2)],
+  "image_and_video": [
+    ("text", 2),
+    ("image", (1, 6, 4)),
+    ("text", 2),
+    ("video", ((3, 4, 2), 1.0)),
+    ("text", 1),
+    ("image", (1, 2, 2)),
+    ("text", 2),
+  ],
+  "ends_on_vision": [("text", 2), ("image", (1, 4, 4))],
 }
 
 
@@ -189,8 +208,7 @@ def test_grid_extent_matches_transformers_random(segments):
 def test_image_with_several_temporal_patches_matches_transformers():
   # Not produced by the processor, but transformers defines it (interval 1);
   # such an image then outlasts its spatial extent, like a long video.
-  ids, images, videos, seconds = build(
-      [("text", 2), ("image", (3, 4, 2)), ("text", 2)])
+  ids, images, videos, seconds = build([("text", 2), ("image", (3, 4, 2)), ("text", 2)])
   want_pos, _ = hf_rope_index([ids], images, videos, seconds)
   ext, _ = ours(ids, images, videos, seconds, "grid_extent")
   np.testing.assert_array_equal(ext, want_pos[:, 0])
@@ -200,8 +218,7 @@ def test_image_with_several_temporal_patches_matches_transformers():
 
 
 def test_other_tokens_per_second_matches_transformers():
-  ids, images, videos, seconds = build(
-      [("text", 2), ("video", ((6, 4, 4), 0.7)), ("text", 2)])
+  ids, images, videos, seconds = build([("text", 2), ("video", ((6, 4, 4), 0.7)), ("text", 2)])
   want_pos, want_delta = hf_rope_index([ids], images, videos, seconds, tps=25)
   pos, delta = ours(ids, images, videos, seconds, "grid_extent", tps=25)
   np.testing.assert_array_equal(pos, want_pos[:, 0])
@@ -209,6 +226,7 @@ def test_other_tokens_per_second_matches_transformers():
 
 
 # --- max_plus_one: transformers for images, the original rule for videos -----
+
 
 @hypothesis.settings(max_examples=60, deadline=None)
 @hypothesis.given(layouts(vision=_image))
@@ -252,18 +270,18 @@ def test_vision_positions_identical_in_both_modes_up_to_offset(segments):
 def test_modes_differ_only_after_long_videos():
   # grid (4, 4, 4), 1 s per grid, 2 tokens/s: temporal 0, 2, 4, 6 past the
   # spatial extent 2. The span starts at 4 (3 text + vision_start).
-  ids, images, videos, seconds = build(
-      [("text", 3), ("video", ((4, 4, 4), 1.0)), ("text", 2)])
+  ids, images, videos, seconds = build([("text", 3), ("video", ((4, 4, 4), 1.0)), ("text", 2)])
   ext, _ = ours(ids, images, videos, seconds, "grid_extent")
   mpo, delta = ours(ids, images, videos, seconds, "max_plus_one")
   np.testing.assert_array_equal(np.unique(mpo[0, 4:20]), [4, 6, 8, 10])
-  assert ext[0, 20] == 4 + 2          # <|vision_end|>, grid extent
-  assert mpo[0, 20] == 10 + 1         # <|vision_end|>, max + 1
+  assert ext[0, 20] == 4 + 2  # <|vision_end|>, grid extent
+  assert mpo[0, 20] == 10 + 1  # <|vision_end|>, max + 1
   np.testing.assert_array_equal(mpo[:, -1], [13, 13, 13])
   assert delta == 14 - len(ids)
 
 
 # --- batches ----------------------------------------------------------------
+
 
 def _pad(rows, left=True):
   t = max(len(r) for r in rows) + 1  # at least one pad somewhere
@@ -278,8 +296,12 @@ def _pad(rows, left=True):
 
 @pytest.mark.parametrize("mode", ["grid_extent", "max_plus_one"])
 def test_left_padded_batch_matches_transformers(mode):
-  seqs = [CASES["one_image"], CASES["image_and_video"], CASES["text_only"],
-          CASES["images_of_different_sizes"]]
+  seqs = [
+    CASES["one_image"],
+    CASES["image_and_video"],
+    CASES["text_only"],
+    CASES["images_of_different_sizes"],
+  ]
   if mode == "max_plus_one":  # transformers' rule differs after videos
     seqs[1] = [s for s in seqs[1] if s[0] != "video"]
   built = [build(s) for s in seqs]
@@ -289,8 +311,15 @@ def test_left_padded_batch_matches_transformers(mode):
   seconds = [s for b in built for s in b[3]]
   want_pos, want_deltas = hf_rope_index(ids, images, videos, seconds, mask)
   pos, deltas = rope_index.get_rope_index_batch(
-      ids, mask, images, videos or None, seconds or None, **IDS,
-      tokens_per_second=TPS, text_after_vision=mode)
+    ids,
+    mask,
+    images,
+    videos or None,
+    seconds or None,
+    **IDS,
+    tokens_per_second=TPS,
+    text_after_vision=mode,
+  )
   assert pos.shape == (3,) + ids.shape and pos.dtype == np.int32
   np.testing.assert_array_equal(pos, want_pos)
   np.testing.assert_array_equal(deltas, want_deltas)
@@ -307,8 +336,14 @@ def test_random_padded_batch_matches_transformers(seqs, left):
   seconds = [s for b in built for s in b[3]]
   want_pos, want_deltas = hf_rope_index(ids, images, videos, seconds, mask)
   pos, deltas = rope_index.get_rope_index_batch(
-      ids, mask, images or None, videos or None, seconds or None, **IDS,
-      text_after_vision="grid_extent")
+    ids,
+    mask,
+    images or None,
+    videos or None,
+    seconds or None,
+    **IDS,
+    text_after_vision="grid_extent",
+  )
   np.testing.assert_array_equal(pos, want_pos)
   np.testing.assert_array_equal(deltas, want_deltas)
 
@@ -319,8 +354,7 @@ def test_batch_without_mask_equals_single_rows():
   images = built[0][1] + built[1][1]
   videos = built[0][2] + built[1][2]
   seconds = built[0][3] + built[1][3]
-  pos, deltas = rope_index.get_rope_index_batch(ids, None, images, videos,
-                                                seconds, **IDS)
+  pos, deltas = rope_index.get_rope_index_batch(ids, None, images, videos, seconds, **IDS)
   one, delta = ours(*built[0], "max_plus_one")
   np.testing.assert_array_equal(pos[:, 0], one)
   np.testing.assert_array_equal(pos[:, 1], one)
@@ -329,9 +363,9 @@ def test_batch_without_mask_equals_single_rows():
 
 # --- helpers and errors -------------------------------------------------------
 
+
 def test_text_positions_and_delta():
-  np.testing.assert_array_equal(rope_index.text_positions(3, start=5),
-                                [[5, 6, 7]] * 3)
+  np.testing.assert_array_equal(rope_index.text_positions(3, start=5), [[5, 6, 7]] * 3)
   assert rope_index.text_positions(0).shape == (3, 0)
   pos, delta = rope_index.get_rope_index(np.arange(9), **IDS)
   np.testing.assert_array_equal(pos, rope_index.text_positions(9))
@@ -342,18 +376,15 @@ def test_decoding_continues_at_length_plus_delta():
   ids, images, videos, seconds = build(CASES["image_and_video"])
   prompt, delta = ours(ids, images, videos, seconds, "max_plus_one")
   full, _ = ours(ids + [7, 8, 9], images, videos, seconds, "max_plus_one")
-  np.testing.assert_array_equal(
-      full[:, len(ids):], rope_index.text_positions(3, len(ids) + delta))
-  np.testing.assert_array_equal(full[:, :len(ids)], prompt)
+  np.testing.assert_array_equal(full[:, len(ids) :], rope_index.text_positions(3, len(ids) + delta))
+  np.testing.assert_array_equal(full[:, : len(ids)], prompt)
 
 
 def test_explicit_token_types_equal_derived():
   ids, images, videos, seconds = build(CASES["image_and_video"])
-  types_T = np.where(np.asarray(ids) == IMAGE, 1,
-                     np.where(np.asarray(ids) == VIDEO, 2, 0))
+  types_T = np.where(np.asarray(ids) == IMAGE, 1, np.where(np.asarray(ids) == VIDEO, 2, 0))
   a = ours(ids, images, videos, seconds, "max_plus_one")
-  b = rope_index.get_rope_index(ids, images, videos, seconds, **IDS,
-                                mm_token_type_ids_T=types_T)
+  b = rope_index.get_rope_index(ids, images, videos, seconds, **IDS, mm_token_type_ids_T=types_T)
   np.testing.assert_array_equal(a[0], b[0])
   assert a[1] == b[1]
 
@@ -362,20 +393,22 @@ def test_back_to_back_spans_are_split_by_grid():
   # Two images with no text between: one run of pads, two grids.
   ids = [1, 2] + [IMAGE] * 4 + [IMAGE] * 2 + [3]
   pos, _ = rope_index.get_rope_index(ids, [[1, 4, 4], [1, 2, 4]], **IDS)
-  np.testing.assert_array_equal(pos[:, 2:6], [[2] * 4, [2, 2, 3, 3],
-                                              [2, 3, 2, 3]])
+  np.testing.assert_array_equal(pos[:, 2:6], [[2] * 4, [2, 2, 3, 3], [2, 3, 2, 3]])
   np.testing.assert_array_equal(pos[:, 6:8], [[4, 4], [4, 4], [4, 5]])
   np.testing.assert_array_equal(pos[:, 8], [6, 6, 6])
 
 
-@pytest.mark.parametrize("images,videos,seconds,match", [
+@pytest.mark.parametrize(
+  "images,videos,seconds,match",
+  [
     ([[1, 4, 4]], None, None, "more image tokens"),
     ([[1, 4, 4], [1, 4, 4], [1, 4, 4]], None, None, "more image grids"),
     ([[1, 2, 2]], None, None, "more image tokens"),
     ([[1, 8, 8], [1, 4, 4]], None, None, "needs 16 tokens"),
     ([[1, 4, 4], [1, 4, 4]], [[1, 2, 2]], None, "more video grids"),
     ([[1, 4, 4], [1, 4, 4]], None, [1.0], "second_per_grid_ts"),
-])
+  ],
+)
 def test_mismatched_grids_raise(images, videos, seconds, match):
   ids = [1] + [IMAGE] * 4 + [2] + [IMAGE] * 4 + [3]
   with pytest.raises(ValueError, match=match):

@@ -11,13 +11,11 @@ import pytest
 from flax import nnx
 
 from fluxjax import config_args
-from fluxjax.rl import metrics
-from fluxjax.parallel import train_step
 from fluxjax.data import synth
-from fluxjax.models import inputs, processor
+from fluxjax.models import inputs, processor, sharded
 from fluxjax.models.tokenizer import Tokenizer
-from fluxjax.models import sharded
-from fluxjax.rl import loop, rewards, sft
+from fluxjax.parallel import train_step
+from fluxjax.rl import loop, metrics, rewards, sft
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,6 +27,7 @@ def _config():
 @dataclasses.dataclass
 class _Policy:
   """The run's policy as the warm-up sees it (`sft.Policy`), without rollout."""
+
   cfg: object
   tokenizer: Tokenizer
   mesh: object
@@ -37,8 +36,9 @@ class _Policy:
   state: train_step.TrainState
 
   def prompt(self, sample):
-    return inputs.sequence_from_chat(sample.messages(), list(sample.media), self.tokenizer,
-                                     self.cfg)
+    return inputs.sequence_from_chat(
+      sample.messages(), list(sample.media), self.tokenizer, self.cfg
+    )
 
   def load_params(self, params):
     self.state = train_step.TrainState(params, self.state.opt_state, self.state.step)
@@ -66,11 +66,15 @@ def setup(devices):
   proc = processor.VisionProcessorConfig(**config.data.vision.to_dict())
   coord = _Policy(cfg, tokenizer, mesh, strategy, graphdef, state)
   seqs, answers = [], []
-  for colour, question in (("red", "What colour is the shape in the image?"),
-                           ("blue", "Which colour is the shape?"), ("white", "Colour?")):
+  for colour, question in (
+    ("red", "What colour is the shape in the image?"),
+    ("blue", "Which colour is the shape?"),
+    ("white", "Colour?"),
+  ):
     img = processor.preprocess_image(_image(colour), proc)
-    messages = [{"role": "user", "content": [{"type": "image"},
-                                             {"type": "text", "text": question}]}]
+    messages = [
+      {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}
+    ]
     prompt = inputs.sequence_from_chat(messages, [img], tokenizer, cfg)
     ids = sft.answer_ids(tokenizer, colour)
     seqs.append(sft.sft_sequence(prompt, ids))
@@ -90,7 +94,7 @@ def _numpy_nll(coord, seqs, answers, answer_only=True):
     # Input j predicts token j + 1: the answer's tokens are predicted from
     # positions prompt_len - 1 .. len - 2.
     first = prompt_len - 1 if answer_only else 0
-    trained = logp[first:len(seq) - 1]
+    trained = logp[first : len(seq) - 1]
     if answer_only:
       assert len(trained) == len(ids)
     total -= trained.sum()
@@ -168,7 +172,7 @@ def test_loop_runs_the_warm_up_before_rl(tmp_path):
   assert "eval/accuracy" in recs[-3]  # before the warm-up
   assert all(np.isfinite(recs[k]["sft/loss"]) for k in (-2, -1, 0))
   assert "eval/accuracy" in recs[-1] and "eval/accuracy" not in recs[-2]  # every 2 steps
-  assert "eval/accuracy" in recs[0]   # after it, where GRPO starts
+  assert "eval/accuracy" in recs[0]  # after it, where GRPO starts
   # The warm-up published a snapshot and its result; the RL step the next one.
   assert last["policy/version"] == 3.0
   # A resumed run does not warm up again.

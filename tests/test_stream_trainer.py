@@ -17,20 +17,29 @@ import optax
 import pytest
 from flax import nnx
 
-from fluxjax.parallel import train_step
 from fluxjax import config_args
-from fluxjax.models import inputs, vlm
-from fluxjax.models import sharded
+from fluxjax.models import inputs, sharded, vlm
+from fluxjax.parallel import batch as batch_lib
+from fluxjax.parallel import train_step
 from fluxjax.rl import losses
 from fluxjax.rl.stream_trainer import StreamTrainer
-from fluxjax.parallel import batch as batch_lib
 from fluxjax.sharding import mesh as mesh_lib
 from helpers import PATCHES, make_strategy, mixed_batch
 from helpers import TINY as CFG
 
-OPT = ml_collections.ConfigDict(dict(lr=1e-2, warmup_steps=0, total_steps=10, end_lr_frac=1.0,
-                                     max_grad_norm=1e9, b1=0.9, b2=0.95, eps=1e-8,
-                                     weight_decay=0.0))
+OPT = ml_collections.ConfigDict(
+  dict(
+    lr=1e-2,
+    warmup_steps=0,
+    total_steps=10,
+    end_lr_frac=1.0,
+    max_grad_norm=1e9,
+    b1=0.9,
+    b2=0.95,
+    eps=1e-8,
+    weight_decay=0.0,
+  )
+)
 SGD = optax.sgd(0.5, momentum=0.9)
 
 
@@ -49,8 +58,11 @@ def _synchronous_step(strategy, mesh, tx, loss_fn, seqs):
   plan = strategy.plan([len(s) for s in seqs], mesh.size)
   host = batch_lib.materialize(plan, seqs, CFG, PATCHES)
   step = train_step.make_train_step(
-      graphdef, tx, state_shardings=shardings,
-      accumulate_fn=strategy.accumulate_fn(mesh, plan, graphdef, shardings.params, loss_fn))
+    graphdef,
+    tx,
+    state_shardings=shardings,
+    accumulate_fn=strategy.accumulate_fn(mesh, plan, graphdef, shardings.params, loss_fn),
+  )
   with jax.set_mesh(mesh):
     out = step(state, batch_lib.to_device(host, mesh))
   # Finish the synchronous step before the stream trainer dispatches its own
@@ -59,8 +71,10 @@ def _synchronous_step(strategy, mesh, tx, loss_fn, seqs):
   return jax.block_until_ready(out)
 
 
-@pytest.mark.parametrize("name,sp,sync", [("packed_dp", 1, "layer"),
-                                         pytest.param("ulysses", 2, "minibatch", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  "name,sp,sync",
+  [("packed_dp", 1, "layer"), pytest.param("ulysses", 2, "minibatch", marks=pytest.mark.slow)],
+)
 def test_stream_update_equals_synchronous_update(name, sp, sync, devices):
   strategy = make_strategy(name, sp, capacity=128, sync=sync)
   mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
@@ -74,8 +88,9 @@ def test_stream_update_equals_synchronous_update(name, sp, sync, devices):
   want_state, want = _synchronous_step(strategy, mesh, tx, loss_fn, seqs)
 
   graphdef, state, shardings = _fresh_state(mesh, tx)
-  trainer = StreamTrainer(CFG, mesh, strategy, graphdef, state, shardings, tx, loss_fn,
-                          patch_buckets=(PATCHES,))
+  trainer = StreamTrainer(
+    CFG, mesh, strategy, graphdef, state, shardings, tx, loss_fn, patch_buckets=(PATCHES,)
+  )
   for part in (seqs[:2], seqs[2:3], seqs[3:]):
     trainer.add(part)
   got = trainer.apply()
@@ -92,24 +107,25 @@ def test_stream_update_equals_synchronous_update(name, sp, sync, devices):
   for a, b in zip(_flat(trainer.state.params), _flat(want_state.params)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   # The updated state keeps the FSDP shardings.
-  assert [x.sharding for x in jax.tree.leaves(trainer.state.params)] == \
-      jax.tree.leaves(shardings.params)
+  assert [x.sharding for x in jax.tree.leaves(trainer.state.params)] == jax.tree.leaves(
+    shardings.params
+  )
 
 
 def _single_device_logprobs(model, seq):
   """log p(token t | tokens < t) of one sequence alone on one device (0 at t = 0)."""
   n = len(seq)
-  row = inputs.pack_row([seq.inputs], CFG, token_capacity=n,
-                        patch_capacity=max(4, seq.inputs.num_patches))
+  row = inputs.pack_row(
+    [seq.inputs], CFG, token_capacity=n, patch_capacity=max(4, seq.inputs.num_patches)
+  )
   targets = np.concatenate([seq.inputs.tokens_T[1:], [0]])[None].astype(np.int32)
   logp = np.asarray(model.token_logprobs(row, targets))[0]
-  return np.concatenate([[0.0], logp[:n - 1]]).astype(np.float32)
+  return np.concatenate([[0.0], logp[: n - 1]]).astype(np.float32)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,sp,sync", [("ulysses", 2, "minibatch")])
-def test_stream_reference_kl_equals_update_with_single_device_reference(name, sp, sync,
-                                                                        devices):
+def test_stream_reference_kl_equals_update_with_single_device_reference(name, sp, sync, devices):
   """The reference forward inside `add` gives the KL update of host-computed logprobs.
 
   The reference is another model (seed 1); its logprobs are computed once per
@@ -136,8 +152,18 @@ def test_stream_reference_kl_equals_update_with_single_device_reference(name, sp
     s.ref_logprobs_T = None
   sharded_ref = sharded.create_sharded_model(CFG, mesh, seed=1, log_table=False)
   graphdef, state, shardings = _fresh_state(mesh, tx)
-  trainer = StreamTrainer(CFG, mesh, strategy, graphdef, state, shardings, tx, loss_fn,
-                          patch_buckets=(PATCHES,), ref_params=nnx.state(sharded_ref, nnx.Param))
+  trainer = StreamTrainer(
+    CFG,
+    mesh,
+    strategy,
+    graphdef,
+    state,
+    shardings,
+    tx,
+    loss_fn,
+    patch_buckets=(PATCHES,),
+    ref_params=nnx.state(sharded_ref, nnx.Param),
+  )
   for part in (seqs[:3], seqs[3:]):
     trainer.add(part)
   got = trainer.apply()
@@ -155,7 +181,8 @@ def test_apply_without_parts_is_an_error(devices):
   mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
   tx = train_step.make_optimizer(OPT)
   graphdef, state, shardings = _fresh_state(mesh, tx)
-  trainer = StreamTrainer(CFG, mesh, strategy, graphdef, state, shardings, tx,
-                          train_step.policy_gradient_loss)
+  trainer = StreamTrainer(
+    CFG, mesh, strategy, graphdef, state, shardings, tx, train_step.policy_gradient_loss
+  )
   with pytest.raises(RuntimeError, match="nothing added"):
     trainer.apply()

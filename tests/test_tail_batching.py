@@ -41,9 +41,13 @@ def run_epoch(batcher: tb.TailBatcher, prompts, finish_time, limit=lambda: None)
 
 @hypothesis.settings(max_examples=150, deadline=None)
 @hypothesis.given(
-    n=st.integers(0, 40), P=st.integers(1, 6), R=st.integers(1, 4),
-    eta=st.sampled_from([1.0, 1.1, 1.25, 1.5, 2.0]), epochs=st.integers(1, 2),
-    seed=st.integers(0, 2**32 - 1))
+  n=st.integers(0, 40),
+  P=st.integers(1, 6),
+  R=st.integers(1, 4),
+  eta=st.sampled_from([1.0, 1.1, 1.25, 1.5, 2.0]),
+  epochs=st.integers(1, 2),
+  seed=st.integers(0, 2**32 - 1),
+)
 def test_each_prompt_trained_exactly_once_per_epoch(n, P, R, eta, epochs, seed):
   rng = random.Random(seed)
   batcher = tb.TailBatcher(P, R, eta)
@@ -54,12 +58,12 @@ def test_each_prompt_trained_exactly_once_per_epoch(n, P, R, eta, epochs, seed):
     # prompts are systematically long (as in real tails) and ties happen.
     scale = {p: rng.choice([1, 1, 2, 10]) for p in prompts}
     times = {}
-    ft = lambda k: times.setdefault(k, scale[k[0]] * rng.randint(0, 5))  # noqa: E731
+    ft = lambda k: times.setdefault(k, scale[k[0]] * rng.randint(0, 5))
     rounds = run_epoch(batcher, prompts, ft)
     trained = [p for _, kept, _ in rounds for p in kept]
-    assert sorted(trained) == sorted(prompts)          # none dropped, none twice
+    assert sorted(trained) == sorted(prompts)  # none dropped, none twice
     assert batcher.trained == trained
-    assert batcher.epoch_done and not batcher.long      # the long queue drained
+    assert batcher.epoch_done and not batcher.long  # the long queue drained
     for plan, kept, rnd in rounds:
       assert len(kept) <= P
       assert all(len(rnd.kept[p]) == R and len(set(rnd.kept[p])) == R for p in kept)
@@ -71,8 +75,12 @@ def test_each_prompt_trained_exactly_once_per_epoch(n, P, R, eta, epochs, seed):
 
 @hypothesis.settings(max_examples=100, deadline=None)
 @hypothesis.given(
-    n=st.integers(0, 30), P=st.integers(1, 6), R=st.integers(1, 3),
-    eta=st.sampled_from([1.0, 1.25, 1.5]), seed=st.integers(0, 2**32 - 1))
+  n=st.integers(0, 30),
+  P=st.integers(1, 6),
+  R=st.integers(1, 3),
+  eta=st.sampled_from([1.0, 1.25, 1.5]),
+  seed=st.integers(0, 2**32 - 1),
+)
 def test_smaller_rounds_under_an_admission_limit_keep_exactly_once(n, P, R, eta, seed):
   """Rounds capped below P (DAPO refills, partly failed rounds) lose nothing."""
   rng = random.Random(seed)
@@ -86,21 +94,22 @@ def test_smaller_rounds_under_an_admission_limit_keep_exactly_once(n, P, R, eta,
   rounds = run_epoch(tb.TailBatcher(P, R, eta), prompts, lambda k: rng.randint(0, 9), limit)
   trained = [p for _, kept, _ in rounds for p in kept]
   assert sorted(trained) == prompts
-  for (plan, kept, rnd), cap in zip(rounds, limits):
+  for (plan, kept, _), cap in zip(rounds, limits):
     assert len(kept) == plan.keep_prompts <= (cap or P)
     if plan.kind == "short":  # as wide as a full round, in proportion
       assert len(plan.prompts) <= max(plan.keep_prompts, -(-eta * plan.keep_prompts // 1))
 
 
 @hypothesis.settings(max_examples=60, deadline=None)
-@hypothesis.given(n=st.integers(0, 30), P=st.integers(1, 5), R=st.integers(1, 3),
-                  seed=st.integers(0, 2**32 - 1))
+@hypothesis.given(
+  n=st.integers(0, 30), P=st.integers(1, 5), R=st.integers(1, 3), seed=st.integers(0, 2**32 - 1)
+)
 def test_eta_one_is_plain_batching(n, P, R, seed):
   rng = random.Random(seed)
   prompts = [f"q{i}" for i in range(n)]
   rng.shuffle(prompts)
   rounds = run_epoch(tb.TailBatcher(P, R, 1.0), prompts, lambda k: rng.random())
-  chunks = [prompts[i:i + P] for i in range(0, n, P)]
+  chunks = [prompts[i : i + P] for i in range(0, n, P)]
   assert [list(plan.prompts) for plan, _, _ in rounds] == chunks
   assert [sorted(kept) for _, kept, _ in rounds] == [sorted(c) for c in chunks]
   assert all(plan.responses == R and not rnd.deferred for plan, _, rnd in rounds)
@@ -149,7 +158,7 @@ class FakeRollout:
     try:
       await asyncio.wait_for(ev.wait(), self.delay(body))
       reason, n = {"type": "abort", "message": "Abort"}, 1
-    except asyncio.TimeoutError:
+    except TimeoutError:
       reason = {"type": "length", "length": n}
     return Completion(rid, "", [7] * n, [0.0] * n, reason, 3, "0", "fake", {})
 
@@ -168,17 +177,20 @@ def test_run_round_against_fake_rollout():
     return 600 if p == 3 else 90 if j == 2 else 5 + p + j
 
   rollout = FakeRollout(lambda b: b["sampling_params"]["max_new_tokens"] * 1e-3)
-  body = lambda p, j: {"input_ids": [1, 2, 3],  # noqa: E731
-                       "sampling_params": {"max_new_tokens": length(p, j), "ignore_eos": True}}
-  b = tb.TailBatcher(3, 2, 1.5)   # launches 5 prompts x 3 responses
+  body = lambda p, j: {
+    "input_ids": [1, 2, 3],
+    "sampling_params": {"max_new_tokens": length(p, j), "ignore_eos": True},
+  }
+  b = tb.TailBatcher(3, 2, 1.5)  # launches 5 prompts x 3 responses
   b.start_epoch(range(6))
 
   async def main():
     res = await tb.run_round(rollout, b, body)
     assert res.plan.kind == "short" and (len(res.plan.prompts), res.plan.responses) == (5, 3)
     assert sorted(res.groups) == [0, 1, 2] and b.long == [3, 4]
-    assert all(len(g) == 2 and all(c.finish_type == "length" for c in g)
-               for g in res.groups.values())
+    assert all(
+      len(g) == 2 and all(c.finish_type == "length" for c in g) for g in res.groups.values()
+    )
     # The short round ends long before prompt 3's 600 ms.
     assert res.stats["wall_s"] < 0.4 and res.stats["max_kept_len"] <= 10
     assert res.stats["aborted"] == len(rollout.aborts) > 0
@@ -210,8 +222,8 @@ class SlotRollout(FakeRollout):
 
 
 def test_round_slot_statistics_come_from_the_backends_counters():
-  body = lambda p, j: {"input_ids": [1], "sampling_params": {"max_new_tokens": 3 + p}}  # noqa: E731
-  fast = lambda b: 1e-3  # noqa: E731
+  body = lambda p, j: {"input_ids": [1], "sampling_params": {"max_new_tokens": 3 + p}}
+  fast = lambda b: 1e-3
   b = tb.TailBatcher(2, 2, 1.0)  # no speculation: every response is kept
   b.start_epoch(range(2))
   res = asyncio.run(tb.run_round(SlotRollout(fast, num_slots=8), b, body))
@@ -243,27 +255,32 @@ def test_failed_round_keeps_what_it_finished_and_requeues_the_rest():
   """A round stopped by a backend error: kept prompts stay trained (they were
   handed out through on_kept), the others go back to the queue front, and a
   streamed epoch (extend) then trains every prompt exactly once."""
-  fast = lambda b: 1e-3  # noqa: E731
+  fast = lambda b: 1e-3
   b = tb.TailBatcher(3, 2, 1.0)
   b.start_epoch([])
   b.extend(range(4))
   with pytest.raises(ValueError, match="twice"):
     b.extend([2])
-  body = lambda p, j: {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}}  # noqa: E731
+  body = lambda p, j: {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}}
   streamed = []
 
   async def main():
     with pytest.raises(tb.RoundFailed) as err:
-      await tb.run_round(FailingRollout(fast, dies_on=2), b, body,
-                         on_kept=lambda p, comps: streamed.append((p, len(comps))))
+      await tb.run_round(
+        FailingRollout(fast, dies_on=2),
+        b,
+        body,
+        on_kept=lambda p, comps: streamed.append((p, len(comps))),
+      )
     assert sorted(err.value.kept) == [0, 1]
     assert b.fresh == [2, 3] and sorted(b.trained) == [0, 1]
     b.extend([4, 5])
-    while (r := await tb.run_round(FakeRollout(fast), b, body,
-                                   on_kept=lambda p, comps: streamed.append((p, len(comps))))):
+    while await tb.run_round(
+      FakeRollout(fast), b, body, on_kept=lambda p, comps: streamed.append((p, len(comps)))
+    ):
       pass
 
   asyncio.run(main())
-  assert sorted(p for p, _ in streamed) == list(range(6))   # each handed out once
+  assert sorted(p for p, _ in streamed) == list(range(6))  # each handed out once
   assert all(n == 2 for _, n in streamed)
   assert sorted(b.trained) == list(range(6)) and b.epoch_done

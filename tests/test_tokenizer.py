@@ -15,9 +15,14 @@ from transformers import PreTrainedTokenizerFast
 from fluxjax.models import tokenizer as tokenizer_lib
 
 EXPECTED_IDS = {
-    "endoftext_id": 490, "im_start_id": 491, "im_end_id": 492,
-    "vision_start_id": 499, "vision_end_id": 500, "vision_pad_id": 501,
-    "image_pad_id": 502, "video_pad_id": 503,
+  "endoftext_id": 490,
+  "im_start_id": 491,
+  "im_end_id": 492,
+  "vision_start_id": 499,
+  "vision_end_id": 500,
+  "vision_pad_id": 501,
+  "image_pad_id": 502,
+  "video_pad_id": 503,
 }
 
 
@@ -38,9 +43,13 @@ def test_cli_regenerates_an_identical_file(tmp_path):
   # build may depend on either.
   env = dict(os.environ, PYTHONHASHSEED="123", RAYON_NUM_THREADS="1")
   repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  subprocess.run([sys.executable, "-m", "fluxjax.models.tokenizer",
-                  "--out", str(out)], check=True, env=env, cwd=repo_root,
-                 capture_output=True)
+  subprocess.run(
+    [sys.executable, "-m", "fluxjax.models.tokenizer", "--out", str(out)],
+    check=True,
+    env=env,
+    cwd=repo_root,
+    capture_output=True,
+  )
   with open(tokenizer_lib.ASSET_PATH, "rb") as f:
     assert out.read_bytes() == f.read()
 
@@ -81,8 +90,7 @@ def test_decode_skips_special_tokens_like_qwen(tok):
   text = "<|im_start|>assistant\n<tool_call>7</tool_call><|im_end|>"
   ids = tok.encode(text)
   assert tok.decode(ids) == text
-  assert tok.decode(ids, skip_special_tokens=True) == (
-      "assistant\n<tool_call>7</tool_call>")
+  assert tok.decode(ids, skip_special_tokens=True) == ("assistant\n<tool_call>7</tool_call>")
 
 
 def test_digits_are_split_like_qwen(tok):
@@ -106,17 +114,18 @@ def test_round_trip_any_text(text):
 
 def test_matches_transformers_fast_tokenizer(tok):
   hf = PreTrainedTokenizerFast(tokenizer_file=tokenizer_lib.ASSET_PATH)
-  for text in ["<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n",
-               "How many purple stars?  <answer>12</answer>\n\n",
-               "Ünïcödé — émoji 🙂 and tabs\t!"]:
+  for text in [
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n",
+    "How many purple stars?  <answer>12</answer>\n\n",
+    "Ünïcödé — émoji 🙂 and tabs\t!",
+  ]:
     assert hf(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
     assert hf.decode(tok.encode(text)) == tok.decode(tok.encode(text))
 
 
 def test_special_ids_are_found_by_name(tmp_path):
   # A tokenizer with the Qwen tokens at other ids, in another order.
-  backend = tokenizers.Tokenizer(models.WordLevel(
-      {"x": 0, "y": 1}, unk_token="x"))
+  backend = tokenizers.Tokenizer(models.WordLevel({"x": 0, "y": 1}, unk_token="x"))
   backend.add_special_tokens(list(reversed(tokenizer_lib.QWEN_ADDED_TOKENS)))
   path = tmp_path / "other.json"
   backend.save(str(path))
@@ -135,7 +144,6 @@ def test_missing_special_tokens_raise_naming_them():
   with pytest.raises(ValueError) as err:
     tokenizer_lib.Tokenizer(backend)
   msg = str(err.value)
-  for name in ("<|im_end|>", "<|image_pad|>", "<|video_pad|>",
-               "<|vision_start|>"):
+  for name in ("<|im_end|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>"):
     assert name in msg
   assert "<|im_start|>" not in msg

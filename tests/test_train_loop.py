@@ -5,9 +5,8 @@ import os
 
 import pytest
 
-from fluxjax.rl import metrics
 from fluxjax.data import readers
-from fluxjax.rl import coordinator, loop
+from fluxjax.rl import coordinator, loop, metrics
 from helpers import tiny_run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +63,7 @@ def test_validate_refuses_what_the_loop_cannot_do():
   # A fleet without servers is refused before any model is built.
   c = tiny_run_config(1)
   c.rollout.backend = "sglang"
-  with pytest.raises(ValueError, match="needs rollout.urls"):
+  with pytest.raises(ValueError, match=r"needs rollout\.urls"):
     loop.validate(c)
   c.rollout.urls = ("http://127.0.0.1:1",)
   loop.validate(c)

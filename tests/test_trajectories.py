@@ -12,16 +12,27 @@ CFG = config_lib.preset("tiny")
 
 
 def _completion(ids, logprobs, version="3"):
-  return Completion(rid=f"r{len(ids)}", text="", output_ids=list(ids), logprobs=list(logprobs),
-                    finish_reason={"type": "stop"}, prompt_tokens=None, weight_version=version,
-                    server="embedded", meta_info={})
+  return Completion(
+    rid=f"r{len(ids)}",
+    text="",
+    output_ids=list(ids),
+    logprobs=list(logprobs),
+    finish_reason={"type": "stop"},
+    prompt_tokens=None,
+    weight_version=version,
+    server="embedded",
+    meta_info={},
+  )
 
 
 def test_group_sequences_fields():
   prompt = inputs.sequence_from_tokens([5, 6, 7, 8], [], CFG)
-  group = trajectories.Group("s1", prompt, [
-      _completion([10, 11, 492], [-0.5, -1.0, -0.1]),
-      _completion([12, 492], [-2.0, -0.3])], rewards=[1.0, 0.0])
+  group = trajectories.Group(
+    "s1",
+    prompt,
+    [_completion([10, 11, 492], [-0.5, -1.0, -0.1]), _completion([12, 492], [-2.0, -0.3])],
+    rewards=[1.0, 0.0],
+  )
   a, b = trajectories.group_sequences(group, agg_mode="token-mean")
   # GRPO: rewards (1, 0) -> mean 0.5, unbiased std sqrt(0.5) = 0.7071 (as veRL's
   # torch.std) -> advantages 0.5 / 0.7071 = +0.7071 and -0.7071 (eps aside).
@@ -41,8 +52,10 @@ def test_group_sequences_fields():
 def test_missing_logprobs_or_rewards_are_errors():
   prompt = inputs.sequence_from_tokens([5, 6], [], CFG)
   with pytest.raises(ValueError, match="lacks behaviour logprobs"):
-    trajectories.group_sequences(trajectories.Group(
-        "s", prompt, [_completion([1, 2], [None, -1.0])], [1.0]))
+    trajectories.group_sequences(
+      trajectories.Group("s", prompt, [_completion([1, 2], [None, -1.0])], [1.0])
+    )
   with pytest.raises(ValueError, match="2 completions but 1 rewards"):
-    trajectories.group_sequences(trajectories.Group(
-        "s", prompt, [_completion([1], [-1.0]), _completion([2], [-1.0])], [1.0]))
+    trajectories.group_sequences(
+      trajectories.Group("s", prompt, [_completion([1], [-1.0]), _completion([2], [-1.0])], [1.0])
+    )

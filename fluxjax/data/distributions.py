@@ -18,6 +18,7 @@ _Z99 = 2.3263478740408408  # standard normal quantile of 0.99
 @dataclasses.dataclass(frozen=True)
 class LogNormal:
   """A log-normal given by its median and 99th percentile, clipped to [lo, hi]."""
+
   median: float
   p99: float
   lo: float

@@ -34,9 +34,9 @@ def local_device_indices(mesh) -> set[int]:
   device d is `mesh.devices.flat[d]`.
   """
   import jax  # Only callers with a mesh need JAX here.
+
   me = jax.process_index()
-  return {d for d, dev in enumerate(mesh.devices.flat)
-          if dev.process_index == me}
+  return {d for d, dev in enumerate(mesh.devices.flat) if dev.process_index == me}
 
 
 class Materializer:
@@ -49,8 +49,7 @@ class Materializer:
     timeout: seconds to wait for one item before failing.
   """
 
-  def __init__(self, store: store_lib.MetaStore, pool=None,
-               timeout: float | None = 600.0):
+  def __init__(self, store: store_lib.MetaStore, pool=None, timeout: float | None = 600.0):
     self.store = store
     self.pool = pool
     self.timeout = timeout
@@ -58,7 +57,7 @@ class Materializer:
     self._next: dict[str, np.ndarray] = {}
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
-    self.wait_s = 0.0       # total time steps waited on materialization
+    self.wait_s = 0.0  # total time steps waited on materialization
     self.last_wait_s = 0.0
     self.bytes_read = 0
     self.steps = 0
@@ -84,8 +83,9 @@ class Materializer:
 
   # One step ahead --------------------------------------------------------
   @staticmethod
-  def local_items(placement: Mapping[tuple[int, int], Sequence],
-                  devices: Iterable[int] | None = None) -> list:
+  def local_items(
+    placement: Mapping[tuple[int, int], Sequence], devices: Iterable[int] | None = None
+  ) -> list:
     """Items of a `media_placement` on the given plan devices (None: all)."""
     keep = None if devices is None else set(devices)
     out, seen = [], set()
@@ -98,8 +98,9 @@ class Materializer:
           out.append(item)
     return out
 
-  def prepare(self, placement: Mapping[tuple[int, int], Sequence],
-              devices: Iterable[int] | None = None) -> None:
+  def prepare(
+    self, placement: Mapping[tuple[int, int], Sequence], devices: Iterable[int] | None = None
+  ) -> None:
     """Starts reading the next step's local items in a background thread.
 
     Args:
@@ -124,8 +125,7 @@ class Materializer:
       except BaseException as e:  # pylint: disable=broad-except
         self._error = e
 
-    self._thread = threading.Thread(target=run, daemon=True,
-                                    name="fluxjax-materializer")
+    self._thread = threading.Thread(target=run, daemon=True, name="fluxjax-materializer")
     self._thread.start()
 
   def wait(self) -> float:
@@ -154,8 +154,11 @@ class Materializer:
       items: the MediaRefs consumed (their whole media are evicted from the
         store); None evicts every item that was served from this step.
     """
-    ids = ({item.media_id for item in items} if items is not None else
-           {key.split("[")[0] for key in self._ready})
+    ids = (
+      {item.media_id for item in items}
+      if items is not None
+      else {key.split("[")[0] for key in self._ready}
+    )
     self._ready = {}
     for media_id in ids:
       self.store.release(media_id)

@@ -29,6 +29,7 @@ class MediaLimits:
     min_side: smallest source side in pixels.
     max_video_frames: most frames in a video file.
   """
+
   max_image_pixels: int = 64_000_000
   min_side: int = 1
   max_video_frames: int = 1_000_000
@@ -52,6 +53,7 @@ class MediaRef:
     t_start: first temporal group of this slice.
     t_stop: one past its last temporal group.
   """
+
   media_id: str
   kind: processor.Kind
   path: str
@@ -69,8 +71,9 @@ class MediaRef:
     if self.t_stop < 0:
       object.__setattr__(self, "t_stop", self.full_grid[0])
     if not 0 <= self.t_start < self.t_stop <= self.full_grid[0]:
-      raise ValueError(f"temporal slice [{self.t_start}:{self.t_stop}] outside "
-                       f"grid {self.full_grid}")
+      raise ValueError(
+        f"temporal slice [{self.t_start}:{self.t_stop}] outside grid {self.full_grid}"
+      )
 
   @property
   def id(self) -> str:
@@ -106,7 +109,7 @@ class MediaRef:
     """float32 bytes of the whole item's patches (what a worker stores)."""
     return processor.num_patches(self.full_grid) * patch_dim * 4
 
-  def slice(self, frames: slice | tuple[int, int]) -> "MediaRef":
+  def slice(self, frames: slice | tuple[int, int]) -> MediaRef:
     """The sub-item of some temporal groups (FlexRL's FakeTensor `shard`).
 
     Args:
@@ -121,8 +124,7 @@ class MediaRef:
     start, stop, step = frames.indices(self.t_stop - self.t_start)
     if step != 1 or stop <= start:
       raise ValueError(f"need a non-empty contiguous slice, got {frames}")
-    return dataclasses.replace(self, t_start=self.t_start + start,
-                               t_stop=self.t_start + stop)
+    return dataclasses.replace(self, t_start=self.t_start + start, t_stop=self.t_start + stop)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +140,7 @@ class SampleMeta:
     media: images then videos, in prompt order.
     error: why the sample cannot be used (probing failed), else None.
   """
+
   uid: int
   id: str
   prompt: str
@@ -189,9 +192,13 @@ def probe_cache_info():
   return _probe_cached.cache_info()
 
 
-def media_ref(media_id: str, kind: processor.Kind, path: str,
-              cfg: processor.VisionProcessorConfig,
-              limits: MediaLimits = MediaLimits()) -> MediaRef:
+def media_ref(
+  media_id: str,
+  kind: processor.Kind,
+  path: str,
+  cfg: processor.VisionProcessorConfig,
+  limits: MediaLimits = MediaLimits(),
+) -> MediaRef:
   """A MediaRef from a file's headers and the processor's resize rule.
 
   Raises:
@@ -205,25 +212,23 @@ def media_ref(media_id: str, kind: processor.Kind, path: str,
     info = probe(kind, path)
     height, width, frames, fps = info.height, info.width, info.num_frames, info.fps
     if frames > limits.max_video_frames:
-      raise media_lib.MediaError(path, f"{frames} frames exceed the limit "
-                                 f"{limits.max_video_frames}")
+      raise media_lib.MediaError(
+        path, f"{frames} frames exceed the limit {limits.max_video_frames}"
+      )
     indices, sampled_fps = media_lib.sample_frame_indices(frames, fps, cfg)
     sampled = len(indices)
   else:
     raise ValueError(f"kind must be 'image' or 'video', got {kind!r}")
   if min(height, width) < limits.min_side:
-    raise media_lib.MediaError(path, f"side below {limits.min_side}: "
-                               f"{height}x{width}")
+    raise media_lib.MediaError(path, f"side below {limits.min_side}: {height}x{width}")
   if kind == "image" and height * width > limits.max_image_pixels:
-    raise media_lib.MediaError(path, f"{height}x{width} exceeds "
-                               f"{limits.max_image_pixels} pixels")
+    raise media_lib.MediaError(path, f"{height}x{width} exceeds {limits.max_image_pixels} pixels")
   try:
     grid = processor.grid_for_size(kind, height, width, sampled, cfg)
   except ValueError as e:
     raise media_lib.MediaError(path, f"size rejected by processor: {e}") from e
   spg = cfg.temporal_patch_size / sampled_fps if kind == "video" else None
-  return MediaRef(media_id, kind, path, height, width, frames, fps, sampled,
-                  grid, spg)
+  return MediaRef(media_id, kind, path, height, width, frames, fps, sampled, grid, spg)
 
 
 class ToMeta:
@@ -233,20 +238,25 @@ class ToMeta:
   loader can count, log and replace the sample.
   """
 
-  def __init__(self, cfg: processor.VisionProcessorConfig,
-               limits: MediaLimits = MediaLimits()):
+  def __init__(self, cfg: processor.VisionProcessorConfig, limits: MediaLimits = MediaLimits()):
     self.cfg = cfg
     self.limits = limits
 
   def __call__(self, index: int, row: dict) -> SampleMeta:
-    base = SampleMeta(uid=int(index), id=row["id"], prompt=row["prompt"],
-                      answer=row.get("answer"), source=row.get("source", ""))
-    items: list[tuple[processor.Kind, str]] = [
-        ("image", p) for p in row.get("images", ())]
+    base = SampleMeta(
+      uid=int(index),
+      id=row["id"],
+      prompt=row["prompt"],
+      answer=row.get("answer"),
+      source=row.get("source", ""),
+    )
+    items: list[tuple[processor.Kind, str]] = [("image", p) for p in row.get("images", ())]
     items += [("video", p) for p in row.get("videos", ())]
     try:
-      media = tuple(media_ref(f"{index}/{k}", kind, path, self.cfg, self.limits)
-                    for k, (kind, path) in enumerate(items))
+      media = tuple(
+        media_ref(f"{index}/{k}", kind, path, self.cfg, self.limits)
+        for k, (kind, path) in enumerate(items)
+      )
     except media_lib.MediaError as e:
       return dataclasses.replace(base, error=f"{e.path}: {e.reason}")
     return dataclasses.replace(base, media=media)

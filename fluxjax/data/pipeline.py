@@ -35,11 +35,15 @@ from fluxjax.models import processor
 log = logging.getLogger(__name__)
 
 
-def meta_dataset(rows: Sequence[dict], cfg: processor.VisionProcessorConfig,
-                 *, seed: int = 0, shuffle: bool = True,
-                 num_epochs: int | None = None,
-                 limits: meta_lib.MediaLimits = meta_lib.MediaLimits()
-                 ) -> grain.MapDataset:
+def meta_dataset(
+  rows: Sequence[dict],
+  cfg: processor.VisionProcessorConfig,
+  *,
+  seed: int = 0,
+  shuffle: bool = True,
+  num_epochs: int | None = None,
+  limits: meta_lib.MediaLimits = meta_lib.MediaLimits(),
+) -> grain.MapDataset:
   """The metadata MapDataset: shuffled rows -> SampleMeta (uid = position).
 
   Args:
@@ -58,21 +62,21 @@ def meta_dataset(rows: Sequence[dict], cfg: processor.VisionProcessorConfig,
 
 
 _SKIP_KINDS = (
-    ("not found", "missing"),
-    ("not a regular file", "missing"),
-    ("stream ended early", "truncated"),
-    ("decode failed", "corrupt"),
-    ("cannot decode", "corrupt"),
-    ("cannot read image header", "corrupt"),
-    ("cannot demux", "corrupt"),
-    ("cannot open video", "unsupported"),
-    ("no video stream", "unsupported"),
-    ("exceed", "size"),
-    ("side below", "size"),
-    ("size rejected", "size"),
-    ("decoded grid", "size"),
-    ("died", "worker"),
-    ("timed out", "timeout"),
+  ("not found", "missing"),
+  ("not a regular file", "missing"),
+  ("stream ended early", "truncated"),
+  ("decode failed", "corrupt"),
+  ("cannot decode", "corrupt"),
+  ("cannot read image header", "corrupt"),
+  ("cannot demux", "corrupt"),
+  ("cannot open video", "unsupported"),
+  ("no video stream", "unsupported"),
+  ("exceed", "size"),
+  ("side below", "size"),
+  ("size rejected", "size"),
+  ("decoded grid", "size"),
+  ("died", "worker"),
+  ("timed out", "timeout"),
 )
 
 
@@ -112,14 +116,23 @@ class ShadowLoader:
       counted skip rather than a stalled run.
   """
 
-  def __init__(self, rows: Sequence[dict] | str, batch_size: int,
-               cfg: processor.VisionProcessorConfig, *, num_workers: int = 2,
-               seed: int = 0, shuffle: bool = True,
-               num_epochs: int | None = None, lookahead: int | None = None,
-               store_bytes: int = 2 << 30,
-               limits: meta_lib.MediaLimits = meta_lib.MediaLimits(),
-               read_threads: int = 2, transport: str = "shm",
-               decode_timeout_s: float = 300.0):
+  def __init__(
+    self,
+    rows: Sequence[dict] | str,
+    batch_size: int,
+    cfg: processor.VisionProcessorConfig,
+    *,
+    num_workers: int = 2,
+    seed: int = 0,
+    shuffle: bool = True,
+    num_epochs: int | None = None,
+    lookahead: int | None = None,
+    store_bytes: int = 2 << 30,
+    limits: meta_lib.MediaLimits = meta_lib.MediaLimits(),
+    read_threads: int = 2,
+    transport: str = "shm",
+    decode_timeout_s: float = 300.0,
+  ):
     if isinstance(rows, str):
       rows = readers.read_rows(rows)
     self.batch_size = batch_size
@@ -128,18 +141,20 @@ class ShadowLoader:
     self.cfg = cfg
     self.decode_timeout_s = decode_timeout_s
     self.lookahead = max(lookahead or 2 * batch_size, batch_size)
-    self._ds = meta_dataset(rows, cfg, seed=seed, shuffle=shuffle,
-                            num_epochs=num_epochs, limits=limits)
-    self._read = grain.ReadOptions(num_threads=read_threads,
-                                   prefetch_buffer_size=self.lookahead)
+    self._ds = meta_dataset(
+      rows, cfg, seed=seed, shuffle=shuffle, num_epochs=num_epochs, limits=limits
+    )
+    self._read = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=self.lookahead)
     self._iter = iter(self._ds.to_iter_dataset(self._read))
     self._committed = self._iter.get_state()
     self._window: collections.deque[_Slot] = collections.deque()
     self._exhausted = False
     self.store = store_lib.MetaStore(store_bytes)
-    self.pool = (workers_lib.WorkerPool(num_workers, cfg, self.store,
-                                        transport=transport)
-                 if num_workers else None)
+    self.pool = (
+      workers_lib.WorkerPool(num_workers, cfg, self.store, transport=transport)
+      if num_workers
+      else None
+    )
     self.skipped = 0
     self.skip_reasons: collections.Counter = collections.Counter()
     self.emitted = 0
@@ -167,10 +182,10 @@ class ShadowLoader:
     while not self._exhausted:
       # Bounded: a dataset of nothing but bad rows must reach next_batch's
       # whole-pass check instead of being pulled forever.
-      if (self._good_in_window() < self.batch_size
-          and len(self._window) < self.lookahead + self.num_rows):
-        self._pull()
-      elif len(self._window) < self.lookahead and self.store.has_room():
+      if (
+        self._good_in_window() < self.batch_size
+        and len(self._window) < self.lookahead + self.num_rows
+      ) or (len(self._window) < self.lookahead and self.store.has_room()):
         self._pull()
       else:
         return
@@ -179,8 +194,7 @@ class ShadowLoader:
   def _skip(self, sample: meta_lib.SampleMeta, reason: str) -> None:
     self.skipped += 1
     self.skip_reasons[skip_kind(reason)] += 1
-    log.warning("skipping sample %s (uid %d): %s", sample.id, sample.uid,
-                reason)
+    log.warning("skipping sample %s (uid %d): %s", sample.id, sample.uid, reason)
     for ref in sample.media:
       self.store.release(ref.media_id)
 
@@ -228,8 +242,10 @@ class ShadowLoader:
         self._skips_in_a_row += 1
         if self._skips_in_a_row >= self.num_rows:
           # With repeating epochs this would otherwise loop forever.
-          raise RuntimeError(f"no usable sample in a whole pass over the {self.num_rows} rows "
-                             f"(skips by kind: {dict(self.skip_reasons)}; last: {reason})")
+          raise RuntimeError(
+            f"no usable sample in a whole pass over the {self.num_rows} rows "
+            f"(skips by kind: {dict(self.skip_reasons)}; last: {reason})"
+          )
         continue
       self._skips_in_a_row = 0
       batch.append(sample)
@@ -257,8 +273,7 @@ class ShadowLoader:
   # State -----------------------------------------------------------------
   def get_state(self) -> dict:
     """JSON-serializable state: resume after the last sample handed out."""
-    return {"grain": dict(self._committed), "skipped": self.skipped,
-            "emitted": self.emitted}
+    return {"grain": dict(self._committed), "skipped": self.skipped, "emitted": self.emitted}
 
   def set_state(self, state: dict) -> None:
     """Restores `get_state()`; in-flight prefetches are dropped."""
@@ -274,9 +289,13 @@ class ShadowLoader:
 
   def metrics(self) -> dict:
     """Slash-namespaced counters for the metrics writer."""
-    out = {"data/emitted": self.emitted, "data/skipped": self.skipped,
-           "data/wait_s": self.wait_s, "data/store_bytes": self.store.bytes_in_use,
-           "data/store_peak_bytes": self.store.peak_bytes}
+    out = {
+      "data/emitted": self.emitted,
+      "data/skipped": self.skipped,
+      "data/wait_s": self.wait_s,
+      "data/store_bytes": self.store.bytes_in_use,
+      "data/store_peak_bytes": self.store.peak_bytes,
+    }
     for kind, n in self.skip_reasons.items():
       out[f"data/skipped/{kind}"] = n
     return out
@@ -287,7 +306,7 @@ class ShadowLoader:
       self.pool.close()
     self.store.close()
 
-  def __enter__(self) -> "ShadowLoader":
+  def __enter__(self) -> ShadowLoader:
     return self
 
   def __exit__(self, *exc) -> None:

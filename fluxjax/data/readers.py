@@ -11,9 +11,9 @@ the preprocessor workers' business.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 _ANSWER_KEYS = ("answer", "ground_truth", "solution")
@@ -30,8 +30,9 @@ def _text_of(prompt: Any) -> str:
       if isinstance(content, str):
         parts.append(content)
       else:
-        parts.extend(p.get("text", "") for p in content
-                     if isinstance(p, dict) and p.get("type") == "text")
+        parts.extend(
+          p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+        )
     return "\n".join(p for p in parts if p)
   raise ValueError(f"prompt must be text or messages, got {type(prompt)}")
 
@@ -65,13 +66,13 @@ def normalize_row(raw: dict, index: int, base_dir: str) -> dict:
   if answer is None and isinstance(raw.get("reward_model"), dict):
     answer = raw["reward_model"].get("ground_truth")
   return {
-      "id": str(raw.get("id", index)),
-      "prompt": _text_of(raw.get("prompt", raw.get("question", ""))),
-      "answer": None if answer is None else str(answer),
-      "images": _paths(raw.get("images", raw.get("image")), base_dir),
-      "videos": _paths(raw.get("videos", raw.get("video")), base_dir),
-      "source": str(raw.get("source", raw.get("data_source", ""))),
-      "task": str(raw.get("task", "")),  # the reward function's hint
+    "id": str(raw.get("id", index)),
+    "prompt": _text_of(raw.get("prompt", raw.get("question", ""))),
+    "answer": None if answer is None else str(answer),
+    "images": _paths(raw.get("images", raw.get("image")), base_dir),
+    "videos": _paths(raw.get("videos", raw.get("video")), base_dir),
+    "source": str(raw.get("source", raw.get("data_source", ""))),
+    "task": str(raw.get("task", "")),  # the reward function's hint
   }
 
 
@@ -89,6 +90,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 def read_parquet(path: str | os.PathLike) -> list[dict]:
   """Normalized rows of a Parquet file."""
   import pyarrow.parquet as pq  # Only Parquet datasets pay for the import.
+
   base = os.path.dirname(os.path.abspath(path))
   table = pq.read_table(path)
   return [normalize_row(r, i, base) for i, r in enumerate(table.to_pylist())]
@@ -111,7 +113,7 @@ class RowSource:
     self._rows = list(rows)
 
   @classmethod
-  def from_file(cls, path: str | os.PathLike) -> "RowSource":
+  def from_file(cls, path: str | os.PathLike) -> RowSource:
     return cls(read_rows(path))
 
   def __len__(self) -> int:

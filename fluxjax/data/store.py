@@ -38,13 +38,14 @@ def write_shared(array: np.ndarray) -> str:
     shm.close()
 
 
-def read_shared(name: str, shape: tuple[int, ...], rows: tuple[int, int],
-                dtype=np.float32) -> np.ndarray:
+def read_shared(
+  name: str, shape: tuple[int, ...], rows: tuple[int, int], dtype=np.float32
+) -> np.ndarray:
   """A copy of rows [start, stop) of a segment holding an array of `shape`."""
   shm = shared_memory.SharedMemory(name=name)
   try:
     view = np.ndarray(shape, dtype, buffer=shm.buf)
-    out = np.array(view[rows[0]:rows[1]])
+    out = np.array(view[rows[0] : rows[1]])
     # The view must go before close(), or the mapping is still exported.
     del view
     return out
@@ -77,6 +78,7 @@ class Entry:
     reason: why it failed (FAILED).
     decode_s: the worker's decode + preprocess time.
   """
+
   media_id: str
   worker: int
   nbytes: int
@@ -118,8 +120,9 @@ class MetaStore:
     with self._cv:
       return self.bytes_in_use < self.budget_bytes or not self._entries
 
-  def register(self, media_id: str, worker: int, nbytes: int,
-               expected_grid: tuple[int, int, int]) -> None:
+  def register(
+    self, media_id: str, worker: int, nbytes: int, expected_grid: tuple[int, int, int]
+  ) -> None:
     with self._cv:
       if media_id in self._entries:
         raise KeyError(f"{media_id} is already registered")
@@ -128,8 +131,16 @@ class MetaStore:
       self.bytes_in_use += nbytes
       self.peak_bytes = max(self.peak_bytes, self.bytes_in_use)
 
-  def set_ready(self, media_id: str, *, slot: str | None, shape, grid,
-                array: np.ndarray | None = None, decode_s: float = 0.0) -> None:
+  def set_ready(
+    self,
+    media_id: str,
+    *,
+    slot: str | None,
+    shape,
+    grid,
+    array: np.ndarray | None = None,
+    decode_s: float = 0.0,
+  ) -> None:
     """Records a worker's result (or drops it if it was released meanwhile)."""
     with self._cv:
       entry = self._entries.get(media_id)
@@ -144,8 +155,10 @@ class MetaStore:
       entry.decode_s = decode_s
       if tuple(grid) != entry.expected_grid:
         # The header promised another size than the decoder found.
-        entry.status, entry.reason = FAILED, (
-            f"decoded grid {tuple(grid)} != probed {entry.expected_grid}")
+        entry.status, entry.reason = (
+          FAILED,
+          (f"decoded grid {tuple(grid)} != probed {entry.expected_grid}"),
+        )
         if slot is not None:
           unlink_shared(slot)
       else:
@@ -189,8 +202,9 @@ class MetaStore:
           raise TimeoutError(f"{media_id} not ready after {timeout} s")
         self._cv.wait(left)
 
-  def read(self, media_id: str, rows: tuple[int, int] | None = None,
-           timeout: float | None = None) -> np.ndarray:
+  def read(
+    self, media_id: str, rows: tuple[int, int] | None = None, timeout: float | None = None
+  ) -> np.ndarray:
     """Patches rows [start, stop) of a READY item (waits while pending)."""
     entry = self.wait(media_id, timeout)
     if entry.status == FAILED:
@@ -199,7 +213,7 @@ class MetaStore:
     assert entry.shape is not None
     rows = rows or (0, entry.shape[0])
     if entry.array is not None:
-      return entry.array[rows[0]:rows[1]]
+      return entry.array[rows[0] : rows[1]]
     assert entry.slot is not None
     return read_shared(entry.slot, entry.shape, rows)
 
@@ -224,8 +238,7 @@ class MetaStore:
   def fail_pending(self, worker: int, reason: str) -> list[str]:
     """Fails every pending item of a worker (it died); returns their ids."""
     with self._cv:
-      ids = [k for k, e in self._entries.items()
-             if e.worker == worker and e.status == PENDING]
+      ids = [k for k, e in self._entries.items() if e.worker == worker and e.status == PENDING]
     for media_id in ids:
       self.set_failed(media_id, reason)
     return ids

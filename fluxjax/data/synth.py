@@ -57,19 +57,24 @@ from fluxjax.data import distributions
 from fluxjax.models.tokenizer import COLORS, SHAPES
 
 MIXES = {
-    "image_heavy": (5, 2, 1),
-    "video_heavy": (1, 2, 5),
-    "only_video": (0, 0, 1),
-    "text": None,
-    # Task weights rather than source weights: the small-image tasks.
-    "shapes": {"colour": 1, "shape_count": 1},
+  "image_heavy": (5, 2, 1),
+  "video_heavy": (1, 2, 5),
+  "only_video": (0, 0, 1),
+  "text": None,
+  # Task weights rather than source weights: the small-image tasks.
+  "shapes": {"colour": 1, "shape_count": 1},
 }
 SOURCES = ("geo3k", "nextqa", "longvila")
 
 RGB = {
-    "red": (220, 30, 30), "green": (30, 170, 60), "blue": (30, 60, 220),
-    "yellow": (240, 220, 30), "purple": (140, 40, 170),
-    "orange": (250, 140, 20), "white": (255, 255, 255), "black": (0, 0, 0),
+  "red": (220, 30, 30),
+  "green": (30, 170, 60),
+  "blue": (30, 60, 220),
+  "yellow": (240, 220, 30),
+  "purple": (140, 40, 170),
+  "orange": (250, 140, 20),
+  "white": (255, 255, 255),
+  "black": (0, 0, 0),
 }
 # Mid grey so that both white and black shapes stand out.
 BACKGROUND = (128, 128, 128)
@@ -96,6 +101,7 @@ class SynthConfig:
     max_seconds: cap on a video's duration.
     shapes_size: side in pixels of the `shapes` mix's square images.
   """
+
   fps: float = 1.0
   video_scale: float = 0.25
   image_scale: float = 1.0
@@ -105,13 +111,12 @@ class SynthConfig:
 
 def _even(x: float) -> int:
   # H.264 in yuv420p needs even sides.
-  return max(16, int(round(x / 2)) * 2)
+  return max(16, round(x / 2) * 2)
 
 
 def _polygon(shape: str, cx: float, cy: float, r: float):
   if shape == "square":
-    return [(cx - r, cy - r), (cx + r, cy - r), (cx + r, cy + r),
-            (cx - r, cy + r)]
+    return [(cx - r, cy - r), (cx + r, cy - r), (cx + r, cy + r), (cx - r, cy + r)]
   if shape == "triangle":
     return [(cx, cy - r), (cx + r, cy + r), (cx - r, cy + r)]
   if shape == "star":
@@ -124,8 +129,9 @@ def _polygon(shape: str, cx: float, cy: float, r: float):
   raise ValueError(shape)
 
 
-def draw_shape(draw: PIL.ImageDraw.ImageDraw, shape: str, color: str,
-               cx: float, cy: float, r: float) -> None:
+def draw_shape(
+  draw: PIL.ImageDraw.ImageDraw, shape: str, color: str, cx: float, cy: float, r: float
+) -> None:
   """Draws one filled shape of a COLORS colour centred at (cx, cy)."""
   fill = RGB[color]
   if shape == "circle":
@@ -153,7 +159,7 @@ def count_image(rng: np.random.Generator, height: int, width: int):
   # One shape per grid cell, so shapes never overlap and stay countable.
   cols, rows = 4, 3
   cw, ch = width / cols, height / rows
-  cells = rng.permutation(cols * rows)[:rng.integers(3, cols * rows + 1)]
+  cells = rng.permutation(cols * rows)[: rng.integers(3, cols * rows + 1)]
   target_c, target_s = str(rng.choice(COLORS)), str(rng.choice(SHAPES))
   drawn = []
   for cell in cells:
@@ -189,8 +195,7 @@ def arithmetic_image(rng: np.random.Generator, height: int, width: int):
   draw = PIL.ImageDraw.Draw(image)
   size = max(10, int(min(height, width * 2 / max(len(expr), 1)) * 0.4))
   font = PIL.ImageFont.load_default(size=size)
-  draw.text((width / 2, height / 2), expr, fill=(0, 0, 0), font=font,
-            anchor="mm")
+  draw.text((width / 2, height / 2), expr, fill=(0, 0, 0), font=font, anchor="mm")
   question = f"What is {expr}? Read the expression in the image."
   return image, question, str(value)
 
@@ -225,8 +230,14 @@ def shape_count_image(rng: np.random.Generator, size: int):
   for q in rng.permutation(4)[:n]:
     cx, cy = (q % 2 + 0.5) * half, (q // 2 + 0.5) * half
     jx, jy = rng.uniform(-0.06, 0.06, 2) * half
-    draw_shape(draw, str(rng.choice(SHAPES)), str(rng.choice(COLORS)), cx + jx, cy + jy,
-               half * rng.uniform(0.28, 0.36))
+    draw_shape(
+      draw,
+      str(rng.choice(SHAPES)),
+      str(rng.choice(COLORS)),
+      cx + jx,
+      cy + jy,
+      half * rng.uniform(0.28, 0.36),
+    )
   return image, "How many shapes are in the image?", str(n)
 
 
@@ -249,16 +260,14 @@ def _segments(rng: np.random.Generator, num_frames: int):
   return bounds, colors, shapes
 
 
-def write_video(path: str, frames_fn, num_frames: int, height: int,
-                width: int, fps: float) -> None:
+def write_video(path: str, frames_fn, num_frames: int, height: int, width: int, fps: float) -> None:
   """Encodes frames_fn(i) -> uint8 [H, W, 3] as H.264 (yuv420p) MP4."""
   # faststart puts the index first, as web-ready files have it; a file cut
   # short then still opens and fails only when decoding reaches the cut.
   with av.open(path, mode="w", options={"movflags": "faststart"}) as container:
     # A rational rate (to the millisecond): PyAV reads its numerator and
     # denominator, which a float lacks.
-    stream = container.add_stream(
-        "libx264", rate=fractions.Fraction(round(fps * 1000), 1000))
+    stream = container.add_stream("libx264", rate=fractions.Fraction(round(fps * 1000), 1000))
     stream.height, stream.width, stream.pix_fmt = height, width, "yuv420p"
     # ultrafast: the files are test data, encode speed matters, quality not.
     stream.options = {"preset": "ultrafast", "crf": "28"}
@@ -270,35 +279,37 @@ def write_video(path: str, frames_fn, num_frames: int, height: int,
       container.mux(packet)
 
 
-def last_colour_video(rng: np.random.Generator, path: str, seconds: float,
-                      height: int, width: int, cfg: SynthConfig,
-                      ask_shape: bool = False):
+def last_colour_video(
+  rng: np.random.Generator,
+  path: str,
+  seconds: float,
+  height: int,
+  width: int,
+  cfg: SynthConfig,
+  ask_shape: bool = False,
+):
   """Writes a clip of coloured shapes; asks which colour (shape) is last."""
-  num_frames = max(4, int(round(min(seconds, cfg.max_seconds) * cfg.fps)))
+  num_frames = max(4, round(min(seconds, cfg.max_seconds) * cfg.fps))
   bounds, colors, shapes = _segments(rng, num_frames)
   # Each segment's picture is drawn once; frames reuse it (cheap to encode).
   pictures = []
   for c, s in zip(colors, shapes):
     image = PIL.Image.new("RGB", (width, height), BACKGROUND)
-    draw_shape(PIL.ImageDraw.Draw(image), s, c, width / 2, height / 2,
-               0.35 * min(height, width))
+    draw_shape(PIL.ImageDraw.Draw(image), s, c, width / 2, height / 2, 0.35 * min(height, width))
     pictures.append(np.asarray(image))
-  seg_of = np.searchsorted(np.asarray(bounds[1:]), np.arange(num_frames),
-                           side="right")
-  write_video(path, lambda i: pictures[seg_of[i]], num_frames, height, width,
-              cfg.fps)
+  seg_of = np.searchsorted(np.asarray(bounds[1:]), np.arange(num_frames), side="right")
+  write_video(path, lambda i: pictures[seg_of[i]], num_frames, height, width, cfg.fps)
   if ask_shape:
-    return (f"Which shape appears last in the video? Is it a {shapes[-1]}?",
-            shapes[-1], num_frames)
+    return (f"Which shape appears last in the video? Is it a {shapes[-1]}?", shapes[-1], num_frames)
   return "Which colour appears last in the video?", colors[-1], num_frames
 
 
-def make_sample(i: int, source: str | None, rng: np.random.Generator,
-                out_dir: str, cfg: SynthConfig, prefix: str) -> dict:
+def make_sample(
+  i: int, source: str | None, rng: np.random.Generator, out_dir: str, cfg: SynthConfig, prefix: str
+) -> dict:
   """Generates one sample's media and returns its manifest row."""
   sid = f"{prefix}-{i:06d}"
-  row: dict[str, object] = {"id": sid, "source": source or "text", "images": [],
-                            "videos": []}
+  row: dict[str, object] = {"id": sid, "source": source or "text", "images": [], "videos": []}
   if source is None:
     expr, _, value = _arith(rng)
     row.update(prompt=f"What is {expr}?", answer=str(value), task="arith")
@@ -315,40 +326,55 @@ def make_sample(i: int, source: str | None, rng: np.random.Generator,
     ext = "png" if rng.random() < 0.5 else "jpg"
     rel = os.path.join("media", f"{sid}.{ext}")
     image.save(os.path.join(out_dir, rel), quality=90)
-    row.update(prompt=q, answer=a, task=task, images=[rel], height=height,
-               width=width)
+    row.update(prompt=q, answer=a, task=task, images=[rel], height=height, width=width)
     return row
   if source == "nextqa":
     seconds = NEXTQA_SECONDS.sample(rng)
     h, w = NEXTQA_RESOLUTIONS[rng.integers(len(NEXTQA_RESOLUTIONS))]
   else:
     seconds = LONGVILA_SECONDS.sample(rng)
-    h, w = LONGVILA_RESOLUTIONS[rng.choice(len(LONGVILA_RESOLUTIONS),
-                                           p=LONGVILA_RES_P)]
+    h, w = LONGVILA_RESOLUTIONS[rng.choice(len(LONGVILA_RESOLUTIONS), p=LONGVILA_RES_P)]
   h, w = _even(h * cfg.video_scale), _even(w * cfg.video_scale)
   rel = os.path.join("media", f"{sid}.mp4")
   ask_shape = source == "longvila" and rng.random() < 0.3
-  q, a, frames = last_colour_video(rng, os.path.join(out_dir, rel), seconds,
-                                   h, w, cfg, ask_shape)
-  row.update(prompt=q, answer=a, task="last_shape" if ask_shape else
-             "last_colour", videos=[rel], height=h, width=w, frames=frames,
-             fps=cfg.fps, seconds=round(seconds, 2), scale=cfg.video_scale)
+  q, a, frames = last_colour_video(rng, os.path.join(out_dir, rel), seconds, h, w, cfg, ask_shape)
+  row.update(
+    prompt=q,
+    answer=a,
+    task="last_shape" if ask_shape else "last_colour",
+    videos=[rel],
+    height=h,
+    width=w,
+    frames=frames,
+    fps=cfg.fps,
+    seconds=round(seconds, 2),
+    scale=cfg.video_scale,
+  )
   return row
 
 
-def make_shapes_sample(i: int, task: str, rng: np.random.Generator,
-                       out_dir: str, cfg: SynthConfig, prefix: str) -> dict:
+def make_shapes_sample(
+  i: int, task: str, rng: np.random.Generator, out_dir: str, cfg: SynthConfig, prefix: str
+) -> dict:
   """One sample of the `shapes` mix (a lossless PNG, so colours are exact)."""
   sid = f"{prefix}-{i:06d}"
   image, q, a = SHAPES_TASKS[task](rng, cfg.shapes_size)
   rel = os.path.join("media", f"{sid}.png")
   image.save(os.path.join(out_dir, rel))
-  return {"id": sid, "source": "shapes", "images": [rel], "videos": [], "prompt": q,
-          "answer": a, "task": task, "height": cfg.shapes_size, "width": cfg.shapes_size}
+  return {
+    "id": sid,
+    "source": "shapes",
+    "images": [rel],
+    "videos": [],
+    "prompt": q,
+    "answer": a,
+    "task": task,
+    "height": cfg.shapes_size,
+    "width": cfg.shapes_size,
+  }
 
 
-def generate(out_dir: str, mix: str, n: int, seed: int,
-             cfg: SynthConfig = SynthConfig()) -> str:
+def generate(out_dir: str, mix: str, n: int, seed: int, cfg: SynthConfig = SynthConfig()) -> str:
   """Writes n samples of a mix under out_dir; returns the manifest's path.
 
   Args:
@@ -373,8 +399,9 @@ def generate(out_dir: str, mix: str, n: int, seed: int,
         tasks = sorted(weights)
         p = np.asarray([weights[t] for t in tasks], np.float64)
         task = tasks[rng.choice(len(tasks), p=p / p.sum())]
-        row = make_shapes_sample(i, task, np.random.default_rng([seed, i]), out_dir, cfg,
-                                 f"{mix}-s{seed}")
+        row = make_shapes_sample(
+          i, task, np.random.default_rng([seed, i]), out_dir, cfg, f"{mix}-s{seed}"
+        )
         f.write(json.dumps(row) + "\n")
         continue
       if weights is None:
@@ -397,20 +424,20 @@ def main(argv=None) -> None:
   parser.add_argument("--n", type=int, default=64)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--fps", type=float, default=SynthConfig.fps)
-  parser.add_argument("--video-scale", type=float,
-                      default=SynthConfig.video_scale)
-  parser.add_argument("--image-scale", type=float,
-                      default=SynthConfig.image_scale)
-  parser.add_argument("--max-seconds", type=float,
-                      default=SynthConfig.max_seconds)
+  parser.add_argument("--video-scale", type=float, default=SynthConfig.video_scale)
+  parser.add_argument("--image-scale", type=float, default=SynthConfig.image_scale)
+  parser.add_argument("--max-seconds", type=float, default=SynthConfig.max_seconds)
   parser.add_argument("--shapes-size", type=int, default=SynthConfig.shapes_size)
   args = parser.parse_args(argv)
-  cfg = SynthConfig(args.fps, args.video_scale, args.image_scale,
-                    args.max_seconds, args.shapes_size)
+  cfg = SynthConfig(
+    args.fps, args.video_scale, args.image_scale, args.max_seconds, args.shapes_size
+  )
   start = time.perf_counter()
   path = generate(args.out, args.mix, args.n, args.seed, cfg)
-  print(f"wrote {args.n} samples ({args.mix}, seed {args.seed}) to {path} in "
-        f"{time.perf_counter() - start:.1f} s")
+  print(
+    f"wrote {args.n} samples ({args.mix}, seed {args.seed}) to {path} in "
+    f"{time.perf_counter() - start:.1f} s"
+  )
 
 
 if __name__ == "__main__":

@@ -35,9 +35,9 @@ log = logging.getLogger(__name__)
 PARENT_CHECK_S = 1.0  # how often an idle worker checks that its parent lives
 
 
-def preprocess_file(kind: str, path: str,
-                    cfg: processor.VisionProcessorConfig
-                    ) -> processor.ProcessedVision:
+def preprocess_file(
+  kind: str, path: str, cfg: processor.VisionProcessorConfig
+) -> processor.ProcessedVision:
   """Decodes and preprocesses one file exactly as the model's processor does.
 
   Raises:
@@ -49,8 +49,9 @@ def preprocess_file(kind: str, path: str,
   return processor.preprocess_video(frames, cfg, fps)
 
 
-def _worker_main(worker: int, cfg, tasks, results, transport: str,
-                 parent_pid: int | None = None) -> None:
+def _worker_main(
+  worker: int, cfg, tasks, results, transport: str, parent_pid: int | None = None
+) -> None:
   """Worker loop: (media_id, kind, path) in, ("ok"|"failed", ...) out.
 
   Exits when its parent is gone (killed without `close`, e.g. SIGKILL): the
@@ -75,8 +76,18 @@ def _worker_main(worker: int, cfg, tasks, results, transport: str,
         slot = store_lib.write_shared(pv.patches)
       else:
         array = pv.patches
-      results.put(("ok", worker, media_id, slot, array, pv.patches.shape,
-                   pv.grid_thw, time.perf_counter() - start))
+      results.put(
+        (
+          "ok",
+          worker,
+          media_id,
+          slot,
+          array,
+          pv.patches.shape,
+          pv.grid_thw,
+          time.perf_counter() - start,
+        )
+      )
     except media_lib.MediaError as e:
       results.put(("failed", worker, media_id, e.reason))
     except Exception as e:  # pylint: disable=broad-except
@@ -95,20 +106,24 @@ class WorkerPool:
     transport: "shm" (shared-memory slots) or "pickle" (arrays via queue).
   """
 
-  def __init__(self, num_workers: int, cfg: processor.VisionProcessorConfig,
-               store: store_lib.MetaStore, queue_size: int = 64,
-               transport: str = "shm"):
+  def __init__(
+    self,
+    num_workers: int,
+    cfg: processor.VisionProcessorConfig,
+    store: store_lib.MetaStore,
+    queue_size: int = 64,
+    transport: str = "shm",
+  ):
     if num_workers < 1:
       raise ValueError(f"need at least one worker, got {num_workers}")
     if transport not in ("shm", "pickle"):
       raise ValueError(f"transport must be 'shm' or 'pickle', got {transport}")
     self.cfg, self.store, self.transport = cfg, store, transport
-    self.patch_dim = 3 * cfg.temporal_patch_size * cfg.patch_size ** 2
+    self.patch_dim = 3 * cfg.temporal_patch_size * cfg.patch_size**2
     self._ctx = mp.get_context("spawn")
     self._queue_size = queue_size
     self._results = self._ctx.Queue()
-    self._tasks: list[queues.Queue] = [self._ctx.Queue(queue_size)
-                                       for _ in range(num_workers)]
+    self._tasks: list[queues.Queue] = [self._ctx.Queue(queue_size) for _ in range(num_workers)]
     self._load = [0] * num_workers
     self._lock = threading.Lock()
     self._pending: dict[str, tuple[int, int]] = {}  # id -> (worker, patches)
@@ -117,8 +132,9 @@ class WorkerPool:
     self.restarts = 0
     self.decode_s = 0.0
     self._procs: list[SpawnProcess] = [self._start(w) for w in range(num_workers)]
-    self._collector = threading.Thread(target=self._collect, daemon=True,
-                                       name="fluxjax-worker-results")
+    self._collector = threading.Thread(
+      target=self._collect, daemon=True, name="fluxjax-worker-results"
+    )
     self._collector.start()
 
   @property
@@ -128,8 +144,11 @@ class WorkerPool:
   def _start(self, w: int) -> SpawnProcess:
     """Starts worker `w` on its task queue; returns the process."""
     proc = self._ctx.Process(
-        target=_worker_main, name=f"fluxjax-preproc-{w}", daemon=True,
-        args=(w, self.cfg, self._tasks[w], self._results, self.transport, os.getpid()))
+      target=_worker_main,
+      name=f"fluxjax-preproc-{w}",
+      daemon=True,
+      args=(w, self.cfg, self._tasks[w], self._results, self.transport, os.getpid()),
+    )
     proc.start()
     return proc
 
@@ -153,8 +172,7 @@ class WorkerPool:
       w = min(range(len(self._load)), key=lambda i: (self._load[i], i))
       self._load[w] += cost
       self._pending[ref.media_id] = (w, cost)
-    self.store.register(ref.media_id, w, ref.nbytes(self.patch_dim),
-                        ref.full_grid)
+    self.store.register(ref.media_id, w, ref.nbytes(self.patch_dim), ref.full_grid)
     self._tasks[w].put((ref.media_id, ref.kind, ref.path))
     return w
 
@@ -177,10 +195,9 @@ class WorkerPool:
         _, _, media_id, slot, array, shape, grid, dt = msg
         self._done(media_id)
         self.decode_s += dt
-        self.store.set_ready(media_id, slot=slot, shape=shape, grid=grid,
-                             array=array, decode_s=dt)
+        self.store.set_ready(media_id, slot=slot, shape=shape, grid=grid, array=array, decode_s=dt)
       else:
-        _, w, media_id, reason = msg
+        _, _, media_id, reason = msg
         self._done(media_id)
         self.store.set_failed(media_id, reason)
 
@@ -224,13 +241,12 @@ class WorkerPool:
       except (queue.Empty, EOFError, OSError):
         break
       if msg[0] == "ok":
-        self.store.set_ready(msg[2], slot=msg[3], shape=msg[5], grid=msg[6],
-                             array=msg[4])
+        self.store.set_ready(msg[2], slot=msg[3], shape=msg[5], grid=msg[6], array=msg[4])
     for q in self._tasks + [self._results]:
       q.close()
       q.cancel_join_thread()
 
-  def __enter__(self) -> "WorkerPool":
+  def __enter__(self) -> WorkerPool:
     return self
 
   def __exit__(self, *exc) -> None:

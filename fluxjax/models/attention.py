@@ -32,6 +32,7 @@ def register_backend(name: str, fn: Callable) -> None:
 def _builtin(name: str) -> Callable | None:
   if name == "pallas_gpu":
     from fluxjax.models import attention_pallas
+
     return attention_pallas.pallas_attention
   return None
 
@@ -41,6 +42,7 @@ def attention(q_BTNH, k_BSKH, v_BSKH, *, backend: str = "xla", **kw) -> jax.Arra
   if backend not in _BACKENDS and (fn := _builtin(backend)) is not None:
     register_backend(backend, fn)
   if backend not in _BACKENDS:
-    raise ValueError(f"unknown attention backend {backend!r}; available: "
-                     f"{sorted(set(_BACKENDS) | {'pallas_gpu'})}")
+    raise ValueError(
+      f"unknown attention backend {backend!r}; available: {sorted(set(_BACKENDS) | {'pallas_gpu'})}"
+    )
   return _BACKENDS[backend](q_BTNH, k_BSKH, v_BSKH, **kw)

@@ -76,6 +76,7 @@ class BlockSizes:
   and stream key tiles, the dk/dv kernel holds a key tile and streams query
   tiles. All must be powers of two >= 16.
   """
+
   fwd_q: int = 128
   fwd_k: int = 64
   dq_q: int = 64
@@ -95,8 +96,14 @@ class BlockSizes:
     cq = max(16, pl.next_power_of_2(t))
     ck = max(16, pl.next_power_of_2(s))
     return dataclasses.replace(
-        self, fwd_q=min(self.fwd_q, cq), fwd_k=min(self.fwd_k, ck), dq_q=min(self.dq_q, cq),
-        dq_k=min(self.dq_k, ck), dkv_q=min(self.dkv_q, cq), dkv_k=min(self.dkv_k, ck))
+      self,
+      fwd_q=min(self.fwd_q, cq),
+      fwd_k=min(self.fwd_k, ck),
+      dq_q=min(self.dq_q, cq),
+      dq_k=min(self.dq_k, ck),
+      dkv_q=min(self.dkv_q, cq),
+      dkv_k=min(self.dkv_k, ck),
+    )
 
 
 def default_block_sizes(head_dim_padded: int, itemsize: int) -> BlockSizes:
@@ -114,15 +121,18 @@ def default_block_sizes(head_dim_padded: int, itemsize: int) -> BlockSizes:
   if row_bytes <= 256:
     return BlockSizes()
   if row_bytes <= 512:
-    return BlockSizes(fwd_q=64, fwd_k=32, dq_q=64, dq_k=32, dkv_q=32, dkv_k=64,
-                      num_warps_fwd=4, num_stages=2)
-  return BlockSizes(fwd_q=32, fwd_k=32, dq_q=32, dq_k=32, dkv_q=32, dkv_k=32,
-                    num_warps_fwd=4, num_stages=1)
+    return BlockSizes(
+      fwd_q=64, fwd_k=32, dq_q=64, dq_k=32, dkv_q=32, dkv_k=64, num_warps_fwd=4, num_stages=2
+    )
+  return BlockSizes(
+    fwd_q=32, fwd_k=32, dq_q=32, dq_k=32, dkv_q=32, dkv_k=32, num_warps_fwd=4, num_stages=1
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
   """Everything about one call that shapes the kernels (hashable)."""
+
   causal: bool
   sm_scale: float
   blocks: BlockSizes
@@ -143,9 +153,13 @@ def _block_ranges(seg_BT: jax.Array, pos_BT: jax.Array, block: int):
   real = seg != 0
   big = jnp.iinfo(jnp.int32).max
   small = jnp.iinfo(jnp.int32).min
-  return (real.any(-1),
-          jnp.where(real, seg, big).min(-1), jnp.where(real, seg, small).max(-1),
-          jnp.where(real, pos, big).min(-1), jnp.where(real, pos, small).max(-1))
+  return (
+    real.any(-1),
+    jnp.where(real, seg, big).min(-1),
+    jnp.where(real, seg, small).max(-1),
+    jnp.where(real, pos, big).min(-1),
+    jnp.where(real, pos, small).max(-1),
+  )
 
 
 def _visit_table(rows, cols, causal: bool, rows_are_queries: bool) -> jax.Array:
@@ -187,8 +201,9 @@ def _dot_general(a, b, contract):
   # against the reference, seen on an H100). bf16: tensor cores, fp32
   # accumulation.
   precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-  return lax.dot_general(a, b, (contract, ((), ())), precision=precision,
-                         preferred_element_type=jnp.float32)
+  return lax.dot_general(
+    a, b, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32
+  )
 
 
 def _dot_nt(a, b):
@@ -205,8 +220,20 @@ def _dot(a, b):
   return _dot_general(a, b, ((1,), (0,)))
 
 
-def _fwd_kernel(table_ref, q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, q_pos_ref, k_pos_ref,
-                o_ref, lse_ref, *, st: _Static):
+def _fwd_kernel(
+  table_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  q_seg_ref,
+  k_seg_ref,
+  q_pos_ref,
+  k_pos_ref,
+  o_ref,
+  lse_ref,
+  *,
+  st: _Static,
+):
   block_k = st.blocks.fwd_k
   q = q_ref[...]
   q_seg, q_pos = q_seg_ref[...], q_pos_ref[...]
@@ -214,7 +241,7 @@ def _fwd_kernel(table_ref, q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, q_pos_ref,
   scale = st.sm_scale * _LOG2_E  # logits in base 2: exp2 is the native instruction
 
   def body(j, carry):
-    acc, m, l = carry
+    acc, m, denom = carry
     start = pl.multiple_of(table_ref[1 + j] * block_k, block_k)
     ks = pl.ds(start, block_k)
     mask = _mask(q_seg, q_pos, k_seg_ref[ks], k_pos_ref[ks], st.causal)
@@ -224,21 +251,38 @@ def _fwd_kernel(table_ref, q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, q_pos_ref,
     p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
     v = v_ref[ks, :]
     acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
-    return acc, m_new, l * alpha + p.sum(axis=-1)
+    return acc, m_new, denom * alpha + p.sum(axis=-1)
 
-  init = (jnp.zeros((bq, hp), jnp.float32), jnp.full((bq,), _MASK_VALUE, jnp.float32),
-          jnp.zeros((bq,), jnp.float32))
-  acc, m, l = lax.fori_loop(0, table_ref[0], body, init)
-  seen = l > 0.0  # False for padding and for queries whose segment has no key here
-  l_safe = jnp.where(seen, l, 1.0)
-  o_ref[...] = jnp.where(seen[:, None], acc / l_safe[:, None], 0.0).astype(o_ref.dtype)
+  init = (
+    jnp.zeros((bq, hp), jnp.float32),
+    jnp.full((bq,), _MASK_VALUE, jnp.float32),
+    jnp.zeros((bq,), jnp.float32),
+  )
+  acc, m, denom = lax.fori_loop(0, table_ref[0], body, init)
+  seen = denom > 0.0  # False for padding and for queries whose segment has no key here
+  denom_safe = jnp.where(seen, denom, 1.0)
+  o_ref[...] = jnp.where(seen[:, None], acc / denom_safe[:, None], 0.0).astype(o_ref.dtype)
   # Unseen rows get lse 0; the backward kernels zero their probabilities by
   # the mask anyway.
-  lse_ref[...] = jnp.where(seen, m + jnp.log2(l_safe), 0.0)
+  lse_ref[...] = jnp.where(seen, m + jnp.log2(denom_safe), 0.0)
 
 
-def _dq_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg_ref,
-               q_pos_ref, k_pos_ref, dq_ref, *, st: _Static):
+def _dq_kernel(
+  table_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  do_ref,
+  lse_ref,
+  delta_ref,
+  q_seg_ref,
+  k_seg_ref,
+  q_pos_ref,
+  k_pos_ref,
+  dq_ref,
+  *,
+  st: _Static,
+):
   block_k = st.blocks.dq_k
   q, do = q_ref[...], do_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
@@ -258,8 +302,24 @@ def _dq_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg
   dq_ref[...] = (dq * st.sm_scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
-                k_seg_ref, q_pos_ref, k_pos_ref, dk_ref, dv_ref, *, st: _Static, groups: int):
+def _dkv_kernel(
+  table_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  do_ref,
+  lse_ref,
+  delta_ref,
+  q_seg_ref,
+  k_seg_ref,
+  q_pos_ref,
+  k_pos_ref,
+  dk_ref,
+  dv_ref,
+  *,
+  st: _Static,
+  groups: int,
+):
   block_q = st.blocks.dkv_q
   k, v = k_ref[...], v_ref[...]
   k_seg, k_pos = k_seg_ref[...], k_pos_ref[...]
@@ -314,30 +374,34 @@ def _forward(st: _Static, q, k, v, q_seg, k_seg, q_pos, k_pos):
   s, kv_heads = k.shape[1], k.shape[2]
   groups = n // kv_heads
   bq, bk = st.blocks.fwd_q, st.blocks.fwd_k
-  table = _visit_table(_block_ranges(q_seg, q_pos, bq), _block_ranges(k_seg, k_pos, bk),
-                       st.causal, rows_are_queries=True)
+  table = _visit_table(
+    _block_ranges(q_seg, q_pos, bq),
+    _block_ranges(k_seg, k_pos, bk),
+    st.causal,
+    rows_are_queries=True,
+  )
   nk1 = table.shape[-1]
   out, lse = pl.pallas_call(
-      functools.partial(_fwd_kernel, st=st),
-      grid=(t // bq, b, n),
-      in_specs=[
-          pl.BlockSpec((None, None, nk1), lambda i, j, h: (j, i, 0)),
-          pl.BlockSpec((None, bq, None, hp), lambda i, j, h: (j, i, h, 0)),
-          pl.BlockSpec((None, s, None, hp), lambda i, j, h: (j, 0, h // groups, 0)),
-          pl.BlockSpec((None, s, None, hp), lambda i, j, h: (j, 0, h // groups, 0)),
-          pl.BlockSpec((None, bq), lambda i, j, h: (j, i)),
-          pl.BlockSpec((None, s), lambda i, j, h: (j, 0)),
-          pl.BlockSpec((None, bq), lambda i, j, h: (j, i)),
-          pl.BlockSpec((None, s), lambda i, j, h: (j, 0)),
-      ],
-      out_specs=[
-          pl.BlockSpec((None, bq, None, hp), lambda i, j, h: (j, i, h, 0)),
-          pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i)),
-      ],
-      out_shape=[_shape_like(q.shape, q.dtype, q), _shape_like((b, n, t), jnp.float32, q)],
-      compiler_params=_compiler_params(st.blocks.num_warps_fwd, st),
-      interpret=st.interpret,
-      name="packed_flash_fwd",
+    functools.partial(_fwd_kernel, st=st),
+    grid=(t // bq, b, n),
+    in_specs=[
+      pl.BlockSpec((None, None, nk1), lambda i, j, h: (j, i, 0)),
+      pl.BlockSpec((None, bq, None, hp), lambda i, j, h: (j, i, h, 0)),
+      pl.BlockSpec((None, s, None, hp), lambda i, j, h: (j, 0, h // groups, 0)),
+      pl.BlockSpec((None, s, None, hp), lambda i, j, h: (j, 0, h // groups, 0)),
+      pl.BlockSpec((None, bq), lambda i, j, h: (j, i)),
+      pl.BlockSpec((None, s), lambda i, j, h: (j, 0)),
+      pl.BlockSpec((None, bq), lambda i, j, h: (j, i)),
+      pl.BlockSpec((None, s), lambda i, j, h: (j, 0)),
+    ],
+    out_specs=[
+      pl.BlockSpec((None, bq, None, hp), lambda i, j, h: (j, i, h, 0)),
+      pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i)),
+    ],
+    out_shape=[_shape_like(q.shape, q.dtype, q), _shape_like((b, n, t), jnp.float32, q)],
+    compiler_params=_compiler_params(st.blocks.num_warps_fwd, st),
+    interpret=st.interpret,
+    name="packed_flash_fwd",
   )(table, q, k, v, q_seg, k_seg, q_pos, k_pos)
   return out, lse
 
@@ -350,64 +414,74 @@ def _backward(st: _Static, q, k, v, out, lse, do, q_seg, k_seg, q_pos, k_pos):
   delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
 
   bq, bk = st.blocks.dq_q, st.blocks.dq_k
-  table = _visit_table(_block_ranges(q_seg, q_pos, bq), _block_ranges(k_seg, k_pos, bk),
-                       st.causal, rows_are_queries=True)
+  table = _visit_table(
+    _block_ranges(q_seg, q_pos, bq),
+    _block_ranges(k_seg, k_pos, bk),
+    st.causal,
+    rows_are_queries=True,
+  )
   nk1 = table.shape[-1]
   row = lambda i, j, h: (j, i, h, 0)
   kv_full = lambda i, j, h: (j, 0, h // groups, 0)
   dq = pl.pallas_call(
-      functools.partial(_dq_kernel, st=st),
-      grid=(t // bq, b, n),
-      in_specs=[
-          pl.BlockSpec((None, None, nk1), lambda i, j, h: (j, i, 0)),
-          pl.BlockSpec((None, bq, None, hp), row),
-          pl.BlockSpec((None, s, None, hp), kv_full),
-          pl.BlockSpec((None, s, None, hp), kv_full),
-          pl.BlockSpec((None, bq, None, hp), row),
-          pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i)),
-          pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i)),
-          pl.BlockSpec((None, bq), lambda i, j, h: (j, i)),
-          pl.BlockSpec((None, s), lambda i, j, h: (j, 0)),
-          pl.BlockSpec((None, bq), lambda i, j, h: (j, i)),
-          pl.BlockSpec((None, s), lambda i, j, h: (j, 0)),
-      ],
-      out_specs=pl.BlockSpec((None, bq, None, hp), row),
-      out_shape=_shape_like(q.shape, q.dtype, q),
-      compiler_params=_compiler_params(st.blocks.num_warps_bwd, st),
-      interpret=st.interpret,
-      name="packed_flash_dq",
+    functools.partial(_dq_kernel, st=st),
+    grid=(t // bq, b, n),
+    in_specs=[
+      pl.BlockSpec((None, None, nk1), lambda i, j, h: (j, i, 0)),
+      pl.BlockSpec((None, bq, None, hp), row),
+      pl.BlockSpec((None, s, None, hp), kv_full),
+      pl.BlockSpec((None, s, None, hp), kv_full),
+      pl.BlockSpec((None, bq, None, hp), row),
+      pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i)),
+      pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i)),
+      pl.BlockSpec((None, bq), lambda i, j, h: (j, i)),
+      pl.BlockSpec((None, s), lambda i, j, h: (j, 0)),
+      pl.BlockSpec((None, bq), lambda i, j, h: (j, i)),
+      pl.BlockSpec((None, s), lambda i, j, h: (j, 0)),
+    ],
+    out_specs=pl.BlockSpec((None, bq, None, hp), row),
+    out_shape=_shape_like(q.shape, q.dtype, q),
+    compiler_params=_compiler_params(st.blocks.num_warps_bwd, st),
+    interpret=st.interpret,
+    name="packed_flash_dq",
   )(table, q, k, v, do, lse, delta, q_seg, k_seg, q_pos, k_pos)
 
   bq, bk = st.blocks.dkv_q, st.blocks.dkv_k
-  table = _visit_table(_block_ranges(k_seg, k_pos, bk), _block_ranges(q_seg, q_pos, bq),
-                       st.causal, rows_are_queries=False)
+  table = _visit_table(
+    _block_ranges(k_seg, k_pos, bk),
+    _block_ranges(q_seg, q_pos, bq),
+    st.causal,
+    rows_are_queries=False,
+  )
   nq1 = table.shape[-1]
   # Each program holds one key tile of kv head h and reads the whole query
   # sequence of that head's G query heads (heads h*G .. h*G+G-1).
   q_group = lambda i, j, h: (j, 0, h, 0)
   key_tile = lambda i, j, h: (j, i, h, 0)
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, st=st, groups=groups),
-      grid=(s // bk, b, kv_heads),
-      in_specs=[
-          pl.BlockSpec((None, None, nq1), lambda i, j, h: (j, i, 0)),
-          pl.BlockSpec((None, t, groups, hp), q_group),
-          pl.BlockSpec((None, bk, None, hp), key_tile),
-          pl.BlockSpec((None, bk, None, hp), key_tile),
-          pl.BlockSpec((None, t, groups, hp), q_group),
-          pl.BlockSpec((None, groups, t), lambda i, j, h: (j, h, 0)),
-          pl.BlockSpec((None, groups, t), lambda i, j, h: (j, h, 0)),
-          pl.BlockSpec((None, t), lambda i, j, h: (j, 0)),
-          pl.BlockSpec((None, bk), lambda i, j, h: (j, i)),
-          pl.BlockSpec((None, t), lambda i, j, h: (j, 0)),
-          pl.BlockSpec((None, bk), lambda i, j, h: (j, i)),
-      ],
-      out_specs=[pl.BlockSpec((None, bk, None, hp), key_tile),
-                 pl.BlockSpec((None, bk, None, hp), key_tile)],
-      out_shape=[_shape_like(k.shape, k.dtype, k), _shape_like(v.shape, v.dtype, v)],
-      compiler_params=_compiler_params(st.blocks.num_warps_bwd, st),
-      interpret=st.interpret,
-      name="packed_flash_dkv",
+    functools.partial(_dkv_kernel, st=st, groups=groups),
+    grid=(s // bk, b, kv_heads),
+    in_specs=[
+      pl.BlockSpec((None, None, nq1), lambda i, j, h: (j, i, 0)),
+      pl.BlockSpec((None, t, groups, hp), q_group),
+      pl.BlockSpec((None, bk, None, hp), key_tile),
+      pl.BlockSpec((None, bk, None, hp), key_tile),
+      pl.BlockSpec((None, t, groups, hp), q_group),
+      pl.BlockSpec((None, groups, t), lambda i, j, h: (j, h, 0)),
+      pl.BlockSpec((None, groups, t), lambda i, j, h: (j, h, 0)),
+      pl.BlockSpec((None, t), lambda i, j, h: (j, 0)),
+      pl.BlockSpec((None, bk), lambda i, j, h: (j, i)),
+      pl.BlockSpec((None, t), lambda i, j, h: (j, 0)),
+      pl.BlockSpec((None, bk), lambda i, j, h: (j, i)),
+    ],
+    out_specs=[
+      pl.BlockSpec((None, bk, None, hp), key_tile),
+      pl.BlockSpec((None, bk, None, hp), key_tile),
+    ],
+    out_shape=[_shape_like(k.shape, k.dtype, k), _shape_like(v.shape, v.dtype, v)],
+    compiler_params=_compiler_params(st.blocks.num_warps_bwd, st),
+    interpret=st.interpret,
+    name="packed_flash_dkv",
   )(table, q, k, v, do, lse, delta, q_seg, k_seg, q_pos, k_pos)
   return dq, dk, dv
 
@@ -434,12 +508,19 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # --- entry point ----------------------------------------------------------------------
 
 
-def pallas_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *,
-                     q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
-                     q_positions: jax.Array | None = None,
-                     kv_positions: jax.Array | None = None, causal: bool,
-                     interpret: bool = False,
-                     block_sizes: BlockSizes | None = None) -> jax.Array:
+def pallas_attention(
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  *,
+  q_segment_ids: jax.Array,
+  kv_segment_ids: jax.Array,
+  q_positions: jax.Array | None = None,
+  kv_positions: jax.Array | None = None,
+  causal: bool,
+  interpret: bool = False,
+  block_sizes: BlockSizes | None = None,
+) -> jax.Array:
   """Flash attention over packed segments; same contract as `attention_xla.xla_attention`.
 
   Args:
@@ -464,9 +545,15 @@ def pallas_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *,
   if t < MIN_QUERY_LEN or h > MAX_HEAD_DIM:
     # Decode-sized queries or oversized heads: see MIN_QUERY_LEN / MAX_HEAD_DIM.
     return attention_xla.xla_attention(
-        q_BTNH, k_BSKH, v_BSKH, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, q_positions=q_positions,
-        kv_positions=kv_positions, causal=causal)
+      q_BTNH,
+      k_BSKH,
+      v_BSKH,
+      q_segment_ids=q_segment_ids,
+      kv_segment_ids=kv_segment_ids,
+      q_positions=q_positions,
+      kv_positions=kv_positions,
+      causal=causal,
+    )
 
   hp = max(16, pl.next_power_of_2(h))
   itemsize = jnp.dtype(q_BTNH.dtype).itemsize
@@ -489,8 +576,15 @@ def pallas_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *,
   k_seg = pad(kv_segment_ids.astype(jnp.int32), sp, False)
   q_pos = pad(q_positions.astype(jnp.int32), tp, False)
   k_pos = pad(kv_positions.astype(jnp.int32), sp, False)
-  st = _Static(causal=causal, sm_scale=h ** -0.5, blocks=blocks, interpret=interpret)
-  out = _flash(st, pad(q_BTNH, tp, True), pad(k_BSKH, sp, True), pad(v_BSKH, sp, True),
-               q_seg, k_seg, q_pos, k_pos)
+  st = _Static(causal=causal, sm_scale=h**-0.5, blocks=blocks, interpret=interpret)
+  out = _flash(
+    st,
+    pad(q_BTNH, tp, True),
+    pad(k_BSKH, sp, True),
+    pad(v_BSKH, sp, True),
+    q_seg,
+    k_seg,
+    q_pos,
+    k_pos,
+  )
   return out[:, :t, :, :h]
-

@@ -16,11 +16,17 @@ import jax.numpy as jnp
 _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
-                 q_positions: jax.Array | None, kv_positions: jax.Array | None,
-                 causal: bool) -> jax.Array:
+def segment_mask(
+  q_segment_ids: jax.Array,
+  kv_segment_ids: jax.Array,
+  q_positions: jax.Array | None,
+  kv_positions: jax.Array | None,
+  causal: bool,
+) -> jax.Array:
   """bool [B, T, S]: which keys each query may attend to."""
-  mask = (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]) & (q_segment_ids[:, :, None] != 0)
+  mask = (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]) & (
+    q_segment_ids[:, :, None] != 0
+  )
   if causal:
     if q_positions is None or kv_positions is None:
       raise ValueError("causal attention needs query and key positions")
@@ -28,18 +34,26 @@ def segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
   return mask
 
 
-def xla_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *,
-                  q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
-                  q_positions: jax.Array | None = None, kv_positions: jax.Array | None = None,
-                  causal: bool) -> jax.Array:
+def xla_attention(
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  *,
+  q_segment_ids: jax.Array,
+  kv_segment_ids: jax.Array,
+  q_positions: jax.Array | None = None,
+  kv_positions: jax.Array | None = None,
+  causal: bool,
+) -> jax.Array:
   """Reference attention with grouped KV heads; softmax in fp32."""
   b, t, n, h = q_BTNH.shape
   kv_heads = k_BSKH.shape[2]
   if n % kv_heads:
     raise ValueError(f"{n} query heads do not group over {kv_heads} kv heads")
   q = q_BTNH.reshape(b, t, kv_heads, n // kv_heads, h)
-  logits = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH,
-                      preferred_element_type=jnp.float32) * (h ** -0.5)
+  logits = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH, preferred_element_type=jnp.float32) * (
+    h**-0.5
+  )
   mask = segment_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, causal)
   logits = jnp.where(mask[:, None, None], logits, _NEG_INF)
   probs = jax.nn.softmax(logits, axis=-1)

@@ -48,6 +48,7 @@ class PromptTokens:
     num_image_tokens: total `<|image_pad|>` tokens (over all images).
     num_video_tokens: total `<|video_pad|>` tokens (over all videos).
   """
+
   input_ids: np.ndarray
   mm_token_type_ids: np.ndarray
   num_image_tokens: int
@@ -66,13 +67,15 @@ def _part_kind(part: Mapping[str, Any]) -> str:
     return "video"
   if "text" in part:
     return "text"
-  raise ValueError(f"unsupported content part {dict(part)!r}: expected "
-                   "type 'text' (with 'text'), 'image' or 'video'")
+  raise ValueError(
+    f"unsupported content part {dict(part)!r}: expected "
+    "type 'text' (with 'text'), 'image' or 'video'"
+  )
 
 
-def render_chat(messages: Sequence[Message],
-                add_generation_prompt: bool = True,
-                add_vision_id: bool = False) -> str:
+def render_chat(
+  messages: Sequence[Message], add_generation_prompt: bool = True, add_vision_id: bool = False
+) -> str:
   """Renders messages with Qwen2.5-VL's chat template.
 
   Args:
@@ -116,19 +119,24 @@ def render_chat(messages: Sequence[Message],
         else:
           out.append(str(part["text"]))
     else:
-      raise ValueError(f"message {i}: content must be a str or a list of "
-                       f"parts, got {type(content).__name__}")
+      raise ValueError(
+        f"message {i}: content must be a str or a list of parts, got {type(content).__name__}"
+      )
     out.append("<|im_end|>\n")
   if add_generation_prompt:
     out.append("<|im_start|>assistant\n")
   return "".join(out)
 
 
-def expand_vision_tokens(ids: Sequence[int], *, image_pad_id: int,
-                         video_pad_id: int,
-                         image_grids: Sequence[Grid] = (),
-                         video_grids: Sequence[Grid] = (),
-                         merge_size: int = 2) -> PromptTokens:
+def expand_vision_tokens(
+  ids: Sequence[int],
+  *,
+  image_pad_id: int,
+  video_pad_id: int,
+  image_grids: Sequence[Grid] = (),
+  video_grids: Sequence[Grid] = (),
+  merge_size: int = 2,
+) -> PromptTokens:
   """Expands each single vision pad id into its grid's number of pads.
 
   Args:
@@ -151,13 +159,13 @@ def expand_vision_tokens(ids: Sequence[int], *, image_pad_id: int,
   video_grids = [] if video_grids is None else list(video_grids)
   is_image_T = ids_T == image_pad_id
   is_video_T = ids_T == video_pad_id
-  for name, mask, grids in (("image", is_image_T, image_grids),
-                            ("video", is_video_T, video_grids)):
+  for name, mask, grids in (("image", is_image_T, image_grids), ("video", is_video_T, video_grids)):
     if int(mask.sum()) != len(grids):
       raise ValueError(
-          f"{int(mask.sum())} {name} placeholder(s) in the prompt but "
-          f"{len(grids)} {name} grid(s); an already expanded prompt cannot "
-          "be expanded again")
+        f"{int(mask.sum())} {name} placeholder(s) in the prompt but "
+        f"{len(grids)} {name} grid(s); an already expanded prompt cannot "
+        "be expanded again"
+      )
   image_counts = [processor.num_vision_tokens(g, merge_size) for g in image_grids]
   video_counts = [processor.num_vision_tokens(g, merge_size) for g in video_grids]
   repeats_T = np.ones(ids_T.shape, dtype=np.int64)
@@ -167,17 +175,22 @@ def expand_vision_tokens(ids: Sequence[int], *, image_pad_id: int,
   types_T = np.zeros(out_T.shape, dtype=np.int32)
   types_T[out_T == image_pad_id] = IMAGE_TYPE
   types_T[out_T == video_pad_id] = VIDEO_TYPE
-  return PromptTokens(input_ids=out_T, mm_token_type_ids=types_T,
-                      num_image_tokens=sum(image_counts),
-                      num_video_tokens=sum(video_counts))
+  return PromptTokens(
+    input_ids=out_T,
+    mm_token_type_ids=types_T,
+    num_image_tokens=sum(image_counts),
+    num_video_tokens=sum(video_counts),
+  )
 
 
-def tokenize_chat(messages: Sequence[Message],
-                  tokenizer: tokenizer_lib.Tokenizer,
-                  image_grids: Sequence[Grid] = (),
-                  video_grids: Sequence[Grid] = (),
-                  merge_size: int = 2,
-                  add_generation_prompt: bool = True) -> PromptTokens:
+def tokenize_chat(
+  messages: Sequence[Message],
+  tokenizer: tokenizer_lib.Tokenizer,
+  image_grids: Sequence[Grid] = (),
+  video_grids: Sequence[Grid] = (),
+  merge_size: int = 2,
+  add_generation_prompt: bool = True,
+) -> PromptTokens:
   """Renders, tokenizes and vision-expands a conversation.
 
   Args:
@@ -197,6 +210,10 @@ def tokenize_chat(messages: Sequence[Message],
   """
   text = render_chat(messages, add_generation_prompt=add_generation_prompt)
   return expand_vision_tokens(
-      tokenizer.encode(text), image_pad_id=tokenizer.image_pad_id,
-      video_pad_id=tokenizer.video_pad_id, image_grids=image_grids,
-      video_grids=video_grids, merge_size=merge_size)
+    tokenizer.encode(text),
+    image_pad_id=tokenizer.image_pad_id,
+    video_pad_id=tokenizer.video_pad_id,
+    image_grids=image_grids,
+    video_grids=video_grids,
+    merge_size=merge_size,
+  )

@@ -18,6 +18,7 @@ from fluxjax.sharding import balance
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
   """The vision tower (ViT with window attention and a 2x2 patch merger)."""
+
   depth: int = 32
   hidden_size: int = 1280
   intermediate_size: int = 3420
@@ -54,6 +55,7 @@ class VisionConfig:
 @dataclasses.dataclass(frozen=True)
 class TextConfig:
   """The Qwen2 decoder with M-RoPE."""
+
   vocab_size: int = 152064
   hidden_size: int = 3584
   intermediate_size: int = 18944
@@ -74,6 +76,7 @@ class TextConfig:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Everything a forward pass needs to know about the model."""
+
   vision: VisionConfig = VisionConfig()
   text: TextConfig = TextConfig()
   image_token_id: int = 151655
@@ -83,10 +86,10 @@ class ModelConfig:
   bos_token_id: int = 151643
   eos_token_id: int = 151645
   # Run-time choices.
-  dtype: str = "float32"        # compute dtype; "bfloat16" on GPU
+  dtype: str = "float32"  # compute dtype; "bfloat16" on GPU
   param_dtype: str = "float32"
   attention_backend: str = "xla"  # "xla" (reference, everywhere) | "pallas_gpu"
-  remat: bool = False            # rematerialize each scanned layer in the backward pass
+  remat: bool = False  # rematerialize each scanned layer in the backward pass
   logprob_vocab_chunk: int = 8192  # vocabulary chunk for target-token logprobs
   # Where text positions resume after a vision span (models/rope_index.py):
   # "max_plus_one" (Qwen's original rule, SGLang/vLLM/veRL) or "grid_extent"
@@ -100,50 +103,91 @@ class ModelConfig:
     if t.num_heads % t.num_kv_heads:
       raise ValueError(f"num_heads {t.num_heads} not divisible by num_kv_heads {t.num_kv_heads}")
     if 2 * sum(t.mrope_section) != t.head_dim:
-      raise ValueError(f"mrope_section {t.mrope_section} must sum to head_dim/2 = {t.head_dim // 2}")
+      raise ValueError(
+        f"mrope_section {t.mrope_section} must sum to head_dim/2 = {t.head_dim // 2}"
+      )
     if v.hidden_size % v.num_heads or v.head_dim % 4:
-      raise ValueError(f"vision head_dim {v.hidden_size}/{v.num_heads} must be a multiple of 4 (2D rotary)")
+      raise ValueError(
+        f"vision head_dim {v.hidden_size}/{v.num_heads} must be a multiple of 4 (2D rotary)"
+      )
     if v.out_hidden_size != t.hidden_size:
-      raise ValueError(f"vision out_hidden_size {v.out_hidden_size} != text hidden_size {t.hidden_size}")
+      raise ValueError(
+        f"vision out_hidden_size {v.out_hidden_size} != text hidden_size {t.hidden_size}"
+      )
     if self.mrope_text_after_vision not in ("max_plus_one", "grid_extent"):
-      raise ValueError(f"mrope_text_after_vision must be max_plus_one or grid_extent, "
-                       f"got {self.mrope_text_after_vision!r}")
+      raise ValueError(
+        f"mrope_text_after_vision must be max_plus_one or grid_extent, "
+        f"got {self.mrope_text_after_vision!r}"
+      )
     if any(not 0 <= i < v.depth for i in v.fullatt_block_indexes):
       raise ValueError(f"fullatt_block_indexes {v.fullatt_block_indexes} outside depth {v.depth}")
 
-  def replace(self, **kw) -> "ModelConfig":
+  def replace(self, **kw) -> ModelConfig:
     return dataclasses.replace(self, **kw)
 
   def cost_shape(self, bytes_per_elem: int = 2) -> balance.CostShape:
     """The decoder dimensions the planners' cost model reads (bf16 activations)."""
     t = self.text
-    return balance.CostShape(num_layers=t.num_layers, hidden=t.hidden_size,
-                             num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
-                             head_dim=t.head_dim, intermediate=t.intermediate_size,
-                             vocab=t.vocab_size, bytes_per_elem=bytes_per_elem)
+    return balance.CostShape(
+      num_layers=t.num_layers,
+      hidden=t.hidden_size,
+      num_heads=t.num_heads,
+      num_kv_heads=t.num_kv_heads,
+      head_dim=t.head_dim,
+      intermediate=t.intermediate_size,
+      vocab=t.vocab_size,
+      bytes_per_elem=bytes_per_elem,
+    )
 
 
 def _preset_tiny() -> ModelConfig:
   # A few hundred thousand parameters; ids match the shipped synthetic tokenizer
   # (ordinary tokens 0..489, Qwen's 22 special tokens at 490..511 in Qwen order).
   return ModelConfig(
-      # 8 query heads over 2 kv heads: every Ulysses degree up to 8 (with kv
-      # replication) is possible on the fake 8-device mesh.
-      vision=VisionConfig(depth=4, hidden_size=32, intermediate_size=64, num_heads=2,
-                          fullatt_block_indexes=(1, 3), out_hidden_size=128),
-      text=TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
-                      num_heads=8, num_kv_heads=2, mrope_section=(2, 3, 3),
-                      tie_word_embeddings=False, max_position_embeddings=8192),
-      image_token_id=502, video_token_id=503, vision_start_token_id=499,
-      vision_end_token_id=500, bos_token_id=490, eos_token_id=492,
-      logprob_vocab_chunk=128)
+    # 8 query heads over 2 kv heads: every Ulysses degree up to 8 (with kv
+    # replication) is possible on the fake 8-device mesh.
+    vision=VisionConfig(
+      depth=4,
+      hidden_size=32,
+      intermediate_size=64,
+      num_heads=2,
+      fullatt_block_indexes=(1, 3),
+      out_hidden_size=128,
+    ),
+    text=TextConfig(
+      vocab_size=512,
+      hidden_size=128,
+      intermediate_size=256,
+      num_layers=2,
+      num_heads=8,
+      num_kv_heads=2,
+      mrope_section=(2, 3, 3),
+      tie_word_embeddings=False,
+      max_position_embeddings=8192,
+    ),
+    image_token_id=502,
+    video_token_id=503,
+    vision_start_token_id=499,
+    vision_end_token_id=500,
+    bos_token_id=490,
+    eos_token_id=492,
+    logprob_vocab_chunk=128,
+  )
 
 
 def _preset_3b() -> ModelConfig:
   return ModelConfig(
-      vision=VisionConfig(out_hidden_size=2048),
-      text=TextConfig(vocab_size=151936, hidden_size=2048, intermediate_size=11008,
-                      num_layers=36, num_heads=16, num_kv_heads=2, tie_word_embeddings=True))
+    vision=VisionConfig(out_hidden_size=2048),
+    text=TextConfig(
+      vocab_size=151936,
+      hidden_size=2048,
+      intermediate_size=11008,
+      num_layers=36,
+      num_heads=16,
+      num_kv_heads=2,
+      tie_word_embeddings=True,
+    ),
+  )
 
 
 def _preset_7b() -> ModelConfig:
@@ -152,9 +196,16 @@ def _preset_7b() -> ModelConfig:
 
 def _preset_32b() -> ModelConfig:
   return ModelConfig(
-      vision=VisionConfig(intermediate_size=3456, out_hidden_size=5120),
-      text=TextConfig(vocab_size=152064, hidden_size=5120, intermediate_size=27648,
-                      num_layers=64, num_heads=40, num_kv_heads=8))
+    vision=VisionConfig(intermediate_size=3456, out_hidden_size=5120),
+    text=TextConfig(
+      vocab_size=152064,
+      hidden_size=5120,
+      intermediate_size=27648,
+      num_layers=64,
+      num_heads=40,
+      num_kv_heads=8,
+    ),
+  )
 
 
 PRESETS = {"tiny": _preset_tiny, "3b": _preset_3b, "7b": _preset_7b, "32b": _preset_32b}
@@ -170,20 +221,36 @@ def preset(name: str, **overrides) -> ModelConfig:
 # --- HF config.json ---------------------------------------------------------------
 
 _TEXT_KEYS = {  # ours -> HF
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size",
-    "intermediate_size": "intermediate_size", "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
-    "rms_norm_eps": "rms_norm_eps", "max_position_embeddings": "max_position_embeddings",
+  "vocab_size": "vocab_size",
+  "hidden_size": "hidden_size",
+  "intermediate_size": "intermediate_size",
+  "num_layers": "num_hidden_layers",
+  "num_heads": "num_attention_heads",
+  "num_kv_heads": "num_key_value_heads",
+  "rms_norm_eps": "rms_norm_eps",
+  "max_position_embeddings": "max_position_embeddings",
 }
 _VISION_KEYS = {
-    "depth": "depth", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
-    "num_heads": "num_heads", "in_channels": "in_channels", "patch_size": "patch_size",
-    "temporal_patch_size": "temporal_patch_size", "spatial_merge_size": "spatial_merge_size",
-    "window_size": "window_size", "out_hidden_size": "out_hidden_size",
-    "tokens_per_second": "tokens_per_second",
+  "depth": "depth",
+  "hidden_size": "hidden_size",
+  "intermediate_size": "intermediate_size",
+  "num_heads": "num_heads",
+  "in_channels": "in_channels",
+  "patch_size": "patch_size",
+  "temporal_patch_size": "temporal_patch_size",
+  "spatial_merge_size": "spatial_merge_size",
+  "window_size": "window_size",
+  "out_hidden_size": "out_hidden_size",
+  "tokens_per_second": "tokens_per_second",
 }
-_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id",
-               "vision_end_token_id", "bos_token_id", "eos_token_id")
+_TOKEN_KEYS = (
+  "image_token_id",
+  "video_token_id",
+  "vision_start_token_id",
+  "vision_end_token_id",
+  "bos_token_id",
+  "eos_token_id",
+)
 
 
 def from_hf_dict(hf: dict[str, Any], **overrides) -> ModelConfig:
@@ -198,7 +265,7 @@ def from_hf_dict(hf: dict[str, Any], **overrides) -> ModelConfig:
   text_src = dict(hf)
   text_src.update(hf.get("text_config") or {})
   vis_src = hf.get("vision_config") or {}
-  rope = (text_src.get("rope_parameters") or text_src.get("rope_scaling") or {})
+  rope = text_src.get("rope_parameters") or text_src.get("rope_scaling") or {}
   text_kw = {ours: text_src[k] for ours, k in _TEXT_KEYS.items() if k in text_src}
   theta = rope.get("rope_theta", text_src.get("rope_theta"))
   if theta is not None:
@@ -221,8 +288,9 @@ def from_hf_dict(hf: dict[str, Any], **overrides) -> ModelConfig:
       v = v[0]
     if v is not None:
       tok_kw[k] = int(v)
-  return ModelConfig(vision=VisionConfig(**vis_kw), text=TextConfig(**text_kw),
-                     **tok_kw, **overrides)
+  return ModelConfig(
+    vision=VisionConfig(**vis_kw), text=TextConfig(**text_kw), **tok_kw, **overrides
+  )
 
 
 def to_hf_dict(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
@@ -235,20 +303,20 @@ def to_hf_dict(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]
   vision["model_type"] = "qwen2_5_vl"
   rope = {"type": "mrope", "rope_type": "default", "mrope_section": list(t.mrope_section)}
   out = {
-      "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-      "model_type": "qwen2_5_vl",
-      **text,
-      "hidden_act": "silu",
-      "attention_dropout": 0.0,
-      "rope_theta": t.rope_theta,
-      "rope_scaling": rope,
-      "sliding_window": t.max_position_embeddings,
-      "use_sliding_window": False,
-      "max_window_layers": t.num_layers,
-      "tie_word_embeddings": t.tie_word_embeddings,
-      "torch_dtype": torch_dtype,
-      "use_cache": True,
-      "vision_config": vision,
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+    "model_type": "qwen2_5_vl",
+    **text,
+    "hidden_act": "silu",
+    "attention_dropout": 0.0,
+    "rope_theta": t.rope_theta,
+    "rope_scaling": rope,
+    "sliding_window": t.max_position_embeddings,
+    "use_sliding_window": False,
+    "max_window_layers": t.num_layers,
+    "tie_word_embeddings": t.tie_word_embeddings,
+    "torch_dtype": torch_dtype,
+    "use_cache": True,
+    "vision_config": vision,
   }
   out.update({k: getattr(cfg, k) for k in _TOKEN_KEYS})
   return out

@@ -37,6 +37,7 @@ from fluxjax.models.vision import VisionInputs
 @dataclasses.dataclass
 class KVCache:
   """Keys and values of every slot, all layers stacked: [L, S, C, K, H]."""
+
   k_LSCKH: jax.Array
   v_LSCKH: jax.Array
 
@@ -54,12 +55,14 @@ def cache_shape(model: vlm.Qwen25VL, num_slots: int, capacity: int) -> tuple[int
   return (t.num_layers, num_slots, capacity, t.num_kv_heads, t.head_dim)
 
 
-def init_cache(model: vlm.Qwen25VL, num_slots: int, capacity: int,
-               sharding: jax.sharding.Sharding | None = None) -> KVCache:
+def init_cache(
+  model: vlm.Qwen25VL, num_slots: int, capacity: int, sharding: jax.sharding.Sharding | None = None
+) -> KVCache:
   """An empty cache in the model's compute dtype, placed by `sharding` if given."""
   shape = cache_shape(model, num_slots, capacity)
-  return KVCache(jnp.zeros(shape, model.dtype, device=sharding),
-                 jnp.zeros(shape, model.dtype, device=sharding))
+  return KVCache(
+    jnp.zeros(shape, model.dtype, device=sharding), jnp.zeros(shape, model.dtype, device=sharding)
+  )
 
 
 def _scan_decoder(model: vlm.Qwen25VL, carry, body):
@@ -88,13 +91,20 @@ def _qkv(layer, h, cos, sin):
 
 def _head_logits(model: vlm.Qwen25VL, h_ND: jax.Array) -> jax.Array:
   """fp32 logits, computed as `Qwen25VL.logits` does."""
-  return jnp.einsum("nd,dv->nv", h_ND, model.head_DV().astype(h_ND.dtype),
-                    preferred_element_type=jnp.float32)
+  return jnp.einsum(
+    "nd,dv->nv", h_ND, model.head_DV().astype(h_ND.dtype), preferred_element_type=jnp.float32
+  )
 
 
-def prefill(model: vlm.Qwen25VL, cache: KVCache, slot: jax.Array, tokens_P: jax.Array,
-            positions_3P: jax.Array, length: jax.Array,
-            vision: VisionInputs | None = None) -> tuple[jax.Array, KVCache]:
+def prefill(
+  model: vlm.Qwen25VL,
+  cache: KVCache,
+  slot: jax.Array,
+  tokens_P: jax.Array,
+  positions_3P: jax.Array,
+  length: jax.Array,
+  vision: VisionInputs | None = None,
+) -> tuple[jax.Array, KVCache]:
   """Runs one prompt and writes its keys/values into `slot`.
 
   Args:
@@ -111,7 +121,7 @@ def prefill(model: vlm.Qwen25VL, cache: KVCache, slot: jax.Array, tokens_P: jax.
     (logits_V, cache): fp32 next-token logits after the last prompt token.
   """
   p = tokens_P.shape[0]
-  x = model.embed(tokens_P[None], vision)                               # [1, P, D]
+  x = model.embed(tokens_P[None], vision)  # [1, P, D]
   cos, sin = text.mrope_cos_sin(positions_3P[:, None], model.cfg.text)
   seg_1P = (jnp.arange(p) < length).astype(jnp.int32)[None]
   pos_1P = jnp.arange(p, dtype=jnp.int32)[None]
@@ -120,9 +130,17 @@ def prefill(model: vlm.Qwen25VL, cache: KVCache, slot: jax.Array, tokens_P: jax.
   def body(layer, i, carry):
     x, k_cache, v_cache = carry
     q, k, v = _qkv(layer, layer.input_layernorm(x), cos, sin)
-    out = attn_lib.attention(q, k, v, backend=backend, q_segment_ids=seg_1P,
-                             kv_segment_ids=seg_1P, q_positions=pos_1P,
-                             kv_positions=pos_1P, causal=True)
+    out = attn_lib.attention(
+      q,
+      k,
+      v,
+      backend=backend,
+      q_segment_ids=seg_1P,
+      kv_segment_ids=seg_1P,
+      q_positions=pos_1P,
+      kv_positions=pos_1P,
+      causal=True,
+    )
     x = x + layer.self_attn.o_proj(out)
     x = x + layer.mlp(layer.post_attention_layernorm(x))
     start = (i, slot, 0, 0, 0)
@@ -131,13 +149,18 @@ def prefill(model: vlm.Qwen25VL, cache: KVCache, slot: jax.Array, tokens_P: jax.
     return x, k_cache, v_cache
 
   x, k_cache, v_cache = _scan_decoder(model, (x, cache.k_LSCKH, cache.v_LSCKH), body)
-  h = model.model.norm(x)[0]                                            # [P, D]
+  h = model.model.norm(x)[0]  # [P, D]
   last_1D = jax.lax.dynamic_slice_in_dim(h, length - 1, 1, axis=0)
   return _head_logits(model, last_1D)[0], KVCache(k_cache, v_cache)
 
 
-def decode_step(model: vlm.Qwen25VL, cache: KVCache, tokens_S: jax.Array,
-                lengths_S: jax.Array, rope_pos_S: jax.Array) -> tuple[jax.Array, KVCache]:
+def decode_step(
+  model: vlm.Qwen25VL,
+  cache: KVCache,
+  tokens_S: jax.Array,
+  lengths_S: jax.Array,
+  rope_pos_S: jax.Array,
+) -> tuple[jax.Array, KVCache]:
   """Feeds one token per slot; returns next-token logits of every slot.
 
   Args:
@@ -153,7 +176,7 @@ def decode_step(model: vlm.Qwen25VL, cache: KVCache, tokens_S: jax.Array,
     (logits_SV fp32, cache).
   """
   s, c = cache.num_slots, cache.capacity
-  x = model.model.embed(tokens_S[:, None], model.dtype)                 # [S, 1, D]
+  x = model.model.embed(tokens_S[:, None], model.dtype)  # [S, 1, D]
   positions = jnp.broadcast_to(rope_pos_S[None, :, None], (3, s, 1))
   cos, sin = text.mrope_cos_sin(positions, model.cfg.text)
   ones_S1 = jnp.ones((s, 1), jnp.int32)
@@ -169,13 +192,20 @@ def decode_step(model: vlm.Qwen25VL, cache: KVCache, tokens_S: jax.Array,
     v_cache = v_cache.at[i, rows, lengths_S].set(v[:, 0].astype(v_cache.dtype))
     # One query per slot: the reference attention is the right tool (a
     # flash kernel gains nothing at query length 1).
-    out = attn_lib.xla_attention(q, k_cache[i], v_cache[i], q_segment_ids=ones_S1,
-                                 kv_segment_ids=ones_SC, q_positions=q_pos_S1,
-                                 kv_positions=kv_pos_SC, causal=True)
+    out = attn_lib.xla_attention(
+      q,
+      k_cache[i],
+      v_cache[i],
+      q_segment_ids=ones_S1,
+      kv_segment_ids=ones_SC,
+      q_positions=q_pos_S1,
+      kv_positions=kv_pos_SC,
+      causal=True,
+    )
     x = x + layer.self_attn.o_proj(out)
     x = x + layer.mlp(layer.post_attention_layernorm(x))
     return x, k_cache, v_cache
 
   x, k_cache, v_cache = _scan_decoder(model, (x, cache.k_LSCKH, cache.v_LSCKH), body)
-  h = model.model.norm(x)[:, 0]                                         # [S, D]
+  h = model.model.norm(x)[:, 0]  # [S, D]
   return _head_logits(model, h), KVCache(k_cache, v_cache)

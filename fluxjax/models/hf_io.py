@@ -38,13 +38,13 @@ log = logging.getLogger(__name__)
 _STACKS = {"model.layers": "model.layers", "visual.blocks": "visual.blocks"}
 # Our leaf names that differ from HF's (after the layer prefix is handled).
 _RENAMES = {
-    "model.embed_tokens": "model.embed_tokens.weight",
-    "lm_head": "lm_head.weight",
-    "visual.patch_embed.kernel": "visual.patch_embed.proj.weight",
-    "visual.merger.fc1.kernel": "visual.merger.mlp.0.weight",
-    "visual.merger.fc1.bias": "visual.merger.mlp.0.bias",
-    "visual.merger.fc2.kernel": "visual.merger.mlp.2.weight",
-    "visual.merger.fc2.bias": "visual.merger.mlp.2.bias",
+  "model.embed_tokens": "model.embed_tokens.weight",
+  "lm_head": "lm_head.weight",
+  "visual.patch_embed.kernel": "visual.patch_embed.proj.weight",
+  "visual.merger.fc1.kernel": "visual.merger.mlp.0.weight",
+  "visual.merger.fc1.bias": "visual.merger.mlp.0.bias",
+  "visual.merger.fc2.kernel": "visual.merger.mlp.2.weight",
+  "visual.merger.fc2.bias": "visual.merger.mlp.2.bias",
 }
 # Kernels whose input side spans two of our axes ([heads, head_dim, out]).
 _TWO_INPUT_AXES = ("self_attn.o_proj.kernel", "attn.proj.kernel")
@@ -56,7 +56,7 @@ _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.
 def canonical_hf_name(name: str) -> str:
   for alias, canonical in _ALIASES:
     if name.startswith(alias):
-      return canonical + name[len(alias):]
+      return canonical + name[len(alias) :]
   return name
 
 
@@ -68,7 +68,7 @@ def _leaf_rule(path: str):
   kind = "kernel" if path.endswith(".kernel") or path == "lm_head" else "same"
   stack = next((s for s in _STACKS if path.startswith(s + ".")), None)
   if stack is not None:
-    rest = path[len(stack) + 1:]
+    rest = path[len(stack) + 1 :]
     if kind == "kernel":
       rest = rest.removesuffix(".kernel") + ".weight"
     return stack, f"{_STACKS[stack]}.{{}}.{rest}", kind
@@ -93,8 +93,9 @@ def _ours_to_hf(x: np.ndarray, kind: str, path: str, cfg: config_lib.ModelConfig
     return x.reshape(-1) if path.endswith(".bias") else x
   if path == "visual.patch_embed.kernel":
     v = cfg.vision
-    return x.T.reshape(v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size,
-                       v.patch_size)
+    return x.T.reshape(
+      v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size
+    )
   n_in = 2 if path.endswith(_TWO_INPUT_AXES) else 1
   return x.reshape(int(np.prod(x.shape[:n_in])), -1).T
 
@@ -116,7 +117,7 @@ class _TensorIndex:
     self._handles = {f: safe_open(os.path.join(folder, f), framework="numpy") for f in files}
     self.where: dict[str, tuple[str, str]] = {}  # name -> (file, name in the file)
     for file, handle in self._handles.items():
-      for name in handle.keys():
+      for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
         if weight_map is not None and weight_map.get(name) != file:
           continue
         self.where[canonical_hf_name(name)] = (file, name)
@@ -128,9 +129,13 @@ class _TensorIndex:
     return self._handles[file].get_tensor(raw)
 
 
-def load_hf_checkpoint(path: str, cfg: config_lib.ModelConfig | None = None, *,
-                       shardings: Mapping[tuple, jax.sharding.Sharding] | None = None,
-                       strict: bool = True) -> vlm.Qwen25VL:
+def load_hf_checkpoint(
+  path: str,
+  cfg: config_lib.ModelConfig | None = None,
+  *,
+  shardings: Mapping[tuple, jax.sharding.Sharding] | None = None,
+  strict: bool = True,
+) -> vlm.Qwen25VL:
   """Loads a Qwen2.5-VL HF checkpoint folder into our model.
 
   Args:
@@ -158,7 +163,7 @@ def load_hf_checkpoint(path: str, cfg: config_lib.ModelConfig | None = None, *,
     if leaf_path == "lm_head" and cfg.text.tie_word_embeddings:
       raise ValueError("tied config but model has an lm_head")
     layer_shape = shape[1:] if stack else shape
-    names = ([template.format(i) for i in range(shape[0])] if stack else [template])
+    names = [template.format(i) for i in range(shape[0])] if stack else [template]
     used.update(names)
     cache: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
 
@@ -192,6 +197,7 @@ def load_hf_checkpoint(path: str, cfg: config_lib.ModelConfig | None = None, *,
 def _to_host(x: jax.Array) -> np.ndarray:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
+
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return np.asarray(jax.device_get(x))
 
@@ -204,16 +210,24 @@ def hf_tensors(model: vlm.Qwen25VL, dtype: str = "bfloat16"):
     leaf_path = ".".join(map(str, key))
     stack, template, kind = _leaf_rule(leaf_path)
     value = var.get_value()
-    layers = [(template.format(i), value[i]) for i in range(value.shape[0])] if stack else \
-        [(template, value)]
+    layers = (
+      [(template.format(i), value[i]) for i in range(value.shape[0])]
+      if stack
+      else [(template, value)]
+    )
     for name, x in layers:
       # Contiguous: safetensors writes the buffer as laid out, ignoring strides.
       yield name, np.ascontiguousarray(_ours_to_hf(_to_host(x), kind, leaf_path, cfg), np_dtype)
 
 
-def save_hf_checkpoint(model: vlm.Qwen25VL, path: str, *, dtype: str = "bfloat16",
-                       max_shard_bytes: int = 4 << 30,
-                       extra_files: Mapping[str, str | bytes] | None = None) -> str:
+def save_hf_checkpoint(
+  model: vlm.Qwen25VL,
+  path: str,
+  *,
+  dtype: str = "bfloat16",
+  max_shard_bytes: int = 4 << 30,
+  extra_files: Mapping[str, str | bytes] | None = None,
+) -> str:
   """Writes the published layout: config.json, model(-0000k-of-0000n).safetensors.
 
   The folder is written next to `path` and renamed into place, so a reader
@@ -236,7 +250,9 @@ def save_hf_checkpoint(model: vlm.Qwen25VL, path: str, *, dtype: str = "bfloat16
   writer = jax.process_index() == 0
   parent = os.path.dirname(os.path.abspath(path))
   os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent) if writer else None
+  tmp = (
+    tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent) if writer else None
+  )
   # Shards are written as soon as they fill, so the host holds at most one.
   shard_names: list[list[str]] = []
   current: dict[str, np.ndarray] = {}
@@ -245,8 +261,11 @@ def save_hf_checkpoint(model: vlm.Qwen25VL, path: str, *, dtype: str = "bfloat16
   def flush():
     nonlocal current, size
     if writer:
-      save_file(current, os.path.join(tmp, f"shard-{len(shard_names):05d}.safetensors"),
-                metadata={"format": "pt"})
+      save_file(
+        current,
+        os.path.join(tmp, f"shard-{len(shard_names):05d}.safetensors"),
+        metadata={"format": "pt"},
+      )
     shard_names.append(list(current))
     current, size = {}, 0
 

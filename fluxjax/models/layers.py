@@ -17,8 +17,13 @@ Initializer = jax.nn.initializers.Initializer
 _default_init = jax.nn.initializers.normal(stddev=0.02)
 
 
-def param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None],
-          init: Initializer = _default_init, dtype=jnp.float32) -> nnx.Param:
+def param(
+  rngs: nnx.Rngs,
+  shape: Sequence[int],
+  axes: Sequence[str | None],
+  init: Initializer = _default_init,
+  dtype=jnp.float32,
+) -> nnx.Param:
   """A parameter annotated with logical axes."""
   if len(shape) != len(axes):
     raise ValueError(f"shape {tuple(shape)} and axes {tuple(axes)} differ in rank")
@@ -32,20 +37,30 @@ class Dense(nnx.Module):
   axis, e.g. kernel [embed, q_heads, head_dim].
   """
 
-  def __init__(self, in_shape: Sequence[int] | int, out_shape: Sequence[int] | int,
-               in_axes: Sequence[str | None], out_axes: Sequence[str | None], *,
-               use_bias: bool, rngs: nnx.Rngs, dtype=jnp.float32):
+  def __init__(
+    self,
+    in_shape: Sequence[int] | int,
+    out_shape: Sequence[int] | int,
+    in_axes: Sequence[str | None],
+    out_axes: Sequence[str | None],
+    *,
+    use_bias: bool,
+    rngs: nnx.Rngs,
+    dtype=jnp.float32,
+  ):
     in_shape = (in_shape,) if isinstance(in_shape, int) else tuple(in_shape)
     out_shape = (out_shape,) if isinstance(out_shape, int) else tuple(out_shape)
     self.n_in = len(in_shape)
     self.kernel = param(rngs, in_shape + out_shape, tuple(in_axes) + tuple(out_axes), dtype=dtype)
-    self.bias = (param(rngs, out_shape, out_axes, jax.nn.initializers.zeros, dtype)
-                 if use_bias else None)
+    self.bias = (
+      param(rngs, out_shape, out_axes, jax.nn.initializers.zeros, dtype) if use_bias else None
+    )
 
   def __call__(self, x: jax.Array | np.ndarray) -> jax.Array:
     kernel = self.kernel[...].astype(x.dtype)
-    y = jnp.tensordot(x, kernel, axes=(tuple(range(x.ndim - self.n_in, x.ndim)),
-                                       tuple(range(self.n_in))))
+    y = jnp.tensordot(
+      x, kernel, axes=(tuple(range(x.ndim - self.n_in, x.ndim)), tuple(range(self.n_in)))
+    )
     if self.bias is not None:
       y = y + self.bias[...].astype(x.dtype)
     return y
@@ -69,8 +84,9 @@ class RMSNorm(nnx.Module):
 class SwiGLU(nnx.Module):
   """down(silu(gate(x)) * up(x)); the vision tower's version has biases."""
 
-  def __init__(self, dim: int, hidden: int, dim_axis: str, hidden_axis: str, *,
-               use_bias: bool, rngs: nnx.Rngs):
+  def __init__(
+    self, dim: int, hidden: int, dim_axis: str, hidden_axis: str, *, use_bias: bool, rngs: nnx.Rngs
+  ):
     self.gate_proj = Dense(dim, hidden, (dim_axis,), (hidden_axis,), use_bias=use_bias, rngs=rngs)
     self.up_proj = Dense(dim, hidden, (dim_axis,), (hidden_axis,), use_bias=use_bias, rngs=rngs)
     self.down_proj = Dense(hidden, dim, (hidden_axis,), (dim_axis,), use_bias=use_bias, rngs=rngs)

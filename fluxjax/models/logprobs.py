@@ -29,8 +29,9 @@ def _chunk_stats(hidden_ND, head_DV, chunk: int):
     # earlier chunk are masked out rather than padded (no copy of the head).
     start = jnp.minimum(i * chunk, vocab - chunk)
     cols = jax.lax.dynamic_slice_in_dim(head_DV, start, chunk, axis=1)
-    z = jnp.dot(hidden_ND, cols.astype(hidden_ND.dtype),
-                preferred_element_type=jnp.float32)                 # [N, C]
+    z = jnp.dot(
+      hidden_ND, cols.astype(hidden_ND.dtype), preferred_element_type=jnp.float32
+    )  # [N, C]
     fresh = (start + jnp.arange(chunk)) >= i * chunk
     z = jnp.where(fresh[None, :], z, -jnp.inf)
     m_new = jnp.maximum(m, z.max(axis=1))
@@ -40,14 +41,23 @@ def _chunk_stats(hidden_ND, head_DV, chunk: int):
     zs = zs * scale + jnp.where(fresh[None, :], e * z, 0.0).sum(axis=1)
     return (m_new, s, zs), None
 
-  init = (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32),
-          jnp.zeros((n,), jnp.float32))
+  init = (
+    jnp.full((n,), -jnp.inf, jnp.float32),
+    jnp.zeros((n,), jnp.float32),
+    jnp.zeros((n,), jnp.float32),
+  )
   (m, s, zs), _ = jax.lax.scan(step, init, jnp.arange(num_chunks))
   return m, s, zs
 
 
-def token_logprobs(hidden_BTD: jax.Array, targets_BT: jax.Array, head_DV: jax.Array, *,
-                   chunk: int = 8192, with_entropy: bool = False):
+def token_logprobs(
+  hidden_BTD: jax.Array,
+  targets_BT: jax.Array,
+  head_DV: jax.Array,
+  *,
+  chunk: int = 8192,
+  with_entropy: bool = False,
+):
   """log p(target) per token, optionally with the entropy of each distribution.
 
   Args:
@@ -66,8 +76,7 @@ def token_logprobs(hidden_BTD: jax.Array, targets_BT: jax.Array, head_DV: jax.Ar
   m, s, zs = _chunk_stats(hidden, head_DV, chunk)
   lse = m + jnp.log(s)
   target_cols_ND = jnp.take(head_DV, targets, axis=1).T.astype(hidden.dtype)
-  target_logit = jnp.einsum("nd,nd->n", hidden, target_cols_ND,
-                            preferred_element_type=jnp.float32)
+  target_logit = jnp.einsum("nd,nd->n", hidden, target_cols_ND, preferred_element_type=jnp.float32)
   logp = (target_logit - lse).reshape(b, t)
   if not with_entropy:
     return logp
@@ -77,8 +86,9 @@ def token_logprobs(hidden_BTD: jax.Array, targets_BT: jax.Array, head_DV: jax.Ar
 
 def naive_token_logprobs(hidden_BTD, targets_BT, head_DV, with_entropy: bool = False):
   """The [T, V] reference, for tests and tiny models only."""
-  logits = jnp.einsum("btd,dv->btv", hidden_BTD, head_DV.astype(hidden_BTD.dtype),
-                      preferred_element_type=jnp.float32)
+  logits = jnp.einsum(
+    "btd,dv->btv", hidden_BTD, head_DV.astype(hidden_BTD.dtype), preferred_element_type=jnp.float32
+  )
   logp_all = jax.nn.log_softmax(logits, axis=-1)
   logp = jnp.take_along_axis(logp_all, targets_BT[..., None], axis=-1)[..., 0]
   if not with_entropy:

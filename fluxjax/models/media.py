@@ -89,8 +89,13 @@ def load_image(path: str | os.PathLike) -> PIL.Image.Image:
         # load() decodes every byte, so a truncated file fails here, not later.
         image.load()
         return processor.to_rgb(PIL.ImageOps.exif_transpose(image))
-  except (OSError, ValueError, SyntaxError, PIL.Image.DecompressionBombError,
-          PIL.Image.DecompressionBombWarning) as e:
+  except (
+    OSError,
+    ValueError,
+    SyntaxError,
+    PIL.Image.DecompressionBombError,
+    PIL.Image.DecompressionBombWarning,
+  ) as e:
     raise MediaError(path, f"cannot decode image: {e}") from e
 
 
@@ -162,12 +167,12 @@ def _probe_open(path, container, stream) -> VideoInfo:
   if height < 1 or width < 1:
     raise MediaError(path, f"bad frame size {height}x{width}")
   return VideoInfo(
-      num_frames=int(num_frames),
-      fps=fps,
-      height=int(height),
-      width=int(width),
-      duration_s=duration_s,
-      codec=stream.codec_context.name,
+    num_frames=int(num_frames),
+    fps=fps,
+    height=int(height),
+    width=int(width),
+    duration_s=duration_s,
+    codec=stream.codec_context.name,
   )
 
 
@@ -192,7 +197,7 @@ def probe_video(path: str | os.PathLike) -> VideoInfo:
 
 
 def sample_frame_indices(
-    num_frames: int, video_fps: float, cfg: processor.VisionProcessorConfig
+  num_frames: int, video_fps: float, cfg: processor.VisionProcessorConfig
 ) -> tuple[np.ndarray, float]:
   """Which frames to keep, following HF `Qwen2VLVideoProcessor.sample_frames`.
 
@@ -234,7 +239,7 @@ def sample_frame_indices(
 
 
 def load_video(
-    path: str | os.PathLike, cfg: processor.VisionProcessorConfig
+  path: str | os.PathLike, cfg: processor.VisionProcessorConfig
 ) -> tuple[np.ndarray, float]:
   """Decodes the frames `sample_frame_indices` picks, as RGB.
 
@@ -266,13 +271,12 @@ def load_video(
         if i >= last:
           break
     except (av.FFmpegError, OSError, ValueError) as e:
-      raise MediaError(path, f"decode failed after {len(frames)} kept frames:"
-                       f" {e}") from e
+      raise MediaError(path, f"decode failed after {len(frames)} kept frames: {e}") from e
   if len(frames) < len(indices):
     raise MediaError(
-        path,
-        f"stream ended early: kept {len(frames)} of {len(indices)} frames,"
-        f" header promised {info.num_frames} (truncated file?)",
+      path,
+      f"stream ended early: kept {len(frames)} of {len(indices)} frames,"
+      f" header promised {info.num_frames} (truncated file?)",
     )
   shapes = {f.shape for f in frames}
   if len(shapes) != 1:

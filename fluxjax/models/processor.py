@@ -11,8 +11,8 @@ P patch side, N patches (= grid t * h * w), D = C * T * P * P.
 """
 
 import dataclasses
-from collections.abc import Sequence
 import math
+from collections.abc import Sequence
 from typing import Literal, Protocol
 
 import numpy as np
@@ -117,11 +117,11 @@ class ProcessedVision:
 
 
 def smart_resize(
-    height: int,
-    width: int,
-    factor: int = 28,
-    min_pixels: int = 56 * 56,
-    max_pixels: int = 28 * 28 * 1280,
+  height: int,
+  width: int,
+  factor: int = 28,
+  min_pixels: int = 56 * 56,
+  max_pixels: int = 28 * 28 * 1280,
 ) -> tuple[int, int]:
   """HF's resize rule: sides multiple of factor, pixels in bounds, ratio kept.
 
@@ -143,8 +143,8 @@ def smart_resize(
   ratio = max(height, width) / min(height, width)
   if ratio > MAX_ASPECT_RATIO:
     raise ValueError(
-        f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, got"
-        f" {ratio} ({height}x{width})"
+      f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, got"
+      f" {ratio} ({height}x{width})"
     )
   # Python's round() (banker's rounding) on purpose: HF uses it too.
   h_bar = round(height / factor) * factor
@@ -166,18 +166,16 @@ def _video_max_pixels(num_frames: int, cfg: VisionProcessorConfig) -> int:
   if cfg.video_cap_pixels_per_frame:
     total_pixels = int(cfg.video_max_tokens * cfg.factor * cfg.factor * 0.9)
     share = total_pixels * cfg.temporal_patch_size // num_frames
-    max_pixels = max(
-        min(max_pixels, share), int(cfg.video_min_pixels * 1.05)
-    )
+    max_pixels = max(min(max_pixels, share), int(cfg.video_min_pixels * 1.05))
   return max_pixels
 
 
 def resized_size(
-    kind: Kind,
-    height: int,
-    width: int,
-    num_frames: int,
-    cfg: VisionProcessorConfig,
+  kind: Kind,
+  height: int,
+  width: int,
+  num_frames: int,
+  cfg: VisionProcessorConfig,
 ) -> tuple[int, int]:
   """The (height, width) that preprocessing resizes an image or video to.
 
@@ -192,28 +190,26 @@ def resized_size(
     (height, width) in pixels, multiples of `cfg.factor`.
   """
   if kind == "image":
-    return smart_resize(
-        height, width, cfg.factor, cfg.image_min_pixels, cfg.image_max_pixels
-    )
+    return smart_resize(height, width, cfg.factor, cfg.image_min_pixels, cfg.image_max_pixels)
   if kind == "video":
     if num_frames < 1:
       raise ValueError(f"a video needs at least one frame, got {num_frames}")
     return smart_resize(
-        height,
-        width,
-        cfg.factor,
-        cfg.video_min_pixels,
-        _video_max_pixels(num_frames, cfg),
+      height,
+      width,
+      cfg.factor,
+      cfg.video_min_pixels,
+      _video_max_pixels(num_frames, cfg),
     )
   raise ValueError(f"kind must be 'image' or 'video', got {kind!r}")
 
 
 def grid_for_size(
-    kind: Kind,
-    height: int,
-    width: int,
-    num_frames: int,
-    cfg: VisionProcessorConfig,
+  kind: Kind,
+  height: int,
+  width: int,
+  num_frames: int,
+  cfg: VisionProcessorConfig,
 ) -> tuple[int, int, int]:
   """Patch grid (t, h, w) that preprocessing yields, from sizes alone.
 
@@ -256,8 +252,9 @@ def num_vision_tokens(grid_thw: Sequence[int], merge_size: int = 2) -> int:
   # The merger folds merge x merge patches into one token; a grid it cannot
   # tile has no valid token count.
   if h % merge_size or w % merge_size:
-    raise ValueError(f"grid {tuple(grid_thw)}: h and w must be multiples of "
-                     f"merge_size={merge_size}")
+    raise ValueError(
+      f"grid {tuple(grid_thw)}: h and w must be multiples of merge_size={merge_size}"
+    )
   return t * h * w // merge_size**2
 
 
@@ -270,17 +267,14 @@ def to_rgb(image: PIL.Image.Image | np.ndarray) -> PIL.Image.Image:
       return PIL.Image.alpha_composite(white, rgba).convert("RGB")
     return image.convert("RGB")
   if not isinstance(image, np.ndarray):
-    raise ValueError(
-        f"image must be a PIL image or numpy array, got {type(image).__name__}"
-    )
+    raise ValueError(f"image must be a PIL image or numpy array, got {type(image).__name__}")
   if image.dtype != np.uint8:
     raise ValueError(f"image array must be uint8, got {image.dtype}")
   if image.ndim == 2:
     image = image[:, :, None]
   if image.ndim != 3 or image.shape[-1] not in (1, 3, 4):
     raise ValueError(
-        f"image array must be [H, W] or [H, W, C] with C in (1, 3, 4), got"
-        f" shape {image.shape}"
+      f"image array must be [H, W] or [H, W, C] with C in (1, 3, 4), got shape {image.shape}"
     )
   if image.shape[-1] == 1:
     image = np.repeat(image, 3, axis=-1)
@@ -292,9 +286,7 @@ def to_rgb(image: PIL.Image.Image | np.ndarray) -> PIL.Image.Image:
   return PIL.Image.fromarray(np.ascontiguousarray(image))
 
 
-def _normalize(
-    pixels_HWC: np.ndarray, cfg: VisionProcessorConfig
-) -> np.ndarray:
+def _normalize(pixels_HWC: np.ndarray, cfg: VisionProcessorConfig) -> np.ndarray:
   """uint8 -> float32 (x * scale - mean) / std, as HF's PIL backend does."""
   # HF rescales in float64 and casts to float32 before normalizing in float32;
   # doing the same keeps the parity exact rather than within rounding.
@@ -304,9 +296,7 @@ def _normalize(
   return (x - mean) / std
 
 
-def _patchify(
-    frames_FHWC: np.ndarray, cfg: VisionProcessorConfig
-) -> np.ndarray:
+def _patchify(frames_FHWC: np.ndarray, cfg: VisionProcessorConfig) -> np.ndarray:
   """HF's flattening of normalized frames into [N, C*T*P*P] patches.
 
   Args:
@@ -329,7 +319,7 @@ def _patchify(
 
 
 def preprocess_image(
-    image: PIL.Image.Image | np.ndarray, cfg: VisionProcessorConfig
+  image: PIL.Image.Image | np.ndarray, cfg: VisionProcessorConfig
 ) -> ProcessedVision:
   """Resize, normalize and patchify one image as Qwen2VLImageProcessorPil does.
 
@@ -346,16 +336,14 @@ def preprocess_image(
   if (new_h, new_w) != (height, width):
     rgb = rgb.resize((new_w, new_h), resample=cfg.resample)
   pixels_HWC = _normalize(np.asarray(rgb), cfg)
-  frames_FHWC = np.broadcast_to(
-      pixels_HWC[None], (cfg.temporal_patch_size, *pixels_HWC.shape)
-  )
+  frames_FHWC = np.broadcast_to(pixels_HWC[None], (cfg.temporal_patch_size, *pixels_HWC.shape))
   patches_ND = _patchify(frames_FHWC, cfg)
   grid = (1, new_h // cfg.patch_size, new_w // cfg.patch_size)
   return ProcessedVision(patches_ND, grid, None, "image")
 
 
 def preprocess_video(
-    frames_FHWC: np.ndarray, cfg: VisionProcessorConfig, fps: float
+  frames_FHWC: np.ndarray, cfg: VisionProcessorConfig, fps: float
 ) -> ProcessedVision:
   """Resize, normalize and patchify sampled frames as Qwen2VLVideoProcessor.
 
@@ -373,9 +361,7 @@ def preprocess_video(
     by repeating the last frame.
   """
   if not isinstance(frames_FHWC, np.ndarray):
-    raise ValueError(
-        f"frames must be a numpy array, got {type(frames_FHWC).__name__}"
-    )
+    raise ValueError(f"frames must be a numpy array, got {type(frames_FHWC).__name__}")
   if frames_FHWC.dtype != np.uint8:
     raise ValueError(f"frames must be uint8, got {frames_FHWC.dtype}")
   if frames_FHWC.ndim != 4 or frames_FHWC.shape[-1] != 3:

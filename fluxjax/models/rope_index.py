@@ -49,13 +49,12 @@ _TEXT, _IMAGE, _VIDEO = 0, 1, 2
 
 def text_positions(n: int, start: int = 0) -> np.ndarray:
   """Positions of `n` text tokens starting at `start`: int32 [3, n]."""
-  return np.broadcast_to(np.arange(start, start + n, dtype=np.int32),
-                         (3, n)).copy()
+  return np.broadcast_to(np.arange(start, start + n, dtype=np.int32), (3, n)).copy()
 
 
-def vision_positions(start: int, grid_thw: Sequence[int],
-                     spatial_merge_size: int = 2,
-                     time_interval: float = 1.0) -> np.ndarray:
+def vision_positions(
+  start: int, grid_thw: Sequence[int], spatial_merge_size: int = 2, time_interval: float = 1.0
+) -> np.ndarray:
   """Positions of one image/video span: int64 [3, t * h/m * w/m].
 
   Args:
@@ -71,26 +70,28 @@ def vision_positions(start: int, grid_thw: Sequence[int],
   t, h, w = (int(x) for x in grid_thw)
   gh, gw = h // spatial_merge_size, w // spatial_merge_size
   # float32 product, truncated: the same quantization as transformers.
-  t_pos = (np.arange(t, dtype=np.float32) *
-           np.float32(time_interval)).astype(np.int64)
+  t_pos = (np.arange(t, dtype=np.float32) * np.float32(time_interval)).astype(np.int64)
   pos_t = np.repeat(t_pos, gh * gw)
   pos_h = np.tile(np.repeat(np.arange(gh, dtype=np.int64), gw), t)
   pos_w = np.tile(np.arange(gw, dtype=np.int64), t * gh)
   return np.stack([pos_t, pos_h, pos_w]) + start
 
 
-def _token_types(input_ids_T: np.ndarray, image_token_id: int,
-                 video_token_id: int) -> np.ndarray:
+def _token_types(input_ids_T: np.ndarray, image_token_id: int, video_token_id: int) -> np.ndarray:
   types_T = np.zeros(input_ids_T.shape, dtype=np.int64)
   types_T[input_ids_T == image_token_id] = _IMAGE
   types_T[input_ids_T == video_token_id] = _VIDEO
   return types_T
 
 
-def _positions_one(types_T: np.ndarray, grids: dict[int, Iterator],
-                   seconds: Iterator, spatial_merge_size: int,
-                   tokens_per_second: float,
-                   text_after_vision: str) -> tuple[np.ndarray, int]:
+def _positions_one(
+  types_T: np.ndarray,
+  grids: dict[int, Iterator],
+  seconds: Iterator,
+  spatial_merge_size: int,
+  tokens_per_second: float,
+  text_after_vision: str,
+) -> tuple[np.ndarray, int]:
   """Positions of one unpadded sequence, consuming its grids from `grids`."""
   n = int(types_T.shape[0])
   if n == 0:
@@ -118,12 +119,12 @@ def _positions_one(types_T: np.ndarray, grids: dict[int, Iterator],
       count = t * (h // spatial_merge_size) * (w // spatial_merge_size)
       if count <= 0 or count > run_len:
         raise ValueError(
-            f"{name} grid {(t, h, w)} needs {count} tokens, but the span "
-            f"ending at token {idx} has {run_len} left")
+          f"{name} grid {(t, h, w)} needs {count} tokens, but the span "
+          f"ending at token {idx} has {run_len} left"
+        )
       if kind == _VIDEO:
         # The float32 product, as transformers computes it (exact as a float).
-        interval = float(np.float32(tokens_per_second)
-                         * np.float32(next(seconds)))
+        interval = float(np.float32(tokens_per_second) * np.float32(next(seconds)))
       else:
         interval = 1.0
       pos = vision_positions(current, (t, h, w), spatial_merge_size, interval)
@@ -140,8 +141,7 @@ def _positions_one(types_T: np.ndarray, grids: dict[int, Iterator],
 def _grid_list(grid_thw) -> list[tuple[int, int, int]]:
   if grid_thw is None:
     return []
-  return [(int(t), int(h), int(w))
-          for t, h, w in np.asarray(grid_thw).reshape(-1, 3)]
+  return [(int(t), int(h), int(w)) for t, h, w in np.asarray(grid_thw).reshape(-1, 3)]
 
 
 def _iterators(image_grid_thw, video_grid_thw, second_per_grid_ts):
@@ -152,8 +152,7 @@ def _iterators(image_grid_thw, video_grid_thw, second_per_grid_ts):
   else:
     seconds = [float(s) for s in np.asarray(second_per_grid_ts).reshape(-1)]
     if len(seconds) != len(videos):
-      raise ValueError(f"{len(seconds)} second_per_grid_ts for "
-                       f"{len(videos)} videos")
+      raise ValueError(f"{len(seconds)} second_per_grid_ts for {len(videos)} videos")
   return {_IMAGE: iter(images), _VIDEO: iter(videos)}, iter(seconds)
 
 
@@ -164,17 +163,17 @@ def _check_all_used(grids: dict[int, Iterator]) -> None:
 
 
 def get_rope_index(
-    input_ids_T: Sequence[int] | np.ndarray,
-    image_grid_thw: Sequence[Sequence[int]] | np.ndarray | None = None,
-    video_grid_thw: Sequence[Sequence[int]] | np.ndarray | None = None,
-    second_per_grid_ts: Sequence[float] | np.ndarray | None = None,
-    *,
-    image_token_id: int,
-    video_token_id: int,
-    spatial_merge_size: int = 2,
-    tokens_per_second: float = 2,
-    mm_token_type_ids_T: Sequence[int] | np.ndarray | None = None,
-    text_after_vision: str = MAX_PLUS_ONE,
+  input_ids_T: Sequence[int] | np.ndarray,
+  image_grid_thw: Sequence[Sequence[int]] | np.ndarray | None = None,
+  video_grid_thw: Sequence[Sequence[int]] | np.ndarray | None = None,
+  second_per_grid_ts: Sequence[float] | np.ndarray | None = None,
+  *,
+  image_token_id: int,
+  video_token_id: int,
+  spatial_merge_size: int = 2,
+  tokens_per_second: float = 2,
+  mm_token_type_ids_T: Sequence[int] | np.ndarray | None = None,
+  text_after_vision: str = MAX_PLUS_ONE,
 ) -> tuple[np.ndarray, int]:
   """M-RoPE positions of one unpadded sequence.
 
@@ -209,28 +208,27 @@ def get_rope_index(
     types_T = np.asarray(mm_token_type_ids_T).reshape(-1)
     if types_T.shape != input_ids_T.shape:
       raise ValueError("mm_token_type_ids_T and input_ids_T differ in length")
-  grids, seconds = _iterators(image_grid_thw, video_grid_thw,
-                              second_per_grid_ts)
-  positions_3T, delta = _positions_one(types_T, grids, seconds,
-                                       spatial_merge_size, tokens_per_second,
-                                       text_after_vision)
+  grids, seconds = _iterators(image_grid_thw, video_grid_thw, second_per_grid_ts)
+  positions_3T, delta = _positions_one(
+    types_T, grids, seconds, spatial_merge_size, tokens_per_second, text_after_vision
+  )
   _check_all_used(grids)
   return positions_3T.astype(np.int32), delta
 
 
 def get_rope_index_batch(
-    input_ids_BT: np.ndarray,
-    attention_mask_BT: np.ndarray | None = None,
-    image_grid_thw: Sequence[Sequence[int]] | np.ndarray | None = None,
-    video_grid_thw: Sequence[Sequence[int]] | np.ndarray | None = None,
-    second_per_grid_ts: Sequence[float] | np.ndarray | None = None,
-    *,
-    image_token_id: int,
-    video_token_id: int,
-    spatial_merge_size: int = 2,
-    tokens_per_second: float = 2,
-    mm_token_type_ids_BT: np.ndarray | None = None,
-    text_after_vision: str = MAX_PLUS_ONE,
+  input_ids_BT: np.ndarray,
+  attention_mask_BT: np.ndarray | None = None,
+  image_grid_thw: Sequence[Sequence[int]] | np.ndarray | None = None,
+  video_grid_thw: Sequence[Sequence[int]] | np.ndarray | None = None,
+  second_per_grid_ts: Sequence[float] | np.ndarray | None = None,
+  *,
+  image_token_id: int,
+  video_token_id: int,
+  spatial_merge_size: int = 2,
+  tokens_per_second: float = 2,
+  mm_token_type_ids_BT: np.ndarray | None = None,
+  text_after_vision: str = MAX_PLUS_ONE,
 ) -> tuple[np.ndarray, np.ndarray]:
   """M-RoPE positions of a padded batch, in transformers' [3, B, T] layout.
 
@@ -270,14 +268,18 @@ def get_rope_index_batch(
     mask_BT = np.ones((b, t), dtype=bool)
   else:
     mask_BT = np.asarray(attention_mask_BT).reshape(b, t).astype(bool)
-  grids, seconds = _iterators(image_grid_thw, video_grid_thw,
-                              second_per_grid_ts)
+  grids, seconds = _iterators(image_grid_thw, video_grid_thw, second_per_grid_ts)
   positions_3BT = np.zeros((3, b, t), dtype=np.int32)
   deltas_B = np.zeros((b,), dtype=np.int32)
   for row in range(b):
-    pos_3T, delta = _positions_one(types_BT[row][mask_BT[row]], grids, seconds,
-                                   spatial_merge_size, tokens_per_second,
-                                   text_after_vision)
+    pos_3T, delta = _positions_one(
+      types_BT[row][mask_BT[row]],
+      grids,
+      seconds,
+      spatial_merge_size,
+      tokens_per_second,
+      text_after_vision,
+    )
     positions_3BT[:, row, mask_BT[row]] = pos_3T
     deltas_B[row] = delta
   _check_all_used(grids)

@@ -7,8 +7,8 @@ shard where it lives, so no host or device ever holds a whole copy.
 
 from __future__ import annotations
 
-import logging
 import functools
+import logging
 
 import jax
 from flax import nnx
@@ -21,9 +21,15 @@ from fluxjax.sharding.rules import Rules
 log = logging.getLogger(__name__)
 
 
-def create_sharded_model(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules | None = None,
-                         *, seed: int = 0, max_replicated_bytes: int = 1 << 20,
-                         log_table: bool = True) -> vlm.Qwen25VL:
+def create_sharded_model(
+  cfg: ModelConfig,
+  mesh: jax.sharding.Mesh,
+  rules: Rules | None = None,
+  *,
+  seed: int = 0,
+  max_replicated_bytes: int = 1 << 20,
+  log_table: bool = True,
+) -> vlm.Qwen25VL:
   """Random-init model whose parameters are created already sharded.
 
   Logs the parameter table and refuses layouts that would replicate a
@@ -37,8 +43,13 @@ def create_sharded_model(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules
   return nnx.merge(graphdef, state)
 
 
-def _checked_layout(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules,
-                    max_replicated_bytes: int, log_table: bool) -> tuple[nnx.GraphDef, nnx.State]:
+def _checked_layout(
+  cfg: ModelConfig,
+  mesh: jax.sharding.Mesh,
+  rules: Rules,
+  max_replicated_bytes: int,
+  log_table: bool,
+) -> tuple[nnx.GraphDef, nnx.State]:
   """(graphdef, shardings) of the model's parameters, logged and checked."""
   graphdef, abstract_state = nnx.split(vlm.abstract_model(cfg))
   shardings = rules_lib.state_shardings(abstract_state, rules, mesh)
@@ -72,9 +83,14 @@ def _sharded_init(cfg: ModelConfig, rules: Rules, mesh: jax.sharding.Mesh):
   return jax.jit(init, out_shardings=rules_lib.state_shardings(abstract_state, rules, mesh))
 
 
-def model_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules: Rules | None = None,
-                    *, max_replicated_bytes: int = 1 << 20,
-                    log_table: bool = True) -> dict[tuple, jax.sharding.Sharding]:
+def model_shardings(
+  cfg: ModelConfig,
+  mesh: jax.sharding.Mesh,
+  rules: Rules | None = None,
+  *,
+  max_replicated_bytes: int = 1 << 20,
+  log_table: bool = True,
+) -> dict[tuple, jax.sharding.Sharding]:
   """{state path: sharding} for `hf_io.load_hf_checkpoint(shardings=...)`.
 
   The same table, log line and replication check as `create_sharded_model`:

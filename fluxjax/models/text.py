@@ -35,13 +35,14 @@ def mrope_cos_sin(positions_3BT: jax.Array, cfg: TextConfig):
   or width position according to `mrope_section` (e.g. 16/24/24 of 64); the
   half is then repeated, as in HF's `recomposition_frequencies`.
   """
-  inv = layers.inverse_frequencies(cfg.head_dim, cfg.rope_theta)     # [H/2]
-  freqs = positions_3BT[..., None].astype(jnp.float32) * inv          # [3, B, T, H/2]
-  band = jnp.repeat(jnp.arange(3), jnp.array(cfg.mrope_section),
-                    total_repeat_length=cfg.head_dim // 2)              # [H/2] in {0,1,2}
+  inv = layers.inverse_frequencies(cfg.head_dim, cfg.rope_theta)  # [H/2]
+  freqs = positions_3BT[..., None].astype(jnp.float32) * inv  # [3, B, T, H/2]
+  band = jnp.repeat(
+    jnp.arange(3), jnp.array(cfg.mrope_section), total_repeat_length=cfg.head_dim // 2
+  )  # [H/2] in {0,1,2}
   # A gather, not a one-hot matmul: TF32 matmuls on GPU would round the angles.
   index = jnp.broadcast_to(band, (1,) + freqs.shape[1:])
-  freqs = jnp.take_along_axis(freqs, index, axis=0)[0]                 # [B, T, H/2]
+  freqs = jnp.take_along_axis(freqs, index, axis=0)[0]  # [B, T, H/2]
   emb = jnp.concatenate([freqs, freqs], axis=-1)
   return jnp.cos(emb), jnp.sin(emb)
 
@@ -51,38 +52,53 @@ class SelfAttention(nnx.Module):
 
   def __init__(self, cfg: TextConfig, *, rngs: nnx.Rngs):
     d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    self.q_proj = layers.Dense(d, (n, h), (axes.EMBED,), (axes.Q_HEADS, axes.HEAD_DIM),
-                               use_bias=True, rngs=rngs)
-    self.k_proj = layers.Dense(d, (k, h), (axes.EMBED,), (axes.KV_HEADS, axes.HEAD_DIM),
-                               use_bias=True, rngs=rngs)
-    self.v_proj = layers.Dense(d, (k, h), (axes.EMBED,), (axes.KV_HEADS, axes.HEAD_DIM),
-                               use_bias=True, rngs=rngs)
-    self.o_proj = layers.Dense((n, h), d, (axes.Q_HEADS, axes.HEAD_DIM), (axes.EMBED,),
-                               use_bias=False, rngs=rngs)
+    self.q_proj = layers.Dense(
+      d, (n, h), (axes.EMBED,), (axes.Q_HEADS, axes.HEAD_DIM), use_bias=True, rngs=rngs
+    )
+    self.k_proj = layers.Dense(
+      d, (k, h), (axes.EMBED,), (axes.KV_HEADS, axes.HEAD_DIM), use_bias=True, rngs=rngs
+    )
+    self.v_proj = layers.Dense(
+      d, (k, h), (axes.EMBED,), (axes.KV_HEADS, axes.HEAD_DIM), use_bias=True, rngs=rngs
+    )
+    self.o_proj = layers.Dense(
+      (n, h), d, (axes.Q_HEADS, axes.HEAD_DIM), (axes.EMBED,), use_bias=False, rngs=rngs
+    )
 
   def __call__(self, x_BTD, cos, sin, segment_ids_BT, segment_pos_BT, attention_fn):
     q = layers.apply_rotary(self.q_proj(x_BTD), cos, sin)
     k = layers.apply_rotary(self.k_proj(x_BTD), cos, sin)
     v = self.v_proj(x_BTD)
-    out = attention_fn(q, k, v, q_segment_ids=segment_ids_BT, kv_segment_ids=segment_ids_BT,
-                       q_positions=segment_pos_BT, kv_positions=segment_pos_BT, causal=True)
+    out = attention_fn(
+      q,
+      k,
+      v,
+      q_segment_ids=segment_ids_BT,
+      kv_segment_ids=segment_ids_BT,
+      q_positions=segment_pos_BT,
+      kv_positions=segment_pos_BT,
+      causal=True,
+    )
     return self.o_proj(out)
 
 
 class DecoderLayer(nnx.Module):
-
   def __init__(self, cfg: TextConfig, *, rngs: nnx.Rngs):
-    self.input_layernorm = layers.RMSNorm(cfg.hidden_size, axes.EMBED, eps=cfg.rms_norm_eps,
-                                          rngs=rngs)
+    self.input_layernorm = layers.RMSNorm(
+      cfg.hidden_size, axes.EMBED, eps=cfg.rms_norm_eps, rngs=rngs
+    )
     self.self_attn = SelfAttention(cfg, rngs=rngs)
-    self.post_attention_layernorm = layers.RMSNorm(cfg.hidden_size, axes.EMBED,
-                                                   eps=cfg.rms_norm_eps, rngs=rngs)
-    self.mlp = layers.SwiGLU(cfg.hidden_size, cfg.intermediate_size, axes.EMBED, axes.MLP,
-                             use_bias=False, rngs=rngs)
+    self.post_attention_layernorm = layers.RMSNorm(
+      cfg.hidden_size, axes.EMBED, eps=cfg.rms_norm_eps, rngs=rngs
+    )
+    self.mlp = layers.SwiGLU(
+      cfg.hidden_size, cfg.intermediate_size, axes.EMBED, axes.MLP, use_bias=False, rngs=rngs
+    )
 
   def __call__(self, x, cos, sin, segment_ids, segment_pos, attention_fn):
-    x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, segment_pos,
-                           attention_fn)
+    x = x + self.self_attn(
+      self.input_layernorm(x), cos, sin, segment_ids, segment_pos, attention_fn
+    )
     return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -101,8 +117,14 @@ class TextDecoder(nnx.Module):
   def embed(self, tokens_BT: jax.Array | np.ndarray, dtype) -> jax.Array:
     return jnp.take(self.embed_tokens[...], tokens_BT, axis=0).astype(dtype)
 
-  def __call__(self, x_BTD, positions_3BT, segment_ids_BT, segment_pos_BT,
-               attention_fn: AttentionFn | None = None) -> jax.Array:
+  def __call__(
+    self,
+    x_BTD,
+    positions_3BT,
+    segment_ids_BT,
+    segment_pos_BT,
+    attention_fn: AttentionFn | None = None,
+  ) -> jax.Array:
     if attention_fn is None:
       backend = self.backend
       attention_fn = lambda q, k, v, **kw: attn_lib.attention(q, k, v, backend=backend, **kw)

@@ -24,8 +24,7 @@ import os
 from collections.abc import Iterator, Sequence
 
 import tokenizers
-from tokenizers import decoders, models, normalizers, pre_tokenizers
-from tokenizers import processors, trainers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 ASSET_PATH = os.path.join(os.path.dirname(__file__), "assets", "tokenizer.json")
 
@@ -33,12 +32,28 @@ ASSET_PATH = os.path.join(os.path.dirname(__file__), "assets", "tokenizer.json")
 # (skipped by `decode(skip_special_tokens=True)`); Qwen marks the tool-call and
 # FIM tokens as ordinary added tokens, and so do we.
 QWEN_ADDED_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
-    "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
-    "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
-    "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
-    "<|repo_name|>", "<|file_sep|>",
+  "<|endoftext|>",
+  "<|im_start|>",
+  "<|im_end|>",
+  "<|object_ref_start|>",
+  "<|object_ref_end|>",
+  "<|box_start|>",
+  "<|box_end|>",
+  "<|quad_start|>",
+  "<|quad_end|>",
+  "<|vision_start|>",
+  "<|vision_end|>",
+  "<|vision_pad|>",
+  "<|image_pad|>",
+  "<|video_pad|>",
+  "<tool_call>",
+  "</tool_call>",
+  "<|fim_prefix|>",
+  "<|fim_middle|>",
+  "<|fim_suffix|>",
+  "<|fim_pad|>",
+  "<|repo_name|>",
+  "<|file_sep|>",
 )
 _NUM_SPECIAL = 14
 
@@ -48,20 +63,20 @@ SYNTHETIC_ORDINARY = SYNTHETIC_VOCAB_SIZE - len(QWEN_ADDED_TOKENS)  # 490
 # Qwen2's pre-tokenizer split: contractions, words with one leading non-letter,
 # single digits, punctuation runs, newlines, whitespace.
 QWEN_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
 # The special tokens the rest of fluxjax needs, by attribute name.
 _REQUIRED = {
-    "endoftext_id": "<|endoftext|>",
-    "im_start_id": "<|im_start|>",
-    "im_end_id": "<|im_end|>",
-    "vision_start_id": "<|vision_start|>",
-    "vision_end_id": "<|vision_end|>",
-    "vision_pad_id": "<|vision_pad|>",
-    "image_pad_id": "<|image_pad|>",
-    "video_pad_id": "<|video_pad|>",
+  "endoftext_id": "<|endoftext|>",
+  "im_start_id": "<|im_start|>",
+  "im_end_id": "<|im_end|>",
+  "vision_start_id": "<|vision_start|>",
+  "vision_end_id": "<|vision_end|>",
+  "vision_pad_id": "<|vision_pad|>",
+  "image_pad_id": "<|image_pad|>",
+  "video_pad_id": "<|video_pad|>",
 }
 
 
@@ -83,8 +98,7 @@ class Tokenizer:
       else:
         ids[attr] = i
     if missing:
-      raise ValueError(
-          f"tokenizer lacks required Qwen2.5-VL special tokens: {missing}")
+      raise ValueError(f"tokenizer lacks required Qwen2.5-VL special tokens: {missing}")
     self._ids = ids
 
   @classmethod
@@ -110,11 +124,9 @@ class Tokenizer:
     """Tokenizes `text`; special-token text becomes its id, no BOS/EOS added."""
     return self._tok.encode(text, add_special_tokens=False).ids
 
-  def decode(self, ids: Sequence[int],
-             skip_special_tokens: bool = False) -> str:
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
     """Turns ids back into text (the inverse of `encode` for any text)."""
-    return self._tok.decode([int(i) for i in ids],
-                            skip_special_tokens=skip_special_tokens)
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
   def token_to_id(self, token: str) -> int | None:
     return self._tok.token_to_id(token)
@@ -168,23 +180,22 @@ class Tokenizer:
 # ---------------------------------------------------------------------------
 # The synthetic tokenizer.
 
-COLORS = ("red", "green", "blue", "yellow", "purple", "orange", "white",
-          "black")
+COLORS = ("red", "green", "blue", "yellow", "purple", "orange", "white", "black")
 SHAPES = ("circle", "square", "triangle", "star")
 
 _SYSTEM_PROMPTS = (
-    "You are a helpful assistant.",
-    "You are a helpful assistant. Think step by step, then give the final "
-    "answer inside <answer></answer>.",
-    "Answer with a single number or word.",
+  "You are a helpful assistant.",
+  "You are a helpful assistant. Think step by step, then give the final "
+  "answer inside <answer></answer>.",
+  "Answer with a single number or word.",
 )
 _FORMATS = (
-    "Answer: {a}",
-    "The answer is {a}.",
-    "<answer>{a}</answer>",
-    "<think>I look at the image carefully.</think><answer>{a}</answer>",
-    "<think>I watch the video frame by frame.</think> <answer>{a}</answer>",
-    "{a}",
+  "Answer: {a}",
+  "The answer is {a}.",
+  "<answer>{a}</answer>",
+  "<think>I look at the image carefully.</think><answer>{a}</answer>",
+  "<think>I watch the video frame by frame.</think> <answer>{a}</answer>",
+  "{a}",
 )
 
 
@@ -207,15 +218,17 @@ def _questions() -> Iterator[tuple[str, str]]:
   for shape in SHAPES:
     yield (f"Which shape appears last in the video? Is it a {shape}?", shape)
   for a in range(0, 101, 7):
-    for b, (sym, word, fn) in enumerate((
+    for b, (sym, word, fn) in enumerate(
+      (
         ("+", "plus", lambda x, y: x + y),
         ("-", "minus", lambda x, y: x - y),
-        ("*", "times", lambda x, y: x * y))):
+        ("*", "times", lambda x, y: x * y),
+      )
+    ):
       y = (a * 3 + b * 11) % 10 if sym == "*" else (a * 5 + b) % 50
       x, y = (max(a, y), min(a, y)) if sym == "-" else (a, y)
       res = fn(x, y)
-      yield (f"What is {x} {sym} {y}? Read the expression in the image.",
-             str(res))
+      yield (f"What is {x} {sym} {y}? Read the expression in the image.", str(res))
       yield (f"Compute {x} {word} {y} as written in the image.", str(res))
 
 
@@ -224,13 +237,11 @@ def synthetic_corpus() -> Iterator[str]:
   for k, (q, a) in enumerate(_questions()):
     system = _SYSTEM_PROMPTS[k % len(_SYSTEM_PROMPTS)]
     fmt = _FORMATS[k % len(_FORMATS)]
-    yield (f"system\n{system}\nuser\n{q}\nassistant\n"
-           f"{fmt.format(a=a)}\n")
+    yield (f"system\n{system}\nuser\n{q}\nassistant\n{fmt.format(a=a)}\n")
   for n in range(101):
     yield f"{n} {n}. Answer: {n} <answer>{n}</answer> The answer is {n}.\n"
   for word in COLORS + SHAPES:
-    yield (f"{word} {word.capitalize()} {_plural(word)} "
-           f"<answer>{word}</answer> Answer: {word}\n")
+    yield (f"{word} {word.capitalize()} {_plural(word)} <answer>{word}</answer> Answer: {word}\n")
   yield "0 1 2 3 4 5 6 7 8 9 + - * / = ( ) . , : ; ? ! ' \" < > [ ] { }\n"
 
 
@@ -241,31 +252,42 @@ def build_synthetic_tokenizer() -> tokenizers.Tokenizer:
     A `tokenizers.Tokenizer` with ordinary ids 0..489 and Qwen2.5's added
     tokens at 490..511 in Qwen's order.
   """
-  tok = tokenizers.Tokenizer(models.BPE(unk_token=None, fuse_unk=False,
-                                        byte_fallback=False))
+  tok = tokenizers.Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
   tok.normalizer = normalizers.NFC()
-  tok.pre_tokenizer = pre_tokenizers.Sequence([
-      pre_tokenizers.Split(tokenizers.Regex(QWEN_SPLIT_PATTERN),
-                           behavior="isolated", invert=False),
-      pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False,
-                               use_regex=False),
-  ])
+  tok.pre_tokenizer = pre_tokenizers.Sequence(
+    [
+      pre_tokenizers.Split(tokenizers.Regex(QWEN_SPLIT_PATTERN), behavior="isolated", invert=False),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ]
+  )
   # The ByteLevel decoder takes no options (it only maps bytes back), whatever
   # the pre-tokenizer's are.
   tok.decoder = decoders.ByteLevel()
-  tok.post_processor = processors.ByteLevel(add_prefix_space=False,
-                                            trim_offsets=False,
-                                            use_regex=False)
+  tok.post_processor = processors.ByteLevel(
+    add_prefix_space=False, trim_offsets=False, use_regex=False
+  )
   trainer = trainers.BpeTrainer(
-      vocab_size=SYNTHETIC_ORDINARY, min_frequency=2, show_progress=False,
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+    vocab_size=SYNTHETIC_ORDINARY,
+    min_frequency=2,
+    show_progress=False,
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    special_tokens=[],
+  )
   tok.train_from_iterator(list(synthetic_corpus()), trainer=trainer)
   # Added after training so they land after the ordinary ids, as in Qwen.
-  tok.add_tokens([
-      tokenizers.AddedToken(text, special=i < _NUM_SPECIAL, normalized=False,
-                            single_word=False, lstrip=False, rstrip=False)
+  tok.add_tokens(
+    [
+      tokenizers.AddedToken(
+        text,
+        special=i < _NUM_SPECIAL,
+        normalized=False,
+        single_word=False,
+        lstrip=False,
+        rstrip=False,
+      )
       for i, text in enumerate(QWEN_ADDED_TOKENS)
-  ])
+    ]
+  )
   _check_synthetic_layout(tok)
   return tok
 
@@ -273,14 +295,18 @@ def build_synthetic_tokenizer() -> tokenizers.Tokenizer:
 def _check_synthetic_layout(tok: tokenizers.Tokenizer) -> None:
   """Fails loudly if training did not give the documented id layout."""
   assert tok.get_vocab_size(with_added_tokens=False) == SYNTHETIC_ORDINARY, (
-      "the corpus gave too few merges: "
-      f"{tok.get_vocab_size(with_added_tokens=False)} != {SYNTHETIC_ORDINARY}")
+    "the corpus gave too few merges: "
+    f"{tok.get_vocab_size(with_added_tokens=False)} != {SYNTHETIC_ORDINARY}"
+  )
   assert tok.get_vocab_size(with_added_tokens=True) == SYNTHETIC_VOCAB_SIZE
   for offset, text in enumerate(QWEN_ADDED_TOKENS):
     assert tok.token_to_id(text) == SYNTHETIC_ORDINARY + offset, text
   alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-  singles = {t for t, i in tok.get_vocab(with_added_tokens=False).items()
-             if len(t) == 1 and i < SYNTHETIC_ORDINARY}
+  singles = {
+    t
+    for t, i in tok.get_vocab(with_added_tokens=False).items()
+    if len(t) == 1 and i < SYNTHETIC_ORDINARY
+  }
   assert singles == alphabet, "all 256 byte symbols must be in the vocabulary"
 
 
@@ -297,8 +323,7 @@ def default_tokenizer() -> Tokenizer:
 
 def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default=ASSET_PATH,
-                      help="where to write tokenizer.json")
+  parser.add_argument("--out", default=ASSET_PATH, help="where to write tokenizer.json")
   args = parser.parse_args(argv)
   text = synthetic_tokenizer_json()
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

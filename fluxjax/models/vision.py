@@ -47,6 +47,7 @@ class VisionInputs:
     window_ids_BN: int [B, N] window-attention group; 0 marks padding.
     hw_BN2: int [B, N, 2] (row, column) of each patch inside its frame (2D RoPE).
   """
+
   patches_BNP: jax.Array | np.ndarray
   frame_ids_BN: jax.Array | np.ndarray
   window_ids_BN: jax.Array | np.ndarray
@@ -57,8 +58,12 @@ class VisionInputs:
     return self.patches_BNP.shape[1]
 
 
-def patch_layout(grids_thw: Sequence[Sequence[int]], cfg: VisionConfig,
-                 first_frame_id: int = 1, first_window_id: int = 1):
+def patch_layout(
+  grids_thw: Sequence[Sequence[int]],
+  cfg: VisionConfig,
+  first_frame_id: int = 1,
+  first_window_id: int = 1,
+):
   """Host-side ids for the patches of several images/videos, in processor order.
 
   Args:
@@ -78,8 +83,9 @@ def patch_layout(grids_thw: Sequence[Sequence[int]], cfg: VisionConfig,
       raise ValueError(f"grid {(t, h, w)} not divisible by merge size {m}")
     bh, bw = h // m, w // m
     # Indices over (frame, unit_row, unit_col, sub_row, sub_col), processor order.
-    f, bi, bj, si, sj = np.meshgrid(np.arange(t), np.arange(bh), np.arange(bw),
-                                    np.arange(m), np.arange(m), indexing="ij")
+    f, bi, bj, si, sj = np.meshgrid(
+      np.arange(t), np.arange(bh), np.arange(bw), np.arange(m), np.arange(m), indexing="ij"
+    )
     rows, cols = bi * m + si, bj * m + sj
     nwh, nww = -(-bh // win), -(-bw // win)
     window = (f * nwh + bi // win) * nww + bj // win
@@ -91,12 +97,19 @@ def patch_layout(grids_thw: Sequence[Sequence[int]], cfg: VisionConfig,
   if not frames:
     empty = np.zeros((0,), np.int32)
     return empty, empty, np.zeros((0, 2), np.int32)
-  return (np.concatenate(frames).astype(np.int32), np.concatenate(windows).astype(np.int32),
-          np.concatenate(hws).astype(np.int32))
+  return (
+    np.concatenate(frames).astype(np.int32),
+    np.concatenate(windows).astype(np.int32),
+    np.concatenate(hws).astype(np.int32),
+  )
 
 
-def make_vision_inputs(patches: Sequence[np.ndarray], grids_thw: Sequence[Sequence[int]],
-                       cfg: VisionConfig, capacity: int | None = None) -> VisionInputs:
+def make_vision_inputs(
+  patches: Sequence[np.ndarray],
+  grids_thw: Sequence[Sequence[int]],
+  cfg: VisionConfig,
+  capacity: int | None = None,
+) -> VisionInputs:
   """Concatenates processed images/videos into one row of `capacity` patches.
 
   Padding patches get frame and window id 0, so they attend to nothing and
@@ -104,20 +117,25 @@ def make_vision_inputs(patches: Sequence[np.ndarray], grids_thw: Sequence[Sequen
   """
   frame_ids, window_ids, hw = patch_layout(grids_thw, cfg)
   n = frame_ids.shape[0]
-  flat = (np.concatenate([np.asarray(p, np.float32) for p in patches]) if patches
-          else np.zeros((0, cfg.patch_dim), np.float32))
+  flat = (
+    np.concatenate([np.asarray(p, np.float32) for p in patches])
+    if patches
+    else np.zeros((0, cfg.patch_dim), np.float32)
+  )
   if flat.shape != (n, cfg.patch_dim):
     raise ValueError(f"patches {flat.shape} do not match grids ({n}, {cfg.patch_dim})")
   capacity = n if capacity is None else capacity
   if capacity < n or capacity % cfg.merge_unit:
-    raise ValueError(f"capacity {capacity} must be >= {n} patches and a multiple of "
-                     f"{cfg.merge_unit}")
+    raise ValueError(
+      f"capacity {capacity} must be >= {n} patches and a multiple of {cfg.merge_unit}"
+    )
   pad = capacity - n
   return VisionInputs(
-      patches_BNP=np.pad(flat, ((0, pad), (0, 0)))[None],
-      frame_ids_BN=np.pad(frame_ids, (0, pad))[None],
-      window_ids_BN=np.pad(window_ids, (0, pad))[None],
-      hw_BN2=np.pad(hw, ((0, pad), (0, 0)))[None])
+    patches_BNP=np.pad(flat, ((0, pad), (0, 0)))[None],
+    frame_ids_BN=np.pad(frame_ids, (0, pad))[None],
+    window_ids_BN=np.pad(window_ids, (0, pad))[None],
+    hw_BN2=np.pad(hw, ((0, pad), (0, 0)))[None],
+  )
 
 
 class VisionAttention(nnx.Module):
@@ -125,29 +143,43 @@ class VisionAttention(nnx.Module):
 
   def __init__(self, cfg: VisionConfig, *, rngs: nnx.Rngs):
     d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-    self.qkv = layers.Dense(d, (3, n, h), (axes.VIS_EMBED,), (None, axes.VIS_HEADS, axes.HEAD_DIM),
-                            use_bias=True, rngs=rngs)
-    self.proj = layers.Dense((n, h), d, (axes.VIS_HEADS, axes.HEAD_DIM), (axes.VIS_EMBED,),
-                             use_bias=True, rngs=rngs)
+    self.qkv = layers.Dense(
+      d,
+      (3, n, h),
+      (axes.VIS_EMBED,),
+      (None, axes.VIS_HEADS, axes.HEAD_DIM),
+      use_bias=True,
+      rngs=rngs,
+    )
+    self.proj = layers.Dense(
+      (n, h), d, (axes.VIS_HEADS, axes.HEAD_DIM), (axes.VIS_EMBED,), use_bias=True, rngs=rngs
+    )
 
   def __call__(self, x_BND, cos_BNH, sin_BNH, group_ids_BN, backend: str):
     qkv = self.qkv(x_BND)  # [B, N, 3, n, h]
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     q = layers.apply_rotary(q, cos_BNH, sin_BNH)
     k = layers.apply_rotary(k, cos_BNH, sin_BNH)
-    out = attn_lib.attention(q, k, v, backend=backend, q_segment_ids=group_ids_BN,
-                             kv_segment_ids=group_ids_BN, causal=False)
+    out = attn_lib.attention(
+      q,
+      k,
+      v,
+      backend=backend,
+      q_segment_ids=group_ids_BN,
+      kv_segment_ids=group_ids_BN,
+      causal=False,
+    )
     return self.proj(out)
 
 
 class VisionBlock(nnx.Module):
-
   def __init__(self, cfg: VisionConfig, *, rngs: nnx.Rngs):
     self.norm1 = layers.RMSNorm(cfg.hidden_size, axes.VIS_EMBED, eps=cfg.rms_norm_eps, rngs=rngs)
     self.attn = VisionAttention(cfg, rngs=rngs)
     self.norm2 = layers.RMSNorm(cfg.hidden_size, axes.VIS_EMBED, eps=cfg.rms_norm_eps, rngs=rngs)
-    self.mlp = layers.SwiGLU(cfg.hidden_size, cfg.intermediate_size, axes.VIS_EMBED, axes.VIS_MLP,
-                             use_bias=True, rngs=rngs)
+    self.mlp = layers.SwiGLU(
+      cfg.hidden_size, cfg.intermediate_size, axes.VIS_EMBED, axes.VIS_MLP, use_bias=True, rngs=rngs
+    )
 
   def __call__(self, x, cos, sin, group_ids, backend):
     x = x + self.attn(self.norm1(x), cos, sin, group_ids, backend)
@@ -161,10 +193,12 @@ class PatchMerger(nnx.Module):
     merged = cfg.hidden_size * cfg.merge_unit
     self.merge_unit = cfg.merge_unit
     self.ln_q = layers.RMSNorm(cfg.hidden_size, axes.VIS_EMBED, eps=cfg.rms_norm_eps, rngs=rngs)
-    self.fc1 = layers.Dense(merged, merged, (axes.MERGED,), (axes.VIS_MLP,), use_bias=True,
-                            rngs=rngs)
-    self.fc2 = layers.Dense(merged, cfg.out_hidden_size, (axes.VIS_MLP,), (axes.EMBED,),
-                            use_bias=True, rngs=rngs)
+    self.fc1 = layers.Dense(
+      merged, merged, (axes.MERGED,), (axes.VIS_MLP,), use_bias=True, rngs=rngs
+    )
+    self.fc2 = layers.Dense(
+      merged, cfg.out_hidden_size, (axes.VIS_MLP,), (axes.EMBED,), use_bias=True, rngs=rngs
+    )
 
   def __call__(self, x_BND):
     b, n, d = x_BND.shape
@@ -182,8 +216,9 @@ class VisionTower(nnx.Module):
     self.remat = cfg.remat
     self.dtype = jnp.dtype(cfg.dtype)
     # Conv3d with stride == kernel is a linear map of each flattened patch.
-    self.patch_embed = layers.Dense(v.patch_dim, v.hidden_size, (axes.PATCH,), (axes.VIS_EMBED,),
-                                    use_bias=False, rngs=rngs)
+    self.patch_embed = layers.Dense(
+      v.patch_dim, v.hidden_size, (axes.PATCH,), (axes.VIS_EMBED,), use_bias=False, rngs=rngs
+    )
     self.blocks = layers.stacked(v.depth, lambda r: VisionBlock(v, rngs=r), rngs)
     self.merger = PatchMerger(v, rngs=rngs)
 
@@ -191,7 +226,7 @@ class VisionTower(nnx.Module):
     """2D RoPE: rows rotate the first half of each head, columns the second."""
     inv = layers.inverse_frequencies(self.cfg.head_dim // 2, self.cfg.rope_theta)
     freqs = hw_BN2[..., None].astype(jnp.float32) * inv  # [B, N, 2, H/4]
-    freqs = freqs.reshape(*freqs.shape[:2], -1)          # [B, N, H/2]: rows then columns
+    freqs = freqs.reshape(*freqs.shape[:2], -1)  # [B, N, H/2]: rows then columns
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 

@@ -40,6 +40,7 @@ class PackedInputs:
 
   Built on the host as numpy arrays; device arrays once placed or traced.
   """
+
   tokens_BT: jax.Array | np.ndarray
   positions_3BT: jax.Array | np.ndarray
   segment_ids_BT: jax.Array | np.ndarray
@@ -55,9 +56,11 @@ class Qwen25VL(nnx.Module):
     self.cfg = cfg
     self.visual = VisionTower(cfg, rngs=rngs)
     self.model = TextDecoder(cfg, rngs=rngs)
-    self.lm_head = (None if cfg.text.tie_word_embeddings else
-                    layers.param(rngs, (cfg.text.hidden_size, cfg.text.vocab_size),
-                                 (axes.EMBED, axes.VOCAB)))
+    self.lm_head = (
+      None
+      if cfg.text.tie_word_embeddings
+      else layers.param(rngs, (cfg.text.hidden_size, cfg.text.vocab_size), (axes.EMBED, axes.VOCAB))
+    )
 
   @property
   def dtype(self):
@@ -68,9 +71,13 @@ class Qwen25VL(nnx.Module):
       return self.model.embed_tokens[...].T
     return self.lm_head[...]
 
-  def embed(self, tokens_BT: jax.Array | np.ndarray, vision: VisionInputs | None,
-            vision_index_BT: jax.Array | np.ndarray | None = None,
-            vision_gather_fn=None) -> jax.Array:
+  def embed(
+    self,
+    tokens_BT: jax.Array | np.ndarray,
+    vision: VisionInputs | None,
+    vision_index_BT: jax.Array | np.ndarray | None = None,
+    vision_gather_fn=None,
+  ) -> jax.Array:
     """Token embeddings with vision embeddings spliced over the pad tokens.
 
     `vision_gather_fn` (merged [B*N/4, E] -> what `vision_index_BT` indexes) lets
@@ -80,7 +87,7 @@ class Qwen25VL(nnx.Module):
     if vision is None:
       return x
     merged = self.visual(vision).astype(x.dtype)
-    merged = merged.reshape(-1, merged.shape[-1])          # [B * N/4, E]
+    merged = merged.reshape(-1, merged.shape[-1])  # [B * N/4, E]
     if vision_gather_fn is not None:
       merged = vision_gather_fn(merged)
     if vision_index_BT is None:
@@ -91,30 +98,39 @@ class Qwen25VL(nnx.Module):
       # in a response is text, as the rollout engine embedded it.
       is_vis = vision_index_BT >= 0
     index = jnp.clip(vision_index_BT, 0, merged.shape[0] - 1)
-    spliced = jnp.take(merged, index, axis=0)              # a gather: works sharded
+    spliced = jnp.take(merged, index, axis=0)  # a gather: works sharded
     return jnp.where(is_vis[..., None], spliced, x)
 
-  def hidden_states(self, batch: PackedInputs, attention_fn: AttentionFn | None = None,
-                    vision_gather_fn=None) -> jax.Array:
+  def hidden_states(
+    self, batch: PackedInputs, attention_fn: AttentionFn | None = None, vision_gather_fn=None
+  ) -> jax.Array:
     """Final-norm hidden states [B, T, D]."""
     x = self.embed(batch.tokens_BT, batch.vision, batch.vision_index_BT, vision_gather_fn)
-    return self.model(x, batch.positions_3BT, batch.segment_ids_BT, batch.segment_pos_BT,
-                      attention_fn)
+    return self.model(
+      x, batch.positions_3BT, batch.segment_ids_BT, batch.segment_pos_BT, attention_fn
+    )
 
   def logits(self, batch: PackedInputs, attention_fn: AttentionFn | None = None) -> jax.Array:
     """Full [B, T, V] logits in fp32: for inference and tests, not training."""
     h = self.hidden_states(batch, attention_fn)
-    return jnp.einsum("btd,dv->btv", h, self.head_DV().astype(h.dtype),
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum(
+      "btd,dv->btv", h, self.head_DV().astype(h.dtype), preferred_element_type=jnp.float32
+    )
 
-  def token_logprobs(self, batch: PackedInputs, targets_BT: jax.Array, *,
-                     attention_fn: AttentionFn | None = None, vision_gather_fn=None,
-                     with_entropy: bool = False):
+  def token_logprobs(
+    self,
+    batch: PackedInputs,
+    targets_BT: jax.Array,
+    *,
+    attention_fn: AttentionFn | None = None,
+    vision_gather_fn=None,
+    with_entropy: bool = False,
+  ):
     """log p(targets) per token, chunked over the vocabulary (training path)."""
     h = self.hidden_states(batch, attention_fn, vision_gather_fn)
-    return logprobs_lib.token_logprobs(h, targets_BT, self.head_DV(),
-                                       chunk=self.cfg.logprob_vocab_chunk,
-                                       with_entropy=with_entropy)
+    return logprobs_lib.token_logprobs(
+      h, targets_BT, self.head_DV(), chunk=self.cfg.logprob_vocab_chunk, with_entropy=with_entropy
+    )
 
   def __call__(self, batch: PackedInputs) -> jax.Array:
     return self.logits(batch)
@@ -136,8 +152,12 @@ def abstract_model(cfg: ModelConfig) -> Qwen25VL:
     return nnx.eval_shape(lambda: Qwen25VL(cfg, rngs=nnx.Rngs(0)))
 
 
-def padded_inputs(input_ids_BL: np.ndarray, attention_mask_BL: np.ndarray,
-                  positions_3BL: np.ndarray, vision: VisionInputs | None = None) -> PackedInputs:
+def padded_inputs(
+  input_ids_BL: np.ndarray,
+  attention_mask_BL: np.ndarray,
+  positions_3BL: np.ndarray,
+  vision: VisionInputs | None = None,
+) -> PackedInputs:
   """A padded batch (HF style, any padding side) as packed inputs, one row each.
 
   Each row is one segment; `segment_pos` counts only real tokens, so left
@@ -146,6 +166,10 @@ def padded_inputs(input_ids_BL: np.ndarray, attention_mask_BL: np.ndarray,
   mask = np.asarray(attention_mask_BL).astype(bool)
   segment_ids = mask.astype(np.int32)
   segment_pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
-  return PackedInputs(tokens_BT=np.asarray(input_ids_BL, np.int32),
-                      positions_3BT=np.asarray(positions_3BL, np.int32),
-                      segment_ids_BT=segment_ids, segment_pos_BT=segment_pos, vision=vision)
+  return PackedInputs(
+    tokens_BT=np.asarray(input_ids_BL, np.int32),
+    positions_3BT=np.asarray(positions_3BL, np.int32),
+    segment_ids_BT=segment_ids,
+    segment_pos_BT=segment_pos,
+    vision=vision,
+  )

@@ -20,9 +20,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from fluxjax.models import processor
+from fluxjax.models import processor, vlm
 from fluxjax.models import vision as vision_lib
-from fluxjax.models import vlm
 from fluxjax.models.config import ModelConfig
 from fluxjax.models.inputs import SequenceInputs
 from fluxjax.sharding import mesh as mesh_lib
@@ -48,6 +47,7 @@ class TrainSequence:
   `loss_mask_T` may hold weights rather than 0/1: the step divides by their
   global sum, so 1/len(sequence) weights give sequence-mean aggregation.
   """
+
   inputs: SequenceInputs
   loss_mask_T: np.ndarray
   advantages_T: np.ndarray
@@ -66,6 +66,7 @@ class TrainBatch:
 
   `materialize` builds them as host numpy arrays; `to_device` places them.
   """
+
   inputs: vlm.PackedInputs
   targets: jax.Array | np.ndarray
   loss_mask: jax.Array | np.ndarray
@@ -78,7 +79,7 @@ class TrainBatch:
   def num_microbatches(self) -> int:
     return self.targets.shape[0]
 
-  def microbatch(self, m: int) -> "TrainBatch":
+  def microbatch(self, m: int) -> TrainBatch:
     return jax.tree.map(lambda x: x[m], self)
 
 
@@ -107,7 +108,7 @@ def _media_in_row(row, seqs: Sequence[TrainSequence], cfg: ModelConfig):
     start = 0
     for item in seq.inputs.media:
       count = num_patches(item) // cfg.vision.merge_unit
-      yield offset + pads[start:start + count], item
+      yield offset + pads[start : start + count], item
       start += count
     # The prompt's pads come first; pad ids beyond the media's count were
     # sampled in the response and are text.
@@ -119,6 +120,7 @@ def _media_in_row(row, seqs: Sequence[TrainSequence], cfg: ModelConfig):
 @dataclasses.dataclass(frozen=True)
 class VisionUnit:
   """Frames [lo, hi) (temporal patch groups) of one image/video, encoded together."""
+
   item: processor.VisionMeta
   lo: int
   hi: int
@@ -133,8 +135,9 @@ class VisionUnit:
     return processor.num_patches(self.grid_thw)
 
 
-def vision_assignment(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
-                      balance: bool = False):
+def vision_assignment(
+  plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig, balance: bool = False
+):
   """Which device encodes what, and where each merged embedding must go.
 
   Without balancing each image/video is encoded whole on the device holding
@@ -158,8 +161,9 @@ def vision_assignment(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfi
       for (item, _), d in zip(routes, firsts):
         units.setdefault(d, []).append(VisionUnit(item, 0, int(item.grid_thw[0])))
     else:
-      frames = [VisionUnit(item, f, f + 1) for item, _ in routes
-                for f in range(int(item.grid_thw[0]))]
+      frames = [
+        VisionUnit(item, f, f + 1) for item, _ in routes for f in range(int(item.grid_thw[0]))
+      ]
       load = np.zeros(plan.num_devices)
       for u in sorted(frames, key=lambda u: -u.num_patches):  # stable: ties keep order
         d = int(np.argmin(load))
@@ -169,8 +173,13 @@ def vision_assignment(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfi
   return out
 
 
-def patch_capacity_for(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
-                       buckets: Sequence[int], balance: bool = False) -> int:
+def patch_capacity_for(
+  plan: Plan,
+  seqs: Sequence[TrainSequence],
+  cfg: ModelConfig,
+  buckets: Sequence[int],
+  balance: bool = False,
+) -> int:
   """The smallest patch bucket holding every device's vision work in every microbatch."""
   return _patch_bucket(vision_assignment(plan, seqs, cfg, balance), cfg, buckets)
 
@@ -183,8 +192,9 @@ def _patch_bucket(assignment, cfg: ModelConfig, buckets: Sequence[int]) -> int:
   return capacity_bucket(need, buckets)
 
 
-def vision_route_stats(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
-                       balance: bool = False) -> dict[str, float]:
+def vision_route_stats(
+  plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig, balance: bool = False
+) -> dict[str, float]:
   """Patch balance and the traffic of routing merged embeddings to their tokens.
 
   `moved` counts merged embeddings encoded on another device than the one
@@ -208,8 +218,11 @@ def vision_route_stats(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConf
     per_mb_max.append(load.max())
     per_mb_mean.append(load.mean())
   bytes_per = cfg.text.hidden_size * np.dtype(cfg.dtype).itemsize
-  return {"patch_max_over_mean": float(np.sum(per_mb_max) / max(np.sum(per_mb_mean), 1e-9)),
-          "embeddings_moved": int(moved), "bytes_moved": float(moved * bytes_per)}
+  return {
+    "patch_max_over_mean": float(np.sum(per_mb_max) / max(np.sum(per_mb_mean), 1e-9)),
+    "embeddings_moved": int(moved),
+    "bytes_moved": float(moved * bytes_per),
+  }
 
 
 def media_placement(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig):
@@ -227,9 +240,14 @@ def media_placement(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig)
   return out
 
 
-def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
-                patch_capacity: int | Sequence[int], patch_source=None,
-                balance_vision: bool = False) -> TrainBatch:
+def materialize(
+  plan: Plan,
+  seqs: Sequence[TrainSequence],
+  cfg: ModelConfig,
+  patch_capacity: int | Sequence[int],
+  patch_source=None,
+  balance_vision: bool = False,
+) -> TrainBatch:
   """Host numpy buffers for a plan (every device's; see `to_device`).
 
   Args:
@@ -275,7 +293,8 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
       cap, sec = plan.section(row)
       width = row.degree * cap
       stream: dict[str, list[np.ndarray]] = {
-          k: [] for k in ("tok", "pos", "seg", "spos", "tgt", "mask", "adv", "old", "ref", "prox")}
+        k: [] for k in ("tok", "pos", "seg", "spos", "tgt", "mask", "adv", "old", "ref", "prox")
+      }
       offset = 0
       for j, s in enumerate(row.seqs):
         seq = seqs[s]
@@ -302,11 +321,12 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
         filler = np.zeros(fill_dims + (pad,), stream[name][0].dtype)
         arr = np.concatenate(stream[name] + [filler], axis=-1)
         for k, d in enumerate(row.devices):
-          dst(d, arr[..., k * cap:(k + 1) * cap])
+          dst(d, arr[..., k * cap : (k + 1) * cap])
 
       def setter(buf, cap=cap, sec=sec):
         def f(d, x):
-          buf[m, d, sec:sec + cap] = x
+          buf[m, d, sec : sec + cap] = x
+
         return f
 
       put("tok", setter(tokens))
@@ -320,9 +340,9 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
       put("prox", setter(prox_lp))
 
       def set_pos(d, x, cap=cap, sec=sec):
-        positions[m, :, d, sec:sec + cap] = x
-      put("pos", set_pos, fill_dims=(3,))
+        positions[m, :, d, sec : sec + cap] = x
 
+      put("pos", set_pos, fill_dims=(3,))
 
     # Vision: each unit is encoded where vision_assignment put it; merged
     # embeddings are then gathered to wherever their tokens sit.
@@ -331,12 +351,14 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
     for d, us in units.items():
       n_patches = sum(u.num_patches for u in us)
       if n_patches > patch_capacity:
-        raise ValueError(f"device {d} microbatch {m}: {n_patches} patches exceed the patch "
-                         f"capacity {patch_capacity}")
+        raise ValueError(
+          f"device {d} microbatch {m}: {n_patches} patches exceed the patch "
+          f"capacity {patch_capacity}"
+        )
       pieces = []
       for u in us:
         per_frame = u.num_patches // (u.hi - u.lo)
-        pieces.append(np.asarray(patch_source(u.item))[u.lo * per_frame:u.hi * per_frame])
+        pieces.append(np.asarray(patch_source(u.item))[u.lo * per_frame : u.hi * per_frame])
       vis = vision_lib.make_vision_inputs(pieces, [u.grid_thw for u in us], vcfg, patch_capacity)
       patches[m, d], frame_ids[m, d] = vis.patches_BNP[0], vis.frame_ids_BN[0]
       window_ids[m, d], hw[m, d] = vis.window_ids_BN[0], vis.hw_BN2[0]
@@ -351,9 +373,14 @@ def materialize(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig,
       for k, (d, i) in enumerate(slots):
         vision_index[m, d, i] = frame_base[(id(item), k // per_frame)] + k % per_frame
 
-  inputs = vlm.PackedInputs(tokens, positions, segment_ids, segment_pos,
-                            vision_lib.VisionInputs(patches, frame_ids, window_ids, hw),
-                            vision_index)
+  inputs = vlm.PackedInputs(
+    tokens,
+    positions,
+    segment_ids,
+    segment_pos,
+    vision_lib.VisionInputs(patches, frame_ids, window_ids, hw),
+    vision_index,
+  )
   return TrainBatch(inputs, targets, loss_mask, adv, old_lp, ref_lp, prox_lp)
 
 

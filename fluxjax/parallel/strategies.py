@@ -24,23 +24,23 @@ import jax
 import ml_collections
 
 from fluxjax.models.config import ModelConfig
+from fluxjax.parallel import sync as sync_lib
+from fluxjax.parallel import train_step, ulysses
 from fluxjax.sharding import mesh as mesh_lib
 from fluxjax.sharding import plan as plan_lib
 from fluxjax.sharding import planners
-from fluxjax.parallel import sync as sync_lib
-from fluxjax.parallel import train_step, ulysses
 from fluxjax.sharding.plan import Plan
 
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
   name: str
-  sp: int                     # largest degree: ulysses' fixed one, flex_ulysses' p_max; 1 = none
-  capacity: int               # tokens per device per microbatch (the largest bucket)
+  sp: int  # largest degree: ulysses' fixed one, flex_ulysses' p_max; 1 = none
+  capacity: int  # tokens per device per microbatch (the largest bucket)
   model_cfg: ModelConfig
   buckets: tuple[int, ...] = ()  # static capacities; () = powers of two up to capacity
-  sync: str = "layer"            # "layer" (FSDP per layer) | "minibatch" (ODC)
-  balance_vision: bool = False   # spread images/frames over devices by patch count
+  sync: str = "layer"  # "layer" (FSDP per layer) | "minibatch" (ODC)
+  balance_vision: bool = False  # spread images/frames over devices by patch count
 
   def sp_axes(self) -> tuple[tuple[str, int], ...]:
     if self.name == "flex_ulysses":
@@ -63,8 +63,9 @@ class Strategy:
       raise ValueError(f"strategy {self.name!r} has no planner")
     return plan_lib.bucketed(plan, buckets)
 
-  def attention_fn(self, mesh: jax.sharding.Mesh, plan: Plan | None = None,
-                   inside_shard_map: bool = False) -> Callable | None:
+  def attention_fn(
+    self, mesh: jax.sharding.Mesh, plan: Plan | None = None, inside_shard_map: bool = False
+  ) -> Callable | None:
     """The text attention for this strategy; None = the row-local default.
 
     flex_ulysses needs the plan: its buffer sections are part of the shapes.
@@ -75,15 +76,18 @@ class Strategy:
       if plan is None:
         raise ValueError("flex_ulysses attention depends on the plan's levels")
       names = tuple(name for name, _ in self.sp_axes())
-      return ulysses.make_flex_attention_fn(mesh, plan.level_layout(), names,
-                                            mesh_lib.batch_axes(mesh), backend, inside_shard_map)
+      return ulysses.make_flex_attention_fn(
+        mesh, plan.level_layout(), names, mesh_lib.batch_axes(mesh), backend, inside_shard_map
+      )
     if self.sp == 1:
       return None
-    return ulysses.make_attention_fn(mesh, (mesh_lib.SP,), mesh_lib.batch_axes(mesh), backend,
-                                     inside_shard_map)
+    return ulysses.make_attention_fn(
+      mesh, (mesh_lib.SP,), mesh_lib.batch_axes(mesh), backend, inside_shard_map
+    )
 
-  def accumulate_fn(self, mesh: jax.sharding.Mesh, plan: Plan, graphdef, param_shardings,
-                    loss_fn) -> Callable:
+  def accumulate_fn(
+    self, mesh: jax.sharding.Mesh, plan: Plan, graphdef, param_shardings, loss_fn
+  ) -> Callable:
     """(params, batch, total=None) -> (loss, grads, sums) under this strategy's sync mode.
 
     `total` normalizes the loss (default: the batch's token weight, see
@@ -92,14 +96,20 @@ class Strategy:
     if self.sync == "minibatch":
       independent = all(r.degree == 1 for rows in plan.microbatches for r in rows)
       return sync_lib.make_accumulate(
-          graphdef, mesh, param_shardings, loss_fn,
-          self.attention_fn(mesh, plan, inside_shard_map=True), independent_rows=independent,
-          # Degree-1 rows keep each image on its tokens' device unless balanced.
-          local_vision=independent and not self.balance_vision,
-          merge_unit=self.model_cfg.vision.merge_unit)
+        graphdef,
+        mesh,
+        param_shardings,
+        loss_fn,
+        self.attention_fn(mesh, plan, inside_shard_map=True),
+        independent_rows=independent,
+        # Degree-1 rows keep each image on its tokens' device unless balanced.
+        local_vision=independent and not self.balance_vision,
+        merge_unit=self.model_cfg.vision.merge_unit,
+      )
     attention_fn = self.attention_fn(mesh, plan)
     return lambda params, batch, total=None: train_step.accumulate(
-        graphdef, params, batch, loss_fn, attention_fn, param_shardings, total)
+      graphdef, params, batch, loss_fn, attention_fn, param_shardings, total
+    )
 
   def logprobs_fn(self, mesh: jax.sharding.Mesh, plan: Plan, graphdef) -> Callable:
     """(params, batch) -> per-token logprobs [M, D, C]: a forward pass (the reference's).
@@ -108,15 +118,16 @@ class Strategy:
     minibatch sync to relax, and every plan's batch is valid under it.
     """
     attention_fn = self.attention_fn(mesh, plan)
-    return lambda params, batch: train_step.token_logprobs(graphdef, params, batch,
-                                                           attention_fn)
+    return lambda params, batch: train_step.token_logprobs(graphdef, params, batch, attention_fn)
 
 
 def _buckets(cfg) -> tuple[int, ...]:
   buckets = tuple(sorted(cfg.get("capacity_buckets") or ()))
   if buckets and buckets[-1] != cfg.capacity:
-    raise ValueError(f"the largest of sharding.capacity_buckets {buckets} must equal "
-                     f"sharding.capacity {cfg.capacity}")
+    raise ValueError(
+      f"the largest of sharding.capacity_buckets {buckets} must equal "
+      f"sharding.capacity {cfg.capacity}"
+    )
   return buckets
 
 
@@ -132,21 +143,33 @@ AUTO = 0  # sharding.sp = 0: the largest degree that fits
 
 def _make(name: str, degree: int, cfg, model_cfg) -> Strategy:
   """The fields every strategy reads the same way from the sharding section."""
-  return Strategy(name, degree, cfg.capacity, model_cfg, _buckets(cfg), _sync(cfg),
-                  bool(cfg.get("balance_vision", False)))
+  return Strategy(
+    name,
+    degree,
+    cfg.capacity,
+    model_cfg,
+    _buckets(cfg),
+    _sync(cfg),
+    bool(cfg.get("balance_vision", False)),
+  )
 
 
 def sp_choices(model_cfg: ModelConfig, room: int) -> tuple[int, ...]:
   """Degrees the model's heads allow that divide `room` devices, ascending."""
   t = model_cfg.text
   powers = (1 << k for k in range(room.bit_length()))
-  return tuple(p for p in powers
-               if not room % p and not ulysses.degree_problem(p, t.num_heads, t.num_kv_heads))
+  return tuple(
+    p for p in powers if not room % p and not ulysses.degree_problem(p, t.num_heads, t.num_kv_heads)
+  )
 
 
-def resolve_sp(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig, num_devices: int,
-               mesh_cfg: ml_collections.ConfigDict | None = None,
-               max_auto: int | None = None) -> int:
+def resolve_sp(
+  cfg: ml_collections.ConfigDict,
+  model_cfg: ModelConfig,
+  num_devices: int,
+  mesh_cfg: ml_collections.ConfigDict | None = None,
+  max_auto: int | None = None,
+) -> int:
   """The sequence-parallel degree `cfg.sp` asks for on this mesh (module docstring).
 
   Args:
@@ -169,22 +192,28 @@ def resolve_sp(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig, num_devic
   if sp in fits:
     return sp
   t = model_cfg.text
-  reason = (ulysses.degree_problem(sp, t.num_heads, t.num_kv_heads)
-            or f"the {room} devices left after mesh.data={data}, mesh.fsdp={fsdp} do not "
-               f"divide by {sp}")
+  reason = (
+    ulysses.degree_problem(sp, t.num_heads, t.num_kv_heads)
+    or f"the {room} devices left after mesh.data={data}, mesh.fsdp={fsdp} do not divide by {sp}"
+  )
   hint = "" if fsdp == -1 else ", or --config.mesh.fsdp=-1 to leave sp the devices it needs"
-  raise ValueError(f"sharding.sp={sp} does not fit {cfg.strategy}: {reason}; set "
-                   f"--config.sharding.sp to one of {list(fits)}, or 0 (auto: {auto} here)"
-                   f"{hint}")
+  raise ValueError(
+    f"sharding.sp={sp} does not fit {cfg.strategy}: {reason}; set "
+    f"--config.sharding.sp to one of {list(fits)}, or 0 (auto: {auto} here)"
+    f"{hint}"
+  )
 
 
 # The names `sharding.strategy` accepts; Strategy's methods dispatch on them.
 STRATEGIES = ("packed_dp", "ulysses", "flex_ulysses")
 
 
-def get_strategy(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
-                 mesh_cfg: ml_collections.ConfigDict | None = None,
-                 num_devices: int | None = None) -> Strategy:
+def get_strategy(
+  cfg: ml_collections.ConfigDict,
+  model_cfg: ModelConfig,
+  mesh_cfg: ml_collections.ConfigDict | None = None,
+  num_devices: int | None = None,
+) -> Strategy:
   """The strategy named by `cfg.strategy` (a `sharding` config section).
 
   Args:
@@ -196,13 +225,19 @@ def get_strategy(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
       capped at jax.local_device_count() either way.
   """
   if cfg.strategy not in STRATEGIES:
-    raise ValueError(f"unknown sharding.strategy {cfg.strategy!r}; choose one of "
-                     f"{sorted(STRATEGIES)}")
+    raise ValueError(
+      f"unknown sharding.strategy {cfg.strategy!r}; choose one of {sorted(STRATEGIES)}"
+    )
   if "p_max" in cfg:
-    raise ValueError("sharding.p_max is not a setting: flex_ulysses' largest degree is "
-                     "sharding.sp (e.g. --config.sharding.sp=8; 0 = auto)")
+    raise ValueError(
+      "sharding.p_max is not a setting: flex_ulysses' largest degree is "
+      "sharding.sp (e.g. --config.sharding.sp=8; 0 = auto)"
+    )
   num_devices = jax.device_count() if num_devices is None else num_devices
   # packed_dp keeps every sequence whole on one device: sp does not apply.
-  degree = (1 if cfg.strategy == "packed_dp" else
-            resolve_sp(cfg, model_cfg, num_devices, mesh_cfg, jax.local_device_count()))
+  degree = (
+    1
+    if cfg.strategy == "packed_dp"
+    else resolve_sp(cfg, model_cfg, num_devices, mesh_cfg, jax.local_device_count())
+  )
   return _make(cfg.strategy, degree, cfg, model_cfg)

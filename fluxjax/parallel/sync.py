@@ -53,9 +53,16 @@ def reduce_grads(g: jax.Array, spec: P, batch_axes: tuple[str, ...]) -> jax.Arra
   return jax.lax.psum(g, rest) if rest else g
 
 
-def make_accumulate(graphdef, mesh: jax.sharding.Mesh, param_shardings, loss_fn,
-                    local_attention_fn=None, independent_rows: bool = True,
-                    local_vision: bool = True, merge_unit: int = 4):
+def make_accumulate(
+  graphdef,
+  mesh: jax.sharding.Mesh,
+  param_shardings,
+  loss_fn,
+  local_attention_fn=None,
+  independent_rows: bool = True,
+  local_vision: bool = True,
+  merge_unit: int = 4,
+):
   """An `accumulate(params, batch, total=None) -> (loss, grads, sums)`, minibatch sync.
 
   Args:
@@ -107,8 +114,9 @@ def make_accumulate(graphdef, mesh: jax.sharding.Mesh, param_shardings, loss_fn,
       # This device's own microbatch count: its rows are front-loaded.
       used = (batch.inputs.segment_ids_BT != 0).any(axis=(1, 2))
       count = jnp.max(jnp.where(used, jnp.arange(used.shape[0]) + 1, 0))
-      _, acc = jax.lax.while_loop(lambda c: c[0] < count,
-                                  lambda c: (c[0] + 1, add(c[1], c[0])), (0, init))
+      _, acc = jax.lax.while_loop(
+        lambda c: c[0] < count, lambda c: (c[0] + 1, add(c[1], c[0])), (0, init)
+      )
     else:
       acc = jax.lax.fori_loop(0, batch.targets.shape[0], lambda m, a: add(a, m), init)
     loss, grads, sums = acc
@@ -124,8 +132,13 @@ def make_accumulate(graphdef, mesh: jax.sharding.Mesh, param_shardings, loss_fn,
     # communication is the explicit gather/reduce above; the varying-axes type
     # check would otherwise reject the model's scans (constant-initialized
     # carries meet per-device outputs).
-    fn = jax.shard_map(per_device, mesh=mesh, in_specs=(param_specs, batch_specs, P()),
-                       out_specs=(P(), param_specs, P()), check_vma=False)
+    fn = jax.shard_map(
+      per_device,
+      mesh=mesh,
+      in_specs=(param_specs, batch_specs, P()),
+      out_specs=(P(), param_specs, P()),
+      check_vma=False,
+    )
     return fn(params, batch, total)
 
   return accumulate

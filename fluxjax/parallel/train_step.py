@@ -43,15 +43,21 @@ class TrainState:
 def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
   """AdamW with global-norm clipping and warmup + cosine decay."""
   schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
-      decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1), end_value=cfg.lr * cfg.end_lr_frac)
-  return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
-                     optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                                 weight_decay=cfg.weight_decay))
+    init_value=0.0,
+    peak_value=cfg.lr,
+    warmup_steps=cfg.warmup_steps,
+    decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1),
+    end_value=cfg.lr * cfg.end_lr_frac,
+  )
+  return optax.chain(
+    optax.clip_by_global_norm(cfg.max_grad_norm),
+    optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay),
+  )
 
 
-def create_train_state(model: nnx.Module, tx: optax.GradientTransformation,
-                       mesh: jax.sharding.Mesh):
+def create_train_state(
+  model: nnx.Module, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh
+):
   """(graphdef, state, state shardings) for an already-sharded model.
 
   Optimizer moments are created from the sharded parameters, so they take the
@@ -63,8 +69,12 @@ def create_train_state(model: nnx.Module, tx: optax.GradientTransformation,
   param_shardings = jax.tree.map(lambda x: x.sharding, params)
   # Left to propagation, XLA may replicate the moments; pin them explicitly.
   opt_shardings = optax.tree_map_params(
-      tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings,
-      transform_non_params=lambda _: replicated)
+    tx,
+    lambda _, s: s,
+    jax.eval_shape(tx.init, params),
+    param_shardings,
+    transform_non_params=lambda _: replicated,
+  )
   with jax.set_mesh(mesh):
     opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
@@ -72,12 +82,24 @@ def create_train_state(model: nnx.Module, tx: optax.GradientTransformation,
   return graphdef, state, jax.tree.map(lambda x: x.sharding, state)
 
 
-def loss_and_metrics(params, graphdef, mb: TrainBatch, total_tokens, loss_fn: LossFn,
-                     attention_fn, vision_gather_fn=None):
+def loss_and_metrics(
+  params,
+  graphdef,
+  mb: TrainBatch,
+  total_tokens,
+  loss_fn: LossFn,
+  attention_fn,
+  vision_gather_fn=None,
+):
   """Σ loss / total_tokens of one microbatch, and metric sums."""
   model = nnx.merge(graphdef, params)
-  logp, entropy = model.token_logprobs(mb.inputs, mb.targets, attention_fn=attention_fn,
-                                       vision_gather_fn=vision_gather_fn, with_entropy=True)
+  logp, entropy = model.token_logprobs(
+    mb.inputs,
+    mb.targets,
+    attention_fn=attention_fn,
+    vision_gather_fn=vision_gather_fn,
+    with_entropy=True,
+  )
   per_token, extras = loss_fn(logp, entropy, mb)
   mask = mb.loss_mask
   sums = {k: (v * mask).sum() for k, v in extras.items()}
@@ -105,8 +127,15 @@ def batch_total(batch: TrainBatch) -> jax.Array:
   return jnp.maximum(batch.loss_mask.sum(), 1.0)
 
 
-def accumulate(graphdef, params, batch: TrainBatch, loss_fn: LossFn = policy_gradient_loss,
-               attention_fn=None, param_shardings=None, total=None):
+def accumulate(
+  graphdef,
+  params,
+  batch: TrainBatch,
+  loss_fn: LossFn = policy_gradient_loss,
+  attention_fn=None,
+  param_shardings=None,
+  total=None,
+):
   """Loss, gradients and metric sums over all microbatches (no update).
 
   With `param_shardings`, the gradient accumulator is pinned to them: each
@@ -117,8 +146,11 @@ def accumulate(graphdef, params, batch: TrainBatch, loss_fn: LossFn = policy_gra
   """
   total = batch_total(batch) if total is None else total
   grad_fn = jax.value_and_grad(loss_and_metrics, has_aux=True)
-  pin = ((lambda g: jax.lax.with_sharding_constraint(g, param_shardings))
-         if param_shardings is not None else (lambda g: g))
+  pin = (
+    (lambda g: jax.lax.with_sharding_constraint(g, param_shardings))
+    if param_shardings is not None
+    else (lambda g: g)
+  )
 
   def micro(grads, mb):
     (loss, sums), g = grad_fn(params, graphdef, mb, total, loss_fn, attention_fn)
@@ -129,10 +161,17 @@ def accumulate(graphdef, params, batch: TrainBatch, loss_fn: LossFn = policy_gra
   return losses.sum(), grads, jax.tree.map(jnp.sum, sums)
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation,
-                    loss_fn: LossFn = policy_gradient_loss, attention_fn=None, *,
-                    state_shardings=None, batch_shardings=None, accumulate_fn=None,
-                    on_trace: Callable[[], None] | None = None):
+def make_train_step(
+  graphdef,
+  tx: optax.GradientTransformation,
+  loss_fn: LossFn = policy_gradient_loss,
+  attention_fn=None,
+  *,
+  state_shardings=None,
+  batch_shardings=None,
+  accumulate_fn=None,
+  on_trace: Callable[[], None] | None = None,
+):
   """Builds the jitted step.
 
   Args:
@@ -153,14 +192,18 @@ def make_train_step(graphdef, tx: optax.GradientTransformation,
       loss, grads, sums = accumulate_fn(state.params, batch)
     else:
       param_shardings = state_shardings.params if state_shardings is not None else None
-      loss, grads, sums = accumulate(graphdef, state.params, batch, loss_fn, attention_fn,
-                                     param_shardings)
+      loss, grads, sums = accumulate(
+        graphdef, state.params, batch, loss_fn, attention_fn, param_shardings
+      )
     return apply_update(tx, state, loss, grads, sums)
 
   shardings = state_shardings is not None
-  return jax.jit(step, donate_argnums=(0,),
-                 in_shardings=(state_shardings, batch_shardings) if shardings else None,
-                 out_shardings=(state_shardings, None) if shardings else None)
+  return jax.jit(
+    step,
+    donate_argnums=(0,),
+    in_shardings=(state_shardings, batch_shardings) if shardings else None,
+    out_shardings=(state_shardings, None) if shardings else None,
+  )
 
 
 def apply_update(tx: optax.GradientTransformation, state: TrainState, loss, grads, sums):
@@ -169,13 +212,18 @@ def apply_update(tx: optax.GradientTransformation, state: TrainState, loss, grad
   params = optax.apply_updates(state.params, updates)
   sums = dict(sums)
   tokens = jnp.maximum(sums.pop("tokens"), 1.0)
-  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": tokens,
-             **{k: v / tokens for k, v in sums.items()}}
+  metrics = {
+    "loss": loss,
+    "grad_norm": optax.tree.norm(grads),
+    "tokens": tokens,
+    **{k: v / tokens for k, v in sums.items()},
+  }
   return TrainState(params, opt_state, state.step + 1), metrics
 
 
-def make_stream_add(accumulate_fn, param_shardings, ref_logprobs_fn=None,
-                    ref_logprobs_sharding=None):
+def make_stream_add(
+  accumulate_fn, param_shardings, ref_logprobs_fn=None, ref_logprobs_sharding=None
+):
   """`add(params, acc, part, ref_params=None) -> acc`: one part of a batch, unnormalized.
 
   A stream trainer sums loss, gradients and metric sums of each part with the

@@ -54,8 +54,17 @@ def _section(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, axes, degree, causal, bac
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
     gather = lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True)
     q_seg, kv_seg, q_pos, kv_pos = gather(q_seg), gather(kv_seg), gather(q_pos), gather(kv_pos)
-  out = attn_lib.attention(q, k, v, backend=backend, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                           q_positions=q_pos, kv_positions=kv_pos, causal=causal)
+  out = attn_lib.attention(
+    q,
+    k,
+    v,
+    backend=backend,
+    q_segment_ids=q_seg,
+    kv_segment_ids=kv_seg,
+    q_positions=q_pos,
+    kv_positions=kv_pos,
+    causal=causal,
+  )
   if axes:
     out = jax.lax.all_to_all(out, axes, split_axis=1, concat_axis=2, tiled=True)
   return out
@@ -66,20 +75,28 @@ def _wrap(local, mesh, batch_axes, inside_shard_map):
   rows = P(tuple(batch_axes))
   act = P(tuple(batch_axes), None, None, None)
 
-  def attention_fn(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-                   causal):
+  def attention_fn(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positions, causal):
     args = (q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
     if inside_shard_map:  # the caller already runs per device (minibatch sync)
       return local(*args, causal=causal)
-    fn = jax.shard_map(lambda *a: local(*a, causal=causal), mesh=mesh,
-                       in_specs=(act, act, act, rows, rows, rows, rows), out_specs=act)
+    fn = jax.shard_map(
+      lambda *a: local(*a, causal=causal),
+      mesh=mesh,
+      in_specs=(act, act, act, rows, rows, rows, rows),
+      out_specs=act,
+    )
     return fn(*args)
 
   return attention_fn
 
 
-def make_attention_fn(mesh: jax.sharding.Mesh, sp_axes: Sequence[str], batch_axes: Sequence[str],
-                      backend: str = "xla", inside_shard_map: bool = False):
+def make_attention_fn(
+  mesh: jax.sharding.Mesh,
+  sp_axes: Sequence[str],
+  batch_axes: Sequence[str],
+  backend: str = "xla",
+  inside_shard_map: bool = False,
+):
   """An `attention_fn` for the text decoder (see models/text.py) doing Ulysses.
 
   Args:
@@ -96,8 +113,9 @@ def make_attention_fn(mesh: jax.sharding.Mesh, sp_axes: Sequence[str], batch_axe
   axes = sp_axes if sp > 1 else ()
 
   def local(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal):
-    return _section(q, k, v, q_seg, kv_seg, q_pos, kv_pos, axes=axes, degree=sp, causal=causal,
-                    backend=backend)
+    return _section(
+      q, k, v, q_seg, kv_seg, q_pos, kv_pos, axes=axes, degree=sp, causal=causal, backend=backend
+    )
 
   return _wrap(local, mesh, batch_axes, inside_shard_map)
 
@@ -112,12 +130,17 @@ def binary_axes(p_max: int) -> tuple[tuple[str, int], ...]:
 def level_axes(degree: int, sp_axes: Sequence[str]) -> tuple[str, ...]:
   """A degree-2^j group is the last j binary axes (groups nest by construction)."""
   j = degree.bit_length() - 1
-  return tuple(sp_axes[len(sp_axes) - j:]) if j else ()
+  return tuple(sp_axes[len(sp_axes) - j :]) if j else ()
 
 
-def make_flex_attention_fn(mesh: jax.sharding.Mesh, layout: Sequence[tuple[int, int, int]],
-                           sp_axes: Sequence[str], batch_axes: Sequence[str],
-                           backend: str = "xla", inside_shard_map: bool = False):
+def make_flex_attention_fn(
+  mesh: jax.sharding.Mesh,
+  layout: Sequence[tuple[int, int, int]],
+  sp_axes: Sequence[str],
+  batch_axes: Sequence[str],
+  backend: str = "xla",
+  inside_shard_map: bool = False,
+):
   """Attention over a buffer cut into per-degree sections (FlexUlysses).
 
   `layout` is the plan's (degree, capacity, offset) per section, highest degree
@@ -134,9 +157,21 @@ def make_flex_attention_fn(mesh: jax.sharding.Mesh, layout: Sequence[tuple[int, 
     for degree, cap, off in layout:  # program order = highest-sharding-first
       cut = lambda x: jax.lax.slice_in_dim(x, off, off + cap, axis=1)
       degree = max(degree, 1)
-      outs.append(_section(cut(q), cut(k), cut(v), cut(q_seg), cut(kv_seg), cut(q_pos),
-                           cut(kv_pos), axes=level_axes(degree, sp_axes), degree=degree,
-                           causal=causal, backend=backend))
+      outs.append(
+        _section(
+          cut(q),
+          cut(k),
+          cut(v),
+          cut(q_seg),
+          cut(kv_seg),
+          cut(q_pos),
+          cut(kv_pos),
+          axes=level_axes(degree, sp_axes),
+          degree=degree,
+          causal=causal,
+          backend=backend,
+        )
+      )
     return jnp.concatenate(outs, axis=1)
 
   return _wrap(local, mesh, batch_axes, inside_shard_map)

@@ -55,9 +55,9 @@ import numpy as np
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
-def group_advantages(rewards_B: np.ndarray, group_ids_B: np.ndarray, *,
-                     std_normalize: bool = True,
-                     eps: float = 1e-6) -> np.ndarray:
+def group_advantages(
+  rewards_B: np.ndarray, group_ids_B: np.ndarray, *, std_normalize: bool = True, eps: float = 1e-6
+) -> np.ndarray:
   """GRPO group-normalized advantage of each sequence (module docstring).
 
   Args:
@@ -72,8 +72,9 @@ def group_advantages(rewards_B: np.ndarray, group_ids_B: np.ndarray, *,
   rewards_B = np.asarray(rewards_B, np.float64)
   group_ids_B = np.asarray(group_ids_B)
   if rewards_B.shape != group_ids_B.shape or rewards_B.ndim != 1:
-    raise ValueError(f"rewards {rewards_B.shape} and group ids "
-                     f"{group_ids_B.shape} must be equal 1-D shapes")
+    raise ValueError(
+      f"rewards {rewards_B.shape} and group ids {group_ids_B.shape} must be equal 1-D shapes"
+    )
   adv_B = np.zeros_like(rewards_B)
   for g in np.unique(group_ids_B):
     idx = np.flatnonzero(group_ids_B == g)
@@ -87,14 +88,16 @@ def group_advantages(rewards_B: np.ndarray, group_ids_B: np.ndarray, *,
   return adv_B.astype(np.float32)
 
 
-def grpo_advantages_GR(rewards_GR: np.ndarray, *, std_normalize: bool = True,
-                       eps: float = 1e-6) -> np.ndarray:
+def grpo_advantages_GR(
+  rewards_GR: np.ndarray, *, std_normalize: bool = True, eps: float = 1e-6
+) -> np.ndarray:
   """`group_advantages` for rewards laid out [groups, responses per group]."""
   rewards_GR = np.asarray(rewards_GR, np.float64)
   g, r = rewards_GR.shape
   ids = np.repeat(np.arange(g), r)
-  return group_advantages(rewards_GR.reshape(-1), ids,
-                          std_normalize=std_normalize, eps=eps).reshape(g, r)
+  return group_advantages(
+    rewards_GR.reshape(-1), ids, std_normalize=std_normalize, eps=eps
+  ).reshape(g, r)
 
 
 def token_advantages(adv: float, response_mask_T: np.ndarray) -> np.ndarray:
@@ -118,6 +121,7 @@ class GroupFilter:
     all_correct / all_wrong: how many refilled groups sat at the max / min
       reward (solved vs unsolved prompts; logged as curriculum signals).
   """
+
   keep: list
   refill: list
   all_correct: int = 0
@@ -129,9 +133,13 @@ class GroupFilter:
     return len(self.keep) / n if n else 0.0
 
 
-def filter_groups(rewards_by_group: Mapping[Hashable, Sequence[float]], *,
-                  tol: float = 0.0, max_reward: float = 1.0,
-                  min_reward: float = 0.0) -> GroupFilter:
+def filter_groups(
+  rewards_by_group: Mapping[Hashable, Sequence[float]],
+  *,
+  tol: float = 0.0,
+  max_reward: float = 1.0,
+  min_reward: float = 0.0,
+) -> GroupFilter:
   """DAPO dynamic sampling: splits completed groups into keep and refill.
 
   The coordinator calls this as groups complete and, while the kept groups

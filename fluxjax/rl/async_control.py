@@ -68,6 +68,7 @@ class StalenessWeights:
   the value that counts as half-stale: one version of gap, a KL of 0.01 nats
   per token, an importance-weight variance of 0.1.
   """
+
   gap: float = 0.2
   kl: float = 0.5
   iw_var: float = 0.3
@@ -80,8 +81,14 @@ def _squash(x: float, scale: float) -> float:
   return x / (x + scale) if x > 0 else 0.0
 
 
-def staleness(behaviour_logp_T, current_logp_T, tags_T, current_version: int,
-              mask_T=None, weights: StalenessWeights = StalenessWeights()) -> dict:
+def staleness(
+  behaviour_logp_T,
+  current_logp_T,
+  tags_T,
+  current_version: int,
+  mask_T=None,
+  weights: StalenessWeights = StalenessWeights(),
+) -> dict:
   """The staleness of a batch of tokens, with its parts.
 
   KL(behaviour || current) is estimated on the behaviour samples with k3,
@@ -116,8 +123,13 @@ def staleness(behaviour_logp_T, current_logp_T, tags_T, current_version: int,
   return combine_staleness(gap["mean"], gap["max"], kl, iw_var, weights)
 
 
-def combine_staleness(gap_mean: float, gap_max: float, kl: float, iw_var: float,
-                      weights: StalenessWeights = StalenessWeights()) -> dict:
+def combine_staleness(
+  gap_mean: float,
+  gap_max: float,
+  kl: float,
+  iw_var: float,
+  weights: StalenessWeights = StalenessWeights(),
+) -> dict:
   """The staleness from its three signals (already reduced over tokens).
 
   The train step reduces KL and the weight moments on device (loss metrics
@@ -125,10 +137,18 @@ def combine_staleness(gap_mean: float, gap_max: float, kl: float, iw_var: float,
   those here instead of fetching per-token arrays.
   """
   w = weights
-  s = (w.gap * _squash(gap_mean, w.gap_scale) + w.kl * _squash(kl, w.kl_scale)
-       + w.iw_var * _squash(iw_var, w.iw_var_scale))
-  return {"staleness": s, "version_gap": float(gap_mean), "version_gap_max": float(gap_max),
-          "kl": float(kl), "iw_var": float(iw_var)}
+  s = (
+    w.gap * _squash(gap_mean, w.gap_scale)
+    + w.kl * _squash(kl, w.kl_scale)
+    + w.iw_var * _squash(iw_var, w.iw_var_scale)
+  )
+  return {
+    "staleness": s,
+    "version_gap": float(gap_mean),
+    "version_gap_max": float(gap_max),
+    "kl": float(kl),
+    "iw_var": float(iw_var),
+  }
 
 
 # --- the PID controller -------------------------------------------------------------
@@ -143,8 +163,17 @@ class PIDController:
   integrated, so it leaves the bound as soon as the error changes sign.
   """
 
-  def __init__(self, setpoint: float, lo: float, hi: float, *, kp: float = 2.0,
-               ki: float = 0.5, kd: float = 0.0, initial: float | None = None):
+  def __init__(
+    self,
+    setpoint: float,
+    lo: float,
+    hi: float,
+    *,
+    kp: float = 2.0,
+    ki: float = 0.5,
+    kd: float = 0.0,
+    initial: float | None = None,
+  ):
     if not lo <= hi:
       raise ValueError(f"PID bounds must satisfy lo <= hi, got [{lo}, {hi}]")
     self.setpoint, self.lo, self.hi = float(setpoint), float(lo), float(hi)
@@ -194,9 +223,19 @@ class AdmissionController:
   back with `on_cancelled`.
   """
 
-  def __init__(self, batch_size: int, mode: str = "sync", *, fixed_lag: int = 1,
-               min_lag: int = 0, max_lag: int = 4, target_staleness: float = 0.15,
-               kp: float = 2.0, ki: float = 0.5, kd: float = 0.0):
+  def __init__(
+    self,
+    batch_size: int,
+    mode: str = "sync",
+    *,
+    fixed_lag: int = 1,
+    min_lag: int = 0,
+    max_lag: int = 4,
+    target_staleness: float = 0.15,
+    kp: float = 2.0,
+    ki: float = 0.5,
+    kd: float = 0.0,
+  ):
     if mode not in MODES:
       raise ValueError(f"coordinator.lag.mode must be one of {MODES}, got {mode!r}")
     if batch_size < 1 or not 0 <= min_lag <= max_lag or fixed_lag < 0:
@@ -208,7 +247,7 @@ class AdmissionController:
     self.last_staleness: float | None = None
 
   @classmethod
-  def from_config(cls, c, batch_size: int) -> "AdmissionController":
+  def from_config(cls, c, batch_size: int) -> AdmissionController:
     """From a `coordinator.lag` ConfigDict (mode, fixed_lag, min_lag, ...)."""
     keys = ("fixed_lag", "min_lag", "max_lag", "target_staleness", "kp", "ki", "kd")
     return cls(batch_size, c.mode, **{k: c[k] for k in keys if k in c})
@@ -224,7 +263,7 @@ class AdmissionController:
 
   @property
   def allowed_lag(self) -> int:
-    return int(math.floor(self.lag_value + 0.5))
+    return math.floor(self.lag_value + 0.5)
 
   def capacity(self, current_version: int) -> int:
     """How many rollouts may start now (never negative)."""
@@ -245,8 +284,12 @@ class AdmissionController:
     return self.allowed_lag
 
   def get_state(self) -> dict:
-    return {"mode": self.mode, "started": self.started, "pid": self.pid.get_state(),
-            "last_staleness": self.last_staleness}
+    return {
+      "mode": self.mode,
+      "started": self.started,
+      "pid": self.pid.get_state(),
+      "last_staleness": self.last_staleness,
+    }
 
   def set_state(self, state: dict) -> None:
     self.started = int(state["started"])

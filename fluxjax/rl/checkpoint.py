@@ -30,12 +30,14 @@ ITEMS = ("state", "rng", "coordinator", "data")
 class Checkpointer:
   """Saves and restores run state under `workdir/checkpoints`."""
 
-  def __init__(self, workdir: str, *, max_to_keep: int = 3, save_every: int = 1,
-               async_save: bool = True):
+  def __init__(
+    self, workdir: str, *, max_to_keep: int = 3, save_every: int = 1, async_save: bool = True
+  ):
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
     self.save_every = save_every
-    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                           enable_async_checkpointing=async_save)
+    options = ocp.CheckpointManagerOptions(
+      max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save
+    )
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
   def latest_step(self) -> int | None:
@@ -44,16 +46,25 @@ class Checkpointer:
   def should_save(self, step: int) -> bool:
     return step % self.save_every == 0
 
-  def save(self, step: int, state: Any, rng: jax.Array, coordinator: dict, data: dict,
-           *, force: bool = False) -> bool:
+  def save(
+    self,
+    step: int,
+    state: Any,
+    rng: jax.Array,
+    coordinator: dict,
+    data: dict,
+    *,
+    force: bool = False,
+  ) -> bool:
     """Queues a save (written in the background); returns whether one was made."""
     if not force and not self.should_save(step):
       return False
     args = ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        rng=ocp.args.ArraySave(np.asarray(jax.random.key_data(rng))),
-        coordinator=ocp.args.JsonSave(coordinator),
-        data=ocp.args.JsonSave(data))
+      state=ocp.args.StandardSave(state),
+      rng=ocp.args.ArraySave(np.asarray(jax.random.key_data(rng))),
+      coordinator=ocp.args.JsonSave(coordinator),
+      data=ocp.args.JsonSave(data),
+    )
     return self.manager.save(step, args=args, force=force)
 
   def restore(self, abstract_state: Any, step: int | None = None):
@@ -68,11 +79,15 @@ class Checkpointer:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    out = self.manager.restore(step, args=ocp.args.Composite(
+    out = self.manager.restore(
+      step,
+      args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state),
         rng=ocp.args.ArrayRestore(),
         coordinator=ocp.args.JsonRestore(),
-        data=ocp.args.JsonRestore()))
+        data=ocp.args.JsonRestore(),
+      ),
+    )
     rng = jax.random.wrap_key_data(jnp.asarray(out.rng))
     return step, out.state, rng, out.coordinator, out.data
 
@@ -88,6 +103,8 @@ class Checkpointer:
 def abstract_like(tree: Any) -> Any:
   """ShapeDtypeStructs with the same shardings: a restore target."""
   return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                     sharding=x.sharding if isinstance(x, jax.Array) else None),
-      tree)
+    lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=x.sharding if isinstance(x, jax.Array) else None
+    ),
+    tree,
+  )

@@ -27,10 +27,10 @@ sample is on-policy (importance weights 1 up to engine numerics).
 
 from __future__ import annotations
 
-import logging
 import asyncio
 import dataclasses
 import hashlib
+import logging
 import math
 import queue
 import time
@@ -45,14 +45,14 @@ from fluxjax.data import meta as meta_lib
 from fluxjax.models import inputs
 from fluxjax.models.config import ModelConfig
 from fluxjax.models.tokenizer import Tokenizer
-from fluxjax.rl import advantages as adv_lib
-from fluxjax.rl import async_control, losses, producer as producer_lib, rewards, tail_batching
-from fluxjax.rl import trajectories
-from fluxjax.rl.stream_trainer import StreamTrainer
-from fluxjax.rollout.backend import LoopThread, RolloutBackend
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import train_step
 from fluxjax.parallel.strategies import Strategy
+from fluxjax.rl import advantages as adv_lib
+from fluxjax.rl import async_control, losses, rewards, tail_batching, trajectories
+from fluxjax.rl import producer as producer_lib
+from fluxjax.rl.stream_trainer import StreamTrainer
+from fluxjax.rollout.backend import LoopThread, RolloutBackend
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +95,23 @@ class Coordinator:
     thread: the rollout thread's loop; every backend call runs on it.
   """
 
-  def __init__(self, config, model_cfg: ModelConfig, tokenizer: Tokenizer, mesh,
-               strategy: Strategy, graphdef, state, state_shardings, tx, loader,
-               rollout: RolloutBackend, reward_scheduler: rewards.RewardScheduler, *,
-               thread: LoopThread):
+  def __init__(
+    self,
+    config,
+    model_cfg: ModelConfig,
+    tokenizer: Tokenizer,
+    mesh,
+    strategy: Strategy,
+    graphdef,
+    state,
+    state_shardings,
+    tx,
+    loader,
+    rollout: RolloutBackend,
+    reward_scheduler: rewards.RewardScheduler,
+    *,
+    thread: LoopThread,
+  ):
     self._config = config
     self._cfg = model_cfg
     self._tokenizer = tokenizer
@@ -109,23 +122,36 @@ class Coordinator:
     self._rollout = rollout
     self._rewards = reward_scheduler
     self._patch_source = materializer_lib.Materializer(loader.store, loader.pool)
-    self._trainer = StreamTrainer(model_cfg, mesh, strategy, graphdef, state, state_shardings,
-                                  tx, losses.make_loss_fn(config.rl),
-                                  patch_source=self._patch_source)
+    self._trainer = StreamTrainer(
+      model_cfg,
+      mesh,
+      strategy,
+      graphdef,
+      state,
+      state_shardings,
+      tx,
+      losses.make_loss_fn(config.rl),
+      patch_source=self._patch_source,
+    )
     self._version = 0  # weight version published to rollout
-    self._steps = 0    # RL updates applied
+    self._steps = 0  # RL updates applied
     rl = config.rl
     self._P, self._R = int(rl.prompts_per_step), int(rl.responses_per_prompt)
-    batcher = tail_batching.TailBatcher(self._P, self._R,
-                                        float(config.rollout.tail_batching.eta))
+    batcher = tail_batching.TailBatcher(self._P, self._R, float(config.rollout.tail_batching.eta))
     batcher.start_epoch([])  # a streamed epoch: topped up from the loader
     admission = async_control.AdmissionController.from_config(config.coordinator.lag, self._P)
     self._producer = producer_lib.Producer(
-        rollout, reward_scheduler, batcher, admission, next_samples=loader.next_batch,
-        make_body=lambda sample, prompt, j: self.request(sample, prompt, index=j),
-        prompt_fn=self.prompt, release=loader.release,
-        max_prompt_tokens=int(config.rollout.context_length) - int(rl.max_new_tokens),
-        thread=thread)
+      rollout,
+      reward_scheduler,
+      batcher,
+      admission,
+      next_samples=loader.next_batch,
+      make_body=lambda sample, prompt, j: self.request(sample, prompt, index=j),
+      prompt_fn=self.prompt,
+      release=loader.release,
+      max_prompt_tokens=int(config.rollout.context_length) - int(rl.max_new_tokens),
+      thread=thread,
+    )
     # Trained sample uids of the (streamed) epoch, for exactly-once on resume.
     self._consumed: set[int] = set()
     self._filtered = 0
@@ -189,44 +215,61 @@ class Coordinator:
 
   # -- rollout ---------------------------------------------------------------
   def prompt(self, sample: meta_lib.SampleMeta) -> inputs.SequenceInputs:
-    return inputs.sequence_from_chat(sample.messages(), list(sample.media), self._tokenizer,
-                                     self._cfg)
+    return inputs.sequence_from_chat(
+      sample.messages(), list(sample.media), self._tokenizer, self._cfg
+    )
 
-  def request(self, sample: meta_lib.SampleMeta, prompt: inputs.SequenceInputs, *,
-              index: int = 0, greedy: bool = False) -> dict:
+  def request(
+    self,
+    sample: meta_lib.SampleMeta,
+    prompt: inputs.SequenceInputs,
+    *,
+    index: int = 0,
+    greedy: bool = False,
+  ) -> dict:
     """The /generate body for response `index` of `sample`."""
     rl = self._config.rl
-    params = {"max_new_tokens": int(rl.max_new_tokens),
-              "temperature": 0.0 if greedy else float(rl.temperature),
-              "stop_token_ids": list(self._tokenizer.eos_ids)}
+    params = {
+      "max_new_tokens": int(rl.max_new_tokens),
+      "temperature": 0.0 if greedy else float(rl.temperature),
+      "stop_token_ids": list(self._tokenizer.eos_ids),
+    }
     if self._config.rollout.seeded:
       params["sampling_seed"] = sampling_seed(int(self._config.seed), sample.uid, index)
     return {
-        "rid": uuid.uuid4().hex,
-        "input_ids": prompt.tokens_T.tolist(),
-        "image_data": [m.path for m in sample.media if m.kind == "image"] or None,
-        "video_data": [m.path for m in sample.media if m.kind == "video"] or None,
-        "sampling_params": params,
-        "return_logprob": True,
+      "rid": uuid.uuid4().hex,
+      "input_ids": prompt.tokens_T.tolist(),
+      "image_data": [m.path for m in sample.media if m.kind == "image"] or None,
+      "video_data": [m.path for m in sample.media if m.kind == "video"] or None,
+      "sampling_params": params,
+      "return_logprob": True,
     }
 
-  async def rollout_groups(self, samples: Sequence[meta_lib.SampleMeta], responses: int,
-                           *, greedy: bool = False) -> list[trajectories.Group]:
+  async def rollout_groups(
+    self, samples: Sequence[meta_lib.SampleMeta], responses: int, *, greedy: bool = False
+  ) -> list[trajectories.Group]:
     """R responses per prompt, scored as each finishes (evaluation; no admission)."""
     prompts = [self.prompt(s) for s in samples]
 
     async def respond_and_score(sample, prompt, j):
       completion = await self._rollout.generate(
-          self.request(sample, prompt, index=j, greedy=greedy), sample.id)
+        self.request(sample, prompt, index=j, greedy=greedy), sample.id
+      )
       scored = await asyncio.wrap_future(
-          self._rewards.submit(completion.text, sample.answer or "", key=sample.id))
+        self._rewards.submit(completion.text, sample.answer or "", key=sample.id)
+      )
       return completion, scored.reward
 
-    done = await asyncio.gather(*(asyncio.gather(*(respond_and_score(s, p, j)
-                                                   for j in range(responses)))
-                                  for s, p in zip(samples, prompts)))
-    return [trajectories.Group(s.id, p, [c for c, _ in d], [r for _, r in d], s.answer)
-            for s, p, d in zip(samples, prompts, done)]
+    done = await asyncio.gather(
+      *(
+        asyncio.gather(*(respond_and_score(s, p, j) for j in range(responses)))
+        for s, p in zip(samples, prompts)
+      )
+    )
+    return [
+      trajectories.Group(s.id, p, [c for c, _ in d], [r for _, r in d], s.answer)
+      for s, p, d in zip(samples, prompts, done)
+    ]
 
   def start(self) -> None:
     """Starts rollout (after any restore)."""
@@ -240,8 +283,11 @@ class Coordinator:
     rl = self._config.rl
     out = []
     for g in groups:
-      out.extend(trajectories.group_sequences(g, std_normalize=rl.adv_std_normalize,
-                                              agg_mode=rl.loss_agg_mode))
+      out.extend(
+        trajectories.group_sequences(
+          g, std_normalize=rl.adv_std_normalize, agg_mode=rl.loss_agg_mode
+        )
+      )
     return out
 
   def _next_item(self):
@@ -299,8 +345,9 @@ class Coordinator:
       self._trainer.add(self.sequences([k.group for k in pending]))
     t_rollout = time.perf_counter() - t0
     if not kept:
-      raise RuntimeError("dynamic sampling filtered every group of the step; "
-                         "raise rl.max_refill_rounds")
+      raise RuntimeError(
+        "dynamic sampling filtered every group of the step; raise rl.max_refill_rounds"
+      )
     gaps = self._version_gaps(kept)
     device_metrics = self._trainer.apply()
     self._steps += 1
@@ -312,24 +359,30 @@ class Coordinator:
     self._filtered += filtered
 
     iw_var = max(train.get("is_weight_sq", 1.0) - train.get("is_weight", 1.0) ** 2, 0.0)
-    stale = async_control.combine_staleness(gaps["mean"], gaps["max"],
-                                            train.get("behaviour_kl", 0.0), iw_var)
+    stale = async_control.combine_staleness(
+      gaps["mean"], gaps["max"], train.get("behaviour_kl", 0.0), iw_var
+    )
     lag = self._producer.call(self._observe(stale["staleness"]))
     groups = [k.group for k in kept]
     all_rewards = [r for g in groups for r in g.rewards]
     lengths = [len(c.output_ids) for g in groups for c in g.completions]
     elapsed = time.perf_counter() - t0
-    host = {"rollout/reward_mean": float(np.mean(all_rewards)),
-            "rollout/accuracy": float(np.mean([r >= 1.0 for r in all_rewards])),
-            "rollout/response_len_mean": float(np.mean(lengths)),
-            "rollout/response_len_max": float(np.max(lengths)),
-            "rollout/wait_seconds": t_rollout, "rollout/rounds": float(len(rounds)),
-            "rollout/filtered_groups": float(filtered),
-            "perf/step_seconds": elapsed,
-            "perf/tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
-            "publish/seconds": t_publish, "policy/version": float(self._version),
-            "async/allowed_lag": float(lag), **{f"async/{k}": v for k, v in stale.items()},
-            **{f"train/{k}": v for k, v in train.items()}}
+    host = {
+      "rollout/reward_mean": float(np.mean(all_rewards)),
+      "rollout/accuracy": float(np.mean([r >= 1.0 for r in all_rewards])),
+      "rollout/response_len_mean": float(np.mean(lengths)),
+      "rollout/response_len_max": float(np.max(lengths)),
+      "rollout/wait_seconds": t_rollout,
+      "rollout/rounds": float(len(rounds)),
+      "rollout/filtered_groups": float(filtered),
+      "perf/step_seconds": elapsed,
+      "perf/tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
+      "publish/seconds": t_publish,
+      "policy/version": float(self._version),
+      "async/allowed_lag": float(lag),
+      **{f"async/{k}": v for k, v in stale.items()},
+      **{f"train/{k}": v for k, v in train.items()},
+    }
     if rounds:
       host["rollout/round_seconds"] = float(np.mean([r["wall_s"] for r in rounds]))
       host["rollout/long_rounds"] = float(sum(r["kind"] == "long" for r in rounds))
@@ -346,9 +399,12 @@ class Coordinator:
 
   def _version_gaps(self, kept) -> dict:
     """Version gap of every trained token against the version being updated."""
-    tags = [async_control.parse_version(v)
-            for k in kept for c in k.group.completions
-            for v in c.token_versions(default=str(k.launch_version))]
+    tags = [
+      async_control.parse_version(v)
+      for k in kept
+      for c in k.group.completions
+      for v in c.token_versions(default=str(k.launch_version))
+    ]
     return async_control.version_gap(np.asarray(tags), self._version)
 
   def _done_with(self, kept) -> None:
@@ -370,6 +426,7 @@ class Coordinator:
     starts or resumes with).
     """
     from flax import nnx
+
     self._version += int(new_version)
     # The engine gets its own buffers: the next update donates the trainer's,
     # while rollout goes on sampling from these.
@@ -394,8 +451,12 @@ class Coordinator:
     """(coordinator state, data state) for a checkpoint taken between steps."""
     snap = self._producer.snapshot(self._loader.get_state, self._consumed)
     data = snap.pop("loader")
-    return {"version": self._version, "steps": self._steps, "filtered": self._filtered,
-            **snap}, data
+    return {
+      "version": self._version,
+      "steps": self._steps,
+      "filtered": self._filtered,
+      **snap,
+    }, data
 
   def restore(self, train_state: train_step.TrainState, state: dict, data: dict) -> None:
     """Resumes from a checkpoint (before `start`).
@@ -422,7 +483,7 @@ class Coordinator:
     """
     self._producer.stop()
 
-  def __enter__(self) -> "Coordinator":
+  def __enter__(self) -> Coordinator:
     return self
 
   def __exit__(self, *exc: object) -> None:

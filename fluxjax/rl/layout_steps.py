@@ -43,6 +43,7 @@ class Placed(Generic[StepT]):
     batch: `host` placed on the mesh.
     step: the compiled step of `plan`'s layout.
   """
+
   plan: Plan
   host: batch_lib.TrainBatch
   batch: batch_lib.TrainBatch
@@ -63,9 +64,16 @@ class LayoutSteps(Generic[StepT]):
     patch_source: item -> patches, or None when the sequences carry theirs.
   """
 
-  def __init__(self, model_cfg: ModelConfig, mesh: jax.sharding.Mesh, strategy: Strategy,
-               compile: Callable[[Plan, batch_lib.TrainBatch], StepT], *,
-               patch_buckets: Sequence[int] = PATCH_BUCKETS, patch_source=None):
+  def __init__(
+    self,
+    model_cfg: ModelConfig,
+    mesh: jax.sharding.Mesh,
+    strategy: Strategy,
+    compile: Callable[[Plan, batch_lib.TrainBatch], StepT],
+    *,
+    patch_buckets: Sequence[int] = PATCH_BUCKETS,
+    patch_source=None,
+  ):
     self.cfg = model_cfg
     self.mesh = mesh
     self.strategy = strategy
@@ -79,13 +87,17 @@ class LayoutSteps(Generic[StepT]):
     """Layouts compiled so far."""
     return len(self._steps)
 
-  def prepare(self, seqs: Sequence[batch_lib.TrainSequence]
-              ) -> tuple[Plan, batch_lib.TrainBatch]:
+  def prepare(self, seqs: Sequence[batch_lib.TrainSequence]) -> tuple[Plan, batch_lib.TrainBatch]:
     """(plan, host buffers) of `seqs`: planned from lengths, then materialized."""
     plan = self.strategy.plan([len(s) for s in seqs], self.mesh.size)
-    host = batch_lib.materialize(plan, seqs, self.cfg, self.patch_buckets,
-                                 patch_source=self.patch_source,
-                                 balance_vision=self.strategy.balance_vision)
+    host = batch_lib.materialize(
+      plan,
+      seqs,
+      self.cfg,
+      self.patch_buckets,
+      patch_source=self.patch_source,
+      balance_vision=self.strategy.balance_vision,
+    )
     return plan, host
 
   def step_for(self, plan: Plan, batch: batch_lib.TrainBatch) -> StepT:

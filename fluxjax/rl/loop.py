@@ -11,19 +11,19 @@ a run and closes them in reverse order of creation, whatever ends it.
 
 from __future__ import annotations
 
-import logging
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 
 import jax
 
 from fluxjax.data import pipeline, readers, synth
 from fluxjax.models import config as model_config
-from fluxjax.models import hf_io, processor
+from fluxjax.models import hf_io, processor, sharded
 from fluxjax.models.tokenizer import Tokenizer
-from fluxjax.models import sharded
+from fluxjax.parallel import strategies, train_step
 from fluxjax.rl import checkpoint as checkpoint_lib
 from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import metrics as metrics_lib
@@ -31,7 +31,6 @@ from fluxjax.rl import reference, rewards, sft
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout import factory
 from fluxjax.sharding import mesh as mesh_lib
-from fluxjax.parallel import strategies, train_step
 
 log = logging.getLogger(__name__)
 
@@ -55,19 +54,28 @@ def dataset_paths(config, workdir: str) -> tuple[str, str]:
 
 def validate(config):
   """(model config, strategy, mesh) of a run; ValueError says what is wrong."""
-  overrides = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype,
-                   attention_backend=config.model.attention_backend, remat=config.model.remat,
-                   logprob_vocab_chunk=config.model.logprob_vocab_chunk,
-                   mrope_text_after_vision=config.model.mrope_text_after_vision)
-  cfg = (model_config.load_hf_config(config.model.hf_path, **overrides)
-         if config.model.hf_path else model_config.preset(config.model.preset, **overrides))
+  overrides = dict(
+    dtype=config.model.dtype,
+    param_dtype=config.model.param_dtype,
+    attention_backend=config.model.attention_backend,
+    remat=config.model.remat,
+    logprob_vocab_chunk=config.model.logprob_vocab_chunk,
+    mrope_text_after_vision=config.model.mrope_text_after_vision,
+  )
+  cfg = (
+    model_config.load_hf_config(config.model.hf_path, **overrides)
+    if config.model.hf_path
+    else model_config.preset(config.model.preset, **overrides)
+  )
   strategy = strategies.get_strategy(config.sharding, cfg, config.mesh)
   ref_path = config.rl.get("ref_hf_path")
   if config.rl.kl_coef and ref_path:
     ref_cfg = model_config.load_hf_config(ref_path, **overrides)
     if (ref_cfg.text, ref_cfg.vision) != (cfg.text, cfg.vision):
-      raise ValueError(f"rl.ref_hf_path {ref_path} has a different architecture than the "
-                       "policy; the KL term compares the two models token by token")
+      raise ValueError(
+        f"rl.ref_hf_path {ref_path} has a different architecture than the "
+        "policy; the KL term compares the two models token by token"
+      )
   try:
     rewards.get(config.rl.reward.fn)
   except KeyError as e:
@@ -87,6 +95,7 @@ class Built:
     eval_rows: held-out rows for evaluation.
     proc: the vision processor config.
   """
+
   coordinator: coordinator_lib.Coordinator
   loader: pipeline.ShadowLoader
   eval_rows: list[dict]
@@ -102,40 +111,73 @@ def build(config, workdir: str, stack: contextlib.ExitStack) -> Built:
   """
   cfg, strategy, mesh = validate(config)
   log.info("strategy %s (sp=%d) on mesh %s", strategy.name, strategy.sp, dict(mesh.shape))
-  tokenizer = (Tokenizer.from_file(config.model.tokenizer_path) if config.model.tokenizer_path
-               else Tokenizer.default())
+  tokenizer = (
+    Tokenizer.from_file(config.model.tokenizer_path)
+    if config.model.tokenizer_path
+    else Tokenizer.default()
+  )
   max_replicated = config.sharding.max_replicated_bytes
   if config.model.hf_path:
     shardings = sharded.model_shardings(cfg, mesh, max_replicated_bytes=max_replicated)
     model = hf_io.load_hf_checkpoint(config.model.hf_path, cfg, shardings=shardings)
   else:
-    model = sharded.create_sharded_model(cfg, mesh, seed=config.seed,
-                                         max_replicated_bytes=max_replicated)
+    model = sharded.create_sharded_model(
+      cfg, mesh, seed=config.seed, max_replicated_bytes=max_replicated
+    )
   tx = train_step.make_optimizer(config.optim)
   graphdef, state, state_shardings = train_step.create_train_state(model, tx, mesh)
 
   train_path, eval_path = dataset_paths(config, workdir)
   proc = processor.VisionProcessorConfig(**config.data.vision.to_dict())
-  loader = pipeline.ShadowLoader(train_path, config.rl.prompts_per_step, proc,
-                                 num_workers=config.data.num_workers, seed=config.seed)
+  loader = pipeline.ShadowLoader(
+    train_path,
+    config.rl.prompts_per_step,
+    proc,
+    num_workers=config.data.num_workers,
+    seed=config.seed,
+  )
   stack.callback(loader.close)
   # Every backend call runs on this loop: a fleet's HTTP session belongs to it.
   thread = stack.enter_context(backend_lib.LoopThread("rollout"))
   rollout, launched = factory.make_backend(
-      config.rollout, model=model, tokenizer=tokenizer, seed=config.seed, proc_cfg=proc,
-      weights_root=os.path.join(workdir, "weights"))
+    config.rollout,
+    model=model,
+    tokenizer=tokenizer,
+    seed=config.seed,
+    proc_cfg=proc,
+    weights_root=os.path.join(workdir, "weights"),
+  )
   if launched is not None:
     stack.callback(launched.stop)
   stack.enter_context(thread.running(rollout))
   reward = config.rl.reward
-  scheduler = rewards.RewardScheduler(reward.num_workers, reward.fn, t_min=reward.t_min,
-                                      t_max=reward.t_max, anchor_factor=reward.anchor_factor,
-                                      correct_threshold=reward.correct_threshold)
+  scheduler = rewards.RewardScheduler(
+    reward.num_workers,
+    reward.fn,
+    t_min=reward.t_min,
+    t_max=reward.t_max,
+    anchor_factor=reward.anchor_factor,
+    correct_threshold=reward.correct_threshold,
+  )
   stack.callback(scheduler.shutdown)
-  coord = stack.enter_context(coordinator_lib.Coordinator(
-      config, cfg, tokenizer, mesh, strategy, graphdef, state, state_shardings, tx, loader,
-      rollout, scheduler, thread=thread))
-  eval_rows = readers.read_rows(eval_path)[:config.data.eval_prompts]
+  coord = stack.enter_context(
+    coordinator_lib.Coordinator(
+      config,
+      cfg,
+      tokenizer,
+      mesh,
+      strategy,
+      graphdef,
+      state,
+      state_shardings,
+      tx,
+      loader,
+      rollout,
+      scheduler,
+      thread=thread,
+    )
+  )
+  eval_rows = readers.read_rows(eval_path)[: config.data.eval_prompts]
   return Built(coord, loader, eval_rows, proc)
 
 
@@ -165,7 +207,8 @@ def run(config, workdir: str) -> dict:
     first = 0
     if ckpt.latest_step() is not None:  # auto-resume from the work directory
       first, train_state, rng, coord_state, data_state = ckpt.restore(
-          checkpoint_lib.abstract_like(coord.state))
+        checkpoint_lib.abstract_like(coord.state)
+      )
       coord.restore(train_state, coord_state, data_state)
       # Steps after the checkpoint are redone: their old records go.
       for name in (metrics_lib.JSONL, TRAINED):
@@ -178,22 +221,37 @@ def run(config, workdir: str) -> dict:
     writer = metrics_lib.MetricWriter(workdir)
     stack.callback(writer.close)
     trained_log = stack.enter_context(open(os.path.join(workdir, TRAINED), "a", buffering=1))
-    eval_loader = pipeline.ShadowLoader(built.eval_rows, len(built.eval_rows), built.proc,
-                                        num_workers=0, shuffle=False, num_epochs=1)
+    eval_loader = pipeline.ShadowLoader(
+      built.eval_rows, len(built.eval_rows), built.proc, num_workers=0, shuffle=False, num_epochs=1
+    )
     stack.callback(eval_loader.close)
     eval_samples = eval_loader.next_batch()
     last = {}
     if first == 0:
       # Warm-up for GRPO (none without RL steps); logged at steps -sft.steps..0.
       if sft.runs(config):
-        sft.warm_up(coord, config, dataset_paths(config, workdir)[0], built.proc, writer,
-                    lambda: coord.evaluate(eval_samples))
+        sft.warm_up(
+          coord,
+          config,
+          dataset_paths(config, workdir)[0],
+          built.proc,
+          writer,
+          lambda: coord.evaluate(eval_samples),
+        )
       writer.write(0, {"eval/accuracy": coord.evaluate(eval_samples)})
     if first < config.total_steps:
       if reference.needed(config):
-        coord.set_reference(reference.reference_params(
-            config, workdir, coord.cfg, coord.graphdef, coord.state.params,
-            coord.state_shardings.params, fresh=first == 0))
+        coord.set_reference(
+          reference.reference_params(
+            config,
+            workdir,
+            coord.cfg,
+            coord.graphdef,
+            coord.state.params,
+            coord.state_shardings.params,
+            fresh=first == 0,
+          )
+        )
       coord.start()  # rollout runs ahead from here, within the allowed lag
     progress = metrics_lib.Progress(config.total_steps, first)  # ETA from RL steps only
     for step in range(first + 1, config.total_steps + 1):
@@ -211,6 +269,5 @@ def run(config, workdir: str) -> dict:
       last = host
       if ckpt.should_save(step) or step == config.total_steps:
         coord_state, data_state = coord.get_state()
-        ckpt.save(step, coord.state, rng, coord_state, data_state,
-                  force=step == config.total_steps)
+        ckpt.save(step, coord.state, rng, coord_state, data_state, force=step == config.total_steps)
   return last

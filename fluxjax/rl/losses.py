@@ -78,8 +78,9 @@ def kl_penalty(logp: ArrayLike, ref_logp: ArrayLike, estimator: str) -> jax.Arra
   raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
-def importance_weights(prox_logp: ArrayLike, old_logp: ArrayLike, cap: float,
-                       mode: str = "truncate") -> tuple[jax.Array, jax.Array]:
+def importance_weights(
+  prox_logp: ArrayLike, old_logp: ArrayLike, cap: float, mode: str = "truncate"
+) -> tuple[jax.Array, jax.Array]:
   """Decoupled weight pi_prox / mu per token (no gradient), and where it hit the cap.
 
   Returns:
@@ -143,14 +144,14 @@ def make_loss_fn(cfg: ml_collections.ConfigDict) -> LossFn:
     # k3 of KL(mu || pi_prox) from tokens sampled from mu: r = pi_prox / mu.
     log_w_BT = jax.lax.stop_gradient(prox_BT - mb.old_logprobs)
     extras = {
-        "pg_loss": pg_BT,
-        "ratio": ratio_BT,
-        "clipfrac": clipfrac_BT,
-        "is_weight": w_BT,
-        "is_weight_sq": w_BT * w_BT,
-        "is_truncated": truncated_BT,
-        "behaviour_kl": jnp.exp(log_w_BT) - log_w_BT - 1.0,
-        "entropy": entropy_BT,
+      "pg_loss": pg_BT,
+      "ratio": ratio_BT,
+      "clipfrac": clipfrac_BT,
+      "is_weight": w_BT,
+      "is_weight_sq": w_BT * w_BT,
+      "is_truncated": truncated_BT,
+      "behaviour_kl": jnp.exp(log_w_BT) - log_w_BT - 1.0,
+      "entropy": entropy_BT,
     }
     if kl_coef:
       kl_BT = kl_penalty(logp_BT, jax.lax.stop_gradient(mb.ref_logprobs), estimator)

@@ -8,8 +8,8 @@ writing never blocks a dispatch queue.
 
 from __future__ import annotations
 
-import logging
 import json
+import logging
 import math
 import os
 import time
@@ -40,6 +40,7 @@ class MetricWriter:
     if tensorboard:
       try:
         from tensorboardX import SummaryWriter
+
         self._tb = SummaryWriter(os.path.join(workdir, "tb"))
       except ImportError:  # an optional extra: JSONL stays the record
         log.warning("tensorboardX not installed; metrics go to %s only", self.path)
@@ -118,9 +119,13 @@ class Progress:
     per_step = (time.time() - self.start) / done
     eta = per_step * max(self.total - step, 0)
     parts = [f"step {step}/{self.total}"]
-    for key, label in (("rollout/reward_mean", "reward"), ("eval/accuracy", "acc"),
-                       ("perf/tokens_per_s", "tok/s"), ("async/staleness", "stale"),
-                       ("train/loss", "loss")):
+    for key, label in (
+      ("rollout/reward_mean", "reward"),
+      ("eval/accuracy", "acc"),
+      ("perf/tokens_per_s", "tok/s"),
+      ("async/staleness", "stale"),
+      ("train/loss", "loss"),
+    ):
       if key in metrics:
         parts.append(f"{label} {float(metrics[key]):.4g}")
     parts.append(f"ETA {eta / 60:.1f} min")

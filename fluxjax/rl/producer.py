@@ -19,14 +19,13 @@ context is a counted, logged skip before it is ever sent.
 
 from __future__ import annotations
 
-import logging
 import asyncio
 import collections
 import dataclasses
+import logging
 import queue
 from collections.abc import Callable
 from typing import Any
-
 
 from fluxjax.data import meta as meta_lib
 from fluxjax.rl import async_control, tail_batching, trajectories
@@ -45,6 +44,7 @@ class KeptGroup:
     sample: the data sample (for releasing its media after training).
     launch_version: the policy version when its round was admitted.
   """
+
   group: trajectories.Group
   sample: meta_lib.SampleMeta
   launch_version: int
@@ -53,6 +53,7 @@ class KeptGroup:
 @dataclasses.dataclass
 class RoundEnd:
   """Marks the end of a round in the queue, with its statistics."""
+
   stats: dict
 
 
@@ -98,10 +99,21 @@ class Producer:
       callers; None = a loop of its own, stopped by `stop`.
   """
 
-  def __init__(self, rollout: Sampler, reward_scheduler, batcher: tail_batching.TailBatcher,
-               admission: async_control.AdmissionController, *, next_samples, make_body,
-               prompt_fn, max_prompt_tokens: int, release=lambda samples: None,
-               max_round_failures: int = 5, thread: LoopThread | None = None):
+  def __init__(
+    self,
+    rollout: Sampler,
+    reward_scheduler,
+    batcher: tail_batching.TailBatcher,
+    admission: async_control.AdmissionController,
+    *,
+    next_samples,
+    make_body,
+    prompt_fn,
+    max_prompt_tokens: int,
+    release=lambda samples: None,
+    max_round_failures: int = 5,
+    thread: LoopThread | None = None,
+  ):
     self.rollout = _Scoring(rollout, self._submit_score)
     self.rewards = reward_scheduler
     self.batcher = batcher
@@ -115,8 +127,8 @@ class Producer:
     self.samples: dict[int, meta_lib.SampleMeta] = {}
     self.prompts: dict[int, Any] = {}
     self.out: queue.Queue = queue.Queue()
-    self.version = 0   # the weight version rollouts sample from (tags)
-    self.step = 0      # updates applied by the trainer (admission)
+    self.version = 0  # the weight version rollouts sample from (tags)
+    self.step = 0  # updates applied by the trainer (admission)
     self.counts: collections.Counter = collections.Counter()
     self._owns_thread = thread is None
     self._thread = LoopThread("rollout") if thread is None else thread
@@ -190,7 +202,7 @@ class Producer:
     if self._task is not None and self._thread.alive:
       try:  # cancel on the loop and wait there, so the round's aborts run
         self.call(self._cancel(), timeout=60)
-      except Exception:  # noqa: BLE001 - shutting down after a failure
+      except Exception:
         log.exception("stopping the rollout producer")
     if self._owns_thread:
       self._thread.stop()
@@ -219,10 +231,13 @@ class Producer:
         b["long"] = [u for u in b["long"] if u not in consumed]
         b["trained"] = sorted(consumed)
         live = set(b["fresh"]) | set(b["long"])
-        return {"batcher": b, "loader": loader_state(),
-                "admission": self.admission.get_state(),
-                "samples": {str(u): sample_to_dict(self.samples[u]) for u in live},
-                "counts": dict(self.counts)}
+        return {
+          "batcher": b,
+          "loader": loader_state(),
+          "admission": self.admission.get_state(),
+          "samples": {str(u): sample_to_dict(self.samples[u]) for u in live},
+          "counts": dict(self.counts),
+        }
 
     return self.call(take())
 
@@ -259,8 +274,11 @@ class Producer:
   async def _top_up(self) -> None:
     """Pulls loader batches until a short round can launch (or data ends)."""
     loop = asyncio.get_running_loop()
-    while (not self._exhausted and len(self.batcher.fresh) < self.batcher.launch_prompts
-           and len(self.batcher.long) < self.batcher.P):
+    while (
+      not self._exhausted
+      and len(self.batcher.fresh) < self.batcher.launch_prompts
+      and len(self.batcher.long) < self.batcher.P
+    ):
       try:
         batch = await loop.run_in_executor(None, self.next_samples)
       except StopIteration:
@@ -274,8 +292,12 @@ class Producer:
         n = len(self._prompt(sample.uid))
         if n > self.max_prompt_tokens:
           # The engine would reject it; a counted skip, not a failed round.
-          log.warning("skipping sample %s: prompt of %d tokens > %d (rollout context "
-                          "minus max_new_tokens)", sample.id, n, self.max_prompt_tokens)
+          log.warning(
+            "skipping sample %s: prompt of %d tokens > %d (rollout context minus max_new_tokens)",
+            sample.id,
+            n,
+            self.max_prompt_tokens,
+          )
           self.counts["data/skipped/prompt_too_long"] += 1
           skipped.append(sample)
           self.forget(sample.uid)
@@ -337,8 +359,9 @@ class Producer:
           return self.make_body(self.samples[uid], self._prompt(uid), j)
 
         try:
-          result = await tail_batching.run_round(self.rollout, self.batcher, body,
-                                                 on_kept=on_kept, plan=plan)
+          result = await tail_batching.run_round(
+            self.rollout, self.batcher, body, on_kept=on_kept, plan=plan
+          )
         except tail_batching.RoundFailed as e:
           failures += 1
           self.counts["faults/round_failures"] += 1
@@ -348,7 +371,7 @@ class Producer:
           self.rollout.futures.clear()
           if failures >= self.max_round_failures:
             raise
-          await asyncio.sleep(min(2.0 ** failures, 30.0))
+          await asyncio.sleep(min(2.0**failures, 30.0))
           continue
         failures = 0
         assert result is not None, "a round with a plan always returns"
@@ -361,7 +384,7 @@ class Producer:
         self.out.put(RoundEnd(dict(result.stats)))
     except asyncio.CancelledError:
       raise
-    except BaseException as e:  # noqa: BLE001 - the trainer re-raises it
+    except BaseException as e:
       log.exception("rollout producer stopped")
       self.out.put(e)
 
@@ -369,8 +392,9 @@ class Producer:
     futures = [self.rollout.futures.pop(c.rid) for c in completions]
     scored = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
     sample = self.samples[uid]
-    group = trajectories.Group(sample.id, self._prompt(uid), list(completions),
-                               [s.reward for s in scored], sample.answer)
+    group = trajectories.Group(
+      sample.id, self._prompt(uid), list(completions), [s.reward for s in scored], sample.answer
+    )
     self.prompts.pop(uid, None)
     self.out.put(KeptGroup(group, sample, launch_version))
 
@@ -381,6 +405,7 @@ def sample_to_dict(sample: meta_lib.SampleMeta) -> dict:
 
 
 def sample_from_dict(d: dict) -> meta_lib.SampleMeta:
-  media = tuple(meta_lib.MediaRef(**{**m, "full_grid": tuple(m["full_grid"])})
-                for m in d.get("media", ()))
+  media = tuple(
+    meta_lib.MediaRef(**{**m, "full_grid": tuple(m["full_grid"])}) for m in d.get("media", ())
+  )
   return meta_lib.SampleMeta(**{**d, "media": media})

@@ -46,8 +46,9 @@ def source(config, workdir: str) -> tuple[str, bool]:
   return os.path.join(workdir, REFERENCE_DIR), True
 
 
-def reference_params(config, workdir: str, model_cfg, graphdef, policy_params,
-                     param_shardings, *, fresh: bool):
+def reference_params(
+  config, workdir: str, model_cfg, graphdef, policy_params, param_shardings, *, fresh: bool
+):
   """The reference's parameters, placed like the policy's.
 
   Args:
@@ -68,10 +69,13 @@ def reference_params(config, workdir: str, model_cfg, graphdef, policy_params,
     return params
   if not os.path.exists(os.path.join(path, "config.json")):
     raise FileNotFoundError(
-        f"the reference model for rl.kl_coef > 0 is read from {path}, which holds no "
-        "checkpoint (a run resumed with KL that began without it?); set rl.ref_hf_path")
-  shardings = {k: v.get_value() if isinstance(v, nnx.Variable) else v
-               for k, v in nnx.to_flat_state(param_shardings)}
+      f"the reference model for rl.kl_coef > 0 is read from {path}, which holds no "
+      "checkpoint (a run resumed with KL that began without it?); set rl.ref_hf_path"
+    )
+  shardings = {
+    k: v.get_value() if isinstance(v, nnx.Variable) else v
+    for k, v in nnx.to_flat_state(param_shardings)
+  }
   model = hf_io.load_hf_checkpoint(path, model_cfg, shardings=shardings)
   log.info("reference model: read from %s", path)
   return nnx.state(model, nnx.Param)

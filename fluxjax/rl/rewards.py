@@ -63,11 +63,13 @@ REWARDS: dict[str, RewardFn] = {}
 
 def register(name: str):
   """Decorator adding a reward function to REWARDS under `name`."""
+
   def wrap(fn):
     if name in REWARDS:
       raise ValueError(f"reward {name!r} is already registered")
     REWARDS[name] = fn
     return fn
+
   return wrap
 
 
@@ -104,7 +106,8 @@ _NUMBER_RE = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")
 _WORD_RE = re.compile(r"[A-Za-z]+")
 # One optional think block (no nested or repeated tags), then one answer.
 _FORMAT_RE = re.compile(
-    r"\s*(?:<think>(?:(?!</?think>).)*</think>\s*)?<answer>([^<]*)</answer>\s*", re.S)
+  r"\s*(?:<think>(?:(?!</?think>).)*</think>\s*)?<answer>([^<]*)</answer>\s*", re.S
+)
 
 
 def extract_answer(response: str) -> str:
@@ -154,8 +157,9 @@ def exact_answer(response: str, answer: str) -> float:
 
 
 @register("numeric")
-def numeric_answer(response: str, answer: str, *, abs_tol: float = 1e-6,
-                   rel_tol: float = 1e-6) -> float:
+def numeric_answer(
+  response: str, answer: str, *, abs_tol: float = 1e-6, rel_tol: float = 1e-6
+) -> float:
   """1 if the last number of the extracted answer is within tolerance."""
   want = parse_number(answer)
   got = parse_number(extract_answer(response))
@@ -189,6 +193,7 @@ def accuracy_with_format(response: str, answer: str) -> float:
 # ---------------------------------------------------------------------------
 # Worker processes.
 
+
 def _worker_main(conn) -> None:
   """Loop of a spawned worker: (id, fn, response, answer) -> (id, status, value, secs)."""
   conn.send(("ready",))
@@ -204,9 +209,10 @@ def _worker_main(conn) -> None:
     value: float | str  # the reward, or the error's description
     try:
       reward = float(get(fn)(response, answer))
-      status, value = ("ok", reward) if math.isfinite(reward) else (
-          "error", f"non-finite reward {reward}")
-    except BaseException:  # noqa: BLE001  (any failure of user code is a reward error)
+      status, value = (
+        ("ok", reward) if math.isfinite(reward) else ("error", f"non-finite reward {reward}")
+      )
+    except BaseException:
       status, value = "error", traceback.format_exc(limit=3)
     conn.send((task_id, status, value, time.perf_counter() - start))
 
@@ -216,8 +222,7 @@ class _Worker:
 
   def __init__(self, ctx):
     self.conn, child = ctx.Pipe(duplex=True)
-    self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True,
-                            name="fluxjax-reward")
+    self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="fluxjax-reward")
     self.proc.start()
     child.close()
     self.ready = False
@@ -244,6 +249,7 @@ class RewardResult:
     tag: caller's metadata, returned untouched (e.g. a sample id).
     error: traceback or reason for "error".
   """
+
   reward: float
   status: str
   elapsed: float
@@ -285,12 +291,19 @@ class RewardScheduler:
       reward >= this.
   """
 
-  def __init__(self, num_workers: int = 4, fn: str | RewardFn = "accuracy_with_format",
-               t_min: float = 2.0, t_max: float = 30.0, anchor_factor: float = 1.5,
-               correct_threshold: float = 1.0):
+  def __init__(
+    self,
+    num_workers: int = 4,
+    fn: str | RewardFn = "accuracy_with_format",
+    t_min: float = 2.0,
+    t_max: float = 30.0,
+    anchor_factor: float = 1.5,
+    correct_threshold: float = 1.0,
+  ):
     if num_workers < 1 or not 0 < t_min <= t_max:
-      raise ValueError(f"need num_workers >= 1 and 0 < t_min <= t_max, got "
-                       f"{num_workers}, {t_min}, {t_max}")
+      raise ValueError(
+        f"need num_workers >= 1 and 0 < t_min <= t_max, got {num_workers}, {t_min}, {t_max}"
+      )
     self.fn, self.t_min, self.t_max = fn, float(t_min), float(t_max)
     self.anchor_factor, self.correct_threshold = float(anchor_factor), correct_threshold
     self._ctx = multiprocessing.get_context("spawn")
@@ -308,10 +321,16 @@ class RewardScheduler:
     self._thread.start()
 
   @classmethod
-  def from_config(cls, cfg) -> "RewardScheduler":
+  def from_config(cls, cfg) -> RewardScheduler:
     """From the `rl.reward` section of the run config (configs/vlm.py)."""
-    return cls(num_workers=cfg.num_workers, fn=cfg.fn, t_min=cfg.t_min, t_max=cfg.t_max,
-               anchor_factor=cfg.anchor_factor, correct_threshold=cfg.correct_threshold)
+    return cls(
+      num_workers=cfg.num_workers,
+      fn=cfg.fn,
+      t_min=cfg.t_min,
+      t_max=cfg.t_max,
+      anchor_factor=cfg.anchor_factor,
+      correct_threshold=cfg.correct_threshold,
+    )
 
   # --- public API ---------------------------------------------------------
 
@@ -320,15 +339,22 @@ class RewardScheduler:
     with self._lock:
       return self._timeout_locked(key)
 
-  def submit(self, response: str, answer: str, fn: str | RewardFn | None = None,
-             key: Hashable = None, tag: Any = None) -> concurrent.futures.Future:
+  def submit(
+    self,
+    response: str,
+    answer: str,
+    fn: str | RewardFn | None = None,
+    key: Hashable = None,
+    tag: Any = None,
+  ) -> concurrent.futures.Future:
     """Queues one reward call; returns a Future of its RewardResult."""
     future: concurrent.futures.Future[RewardResult] = concurrent.futures.Future()
     with self._lock:
       if self._closed:
         raise RuntimeError("RewardScheduler is shut down")
-      task = _Task(self._next_id, fn if fn is not None else self.fn, response, answer,
-                   key, tag, future)
+      task = _Task(
+        self._next_id, fn if fn is not None else self.fn, response, answer, key, tag, future
+      )
       self._next_id += 1
       self._pending.append(task)
       self._counts["submitted"] += 1
@@ -343,8 +369,9 @@ class RewardScheduler:
         out.append(self._done.popleft())
     return out
 
-  def gather(self, futures: Iterable[concurrent.futures.Future],
-             timeout: float | None = None) -> list[RewardResult]:
+  def gather(
+    self, futures: Iterable[concurrent.futures.Future], timeout: float | None = None
+  ) -> list[RewardResult]:
     """Waits for the given futures; their results in the given order."""
     futures = list(futures)
     concurrent.futures.wait(futures, timeout=timeout)
@@ -354,9 +381,10 @@ class RewardScheduler:
     """Counters and timeout state, slash-namespaced for the metrics writer."""
     with self._lock:
       c = self._counts
-      out = {f"reward/{k}": float(c[k]) for k in
-             ("submitted", "completed", "ok", "correct", "timeout", "error",
-              "worker_restarts")}
+      out = {
+        f"reward/{k}": float(c[k])
+        for k in ("submitted", "completed", "ok", "correct", "timeout", "error", "worker_restarts")
+      }
       out["reward/pending"] = float(len(self._pending))
       out["reward/running"] = float(sum(w.task is not None for w in self._workers))
       out["reward/timeout_s"] = self._timeout_locked(None)
@@ -380,8 +408,10 @@ class RewardScheduler:
       w.proc.join(timeout=1)
       w.kill()
       if w.task is not None:
-        self._finish(w.task, RewardResult(0.0, "cancelled", 0.0, w.task.timeout,
-                                          w.task.key, w.task.tag, "shut down"))
+        self._finish(
+          w.task,
+          RewardResult(0.0, "cancelled", 0.0, w.task.timeout, w.task.key, w.task.tag, "shut down"),
+        )
         w.task = None
     while self._pending:
       t = self._pending.popleft()
@@ -389,7 +419,7 @@ class RewardScheduler:
     self._wake_r.close()
     self._wake_w.close()
 
-  def __enter__(self) -> "RewardScheduler":
+  def __enter__(self) -> RewardScheduler:
     return self
 
   def __exit__(self, *exc) -> None:
@@ -437,9 +467,13 @@ class RewardScheduler:
         task.timeout = self._timeout_locked(task.key)
       try:
         w.conn.send((task.id, task.fn, task.response, task.answer))
-      except Exception as e:  # noqa: BLE001  (unpicklable fn or a dead pipe)
-        self._finish(task, RewardResult(0.0, "error", 0.0, task.timeout, task.key,
-                                        task.tag, f"dispatch failed: {e!r}"))
+      except Exception as e:
+        self._finish(
+          task,
+          RewardResult(
+            0.0, "error", 0.0, task.timeout, task.key, task.tag, f"dispatch failed: {e!r}"
+          ),
+        )
         continue
       w.task, w.deadline = task, time.monotonic() + task.timeout
 
@@ -456,8 +490,9 @@ class RewardScheduler:
       # Replace first, so that metrics read when the future resolves count it.
       self._replace(i)
       if task is not None:
-        self._finish(task, RewardResult(0.0, "error", 0.0, task.timeout, task.key, task.tag,
-                                        reason))
+        self._finish(
+          task, RewardResult(0.0, "error", 0.0, task.timeout, task.key, task.tag, reason)
+        )
       return
     if msg[0] == "ready":
       w.ready = True
@@ -483,8 +518,12 @@ class RewardScheduler:
         if w.task is not None and now >= w.deadline:
           task, w.task = w.task, None
           self._replace(i)
-          self._finish(task, RewardResult(0.0, "timeout", task.timeout, task.timeout,
-                                          task.key, task.tag, "timed out"))
+          self._finish(
+            task,
+            RewardResult(
+              0.0, "timeout", task.timeout, task.timeout, task.key, task.tag, "timed out"
+            ),
+          )
       next_deadline = min((w.deadline for w in self._workers), default=math.inf)
       wait_s = min(max(next_deadline - time.monotonic(), 0.0), 0.5)
       conns = {w.conn: i for i, w in enumerate(self._workers)}
@@ -497,6 +536,19 @@ class RewardScheduler:
           self._on_message(conns[c])
 
 
-__all__ = ["REWARDS", "RewardFn", "RewardResult", "RewardScheduler", "accuracy",
-           "accuracy_with_format", "exact_answer", "extract_answer", "format_reward",
-           "get", "normalize", "numeric_answer", "parse_number", "register"]
+__all__ = [
+  "REWARDS",
+  "RewardFn",
+  "RewardResult",
+  "RewardScheduler",
+  "accuracy",
+  "accuracy_with_format",
+  "exact_answer",
+  "extract_answer",
+  "format_reward",
+  "get",
+  "normalize",
+  "numeric_answer",
+  "parse_number",
+  "register",
+]

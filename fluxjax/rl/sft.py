@@ -69,9 +69,13 @@ def sft_sequence(prompt: SequenceInputs, answer: Sequence[int]) -> batch_lib.Tra
   """The prompt extended by the answer; only the answer tokens are trained."""
   seq = prompt.extend(answer)
   mask = np.zeros(len(seq), np.float32)
-  mask[len(prompt):] = 1.0
-  return batch_lib.TrainSequence(inputs=seq, loss_mask_T=mask, advantages_T=mask.copy(),
-                                 old_logprobs_T=np.zeros(len(seq), np.float32))
+  mask[len(prompt) :] = 1.0
+  return batch_lib.TrainSequence(
+    inputs=seq,
+    loss_mask_T=mask,
+    advantages_T=mask.copy(),
+    old_logprobs_T=np.zeros(len(seq), np.float32),
+  )
 
 
 def nll_loss(logp, entropy, mb: batch_lib.TrainBatch):
@@ -149,9 +153,11 @@ class Trainer:
     # valid (the rollout engine may hold them) until `finish` replaces them.
     params = jax.tree.map(lambda x: x.copy(), policy.state.params)
     _, self.state, self.shardings = train_step.create_train_state(
-        nnx.merge(policy.graphdef, params), self.tx, policy.mesh)
-    self._layouts = LayoutSteps(policy.cfg, policy.mesh, policy.strategy, self._compile_step,
-                                patch_source=patch_source)
+      nnx.merge(policy.graphdef, params), self.tx, policy.mesh
+    )
+    self._layouts = LayoutSteps(
+      policy.cfg, policy.mesh, policy.strategy, self._compile_step, patch_source=patch_source
+    )
 
   def sequences(self, samples: Sequence[meta_lib.SampleMeta]) -> list[batch_lib.TrainSequence]:
     p = self.policy
@@ -160,10 +166,10 @@ class Trainer:
   def _compile_step(self, plan: Plan, batch: batch_lib.TrainBatch):
     del batch  # the step's shardings come from the state and the plan
     p = self.policy
-    accumulate = p.strategy.accumulate_fn(p.mesh, plan, p.graphdef, self.shardings.params,
-                                          nll_loss)
-    return train_step.make_train_step(p.graphdef, self.tx, state_shardings=self.shardings,
-                                      accumulate_fn=accumulate)
+    accumulate = p.strategy.accumulate_fn(p.mesh, plan, p.graphdef, self.shardings.params, nll_loss)
+    return train_step.make_train_step(
+      p.graphdef, self.tx, state_shardings=self.shardings, accumulate_fn=accumulate
+    )
 
   def batch(self, seqs: Sequence[batch_lib.TrainSequence]):
     """(plan, host TrainBatch) for these sequences."""
@@ -188,8 +194,9 @@ class Trainer:
     self.policy.load_params(params)
 
 
-def warm_up(coord: Policy, config, train_path: str, proc, writer,
-            evaluate: Callable[[], float]) -> dict[str, float]:
+def warm_up(
+  coord: Policy, config, train_path: str, proc, writer, evaluate: Callable[[], float]
+) -> dict[str, float]:
   """Runs the warm-up (see the module docstring); returns a summary.
 
   Args:
@@ -205,14 +212,23 @@ def warm_up(coord: Policy, config, train_path: str, proc, writer,
   first = -int(s.steps)
   summary = {"eval/accuracy": evaluate()}
   writer.write(first, summary)
-  log.info("SFT warm-up: %d steps of %d samples, lr %g; accuracy before %.3f",
-               s.steps, s.batch_size, s.lr, summary["eval/accuracy"])
+  log.info(
+    "SFT warm-up: %d steps of %d samples, lr %g; accuracy before %.3f",
+    s.steps,
+    s.batch_size,
+    s.lr,
+    summary["eval/accuracy"],
+  )
   # Its own loader, store and Materializer rather than coord.patch_source:
   # releasing warm-up media from the RL loader's store would evict the RL
   # batches that loader has already prefetched (the same files).
-  loader = pipeline.ShadowLoader(train_path, s.batch_size, proc,
-                                 num_workers=max(1, config.data.num_workers),
-                                 seed=config.seed + 1)
+  loader = pipeline.ShadowLoader(
+    train_path,
+    s.batch_size,
+    proc,
+    num_workers=max(1, config.data.num_workers),
+    seed=config.seed + 1,
+  )
   source = materializer_lib.Materializer(loader.store, loader.pool)
   trainer = Trainer(coord, config, source)
   delayed = train_step.DelayedMetrics()
@@ -223,8 +239,10 @@ def warm_up(coord: Policy, config, train_path: str, proc, writer,
     if done is not None:
       k, m = done
       losses.append(m["loss"])
-      writer.write(first + k, {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"],
-                               "sft/tokens": m["tokens"]})
+      writer.write(
+        first + k,
+        {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"], "sft/tokens": m["tokens"]},
+      )
       if k == 1 or k % 10 == 0 or k == s.steps:
         log.info("SFT step %d/%d | loss %.4g", k, s.steps, m["loss"])
 
@@ -245,7 +263,15 @@ def warm_up(coord: Policy, config, train_path: str, proc, writer,
   coord.publish()  # rollouts now sample from the warmed-up policy
   seconds = time.perf_counter() - t0
   writer.write(0, {"sft/seconds": seconds})
-  log.info("SFT warm-up done in %.1f s: loss %.4g -> %.4g", seconds,
-               losses[0] if losses else float("nan"), losses[-1] if losses else float("nan"))
-  return {"sft/seconds": seconds, "sft/loss_first": losses[0] if losses else float("nan"),
-          "sft/loss_last": losses[-1] if losses else float("nan"), **summary}
+  log.info(
+    "SFT warm-up done in %.1f s: loss %.4g -> %.4g",
+    seconds,
+    losses[0] if losses else float("nan"),
+    losses[-1] if losses else float("nan"),
+  )
+  return {
+    "sft/seconds": seconds,
+    "sft/loss_first": losses[0] if losses else float("nan"),
+    "sft/loss_last": losses[-1] if losses else float("nan"),
+    **summary,
+  }

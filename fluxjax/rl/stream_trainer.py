@@ -52,10 +52,21 @@ class StreamTrainer:
       or None when the loss has no KL term; settable later (`set_reference`).
   """
 
-  def __init__(self, model_cfg: ModelConfig, mesh, strategy: Strategy, graphdef, state,
-               state_shardings, tx: optax.GradientTransformation, loss_fn, *,
-               patch_source=None, patch_buckets: Sequence[int] = PATCH_BUCKETS,
-               ref_params=None):
+  def __init__(
+    self,
+    model_cfg: ModelConfig,
+    mesh,
+    strategy: Strategy,
+    graphdef,
+    state,
+    state_shardings,
+    tx: optax.GradientTransformation,
+    loss_fn,
+    *,
+    patch_source=None,
+    patch_buckets: Sequence[int] = PATCH_BUCKETS,
+    ref_params=None,
+  ):
     self.mesh = mesh
     self.strategy = strategy
     self.graphdef = graphdef
@@ -65,8 +76,14 @@ class StreamTrainer:
     self._ref_params = ref_params
     self._apply = train_step.make_stream_apply(tx, state_shardings)
     # A compiled `add` per plan layout (flex levels change shapes).
-    self._layouts = LayoutSteps(model_cfg, mesh, strategy, self._compile_add,
-                                patch_buckets=patch_buckets, patch_source=patch_source)
+    self._layouts = LayoutSteps(
+      model_cfg,
+      mesh,
+      strategy,
+      self._compile_add,
+      patch_buckets=patch_buckets,
+      patch_source=patch_source,
+    )
     self._sums_shape = None
     self._acc = None
     self.parts = 0
@@ -94,22 +111,28 @@ class StreamTrainer:
 
   def _compile_add(self, plan: Plan, batch: batch_lib.TrainBatch):
     assert isinstance(batch.ref_logprobs, jax.Array), "a placed batch"
-    accumulate = self.strategy.accumulate_fn(self.mesh, plan, self.graphdef,
-                                             self.state_shardings.params, self.loss_fn)
+    accumulate = self.strategy.accumulate_fn(
+      self.mesh, plan, self.graphdef, self.state_shardings.params, self.loss_fn
+    )
     return accumulate, train_step.make_stream_add(
-        accumulate, self.state_shardings.params,
-        self.strategy.logprobs_fn(self.mesh, plan, self.graphdef),
-        batch.ref_logprobs.sharding)  # reference logprobs land in the batch's layout
+      accumulate,
+      self.state_shardings.params,
+      self.strategy.logprobs_fn(self.mesh, plan, self.graphdef),
+      batch.ref_logprobs.sharding,
+    )  # reference logprobs land in the batch's layout
 
   def _zeros(self, accumulate, batch):
     if self._sums_shape is None:  # traced once: the loss's metric names
-      self._sums_shape = jax.eval_shape(lambda p, b: accumulate(p, b, 1.0)[2],
-                                        self._state.params, batch)
-    zeros = jax.tree.map(lambda p: jax.numpy.zeros(p.shape, p.dtype, device=p.sharding),
-                         self._state.params)
+      self._sums_shape = jax.eval_shape(
+        lambda p, b: accumulate(p, b, 1.0)[2], self._state.params, batch
+      )
+    zeros = jax.tree.map(
+      lambda p: jax.numpy.zeros(p.shape, p.dtype, device=p.sharding), self._state.params
+    )
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-    sums = {k: jax.numpy.zeros(v.shape, v.dtype, device=replicated)
-            for k, v in self._sums_shape.items()}
+    sums = {
+      k: jax.numpy.zeros(v.shape, v.dtype, device=replicated) for k, v in self._sums_shape.items()
+    }
     return (jax.numpy.zeros((), jax.numpy.float32, device=replicated), zeros, sums)
 
   def add(self, seqs: Sequence[batch_lib.TrainSequence]) -> None:

@@ -42,6 +42,7 @@ class RoundPlan:
     epoch: the epoch the round belongs to.
     index: the round's index within the epoch.
   """
+
   kind: str
   prompts: tuple
   responses: int
@@ -114,9 +115,9 @@ class TailBatcher:
     self.eta = float(eta)
     self.epoch = -1
     self.round_index = 0
-    self.fresh: list = []       # not yet tried this epoch, in dataset order
-    self.long: list = []        # lost a short round; waits for a long round
-    self.trained: list = []     # kept this epoch, in training order
+    self.fresh: list = []  # not yet tried this epoch, in dataset order
+    self.long: list = []  # lost a short round; waits for a long round
+    self.trained: list = []  # kept this epoch, in training order
 
   # The launch widths; the small epsilon keeps eta*P = 10.000000001 at 10.
   @property
@@ -134,8 +135,9 @@ class TailBatcher:
   def start_epoch(self, prompt_ids: Sequence[PromptId]) -> None:
     """Begins an epoch over `prompt_ids` (already shuffled by the caller)."""
     if not self.epoch_done:
-      raise RuntimeError(f"epoch {self.epoch} still has {len(self.fresh)} fresh and "
-                         f"{len(self.long)} long prompts")
+      raise RuntimeError(
+        f"epoch {self.epoch} still has {len(self.fresh)} fresh and {len(self.long)} long prompts"
+      )
     if len(set(prompt_ids)) != len(prompt_ids):
       raise ValueError("an epoch lists a prompt twice")
     self.epoch += 1
@@ -162,8 +164,9 @@ class TailBatcher:
     runs a smaller round of the same kind, as eta-wide as a full one.
     """
     k = self.P if limit is None else max(1, min(int(limit), self.P))
-    mk = lambda kind, prompts, r, kp: RoundPlan(  # noqa: E731
-        kind, tuple(prompts), r, kp, self.R, self.epoch, self.round_index)
+    mk = lambda kind, prompts, r, kp: RoundPlan(
+      kind, tuple(prompts), r, kp, self.R, self.epoch, self.round_index
+    )
     if len(self.long) >= self.P:
       return mk("long", self.long[:k], self.R, k)
     if len(self.fresh) >= k and (k < self.P or len(self.fresh) >= self.P):
@@ -189,12 +192,15 @@ class TailBatcher:
     if not rnd.done and not partial:
       raise RuntimeError("commit of an unfinished round")
     if (plan.epoch, plan.index) != (self.epoch, self.round_index):
-      raise RuntimeError(f"round {plan.epoch}/{plan.index} is not the current one "
-                         f"({self.epoch}/{self.round_index})")
+      raise RuntimeError(
+        f"round {plan.epoch}/{plan.index} is not the current one ({self.epoch}/{self.round_index})"
+      )
     launched = set(plan.prompts)
     missing = launched - set(self.fresh) - set(self.long)
     if missing:
-      raise RuntimeError(f"round launched prompts not queued this epoch: {sorted(missing, key=repr)}")
+      raise RuntimeError(
+        f"round launched prompts not queued this epoch: {sorted(missing, key=repr)}"
+      )
     kept = list(rnd.kept)
     for p in kept:
       if len(rnd.kept[p]) != self.R:
@@ -215,14 +221,22 @@ class TailBatcher:
     return kept
 
   def get_state(self) -> dict:
-    return {"P": self.P, "R": self.R, "eta": self.eta, "epoch": self.epoch,
-            "round_index": self.round_index, "fresh": list(self.fresh),
-            "long": list(self.long), "trained": list(self.trained)}
+    return {
+      "P": self.P,
+      "R": self.R,
+      "eta": self.eta,
+      "epoch": self.epoch,
+      "round_index": self.round_index,
+      "fresh": list(self.fresh),
+      "long": list(self.long),
+      "trained": list(self.trained),
+    }
 
   def set_state(self, state: dict) -> None:
     if (state["P"], state["R"]) != (self.P, self.R):
-      raise ValueError(f"checkpoint has P={state['P']} R={state['R']}, "
-                       f"configured P={self.P} R={self.R}")
+      raise ValueError(
+        f"checkpoint has P={state['P']} R={state['R']}, configured P={self.P} R={self.R}"
+      )
     # eta may change on resume: it only shapes future rounds.
     self.epoch = int(state["epoch"])
     self.round_index = int(state["round_index"])
@@ -246,6 +260,7 @@ class RoundResult:
       max_kept_len, and with a slot-reporting backend decode_steps and
       slot_idle_fraction.
   """
+
   plan: RoundPlan
   groups: dict
   deferred: list
@@ -264,11 +279,17 @@ class RoundFailed(RuntimeError):
     self.kept = kept
 
 
-async def run_round(rollout: Sampler, batcher: TailBatcher,
-                    make_body: Callable[[PromptId, int], dict], *, rid_prefix: str = "tb",
-                    max_retries: int = 2, abort_grace_s: float = 30.0,
-                    on_kept: Callable[[PromptId, list], None] | None = None,
-                    plan: RoundPlan | None = None) -> RoundResult | None:
+async def run_round(
+  rollout: Sampler,
+  batcher: TailBatcher,
+  make_body: Callable[[PromptId, int], dict],
+  *,
+  rid_prefix: str = "tb",
+  max_retries: int = 2,
+  abort_grace_s: float = 30.0,
+  on_kept: Callable[[PromptId, list], None] | None = None,
+  plan: RoundPlan | None = None,
+) -> RoundResult | None:
   """Plans, runs and commits one round on `rollout`.
 
   Args:
@@ -331,8 +352,9 @@ async def run_round(rollout: Sampler, batcher: TailBatcher,
           if key not in rnd.outstanding:
             continue
           if tries[key] > max_retries:
-            raise RuntimeError(f"request {rid} aborted by the backend {tries[key]} times: "
-                               f"{out.finish_reason}")
+            raise RuntimeError(
+              f"request {rid} aborted by the backend {tries[key]} times: {out.finish_reason}"
+            )
           launch(key)
           continue
         if out.finish_type != "abort" and key in rnd.outstanding:
@@ -360,20 +382,27 @@ async def run_round(rollout: Sampler, batcher: TailBatcher,
   wall = time.perf_counter() - t0
   if failure is not None:
     kept = batcher.commit(rnd, partial=True)
-    raise RoundFailed(f"round {plan.epoch}/{plan.index} failed after keeping {len(kept)} of "
-                      f"{plan.keep_prompts} prompts: {failure!r}", kept) from failure
+    raise RoundFailed(
+      f"round {plan.epoch}/{plan.index} failed after keeping {len(kept)} of "
+      f"{plan.keep_prompts} prompts: {failure!r}",
+      kept,
+    ) from failure
 
   kept = batcher.commit(rnd)
   groups = {p: [finished[(p, j)] for j in rnd.kept[p]] for p in kept}
   kept_ids = {id(c) for g in groups.values() for c in g}
   tokens_kept = sum(len(c.output_ids) for g in groups.values() for c in g)
   stats = {
-      "kind": plan.kind, "wall_s": wall, "prompts": len(plan.prompts),
-      "requests": sum(tries.values()), "aborted": len(aborted_rids),
-      "retried": sum(tries.values()) - len(tries), "deferred": len(rnd.deferred),
-      "tokens_kept": tokens_kept,
-      "tokens_discarded": sum(len(c.output_ids) for c in all_outputs if id(c) not in kept_ids),
-      "max_kept_len": max((len(c.output_ids) for g in groups.values() for c in g), default=0),
+    "kind": plan.kind,
+    "wall_s": wall,
+    "prompts": len(plan.prompts),
+    "requests": sum(tries.values()),
+    "aborted": len(aborted_rids),
+    "retried": sum(tries.values()) - len(tries),
+    "deferred": len(rnd.deferred),
+    "tokens_kept": tokens_kept,
+    "tokens_discarded": sum(len(c.output_ids) for c in all_outputs if id(c) not in kept_ids),
+    "max_kept_len": max((len(c.output_ids) for g in groups.values() for c in g), default=0),
   }
   slots1 = rollout.slot_stats()
   if slots0 is not None and slots1 is not None:

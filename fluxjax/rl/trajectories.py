@@ -13,14 +13,13 @@ travels along for staleness accounting.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import numpy as np
 
 from fluxjax.models.inputs import SequenceInputs
+from fluxjax.parallel.batch import TrainSequence
 from fluxjax.rl import advantages as adv_lib
 from fluxjax.rollout.client import Completion
-from fluxjax.parallel.batch import TrainSequence
 
 
 @dataclasses.dataclass
@@ -34,6 +33,7 @@ class Group:
     rewards: one reward per completion.
     answer: the reference answer (for metrics).
   """
+
   key: str
   prompt: SequenceInputs
   completions: list[Completion]
@@ -41,37 +41,47 @@ class Group:
   answer: str | None = None
 
 
-def group_sequences(group: Group, *, std_normalize: bool = True,
-                    agg_mode: str = "token-mean") -> list[TrainSequence]:
+def group_sequences(
+  group: Group, *, std_normalize: bool = True, agg_mode: str = "token-mean"
+) -> list[TrainSequence]:
   """The group's responses as trainer sequences (see module docstring)."""
   if len(group.completions) != len(group.rewards):
-    raise ValueError(f"group {group.key}: {len(group.completions)} completions but "
-                     f"{len(group.rewards)} rewards")
+    raise ValueError(
+      f"group {group.key}: {len(group.completions)} completions but {len(group.rewards)} rewards"
+    )
   advantages = adv_lib.grpo_advantages_GR(
-      np.asarray(group.rewards, np.float32)[None], std_normalize=std_normalize)[0]
+    np.asarray(group.rewards, np.float32)[None], std_normalize=std_normalize
+  )[0]
   prompt_len = len(group.prompt)
   out = []
   for completion, advantage in zip(group.completions, advantages):
     if not completion.output_ids:
       raise ValueError(f"group {group.key}: empty response {completion.rid}")
-    if any(lp is None for lp in completion.logprobs) or \
-        len(completion.logprobs) != len(completion.output_ids):
-      raise ValueError(f"group {group.key}: response {completion.rid} lacks behaviour "
-                       "logprobs (request them with return_logprob)")
+    if any(lp is None for lp in completion.logprobs) or len(completion.logprobs) != len(
+      completion.output_ids
+    ):
+      raise ValueError(
+        f"group {group.key}: response {completion.rid} lacks behaviour "
+        "logprobs (request them with return_logprob)"
+      )
     seq = group.prompt.extend(completion.output_ids)
     response = np.zeros(len(seq), np.float32)
     response[prompt_len:] = 1.0
     behaviour = np.zeros(len(seq), np.float32)
     behaviour[prompt_len:] = np.asarray(completion.logprobs, np.float32)
-    out.append(TrainSequence(
+    out.append(
+      TrainSequence(
         inputs=seq,
         loss_mask_T=adv_lib.aggregation_weights(response, agg_mode),
         advantages_T=adv_lib.token_advantages(float(advantage), response),
-        old_logprobs_T=behaviour))
+        old_logprobs_T=behaviour,
+      )
+    )
   return out
 
 
 def weight_versions(group: Group) -> list[int]:
   """The policy version that produced each response (for staleness)."""
-  return [int(c.weight_version) if str(c.weight_version).isdigit() else 0
-          for c in group.completions]
+  return [
+    int(c.weight_version) if str(c.weight_version).isdigit() else 0 for c in group.completions
+  ]

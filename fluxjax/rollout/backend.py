@@ -45,6 +45,7 @@ class SlotStats:
     decode_steps: decode steps run so far (each step computes every slot).
     num_slots: sequences decoded together in one step.
   """
+
   decode_steps: int
   num_slots: int
 
@@ -86,11 +87,9 @@ class RolloutBackend(Sampler, Protocol):
     """Releases everything `start` and the constructor acquired (threads, sessions)."""
     ...
 
-  async def __aenter__(self: B) -> B:
-    ...
+  async def __aenter__(self: B) -> B: ...
 
-  async def __aexit__(self, *exc: object) -> None:
-    ...
+  async def __aexit__(self, *exc: object) -> None: ...
 
   async def publish(self, model: vlm.Qwen25VL, version: int) -> PublishReport:
     """Makes `model`'s weights the policy every later request samples from.
@@ -148,7 +147,7 @@ class LoopThread:
       self.loop.call_soon_threadsafe(self.loop.stop)
       self._thread.join(timeout=timeout)
 
-  def __enter__(self) -> "LoopThread":
+  def __enter__(self) -> LoopThread:
     self.start()
     return self
 
@@ -169,5 +168,5 @@ class LoopThread:
     finally:
       try:
         self.call(backend.close(), timeout=close_timeout)
-      except Exception:  # noqa: BLE001 - closing after the run, possibly after a failure
+      except Exception:
         log.exception("closing the rollout backend")

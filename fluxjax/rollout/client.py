@@ -39,6 +39,7 @@ class Completion:
     server: URL of the server that produced it.
     meta_info: the full meta_info dict.
   """
+
   rid: str
   text: str
   output_ids: list[int]
@@ -67,24 +68,36 @@ class Completion:
     return [str(self.weight_version if default is None else default)] * len(self.output_ids)
 
   @classmethod
-  def from_response(cls, body: dict, server: str) -> "Completion":
+  def from_response(cls, body: dict, server: str) -> Completion:
     meta = body["meta_info"]
     lps = meta.get("output_token_logprobs") or []
-    return cls(rid=meta["id"], text=body.get("text", ""), output_ids=list(body["output_ids"]),
-               logprobs=[x[0] for x in lps], finish_reason=meta["finish_reason"],
-               prompt_tokens=meta.get("prompt_tokens"),
-               weight_version=str(meta.get("weight_version")), server=server, meta_info=meta)
+    return cls(
+      rid=meta["id"],
+      text=body.get("text", ""),
+      output_ids=list(body["output_ids"]),
+      logprobs=[x[0] for x in lps],
+      finish_reason=meta["finish_reason"],
+      prompt_tokens=meta.get("prompt_tokens"),
+      weight_version=str(meta.get("weight_version")),
+      server=server,
+      meta_info=meta,
+    )
 
 
-_CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
-                      asyncio.TimeoutError, ConnectionError)
+_CONNECTION_ERRORS = (
+  aiohttp.ClientConnectionError,
+  aiohttp.ClientPayloadError,
+  asyncio.TimeoutError,
+  ConnectionError,
+)
 
 
 class SGLangClient:
   """Calls one server. Shares the caller's aiohttp session when given."""
 
-  def __init__(self, url: str, session: aiohttp.ClientSession | None = None,
-               timeout_s: float = 3600.0):
+  def __init__(
+    self, url: str, session: aiohttp.ClientSession | None = None, timeout_s: float = 3600.0
+  ):
     self.url = url.rstrip("/")
     self._session = session
     self._own_session = session is None
@@ -100,8 +113,9 @@ class SGLangClient:
     if self._own_session and self._session is not None:
       await self._session.close()
 
-  async def request(self, method: str, path: str, body: Any = None,
-                    timeout_s: float | None = None) -> tuple[int, Any]:
+  async def request(
+    self, method: str, path: str, body: Any = None, timeout_s: float | None = None
+  ) -> tuple[int, Any]:
     """(status, parsed JSON or text). Raises ServerUnavailable / RequestRejected."""
     session = await self.session()
     timeout = self.timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
@@ -167,12 +181,20 @@ class SGLangClient:
         await asyncio.sleep(delay_s)
     raise ServerUnavailable(f"{self.url}: flush_cache kept failing")
 
-  async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                     abort_all_requests: bool = False) -> dict:
-    _, data = await self.request("POST", "/update_weights_from_disk", {
-        "model_path": model_path, "load_format": None, "flush_cache": True,
+  async def update_weights_from_disk(
+    self, model_path: str, weight_version: str | None = None, abort_all_requests: bool = False
+  ) -> dict:
+    _, data = await self.request(
+      "POST",
+      "/update_weights_from_disk",
+      {
+        "model_path": model_path,
+        "load_format": None,
+        "flush_cache": True,
         "abort_all_requests": abort_all_requests,
-        "weight_version": None if weight_version is None else str(weight_version)})
+        "weight_version": None if weight_version is None else str(weight_version),
+      },
+    )
     if not data.get("success"):
       raise RequestRejected(f"{self.url}: {data.get('message')}")
     return data

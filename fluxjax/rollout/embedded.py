@@ -14,7 +14,8 @@ import asyncio
 from fluxjax.models import processor, vlm
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import engine as engine_lib
-from fluxjax.rollout import prompt, protocol, publish as publish_lib
+from fluxjax.rollout import prompt, protocol
+from fluxjax.rollout import publish as publish_lib
 from fluxjax.rollout.backend import SlotStats
 from fluxjax.rollout.client import Completion, RequestRejected
 
@@ -27,12 +28,20 @@ class EmbeddedRollout:
 
   url = "embedded"
 
-  def __init__(self, model: vlm.Qwen25VL, tokenizer: Tokenizer, *, num_slots: int = 8,
-               context_length: int = 512, seed: int = 0,
-               proc_cfg: processor.VisionProcessorConfig | None = None):
+  def __init__(
+    self,
+    model: vlm.Qwen25VL,
+    tokenizer: Tokenizer,
+    *,
+    num_slots: int = 8,
+    context_length: int = 512,
+    seed: int = 0,
+    proc_cfg: processor.VisionProcessorConfig | None = None,
+  ):
     self.tokenizer = tokenizer
-    self.engine = engine_lib.Engine(model, tokenizer, num_slots=num_slots,
-                                    capacity=context_length, seed=seed)
+    self.engine = engine_lib.Engine(
+      model, tokenizer, num_slots=num_slots, capacity=context_length, seed=seed
+    )
     # Must equal the trainer's: the prompt's pad-token counts come from it.
     self.proc_cfg = proc_cfg or processor.VisionProcessorConfig()
     self.engine.start()
@@ -42,16 +51,20 @@ class EmbeddedRollout:
     loop = asyncio.get_running_loop()
     try:
       req = protocol.parse_generate(body)
-      seq = await loop.run_in_executor(None, prompt.build_sequence, req, self.tokenizer,
-                                       self.engine.cfg, self.proc_cfg)
+      seq = await loop.run_in_executor(
+        None, prompt.build_sequence, req, self.tokenizer, self.engine.cfg, self.proc_cfg
+      )
       done = loop.create_future()
 
       def on_event(r):
         if r.finish_reason is not None:
           loop.call_soon_threadsafe(lambda: done.done() or done.set_result(r))
 
-      ereq = self.engine.submit(engine_lib.EngineRequest(
-          req.rid, seq, req.sampling, return_logprob=req.return_logprob, on_event=on_event))
+      ereq = self.engine.submit(
+        engine_lib.EngineRequest(
+          req.rid, seq, req.sampling, return_logprob=req.return_logprob, on_event=on_event
+        )
+      )
     except protocol.ProtocolError as e:
       raise RequestRejected(str(e)) from e
     try:
@@ -75,14 +88,16 @@ class EmbeddedRollout:
     step, which must not stall the event loop.
     """
     return await asyncio.get_running_loop().run_in_executor(
-        None, publish_lib.publish_in_process, [self], model, version)
+      None, publish_lib.publish_in_process, [self], model, version
+    )
 
   def metrics(self) -> dict[str, float]:
     return {}
 
   def slot_stats(self) -> SlotStats:
-    return SlotStats(decode_steps=int(self.engine.stats["decode_steps"]),
-                     num_slots=self.engine.num_slots)
+    return SlotStats(
+      decode_steps=int(self.engine.stats["decode_steps"]), num_slots=self.engine.num_slots
+    )
 
   async def start(self) -> None:
     """Nothing to open: the engine's thread runs from construction."""
@@ -90,7 +105,7 @@ class EmbeddedRollout:
   async def close(self) -> None:
     self.engine.stop()
 
-  async def __aenter__(self) -> "EmbeddedRollout":
+  async def __aenter__(self) -> EmbeddedRollout:
     await self.start()
     return self
 

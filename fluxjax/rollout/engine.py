@@ -20,9 +20,9 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,18 +47,19 @@ class EngineRequest:
   `on_event(req)` is called from the engine thread after each new token and
   once more when the request finishes (`finish_reason` set).
   """
+
   rid: str
   prompt: SequenceInputs
   sampling: SamplingParams
   return_logprob: bool = True
-  on_event: Callable[["EngineRequest"], None] | None = None
+  on_event: Callable[[EngineRequest], None] | None = None
   output_ids: list[int] = dataclasses.field(default_factory=list)
   output_logprobs: list[float] = dataclasses.field(default_factory=list)
   # The weight version that sampled each output token: a request may span a
   # weight update (partial rollout), and staleness is counted per token.
   output_versions: list[str] = dataclasses.field(default_factory=list)
   finish_reason: dict | None = None
-  finished_text: str | None = None   # text after stop trimming, set at the end
+  finished_text: str | None = None  # text after stop trimming, set at the end
   created: float = dataclasses.field(default_factory=time.time)
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
   # Engine bookkeeping.
@@ -91,8 +92,11 @@ def _cache_sharding(state: nnx.State, shape) -> jax.sharding.Sharding | None:
   """The KV cache's layout on the parameters' mesh; None for a one-device model."""
   for leaf in jax.tree.leaves(state):
     sharding = leaf.sharding if isinstance(leaf, jax.Array) else None
-    if (isinstance(sharding, jax.sharding.NamedSharding)
-        and isinstance(sharding.mesh, jax.sharding.Mesh) and sharding.mesh.size > 1):
+    if (
+      isinstance(sharding, jax.sharding.NamedSharding)
+      and isinstance(sharding.mesh, jax.sharding.Mesh)
+      and sharding.mesh.size > 1
+    ):
       return rules.kv_cache_sharding(shape, sharding.mesh)
   return None
 
@@ -105,9 +109,17 @@ def _pin(cache: decode.KVCache, sharding: jax.sharding.Sharding | None) -> decod
 class Engine:
   """Continuous batching over `num_slots` slots of `capacity` tokens each."""
 
-  def __init__(self, model: vlm.Qwen25VL, tokenizer: Tokenizer, *, num_slots: int = 8,
-               capacity: int = 512, seed: int = 0, weight_version: str = "default",
-               prefill_buckets: Sequence[int] | None = None):
+  def __init__(
+    self,
+    model: vlm.Qwen25VL,
+    tokenizer: Tokenizer,
+    *,
+    num_slots: int = 8,
+    capacity: int = 512,
+    seed: int = 0,
+    weight_version: str = "default",
+    prefill_buckets: Sequence[int] | None = None,
+  ):
     self.cfg = model.cfg
     self.tokenizer = tokenizer
     self.num_slots = num_slots
@@ -141,17 +153,20 @@ class Engine:
 
     graphdef = self._graphdef
 
-    def prefill_fn(state, cache, slot, tokens_P, positions_3P, length, vis, temp, top_p, top_k,
-                   seed):
+    def prefill_fn(
+      state, cache, slot, tokens_P, positions_3P, length, vis, temp, top_p, top_k, seed
+    ):
       model = nnx.merge(graphdef, state)
       logits_V, cache = decode.prefill(model, cache, slot, tokens_P, positions_3P, length, vis)
       cache = _pin(cache, cache_sharding)
-      tok, lp = sampling.sample(logits_V[None], temp[None], top_p[None], top_k[None],
-                                seed[None], jnp.zeros((1,), jnp.int32))
+      tok, lp = sampling.sample(
+        logits_V[None], temp[None], top_p[None], top_k[None], seed[None], jnp.zeros((1,), jnp.int32)
+      )
       return tok[0], lp[0], cache
 
-    def decode_fn(state, cache, tokens_S, lengths_S, rope_pos_S, steps_S, temp_S, top_p_S,
-                  top_k_S, seed_S):
+    def decode_fn(
+      state, cache, tokens_S, lengths_S, rope_pos_S, steps_S, temp_S, top_p_S, top_k_S, seed_S
+    ):
       model = nnx.merge(graphdef, state)
       logits_SV, cache = decode.decode_step(model, cache, tokens_S, lengths_S, rope_pos_S)
       cache = _pin(cache, cache_sharding)
@@ -170,16 +185,20 @@ class Engine:
     if n == 0:
       raise ProtocolError("the prompt is empty")
     if n >= self.capacity:
-      raise ProtocolError(f"the input ({n} tokens) is longer than the model's context "
-                          f"length ({self.capacity} tokens)")
+      raise ProtocolError(
+        f"the input ({n} tokens) is longer than the model's context length ({self.capacity} tokens)"
+      )
     vocab = self.cfg.text.vocab_size
     if int(req.prompt.tokens_T.max()) >= vocab:
       raise ProtocolError(f"input_ids must be < vocab_size {vocab}")
     limit = self.capacity - n
     mnt = req.sampling.max_new_tokens
     req.max_new = limit if mnt is None else min(mnt, limit)
-    req.seed = (req.sampling.sampling_seed if req.sampling.sampling_seed is not None
-                else int(self._rng.integers(0, 2**31)))
+    req.seed = (
+      req.sampling.sampling_seed
+      if req.sampling.sampling_seed is not None
+      else int(self._rng.integers(0, 2**31))
+    )
     with self._cv:
       if req.rid in self._by_rid:
         raise ProtocolError(f"a request with rid {req.rid!r} is already running")
@@ -188,12 +207,14 @@ class Engine:
       self._cv.notify_all()
     return req
 
-  def abort(self, rid: str | None = None, abort_all: bool = False,
-            message: str = "Abort") -> int:
+  def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "Abort") -> int:
     """Marks requests for abort; they finish at the next step boundary."""
     with self._cv:
-      victims = list(self._by_rid.values()) if abort_all else (
-          [self._by_rid[rid]] if rid in self._by_rid else [])
+      victims = (
+        list(self._by_rid.values())
+        if abort_all
+        else ([self._by_rid[rid]] if rid in self._by_rid else [])
+      )
       for req in victims:
         req.abort_message = message
       self._cv.notify_all()
@@ -222,9 +243,12 @@ class Engine:
   def load(self) -> dict:
     with self._cv:
       running = [r for r in self._slots if r is not None]
-      return {"num_reqs": len(running) + len(self._waiting),
-              "num_running_reqs": len(running), "num_waiting_reqs": len(self._waiting),
-              "num_tokens": int(sum(len(r.prompt) + len(r.output_ids) for r in running))}
+      return {
+        "num_reqs": len(running) + len(self._waiting),
+        "num_running_reqs": len(running),
+        "num_waiting_reqs": len(self._waiting),
+        "num_tokens": int(sum(len(r.prompt) + len(r.output_ids) for r in running)),
+      }
 
   def idle(self) -> bool:
     with self._cv:
@@ -244,16 +268,16 @@ class Engine:
     """Reads an HF checkpoint folder (same architecture) and swaps it in."""
     disk = config_lib.load_hf_config(path)
     if (disk.text, disk.vision) != (self.cfg.text, self.cfg.vision):
-      raise ProtocolError(f"checkpoint at {path} has a different architecture than the "
-                          "served model")
+      raise ProtocolError(
+        f"checkpoint at {path} has a different architecture than the served model"
+      )
     model = hf_io.load_hf_checkpoint(path, self.cfg)
     self.update_params(nnx.split(model)[1], weight_version)
 
   # --- the loop ---------------------------------------------------------------------
 
   def start(self) -> None:
-    self._thread = threading.Thread(target=self.run_forever, name="rollout-engine",
-                                    daemon=True)
+    self._thread = threading.Thread(target=self.run_forever, name="rollout-engine", daemon=True)
     self._thread.start()
 
   def stop(self) -> None:
@@ -272,7 +296,7 @@ class Engine:
           return
       try:
         self.step()
-      except Exception:  # noqa: BLE001  a failing step must not kill the server silently
+      except Exception:
         log.exception("engine step failed; aborting the running requests")
         self.abort(abort_all=True, message="Abort: engine error")
         with self._step_lock:
@@ -354,13 +378,24 @@ class Engine:
     if req.prompt.media:
       media = req.prompt.decoded_media()
       cap = _patch_bucket(req.prompt.num_patches, self.cfg.vision.merge_unit)
-      vis = vision.make_vision_inputs([m.patches for m in media], [m.grid_thw for m in media],
-                                      self.cfg.vision, cap)
+      vis = vision.make_vision_inputs(
+        [m.patches for m in media], [m.grid_thw for m in media], self.cfg.vision, cap
+      )
     self._set_slot_sampling(req)
     s = req.slot
     tok, lp, self._cache = self._prefill(
-        self._state, self._cache, np.int32(s), tokens, positions, np.int32(n), vis,
-        self._temperature_S[s], self._top_p_S[s], self._top_k_S[s], self._seed_S[s])
+      self._state,
+      self._cache,
+      np.int32(s),
+      tokens,
+      positions,
+      np.int32(n),
+      vis,
+      self._temperature_S[s],
+      self._top_p_S[s],
+      self._top_k_S[s],
+      self._seed_S[s],
+    )
     tok, lp = int(tok), float(lp)
     self.stats["prefill_s"] += time.perf_counter() - t0
     self._lengths_S[s] = n
@@ -369,12 +404,19 @@ class Engine:
 
   def _decode_all(self, active: list[int]) -> None:
     t0 = time.perf_counter()
-    steps_S = np.array([len(r.output_ids) if r is not None else 0 for r in self._slots],
-                       np.int32)
+    steps_S = np.array([len(r.output_ids) if r is not None else 0 for r in self._slots], np.int32)
     tok_S, lp_S, self._cache = self._decode(
-        self._state, self._cache, self._tokens_S, self._lengths_S,
-        self._lengths_S + self._delta_S, steps_S, self._temperature_S, self._top_p_S,
-        self._top_k_S, self._seed_S)
+      self._state,
+      self._cache,
+      self._tokens_S,
+      self._lengths_S,
+      self._lengths_S + self._delta_S,
+      steps_S,
+      self._temperature_S,
+      self._top_p_S,
+      self._top_k_S,
+      self._seed_S,
+    )
     tok_S, lp_S = jax.device_get((tok_S, lp_S))
     self.stats["decode_s"] += time.perf_counter() - t0
     self.stats["decode_steps"] += 1
@@ -438,40 +480,50 @@ def output_text(req: EngineRequest, tokenizer: Tokenizer) -> str:
   sp = req.sampling
   ids = req.output_ids
   reason = req.finish_reason or {}
-  if (reason.get("type") == "stop" and isinstance(reason.get("matched"), int)
-      and not sp.no_stop_trim):
+  if (
+    reason.get("type") == "stop" and isinstance(reason.get("matched"), int) and not sp.no_stop_trim
+  ):
     ids = ids[:-1]
   text = tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
-  if (reason.get("type") == "stop" and isinstance(reason.get("matched"), str)
-      and not sp.no_stop_trim):
+  if (
+    reason.get("type") == "stop" and isinstance(reason.get("matched"), str) and not sp.no_stop_trim
+  ):
     cut = text.find(reason["matched"])
     text = text[:cut] if cut >= 0 else text
   return text
 
 
-def response(req: EngineRequest, tokenizer: Tokenizer, weight_version: str,
-             return_text_in_logprobs: bool = False) -> dict:
+def response(
+  req: EngineRequest,
+  tokenizer: Tokenizer,
+  weight_version: str,
+  return_text_in_logprobs: bool = False,
+) -> dict:
   """The /generate response body (also each streamed chunk, cumulative)."""
   done = req.finish_reason is not None
   text = req.finished_text if done else output_text(req, tokenizer)
   meta: dict[str, Any] = {
-      "id": req.rid,
-      "finish_reason": req.finish_reason,
-      "prompt_tokens": req.prompt_tokens,
-      "weight_version": weight_version,
-      "total_retractions": 0,
-      "completion_tokens": len(req.output_ids),
-      "cached_tokens": 0,
-      # fluxjax extension (SGLang sends only weight_version): per-token versions.
-      "output_token_weight_versions": list(req.output_versions),
+    "id": req.rid,
+    "finish_reason": req.finish_reason,
+    "prompt_tokens": req.prompt_tokens,
+    "weight_version": weight_version,
+    "total_retractions": 0,
+    "completion_tokens": len(req.output_ids),
+    "cached_tokens": 0,
+    # fluxjax extension (SGLang sends only weight_version): per-token versions.
+    "output_token_weight_versions": list(req.output_versions),
   }
   if req.return_logprob:
     meta["input_token_logprobs"] = []
     # orjson writes NaN/Inf as null; so do we.
     meta["output_token_logprobs"] = [
-        [lp if np.isfinite(lp) else None, t,
-         tokenizer.decode([t]) if return_text_in_logprobs else None]
-        for lp, t in zip(req.output_logprobs, req.output_ids)]
+      [
+        lp if np.isfinite(lp) else None,
+        t,
+        tokenizer.decode([t]) if return_text_in_logprobs else None,
+      ]
+      for lp, t in zip(req.output_logprobs, req.output_ids)
+    ]
   if done:
     meta["e2e_latency"] = time.time() - req.created
     meta["response_sent_to_client_ts"] = time.time()

@@ -1,12 +1,12 @@
 """The rollout backend a run config's `rollout` section names.
 
-  backend = "embedded"  the JAX engine in this process (rollout/embedded.py),
-                        serving the trainer's model;
-  backend = "sglang"    a `Fleet` of servers speaking SGLang's native API:
-                        `urls` of running servers, or `launch` (a command
-                        such as ["python", "-m", "sglang.launch_server",
-                        "--model-path", M], given --port) started
-                        `num_servers` times.
+backend = "embedded"  the JAX engine in this process (rollout/embedded.py),
+                      serving the trainer's model;
+backend = "sglang"    a `Fleet` of servers speaking SGLang's native API:
+                      `urls` of running servers, or `launch` (a command
+                      such as ["python", "-m", "sglang.launch_server",
+                      "--model-path", M], given --port) started
+                      `num_servers` times.
 """
 
 from __future__ import annotations
@@ -27,14 +27,21 @@ def check_config(cfg) -> None:
   if backend not in BACKENDS:
     raise ValueError(f"rollout.backend must be embedded or sglang, got {backend!r}")
   if backend == "sglang" and not (cfg.get("urls") or cfg.get("launch")):
-    raise ValueError("rollout.backend=sglang needs rollout.urls (running servers) or "
-                     "rollout.launch (a command that starts one, given --port)")
+    raise ValueError(
+      "rollout.backend=sglang needs rollout.urls (running servers) or "
+      "rollout.launch (a command that starts one, given --port)"
+    )
 
 
-def make_backend(cfg, *, model: vlm.Qwen25VL | None = None, tokenizer: Tokenizer | None = None,
-                 seed: int = 0, proc_cfg: VisionProcessorConfig | None = None,
-                 weights_root: str | None = None
-                 ) -> tuple[RolloutBackend, fleet.LaunchedServers | None]:
+def make_backend(
+  cfg,
+  *,
+  model: vlm.Qwen25VL | None = None,
+  tokenizer: Tokenizer | None = None,
+  seed: int = 0,
+  proc_cfg: VisionProcessorConfig | None = None,
+  weights_root: str | None = None,
+) -> tuple[RolloutBackend, fleet.LaunchedServers | None]:
   """Builds the backend of a `rollout` config section.
 
   Args:
@@ -54,14 +61,23 @@ def make_backend(cfg, *, model: vlm.Qwen25VL | None = None, tokenizer: Tokenizer
   if cfg.get("backend", "embedded") == "embedded":
     if model is None or tokenizer is None:
       raise ValueError("the embedded backend needs the model and tokenizer")
-    return embedded.EmbeddedRollout(model, tokenizer, num_slots=cfg.get("num_slots", 8),
-                                    context_length=cfg.get("context_length", 512), seed=seed,
-                                    proc_cfg=proc_cfg), None
+    return embedded.EmbeddedRollout(
+      model,
+      tokenizer,
+      num_slots=cfg.get("num_slots", 8),
+      context_length=cfg.get("context_length", 512),
+      seed=seed,
+      proc_cfg=proc_cfg,
+    ), None
   urls = list(cfg.get("urls") or [])
   launched = None
   if not urls:
-    launched = fleet.launch_servers(list(cfg.get("launch")), int(cfg.get("num_servers", 1)),
-                                    timeout_s=float(cfg.get("launch_timeout_s", 600)))
+    launched = fleet.launch_servers(
+      list(cfg.get("launch")),
+      int(cfg.get("num_servers", 1)),
+      timeout_s=float(cfg.get("launch_timeout_s", 600)),
+    )
     urls = launched.urls
-  return fleet.Fleet(urls, health_interval_s=float(cfg.get("health_interval_s", 2.0)),
-                     weights_root=weights_root), launched
+  return fleet.Fleet(
+    urls, health_interval_s=float(cfg.get("health_interval_s", 2.0)), weights_root=weights_root
+  ), launched

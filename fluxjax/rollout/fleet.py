@@ -38,8 +38,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from fluxjax.rollout.backend import SlotStats
-from fluxjax.rollout.client import (Completion, RequestRejected, ServerUnavailable,
-                                    SGLangClient)
+from fluxjax.rollout.client import Completion, RequestRejected, ServerUnavailable, SGLangClient
 
 if TYPE_CHECKING:  # JAX model code: loaded by `publish` only
   from fluxjax.models import vlm
@@ -93,15 +92,22 @@ class Fleet:
     weights_dtype: tensor dtype of the published checkpoints.
   """
 
-  def __init__(self, urls: Sequence[str], *, health_interval_s: float = 2.0,
-               request_timeout_s: float = 3600.0, max_attempts: int | None = None,
-               weights_root: str | None = None, weights_dtype: str = "bfloat16"):
+  def __init__(
+    self,
+    urls: Sequence[str],
+    *,
+    health_interval_s: float = 2.0,
+    request_timeout_s: float = 3600.0,
+    max_attempts: int | None = None,
+    weights_root: str | None = None,
+    weights_dtype: str = "bfloat16",
+  ):
     self._session: aiohttp.ClientSession | None = None
     self.weights_root = weights_root or os.path.join(tempfile.gettempdir(), "fluxjax_weights")
     self.weights_dtype = weights_dtype
     self.servers = [ServerState(SGLangClient(u, timeout_s=request_timeout_s)) for u in urls]
     self.affinity: dict[str, ServerState] = {}
-    self.where: dict[str, ServerState] = {}    # rid -> server running it
+    self.where: dict[str, ServerState] = {}  # rid -> server running it
     self.health_interval_s = health_interval_s
     self.max_attempts = max_attempts or 2 * len(self.servers)
     self._health_task: asyncio.Task | None = None
@@ -110,8 +116,11 @@ class Fleet:
   def metrics(self) -> dict[str, float]:
     """Fault counters for the metrics writer: retried requests, servers down."""
     down = sum(not s.healthy for s in self.servers)
-    return {"fleet/retries": float(self.retries), "fleet/servers_down": float(down),
-            "fleet/servers": float(len(self.servers))}
+    return {
+      "fleet/retries": float(self.retries),
+      "fleet/servers_down": float(down),
+      "fleet/servers": float(len(self.servers)),
+    }
 
   def slot_stats(self) -> SlotStats | None:
     """None: the servers' slots are not observable from here."""
@@ -120,10 +129,12 @@ class Fleet:
   async def publish(self, model: vlm.Qwen25VL, version: int) -> PublishReport:
     """Writes <weights_root>/v<version>, then pause -> update -> continue everywhere."""
     from fluxjax.rollout import publish  # local: the checkpoint writer is JAX code
-    return await publish.publish_to_fleet(self, model, self.weights_root, version,
-                                          dtype=self.weights_dtype)
 
-  async def __aenter__(self) -> "Fleet":
+    return await publish.publish_to_fleet(
+      self, model, self.weights_root, version, dtype=self.weights_dtype
+    )
+
+  async def __aenter__(self) -> Fleet:
     await self.start()
     return self
 
@@ -204,8 +215,9 @@ class Fleet:
         self.where.pop(rid, None)
     raise NoServerAvailable(f"request {rid} failed on every server: {last}")
 
-  async def generate_many(self, bodies: Sequence[dict], groups: Sequence[str | None] | None = None
-                          ) -> AsyncIterator[tuple[int, Completion | Exception]]:
+  async def generate_many(
+    self, bodies: Sequence[dict], groups: Sequence[str | None] | None = None
+  ) -> AsyncIterator[tuple[int, Completion | Exception]]:
     """Yields (index, completion or error) as each request finishes."""
     groups = groups or [None] * len(bodies)
 
@@ -271,11 +283,12 @@ class Fleet:
       await asyncio.sleep(self.health_interval_s)
       try:
         await self.check_health()
-      except Exception:  # noqa: BLE001  the loop must survive anything
+      except Exception:
         log.exception("health check loop")
 
 
 # --- launching ----------------------------------------------------------------------
+
 
 def free_port(host: str = "127.0.0.1") -> int:
   with socket.socket() as s:
@@ -286,6 +299,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 @dataclasses.dataclass
 class LaunchedServers:
   """Server processes started by `launch_servers`; `stop()` ends them."""
+
   urls: list[str]
   procs: list[subprocess.Popen]
   logs: list[str]
@@ -302,9 +316,15 @@ class LaunchedServers:
         p.wait()
 
 
-def launch_servers(cmd: Sequence[str], num_servers: int, *, host: str = "127.0.0.1",
-                   env: dict | None = None, timeout_s: float = 300.0,
-                   log_dir: str | None = None) -> LaunchedServers:
+def launch_servers(
+  cmd: Sequence[str],
+  num_servers: int,
+  *,
+  host: str = "127.0.0.1",
+  env: dict | None = None,
+  timeout_s: float = 300.0,
+  log_dir: str | None = None,
+) -> LaunchedServers:
   """Starts `cmd + --host H --port P` num_servers times and waits for /health.
 
   `cmd` is e.g. ["python", "-m", "sglang.launch_server", "--model-path", M]
@@ -320,8 +340,11 @@ def launch_servers(cmd: Sequence[str], num_servers: int, *, host: str = "127.0.0
     port = free_port(host)
     path = os.path.join(log_dir, f"server{i}.log")
     with open(path, "wb") as f:
-      procs.append(subprocess.Popen([*cmd, "--host", host, "--port", str(port)], stdout=f,
-                                    stderr=subprocess.STDOUT, env=env))
+      procs.append(
+        subprocess.Popen(
+          [*cmd, "--host", host, "--port", str(port)], stdout=f, stderr=subprocess.STDOUT, env=env
+        )
+      )
     urls.append(f"http://{host}:{port}")
     logs.append(path)
   launched = LaunchedServers(urls, procs, logs)
@@ -331,8 +354,10 @@ def launch_servers(cmd: Sequence[str], num_servers: int, *, host: str = "127.0.0
     while pending:
       for i in list(pending):
         if procs[i].poll() is not None:
-          raise RuntimeError(f"rollout server {i} exited with {procs[i].returncode}; "
-                             f"log: {open(logs[i]).read()[-2000:]}")
+          raise RuntimeError(
+            f"rollout server {i} exited with {procs[i].returncode}; "
+            f"log: {open(logs[i]).read()[-2000:]}"
+          )
         try:
           with urllib.request.urlopen(urls[i] + "/health", timeout=2) as r:
             if r.status == 200:

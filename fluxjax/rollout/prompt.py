@@ -48,8 +48,9 @@ def _materialize(item: str, kind: str, tmpdir: str, index: int) -> str:
   return path
 
 
-def load_media(req: GenerateRequest, proc: processor.VisionProcessorConfig
-               ) -> list[processor.ProcessedVision]:
+def load_media(
+  req: GenerateRequest, proc: processor.VisionProcessorConfig
+) -> list[processor.ProcessedVision]:
   """Decodes and preprocesses the request's images, then its videos."""
   out = []
   with tempfile.TemporaryDirectory(prefix="fluxjax-media-") as tmp:
@@ -73,23 +74,30 @@ def _spans(ids_T: np.ndarray, pad: int) -> list[tuple[int, int]]:
   return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
 
 
-def expand_prompt(ids: list[int], vision: list[processor.ProcessedVision],
-                  cfg: ModelConfig) -> np.ndarray:
+def expand_prompt(
+  ids: list[int], vision: list[processor.ProcessedVision], cfg: ModelConfig
+) -> np.ndarray:
   """Ids with every vision span holding its grid's number of pads."""
   ids_T = np.asarray(ids, np.int32)
   m = cfg.vision.spatial_merge_size
   pieces, cursor = [], 0
-  spans = sorted([(s, n, "image") for s, n in _spans(ids_T, cfg.image_token_id)]
-                 + [(s, n, "video") for s, n in _spans(ids_T, cfg.video_token_id)])
+  spans = sorted(
+    [(s, n, "image") for s, n in _spans(ids_T, cfg.image_token_id)]
+    + [(s, n, "video") for s, n in _spans(ids_T, cfg.video_token_id)]
+  )
   kinds = [k for _, _, k in spans]
   if kinds != [v.kind for v in vision]:
-    raise ProtocolError(f"the prompt's vision spans {kinds} do not match the media sent "
-                        f"({[v.kind for v in vision]}, images first then videos)")
+    raise ProtocolError(
+      f"the prompt's vision spans {kinds} do not match the media sent "
+      f"({[v.kind for v in vision]}, images first then videos)"
+    )
   for (start, n, kind), v in zip(spans, vision):
     want = processor.num_vision_tokens(v.grid_thw, m)
     if n not in (1, want):
-      raise ProtocolError(f"a {kind} span holds {n} pad tokens; expected 1 (unexpanded) or "
-                          f"{want} for grid {tuple(v.grid_thw)}")
+      raise ProtocolError(
+        f"a {kind} span holds {n} pad tokens; expected 1 (unexpanded) or "
+        f"{want} for grid {tuple(v.grid_thw)}"
+      )
     pad = cfg.image_token_id if kind == "image" else cfg.video_token_id
     pieces += [ids_T[cursor:start], np.full(want, pad, np.int32)]
     cursor = start + n
@@ -97,8 +105,12 @@ def expand_prompt(ids: list[int], vision: list[processor.ProcessedVision],
   return np.concatenate(pieces)
 
 
-def build_sequence(req: GenerateRequest, tokenizer: Tokenizer, cfg: ModelConfig,
-                   proc: processor.VisionProcessorConfig) -> SequenceInputs:
+def build_sequence(
+  req: GenerateRequest,
+  tokenizer: Tokenizer,
+  cfg: ModelConfig,
+  proc: processor.VisionProcessorConfig,
+) -> SequenceInputs:
   """The request's prompt as SequenceInputs (raises ProtocolError on bad input)."""
   if req.text is not None:
     ids = tokenizer.encode(req.text)
@@ -112,9 +124,11 @@ def build_sequence(req: GenerateRequest, tokenizer: Tokenizer, cfg: ModelConfig,
   order = _spans_order(ids, cfg)
   n_img, n_vid = len(req.image_data), len(req.video_data)
   if order.count("image") != n_img or order.count("video") != n_vid:
-    raise ProtocolError(f"the prompt has {order.count('image')} image and "
-                        f"{order.count('video')} video placeholder(s) but the request sent "
-                        f"{n_img} image(s) and {n_vid} video(s)")
+    raise ProtocolError(
+      f"the prompt has {order.count('image')} image and "
+      f"{order.count('video')} video placeholder(s) but the request sent "
+      f"{n_img} image(s) and {n_vid} video(s)"
+    )
   vision = load_media(req, proc)
   images = iter([v for v in vision if v.kind == "image"])
   videos = iter([v for v in vision if v.kind == "video"])
@@ -128,6 +142,8 @@ def build_sequence(req: GenerateRequest, tokenizer: Tokenizer, cfg: ModelConfig,
 
 def _spans_order(ids: list[int], cfg: ModelConfig) -> list[str]:
   ids_T = np.asarray(ids, np.int32)
-  spans = sorted([(s, "image") for s, _ in _spans(ids_T, cfg.image_token_id)]
-                 + [(s, "video") for s, _ in _spans(ids_T, cfg.video_token_id)])
+  spans = sorted(
+    [(s, "image") for s, _ in _spans(ids_T, cfg.image_token_id)]
+    + [(s, "video") for s, _ in _spans(ids_T, cfg.video_token_id)]
+  )
   return [k for _, k in spans]

@@ -25,32 +25,85 @@ from typing import Any
 # SamplingParams keys and defaults (sampling_params.py). An unknown key is an
 # error, as in SGLang (it builds SamplingParams(**dict)).
 SAMPLING_DEFAULTS: dict[str, Any] = {
-    "max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-    "min_new_tokens": 0, "stop": None, "stop_token_ids": None, "stop_regex": None,
-    "ignore_eos": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
-    "no_stop_trim": False, "n": 1, "json_schema": None, "regex": None, "ebnf": None,
-    "structural_tag": None, "logit_bias": None, "custom_params": None,
-    "stream_interval": None, "sampling_seed": None,
+  "max_new_tokens": 128,
+  "temperature": 1.0,
+  "top_p": 1.0,
+  "top_k": -1,
+  "min_p": 0.0,
+  "frequency_penalty": 0.0,
+  "presence_penalty": 0.0,
+  "repetition_penalty": 1.0,
+  "min_new_tokens": 0,
+  "stop": None,
+  "stop_token_ids": None,
+  "stop_regex": None,
+  "ignore_eos": False,
+  "skip_special_tokens": True,
+  "spaces_between_special_tokens": True,
+  "no_stop_trim": False,
+  "n": 1,
+  "json_schema": None,
+  "regex": None,
+  "ebnf": None,
+  "structural_tag": None,
+  "logit_bias": None,
+  "custom_params": None,
+  "stream_interval": None,
+  "sampling_seed": None,
 }
 # Known keys our engine does not implement: accepted only at their defaults, so
 # a request never silently gets different sampling than it asked for.
-_UNSUPPORTED = ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
-                "min_new_tokens", "stop_regex", "n", "json_schema", "regex", "ebnf",
-                "structural_tag", "logit_bias", "custom_params")
+_UNSUPPORTED = (
+  "min_p",
+  "frequency_penalty",
+  "presence_penalty",
+  "repetition_penalty",
+  "min_new_tokens",
+  "stop_regex",
+  "n",
+  "json_schema",
+  "regex",
+  "ebnf",
+  "structural_tag",
+  "logit_bias",
+  "custom_params",
+)
 GREEDY_EPS = 1e-6
 TOP_K_ALL = 1 << 30  # SGLang stores top_k = -1 as 1 << 30
 
 # Top-level GenerateReqInput fields. Those we do not use are accepted and ignored
 # when they hold their defaults.
 _GENERATE_FIELDS = {
-    "text", "input_ids", "input_embeds", "image_data", "video_data", "audio_data",
-    "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-    "token_ids_logprob", "return_text_in_logprobs", "stream", "return_hidden_states",
-    "return_routed_experts", "lora_path", "session_params", "session_id",
-    "custom_logit_processor", "priority", "routed_dp_rank", "extra_key",
-    "return_prompt_token_ids", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-    "data_parallel_rank", "log_metrics", "modalities",
+  "text",
+  "input_ids",
+  "input_embeds",
+  "image_data",
+  "video_data",
+  "audio_data",
+  "sampling_params",
+  "rid",
+  "return_logprob",
+  "logprob_start_len",
+  "top_logprobs_num",
+  "token_ids_logprob",
+  "return_text_in_logprobs",
+  "stream",
+  "return_hidden_states",
+  "return_routed_experts",
+  "lora_path",
+  "session_params",
+  "session_id",
+  "custom_logit_processor",
+  "priority",
+  "routed_dp_rank",
+  "extra_key",
+  "return_prompt_token_ids",
+  "bootstrap_host",
+  "bootstrap_port",
+  "bootstrap_room",
+  "data_parallel_rank",
+  "log_metrics",
+  "modalities",
 }
 
 
@@ -61,6 +114,7 @@ class ProtocolError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """Validated sampling parameters, after SGLang's normalization."""
+
   max_new_tokens: int | None = 128
   temperature: float = 1.0
   top_p: float = 1.0
@@ -77,22 +131,26 @@ class SamplingParams:
     return self.top_k == 1
 
   @classmethod
-  def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+  def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
     d = {} if d is None else d
     if not isinstance(d, dict):
       raise ProtocolError(f"sampling_params must be an object, got {type(d).__name__}")
     unknown = sorted(set(d) - set(SAMPLING_DEFAULTS))
     if unknown:
-      raise ProtocolError(f"unknown sampling parameter(s) {unknown}; SGLang accepts "
-                          f"{sorted(SAMPLING_DEFAULTS)}")
+      raise ProtocolError(
+        f"unknown sampling parameter(s) {unknown}; SGLang accepts {sorted(SAMPLING_DEFAULTS)}"
+      )
     p = {**SAMPLING_DEFAULTS, **d}
     for key in _UNSUPPORTED:
       if p[key] != SAMPLING_DEFAULTS[key]:
-        raise ProtocolError(f"sampling parameter {key!r}={p[key]!r} is not supported by "
-                            f"this server (only the default {SAMPLING_DEFAULTS[key]!r})")
+        raise ProtocolError(
+          f"sampling parameter {key!r}={p[key]!r} is not supported by "
+          f"this server (only the default {SAMPLING_DEFAULTS[key]!r})"
+        )
     max_new = p["max_new_tokens"]
-    if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool)
-                                or max_new < 0):
+    if max_new is not None and (
+      not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 0
+    ):
       raise ProtocolError(f"max_new_tokens must be a non-negative int or null, got {max_new!r}")
     temperature, top_p, top_k = p["temperature"], p["top_p"], p["top_k"]
     if not isinstance(temperature, (int, float)) or temperature < 0:
@@ -114,16 +172,24 @@ class SamplingParams:
     seed = p["sampling_seed"]
     if seed is not None and not isinstance(seed, int):
       raise ProtocolError(f"sampling_seed must be an int, got {seed!r}")
-    return cls(max_new_tokens=max_new, temperature=float(temperature), top_p=float(top_p),
-               top_k=int(top_k), stop=stop, stop_token_ids=tuple(stop_ids),
-               ignore_eos=bool(p["ignore_eos"]),
-               skip_special_tokens=bool(p["skip_special_tokens"]),
-               no_stop_trim=bool(p["no_stop_trim"]), sampling_seed=seed)
+    return cls(
+      max_new_tokens=max_new,
+      temperature=float(temperature),
+      top_p=float(top_p),
+      top_k=int(top_k),
+      stop=stop,
+      stop_token_ids=tuple(stop_ids),
+      ignore_eos=bool(p["ignore_eos"]),
+      skip_special_tokens=bool(p["skip_special_tokens"]),
+      no_stop_trim=bool(p["no_stop_trim"]),
+      sampling_seed=seed,
+    )
 
 
 @dataclasses.dataclass
 class GenerateRequest:
   """One (non-batched) /generate request."""
+
   rid: str
   sampling: SamplingParams
   text: str | None = None
@@ -186,14 +252,20 @@ def parse_generate(body: Any) -> GenerateRequest:
   if not isinstance(rid, str):
     raise ProtocolError("rid must be a string (batches are not supported)")
   return GenerateRequest(
-      rid=rid, sampling=SamplingParams.from_dict(body.get("sampling_params")), text=text,
-      input_ids=ids, image_data=media["image_data"], video_data=media["video_data"],
-      return_logprob=bool(body.get("return_logprob", False)),
-      return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
-      stream=bool(body.get("stream", False)))
+    rid=rid,
+    sampling=SamplingParams.from_dict(body.get("sampling_params")),
+    text=text,
+    input_ids=ids,
+    image_data=media["image_data"],
+    video_data=media["video_data"],
+    return_logprob=bool(body.get("return_logprob", False)),
+    return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
+    stream=bool(body.get("stream", False)),
+  )
 
 
 # --- finish reasons (schedule_batch.py FINISH_* classes) ---------------------------
+
 
 def finish_stop_token(token_id: int) -> dict:
   return {"type": "stop", "matched": int(token_id)}
@@ -218,14 +290,23 @@ def error_body(message: str) -> dict:
   return {"error": {"message": message}}
 
 
-def generate_request_body(input_ids: list[int] | None = None, *, text: str | None = None,
-                          sampling_params: dict | None = None, rid: str | None = None,
-                          image_data: list[str] | None = None,
-                          video_data: list[str] | None = None, return_logprob: bool = True,
-                          stream: bool = False) -> dict:
+def generate_request_body(
+  input_ids: list[int] | None = None,
+  *,
+  text: str | None = None,
+  sampling_params: dict | None = None,
+  rid: str | None = None,
+  image_data: list[str] | None = None,
+  video_data: list[str] | None = None,
+  return_logprob: bool = True,
+  stream: bool = False,
+) -> dict:
   """A /generate body as RL clients send it (slime / AReaL shape)."""
-  body: dict[str, Any] = {"sampling_params": dict(sampling_params or {}),
-                          "return_logprob": return_logprob, "stream": stream}
+  body: dict[str, Any] = {
+    "sampling_params": dict(sampling_params or {}),
+    "return_logprob": return_logprob,
+    "stream": stream,
+  }
   if text is not None:
     body["text"] = text
   if input_ids is not None:

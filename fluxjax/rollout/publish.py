@@ -36,19 +36,30 @@ class PublishReport:
   failed: list[str]
 
 
-def write_checkpoint(model: vlm.Qwen25VL, root: str, version: int | str, *,
-                     dtype: str = "bfloat16",
-                     extra_files: Mapping[str, str | bytes] | None = None) -> str:
+def write_checkpoint(
+  model: vlm.Qwen25VL,
+  root: str,
+  version: int | str,
+  *,
+  dtype: str = "bfloat16",
+  extra_files: Mapping[str, str | bytes] | None = None,
+) -> str:
   """Writes <root>/v<version> atomically and returns its path."""
   extra = {"tokenizer.json": tokenizer_lib.ASSET_PATH} if extra_files is None else extra_files
   path = os.path.join(root, f"v{version}")
   return hf_io.save_hf_checkpoint(model, path, dtype=dtype, extra_files=extra)
 
 
-async def publish_to_fleet(fleet, model: vlm.Qwen25VL, root: str, version: int | str, *,
-                           dtype: str = "bfloat16", pause_mode: str = "abort",
-                           extra_files: Mapping[str, str | bytes] | None = None
-                           ) -> PublishReport:
+async def publish_to_fleet(
+  fleet,
+  model: vlm.Qwen25VL,
+  root: str,
+  version: int | str,
+  *,
+  dtype: str = "bfloat16",
+  pause_mode: str = "abort",
+  extra_files: Mapping[str, str | bytes] | None = None,
+) -> PublishReport:
   """Writes the checkpoint, then pause -> flush -> update -> continue everywhere.
 
   Args:
@@ -66,14 +77,17 @@ async def publish_to_fleet(fleet, model: vlm.Qwen25VL, root: str, version: int |
   seconds = {}
   t = time.perf_counter()
   path = await asyncio.get_running_loop().run_in_executor(
-      None, lambda: write_checkpoint(model, root, version, dtype=dtype, extra_files=extra_files))
+    None, lambda: write_checkpoint(model, root, version, dtype=dtype, extra_files=extra_files)
+  )
   seconds["write"] = time.perf_counter() - t
   failed: list[str] = []
   v = str(version)
-  phases = (("pause", lambda c: c.pause(pause_mode)),
-            ("flush", lambda c: c.flush_cache()),
-            ("update", lambda c: c.update_weights_from_disk(path, v)),
-            ("resume", lambda c: c.resume()))
+  phases = (
+    ("pause", lambda c: c.pause(pause_mode)),
+    ("flush", lambda c: c.flush_cache()),
+    ("update", lambda c: c.update_weights_from_disk(path, v)),
+    ("resume", lambda c: c.resume()),
+  )
   for name, fn in phases:
     t = time.perf_counter()
     results = await fleet.broadcast(fn)
@@ -85,8 +99,7 @@ async def publish_to_fleet(fleet, model: vlm.Qwen25VL, root: str, version: int |
   return PublishReport(v, path, seconds, failed)
 
 
-def publish_in_process(engines: Sequence, model: vlm.Qwen25VL, version: int | str
-                       ) -> PublishReport:
+def publish_in_process(engines: Sequence, model: vlm.Qwen25VL, version: int | str) -> PublishReport:
   """Hands the arrays to in-process engines (Engine or EmbeddedRollout)."""
   from flax import nnx
 

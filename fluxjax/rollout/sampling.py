@@ -29,7 +29,7 @@ _NEG_INF = -jnp.inf
 def _truncate(scaled_SV, top_p_S, top_k_S):
   """Masks logits outside each slot's top-k and top-p nucleus (sort-based)."""
   vocab = scaled_SV.shape[-1]
-  sorted_SV = -jnp.sort(-scaled_SV, axis=-1)                      # descending
+  sorted_SV = -jnp.sort(-scaled_SV, axis=-1)  # descending
   k_S = jnp.clip(top_k_S, 1, vocab)
   kth_S = jnp.take_along_axis(sorted_SV, (k_S - 1)[:, None], axis=-1)[:, 0]
   probs_SV = jax.nn.softmax(sorted_SV, axis=-1)
@@ -42,8 +42,14 @@ def _truncate(scaled_SV, top_p_S, top_k_S):
   return jnp.where(scaled_SV >= threshold_S[:, None], scaled_SV, _NEG_INF)
 
 
-def sample(logits_SV: jax.Array, temperature_S: jax.Array, top_p_S: jax.Array,
-           top_k_S: jax.Array, seed_S: jax.Array, step_S: jax.Array):
+def sample(
+  logits_SV: jax.Array,
+  temperature_S: jax.Array,
+  top_p_S: jax.Array,
+  top_k_S: jax.Array,
+  seed_S: jax.Array,
+  step_S: jax.Array,
+):
   """Samples one token per slot.
 
   Args:
@@ -62,8 +68,9 @@ def sample(logits_SV: jax.Array, temperature_S: jax.Array, top_p_S: jax.Array,
   logp_SV = jax.nn.log_softmax(scaled_SV, axis=-1)
   needs_truncation = jnp.any((top_p_S < 1.0) | ((top_k_S > 1) & (top_k_S < vocab)))
   # The sort costs O(V log V) per slot; skip it when no slot truncates.
-  masked_SV = jax.lax.cond(needs_truncation, _truncate, lambda x, *_: x,
-                           scaled_SV, top_p_S, top_k_S)
+  masked_SV = jax.lax.cond(
+    needs_truncation, _truncate, lambda x, *_: x, scaled_SV, top_p_S, top_k_S
+  )
   keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seed_S, step_S)
   gumbel_SV = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
   sampled_S = jnp.argmax(masked_SV + gumbel_SV, axis=-1)

@@ -63,9 +63,11 @@ class RolloutServer:
     self.engine: engine_lib.Engine | None = None
     self.tokenizer: Tokenizer | None = None
     self.load_error: str | None = None
-    pixels = {k: getattr(args, k) for k in ("image_min_pixels", "image_max_pixels",
-                                             "video_min_pixels", "video_max_pixels")
-              if getattr(args, k) is not None}
+    pixels = {
+      k: getattr(args, k)
+      for k in ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels")
+      if getattr(args, k) is not None
+    }
     # The trainer must preprocess with the same limits (pad counts must agree).
     self.proc_cfg = processor.VisionProcessorConfig(**pixels)
     self.app = web.Application(client_max_size=256 << 20)
@@ -105,29 +107,40 @@ class RolloutServer:
         graphdef, state = nnx.split(model)
         model = nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))
         tok_path = a.tokenizer_path
-      tokenizer = (Tokenizer.from_file(tok_path) if tok_path and os.path.exists(tok_path)
-                   else Tokenizer.default())
-      engine = engine_lib.Engine(model, tokenizer, num_slots=a.num_slots,
-                                 capacity=a.context_length, seed=a.seed,
-                                 weight_version=a.weight_version)
+      tokenizer = (
+        Tokenizer.from_file(tok_path)
+        if tok_path and os.path.exists(tok_path)
+        else Tokenizer.default()
+      )
+      engine = engine_lib.Engine(
+        model,
+        tokenizer,
+        num_slots=a.num_slots,
+        capacity=a.context_length,
+        seed=a.seed,
+        weight_version=a.weight_version,
+      )
       engine.start()
       # Warm-up compiles the smallest prefill bucket and the decode step.
       warm = engine_lib.EngineRequest(
-          "warmup-" + uuid.uuid4().hex, _text_sequence([tokenizer.im_start_id], model.cfg),
-          protocol.SamplingParams(max_new_tokens=2, top_k=1))
+        "warmup-" + uuid.uuid4().hex,
+        _text_sequence([tokenizer.im_start_id], model.cfg),
+        protocol.SamplingParams(max_new_tokens=2, top_k=1),
+      )
       engine.submit(warm)
       warm.done.wait()
       self.tokenizer, self.engine = tokenizer, engine
       log.info("ready: %s slots x %s tokens", a.num_slots, a.context_length)
-    except Exception as e:  # noqa: BLE001  reported by /health
+    except Exception as e:
       log.exception("model load failed")
       self.load_error = f"{type(e).__name__}: {e}"
 
   def _ready(self) -> engine_lib.Engine:
     if self.engine is None:
       raise web.HTTPServiceUnavailable(
-          text=json.dumps(protocol.error_body(self.load_error or "the model is loading")),
-          content_type="application/json")
+        text=json.dumps(protocol.error_body(self.load_error or "the model is loading")),
+        content_type="application/json",
+      )
     return self.engine
 
   def _tokenizer(self) -> Tokenizer:
@@ -143,8 +156,9 @@ class RolloutServer:
     try:
       req = protocol.parse_generate(await _json_body(request))
       loop = asyncio.get_running_loop()
-      seq = await loop.run_in_executor(None, prompt.build_sequence, req, self._tokenizer(),
-                                       engine.cfg, self.proc_cfg)
+      seq = await loop.run_in_executor(
+        None, prompt.build_sequence, req, self._tokenizer(), engine.cfg, self.proc_cfg
+      )
     except ProtocolError as e:
       return _error(str(e))
     events: asyncio.Queue = asyncio.Queue()
@@ -152,8 +166,9 @@ class RolloutServer:
     def on_event(_: engine_lib.EngineRequest) -> None:  # called on the engine's thread
       loop.call_soon_threadsafe(events.put_nowait, None)
 
-    ereq = engine_lib.EngineRequest(req.rid, seq, req.sampling,
-                                    return_logprob=req.return_logprob, on_event=on_event)
+    ereq = engine_lib.EngineRequest(
+      req.rid, seq, req.sampling, return_logprob=req.return_logprob, on_event=on_event
+    )
     try:
       engine.submit(ereq)
     except ProtocolError as e:
@@ -170,13 +185,15 @@ class RolloutServer:
         engine.abort(ereq.rid, message="Abort: client disconnected")
 
   def _response(self, ereq, req) -> dict:
-    return engine_lib.response(ereq, self._tokenizer(), self._ready().weight_version,
-                               req.return_text_in_logprobs)
+    return engine_lib.response(
+      ereq, self._tokenizer(), self._ready().weight_version, req.return_text_in_logprobs
+    )
 
   async def _stream(self, request, ereq, events, req) -> web.StreamResponse:
     """SSE: cumulative chunks `data: {...}\\n\\n`, then `data: [DONE]`."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache"})
+    resp = web.StreamResponse(
+      headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
     await resp.prepare(request)
     sent = -1
     while True:
@@ -209,8 +226,9 @@ class RolloutServer:
     engine = self._ready()
     try:
       body = await _json_body(request)
-      await asyncio.get_running_loop().run_in_executor(None, engine.pause,
-                                                       body.get("mode") or "abort")
+      await asyncio.get_running_loop().run_in_executor(
+        None, engine.pause, body.get("mode") or "abort"
+      )
     except ProtocolError as e:
       return _error(str(e))
     return web.json_response({"message": "Generation paused."})
@@ -239,14 +257,17 @@ class RolloutServer:
         engine.abort(abort_all=True, message="Abort: weight update")
       version = body.get("weight_version")
       version = engine.weight_version if version is None else str(version)
-      await asyncio.get_running_loop().run_in_executor(None, engine.load_weights_from_disk,
-                                                       path, version)
+      await asyncio.get_running_loop().run_in_executor(
+        None, engine.load_weights_from_disk, path, version
+      )
     except (ProtocolError, OSError, ValueError, KeyError) as e:
-      return web.json_response({"success": False, "message": f"Failed to update weights: {e}",
-                                "num_paused_requests": 0}, status=400)
-    return web.json_response({"success": True,
-                              "message": "Succeeded to update model weights.",
-                              "num_paused_requests": 0})
+      return web.json_response(
+        {"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": 0},
+        status=400,
+      )
+    return web.json_response(
+      {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+    )
 
   async def update_weight_version(self, request: web.Request) -> web.Response:
     engine = self._ready()
@@ -266,8 +287,10 @@ class RolloutServer:
   async def health_generate(self, request: web.Request) -> web.Response:
     engine = self._ready()
     ereq = engine_lib.EngineRequest(
-        "health-" + uuid.uuid4().hex, _text_sequence([self._tokenizer().im_start_id], engine.cfg),
-        protocol.SamplingParams(max_new_tokens=1, top_k=1))
+      "health-" + uuid.uuid4().hex,
+      _text_sequence([self._tokenizer().im_start_id], engine.cfg),
+      protocol.SamplingParams(max_new_tokens=1, top_k=1),
+    )
     engine.submit(ereq)
     ok = await asyncio.get_running_loop().run_in_executor(None, ereq.done.wait, 20.0)
     if not ok or ereq.finish_reason is None or ereq.finish_reason["type"] == "abort":
@@ -277,22 +300,39 @@ class RolloutServer:
 
   async def model_info(self, request: web.Request) -> web.Response:
     engine = self._ready()
-    return web.json_response({
+    return web.json_response(
+      {
         "model_path": self.args.model_path or f"preset:{self.args.preset}",
-        "tokenizer_path": self.args.tokenizer_path, "is_generation": True,
-        "preferred_sampling_params": None, "weight_version": engine.weight_version,
-        "has_image_understanding": True, "has_audio_understanding": False,
-        "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"]})
+        "tokenizer_path": self.args.tokenizer_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": engine.weight_version,
+        "has_image_understanding": True,
+        "has_audio_understanding": False,
+        "model_type": "qwen2_5_vl",
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+      }
+    )
 
   async def server_info(self, request: web.Request) -> web.Response:
     engine = self._ready()
     a = self.args
-    return web.json_response({
-        "model_path": a.model_path or f"preset:{a.preset}", "tp_size": 1, "dp_size": 1,
-        "weight_version": engine.weight_version, "version": VERSION,
+    return web.json_response(
+      {
+        "model_path": a.model_path or f"preset:{a.preset}",
+        "tp_size": 1,
+        "dp_size": 1,
+        "weight_version": engine.weight_version,
+        "version": VERSION,
         "max_total_num_tokens": engine.num_slots * engine.capacity,
-        "context_length": engine.capacity, "max_running_requests": engine.num_slots,
-        "random_seed": a.seed, "dtype": a.dtype, "port": a.port, "host": a.host})
+        "context_length": engine.capacity,
+        "max_running_requests": engine.num_slots,
+        "random_seed": a.seed,
+        "dtype": a.dtype,
+        "port": a.port,
+        "host": a.host,
+      }
+    )
 
   async def get_weight_version(self, request: web.Request) -> web.Response:
     return web.json_response({"weight_version": self._ready().weight_version})
@@ -303,16 +343,21 @@ class RolloutServer:
 
 def _text_sequence(ids, cfg):
   from fluxjax.models import inputs  # local: only for warm-up/health prompts
+
   return inputs.sequence_from_tokens(ids, [], cfg)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--model-path", default=None, help="HF checkpoint folder")
-  p.add_argument("--preset", default="tiny", help="random weights of this preset "
-                 "when no --model-path is given")
-  p.add_argument("--tokenizer-path", default=None, help="tokenizer.json (default: the "
-                 "checkpoint's, else the shipped synthetic one)")
+  p.add_argument(
+    "--preset", default="tiny", help="random weights of this preset when no --model-path is given"
+  )
+  p.add_argument(
+    "--tokenizer-path",
+    default=None,
+    help="tokenizer.json (default: the checkpoint's, else the shipped synthetic one)",
+  )
   p.add_argument("--host", default="127.0.0.1")
   p.add_argument("--port", type=int, default=30000)
   p.add_argument("--seed", "--random-seed", type=int, default=0, dest="seed")
@@ -322,8 +367,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--weight-version", default="default")
   p.add_argument("--log-level", default="warning")
   for name in ("image-min-pixels", "image-max-pixels", "video-min-pixels", "video-max-pixels"):
-    p.add_argument(f"--{name}", type=int, default=None,
-                   help="vision resize limit (default: processor.VisionProcessorConfig's)")
+    p.add_argument(
+      f"--{name}",
+      type=int,
+      default=None,
+      help="vision resize limit (default: processor.VisionProcessorConfig's)",
+    )
   return p.parse_args(argv)
 
 
@@ -338,8 +387,9 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
   args = parse_args(argv)
-  logging.basicConfig(level=args.log_level.upper(),
-                      format="%(asctime)s %(name)s %(levelname)s %(message)s")
+  logging.basicConfig(
+    level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+  )
   asyncio.run(serve(args))
 
 

@@ -7,18 +7,18 @@ batch/sequence only.
 """
 
 # Weight axes.
-LAYERS = "layers"          # stacked decoder / vision blocks (scanned, never sharded)
+LAYERS = "layers"  # stacked decoder / vision blocks (scanned, never sharded)
 VOCAB = "vocab"
-EMBED = "embed"            # text model width
-MLP = "mlp"                # text MLP intermediate width
+EMBED = "embed"  # text model width
+MLP = "mlp"  # text MLP intermediate width
 Q_HEADS = "q_heads"
 KV_HEADS = "kv_heads"
 HEAD_DIM = "head_dim"
-VIS_EMBED = "vis_embed"    # vision tower width
-VIS_MLP = "vis_mlp"        # vision MLP intermediate width
+VIS_EMBED = "vis_embed"  # vision tower width
+VIS_MLP = "vis_mlp"  # vision MLP intermediate width
 VIS_HEADS = "vis_heads"
-PATCH = "patch"            # flattened (C, T, P, P) patch features
-MERGED = "merged"          # 2x2-merged vision width (4 * vis_embed)
+PATCH = "patch"  # flattened (C, T, P, P) patch features
+MERGED = "merged"  # 2x2-merged vision width (4 * vis_embed)
 
 # Activation axes.
 ACT_BATCH = "act_batch"
@@ -27,5 +27,17 @@ ACT_EMBED = "act_embed"
 ACT_HEADS = "act_heads"
 ACT_PATCHES = "act_patches"
 
-ALL_WEIGHT_AXES = (LAYERS, VOCAB, EMBED, MLP, Q_HEADS, KV_HEADS, HEAD_DIM,
-                   VIS_EMBED, VIS_MLP, VIS_HEADS, PATCH, MERGED)
+ALL_WEIGHT_AXES = (
+  LAYERS,
+  VOCAB,
+  EMBED,
+  MLP,
+  Q_HEADS,
+  KV_HEADS,
+  HEAD_DIM,
+  VIS_EMBED,
+  VIS_MLP,
+  VIS_HEADS,
+  PATCH,
+  MERGED,
+)

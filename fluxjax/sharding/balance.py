@@ -58,6 +58,7 @@ class CostShape:
     vocab: output vocabulary (the LM head is a per-token matmul too).
     bytes_per_elem: activation element size on the wire (2 for bf16).
   """
+
   num_layers: int
   hidden: int
   num_heads: int
@@ -131,7 +132,9 @@ def ulysses_all_to_all_bytes(tokens, sp: int, shape: CostShape):
   """
   q_heads = -(-shape.num_heads // sp) * sp
   kv_heads = -(-shape.num_kv_heads // sp) * sp
-  per_token = shape.head_dim * (2 * q_heads + 2 * kv_heads) * shape.bytes_per_elem * shape.num_layers
+  per_token = (
+    shape.head_dim * (2 * q_heads + 2 * kv_heads) * shape.bytes_per_elem * shape.num_layers
+  )
   out = (sp - 1) / sp * np.asarray(tokens, dtype=np.float64) * per_token
   return float(out) if out.ndim == 0 else out
 
@@ -199,11 +202,11 @@ def karmarkar_karp(costs: Sequence[float], k: int, equal_size: bool = False) -> 
 
   if equal_size:
     for g in range(n // k):
-      run = order[g * k:(g + 1) * k][::-1]
+      run = order[g * k : (g + 1) * k][::-1]
       push(c[run], run.astype(np.int64))
   else:
     for i in order[::-1]:
-      push(c[i:i + 1], np.array([i], dtype=np.int64))
+      push(c[i : i + 1], np.array([i], dtype=np.int64))
 
   while len(heap) > 1:
     _, _, _, a_sums, a_roots = heapq.heappop(heap)
@@ -252,8 +255,9 @@ def karmarkar_karp(costs: Sequence[float], k: int, equal_size: bool = False) -> 
   return parts
 
 
-def first_fit_decreasing(lengths: Sequence[int], capacity: int,
-                         items: Sequence[int] | None = None) -> list[list[int]]:
+def first_fit_decreasing(
+  lengths: Sequence[int], capacity: int, items: Sequence[int] | None = None
+) -> list[list[int]]:
   """Packs items into as few bins of `capacity` tokens as first-fit decreasing finds.
 
   Args:
@@ -323,8 +327,13 @@ def _split_microbatches(items: np.ndarray, c: np.ndarray, k: int) -> list[list[i
   return [[int(items[j]) for j in p] for p in parts]
 
 
-def lb_micro(costs: Sequence[float], lengths: Sequence[int], num_devices: int,
-             max_tokens: int, minibatch_size: int | None = None) -> list[Schedule]:
+def lb_micro(
+  costs: Sequence[float],
+  lengths: Sequence[int],
+  num_devices: int,
+  max_tokens: int,
+  minibatch_size: int | None = None,
+) -> list[Schedule]:
   """ODC's LB-Micro: every device runs the same number of microbatches.
 
   Per minibatch (ODC Appendix C, Listings 1 and 3 with the baseline settings):
@@ -364,8 +373,13 @@ def lb_micro(costs: Sequence[float], lengths: Sequence[int], num_devices: int,
   return out
 
 
-def lb_mini(costs: Sequence[float], lengths: Sequence[int], num_devices: int,
-            max_tokens: int, minibatch_size: int | None = None) -> list[Schedule]:
+def lb_mini(
+  costs: Sequence[float],
+  lengths: Sequence[int],
+  num_devices: int,
+  max_tokens: int,
+  minibatch_size: int | None = None,
+) -> list[Schedule]:
   """ODC's LB-Mini: balance whole minibatches; each device packs on its own.
 
   Per minibatch (ODC Appendix C, Listings 1 and 3 with the LB-Mini settings):
@@ -408,8 +422,9 @@ def lb_mini(costs: Sequence[float], lengths: Sequence[int], num_devices: int,
   return out
 
 
-def bubble_rate(schedules: Sequence[Schedule], costs: Sequence[float],
-                sync: SyncMode = "layer") -> float:
+def bubble_rate(
+  schedules: Sequence[Schedule], costs: Sequence[float], sync: SyncMode = "layer"
+) -> float:
   """Idle device time over total device time, as ODC defines its bubble rate.
 
   With per-layer sync (FSDP collectives) every microbatch step m lasts as long

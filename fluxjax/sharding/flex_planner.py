@@ -80,6 +80,7 @@ def comm_cost(h: float, p: int) -> float:
 @dataclasses.dataclass
 class Placement:
   """Where one sequence runs: degree p on the aligned group starting at `first`."""
+
   p: int
   first: int
 
@@ -91,6 +92,7 @@ class Placement:
 @dataclasses.dataclass
 class FlexPlacement:
   """The planner's output for one microbatch."""
+
   num_devices: int
   lengths: tuple[int, ...]
   placements: list[Placement]
@@ -111,7 +113,7 @@ def _loads(fp: FlexPlacement, power: int) -> np.ndarray:
   out = np.zeros(fp.num_devices)
   for h, pl in zip(fp.lengths, fp.placements):
     if pl.p:
-      out[pl.first:pl.first + pl.p] += float(h) ** power / pl.p
+      out[pl.first : pl.first + pl.p] += float(h) ** power / pl.p
   return out
 
 
@@ -136,8 +138,7 @@ class _State:
 
   @property
   def pl(self) -> list[Placement | None]:
-    return [Placement(p, f) if p else None
-            for p, f in zip(self.deg.tolist(), self.first.tolist())]
+    return [Placement(p, f) if p else None for p, f in zip(self.deg.tolist(), self.first.tolist())]
 
   def placements(self) -> list[Placement]:
     """`pl` once every sequence is placed."""
@@ -149,8 +150,8 @@ class _State:
       self.mem[first] += self.h[i]
       self.comp[first] += self.h2[i]
     else:
-      self.mem[first:first + p] += self.h[i] / p
-      self.comp[first:first + p] += self.h2[i] / p
+      self.mem[first : first + p] += self.h[i] / p
+      self.comp[first : first + p] += self.h2[i] / p
     self.deg[i], self.first[i] = p, first
 
   def remove(self, i):
@@ -159,8 +160,8 @@ class _State:
       self.mem[first] -= self.h[i]
       self.comp[first] -= self.h2[i]
     else:
-      self.mem[first:first + p] -= self.h[i] / p
-      self.comp[first:first + p] -= self.h2[i] / p
+      self.mem[first : first + p] -= self.h[i] / p
+      self.comp[first : first + p] -= self.h2[i] / p
     self.deg[i] = 0
 
   def on(self, t):
@@ -188,8 +189,7 @@ def _group_max(loads: np.ndarray, p: int) -> np.ndarray:
 
 
 # One level of `_Groups`: (mem, comp, full, changed, keys, ids, listed).
-_Table = tuple[list[float], list[float], float, set[int], list[float], list[int],
-               dict[int, float]]
+_Table = tuple[list[float], list[float], float, set[int], list[float], list[int], dict[int, float]]
 
 
 class _Groups:
@@ -216,7 +216,7 @@ class _Groups:
   hands them to the state.
   """
 
-  def __init__(self, s: "_State", lifted: Sequence[int] = ()):
+  def __init__(self, s: _State, lifted: Sequence[int] = ()):
     self.s = s
     self.h, self.h2 = s.h.tolist(), s.h2.tolist()
     level = s.loads.copy()
@@ -247,8 +247,10 @@ class _Groups:
       self.mem.append(mem)
       self.comp.append(comp)
       self.tables.append((mem, comp, self.room - shortest / (1 << k), set(), [], [], {}))
-    self.levels = [(k, mem, comp, changed)  # what `add` updates
-                   for k, (mem, comp, _, changed, *_) in enumerate(self.tables)]
+    self.levels = [
+      (k, mem, comp, changed)  # what `add` updates
+      for k, (mem, comp, _, changed, *_) in enumerate(self.tables)
+    ]
     self.unsorted = [True for _ in self.mem]  # not asked about yet
     self.min_mem = [-math.inf for _ in self.mem]  # a lower bound: loads only grow
 
@@ -263,8 +265,9 @@ class _Groups:
     if self.unsorted[k]:
       self.unsorted[k] = False
       # By compute, ties by index (the sort is stable).
-      ids[:] = sorted(itertools.compress(range(len(mem)), map(full.__ge__, mem)),
-                      key=comp.__getitem__)
+      ids[:] = sorted(
+        itertools.compress(range(len(mem)), map(full.__ge__, mem)), key=comp.__getitem__
+      )
       keys[:] = map(comp.__getitem__, ids)
       listed.update(zip(ids, keys))
       changed.clear()
@@ -327,7 +330,7 @@ class _Groups:
     self.s.comp[:] = self.comp[0]
 
 
-def _sp_sizes(s: "_State", c_star: float) -> list[int]:
+def _sp_sizes(s: _State, c_star: float) -> list[int]:
   """GETSPSIZE per sequence: the smallest degree whose shard fits the memory
   threshold and whose attention share h^2/p is at most the mean per-device
   load (at most p_max)."""
@@ -381,7 +384,7 @@ def _merge_level(s: _State, p: int) -> None:
     while len(members) >= 2:
       peak = peaks[top[0]]
       peak_outside = max((peaks[x] for x in top if x != g // p), default=0.0)
-      mem_g, comp_g = s.loads[:, g:g + p].tolist()
+      mem_g, comp_g = s.loads[:, g : g + p].tolist()
       best = None
       for m in range(2, min(MERGE_CANDIDATES, len(members)) + 1):
         (s1, s2), sums = _two_way(members[:m], h, h2)
@@ -414,7 +417,7 @@ def _merge_level(s: _State, p: int) -> None:
         s.add(i, half, g)
       for i in s2:
         s.add(i, half, g + half)
-      peaks[g // p] = float(s.comp[g:g + p].max())
+      peaks[g // p] = float(s.comp[g : g + p].max())
       top = heapq.nlargest(2, range(len(peaks)), key=peaks.__getitem__)
       members = [i for i in members if s.deg[i] == p]
 
@@ -625,7 +628,7 @@ def _evict(s: _State, group: range, extra: float, peak: float, exclude: int):
       return None  # nothing to move off
     if copies is None:
       outside = np.ones(s.d, bool)
-      outside[group.start:group.stop] = False
+      outside[group.start : group.stop] = False
       copies = s.mem.copy(), s.comp.copy(), outside
     mem, comp, outside = copies
     for j in mine[np.lexsort((mine, -s.h[mine]))].tolist():
@@ -648,7 +651,7 @@ def _evict(s: _State, group: range, extra: float, peak: float, exclude: int):
     if need > 0:
       return None
   after = s.comp if copies is None else copies[1]  # None: no device needed room
-  return moves, top, float(after[group.start:group.stop].max())
+  return moves, top, float(after[group.start : group.stop].max())
 
 
 def _check(num_devices: int, p_max: int) -> None:
@@ -658,8 +661,13 @@ def _check(num_devices: int, p_max: int) -> None:
     raise ValueError(f"p_max {p_max} must be a power of two <= {num_devices} devices")
 
 
-def _place(lens: tuple[int, ...], num_devices: int, p_max: int,
-           base: np.ndarray, capacity: float | None = None) -> tuple[_State, bool]:
+def _place(
+  lens: tuple[int, ...],
+  num_devices: int,
+  p_max: int,
+  base: np.ndarray,
+  capacity: float | None = None,
+) -> tuple[_State, bool]:
   """Algorithm 2 with our refinements on top of `base` compute per device."""
   m_star = max(sum(lens) / num_devices, 1.0)
   m_th = ALPHA * m_star
@@ -689,8 +697,9 @@ def _place(lens: tuple[int, ...], num_devices: int, p_max: int,
 def _target(s: _State) -> float:
   """Peak at which the search stops: no plan beats the mean load, nor the
   longest sequence at p_max on the least loaded group."""
-  bound = max(float(s.comp.sum()) / s.d,
-              float(s.h2.max(initial=0.0)) / s.p_max + float(s.base.min()))
+  bound = max(
+    float(s.comp.sum()) / s.d, float(s.h2.max(initial=0.0)) / s.p_max + float(s.base.min())
+  )
   return bound * (1 + TOLERANCE)
 
 
@@ -758,8 +767,9 @@ def split_microbatches(lengths: Sequence[int], count: int) -> list[list[int]]:
   return [sorted(p) for p in parts if p]
 
 
-def plan_flex_step(microbatches: Sequence[Sequence[int]], num_devices: int,
-                   p_max: int, capacity: int | None = None) -> list[FlexPlacement]:
+def plan_flex_step(
+  microbatches: Sequence[Sequence[int]], num_devices: int, p_max: int, capacity: int | None = None
+) -> list[FlexPlacement]:
   """Places the microbatches of one step jointly (ours, beyond the paper).
 
   What a device waits for at the step's end is its total over microbatches,

@@ -40,8 +40,11 @@ def maybe_initialize_distributed(cfg: ml_collections.ConfigDict | None) -> None:
   """Multi-controller start-up when a coordinator address is configured."""
   if cfg is None or not cfg.get("coordinator_address"):
     return
-  jax.distributed.initialize(coordinator_address=cfg.coordinator_address,
-                             num_processes=cfg.num_processes, process_id=cfg.process_id)
+  jax.distributed.initialize(
+    coordinator_address=cfg.coordinator_address,
+    num_processes=cfg.num_processes,
+    process_id=cfg.process_id,
+  )
   log.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
 
 
@@ -57,24 +60,33 @@ def sp_room(num_devices: int, data: int, fsdp: int) -> int:
   """
   for name, size in (("data", data), ("fsdp", fsdp)):
     if size != -1 and size < 1:
-      raise ValueError(f"mesh.{name}={size}: a size must be positive or -1 (all remaining "
-                       f"devices); set --config.mesh.{name}")
+      raise ValueError(
+        f"mesh.{name}={size}: a size must be positive or -1 (all remaining "
+        f"devices); set --config.mesh.{name}"
+      )
   if data == -1 and fsdp == -1:
-    raise ValueError("at most one of mesh.data / mesh.fsdp may be -1; set --config.mesh.data "
-                     f"to one of {_divisors(num_devices)}")
+    raise ValueError(
+      "at most one of mesh.data / mesh.fsdp may be -1; set --config.mesh.data "
+      f"to one of {_divisors(num_devices)}"
+    )
   if data != -1 and num_devices % data:
-    raise ValueError(f"mesh.data={data} does not divide the {num_devices} devices; set "
-                     f"--config.mesh.data to one of {_divisors(num_devices)}")
+    raise ValueError(
+      f"mesh.data={data} does not divide the {num_devices} devices; set "
+      f"--config.mesh.data to one of {_divisors(num_devices)}"
+    )
   replica = num_devices // data if data != -1 else num_devices
   if fsdp != -1 and replica % fsdp:
-    raise ValueError(f"mesh.fsdp={fsdp} does not divide the {replica} devices left after "
-                     f"mesh.data={data}; set --config.mesh.fsdp to -1 (all remaining devices) "
-                     f"or one of {_divisors(replica)}")
+    raise ValueError(
+      f"mesh.fsdp={fsdp} does not divide the {replica} devices left after "
+      f"mesh.data={data}; set --config.mesh.fsdp to -1 (all remaining devices) "
+      f"or one of {_divisors(replica)}"
+    )
   return replica // (fsdp if fsdp != -1 else 1)
 
 
-def mesh_shape(num_devices: int, data: int, fsdp: int,
-               sp_axes: Sequence[tuple[str, int]]) -> dict[str, int]:
+def mesh_shape(
+  num_devices: int, data: int, fsdp: int, sp_axes: Sequence[tuple[str, int]]
+) -> dict[str, int]:
   """Resolves the one -1 among data/fsdp and checks the product.
 
   Errors name the flag to change: mesh.data, mesh.fsdp, or sharding.sp (the
@@ -83,31 +95,42 @@ def mesh_shape(num_devices: int, data: int, fsdp: int,
   sp = math.prod(size for _, size in sp_axes)
   room = sp_room(num_devices, data, fsdp)
   if room % sp:
-    raise ValueError(f"the {room} devices left after mesh.data={data}, mesh.fsdp={fsdp} do "
-                     f"not divide by the sequence-parallel degree {sp}; set "
-                     "--config.sharding.sp to 0 (auto) or a power of two dividing "
-                     f"{room}, or change --config.mesh.data / --config.mesh.fsdp")
+    raise ValueError(
+      f"the {room} devices left after mesh.data={data}, mesh.fsdp={fsdp} do "
+      f"not divide by the sequence-parallel degree {sp}; set "
+      "--config.sharding.sp to 0 (auto) or a power of two dividing "
+      f"{room}, or change --config.mesh.data / --config.mesh.fsdp"
+    )
   sizes = {DATA: data, FSDP: fsdp}
   for name, size in sizes.items():
     if size == -1:
       sizes[name] = room // sp
   total = sizes[DATA] * sizes[FSDP] * sp
   if total != num_devices:  # both sizes explicit: fsdp is what sp and data leave
-    raise ValueError(f"mesh data={sizes[DATA]} x fsdp={sizes[FSDP]} x sp={sp} = {total} "
-                     f"!= {num_devices} devices; set --config.mesh.fsdp="
-                     f"{num_devices // (data * sp)} or -1 (all remaining devices)")
+    raise ValueError(
+      f"mesh data={sizes[DATA]} x fsdp={sizes[FSDP]} x sp={sp} = {total} "
+      f"!= {num_devices} devices; set --config.mesh.fsdp="
+      f"{num_devices // (data * sp)} or -1 (all remaining devices)"
+    )
   return {DATA: sizes[DATA], FSDP: sizes[FSDP], **dict(sp_axes)}
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, sp_axes: Sequence[tuple[str, int]] = ((SP, 1),),
-              devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+def make_mesh(
+  data: int = 1,
+  fsdp: int = -1,
+  sp_axes: Sequence[tuple[str, int]] = ((SP, 1),),
+  devices: Sequence[jax.Device] | None = None,
+) -> jax.sharding.Mesh:
   """A mesh with Auto axes (see module docstring); place inputs with NamedSharding."""
   devices = list(devices) if devices is not None else jax.devices()
   shape = mesh_shape(len(devices), data, fsdp, sp_axes)
   names = tuple(shape)
-  return jax.make_mesh(tuple(shape.values()), names,
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(names),
-                       devices=devices)
+  return jax.make_mesh(
+    tuple(shape.values()),
+    names,
+    axis_types=(jax.sharding.AxisType.Auto,) * len(names),
+    devices=devices,
+  )
 
 
 def batch_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
@@ -118,4 +141,3 @@ def batch_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
 def param_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
   """The axes parameters are sharded over: everything but `data`."""
   return tuple(a for a in mesh.axis_names if a != DATA)
-

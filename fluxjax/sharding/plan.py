@@ -30,8 +30,8 @@ from collections.abc import Sequence
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-  devices: tuple[int, ...]   # attention group, in slice order; len = Ulysses degree
-  seqs: tuple[int, ...]      # sequence indices, in buffer order
+  devices: tuple[int, ...]  # attention group, in slice order; len = Ulysses degree
+  seqs: tuple[int, ...]  # sequence indices, in buffer order
 
   @property
   def degree(self) -> int:
@@ -50,6 +50,7 @@ class Plan:
       in exactly one row of each microbatch.
     lengths: token count of every sequence of the batch (for checks and costs).
   """
+
   strategy: str
   num_devices: int
   capacity: int
@@ -116,8 +117,10 @@ class Plan:
         tokens = sum(map(self.lengths.__getitem__, r.seqs))
         cap = self.section(r)[0] if r.seqs else self.capacity
         if tokens > r.degree * cap:
-          raise ValueError(f"microbatch {m}: row on {r.devices} holds {tokens} tokens > "
-                           f"{r.degree} x capacity {cap}")
+          raise ValueError(
+            f"microbatch {m}: row on {r.devices} holds {tokens} tokens > "
+            f"{r.degree} x capacity {cap}"
+          )
         for s in r.seqs:
           seen[s] += 1
     bad = [i for i, n in enumerate(seen) if n != 1]
@@ -125,8 +128,10 @@ class Plan:
       raise ValueError(f"sequences {bad[:10]} placed {[seen[i] for i in bad[:10]]} times")
 
   def describe(self) -> str:
-    lines = [f"{self.strategy}: {len(self.lengths)} sequences, {self.num_devices} devices, "
-             f"{self.num_microbatches} microbatches x {self.capacity} tokens/device"]
+    lines = [
+      f"{self.strategy}: {len(self.lengths)} sequences, {self.num_devices} devices, "
+      f"{self.num_microbatches} microbatches x {self.capacity} tokens/device"
+    ]
     for m, rows in enumerate(self.microbatches):
       for r in rows:
         if r.seqs:
@@ -140,12 +145,14 @@ def capacity_bucket(tokens: int, buckets: Sequence[int]) -> int:
   for b in sorted(buckets):
     if tokens <= b:
       return b
-  raise ValueError(f"{tokens} tokens per device exceed the largest capacity bucket "
-                   f"{max(buckets)}")
+  raise ValueError(f"{tokens} tokens per device exceed the largest capacity bucket {max(buckets)}")
 
 
-def bucketed(plan: Plan, token_buckets: Sequence[int],
-             microbatch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64)) -> Plan:
+def bucketed(
+  plan: Plan,
+  token_buckets: Sequence[int],
+  microbatch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+) -> Plan:
   """Rounds capacity and microbatch count up to static buckets.
 
   Capacity becomes the smallest bucket that holds the fullest device slice

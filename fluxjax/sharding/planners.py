@@ -43,12 +43,19 @@ def _too_long(lens: tuple[int, ...], limit: int, what: str, advice: str) -> None
     return
   over = [i for i, n in enumerate(lens) if n > limit]
   more = f" (and {len(over) - 1} more)" if len(over) > 1 else ""
-  raise ValueError(f"sequence {over[0]} has {lens[over[0]]} tokens > {what} "
-                   f"{limit}{more}; {advice}")
+  raise ValueError(
+    f"sequence {over[0]} has {lens[over[0]]} tokens > {what} {limit}{more}; {advice}"
+  )
 
 
-def _plan_groups(strategy: str, lens: tuple[int, ...], groups: Sequence[tuple[int, ...]],
-                 num_devices: int, capacity: int, shape: balance.CostShape) -> Plan:
+def _plan_groups(
+  strategy: str,
+  lens: tuple[int, ...],
+  groups: Sequence[tuple[int, ...]],
+  num_devices: int,
+  capacity: int,
+  shape: balance.CostShape,
+) -> Plan:
   """Balances sequences over `groups`, packs each, and pads to a common count."""
   degree = len(groups[0])
   costs = balance.sequence_cost(np.asarray(lens, dtype=np.int64), shape)
@@ -61,15 +68,24 @@ def _plan_groups(strategy: str, lens: tuple[int, ...], groups: Sequence[tuple[in
     rows_per_group.append(bins)
   num_mb = max(len(b) for b in rows_per_group)
   microbatches = tuple(
-      tuple(Row(devices=g, seqs=tuple(bins[m]) if m < len(bins) else ())
-            for g, bins in zip(groups, rows_per_group))
-      for m in range(num_mb))
-  return Plan(strategy=strategy, num_devices=num_devices, capacity=capacity,
-              microbatches=microbatches, lengths=lens)
+    tuple(
+      Row(devices=g, seqs=tuple(bins[m]) if m < len(bins) else ())
+      for g, bins in zip(groups, rows_per_group)
+    )
+    for m in range(num_mb)
+  )
+  return Plan(
+    strategy=strategy,
+    num_devices=num_devices,
+    capacity=capacity,
+    microbatches=microbatches,
+    lengths=lens,
+  )
 
 
-def plan_packed_dp(lengths: Sequence[int], num_devices: int, capacity: int,
-                   shape: balance.CostShape) -> Plan:
+def plan_packed_dp(
+  lengths: Sequence[int], num_devices: int, capacity: int, shape: balance.CostShape
+) -> Plan:
   """veRL-like packing: each sequence on one device, cost-balanced by KK.
 
   Args:
@@ -94,8 +110,9 @@ def plan_packed_dp(lengths: Sequence[int], num_devices: int, capacity: int,
   return _plan_groups("packed_dp", lens, groups, num_devices, capacity, shape)
 
 
-def plan_ulysses(lengths: Sequence[int], num_devices: int, sp: int, capacity: int,
-                 shape: balance.CostShape) -> Plan:
+def plan_ulysses(
+  lengths: Sequence[int], num_devices: int, sp: int, capacity: int, shape: balance.CostShape
+) -> Plan:
   """Fixed-degree Ulysses: groups of sp consecutive devices share every row.
 
   Args:
@@ -119,8 +136,12 @@ def plan_ulysses(lengths: Sequence[int], num_devices: int, sp: int, capacity: in
   if num_devices % sp:
     raise ValueError(f"ulysses degree sp={sp} does not divide {num_devices} devices")
   lens = _check_lengths(lengths)
-  _too_long(lens, sp * capacity, f"ulysses sp={sp} x capacity {capacity} =",
-            "raise sp or capacity, or use flex_ulysses")
+  _too_long(
+    lens,
+    sp * capacity,
+    f"ulysses sp={sp} x capacity {capacity} =",
+    "raise sp or capacity, or use flex_ulysses",
+  )
   groups = [tuple(range(g * sp, (g + 1) * sp)) for g in range(num_devices // sp)]
   return _plan_groups("ulysses", lens, groups, num_devices, capacity, shape)
 
@@ -137,6 +158,7 @@ class PlanLoads:
     linear: per-token matmul forward FLOPs.
     all_to_all_bytes: Ulysses all-to-all bytes the device sends, forward pass.
   """
+
   tokens: np.ndarray
   attention: np.ndarray
   linear: np.ndarray
@@ -176,8 +198,9 @@ def plan_loads(plan: Plan, shape: balance.CostShape) -> PlanLoads:
   return PlanLoads(tokens=tokens, attention=attention, linear=linear, all_to_all_bytes=a2a)
 
 
-def plan_flex_ulysses(lengths: Sequence[int], num_devices: int, p_max: int, capacity: int,
-                      buckets: Sequence[int]) -> Plan:
+def plan_flex_ulysses(
+  lengths: Sequence[int], num_devices: int, p_max: int, capacity: int, buckets: Sequence[int]
+) -> Plan:
   """FlexUlysses: a degree per sequence (flex_planner), as a plan with levels.
 
   The batch is first split into as few microbatches as keep each one's
@@ -190,8 +213,12 @@ def plan_flex_ulysses(lengths: Sequence[int], num_devices: int, p_max: int, capa
   same for every microbatch (static shapes).
   """
   lens = _check_lengths(lengths)
-  _too_long(lens, p_max * capacity, "flex_ulysses p_max x capacity",
-            "raise sharding.sp or sharding.capacity")
+  _too_long(
+    lens,
+    p_max * capacity,
+    "flex_ulysses p_max x capacity",
+    "raise sharding.sp or sharding.capacity",
+  )
   total = sum(lens)
   count = max(1, -(-int(flex_planner.ALPHA * total) // (num_devices * capacity)))
   while True:
@@ -199,12 +226,12 @@ def plan_flex_ulysses(lengths: Sequence[int], num_devices: int, p_max: int, capa
     # A part above the mean may push its 1.1 M* past the capacity: M_th is
     # then capped at the capacity, and below 5% slack the step gets one more
     # microbatch (a single sequence is placed at p_max and fits anyway).
-    if any(len(p) > 1 and 1.05 * sum(lens[i] for i in p) > num_devices * capacity
-           for p in parts):
+    if any(len(p) > 1 and 1.05 * sum(lens[i] for i in p) > num_devices * capacity for p in parts):
       count += 1
       continue
-    placed = flex_planner.plan_flex_step([[lens[i] for i in part] for part in parts],
-                                         num_devices, p_max, capacity)
+    placed = flex_planner.plan_flex_step(
+      [[lens[i] for i in part] for part in parts], num_devices, p_max, capacity
+    )
     microbatches, need = _flex_rows(lens, parts, placed)
     # Sequences that each need a degree > 1 may still not fit the groups one
     # microbatch has (five of 4097 tokens at capacity 4096 and p_max 2 need
@@ -214,15 +241,16 @@ def plan_flex_ulysses(lengths: Sequence[int], num_devices: int, p_max: int, capa
       break
     count += 1
   levels = tuple((p, capacity_bucket(need[p], buckets)) for p in sorted(need, reverse=True))
-  plan = Plan("flex_ulysses", num_devices, sum(c for _, c in levels), tuple(microbatches), lens,
-              levels)
+  plan = Plan(
+    "flex_ulysses", num_devices, sum(c for _, c in levels), tuple(microbatches), lens, levels
+  )
   plan.validate()
   return plan
 
 
-def _flex_rows(lens: tuple[int, ...], parts: list[list[int]],
-               placed: list[flex_planner.FlexPlacement]
-               ) -> tuple[list[tuple[Row, ...]], dict[int, int]]:
+def _flex_rows(
+  lens: tuple[int, ...], parts: list[list[int]], placed: list[flex_planner.FlexPlacement]
+) -> tuple[list[tuple[Row, ...]], dict[int, int]]:
   """Rows of each placed microbatch, and per degree its fullest group's per-device tokens."""
   microbatches = []
   need: dict[int, int] = {}
@@ -242,8 +270,9 @@ def _flex_rows(lens: tuple[int, ...], parts: list[list[int]],
   return microbatches, need
 
 
-def plan_packed_dp_lb_mini(lengths: Sequence[int], num_devices: int, capacity: int,
-                           shape: balance.CostShape) -> Plan:
+def plan_packed_dp_lb_mini(
+  lengths: Sequence[int], num_devices: int, capacity: int, shape: balance.CostShape
+) -> Plan:
   """packed_dp for minibatch-level sync: ODC's LB-Mini.
 
   Karmarkar-Karp balances the whole minibatch over devices with no count
@@ -258,7 +287,9 @@ def plan_packed_dp_lb_mini(lengths: Sequence[int], num_devices: int, capacity: i
   (schedule,) = balance.lb_mini(costs, lens, num_devices, capacity)
   count = max([len(s) for s in schedule] + [1])
   microbatches = tuple(
-      tuple(Row((d,), tuple(schedule[d][m]) if m < len(schedule[d]) else ())
-            for d in range(num_devices))
-      for m in range(count))
+    tuple(
+      Row((d,), tuple(schedule[d][m]) if m < len(schedule[d]) else ()) for d in range(num_devices)
+    )
+    for m in range(count)
+  )
   return Plan("packed_dp", num_devices, capacity, microbatches, lens)

@@ -24,8 +24,19 @@ P = jax.sharding.PartitionSpec
 Rules = Sequence[tuple[str, tuple[str, ...]]]
 
 # Wider dimensions first: they divide by large meshes and give even shards.
-_FSDP_PRIORITY = (axes.EMBED, axes.VIS_EMBED, axes.MERGED, axes.MLP, axes.VIS_MLP, axes.VOCAB,
-                  axes.PATCH, axes.Q_HEADS, axes.KV_HEADS, axes.VIS_HEADS, axes.HEAD_DIM)
+_FSDP_PRIORITY = (
+  axes.EMBED,
+  axes.VIS_EMBED,
+  axes.MERGED,
+  axes.MLP,
+  axes.VIS_MLP,
+  axes.VOCAB,
+  axes.PATCH,
+  axes.Q_HEADS,
+  axes.KV_HEADS,
+  axes.VIS_HEADS,
+  axes.HEAD_DIM,
+)
 
 
 def fsdp_rules(mesh: jax.sharding.Mesh) -> list[tuple[str, tuple[str, ...]]]:
@@ -36,8 +47,9 @@ def fsdp_rules(mesh: jax.sharding.Mesh) -> list[tuple[str, tuple[str, ...]]]:
   return rules
 
 
-def partition_spec(logical: Sequence[str | None], shape: Sequence[int], rules: Rules,
-                   mesh: jax.sharding.Mesh) -> P:
+def partition_spec(
+  logical: Sequence[str | None], shape: Sequence[int], rules: Rules, mesh: jax.sharding.Mesh
+) -> P:
   """Resolves one array's logical axes to a PartitionSpec (see module docstring)."""
   spec: list = [None] * len(shape)
   used: set[str] = set()
@@ -60,16 +72,18 @@ def partition_spec(logical: Sequence[str | None], shape: Sequence[int], rules: R
 KV_CACHE_AXES = (axes.LAYERS, axes.ACT_BATCH, None, axes.KV_HEADS, axes.HEAD_DIM)
 
 
-def kv_cache_sharding(shape: Sequence[int],
-                      mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+def kv_cache_sharding(shape: Sequence[int], mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
   """Where the engine's cache lives, fixed up front so its programs compile once.
 
   Left to propagation, the first prefill (an unplaced cache) returns the cache
   sharded as XLA chose and the second call compiles again for that layout.
   """
   group = mesh_lib.param_axes(mesh)
-  table = [(axes.ACT_BATCH, mesh_lib.batch_axes(mesh)), (axes.KV_HEADS, group),
-           (axes.HEAD_DIM, group)]
+  table = [
+    (axes.ACT_BATCH, mesh_lib.batch_axes(mesh)),
+    (axes.KV_HEADS, group),
+    (axes.HEAD_DIM, group),
+  ]
   return jax.sharding.NamedSharding(mesh, partition_spec(KV_CACHE_AXES, shape, table, mesh))
 
 
@@ -92,11 +106,16 @@ def parameter_table(state: nnx.State, shardings: nnx.State) -> list[dict]:
     value = var.get_value()
     sharding = flat_s[key]
     shard_shape = sharding.shard_shape(value.shape)
-    rows.append({"name": ".".join(map(str, key)), "shape": tuple(value.shape),
-                 "spec": str(sharding.spec),
-                 "bytes_per_device": int(np.prod(shard_shape)) * np.dtype(value.dtype).itemsize,
-                 "bytes": int(np.prod(value.shape)) * np.dtype(value.dtype).itemsize,
-                 "replicated": sharding.is_fully_replicated and sharding.num_devices > 1})
+    rows.append(
+      {
+        "name": ".".join(map(str, key)),
+        "shape": tuple(value.shape),
+        "spec": str(sharding.spec),
+        "bytes_per_device": int(np.prod(shard_shape)) * np.dtype(value.dtype).itemsize,
+        "bytes": int(np.prod(value.shape)) * np.dtype(value.dtype).itemsize,
+        "replicated": sharding.is_fully_replicated and sharding.num_devices > 1,
+      }
+    )
   return rows
 
 
@@ -105,17 +124,21 @@ def check_sharded(table: list[dict], max_replicated_bytes: int) -> None:
   bad = [r for r in table if r["replicated"] and r["bytes"] > max_replicated_bytes]
   if bad:
     names = ", ".join(f"{r['name']} {r['shape']}" for r in bad[:5])
-    raise ValueError(f"{len(bad)} parameters over {max_replicated_bytes} bytes would be "
-                     f"replicated on every device: {names}. Add a rule for their logical "
-                     f"axes or pick mesh sizes that divide them.")
+    raise ValueError(
+      f"{len(bad)} parameters over {max_replicated_bytes} bytes would be "
+      f"replicated on every device: {names}. Add a rule for their logical "
+      f"axes or pick mesh sizes that divide them."
+    )
 
 
 def format_table(table: list[dict]) -> str:
   width = max(len(r["name"]) for r in table)
   lines = [f"{'parameter':<{width}}  {'shape':<22} {'spec':<28} {'MiB/device':>10}"]
   for r in table:
-    lines.append(f"{r['name']:<{width}}  {str(r['shape']):<22} {r['spec']:<28} "
-                 f"{r['bytes_per_device'] / 2**20:>10.3f}")
+    lines.append(
+      f"{r['name']:<{width}}  {r['shape']!s:<22} {r['spec']:<28} "
+      f"{r['bytes_per_device'] / 2**20:>10.3f}"
+    )
   lines.append(format_total(table))
   return "\n".join(lines)
 
@@ -123,5 +146,7 @@ def format_table(table: list[dict]) -> str:
 def format_total(table: list[dict]) -> str:
   """The table's last line: parameter bytes per device and unsharded."""
   total = sum(r["bytes_per_device"] for r in table)
-  return (f"total per device: {total / 2**20:.2f} MiB "
-          f"(unsharded {sum(r['bytes'] for r in table) / 2**20:.2f} MiB)")
+  return (
+    f"total per device: {total / 2**20:.2f} MiB "
+    f"(unsharded {sum(r['bytes'] for r in table) / 2**20:.2f} MiB)"
+  )

@@ -206,17 +206,6 @@ def flex_summary(raw: dict) -> str:
   return format_table(rows, header)
 
 
-def _cpu() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
-
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -244,7 +233,7 @@ def main(argv=None) -> None:
 
   print(f"# python bench/balance.py {' '.join(sys.argv[1:])}".rstrip())
   print(
-    f"# {_cpu()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+    f"# {runinfo.cpu_model()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
     f"numpy {np.__version__}; cost model: Qwen2.5-VL-7B decoder "
     f"({shape.num_layers} layers, {shape.num_heads}q/{shape.num_kv_heads}kv heads x "
     f"{shape.head_dim}), bf16 all-to-all"

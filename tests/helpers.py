@@ -62,3 +62,20 @@ def tiny_run_config(total_steps: int) -> ml_collections.ConfigDict:
   c.checkpoint.every = 1
   c.sft.enabled = False  # the warm-up before RL has its own loop test (test_sft.py)
   return c
+
+
+def adamw_config(lr: float = 1e-3, total_steps: int = 10) -> ml_collections.ConfigDict:
+  """An `optim` section: AdamW, 2 warmup steps, cosine to 10% over `total_steps`."""
+  return ml_collections.ConfigDict(
+    dict(
+      lr=lr,
+      warmup_steps=2,
+      total_steps=total_steps,
+      end_lr_frac=0.1,
+      max_grad_norm=1.0,
+      b1=0.9,
+      b2=0.95,
+      eps=1e-8,
+      weight_decay=0.0,
+    )
+  )

@@ -4,7 +4,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -14,20 +13,9 @@ from fluxjax.models import sharded
 from fluxjax.parallel import train_step
 from fluxjax.rl import checkpoint, metrics
 from fluxjax.sharding import mesh as mesh_lib
+from helpers import adamw_config
 
-OPT = ml_collections.ConfigDict(
-  dict(
-    lr=1e-3,
-    warmup_steps=2,
-    total_steps=10,
-    end_lr_frac=0.1,
-    max_grad_norm=1.0,
-    b1=0.9,
-    b2=0.95,
-    eps=1e-8,
-    weight_decay=0.0,
-  )
-)
+OPT = adamw_config()
 
 
 def _state(mesh, seed):

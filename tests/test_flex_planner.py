@@ -166,7 +166,7 @@ def test_local_search_never_raises_the_peak_nor_breaks_m_th():
 @pytest.mark.parametrize("seed", [70, 98, 130, 146])
 def test_no_device_holds_more_than_the_capacity(seed):
   """Few long sequences per microbatch: the token split is uneven and M_th
-  is capped at the capacity (these batches once overflowed it)."""
+  is capped at the capacity, so the planner must not overfill a device."""
   rng = np.random.default_rng(seed)
   lens = rng.integers(10000, 24500, int(rng.integers(20, 200))).tolist()
   plan = planners.plan_flex_ulysses(lens, 8, 8, 16384, buckets=(4096, 8192, 16384))

@@ -1,6 +1,7 @@
 """The SFT warm-up (fluxjax.rl.sft): its loss, its targets, and its place in the loop."""
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -82,15 +83,22 @@ def setup(devices):
   return config, coord, seqs, answers
 
 
+@functools.cache
+def _token_logprobs(graphdef):
+  """One jitted forward per model structure, reused by every _numpy_nll call."""
+  return jax.jit(lambda params, row, tgt: nnx.merge(graphdef, params).token_logprobs(row, tgt))
+
+
 def _numpy_nll(coord, seqs, answers, answer_only=True):
   """Mean NLL of the answer tokens, one sequence at a time, outside any plan."""
-  model = nnx.merge(coord.graphdef, coord.state.params)
+  logprobs = _token_logprobs(coord.graphdef)
   total, count = 0.0, 0
   for seq, (_, prompt_len, ids) in zip(seqs, answers):
     row = inputs.pack_row([seq.inputs], coord.cfg)
     targets = np.zeros((1, len(seq)), np.int32)
     targets[0, :-1] = seq.inputs.tokens_T[1:]
-    logp = np.asarray(jax.device_get(model.token_logprobs(row, targets)))[0].astype(np.float64)
+    logp_T = jax.device_get(logprobs(coord.state.params, row, targets))[0]
+    logp = np.asarray(logp_T).astype(np.float64)
     # Input j predicts token j + 1: the answer's tokens are predicted from
     # positions prompt_len - 1 .. len - 2.
     first = prompt_len - 1 if answer_only else 0

@@ -17,7 +17,7 @@ from fluxjax.models import inputs, sharded, vlm
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import strategies, train_step
 from fluxjax.sharding import mesh as mesh_lib
-from helpers import PATCHES, TINY, make_strategy, mixed_batch
+from helpers import PATCHES, TINY, adamw_config, make_strategy, mixed_batch
 
 CFG = TINY
 
@@ -108,7 +108,7 @@ def mixed_reference(ref_model):
     ("packed_dp", 1),
     ("ulysses", 2),
     pytest.param("ulysses", 4, marks=pytest.mark.slow),
-    ("ulysses", 8),
+    pytest.param("ulysses", 8, marks=pytest.mark.slow),
   ],
 )
 def test_strategy_equals_single_device_reference(name, sp, mixed_reference, devices):
@@ -160,19 +160,7 @@ def test_train_step_shards_state_and_compiles_once_per_bucket(devices):
   strategy = make_strategy("ulysses", 2)
   mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
   model = sharded.create_sharded_model(CFG, mesh, seed=0, log_table=False)
-  opt = ml_collections.ConfigDict(
-    dict(
-      lr=1e-3,
-      warmup_steps=2,
-      total_steps=10,
-      end_lr_frac=0.1,
-      max_grad_norm=1.0,
-      b1=0.9,
-      b2=0.95,
-      eps=1e-8,
-      weight_decay=0.0,
-    )
-  )
+  opt = adamw_config()
   tx = train_step.make_optimizer(opt)
   graphdef, state, state_shardings = train_step.create_train_state(model, tx, mesh)
   # Optimizer moments live exactly where their parameters do.

@@ -42,8 +42,8 @@ def test_loop_runs_checkpoints_and_resumes_with_a_reference_model(tmp_path):
   recs = metrics.read_metrics(str(tmp_path))
   assert [r["step"] for r in recs] == [0, 1, 2, 3]
   # KL to the restored policy would be < 1e-9 at this first step after resume,
-  # as at step 1. (Not a ratio to step 2: one update with tail batching's
-  # timing-dependent data can halve the KL; 0.048 -> 0.019 was seen.)
+  # as at step 1. Not a ratio to step 2: tail batching's data depends on
+  # timing, and one update can shrink the KL by half or more.
   assert recs[3]["train/kl"] > 1e-6
   # The loader's counters come back with its state (tail batching reads ahead,
   # so the count is at least what was trained), and no prompt trains twice.

@@ -198,7 +198,7 @@ def _mask(q_seg, q_pos, k_seg, k_pos, causal: bool):
 def _dot_general(a, b, contract):
   # fp32 operands: IEEE fp32 products whatever jax_default_matmul_precision
   # says; Pallas-Triton lowers the DEFAULT precision to tf32 (3e-4 errors
-  # against the reference, seen on an H100). bf16: tensor cores, fp32
+  # against the reference, measured on an H100). bf16: tensor cores, fp32
   # accumulation.
   precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
   return lax.dot_general(

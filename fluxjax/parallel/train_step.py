@@ -276,7 +276,7 @@ class DelayedMetrics:
   the device queue full (nanodo, MaxText do the same).
   """
 
-  def __init__(self):
+  def __init__(self) -> None:
     self._pending: tuple[int, dict] | None = None
 
   def push(self, step: int, metrics: dict) -> tuple[int, dict[str, float]] | None:

@@ -2,7 +2,8 @@
 
 Every fluxjax module logs through the standard library,
 `log = logging.getLogger(__name__)`, so all of its records sit under the
-`fluxjax` logger. `configure(workdir)` (called by train.py) routes them:
+`fluxjax` logger. train.py routes them: `configure()` at start, and
+`add_file(workdir)` once the config is valid (a refused run writes nothing):
 
   console  fluxjax's own INFO and above (progress, evaluation, the strategy
            and mesh); WARNING and above from other libraries, except those
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TextIO
 
 from absl import logging as absl_logging
 
@@ -54,34 +56,35 @@ class _ConsoleFormatter(logging.Formatter):
     return super().format(record)
 
 
-def configure(workdir: str, console=None) -> str:
-  """Routes every log record of the process; returns the log file's path.
+def configure(console: TextIO | None = None) -> None:
+  """Routes every record of the process to the console (see the module docstring).
 
   Replaces the root logger's handlers (absl's, under `absl.app.run`), so it
-  is for entry points only.
+  is for entry points only; `add_file` adds the run's log file once the work
+  directory is known.
 
   Args:
-    workdir: the run's work directory; the log file goes there.
     console: the console stream (default stderr).
   """
-  os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, LOG_FILE)
   root = logging.getLogger()
   for handler in list(root.handlers):
     root.removeHandler(handler)
   root.setLevel(logging.INFO)
   logging.getLogger("fluxjax").setLevel(logging.DEBUG)
-
-  to_file = logging.FileHandler(path)
-  to_file.setFormatter(logging.Formatter(_FORMAT_FILE))
-  root.addHandler(to_file)
-
   to_console = logging.StreamHandler(console or sys.stderr)
   to_console.addFilter(_ConsoleFilter())
   to_console.setFormatter(_ConsoleFormatter())
   root.addHandler(to_console)
-
   # absl's own threshold gates what reaches the Python logger (Orbax logs
   # through absl); let its INFO through to the file.
   absl_logging.set_verbosity(absl_logging.INFO)
+
+
+def add_file(workdir: str) -> str:
+  """Also writes every record to WORKDIR/train.log; returns its path."""
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, LOG_FILE)
+  to_file = logging.FileHandler(path)
+  to_file.setFormatter(logging.Formatter(_FORMAT_FILE))
+  logging.getLogger().addHandler(to_file)
   return path

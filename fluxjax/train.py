@@ -30,12 +30,13 @@ def main(argv):
   from fluxjax.rl import loop
   from fluxjax.sharding import mesh as mesh_lib
 
+  logs.configure()
   mesh_lib.maybe_initialize_distributed(config.distributed)
   try:
     loop.validate(config)
   except ValueError as e:  # a configuration mistake: say what, not where
     sys.exit(f"fluxjax.train: bad configuration: {e}")
-  log_file = logs.configure(_WORKDIR.value)
+  log_file = logs.add_file(_WORKDIR.value)
   logging.getLogger("fluxjax.train").info("full log: %s", log_file)
   loop.run(config, _WORKDIR.value)
 

@@ -29,7 +29,8 @@ def restore_logging():
 
 def test_console_shows_fluxjax_progress_and_file_keeps_everything(tmp_path, restore_logging):
   console = io.StringIO()
-  path = logs.configure(str(tmp_path), console=console)
+  logs.configure(console=console)
+  path = logs.add_file(str(tmp_path))
   logging.getLogger("fluxjax.rl.loop").info("step 1/2 | reward 0.5")
   logging.getLogger("fluxjax.rl.coordinator").debug("eval: answers")
   logging.getLogger("absl").info("orbax: 58 lines of checkpoint detail")

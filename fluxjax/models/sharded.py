@@ -56,7 +56,7 @@ def _checked_layout(
   table = rules_lib.parameter_table(abstract_state, shardings)
   if log_table:
     log.debug("parameters:\n%s", rules_lib.format_table(table))
-    log.info("parameters %s", rules_lib.format_total(table))
+    log.info("parameters: %s", rules_lib.format_total(table))
   rules_lib.check_sharded(table, max_replicated_bytes)
   return graphdef, shardings
 

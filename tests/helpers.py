@@ -17,6 +17,7 @@ from fluxjax.models import config as config_lib
 from fluxjax.parallel import random_batch, strategies
 from fluxjax.parallel.batch import TrainSequence
 from fluxjax.parallel.strategies import Strategy
+from fluxjax.rollout.client import Completion
 
 TINY = config_lib.preset("tiny")
 PATCHES = 128  # patch buffer of the mixed batches below
@@ -78,4 +79,19 @@ def adamw_config(lr: float = 1e-3, total_steps: int = 10) -> ml_collections.Conf
       eps=1e-8,
       weight_decay=0.0,
     )
+  )
+
+
+def completion(ids: list[int], logprobs: list[float | None], version: str = "3") -> Completion:
+  """A finished response with per-token behaviour logprobs and a weight version."""
+  return Completion(
+    rid=f"r{len(ids)}",
+    text="",
+    output_ids=list(ids),
+    logprobs=list(logprobs),
+    finish_reason={"type": "stop"},
+    prompt_tokens=None,
+    weight_version=version,
+    server="embedded",
+    meta_info={},
   )

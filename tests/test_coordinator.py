@@ -9,15 +9,17 @@ import concurrent.futures
 import os
 
 import jax
+import numpy as np
 import pytest
 
 from fluxjax import config_args
-from fluxjax.models import sharded
+from fluxjax.models import inputs, sharded
 from fluxjax.parallel import train_step
 from fluxjax.rl import coordinator as coordinator_lib
-from fluxjax.rl import loop
+from fluxjax.rl import loop, trajectories
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout.publish import PublishReport
+from helpers import completion
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -183,3 +185,21 @@ def test_restore_before_start_only(coord):
   c.start()
   with pytest.raises(RuntimeError, match="after rollout started"):
     c.restore(restored, {"version": 4}, {})
+
+
+def test_sequences_honour_the_advantage_settings(coord, parts):
+  c, _ = coord
+  rl = parts[0].rl  # the run config the coordinator was given; read at each call
+  prompt = inputs.sequence_from_tokens([5, 6, 7, 8], [], c.cfg)
+  group = trajectories.Group(
+    "s1", prompt, [completion([10, 11], [-0.5, -1.0]), completion([12], [-2.0])], [1.0, 0.0]
+  )
+  default_eps = rl.adv_eps
+  try:
+    rl.adv_eps = 1.0
+    a, b = c.sequences([group])
+  finally:
+    rl.adv_eps = default_eps
+  # rewards (1, 0): centred +-0.5 over the unbiased std 0.7071 plus eps 1.0
+  np.testing.assert_allclose(a.advantages_T[4:], 0.5 / (0.5**0.5 + 1.0), rtol=1e-5)
+  np.testing.assert_allclose(b.advantages_T[4:], -0.5 / (0.5**0.5 + 1.0), rtol=1e-5)

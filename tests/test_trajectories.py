@@ -6,23 +6,9 @@ import pytest
 from fluxjax.models import config as config_lib
 from fluxjax.models import inputs
 from fluxjax.rl import trajectories
-from fluxjax.rollout.client import Completion
+from helpers import completion
 
 CFG = config_lib.preset("tiny")
-
-
-def _completion(ids, logprobs, version="3"):
-  return Completion(
-    rid=f"r{len(ids)}",
-    text="",
-    output_ids=list(ids),
-    logprobs=list(logprobs),
-    finish_reason={"type": "stop"},
-    prompt_tokens=None,
-    weight_version=version,
-    server="embedded",
-    meta_info={},
-  )
 
 
 def test_group_sequences_fields():
@@ -30,7 +16,7 @@ def test_group_sequences_fields():
   group = trajectories.Group(
     "s1",
     prompt,
-    [_completion([10, 11, 492], [-0.5, -1.0, -0.1]), _completion([12, 492], [-2.0, -0.3])],
+    [completion([10, 11, 492], [-0.5, -1.0, -0.1]), completion([12, 492], [-2.0, -0.3])],
     rewards=[1.0, 0.0],
   )
   a, b = trajectories.group_sequences(group, agg_mode="token-mean")
@@ -47,15 +33,18 @@ def test_group_sequences_fields():
   a2, b2 = trajectories.group_sequences(group, agg_mode="seq-mean-token-mean")
   assert a2.loss_mask_T.sum() == pytest.approx(1.0) and b2.loss_mask_T.sum() == pytest.approx(1.0)
   assert trajectories.weight_versions(group) == [3, 3]
+  # eps joins the std in the denominator: 0.5 / (0.7071 + 1).
+  c, _ = trajectories.group_sequences(group, eps=1.0)
+  np.testing.assert_allclose(c.advantages_T[4:], 0.5 / (0.5**0.5 + 1.0), rtol=1e-5)
 
 
 def test_missing_logprobs_or_rewards_are_errors():
   prompt = inputs.sequence_from_tokens([5, 6], [], CFG)
   with pytest.raises(ValueError, match="lacks behaviour logprobs"):
     trajectories.group_sequences(
-      trajectories.Group("s", prompt, [_completion([1, 2], [None, -1.0])], [1.0])
+      trajectories.Group("s", prompt, [completion([1, 2], [None, -1.0])], [1.0])
     )
   with pytest.raises(ValueError, match="2 completions but 1 rewards"):
     trajectories.group_sequences(
-      trajectories.Group("s", prompt, [_completion([1], [-1.0]), _completion([2], [-1.0])], [1.0])
+      trajectories.Group("s", prompt, [completion([1], [-1.0]), completion([2], [-1.0])], [1.0])
     )

@@ -285,7 +285,7 @@ class Coordinator:
     for g in groups:
       out.extend(
         trajectories.group_sequences(
-          g, std_normalize=rl.adv_std_normalize, agg_mode=rl.loss_agg_mode
+          g, std_normalize=rl.adv_std_normalize, agg_mode=rl.loss_agg_mode, eps=rl.adv_eps
         )
       )
     return out

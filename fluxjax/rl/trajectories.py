@@ -42,7 +42,7 @@ class Group:
 
 
 def group_sequences(
-  group: Group, *, std_normalize: bool = True, agg_mode: str = "token-mean"
+  group: Group, *, std_normalize: bool = True, agg_mode: str = "token-mean", eps: float = 1e-6
 ) -> list[TrainSequence]:
   """The group's responses as trainer sequences (see module docstring)."""
   if len(group.completions) != len(group.rewards):
@@ -50,7 +50,7 @@ def group_sequences(
       f"group {group.key}: {len(group.completions)} completions but {len(group.rewards)} rewards"
     )
   advantages = adv_lib.grpo_advantages_GR(
-    np.asarray(group.rewards, np.float32)[None], std_normalize=std_normalize
+    np.asarray(group.rewards, np.float32)[None], std_normalize=std_normalize, eps=eps
   )[0]
   prompt_len = len(group.prompt)
   out = []

@@ -26,6 +26,25 @@ def test_chunked_equals_naive(chunk):
   np.testing.assert_allclose(ent, ent_ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_temperature_divides_the_logits(temperature):
+  """log softmax(logits / T): the sampler's logprobs at T, entropy of that distribution."""
+  hidden, targets, head = _inputs(seed=2)
+  lp, ent = logprobs.token_logprobs(
+    hidden, targets, head, chunk=300, with_entropy=True, temperature=temperature
+  )
+  logits = jnp.einsum("btd,dv->btv", hidden, head)
+  want_all = jax.nn.log_softmax(logits / temperature, axis=-1)
+  want = jnp.take_along_axis(want_all, targets[..., None], axis=-1)[..., 0]
+  np.testing.assert_allclose(lp, want, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(ent, -(jnp.exp(want_all) * want_all).sum(-1), atol=1e-4, rtol=0)
+  assert (
+    np.abs(np.asarray(lp) - np.asarray(logprobs.token_logprobs(hidden, targets, head))).max() > 1e-2
+  )
+  with pytest.raises(ValueError, match="temperature must be > 0"):
+    logprobs.token_logprobs(hidden, targets, head, temperature=0.0)
+
+
 def test_gradients_equal_naive():
   hidden, targets, head = _inputs(seed=1)
   weights = jax.random.normal(jax.random.key(9), targets.shape)

@@ -19,12 +19,15 @@ from flax import nnx
 
 from fluxjax import config_args
 from fluxjax.models import inputs, sharded, vlm
+from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import train_step
-from fluxjax.rl import losses
+from fluxjax.rl import losses, trajectories
 from fluxjax.rl.stream_trainer import StreamTrainer
+from fluxjax.rollout import engine as engine_lib
+from fluxjax.rollout import protocol
 from fluxjax.sharding import mesh as mesh_lib
-from helpers import PATCHES, make_strategy, mixed_batch
+from helpers import PATCHES, completion, make_strategy, mixed_batch
 from helpers import TINY as CFG
 
 OPT = ml_collections.ConfigDict(
@@ -186,3 +189,58 @@ def test_apply_without_parts_is_an_error(devices):
   )
   with pytest.raises(RuntimeError, match="nothing added"):
     trainer.apply()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_on_policy_importance_weights_are_one_at_the_sampling_temperature(temperature, devices):
+  """Responses the engine samples at T, trained by the stream trainer at T: pi / mu = 1.
+
+  The engine reports log softmax(logits / T); the trainer must score the same
+  distribution, or every importance weight (and the staleness signal) is off.
+  """
+  strategy = make_strategy("packed_dp", capacity=128)
+  mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
+  # The same parameters on one device serve the engine.
+  engine = engine_lib.Engine(
+    vlm.create_model(CFG, seed=4), Tokenizer.default(), num_slots=4, capacity=64, seed=0
+  )
+  rng = np.random.default_rng(3)
+  groups = []
+  for g in range(2):
+    prompt = inputs.sequence_from_tokens(rng.integers(0, 490, 9 + g).tolist(), [], CFG)
+    reqs = [
+      engine_lib.EngineRequest(
+        f"t{g}{j}",
+        prompt,
+        protocol.SamplingParams.from_dict(
+          {"max_new_tokens": 6, "temperature": temperature, "sampling_seed": 11 + 2 * g + j}
+        ),
+      )
+      for j in range(2)
+    ]
+    engine.generate(reqs)
+    completions = [completion(r.output_ids, r.output_logprobs) for r in reqs]
+    groups.append(trajectories.Group(f"g{g}", prompt, completions, [1.0, 0.0]))
+  seqs = [s for g in groups for s in trajectories.group_sequences(g)]
+  loss_fn = losses.make_loss_fn(config_args.load_config().rl)
+
+  def weights(trainer_temperature):
+    graphdef, state, shardings = _fresh_state(mesh, SGD)  # each update donates its state
+    trainer = StreamTrainer(
+      CFG, mesh, strategy, graphdef, state, shardings, SGD, loss_fn,
+      patch_buckets=(PATCHES,), temperature=trainer_temperature,
+    )  # fmt: skip
+    trainer.add(seqs)
+    m = jax.device_get(trainer.apply())
+    return float(m["is_weight"]), float(m["is_weight_sq"] - m["is_weight"] ** 2)
+
+  mean, var = weights(temperature)
+  assert abs(mean - 1.0) < 1e-4 and var < 1e-8, (mean, var)
+  if temperature != 1.0:  # the model's own distribution (T = 1) is not the behaviour one
+    model = vlm.create_model(CFG, seed=4)
+    s = seqs[0]
+    targets = np.concatenate([s.inputs.tokens_T[1:], [0]])[None]
+    at_one = np.asarray(model.token_logprobs(inputs.pack_row([s.inputs], CFG), targets))[0]
+    response = s.loss_mask_T[1:] > 0
+    assert np.abs(at_one[:-1][response] - s.old_logprobs_T[1:][response]).max() > 1e-2

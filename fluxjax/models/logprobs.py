@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 
-def _chunk_stats(hidden_ND, head_DV, chunk: int):
-  """Online (max, sum exp, sum exp*logit) over vocabulary chunks."""
+def _chunk_stats(hidden_ND, head_DV, chunk: int, inv_temperature: float = 1.0):
+  """Online (max, sum exp, sum exp*logit) over vocabulary chunks of logits / T."""
   n = hidden_ND.shape[0]
   vocab = head_DV.shape[1]
   chunk = min(chunk, vocab)
@@ -32,6 +32,8 @@ def _chunk_stats(hidden_ND, head_DV, chunk: int):
     z = jnp.dot(
       hidden_ND, cols.astype(hidden_ND.dtype), preferred_element_type=jnp.float32
     )  # [N, C]
+    if inv_temperature != 1.0:
+      z = z * inv_temperature
     fresh = (start + jnp.arange(chunk)) >= i * chunk
     z = jnp.where(fresh[None, :], z, -jnp.inf)
     m_new = jnp.maximum(m, z.max(axis=1))
@@ -57,8 +59,12 @@ def token_logprobs(
   *,
   chunk: int = 8192,
   with_entropy: bool = False,
+  temperature: float = 1.0,
 ):
   """log p(target) per token, optionally with the entropy of each distribution.
+
+  p = softmax(logits / temperature): at the temperature a response was
+  sampled with, these are the logprobs the sampler reported for it.
 
   Args:
     hidden_BTD: final hidden states (after the final norm).
@@ -66,6 +72,7 @@ def token_logprobs(
     head_DV: the LM head, [D, V] (the transposed embedding when tied).
     chunk: vocabulary chunk size; memory is O(N * chunk).
     with_entropy: also return the entropy [B, T] (same pass, no extra matmul).
+    temperature: divides the logits (> 0; 1 is the model's own distribution).
 
   Returns:
     logp_BT float32, or (logp_BT, entropy_BT).
@@ -73,10 +80,15 @@ def token_logprobs(
   b, t, d = hidden_BTD.shape
   hidden = hidden_BTD.reshape(b * t, d)
   targets = targets_BT.reshape(b * t)
-  m, s, zs = _chunk_stats(hidden, head_DV, chunk)
+  if temperature <= 0:
+    raise ValueError(f"temperature must be > 0, got {temperature}")
+  inv_t = 1.0 / temperature
+  m, s, zs = _chunk_stats(hidden, head_DV, chunk, inv_t)
   lse = m + jnp.log(s)
   target_cols_ND = jnp.take(head_DV, targets, axis=1).T.astype(hidden.dtype)
   target_logit = jnp.einsum("nd,nd->n", hidden, target_cols_ND, preferred_element_type=jnp.float32)
+  if inv_t != 1.0:
+    target_logit = target_logit * inv_t
   logp = (target_logit - lse).reshape(b, t)
   if not with_entropy:
     return logp
@@ -84,11 +96,14 @@ def token_logprobs(
   return logp, entropy
 
 
-def naive_token_logprobs(hidden_BTD, targets_BT, head_DV, with_entropy: bool = False):
+def naive_token_logprobs(
+  hidden_BTD, targets_BT, head_DV, with_entropy: bool = False, temperature: float = 1.0
+):
   """The [T, V] reference, for tests and tiny models only."""
   logits = jnp.einsum(
     "btd,dv->btv", hidden_BTD, head_DV.astype(hidden_BTD.dtype), preferred_element_type=jnp.float32
   )
+  logits = logits / temperature
   logp_all = jax.nn.log_softmax(logits, axis=-1)
   logp = jnp.take_along_axis(logp_all, targets_BT[..., None], axis=-1)[..., 0]
   if not with_entropy:

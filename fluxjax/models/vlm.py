@@ -125,11 +125,17 @@ class Qwen25VL(nnx.Module):
     attention_fn: AttentionFn | None = None,
     vision_gather_fn=None,
     with_entropy: bool = False,
+    temperature: float = 1.0,
   ):
-    """log p(targets) per token, chunked over the vocabulary (training path)."""
+    """log softmax(logits / temperature)[targets] per token, chunked over the vocabulary."""
     h = self.hidden_states(batch, attention_fn, vision_gather_fn)
     return logprobs_lib.token_logprobs(
-      h, targets_BT, self.head_DV(), chunk=self.cfg.logprob_vocab_chunk, with_entropy=with_entropy
+      h,
+      targets_BT,
+      self.head_DV(),
+      chunk=self.cfg.logprob_vocab_chunk,
+      with_entropy=with_entropy,
+      temperature=temperature,
     )
 
   def __call__(self, batch: PackedInputs) -> jax.Array:

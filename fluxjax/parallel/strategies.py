@@ -86,12 +86,20 @@ class Strategy:
     )
 
   def accumulate_fn(
-    self, mesh: jax.sharding.Mesh, plan: Plan, graphdef, param_shardings, loss_fn
+    self,
+    mesh: jax.sharding.Mesh,
+    plan: Plan,
+    graphdef,
+    param_shardings,
+    loss_fn,
+    *,
+    temperature: float = 1.0,
   ) -> Callable:
     """(params, batch, total=None) -> (loss, grads, sums) under this strategy's sync mode.
 
     `total` normalizes the loss (default: the batch's token weight, see
-    train_step.accumulate).
+    train_step.accumulate); the policy's logprobs are of softmax(logits /
+    temperature), the sampling temperature in RL.
     """
     if self.sync == "minibatch":
       independent = all(r.degree == 1 for rows in plan.microbatches for r in rows)
@@ -105,20 +113,32 @@ class Strategy:
         # Degree-1 rows keep each image on its tokens' device unless balanced.
         local_vision=independent and not self.balance_vision,
         merge_unit=self.model_cfg.vision.merge_unit,
+        temperature=temperature,
       )
     attention_fn = self.attention_fn(mesh, plan)
     return lambda params, batch, total=None: train_step.accumulate(
-      graphdef, params, batch, loss_fn, attention_fn, param_shardings, total
+      graphdef,
+      params,
+      batch,
+      loss_fn,
+      attention_fn,
+      param_shardings,
+      total,
+      temperature=temperature,
     )
 
-  def logprobs_fn(self, mesh: jax.sharding.Mesh, plan: Plan, graphdef) -> Callable:
+  def logprobs_fn(
+    self, mesh: jax.sharding.Mesh, plan: Plan, graphdef, *, temperature: float = 1.0
+  ) -> Callable:
     """(params, batch) -> per-token logprobs [M, D, C]: a forward pass (the reference's).
 
     Always the layer-sync program: a forward has no gradient barrier for
     minibatch sync to relax, and every plan's batch is valid under it.
     """
     attention_fn = self.attention_fn(mesh, plan)
-    return lambda params, batch: train_step.token_logprobs(graphdef, params, batch, attention_fn)
+    return lambda params, batch: train_step.token_logprobs(
+      graphdef, params, batch, attention_fn, temperature=temperature
+    )
 
 
 def _buckets(cfg) -> tuple[int, ...]:

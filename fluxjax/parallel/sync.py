@@ -62,6 +62,7 @@ def make_accumulate(
   independent_rows: bool = True,
   local_vision: bool = True,
   merge_unit: int = 4,
+  temperature: float = 1.0,
 ):
   """An `accumulate(params, batch, total=None) -> (loss, grads, sums)`, minibatch sync.
 
@@ -77,6 +78,7 @@ def make_accumulate(
     local_vision: every merged vision embedding is used on the device that
       encoded it (no cross-device route); otherwise they are all-gathered.
     merge_unit: patches per merged vision token (the model's 2x2 merger: 4).
+    temperature: the policy's logprobs are of softmax(logits / temperature).
   """
 
   batch_axes = mesh_lib.batch_axes(mesh)
@@ -99,7 +101,9 @@ def make_accumulate(
       mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, m, 0, keepdims=False), batch)
       inputs = dataclasses.replace(mb.inputs, vision_index_BT=rebase(mb.inputs.vision_index_BT))
       mb = dataclasses.replace(mb, inputs=inputs)
-      (loss, sums), g = grad_fn(full, graphdef, mb, total, loss_fn, local_attention_fn, gather)
+      (loss, sums), g = grad_fn(
+        full, graphdef, mb, total, loss_fn, local_attention_fn, gather, temperature=temperature
+      )
       return loss, g, sums
 
     zeros = jax.tree.map(jnp.zeros_like, full)

@@ -90,8 +90,15 @@ def loss_and_metrics(
   loss_fn: LossFn,
   attention_fn,
   vision_gather_fn=None,
+  *,
+  temperature: float = 1.0,
 ):
-  """Σ loss / total_tokens of one microbatch, and metric sums."""
+  """Σ loss / total_tokens of one microbatch, and metric sums.
+
+  The policy's logprobs (and entropy) are of softmax(logits / temperature):
+  at the sampling temperature they match the behaviour logprobs the rollout
+  engine reported, so on-policy importance weights are 1.
+  """
   model = nnx.merge(graphdef, params)
   logp, entropy = model.token_logprobs(
     mb.inputs,
@@ -99,6 +106,7 @@ def loss_and_metrics(
     attention_fn=attention_fn,
     vision_gather_fn=vision_gather_fn,
     with_entropy=True,
+    temperature=temperature,
   )
   per_token, extras = loss_fn(logp, entropy, mb)
   mask = mb.loss_mask
@@ -107,7 +115,9 @@ def loss_and_metrics(
   return (per_token * mask).sum() / total_tokens, sums
 
 
-def token_logprobs(graphdef, params, batch: TrainBatch, attention_fn=None) -> jax.Array:
+def token_logprobs(
+  graphdef, params, batch: TrainBatch, attention_fn=None, *, temperature: float = 1.0
+) -> jax.Array:
   """log p(target) of every token of every microbatch, [M, D, C]; a forward only.
 
   The reference model's pass for the KL term: no gradient flows, so nothing is
@@ -117,7 +127,9 @@ def token_logprobs(graphdef, params, batch: TrainBatch, attention_fn=None) -> ja
 
   def one(mb: TrainBatch):
     model = nnx.merge(graphdef, params)
-    return model.token_logprobs(mb.inputs, mb.targets, attention_fn=attention_fn)
+    return model.token_logprobs(
+      mb.inputs, mb.targets, attention_fn=attention_fn, temperature=temperature
+    )
 
   return jax.lax.map(one, batch)
 
@@ -135,6 +147,8 @@ def accumulate(
   attention_fn=None,
   param_shardings=None,
   total=None,
+  *,
+  temperature: float = 1.0,
 ):
   """Loss, gradients and metric sums over all microbatches (no update).
 
@@ -153,7 +167,9 @@ def accumulate(
   )
 
   def micro(grads, mb):
-    (loss, sums), g = grad_fn(params, graphdef, mb, total, loss_fn, attention_fn)
+    (loss, sums), g = grad_fn(
+      params, graphdef, mb, total, loss_fn, attention_fn, temperature=temperature
+    )
     return pin(jax.tree.map(jnp.add, grads, g)), (loss, sums)
 
   zeros = pin(jax.tree.map(jnp.zeros_like, params))

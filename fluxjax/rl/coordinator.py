@@ -132,6 +132,7 @@ class Coordinator:
       tx,
       losses.make_loss_fn(config.rl),
       patch_source=self._patch_source,
+      temperature=float(config.rl.temperature),
     )
     self._version = 0  # weight version published to rollout
     self._steps = 0  # RL updates applied

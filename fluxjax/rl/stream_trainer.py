@@ -50,6 +50,8 @@ class StreamTrainer:
     patch_buckets: static patch-buffer sizes.
     ref_params: the reference model's parameters (sharded like the policy's),
       or None when the loss has no KL term; settable later (`set_reference`).
+    temperature: the sampling temperature; policy and reference logprobs are
+      of softmax(logits / temperature), as the engine's behaviour logprobs.
   """
 
   def __init__(
@@ -66,8 +68,10 @@ class StreamTrainer:
     patch_source=None,
     patch_buckets: Sequence[int] = PATCH_BUCKETS,
     ref_params=None,
+    temperature: float = 1.0,
   ):
     self.mesh = mesh
+    self.temperature = float(temperature)
     self.strategy = strategy
     self.graphdef = graphdef
     self.state_shardings = state_shardings
@@ -112,12 +116,17 @@ class StreamTrainer:
   def _compile_add(self, plan: Plan, batch: batch_lib.TrainBatch):
     assert isinstance(batch.ref_logprobs, jax.Array), "a placed batch"
     accumulate = self.strategy.accumulate_fn(
-      self.mesh, plan, self.graphdef, self.state_shardings.params, self.loss_fn
+      self.mesh,
+      plan,
+      self.graphdef,
+      self.state_shardings.params,
+      self.loss_fn,
+      temperature=self.temperature,
     )
     return accumulate, train_step.make_stream_add(
       accumulate,
       self.state_shardings.params,
-      self.strategy.logprobs_fn(self.mesh, plan, self.graphdef),
+      self.strategy.logprobs_fn(self.mesh, plan, self.graphdef, temperature=self.temperature),
       batch.ref_logprobs.sharding,
     )  # reference logprobs land in the batch's layout
 

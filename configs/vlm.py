@@ -185,10 +185,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.is_cap = 2.0
   # "truncate" (w = min(w, is_cap)) or "mask" (w = 0 above is_cap; AReaL's rejection).
   c.rl.is_mode = "truncate"
-  # Where pi_prox comes from: "trainer" (sg of the policy being updated; one
-  # update per batch, so no extra forward pass) or "batch" (the batch's
-  # prox_logprobs; the behaviour logprobs where a sequence carries none).
+  # Where pi_prox comes from: "trainer" (the trainer's policy before the
+  # batch's first update: sg(logp) with one update per batch, no extra forward
+  # pass; with more, a forward of that policy kept with each part) or "batch"
+  # (the batch's prox_logprobs; the behaviour logprobs where a sequence
+  # carries none).
   c.rl.prox = "trainer"
+  # Optimizer updates per batch (PPO epochs). The first is streamed while
+  # rollout goes on; each later one passes over the batch again, clipped
+  # around pi_prox, so the clip and clip-higher act (train/clipfrac).
+  c.rl.updates_per_batch = 1
   # Entropy bonus coefficient (0: entropy is a metric only).
   c.rl.entropy_coef = 0.0
   # How token losses aggregate (veRL's loss_agg_mode; rl/advantages.py):

@@ -69,8 +69,8 @@ def _synchronous_step(strategy, mesh, tx, loss_fn, seqs):
   with jax.set_mesh(mesh):
     out = step(state, batch_lib.to_device(host, mesh))
   # Finish the synchronous step before the stream trainer dispatches its own
-  # collective programs: two interleaved 8-device CPU programs aborted XLA in
-  # 1 of ~8 runs of this file (see the issue note).
+  # collective programs: two interleaved 8-device CPU programs can stall
+  # XLA:CPU's collective rendezvous (docs/testing.md).
   return jax.block_until_ready(out)
 
 
@@ -244,3 +244,43 @@ def test_on_policy_importance_weights_are_one_at_the_sampling_temperature(temper
     at_one = np.asarray(model.token_logprobs(inputs.pack_row([s.inputs], CFG), targets))[0]
     response = s.loss_mask_T[1:] > 0
     assert np.abs(at_one[:-1][response] - s.old_logprobs_T[1:][response]).max() > 1e-2
+
+
+@pytest.mark.slow
+def test_several_updates_per_batch_clip_around_the_first_policy(devices):
+  """PPO epochs: later updates pass over the stored parts, clipped around pi_prox.
+
+  With one update the ratio is 1 and nothing is clipped; with three the
+  policy moves between updates, so ratios leave 1 and the clip acts. pi_prox
+  stays the policy before the first update: the decoupled weight
+  w = pi_prox / mu, averaged over the updates, equals the one-update value.
+  """
+  strategy = make_strategy("packed_dp", capacity=128)
+  mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
+  seqs = mixed_batch(seed=5)
+  for s in seqs:
+    s.old_logprobs_T = np.full(len(s), -6.2, np.float32)
+
+  def train(updates):
+    rl = config_args.load_config().rl
+    rl.updates_per_batch = updates
+    graphdef, state, shardings = _fresh_state(mesh, SGD)
+    trainer = StreamTrainer(
+      CFG, mesh, strategy, graphdef, state, shardings, SGD, losses.make_loss_fn(rl),
+      patch_buckets=(PATCHES,), updates_per_batch=updates,
+    )  # fmt: skip
+    for part in (seqs[:2], seqs[2:]):
+      trainer.add(part)
+    metrics = jax.device_get(trainer.apply())
+    return metrics, _flat(trainer.state.params)
+
+  one, params_one = train(1)
+  three, params_three = train(3)
+  assert int(one["updates"]) == 1 and int(three["updates"]) == 3
+  assert float(one["clipfrac"]) == 0.0 and float(one["ratio"]) == pytest.approx(1.0, abs=1e-6)
+  assert float(three["clipfrac"]) > 0.01
+  assert abs(float(three["ratio"]) - 1.0) > 1e-3
+  np.testing.assert_allclose(float(three["is_weight"]), float(one["is_weight"]), rtol=1e-5)
+  assert max(np.abs(a - b).max() for a, b in zip(params_one, params_three)) > 1e-4
+  with pytest.raises(ValueError, match="updates_per_batch must be >= 1"):
+    StreamTrainer(CFG, mesh, strategy, None, None, None, SGD, None, updates_per_batch=0)

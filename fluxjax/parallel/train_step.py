@@ -238,9 +238,14 @@ def apply_update(tx: optax.GradientTransformation, state: TrainState, loss, grad
 
 
 def make_stream_add(
-  accumulate_fn, param_shardings, ref_logprobs_fn=None, ref_logprobs_sharding=None
+  accumulate_fn,
+  param_shardings,
+  ref_logprobs_fn=None,
+  ref_logprobs_sharding=None,
 ):
-  """`add(params, acc, part, ref_params=None) -> acc`: one part of a batch, unnormalized.
+  """`add(params, acc, part, ref_params=None, prox_params=None) -> (acc, part)`.
+
+  One part of a batch, unnormalized.
 
   A stream trainer sums loss, gradients and metric sums of each part with the
   loss normalized by 1 (`accumulate_fn(params, part, 1.0)`), and divides by
@@ -255,17 +260,30 @@ def make_stream_add(
       `logprobs_fn`): with `ref_params` given, the part's `ref_logprobs` are
       computed in the same program, before the policy's pass.
     ref_logprobs_sharding: where those logprobs live (the batch's layout).
+
+  Returns:
+    The jitted `add`. With `prox_params` given it also sets the part's
+    `prox_logprobs` to their logprobs (the same forward as the reference's):
+    the policy before the batch's first update, which later updates of the
+    batch clip around. It returns the part as trained, reference and prox
+    logprobs filled, so such updates pass over it again without recomputing
+    them.
   """
 
-  def add(params, acc, part: TrainBatch, ref_params=None):
+  def logprobs(p, part):
+    out = ref_logprobs_fn(p, part)
+    if ref_logprobs_sharding is not None:
+      out = jax.lax.with_sharding_constraint(out, ref_logprobs_sharding)
+    return out
+
+  def add(params, acc, part: TrainBatch, ref_params=None, prox_params=None):
     if ref_params is not None:
-      ref = ref_logprobs_fn(ref_params, part)
-      if ref_logprobs_sharding is not None:
-        ref = jax.lax.with_sharding_constraint(ref, ref_logprobs_sharding)
-      part = dataclasses.replace(part, ref_logprobs=ref)
+      part = dataclasses.replace(part, ref_logprobs=logprobs(ref_params, part))
+    if prox_params is not None:
+      part = dataclasses.replace(part, prox_logprobs=logprobs(prox_params, part))
     loss, grads, sums = accumulate_fn(params, part, jnp.float32(1.0))
     grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-    return jax.tree.map(jnp.add, acc, (loss, grads, sums))
+    return jax.tree.map(jnp.add, acc, (loss, grads, sums)), part
 
   return jax.jit(add, donate_argnums=(1,))
 

@@ -133,6 +133,7 @@ class Coordinator:
       losses.make_loss_fn(config.rl),
       patch_source=self._patch_source,
       temperature=float(config.rl.temperature),
+      updates_per_batch=int(config.rl.updates_per_batch),
     )
     self._version = 0  # weight version published to rollout
     self._steps = 0  # RL updates applied

@@ -27,18 +27,20 @@ engine policy). Truncating w at is_cap (veRL/Tunix truncated IS) bounds the
 variance a very stale token can add. With `is_mode = "mask"` tokens whose
 weight exceeds the cap are dropped instead (AReaL's rejection).
 
-Where pi_prox comes from (`prox`): "trainer" (default) takes sg(logp), the
-policy being differentiated. The coordinator applies exactly one optimizer
-update per batch, so that policy *is* the one before the update: AReaL's
-extra forward pass for prox logprobs is not needed, the ratio is 1 where the
-gradient is taken, and w = pi_current / mu carries all of the staleness.
-"batch" reads `prox_logprobs` from the batch (several updates per batch);
-when a sequence carries none, `materialize` sets prox = old, so w = 1 and
-this is standard PPO-clip against the behaviour policy.
+Where pi_prox comes from (`prox`): "trainer" (default) is the trainer's
+policy before the batch's first update. With one update per batch
+(`updates_per_batch = 1`) that is sg(logp), the policy being differentiated:
+AReaL's extra forward pass is not needed, the ratio is 1 where the gradient
+is taken (nothing is clipped), and w = pi_current / mu carries all of the
+staleness. With several updates the stream trainer fills `prox_logprobs`
+with a forward of that policy, so later updates are clipped around it
+(PPO epochs). "batch" reads `prox_logprobs` from the batch; when a sequence
+carries none, `materialize` sets prox = old, so w = 1 and this is standard
+PPO-clip against the behaviour policy.
 
 Config: the `rl` section of configs/vlm.py, where every field is written out
 with its meaning and its only default. The loss reads clip_low, clip_high,
-clip_c, kl_coef, kl_estimator, kl_clamp, is_cap, is_mode, prox and
+clip_c, kl_coef, kl_estimator, kl_clamp, is_cap, is_mode, prox, updates_per_batch and
 entropy_coef; the coordinator, the reference and the reward scheduler read
 the rest.
 
@@ -114,6 +116,8 @@ def make_loss_fn(cfg: ml_collections.ConfigDict) -> LossFn:
   prox_source = str(cfg.prox)
   if prox_source not in PROX_SOURCES:
     raise ValueError(f"rl.prox must be one of {PROX_SOURCES}, got {prox_source!r}")
+  # One update per batch: the policy being differentiated is pi_prox itself.
+  prox_is_logp = prox_source == "trainer" and int(cfg.updates_per_batch) == 1
   if estimator not in KL_ESTIMATORS:
     raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
   if is_mode not in IS_MODES:
@@ -125,7 +129,7 @@ def make_loss_fn(cfg: ml_collections.ConfigDict) -> LossFn:
 
   def loss_fn(logp_BT: jax.Array, entropy_BT: jax.Array, mb: TrainBatch):
     adv_BT = mb.advantages
-    prox_BT = jax.lax.stop_gradient(logp_BT if prox_source == "trainer" else mb.prox_logprobs)
+    prox_BT = jax.lax.stop_gradient(logp_BT if prox_is_logp else mb.prox_logprobs)
     w_BT, truncated_BT = importance_weights(prox_BT, mb.old_logprobs, is_cap, is_mode)
     # Clamp the exponent: padding and masked tokens may hold arbitrary logp
     # differences, and an inf there would turn 0 * inf into NaN gradients.

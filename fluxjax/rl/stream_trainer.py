@@ -52,6 +52,10 @@ class StreamTrainer:
       or None when the loss has no KL term; settable later (`set_reference`).
     temperature: the sampling temperature; policy and reference logprobs are
       of softmax(logits / temperature), as the engine's behaviour logprobs.
+    updates_per_batch: optimizer updates per batch (PPO epochs). The first
+      is streamed as parts arrive; each later one passes over the stored
+      parts again with the updated parameters, clipped around the policy
+      before the first (the parts' `prox_logprobs`), so the clip acts.
   """
 
   def __init__(
@@ -69,9 +73,15 @@ class StreamTrainer:
     patch_buckets: Sequence[int] = PATCH_BUCKETS,
     ref_params=None,
     temperature: float = 1.0,
+    updates_per_batch: int = 1,
   ):
+    if updates_per_batch < 1:
+      raise ValueError(f"updates_per_batch must be >= 1, got {updates_per_batch}")
     self.mesh = mesh
     self.temperature = float(temperature)
+    self.updates_per_batch = int(updates_per_batch)
+    # (add, part) of the batch so far, for the updates after the first.
+    self._stored: list[tuple] = []
     self.strategy = strategy
     self.graphdef = graphdef
     self.state_shardings = state_shardings
@@ -127,8 +137,8 @@ class StreamTrainer:
       accumulate,
       self.state_shardings.params,
       self.strategy.logprobs_fn(self.mesh, plan, self.graphdef, temperature=self.temperature),
-      batch.ref_logprobs.sharding,
-    )  # reference logprobs land in the batch's layout
+      batch.ref_logprobs.sharding,  # reference and prox logprobs land in the batch's layout
+    )
 
   def _zeros(self, accumulate, batch):
     if self._sums_shape is None:  # traced once: the loss's metric names
@@ -153,7 +163,10 @@ class StreamTrainer:
     with jax.set_mesh(self.mesh):
       if self._acc is None:
         self._acc = self._zeros(accumulate, placed.batch)
-      self._acc = add(self._state.params, self._acc, placed.batch, self._ref_params)
+      prox = self._state.params if self.updates_per_batch > 1 else None
+      self._acc, part = add(self._state.params, self._acc, placed.batch, self._ref_params, prox)
+    if self.updates_per_batch > 1:
+      self._stored.append((accumulate, add, part))
     self.parts += 1
     self.sequences += len(seqs)
 
@@ -162,17 +175,34 @@ class StreamTrainer:
     return self._acc is not None
 
   def apply(self) -> dict:
-    """One optimizer update from everything added; returns device metrics."""
+    """`updates_per_batch` optimizer updates from everything added.
+
+    Returns device metrics: each the mean over the updates (the first is
+    on-policy: ratio 1, nothing clipped), plus `updates`.
+    """
     if self._acc is None:
       raise RuntimeError("apply() with nothing added")
     with jax.set_mesh(self.mesh):
       self._state, metrics = self._apply(self._state, self._acc)
+      per_update = [metrics]
+      for _ in range(self.updates_per_batch - 1):
+        acc = None
+        for accumulate, add, part in self._stored:
+          if acc is None:
+            acc = self._zeros(accumulate, part)
+          # The stored part already holds its reference and prox logprobs.
+          acc, _ = add(self._state.params, acc, part)
+        self._state, metrics = self._apply(self._state, acc)
+        per_update.append(metrics)
     self._acc = None
-    metrics = dict(metrics, parts=self.parts, sequences=self.sequences)
+    self._stored = []
+    metrics = jax.tree.map(lambda *xs: sum(xs) / len(xs), *per_update)
+    metrics = dict(metrics, parts=self.parts, sequences=self.sequences, updates=len(per_update))
     self.parts = self.sequences = 0
     return metrics
 
   def discard(self) -> None:
     """Drops a partial batch (a failed step is replayed from its prompts)."""
     self._acc = None
+    self._stored = []
     self.parts = self.sequences = 0

@@ -56,14 +56,14 @@ def run_mode(mode: str, args, workdir: str) -> dict:
   from fluxjax.rl import loop, metrics
 
   c = config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"))
-  c.total_steps, c.eval_every = args.steps, 0
+  c.total_steps, c.eval.every = args.steps, 0
   c.checkpoint.every = 10**6  # no checkpoint inside the measured steps
   c.sft.enabled = False  # RL only: the warm-up is not what is measured
   c.rl.prompts_per_step, c.rl.responses_per_prompt = args.P, args.R
   c.rl.max_new_tokens = args.max_new_tokens
   c.rollout.tail_batching.eta = args.eta
   c.data.synth_train = max(c.data.synth_train, 4 * args.P * args.steps)
-  c.data.eval_prompts = 2
+  c.eval.prompts = 2
   c.coordinator.lag.mode = mode
   c.coordinator.lag.fixed_lag = 1
   t0 = time.perf_counter()

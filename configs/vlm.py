@@ -34,7 +34,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.seed = 0
   # A reference: the learning-rate schedule (optim.total_steps) follows overrides.
   c.total_steps = ml_collections.FieldReference(40 if arg.variant == "tiny" else 500)
-  c.eval_every = 5 if arg.variant == "tiny" else 25
 
   # Data: JSONL/Parquet files, or (train empty) a synthetic dataset generated
   # into WORKDIR/data on first use.
@@ -46,8 +45,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # 524k-parameter model learns from the pixels in minutes on a CPU.
   c.data.mix = "shapes" if arg.variant == "tiny" else "image_heavy"
   c.data.synth_train = 1024 if arg.variant == "tiny" else 256
-  c.data.synth_eval = 64 if arg.variant == "tiny" else 32
-  c.data.eval_prompts = 64 if arg.variant == "tiny" else 32
+  c.data.synth_eval = 256
   c.data.seed = 0
   c.data.num_workers = 1 if arg.variant == "tiny" else 8
   # Vision preprocessing limits, shared by the loader's workers and the rollout
@@ -63,6 +61,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       video_max_frames=8 if tiny else 768,
     )
   )
+
+  # Held-out evaluation (rl/evaluation.py): samples_per_prompt responses per
+  # prompt at the training temperature give eval/accuracy with its 95%
+  # interval (the prompt is the unit) and pass@k; one greedy response per
+  # prompt gives eval/accuracy_greedy; rows with a difficulty get a breakdown.
+  # Logged at step 0 (the RL start), every `every` RL steps and during the SFT
+  # warm-up (sft.eval_every). The first `prompts` rows of data.eval are used.
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every = 5 if arg.variant == "tiny" else 25
+  c.eval.prompts = 256
+  c.eval.samples_per_prompt = 4
+  c.eval.greedy = True
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 5 if arg.variant == "tiny" else 25

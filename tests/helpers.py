@@ -55,8 +55,9 @@ def server_env() -> dict[str, str]:
 def tiny_run_config(total_steps: int) -> ml_collections.ConfigDict:
   """The default run, cut to 2 prompts x 2 responses of <= 6 tokens, no warm-up."""
   c = config_args.load_config()
-  c.total_steps, c.eval_every = total_steps, 2
-  c.data.synth_train, c.data.synth_eval, c.data.eval_prompts = 8, 2, 2
+  c.total_steps, c.eval.every = total_steps, 2
+  c.data.synth_train, c.data.synth_eval, c.eval.prompts = 8, 2, 2
+  c.eval.samples_per_prompt = 2
   c.rl.prompts_per_step, c.rl.responses_per_prompt, c.rl.max_new_tokens = 2, 2, 6
   c.rl.reward.num_workers = 1
   c.rollout.num_slots = 4

@@ -89,3 +89,28 @@ def test_metrics_jsonl_resume_dedup_and_plots(tmp_path):
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   line = metrics.Progress(10).line(3, {"rollout/reward_mean": 0.5, "eval/accuracy": 0.25})
   assert "step 3/10" in line and "reward 0.5" in line and "ETA" in line
+
+
+def test_accuracy_plots_carry_the_interval_greedy_pass_at_k_and_difficulties(tmp_path):
+  with metrics.MetricWriter(str(tmp_path)) as w:
+    for step in (-10, 0, 5, 10):
+      w.write(
+        step,
+        {
+          "eval/accuracy": 0.3 + step / 100,
+          "eval/accuracy_ci95": 0.05,
+          "eval/accuracy_greedy": 0.35 + step / 100,
+          "eval/pass@4": 0.6,
+          "eval/accuracy/easy": 0.5,
+          "eval/accuracy/hard": 0.1,
+        },
+      )
+  records = metrics.read_metrics(str(tmp_path))
+  panels = {p.name: p for p in plot.PANELS}
+  accuracy = plot._curves(records, panels["accuracy"])
+  assert [c[0] for c in accuracy] == ["eval/accuracy", "eval/accuracy_greedy", "eval/pass@4"]
+  assert accuracy[0][3] == [0.05] * 4 and accuracy[1][3] is None  # the band, main curve only
+  by_level = plot._curves(records, panels["accuracy_by_difficulty"])
+  assert [c[0] for c in by_level] == ["eval/accuracy/easy", "eval/accuracy/hard"]
+  names = sorted(os.path.basename(p) for p in plot.plot(str(tmp_path)))
+  assert names == ["accuracy.png", "accuracy_by_difficulty.png", "summary.png"]

@@ -6,6 +6,7 @@ nothing here compiles a train step.
 """
 
 import concurrent.futures
+import dataclasses
 import os
 
 import jax
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from fluxjax import config_args
+from fluxjax.data import meta as meta_lib
 from fluxjax.models import inputs, sharded
 from fluxjax.parallel import train_step
 from fluxjax.rl import coordinator as coordinator_lib
@@ -29,6 +31,8 @@ class _Backend:
 
   def __init__(self):
     self.published: list[tuple[object, int]] = []
+    self.requests: list[tuple[str, dict]] = []
+    self.answers: dict[str, str] = {}
 
   async def start(self):
     pass
@@ -43,7 +47,15 @@ class _Backend:
     pass
 
   async def generate(self, body, group=None):
-    raise AssertionError("no request is expected")
+    """Evaluation requests: greedy ones are right, the first sampled one per prompt too."""
+    self.requests.append((group, body))
+    sampled = body["sampling_params"]["temperature"] > 0
+    seen = sum(
+      1 for g, b in self.requests if g == group and b["sampling_params"]["temperature"] > 0
+    )
+    right = not sampled or seen == 1
+    text = f"<answer>{self.answers[group] if right else 'wrong'}</answer>"
+    return dataclasses.replace(completion([1, 2], [-0.1, -0.2]), text=text)
 
   async def abort(self, rid):
     pass
@@ -203,3 +215,23 @@ def test_sequences_honour_the_advantage_settings(coord, parts):
   # rewards (1, 0): centred +-0.5 over the unbiased std 0.7071 plus eps 1.0
   np.testing.assert_allclose(a.advantages_T[4:], 0.5 / (0.5**0.5 + 1.0), rtol=1e-5)
   np.testing.assert_allclose(b.advantages_T[4:], -0.5 / (0.5**0.5 + 1.0), rtol=1e-5)
+
+
+def test_evaluate_samples_at_the_training_temperature_and_summarizes(coord, parts):
+  c, backend = coord
+  config = parts[0]
+  samples = [
+    meta_lib.SampleMeta(uid=i, id=f"q{i}", prompt=f"Question {i}?", answer=a, difficulty=d)
+    for i, (a, d) in enumerate([("red", "easy"), ("blue", "easy"), ("3", "hard")])
+  ]
+  backend.answers = {s.id: s.answer for s in samples}
+  out = c.evaluate(samples)
+  k = config.eval.samples_per_prompt
+  temps = [b["sampling_params"]["temperature"] for _, b in backend.requests]
+  assert temps.count(config.rl.temperature) == 3 * k and temps.count(0.0) == 3
+  # One right of k sampled per prompt; every greedy answer right.
+  assert out["eval/accuracy"] == pytest.approx(1 / k)
+  assert out["eval/accuracy_ci95"] == 0.0  # no spread over prompts
+  assert out[f"eval/pass@{k}"] == 1.0 and out["eval/accuracy_greedy"] == 1.0
+  assert out["eval/accuracy/easy"] == out["eval/accuracy/hard"] == pytest.approx(1 / k)
+  assert out["eval/prompts"] == 3 and out["eval/samples"] == 3 * k

@@ -48,7 +48,7 @@ def test_hanging_reward_corrupt_image_and_long_prompt_are_counted(tmp_path, monk
   train, eval_manifest = _dataset(tmp_path)
   monkeypatch.setenv("FLUXJAX_HANG_FLAG", str(tmp_path / "hung"))
   c = tiny_run_config(3)
-  c.data.train, c.data.eval, c.data.eval_prompts = train, eval_manifest, 2
+  c.data.train, c.data.eval, c.eval.prompts = train, eval_manifest, 2
   c.rl.reward.fn = "fault_rewards:hang_once"
   c.rl.reward.t_min, c.rl.reward.t_max = 1.0, 3.0  # no correct call yet: T = t_max
   c.rl.reward.num_workers = 2

@@ -119,7 +119,7 @@ def test_cli_switches_strategy_by_config(tmp_path):
     "--config.total_steps=0",
     "--config.data.synth_train=4",
     "--config.data.synth_eval=2",
-    "--config.data.eval_prompts=2",
+    "--config.eval.prompts=2",
     f"--workdir={tmp_path}",
   )
   assert "strategy ulysses (sp=4) on mesh {'data': 1, 'fsdp': 2, 'sp': 4}" in out.stderr

@@ -30,12 +30,12 @@ STEPS, P = 4, 2
 def _command(workdir):
   overrides = {
     "total_steps": STEPS,
-    "eval_every": 0,
+    "eval.every": 0,
     "checkpoint.every": 1,
     "sft.enabled": False,
     "data.synth_train": 16,
     "data.synth_eval": 2,
-    "data.eval_prompts": 2,
+    "eval.prompts": 2,
     "rl.prompts_per_step": P,
     "rl.responses_per_prompt": 2,
     "rl.max_new_tokens": 6,

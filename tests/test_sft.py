@@ -167,9 +167,9 @@ def test_optimizer_config_is_the_warm_ups_own(setup):
 def test_loop_runs_the_warm_up_before_rl(tmp_path):
   c = _config()
   assert c.sft.enabled
-  c.total_steps, c.eval_every = 1, 1
+  c.total_steps, c.eval.every = 1, 1
   c.sft.steps, c.sft.batch_size, c.sft.eval_every = 3, 2, 2
-  c.data.synth_train, c.data.synth_eval, c.data.eval_prompts = 8, 2, 2
+  c.data.synth_train, c.data.synth_eval, c.eval.prompts = 8, 2, 2
   c.rl.prompts_per_step, c.rl.responses_per_prompt, c.rl.max_new_tokens = 2, 2, 6
   c.rl.reward.num_workers = 1
   c.rollout.num_slots = 4

@@ -13,8 +13,9 @@ from fluxjax.rl import loop
 def _config():
   """The default tiny run, cut to one step of 2 prompts x 2 short responses."""
   c = config_args.load_config()
-  c.total_steps, c.eval_every = 1, 0
-  c.data.synth_train, c.data.synth_eval, c.data.eval_prompts = 4, 1, 1
+  c.total_steps, c.eval.every = 1, 0
+  c.data.synth_train, c.data.synth_eval, c.eval.prompts = 4, 1, 1
+  c.eval.samples_per_prompt, c.eval.greedy = 1, False
   c.rl.prompts_per_step, c.rl.responses_per_prompt, c.rl.max_new_tokens = 2, 2, 4
   c.rl.reward.num_workers = 1
   c.rollout.num_slots, c.rollout.context_length = 4, 256

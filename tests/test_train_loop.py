@@ -116,7 +116,7 @@ def test_grpo_climbs_a_dense_reward(tmp_path):
   requests are seeded and nothing is speculative.
   """
   c = tiny_run_config(10)
-  c.eval_every, c.checkpoint.every = 0, 1000
+  c.eval.every, c.checkpoint.every = 0, 1000
   c.data.mix, c.data.synth_train = "text", 128
   c.rl.prompts_per_step, c.rl.responses_per_prompt, c.rl.max_new_tokens = 8, 8, 8
   c.rollout.num_slots = 32

@@ -139,6 +139,7 @@ class SampleMeta:
     source: dataset name of the row.
     media: images then videos, in prompt order.
     error: why the sample cannot be used (probing failed), else None.
+    difficulty: the row's difficulty label ("" = none), for evaluation.
   """
 
   uid: int
@@ -148,6 +149,7 @@ class SampleMeta:
   source: str = ""
   media: tuple[MediaRef, ...] = ()
   error: str | None = None
+  difficulty: str = ""
 
   def messages(self) -> list[dict]:
     """Chat messages for `fluxjax.models.inputs.sequence_from_chat`."""
@@ -249,6 +251,7 @@ class ToMeta:
       prompt=row["prompt"],
       answer=row.get("answer"),
       source=row.get("source", ""),
+      difficulty=row.get("difficulty", ""),
     )
     items: list[tuple[processor.Kind, str]] = [("image", p) for p in row.get("images", ())]
     items += [("video", p) for p in row.get("videos", ())]

@@ -52,7 +52,7 @@ def _paths(value: Any, base_dir: str) -> list[str]:
 
 
 def normalize_row(raw: dict, index: int, base_dir: str) -> dict:
-  """One raw dataset row -> {id, prompt, answer, images, videos, source, task}.
+  """One raw dataset row -> {id, prompt, answer, images, videos, source, task, difficulty}.
 
   Args:
     raw: the row as stored.
@@ -73,6 +73,7 @@ def normalize_row(raw: dict, index: int, base_dir: str) -> dict:
     "videos": _paths(raw.get("videos", raw.get("video")), base_dir),
     "source": str(raw.get("source", raw.get("data_source", ""))),
     "task": str(raw.get("task", "")),  # the reward function's hint
+    "difficulty": str(raw.get("difficulty", "")),  # evaluation breaks accuracy down by it
   }
 
 

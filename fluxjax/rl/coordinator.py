@@ -49,10 +49,11 @@ from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import train_step
 from fluxjax.parallel.strategies import Strategy
 from fluxjax.rl import advantages as adv_lib
-from fluxjax.rl import async_control, losses, rewards, tail_batching, trajectories
+from fluxjax.rl import async_control, evaluation, losses, rewards, tail_batching, trajectories
 from fluxjax.rl import producer as producer_lib
 from fluxjax.rl.stream_trainer import StreamTrainer
 from fluxjax.rollout.backend import LoopThread, RolloutBackend
+from fluxjax.rollout.client import Completion
 
 log = logging.getLogger(__name__)
 
@@ -247,31 +248,21 @@ class Coordinator:
       "return_logprob": True,
     }
 
-  async def rollout_groups(
+  async def _responses(
     self, samples: Sequence[meta_lib.SampleMeta], responses: int, *, greedy: bool = False
-  ) -> list[trajectories.Group]:
-    """R responses per prompt, scored as each finishes (evaluation; no admission)."""
+  ) -> list[list[Completion]]:
+    """`responses` completions per prompt, all requests at once (no admission, no rewards)."""
     prompts = [self.prompt(s) for s in samples]
 
-    async def respond_and_score(sample, prompt, j):
-      completion = await self._rollout.generate(
+    async def one(sample, prompt, j):
+      return await self._rollout.generate(
         self.request(sample, prompt, index=j, greedy=greedy), sample.id
       )
-      scored = await asyncio.wrap_future(
-        self._rewards.submit(completion.text, sample.answer or "", key=sample.id)
-      )
-      return completion, scored.reward
 
     done = await asyncio.gather(
-      *(
-        asyncio.gather(*(respond_and_score(s, p, j) for j in range(responses)))
-        for s, p in zip(samples, prompts)
-      )
+      *(asyncio.gather(*(one(s, p, j) for j in range(responses))) for s, p in zip(samples, prompts))
     )
-    return [
-      trajectories.Group(s.id, p, [c for c, _ in d], [r for _, r in d], s.answer)
-      for s, p, d in zip(samples, prompts, done)
-    ]
+    return [list(d) for d in done]
 
   def start(self) -> None:
     """Starts rollout (after any restore)."""
@@ -441,12 +432,22 @@ class Coordinator:
     self._producer.set_version(self._version, self._steps)
     return time.perf_counter() - t
 
-  def evaluate(self, samples: Sequence[meta_lib.SampleMeta]) -> float:
-    """Held-out accuracy: one greedy response per prompt, scored by `accuracy`."""
-    groups = self._producer.call(self.rollout_groups(samples, 1, greedy=True))
-    scores = [rewards.get("accuracy")(g.completions[0].text, g.answer or "") for g in groups]
-    log.debug("eval: %s", [(g.completions[0].text[:40], g.answer) for g in groups[:3]])
-    return float(np.mean(scores)) if scores else 0.0
+  def evaluate(self, samples: Sequence[meta_lib.SampleMeta]) -> dict[str, float]:
+    """Held-out metrics of the rollout policy (rl/evaluation.py), scored by `accuracy`.
+
+    `eval.samples_per_prompt` responses per prompt at the training temperature,
+    and one greedy response each when `eval.greedy`.
+    """
+    ev = self._config.eval
+    score = rewards.get("accuracy")
+    sampled = self._producer.call(self._responses(samples, int(ev.samples_per_prompt)))
+    scores = [[score(c.text, s.answer or "") for c in cs] for s, cs in zip(samples, sampled)]
+    greedy = None
+    if ev.greedy:
+      firsts = self._producer.call(self._responses(samples, 1, greedy=True))
+      greedy = [score(cs[0].text, s.answer or "") for s, cs in zip(samples, firsts)]
+    log.debug("eval: %s", [(cs[0].text[:40], s.answer) for s, cs in zip(samples[:3], sampled)])
+    return evaluation.summarize(scores, [s.difficulty for s in samples], greedy)
 
   # -- checkpointed state ----------------------------------------------------
   def get_state(self) -> tuple[dict, dict]:

@@ -177,7 +177,7 @@ def build(config, workdir: str, stack: contextlib.ExitStack) -> Built:
       thread=thread,
     )
   )
-  eval_rows = readers.read_rows(eval_path)[: config.data.eval_prompts]
+  eval_rows = readers.read_rows(eval_path)[: config.eval.prompts]
   return Built(coord, loader, eval_rows, proc)
 
 
@@ -238,7 +238,7 @@ def run(config, workdir: str) -> dict:
           writer,
           lambda: coord.evaluate(eval_samples),
         )
-      writer.write(0, {"eval/accuracy": coord.evaluate(eval_samples)})
+      writer.write(0, coord.evaluate(eval_samples))
     if first < config.total_steps:
       if reference.needed(config):
         coord.set_reference(
@@ -261,8 +261,8 @@ def run(config, workdir: str) -> dict:
         log.info("data exhausted after step %d", step - 1)
         break
       host = dict(result.metrics, **built.loader.metrics())
-      if config.eval_every and step % config.eval_every == 0:
-        host["eval/accuracy"] = coord.evaluate(eval_samples)
+      if config.eval.every and step % config.eval.every == 0:
+        host.update(coord.evaluate(eval_samples))
       writer.write(step, host)
       trained_log.write(json.dumps({"step": step, "ids": result.trained}) + "\n")
       log.info(progress.line(step, host))

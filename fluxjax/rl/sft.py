@@ -195,7 +195,12 @@ class Trainer:
 
 
 def warm_up(
-  coord: Policy, config, train_path: str, proc, writer, evaluate: Callable[[], float]
+  coord: Policy,
+  config,
+  train_path: str,
+  proc,
+  writer,
+  evaluate: Callable[[], dict[str, float]],
 ) -> dict[str, float]:
   """Runs the warm-up (see the module docstring); returns a summary.
 
@@ -206,11 +211,12 @@ def warm_up(
     train_path: the training manifest (the warm-up samples its prompts).
     proc: the vision processor config.
     writer: the run's MetricWriter.
-    evaluate: held-out accuracy of the rollout engine's current policy.
+    evaluate: held-out metrics of the rollout engine's current policy
+      (`Coordinator.evaluate`).
   """
   s = config.sft
   first = -int(s.steps)
-  summary = {"eval/accuracy": evaluate()}
+  summary = evaluate()
   writer.write(first, summary)
   log.info(
     "SFT warm-up: %d steps of %d samples, lr %g; accuracy before %.3f",
@@ -255,7 +261,7 @@ def warm_up(
       if s.eval_every and k % s.eval_every == 0 and k < s.steps:
         trainer.finish(copy=True)  # the loop evaluates the final one at step 0
         coord.publish()
-        writer.write(first + k, {"eval/accuracy": evaluate()})
+        writer.write(first + k, evaluate())
     record(delayed.flush())
   finally:
     loader.close()

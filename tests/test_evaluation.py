@@ -1,0 +1,45 @@
+"""Evaluation statistics against direct computation."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from fluxjax.rl import evaluation
+
+
+def test_pass_at_k_counts_draws_without_replacement():
+  for n, c, k in [(4, 0, 1), (4, 1, 1), (4, 1, 2), (5, 2, 3), (4, 4, 4), (6, 3, 6)]:
+    draws = list(itertools.combinations(range(n), k))
+    hit = sum(any(i < c for i in d) for d in draws)  # the first c are correct
+    assert evaluation.pass_at_k(n, c, k) == pytest.approx(hit / len(draws))
+  with pytest.raises(ValueError, match="0 < k <= n"):
+    evaluation.pass_at_k(3, 1, 4)
+
+
+def test_accuracy_interval_treats_the_prompt_as_the_unit():
+  rng = np.random.default_rng(0)
+  scores = (rng.random((300, 4)) < rng.random((300, 1))).astype(float)
+  out = evaluation.summarize(scores.tolist())
+  per_prompt = scores.mean(1)
+  assert out["eval/accuracy"] == pytest.approx(per_prompt.mean())
+  se = per_prompt.std(ddof=1) / math.sqrt(300)
+  assert out["eval/accuracy_ci95"] == pytest.approx(1.959964 * se)
+  # Per-sample independence would understate the interval for correlated samples.
+  assert out["eval/accuracy_ci95"] > 1.959964 * scores.std(ddof=1) / math.sqrt(1200)
+  assert out["eval/pass@4"] == pytest.approx((scores.max(1) == 1).mean())
+  assert (out["eval/prompts"], out["eval/samples"]) == (300.0, 1200.0)
+
+
+def test_greedy_and_difficulty_breakdown():
+  scores = [[1, 1], [0, 1], [0, 0], [1, 0]]
+  out = evaluation.summarize(scores, difficulties=["easy", "easy", "hard", ""], greedy=[1, 0, 0, 1])
+  assert out["eval/accuracy_greedy"] == 0.5
+  assert out["eval/accuracy/easy"] == 0.75 and out["eval/accuracy/hard"] == 0.0
+  assert not any(k.endswith("/") for k in out)  # unlabelled prompts are not a level
+  assert evaluation.summarize([[1.0]])["eval/accuracy_ci95"] == 0.0
+  with pytest.raises(ValueError, match="same, non-zero number"):
+    evaluation.summarize([[1, 0], [1]])
+  with pytest.raises(ValueError, match="3 greedy scores for 4 prompts"):
+    evaluation.summarize(scores, greedy=[1, 0, 0])

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import PIL.Image
 
-from fluxjax.data import synth
+from fluxjax.data import drawing, synth
 
 # Bounds wide enough that the processor keeps the 16x growth.
 PROC = dict(
@@ -39,7 +39,7 @@ def _write(folder, scale):
   for i in range(4):
     path = os.path.join(folder, f"{i}.mp4")
     h, w = 48 * scale, 64 * scale
-    frames = np.asarray(PIL.Image.new("RGB", (w, h), synth.RGB["red"]))
+    frames = np.asarray(PIL.Image.new("RGB", (w, h), drawing.RGB["red"]))
     synth.write_video(path, lambda k: frames, 16, h, w, 2)
     rows.append(
       {"id": f"v{i}", "prompt": "Which colour appears last?", "answer": "red", "videos": [path]}

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fluxjax.data import readers, synth
+from fluxjax.data import drawing, readers, synth
 from fluxjax.models import media
 
 TINY = synth.SynthConfig(fps=2.0, video_scale=0.15, image_scale=0.3, max_seconds=6.0)
@@ -84,7 +84,7 @@ def test_answers_are_verifiable_from_the_files(video_heavy):
       frames, _ = media.load_video(path, cfg)
       if r["task"] == "last_colour":
         centre = frames[-1, info.height // 2, info.width // 2].astype(int)
-        dist = {c: np.abs(centre - np.array(v)).sum() for c, v in synth.RGB.items()}
+        dist = {c: np.abs(centre - np.array(v)).sum() for c, v in drawing.RGB.items()}
         assert min(dist, key=dist.get) == r["answer"]
 
 
@@ -149,7 +149,7 @@ def test_shapes_answers_are_verifiable_from_the_pixels(tmp_path):
   synth.generate(str(tmp_path), "shapes", 24, seed=5)
   rows = readers.read_rows(tmp_path / "manifest.jsonl")
   assert {r["task"] for r in rows} == {"colour", "shape_count"}
-  bg = np.array(synth.BACKGROUND)
+  bg = np.array(drawing.BACKGROUND)
   for r in rows:
     (path,) = r["images"]
     pixels = np.asarray(media.load_image(path)).astype(int)
@@ -159,7 +159,7 @@ def test_shapes_answers_are_verifiable_from_the_pixels(tmp_path):
     if r["task"] == "colour":
       # The colour of the drawn pixels, by nearest palette colour.
       mean = pixels[drawn].mean(0)
-      dist = {c: np.abs(mean - np.array(v)).sum() for c, v in synth.RGB.items()}
+      dist = {c: np.abs(mean - np.array(v)).sum() for c, v in drawing.RGB.items()}
       assert min(dist, key=dist.get) == r["answer"]
       assert drawn.mean() > 0.1  # one large shape
     else:

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from fluxjax import config_args
-from fluxjax.data import synth
+from fluxjax.data import drawing
 from fluxjax.models import inputs, processor, sharded
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import train_step
@@ -49,8 +49,8 @@ class _Policy:
 
 
 def _image(colour, size=56):
-  image = PIL.Image.new("RGB", (size, size), synth.BACKGROUND)
-  synth.draw_shape(PIL.ImageDraw.Draw(image), "circle", colour, size / 2, size / 2, size / 3)
+  image = PIL.Image.new("RGB", (size, size), drawing.BACKGROUND)
+  drawing.draw_shape(PIL.ImageDraw.Draw(image), "circle", colour, size / 2, size / 2, size / 3)
   return image
 
 

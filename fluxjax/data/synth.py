@@ -13,7 +13,11 @@ Every task is verifiable: its answer is computed from what was drawn.
            shapes (1-4) there are; a fixed-size picture (default 112 x 112
            px, the tiny preset's largest image) so that a model of a few
            hundred thousand parameters can learn it from the pixels in
-           minutes on a CPU (the default tiny run's task).
+           minutes on a CPU.
+  reasoning (small image or short video) tasks with difficulty levels that
+           combine what the pixels show: count the shapes of a colour, is
+           one shape left of another, which is bigger, the sum of two drawn
+           digits, how often a shape changes colour (data/visual_tasks.py).
 
 Sizes follow the distributions of bench/mixtures.py (the balance benchmark's
 token-count models), which document their sources:
@@ -43,7 +47,6 @@ import argparse
 import dataclasses
 import fractions
 import json
-import math
 import os
 import time
 
@@ -53,7 +56,8 @@ import PIL.Image
 import PIL.ImageDraw
 import PIL.ImageFont
 
-from fluxjax.data import distributions
+from fluxjax.data import distributions, visual_tasks
+from fluxjax.data.drawing import BACKGROUND, draw_shape
 from fluxjax.models.tokenizer import COLORS, SHAPES
 
 MIXES = {
@@ -63,21 +67,11 @@ MIXES = {
   "text": None,
   # Task weights rather than source weights: the small-image tasks.
   "shapes": {"colour": 1, "shape_count": 1},
+  # Tasks with difficulty levels that need combining what the pixels show
+  # (fluxjax/data/visual_tasks.py): four image tasks and a video task.
+  "reasoning": {task: 1 for task in visual_tasks.TASKS},
 }
 SOURCES = ("geo3k", "nextqa", "longvila")
-
-RGB = {
-  "red": (220, 30, 30),
-  "green": (30, 170, 60),
-  "blue": (30, 60, 220),
-  "yellow": (240, 220, 30),
-  "purple": (140, 40, 170),
-  "orange": (250, 140, 20),
-  "white": (255, 255, 255),
-  "black": (0, 0, 0),
-}
-# Mid grey so that both white and black shapes stand out.
-BACKGROUND = (128, 128, 128)
 
 
 # The parameters bench/mixtures.py uses too (one definition, see distributions).
@@ -112,32 +106,6 @@ class SynthConfig:
 def _even(x: float) -> int:
   # H.264 in yuv420p needs even sides.
   return max(16, round(x / 2) * 2)
-
-
-def _polygon(shape: str, cx: float, cy: float, r: float):
-  if shape == "square":
-    return [(cx - r, cy - r), (cx + r, cy - r), (cx + r, cy + r), (cx - r, cy + r)]
-  if shape == "triangle":
-    return [(cx, cy - r), (cx + r, cy + r), (cx - r, cy + r)]
-  if shape == "star":
-    pts = []
-    for k in range(10):
-      rad = r if k % 2 == 0 else r * 0.45
-      a = -math.pi / 2 + k * math.pi / 5
-      pts.append((cx + rad * math.cos(a), cy + rad * math.sin(a)))
-    return pts
-  raise ValueError(shape)
-
-
-def draw_shape(
-  draw: PIL.ImageDraw.ImageDraw, shape: str, color: str, cx: float, cy: float, r: float
-) -> None:
-  """Draws one filled shape of a COLORS colour centred at (cx, cy)."""
-  fill = RGB[color]
-  if shape == "circle":
-    draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
-  else:
-    draw.polygon(_polygon(shape, cx, cy, r), fill=fill)
 
 
 def _image_size(rng: np.random.Generator, cfg: SynthConfig) -> tuple[int, int]:
@@ -374,6 +342,36 @@ def make_shapes_sample(
   }
 
 
+def make_reasoning_sample(
+  i: int, task: str, rng: np.random.Generator, out_dir: str, prefix: str
+) -> dict:
+  """One sample of the `reasoning` mix: a PNG, or an MP4 at VIDEO_FPS."""
+  sid = f"{prefix}-{i:06d}"
+  sample = visual_tasks.draw(rng, task)
+  row = {
+    "id": sid,
+    "source": "reasoning",
+    "images": [],
+    "videos": [],
+    "prompt": sample.question,
+    "answer": sample.answer,
+    "task": sample.task,
+    "difficulty": sample.difficulty,
+  }
+  if sample.image is not None:
+    rel = os.path.join("media", f"{sid}.png")
+    sample.image.save(os.path.join(out_dir, rel))
+    row["images"] = [rel]
+  else:
+    assert sample.frames is not None, "a task draws an image or frames"
+    frames = sample.frames
+    rel = os.path.join("media", f"{sid}.mp4")
+    f, h, w, _ = frames.shape
+    write_video(os.path.join(out_dir, rel), lambda k: frames[k], f, h, w, visual_tasks.VIDEO_FPS)
+    row["videos"] = [rel]
+  return row
+
+
 def generate(out_dir: str, mix: str, n: int, seed: int, cfg: SynthConfig = SynthConfig()) -> str:
   """Writes n samples of a mix under out_dir; returns the manifest's path.
 
@@ -395,13 +393,15 @@ def generate(out_dir: str, mix: str, n: int, seed: int, cfg: SynthConfig = Synth
   manifest = os.path.join(out_dir, "manifest.jsonl")
   with open(manifest, "w") as f:
     for i in range(n):
-      if isinstance(weights, dict):  # task weights (the shapes mix)
+      if isinstance(weights, dict):  # task weights (the small-picture mixes)
         tasks = sorted(weights)
         p = np.asarray([weights[t] for t in tasks], np.float64)
         task = tasks[rng.choice(len(tasks), p=p / p.sum())]
-        row = make_shapes_sample(
-          i, task, np.random.default_rng([seed, i]), out_dir, cfg, f"{mix}-s{seed}"
-        )
+        child = np.random.default_rng([seed, i])
+        if mix == "reasoning":
+          row = make_reasoning_sample(i, task, child, out_dir, f"{mix}-s{seed}")
+        else:
+          row = make_shapes_sample(i, task, child, out_dir, cfg, f"{mix}-s{seed}")
         f.write(json.dumps(row) + "\n")
         continue
       if weights is None:

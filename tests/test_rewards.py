@@ -125,6 +125,14 @@ def test_accuracy_dispatch_and_combined():
     rewards.get("no-such-reward")
 
 
+def test_controls_reverse_or_remove_the_signal():
+  reversed_ = rewards.get("accuracy_reversed")
+  assert reversed_("<answer>12</answer>", "12") == 0.0
+  assert reversed_("<answer>11</answer>", "12") == 1.0
+  const = rewards.get("constant")
+  assert const("<answer>12</answer>", "12") == const("junk", "12") == 0.0
+
+
 # --- the scheduler -----------------------------------------------------------
 
 

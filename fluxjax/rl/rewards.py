@@ -190,6 +190,22 @@ def accuracy_with_format(response: str, answer: str) -> float:
   return 0.9 * accuracy(response, answer) + 0.1 * format_reward(response, answer)
 
 
+# Controls for showing that training follows the reward (bench/learning.py).
+
+
+@register("accuracy_reversed")
+def accuracy_reversed(response: str, answer: str) -> float:
+  """1 - accuracy: a policy trained on it must get worse at the task."""
+  return 1.0 - accuracy(response, answer)
+
+
+@register("constant")
+def constant(response: str, answer: str) -> float:
+  """0 for every response: GRPO advantages are all zero, the policy gets no signal."""
+  del response, answer
+  return 0.0
+
+
 # ---------------------------------------------------------------------------
 # Worker processes.
 

@@ -1,11 +1,12 @@
 r"""python -m fluxjax.plot WORKDIR: PNG curves of a run's metrics.
 
-Writes WORKDIR/plots/{reward,accuracy,accuracy_by_difficulty,response_length,
-staleness,throughput,sft_loss}.png and a combined WORKDIR/plots/summary.png
-from WORKDIR/metrics.jsonl. Held-out accuracy is drawn with its 95% interval
-shaded, greedy accuracy and pass@k beside it. A run with an SFT warm-up (fluxjax/rl/sft.py) logs it
-at steps -S..0; those steps are shaded and labelled in every panel, so the
-accuracy curve shows where the warm-up starts and where GRPO takes over.
+Writes WORKDIR/plots/{reward,accuracy,accuracy_by_difficulty,
+accuracy_by_task,response_length,staleness,throughput,sft_loss}.png and a
+combined WORKDIR/plots/summary.png from WORKDIR/metrics.jsonl. Held-out
+accuracy is drawn with its 95% interval shaded, greedy accuracy and pass@k
+beside it. A run with an SFT warm-up (fluxjax/rl/sft.py) logs it at steps
+-S..0; those steps are shaded and labelled in every panel, so the accuracy
+curve shows where the warm-up starts and where GRPO takes over.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ PANELS = (
     also=("eval/accuracy_greedy", "eval/pass@"),
   ),
   Panel("accuracy_by_difficulty", "held-out accuracy by difficulty", (), also=("eval/accuracy/",)),
+  Panel("accuracy_by_task", "held-out accuracy by task", (), also=("eval/task/",)),
   Panel("response_length", "response length (tokens)", ("rollout/response_len_mean",)),
   Panel("staleness", "staleness", ("async/staleness", "async/version_gap_mean")),
   Panel("throughput", "tokens / s", ("perf/tokens_per_s",)),

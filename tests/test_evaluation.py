@@ -34,9 +34,11 @@ def test_accuracy_interval_treats_the_prompt_as_the_unit():
 
 def test_greedy_and_difficulty_breakdown():
   scores = [[1, 1], [0, 1], [0, 0], [1, 0]]
-  out = evaluation.summarize(scores, difficulties=["easy", "easy", "hard", ""], greedy=[1, 0, 0, 1])
+  levels, tasks = ["easy", "easy", "hard", ""], ["a", "b", "b", "b"]
+  out = evaluation.summarize(scores, difficulties=levels, greedy=[1, 0, 0, 1], tasks=tasks)
   assert out["eval/accuracy_greedy"] == 0.5
   assert out["eval/accuracy/easy"] == 0.75 and out["eval/accuracy/hard"] == 0.0
+  assert out["eval/task/a"] == 1.0 and out["eval/task/b"] == pytest.approx(1 / 3)
   assert not any(k.endswith("/") for k in out)  # unlabelled prompts are not a level
   assert evaluation.summarize([[1.0]])["eval/accuracy_ci95"] == 0.0
   with pytest.raises(ValueError, match="same, non-zero number"):

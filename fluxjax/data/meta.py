@@ -140,6 +140,7 @@ class SampleMeta:
     media: images then videos, in prompt order.
     error: why the sample cannot be used (probing failed), else None.
     difficulty: the row's difficulty label ("" = none), for evaluation.
+    task: the row's task name ("" = none), for evaluation.
   """
 
   uid: int
@@ -150,6 +151,7 @@ class SampleMeta:
   media: tuple[MediaRef, ...] = ()
   error: str | None = None
   difficulty: str = ""
+  task: str = ""
 
   def messages(self) -> list[dict]:
     """Chat messages for `fluxjax.models.inputs.sequence_from_chat`."""
@@ -252,6 +254,7 @@ class ToMeta:
       answer=row.get("answer"),
       source=row.get("source", ""),
       difficulty=row.get("difficulty", ""),
+      task=row.get("task", ""),
     )
     items: list[tuple[processor.Kind, str]] = [("image", p) for p in row.get("images", ())]
     items += [("video", p) for p in row.get("videos", ())]

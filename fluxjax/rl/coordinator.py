@@ -447,7 +447,9 @@ class Coordinator:
       firsts = self._producer.call(self._responses(samples, 1, greedy=True))
       greedy = [score(cs[0].text, s.answer or "") for s, cs in zip(samples, firsts)]
     log.debug("eval: %s", [(cs[0].text[:40], s.answer) for s, cs in zip(samples[:3], sampled)])
-    return evaluation.summarize(scores, [s.difficulty for s in samples], greedy)
+    return evaluation.summarize(
+      scores, [s.difficulty for s in samples], greedy, [s.task for s in samples]
+    )
 
   # -- checkpointed state ----------------------------------------------------
   def get_state(self) -> tuple[dict, dict]:

@@ -10,6 +10,7 @@ asked, one greedy response; `summarize` turns their scores into metrics:
   eval/accuracy_greedy   mean greedy score
   eval/pass@k            unbiased pass@k (Chen et al. 2021) with k = samples
   eval/accuracy/<d>      eval/accuracy of the prompts of difficulty d
+  eval/task/<t>          eval/accuracy of the prompts of task t
   eval/prompts, eval/samples
 
 Scores are the `accuracy` reward: 1 for a correct answer, else 0.
@@ -48,6 +49,7 @@ def summarize(
   scores: Sequence[Sequence[float]],
   difficulties: Sequence[str] | None = None,
   greedy: Sequence[float] | None = None,
+  tasks: Sequence[str] | None = None,
 ) -> dict[str, float]:
   """Metrics of one evaluation (see the module docstring).
 
@@ -56,6 +58,7 @@ def summarize(
     difficulties: per prompt, its difficulty label ("" = none); prompts
       without one are left out of the breakdown.
     greedy: per prompt, the score of its greedy response, or None.
+    tasks: per prompt, its task name ("" = none), for a per-task breakdown.
   """
   if not scores:
     raise ValueError("nothing was evaluated")
@@ -76,11 +79,11 @@ def summarize(
     if len(greedy) != len(scores):
       raise ValueError(f"{len(greedy)} greedy scores for {len(scores)} prompts")
     out["eval/accuracy_greedy"] = float(np.mean(greedy))
-  if difficulties is not None:
-    if len(difficulties) != len(scores):
-      raise ValueError(f"{len(difficulties)} difficulties for {len(scores)} prompts")
-    for level in sorted({d for d in difficulties if d}):
-      out[f"eval/accuracy/{level}"] = float(
-        np.mean([p for p, d in zip(per_prompt, difficulties) if d == level])
-      )
+  for prefix, labels in (("eval/accuracy/", difficulties), ("eval/task/", tasks)):
+    if labels is None:
+      continue
+    if len(labels) != len(scores):
+      raise ValueError(f"{len(labels)} labels for {len(scores)} prompts")
+    for label in sorted({x for x in labels if x}):
+      out[prefix + label] = float(np.mean([p for p, x in zip(per_prompt, labels) if x == label]))
   return out

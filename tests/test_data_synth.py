@@ -136,6 +136,7 @@ def test_readers_accept_rl_rows_in_jsonl_and_parquet(tmp_path):
     "videos": [],
     "source": "geo3k",
     "task": "",
+    "difficulty": "",
   }
   assert b["id"] == "x" and b["videos"] == ["/abs/v.mp4"]
   assert b["answer"] == "red" and b["prompt"] == "Which colour?"

@@ -1,6 +1,7 @@
-r"""Packed-segment attention on a GPU: xla reference vs the pallas_gpu kernels.
+r"""Packed-segment attention on a GPU: the xla reference vs the GPU backends.
 
   python bench/attention.py                       # 4k, 16k, 32k, 64k tokens
+  python bench/attention.py --backends xla,pallas_gpu,cudnn,tokamax_gpu
   python bench/attention.py --tokens 4096 --mixtures image_heavy --reps 5
   python bench/attention.py --variants            # also alternative tiles at 16k
   python bench/attention.py --json PATH           # also write the figures, command, commit
@@ -106,12 +107,12 @@ def kernel_flops(blocks: ap.BlockSizes, seg, pos) -> float:
 
 
 def make_fns(backend: str, kw: dict, blocks: ap.BlockSizes | None, interpret: bool = False):
-  if backend == "xla":
-    attend = lambda q, k, v: attn_lib.xla_attention(q, k, v, causal=True, **kw)
-  else:
+  if backend == "pallas_gpu":
     attend = lambda q, k, v: ap.pallas_attention(
       q, k, v, causal=True, block_sizes=blocks, interpret=interpret, **kw
     )
+  else:
+    attend = lambda q, k, v: attn_lib.attention(q, k, v, backend=backend, causal=True, **kw)
 
   def fwd_bwd(q, k, v, do):
     out, vjp = jax.vjp(attend, q, k, v)
@@ -194,6 +195,40 @@ def fp32_parity(seed: int, tokens: int, interpret: bool) -> dict:
   }
 
 
+def shuffled_parity(backends: list[str], seed: int, tokens: int) -> dict:
+  """bf16 backends on a shuffled buffer vs xla in fp32 on the same bf16 inputs.
+
+  Sorting kernels (cudnn, tokamax_gpu) must mask by segment ids and positions,
+  not buffer order: the buffer is permuted before the call.
+  """
+  lengths = pack_row("image_heavy", tokens, seed)
+  seg, pos = row_arrays(lengths, tokens)
+  perm = np.random.default_rng(seed).permutation(tokens)
+  seg, pos = seg[:, perm], pos[:, perm]
+  kw = dict(q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos)
+  key = jax.random.split(jax.random.key(seed), 4)
+  shapes = [(1, tokens, HEADS, HEAD_DIM)] + [(1, tokens, KV_HEADS, HEAD_DIM)] * 2
+  shapes.append(shapes[0])
+  args = [jax.random.normal(kk, sh, jnp.bfloat16) for kk, sh in zip(key, shapes)]
+  with jax.default_matmul_precision("highest"):
+    ref = jax.device_get(make_fns("xla", kw, None)[1](*[a.astype(jnp.float32) for a in args]))
+  out = {}
+  for backend in backends:
+    bkw = dict(kw, max_segments=len(lengths) + 1) if backend == "cudnn" else kw
+    try:
+      got = jax.device_get(make_fns(backend, bkw, None)[1](*args))
+    except Exception as e:  # a backend this machine lacks reports, the others still run
+      out[backend] = {"status": f"{type(e).__name__}: {str(e).splitlines()[0][:110]}"}
+      print(f"shuffled parity {backend}: {out[backend]['status']}")
+      continue
+    out[backend] = {
+      name: rel_err(np.asarray(a, np.float32), b)
+      for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref)
+    }
+    print(f"shuffled parity {backend} (bf16 vs fp32 xla, rel norm): {out[backend]}", flush=True)
+  return out
+
+
 def _backend_figures(r) -> dict:
   """A run_backend result (or skip message) as JSON figures, without the output arrays."""
   if isinstance(r, str):
@@ -218,7 +253,17 @@ def main() -> None:
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--variants", action="store_true", help="also alternative tiles at 16k")
-  p.add_argument("--no-xla", action="store_true", help="skip the reference backend")
+  p.add_argument(
+    "--backends",
+    default="xla,pallas_gpu",
+    help="comma list of attention backends (xla, pallas_gpu, cudnn, tokamax_gpu)",
+  )
+  p.add_argument(
+    "--max-segments",
+    type=int,
+    default=0,
+    help="cudnn's static segment bound; 0: the row's own count (sequences + padding)",
+  )
   p.add_argument(
     "--xla-max-tokens",
     type=int,
@@ -275,13 +320,17 @@ def main() -> None:
         flush=True,
       )
       res = {}
-      for backend in ("pallas_gpu",) if args.no_xla else ("xla", "pallas_gpu"):
+      n_segments = len(lengths) + int(tokens > lengths.sum())
+      for backend in args.backends.split(","):
+        bkw = dict(kw)
+        if backend == "cudnn":
+          bkw["max_segments"] = args.max_segments or n_segments
         if backend == "xla" and tokens > args.xla_max_tokens:
           logits_gb = HEADS * tokens * tokens * 4 / 1e9
           res[backend] = r = f"skipped: its fp32 logits alone are {logits_gb:.0f} GB"
         else:
           res[backend] = r = run_backend(
-            backend, kw, (q, k, v, do), args.reps, interpret=args.interpret
+            backend, bkw, (q, k, v, do), args.reps, interpret=args.interpret
           )
         if isinstance(r, str):
           print(f"  {backend}: {r}", flush=True)
@@ -304,8 +353,15 @@ def main() -> None:
         "floor_ms": floor * 1e3,
         **{b: _backend_figures(r) for b, r in res.items()},
       }
-      if not isinstance(res.get("pallas_gpu"), str):
-        case["pallas_gpu"]["needed_tflop_per_s"] = needed / res["pallas_gpu"][1] / 1e12
+      for b, r in res.items():
+        if not isinstance(r, str):
+          case[b]["needed_tflop_per_s"] = needed / r[1] / 1e12
+          if b != "xla" and not isinstance(res.get("xla", "-"), str):
+            case[b]["parity_bf16_rel_vs_xla"] = {
+              t: rel_err(a, ref)
+              for t, a, ref in zip(("out", "dq", "dk", "dv"), r[3], res["xla"][3])
+            }
+            print(f"  {b} vs xla (bf16, rel): {case[b]['parity_bf16_rel_vs_xla']}", flush=True)
       if args.variants and tokens == 16384:
         case["tile_variants"] = {}
         for name, var in VARIANTS.items():
@@ -323,41 +379,34 @@ def main() -> None:
         # Nothing to compare against: keep no host copies of the outputs.
         res = {b: (r if isinstance(r, str) else r[:3]) for b, r in res.items()}
       rows.append((mixture, tokens, len(lengths), needed, dense, kernel, min_bytes, floor, res))
-  parity32 = fp32_parity(args.seed, args.parity_tokens, args.interpret)
+  parity32 = (
+    fp32_parity(args.seed, args.parity_tokens, args.interpret)
+    if "pallas_gpu" in args.backends.split(",")
+    else None
+  )
+  sorting = [b for b in args.backends.split(",") if b in ("cudnn", "tokamax_gpu", "pallas_gpu")]
+  shuffled = shuffled_parity(sorting, args.seed, args.parity_tokens) if sorting else None
 
   print(
-    "\n| mixture | tokens | seqs | needed TF | dense TF | kernel TF | min GB | floor ms | "
-    "xla fwd+bwd ms | xla GB | pallas fwd ms | pallas fwd+bwd ms | pallas GB | "
-    "xla/pallas | parity out / dq / dk / dv (bf16, rel) |"
+    "\n| mixture | tokens | seqs | needed TF | kernel TF | floor ms | backend | fwd ms | "
+    "fwd+bwd ms | program GB | needed TF/s | x floor | parity vs xla out / dq / dk / dv |"
   )
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-  for (mixture, tokens, n, needed, dense, kernel, min_bytes, floor, res), case in zip(rows, cases):
-    x, pg = res.get("xla", "skipped"), res["pallas_gpu"]
-    if isinstance(x, str):
-      xs = ("skipped" if x.startswith("skipped") else "OOM/error", "-")
-    else:
-      xs = (f"{x[1] * 1e3:.2f}", f"{x[2]:.1f}")
-    ps = (
-      ("error", "error", "-")
-      if isinstance(pg, str)
-      else (f"{pg[0] * 1e3:.2f}", f"{pg[1] * 1e3:.2f}", f"{pg[2]:.2f}")
-    )
-    ratio = "-" if isinstance(x, str) or isinstance(pg, str) else f"{x[1] / pg[1]:.1f}x"
-    parity = (
-      "-"
-      if isinstance(x, str) or isinstance(pg, str)
-      else " / ".join(f"{rel_err(a, b):.1e}" for a, b in zip(pg[3], x[3]))
-    )
-    print(
-      f"| {mixture} | {tokens} | {n} | {needed / 1e12:.3f} | {dense / 1e12:.2f} | "
-      f"{kernel / 1e12:.3f} | {min_bytes / 1e9:.3f} | {floor * 1e3:.3f} | {xs[0]} | {xs[1]} | "
-      f"{ps[0]} | {ps[1]} | {ps[2]} | {ratio} | {parity} |"
-    )
-    if ratio != "-":
-      case["xla_over_pallas_fwd_bwd"] = x[1] / pg[1]
-      case["parity_bf16_rel"] = {
-        t: rel_err(a, b) for t, a, b in zip(("out", "dq", "dk", "dv"), pg[3], x[3])
-      }
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  for (mixture, tokens, n, needed, _, kernel, _, floor, res), case in zip(rows, cases):
+    for backend, r in res.items():
+      head = (
+        f"| {mixture} | {tokens} | {n} | {needed / 1e12:.3f} | {kernel / 1e12:.3f} | "
+        f"{floor * 1e3:.3f} | {backend} |"
+      )
+      if isinstance(r, str):
+        print(f"{head} {r[:60]} | - | - | - | - | - |")
+        continue
+      par = case[backend].get("parity_bf16_rel_vs_xla")
+      parity = " / ".join(f"{e:.1e}" for e in par.values()) if par else "-"
+      print(
+        f"{head} {r[0] * 1e3:.2f} | {r[1] * 1e3:.2f} | {r[2]:.2f} | {needed / r[1] / 1e12:.0f} | "
+        f"{r[1] / floor:.2f} | {parity} |"
+      )
   if args.json:
     runinfo.write(
       args.json,
@@ -377,6 +426,7 @@ def main() -> None:
         "default_tiles": str(blocks),
         "cases": cases,
         "fp32_parity": parity32,
+        "shuffled_bf16_parity": shuffled,
       },
     )
 

@@ -88,7 +88,7 @@ class ModelConfig:
   # Run-time choices.
   dtype: str = "float32"  # compute dtype; "bfloat16" on GPU
   param_dtype: str = "float32"
-  attention_backend: str = "xla"  # "xla" (reference, everywhere) | "pallas_gpu"
+  attention_backend: str = "xla"  # see fluxjax/models/attention.py: xla, pallas_gpu, cudnn, ...
   remat: bool = False  # rematerialize each scanned layer in the backward pass
   logprob_vocab_chunk: int = 8192  # vocabulary chunk for target-token logprobs
   # Where text positions resume after a vision span (models/rope_index.py):

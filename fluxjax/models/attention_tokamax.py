@@ -1,0 +1,59 @@
+"""Packed-segment attention on tokamax's Mosaic GPU flash kernel (GPU only).
+
+Sorts the buffer into contiguous segments (`attention_layout`) and gives the
+kernel each query's key range [k_start, k_end) plus, when causal, its
+diagonal. Padding is one trailing segment whose output is zeroed, so it
+contributes nothing to any gradient. Needs the `tokamax` package and an
+sm80/sm90/sm100 GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from fluxjax.models import attention_layout as layout_lib
+
+
+@functools.cache
+def _kernel():
+  from tokamax._src.ops.attention import base, pallas_mosaic_gpu
+
+  return base, pallas_mosaic_gpu.PallasMosaicGpuFlashAttention()
+
+
+def tokamax_attention(
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  *,
+  q_segment_ids: jax.Array,
+  kv_segment_ids: jax.Array,
+  q_positions: jax.Array | None = None,
+  kv_positions: jax.Array | None = None,
+  causal: bool,
+) -> jax.Array:
+  """Self-attention over one packed buffer; kv ids must equal the query's."""
+  del kv_segment_ids, kv_positions  # self-attention: the query's describe both
+  layout_lib.check_self_attention(q_BTNH, k_BSKH, "tokamax_gpu")
+  if causal and q_positions is None:
+    raise ValueError("causal attention needs query and key positions")
+  base, op = _kernel()
+  t = q_BTNH.shape[1]
+  # Every token is its own segment's member, padding included, so no row is
+  # empty; the bound on segments is the row length.
+  lay = layout_lib.packed_layout(q_segment_ids, q_positions, t)
+  mask = base.Mask(
+    k_start=lay.k_start_BT[:, None, :],
+    k_end=None if causal else lay.k_end_BT[:, None, :],
+    is_causal=causal,
+  )
+  out = op(
+    lay.gather(q_BTNH),
+    lay.gather(k_BSKH),
+    lay.gather(v_BSKH),
+    mask=mask,
+    logits_scale=q_BTNH.shape[-1] ** -0.5,
+  )
+  return layout_lib.finish(out, lay)

@@ -1,4 +1,4 @@
-"""notebooks/mesh.ipynb runs top to bottom (CI executes it so it keeps working)."""
+"""The notebooks run top to bottom (CI executes them so they keep working)."""
 
 import os
 
@@ -10,18 +10,36 @@ nbformat = pytest.importorskip("nbformat")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow
-def test_mesh_notebook_executes(tmp_path):
-  nb = nbformat.read(os.path.join(ROOT, "notebooks", "mesh.ipynb"), as_version=4)
-  # A fresh kernel process; the notebook sets its own fake-mesh flags.
-  # The kernel runs in tmp_path: the notebook's figures go there, not into the checkout.
+def execute(name: str, tmp_path) -> str:
+  """Runs notebooks/NAME in a fresh kernel in tmp_path; returns its printed text.
+
+  The notebook sets its own fake-mesh flags; its figures go to tmp_path, not
+  into the checkout.
+  """
+  nb = nbformat.read(os.path.join(ROOT, "notebooks", name), as_version=4)
   client = nbclient.NotebookClient(
     nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
   )
   client.execute()
-  outputs = "".join(
+  return "".join(
     o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
   )
+
+
+@pytest.mark.slow
+def test_mesh_notebook_executes(tmp_path):
+  outputs = execute("mesh.ipynb", tmp_path)
   assert "packed_dp" in outputs and "flex_ulysses" in outputs
   assert "loss" in outputs
   assert (tmp_path / "notebook_out" / "plans.png").exists()
+
+
+@pytest.mark.slow
+def test_grpo_notebook_executes(tmp_path, monkeypatch):
+  # Its kernel inherits this environment: the notebook's own 2-device mesh,
+  # not the suite's 8 fake devices.
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+  outputs = execute("grpo.ipynb", tmp_path)
+  assert "logprob" in outputs and "accuracy" in outputs
+  for figure in ("group.png", "grpo_curve.png"):
+    assert (tmp_path / "notebook_out" / figure).exists()

@@ -70,6 +70,10 @@ MIXES = {
   # Tasks with difficulty levels that need combining what the pixels show
   # (fluxjax/data/visual_tasks.py): four image tasks and a video task.
   "reasoning": {task: 1 for task in visual_tasks.TASKS},
+  # The tiny preset's RL task: the two shapes tasks plus the two reasoning
+  # tasks it can learn from its few patches (counting by a named colour, and
+  # colour changes over video frames).
+  "mixed": {"colour": 1, "shape_count": 1, "count_colour": 1, "colour_changes": 1},
 }
 SOURCES = ("geo3k", "nextqa", "longvila")
 
@@ -210,6 +214,8 @@ def shape_count_image(rng: np.random.Generator, size: int):
 
 
 SHAPES_TASKS = {"colour": colour_image, "shape_count": shape_count_image}
+# Every small-picture task is a mix of its own too (`--config.data.mix=colour`).
+MIXES.update({task: {task: 1} for task in (*SHAPES_TASKS, *visual_tasks.TASKS)})
 
 
 def _segments(rng: np.random.Generator, num_frames: int):
@@ -398,7 +404,7 @@ def generate(out_dir: str, mix: str, n: int, seed: int, cfg: SynthConfig = Synth
         p = np.asarray([weights[t] for t in tasks], np.float64)
         task = tasks[rng.choice(len(tasks), p=p / p.sum())]
         child = np.random.default_rng([seed, i])
-        if mix == "reasoning":
+        if task in visual_tasks.TASKS:
           row = make_reasoning_sample(i, task, child, out_dir, f"{mix}-s{seed}")
         else:
           row = make_shapes_sample(i, task, child, out_dir, cfg, f"{mix}-s{seed}")

@@ -432,6 +432,16 @@ class Coordinator:
     self._producer.set_version(self._version, self._steps)
     return time.perf_counter() - t
 
+  def sample(
+    self, samples: Sequence[meta_lib.SampleMeta], responses: int, *, greedy: bool = False
+  ) -> list[list[Completion]]:
+    """`responses` completions per sample from the current rollout policy.
+
+    Outside the training stream: no admission, no rewards, nothing trained.
+    For evaluation, and for looking at a group by hand (notebooks/grpo.ipynb).
+    """
+    return self._producer.call(self._responses(samples, responses, greedy=greedy))
+
   def evaluate(self, samples: Sequence[meta_lib.SampleMeta]) -> dict[str, float]:
     """Held-out metrics of the rollout policy (rl/evaluation.py), scored by `accuracy`.
 
@@ -440,11 +450,11 @@ class Coordinator:
     """
     ev = self._config.eval
     score = rewards.get("accuracy")
-    sampled = self._producer.call(self._responses(samples, int(ev.samples_per_prompt)))
+    sampled = self.sample(samples, int(ev.samples_per_prompt))
     scores = [[score(c.text, s.answer or "") for c in cs] for s, cs in zip(samples, sampled)]
     greedy = None
     if ev.greedy:
-      firsts = self._producer.call(self._responses(samples, 1, greedy=True))
+      firsts = self.sample(samples, 1, greedy=True)
       greedy = [score(cs[0].text, s.answer or "") for s, cs in zip(samples, firsts)]
     log.debug("eval: %s", [(cs[0].text[:40], s.answer) for s, cs in zip(samples[:3], sampled)])
     return evaluation.summarize(

@@ -21,6 +21,8 @@ Runs:
             gets no signal and accuracy must stay flat within the interval.
   lr        the default with optim.lr set to each of --lrs (the sweep that
             chose the default).
+  sweep     the default with one setting changed per run (--sweep KEY=V1,V2:
+            prompts per step, responses per prompt, KL, updates per batch).
 
 Baseline and fluxjax are in the same run: the controls are the baseline the
 default's gain is measured against.
@@ -57,6 +59,15 @@ def _set(config, dotted: str, value) -> None:
   for name in path:
     section = section[name]
   section[leaf] = value
+
+
+def _parse(item: str) -> tuple[str, object]:
+  """KEY=VALUE -> (KEY, the Python literal VALUE, or the string)."""
+  key, _, value = item.partition("=")
+  try:
+    return key, ast.literal_eval(value)
+  except (ValueError, SyntaxError):
+    return key, value
 
 
 def run_one(name: str, seed: int, overrides: dict, keep: str | None) -> dict:
@@ -104,10 +115,20 @@ def run_one(name: str, seed: int, overrides: dict, keep: str | None) -> dict:
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--runs", default="default,reversed,zeroed", help="default,reversed,zeroed,lr")
+  p.add_argument(
+    "--runs", default="default,reversed,zeroed", help="default,reversed,zeroed,lr,sweep"
+  )
   p.add_argument("--seeds", default="0,1,2", help="seeds of the default run")
   p.add_argument("--control-seeds", default="0", help="seeds of the reversed/zeroed runs")
   p.add_argument("--lrs", default="1e-4,3e-4,1e-3", help="optim.lr values of the lr sweep")
+  p.add_argument(
+    "--sweep",
+    action="append",
+    default=[],
+    metavar="KEY=V1,V2",
+    help="with --runs sweep: one run per value of KEY (Python literals), e.g. "
+    "rl.prompts_per_step=8,32 or rl.kl_coef=0.0,0.01; repeatable",
+  )
   p.add_argument(
     "--set",
     action="append",
@@ -119,13 +140,7 @@ def main() -> None:
   p.add_argument("--json", metavar="PATH", help="write every run's figures here")
   args = p.parse_args()
 
-  extra = {}
-  for item in args.set:
-    key, _, value = item.partition("=")
-    try:
-      extra[key] = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-      extra[key] = value
+  extra = dict(_parse(item) for item in args.set)
   seeds = [int(s) for s in args.seeds.split(",") if s]
   control_seeds = [int(s) for s in args.control_seeds.split(",") if s]
   plan = []
@@ -134,6 +149,12 @@ def main() -> None:
       plan += [("default", s, dict(extra)) for s in seeds]
     elif name in CONTROLS:
       plan += [(name, s, {**extra, **CONTROLS[name]}) for s in control_seeds]
+    elif name == "sweep":
+      for item in args.sweep:
+        key, _, values = item.partition("=")
+        for value in values.split(","):
+          _, v = _parse(f"{key}={value}")
+          plan.append((f"{key}={value}", control_seeds[0], {**extra, key: v}))
     elif name == "lr":
       plan += [
         (f"lr={lr}", control_seeds[0], {**extra, "optim.lr": float(lr)})

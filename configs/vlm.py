@@ -273,8 +273,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optim = ml_collections.ConfigDict()
   # Tiny: a constant 3e-4 from the first step (bench/learning.py's lr sweep,
   # bench/README.md: 1e-3 knocked held-out accuracy down first and ended
-  # lower); a warmup that starts at 0 and a cosine spent most of a short
-  # run's lr budget idle.
+  # lower, 1e-4 gained half as much); a warmup that starts at 0 and a cosine
+  # spent most of a short run's lr budget idle.
   c.optim.lr = 1e-5 if arg.variant != "tiny" else 3e-4
   c.optim.warmup_steps = 0 if arg.variant == "tiny" else 10
   c.optim.total_steps = c.get_ref("total_steps")

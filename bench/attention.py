@@ -153,19 +153,30 @@ def rel_err(a, b) -> float:
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def fp32_parity(seed: int, tokens: int, interpret: bool) -> dict:
-  """Max abs error of pallas_gpu vs xla in fp32 ("highest") on a small packed row."""
+def random_qkv_do(seed: int, tokens: int, dtype) -> tuple[jax.Array, ...]:
+  """q, k, v and the output cotangent of one row, standard normal."""
+  key = jax.random.split(jax.random.key(seed), 4)
+  shapes = [(1, tokens, HEADS, HEAD_DIM)] + [(1, tokens, KV_HEADS, HEAD_DIM)] * 2
+  shapes.append(shapes[0])
+  return tuple(jax.random.normal(kk, sh, dtype) for kk, sh in zip(key, shapes))
+
+
+def shuffled_row(seed: int, tokens: int) -> tuple[np.ndarray, dict]:
+  """(lengths, mask kwargs) of an image_heavy row in shuffled buffer order.
+
+  Masks must come from segment ids and positions, not buffer indices.
+  """
   lengths = pack_row("image_heavy", tokens, seed)
   seg, pos = row_arrays(lengths, tokens)
-  # Shuffle the buffer order: masks must come from positions, not indices.
   perm = np.random.default_rng(seed).permutation(tokens)
   seg, pos = seg[:, perm], pos[:, perm]
-  kw = dict(q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos)
-  key = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(key[0], (1, tokens, HEADS, HEAD_DIM), jnp.float32)
-  k = jax.random.normal(key[1], (1, tokens, KV_HEADS, HEAD_DIM), jnp.float32)
-  v = jax.random.normal(key[2], (1, tokens, KV_HEADS, HEAD_DIM), jnp.float32)
-  do = jax.random.normal(key[3], q.shape, jnp.float32)
+  return lengths, dict(q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos)
+
+
+def fp32_parity(seed: int, tokens: int, interpret: bool) -> dict:
+  """Max abs error of pallas_gpu vs xla in fp32 ("highest") on a small packed row."""
+  lengths, kw = shuffled_row(seed, tokens)
+  q, k, v, do = random_qkv_do(seed, tokens, jnp.float32)
   with jax.default_matmul_precision("highest"):
     ref = jax.device_get(make_fns("xla", kw, None)[1](q, k, v, do))
     got = jax.device_get(make_fns("pallas_gpu", kw, None, interpret)[1](q, k, v, do))
@@ -201,15 +212,8 @@ def shuffled_parity(backends: list[str], seed: int, tokens: int) -> dict:
   Sorting kernels (cudnn, tokamax_gpu) must mask by segment ids and positions,
   not buffer order: the buffer is permuted before the call.
   """
-  lengths = pack_row("image_heavy", tokens, seed)
-  seg, pos = row_arrays(lengths, tokens)
-  perm = np.random.default_rng(seed).permutation(tokens)
-  seg, pos = seg[:, perm], pos[:, perm]
-  kw = dict(q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos)
-  key = jax.random.split(jax.random.key(seed), 4)
-  shapes = [(1, tokens, HEADS, HEAD_DIM)] + [(1, tokens, KV_HEADS, HEAD_DIM)] * 2
-  shapes.append(shapes[0])
-  args = [jax.random.normal(kk, sh, jnp.bfloat16) for kk, sh in zip(key, shapes)]
+  lengths, kw = shuffled_row(seed, tokens)
+  args = random_qkv_do(seed, tokens, jnp.bfloat16)
   with jax.default_matmul_precision("highest"):
     ref = jax.device_get(make_fns("xla", kw, None)[1](*[a.astype(jnp.float32) for a in args]))
   out = {}
@@ -299,11 +303,7 @@ def main() -> None:
       lengths = pack_row(mixture, tokens, args.seed)
       seg, pos = row_arrays(lengths, tokens)
       kw = dict(q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos)
-      key = jax.random.split(jax.random.key(args.seed), 4)
-      q = jax.random.normal(key[0], (1, tokens, HEADS, HEAD_DIM), jnp.bfloat16)
-      k = jax.random.normal(key[1], (1, tokens, KV_HEADS, HEAD_DIM), jnp.bfloat16)
-      v = jax.random.normal(key[2], (1, tokens, KV_HEADS, HEAD_DIM), jnp.bfloat16)
-      do = jax.random.normal(key[3], q.shape, jnp.bfloat16)
+      q, k, v, do = random_qkv_do(args.seed, tokens, jnp.bfloat16)
       needed = 3.0 * float(balance.attention_cost(lengths, shape1).sum())
       dense = 3.0 * 4.0 * HEADS * HEAD_DIM * tokens * tokens
       kernel = kernel_flops(blocks.capped(tokens, tokens), seg, pos)

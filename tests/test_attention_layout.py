@@ -31,20 +31,38 @@ def packed_row(rng, t, lengths, shuffle):
   return seg, pos
 
 
-def range_attention(q, k, v, lay, causal):
-  """Attention that knows only the layout: sorted slots and key ranges."""
-  qs, ks, vs = lay.gather(q), lay.gather(k), lay.gather(v)
-  groups = q.shape[2] // k.shape[2]
-  ks, vs = jnp.repeat(ks, groups, axis=2), jnp.repeat(vs, groups, axis=2)
-  i = jnp.arange(q.shape[1])
-  visible = (i[None, None, :] >= lay.k_start_BT[:, :, None]) & (
-    i[None, None, :] < lay.k_end_BT[:, :, None]
+def range_kernel(causal):
+  """A kernel that knows only the layout: sorted slots and key ranges."""
+
+  def kernel(qs, ks, vs, lay):
+    groups = qs.shape[2] // ks.shape[2]
+    ks, vs = jnp.repeat(ks, groups, axis=2), jnp.repeat(vs, groups, axis=2)
+    i = jnp.arange(qs.shape[1])
+    visible = (i[None, None, :] >= lay.k_start_BT[:, :, None]) & (
+      i[None, None, :] < lay.k_end_BT[:, :, None]
+    )
+    if causal:
+      visible &= i[None, None, :] <= i[None, :, None]
+    logits = jnp.einsum("btnh,bsnh->bnts", qs, ks) * qs.shape[-1] ** -0.5
+    probs = jax.nn.softmax(jnp.where(visible[:, None], logits, -1e30), axis=-1)
+    return jnp.einsum("bnts,bsnh->btnh", probs, vs)
+
+  return kernel
+
+
+def range_attention(q, k, v, seg, pos, causal, max_segments):
+  """What the cudnn and tokamax_gpu backends do, with range_kernel as the kernel."""
+  return layout_lib.sorted_self_attention(
+    range_kernel(causal),
+    q,
+    k,
+    v,
+    segment_ids=seg,
+    positions=pos,
+    causal=causal,
+    max_segments=max_segments,
+    backend="test",
   )
-  if causal:
-    visible &= i[None, None, :] <= i[None, :, None]
-  logits = jnp.einsum("btnh,bsnh->bnts", qs, ks) * q.shape[-1] ** -0.5
-  probs = jax.nn.softmax(jnp.where(visible[:, None], logits, -1e30), axis=-1)
-  return layout_lib.finish(jnp.einsum("bnts,bsnh->btnh", probs, vs), lay)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -65,7 +83,8 @@ def test_range_attention_from_the_layout_equals_the_reference(seed, shuffle, cau
   lay = layout_lib.packed_layout(seg, pos, max_segments=len(lengths) + 1)
   assert not bool(lay.overflow_B.any())
   ref = attn_lib.xla_attention(q, k, v, causal=causal, **kw)
-  np.testing.assert_allclose(range_attention(q, k, v, lay, causal), ref, atol=2e-6)
+  got = range_attention(q, k, v, seg, pos, causal, len(lengths) + 1)
+  np.testing.assert_allclose(got, ref, atol=2e-6)
   # The cuDNN form describes the same segments: lengths sum to the row, offsets
   # are their running starts, padding is the last segment.
   seqlens, offsets = np.asarray(lay.seqlens_BM), np.asarray(lay.offsets_BM1)
@@ -88,8 +107,7 @@ def test_gradients_through_the_layout_match_and_padding_gets_none():
   v = jax.random.normal(keys[2], (1, t, 2, 8))
   do = jax.random.normal(keys[3], q.shape)
   kw = dict(q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos)
-  lay = layout_lib.packed_layout(seg, pos, max_segments=4)
-  got = jax.vjp(lambda *a: range_attention(*a, lay, True), q, k, v)[1](do)
+  got = jax.vjp(lambda *a: range_attention(*a, seg, pos, True, 4), q, k, v)[1](do)
   ref = jax.vjp(lambda *a: attn_lib.xla_attention(*a, causal=True, **kw), q, k, v)[1](do)
   for g, r in zip(got, ref):
     np.testing.assert_allclose(g, r, atol=2e-5)

@@ -39,24 +39,32 @@ def cudnn_attention(
   from jax._src.cudnn import fused_attention_stablehlo as sdpa
 
   del kv_segment_ids, kv_positions  # self-attention: the query's describe both
-  layout_lib.check_self_attention(q_BTNH, k_BSKH, "cudnn")
-  if causal and q_positions is None:
-    raise ValueError("causal attention needs query and key positions")
-  lay = layout_lib.packed_layout(q_segment_ids, q_positions, max_segments)
-  q, k, v = lay.gather(q_BTNH), lay.gather(k_BSKH), lay.gather(v_BSKH)
-  n, kv = q.shape[2], k.shape[2]
-  if not _GQA_OFFSETS_FIXED and n != kv:
-    k, v = jnp.repeat(k, n // kv, axis=2), jnp.repeat(v, n // kv, axis=2)
-  out = sdpa.dot_product_attention(
-    q,
-    k,
-    v,
-    q_seqlen=lay.seqlens_BM,
-    kv_seqlen=lay.seqlens_BM,
-    q_offsets=lay.offsets_BM1,
-    kv_offsets=lay.offsets_BM1,
-    scale=q.shape[-1] ** -0.5,
-    mask_type=sdpa.MaskType.PADDING_CAUSAL if causal else sdpa.MaskType.PADDING,
-    qkv_layout="BTNH",
+
+  def kernel(q, k, v, lay: layout_lib.PackedLayout) -> jax.Array:
+    n, kv = q.shape[2], k.shape[2]
+    if not _GQA_OFFSETS_FIXED and n != kv:
+      k, v = jnp.repeat(k, n // kv, axis=2), jnp.repeat(v, n // kv, axis=2)
+    return sdpa.dot_product_attention(
+      q,
+      k,
+      v,
+      q_seqlen=lay.seqlens_BM,
+      kv_seqlen=lay.seqlens_BM,
+      q_offsets=lay.offsets_BM1,
+      kv_offsets=lay.offsets_BM1,
+      scale=q.shape[-1] ** -0.5,
+      mask_type=sdpa.MaskType.PADDING_CAUSAL if causal else sdpa.MaskType.PADDING,
+      qkv_layout="BTNH",
+    )
+
+  return layout_lib.sorted_self_attention(
+    kernel,
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    segment_ids=q_segment_ids,
+    positions=q_positions,
+    causal=causal,
+    max_segments=max_segments,
+    backend="cudnn",
   )
-  return layout_lib.finish(out, lay)

@@ -18,6 +18,7 @@ kernels that consume it are GPU-only.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -124,3 +125,28 @@ def finish(out_BTNH: jax.Array, layout: PackedLayout) -> jax.Array:
   out = jnp.where(keep, out_BTNH, jnp.zeros((), out_BTNH.dtype))
   out = jnp.where(layout.overflow_B[:, None, None, None], jnp.nan, out).astype(out_BTNH.dtype)
   return layout.scatter(out)
+
+
+def sorted_self_attention(
+  kernel: Callable[[jax.Array, jax.Array, jax.Array, PackedLayout], jax.Array],
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  *,
+  segment_ids: jax.Array,
+  positions: jax.Array | None,
+  causal: bool,
+  max_segments: int,
+  backend: str,
+) -> jax.Array:
+  """Runs a range kernel on the sorted buffer and returns buffer order.
+
+  `kernel(q, k, v, layout)` sees sorted q, k, v and the layout describing
+  them; the query's segment ids and positions describe the keys too.
+  """
+  check_self_attention(q_BTNH, k_BSKH, backend)
+  if causal and positions is None:
+    raise ValueError("causal attention needs query and key positions")
+  lay = packed_layout(segment_ids, positions, max_segments)
+  out = kernel(lay.gather(q_BTNH), lay.gather(k_BSKH), lay.gather(v_BSKH), lay)
+  return finish(out, lay)

@@ -36,24 +36,26 @@ def tokamax_attention(
 ) -> jax.Array:
   """Self-attention over one packed buffer; kv ids must equal the query's."""
   del kv_segment_ids, kv_positions  # self-attention: the query's describe both
-  layout_lib.check_self_attention(q_BTNH, k_BSKH, "tokamax_gpu")
-  if causal and q_positions is None:
-    raise ValueError("causal attention needs query and key positions")
-  base, op = _kernel()
-  t = q_BTNH.shape[1]
+
+  def kernel(q, k, v, lay: layout_lib.PackedLayout) -> jax.Array:
+    base, op = _kernel()
+    mask = base.Mask(
+      k_start=lay.k_start_BT[:, None, :],
+      k_end=None if causal else lay.k_end_BT[:, None, :],
+      is_causal=causal,
+    )
+    return op(q, k, v, mask=mask, logits_scale=q.shape[-1] ** -0.5)
+
   # Every token is its own segment's member, padding included, so no row is
-  # empty; the bound on segments is the row length.
-  lay = layout_lib.packed_layout(q_segment_ids, q_positions, t)
-  mask = base.Mask(
-    k_start=lay.k_start_BT[:, None, :],
-    k_end=None if causal else lay.k_end_BT[:, None, :],
-    is_causal=causal,
+  # empty; the bound on segments is the row length (no overflow possible).
+  return layout_lib.sorted_self_attention(
+    kernel,
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    segment_ids=q_segment_ids,
+    positions=q_positions,
+    causal=causal,
+    max_segments=q_BTNH.shape[1],
+    backend="tokamax_gpu",
   )
-  out = op(
-    lay.gather(q_BTNH),
-    lay.gather(k_BSKH),
-    lay.gather(v_BSKH),
-    mask=mask,
-    logits_scale=q_BTNH.shape[-1] ** -0.5,
-  )
-  return layout_lib.finish(out, lay)

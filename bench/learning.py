@@ -80,7 +80,11 @@ def run_one(name: str, seed: int, overrides: dict, keep: str | None) -> dict:
   workdir = keep or tempfile.mkdtemp(prefix=f"fluxjax-learning-{name}-{seed}-")
   t0 = time.perf_counter()
   loop.run(config, workdir)
-  seconds = time.perf_counter() - t0
+  return summarize(name, seed, overrides, workdir, time.perf_counter() - t0)
+
+
+def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: float) -> dict:
+  """One run's figures from its work directory's metrics."""
   records = metrics.read_metrics(workdir)
   evals = [
     {
@@ -174,6 +178,8 @@ def main() -> None:
       f"{r['seconds'] / 60:.1f} min",
       flush=True,
     )
+    if args.json:  # after every run: a long sweep stopped early keeps what it measured
+      runinfo.write(args.json, "learning.py", {"args": vars(args), "runs": results})
 
   print("\n| run | seed | accuracy at RL start | at last eval | gain +- 95% | greedy | wall min |")
   print("|---|---|---|---|---|---|---|")
@@ -185,8 +191,6 @@ def main() -> None:
       f"{e['accuracy']:.3f} +- {e['ci95']:.3f} | {r['gain']:+.3f} +- {r['gain_ci95']:.3f} | "
       f"{greedy} | {r['seconds'] / 60:.1f} |"
     )
-  if args.json:
-    runinfo.write(args.json, "learning.py", {"args": vars(args), "runs": results})
 
 
 if __name__ == "__main__":

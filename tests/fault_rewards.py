@@ -30,11 +30,3 @@ def signal_unless_numeric(response: str, answer: str) -> float:
   if answer.strip().isdigit():
     return 0.0
   return hashlib.md5(response.encode()).digest()[0] / 255.0
-
-
-def vowel_fraction(response: str, answer: str) -> float:
-  """The fraction of the response's letters that are vowels: a dense reward any
-  policy can climb by changing which tokens it emits, with no task to solve."""
-  del answer
-  letters = [ch for ch in response.lower() if ch.isalpha()]
-  return sum(ch in "aeiou" for ch in letters) / len(letters) if letters else 0.0

@@ -61,13 +61,18 @@ def _set(config, dotted: str, value) -> None:
   section[leaf] = value
 
 
-def _parse(item: str) -> tuple[str, object]:
-  """KEY=VALUE -> (KEY, the Python literal VALUE, or the string)."""
-  key, _, value = item.partition("=")
+def _literal(value: str):
+  """The Python literal `value`, or the string itself."""
   try:
-    return key, ast.literal_eval(value)
+    return ast.literal_eval(value)
   except (ValueError, SyntaxError):
-    return key, value
+    return value
+
+
+def _parse(item: str) -> tuple[str, object]:
+  """KEY=VALUE -> (KEY, the literal VALUE)."""
+  key, _, value = item.partition("=")
+  return key, _literal(value)
 
 
 def run_one(name: str, seed: int, overrides: dict, keep: str | None) -> dict:
@@ -157,8 +162,7 @@ def main() -> None:
       for item in args.sweep:
         key, _, values = item.partition("=")
         for value in values.split(","):
-          _, v = _parse(f"{key}={value}")
-          plan.append((f"{key}={value}", control_seeds[0], {**extra, key: v}))
+          plan.append((f"{key}={value}", control_seeds[0], {**extra, key: _literal(value)}))
     elif name == "lr":
       plan += [
         (f"lr={lr}", control_seeds[0], {**extra, "optim.lr": float(lr)})

@@ -3,12 +3,14 @@
 TINY, PATCHES, mixed_batch, make_strategy   strategy-level tests on the
     tiny preset (tests/test_strategies.py and the trainers built on it);
 SERVER_CONTEXT, server_env                  rollout server processes;
-tiny_run_config                             the GRPO loop, cut to seconds.
+tiny_run_config                             the GRPO loop, cut to seconds;
+ROOT, train_command                         the main job as a subprocess.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import ml_collections
 
@@ -22,6 +24,18 @@ from fluxjax.rollout.client import Completion
 TINY = config_lib.preset("tiny")
 PATCHES = 128  # patch buffer of the mixed batches below
 SERVER_CONTEXT = 256  # context length of the test servers
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
+
+
+def train_command(workdir, overrides: dict) -> list[str]:
+  """`python -m fluxjax.train` on configs/vlm.py in `workdir`, with --config overrides."""
+  return [
+    sys.executable,
+    "-m",
+    "fluxjax.train",
+    f"--config={ROOT}/configs/vlm.py",
+    f"--workdir={workdir}",
+  ] + [f"--config.{k}={v}" for k, v in overrides.items()]
 
 
 def mixed_batch(seed: int = 0, long: bool = False) -> list[TrainSequence]:

@@ -1,7 +1,7 @@
 """GRPO raises held-out accuracy on the image task, and only with the right sign.
 
-Two main jobs (`python -m fluxjax.train` on the default shapes task, one CPU
-device each, side by side) start from the same post-SFT policy: the warm-up
+Two main jobs (`python -m fluxjax.train` on the colour task, one CPU device
+each, side by side) start from the same post-SFT policy: the warm-up
 is seeded, so both reach the same step-0 evaluation, which is asserted. One
 is rewarded with `accuracy`, the other with `accuracy_reversed` (1 -
 accuracy). GRPO's advantages are (r - mean) / std within a group, so the
@@ -14,16 +14,13 @@ weights, the stream update, publishing) fails one of them.
 """
 
 import math
-import os
 import subprocess
-import sys
 
 import pytest
 
 from fluxjax.rl import metrics
-from helpers import server_env
+from helpers import ROOT, server_env, train_command
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 0.34 -> 0.48 (+-0.06) in 20 steps; the reversed reward reaches 0.98 train
 # reward within 5 steps, so its run stops there.
 RL_STEPS = {"accuracy": 20, "accuracy_reversed": 5}
@@ -49,13 +46,7 @@ def command(workdir, reward: str) -> list[str]:
     # Every launched response trains: the run does not depend on thread timing.
     "rollout.tail_batching.eta": 1.0,
   }
-  return [
-    sys.executable,
-    "-m",
-    "fluxjax.train",
-    f"--config={ROOT}/configs/vlm.py",
-    f"--workdir={workdir}",
-  ] + [f"--config.{k}={v}" for k, v in overrides.items()]
+  return train_command(workdir, overrides)
 
 
 @pytest.mark.slow
@@ -69,12 +60,17 @@ def test_grpo_raises_held_out_accuracy_and_a_flipped_sign_lowers_it(tmp_path):
     )
     runs[reward] = (workdir, proc, log)
   evals = {}
-  for reward, (workdir, proc, log) in runs.items():
-    assert proc.wait(timeout=900) == 0, (tmp_path / f"{reward}.log").read_text()[-3000:]
-    log.close()
-    evals[reward] = {
-      r["step"]: r for r in metrics.read_metrics(str(workdir)) if "eval/accuracy" in r
-    }
+  try:
+    for reward, (workdir, proc, _) in runs.items():
+      assert proc.wait(timeout=900) == 0, (tmp_path / f"{reward}.log").read_text()[-3000:]
+      evals[reward] = {
+        r["step"]: r for r in metrics.read_metrics(str(workdir)) if "eval/accuracy" in r
+      }
+  finally:  # a failed run must not leave the other one running
+    for _, proc, log in runs.values():
+      proc.kill()
+      proc.wait()
+      log.close()
   start = evals["accuracy"][0]
   end = evals["accuracy"][RL_STEPS["accuracy"]]
   flipped_start = evals["accuracy_reversed"][0]

@@ -11,10 +11,8 @@ seeded loader, each exactly once, and the loss curve has one point per step.
 
 import json
 import math
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -22,8 +20,8 @@ import pytest
 from fluxjax.data import pipeline, readers
 from fluxjax.models import processor
 from fluxjax.rl import loop, metrics
+from helpers import ROOT, train_command
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, P = 4, 2
 
 
@@ -44,13 +42,7 @@ def _command(workdir):
     "rollout.tail_batching.eta": 1.0,
     "coordinator.lag.mode": "sync",
   }
-  return [
-    sys.executable,
-    "-m",
-    "fluxjax.train",
-    f"--config={ROOT}/configs/vlm.py",
-    f"--workdir={workdir}",
-  ] + [f"--config.{k}={v}" for k, v in overrides.items()]
+  return train_command(workdir, overrides)
 
 
 @pytest.mark.slow

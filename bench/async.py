@@ -13,10 +13,10 @@ fresh work directory each. Reported per mode, from the run's metrics.jsonl:
                 the last step (step 1 carries the compilations, so it is left
                 out of every mode alike);
   staleness     mean of async/staleness over steps (rl/async_control.py:
-                0.2 * gap/(gap+1) + 0.5 * kl/(kl+0.01) + 0.3 * var/(var+0.1));
+                clip(0.4 KL/0.1 + 0.3 log1p(Var w)/2 + 0.3 gap/max_lag, 0, 1));
   version gap   mean per-token gap between the version that sampled a token
                 and the version it trains (0 in sync mode by construction);
-  lag           mean allowed lag (the PID's output in adaptive mode);
+  lag           mean allowed lag (the async controller's in adaptive mode);
   is_weight     mean truncated importance weight pi / mu of trained tokens;
   wait s        mean time the trainer waited for groups (rollout not hidden).
 

@@ -232,24 +232,52 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.reward.correct_threshold = 1.0
 
   # Coordinator: how far rollout may run ahead of training (Flux). "sync":
-  # lag 0; "fixed": lag fixed_lag; "adaptive": a PID keeps the staleness near
-  # target_staleness by moving the lag within [min_lag, max_lag]. Admission of
-  # new rollouts is throttled; finished samples are never dropped. (Named `lag`,
-  # not `async`: flag overrides are parsed as Python, where async is a keyword.)
+  # lag 0; "fixed": lag fixed_lag; "adaptive": the Flux async controller
+  # (rl/async_control.py) keeps the staleness near target_staleness. Admission
+  # of new rollouts is throttled; finished samples are never dropped. (Named
+  # `lag`, not `async`: flag overrides are parsed as Python, where async is a
+  # keyword.)
   c.coordinator = ml_collections.ConfigDict()
   # Stream trainer: finished groups are trained in parts of this many while
   # rollout continues (0 = half a batch); the update waits for the whole batch.
   c.coordinator.stream_groups = 0
+  # Adaptive, per step: the batch's staleness s = clip(kl_weight * KL /
+  # kl_normalizer + iw_weight * log1p(Var w) / iw_normalizer + gap_weight *
+  # version gap / max_version_gap, 0, 1) (a normalizer is the value that counts
+  # as fully stale); ema = ema_decay * ema + (1 - ema_decay) * s. Outside the
+  # band |target_staleness - ema| <= tolerance the async ratio, within
+  # [min_async_ratio, max_async_ratio] from initial_ratio, moves by a PID step
+  # (kp, ki, kd on target - ema) of at most max_step; inside it the ratio holds.
+  # The lag is min_lag + ratio * (max_lag - min_lag), its mean over steps kept
+  # by error diffusion. A sync barrier (lag 0 until the rollouts in flight are
+  # trained and one batch comes from the current policy) is forced when ema >
+  # hard_bound or sync_interval steps (0: never) have passed since the last
+  # one. These are the Flux design's values; max_version_gap, which it leaves
+  # open, is max_lag, and max_step is not in the design.
   c.coordinator.lag = ml_collections.ConfigDict(
     dict(
       mode="sync" if arg.variant == "tiny" else "adaptive",
       fixed_lag=1,
       min_lag=0,
       max_lag=4,
-      target_staleness=0.3,
-      kp=2.0,
-      ki=0.5,
-      kd=0.0,
+      target_staleness=0.15,
+      tolerance=0.05,
+      hard_bound=0.2,
+      min_async_ratio=0.1,
+      max_async_ratio=0.9,
+      initial_ratio=0.5,
+      kp=0.1,
+      ki=0.01,
+      kd=0.05,
+      max_step=0.05,
+      ema_decay=0.9,
+      sync_interval=10,
+      kl_weight=0.4,
+      iw_weight=0.3,
+      gap_weight=0.3,
+      kl_normalizer=0.1,
+      iw_normalizer=2.0,
+      max_version_gap=4.0,
     )
   )
 

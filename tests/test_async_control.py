@@ -1,13 +1,44 @@
-"""Adaptive async: staleness metric, PID bounds/convergence/anti-windup, admission."""
+"""Adaptive async: the staleness metric, the Flux async controller on simulated
+staleness processes (settling, anti-windup, no oscillation, bounds, barriers),
+admission in every mode."""
 
+import dataclasses
 import json
+import os
 
 import hypothesis
+import ml_collections
 import numpy as np
 import pytest
 from hypothesis import strategies as st
 
+from fluxjax import config_args
 from fluxjax.rl import async_control as ac
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "vlm.py")
+LAG = config_args.load_config(CONFIG, "qwen25_vl_3b").coordinator.lag
+CFG = ac.AdaptiveConfig.from_config(LAG)
+METRIC = ac.StalenessMetric.from_config(LAG)
+SETTLE = 100  # steps of transient before the settled window
+
+
+def test_config_is_the_flux_design():
+  assert LAG.mode == "adaptive"
+  design = dict(target_staleness=0.15, tolerance=0.05, hard_bound=0.15 + 0.05, kp=0.1, ki=0.01)
+  design |= dict(kd=0.05, min_async_ratio=0.1, max_async_ratio=0.9, initial_ratio=0.5)
+  design |= dict(ema_decay=0.9, sync_interval=10, kl_weight=0.4, iw_weight=0.3, gap_weight=0.3)
+  design |= dict(kl_normalizer=0.1, iw_normalizer=2.0)
+  for k, v in design.items():
+    assert LAG[k] == pytest.approx(v), k
+
+
+@pytest.mark.parametrize("key", sorted(LAG.keys()))
+def test_every_field_is_read_from_config(key):
+  # No second default in code: building from a section without the field fails.
+  partial = ml_collections.ConfigDict({k: v for k, v in LAG.items() if k != key})
+  with pytest.raises((KeyError, AttributeError)):
+    ac.AdmissionController.from_config(partial, 4)
 
 
 def test_version_tags_and_gap():
@@ -22,115 +53,327 @@ def test_version_tags_and_gap():
 def test_staleness_zero_on_policy_and_grows_with_drift():
   rng = np.random.default_rng(0)
   b = -rng.uniform(0.5, 3.0, 1000)
-  fresh = ac.staleness(b, b, np.full(1000, 4), 4)
+  fresh = ac.staleness(b, b, np.full(1000, 4), 4, METRIC)
   assert fresh["staleness"] == 0.0 and fresh["kl"] == 0.0 and fresh["iw_var"] == 0.0
   prev = 0.0
-  for drift, gap in ((0.05, 1), (0.2, 2), (0.5, 4)):
-    s = ac.staleness(b, b + rng.normal(0, drift, 1000), np.full(1000, 4 - gap), 4)
+  for drift, gap in ((0.05, 1), (0.2, 2), (0.4, 3)):
+    s = ac.staleness(b, b + rng.normal(0, drift, 1000), np.full(1000, 4 - gap), 4, METRIC)
     assert s["kl"] > 0 and s["iw_var"] > 0 and 0 < s["staleness"] < 1
     assert s["staleness"] > prev
     prev = s["staleness"]
   # k3 matches the exact KL of a known pair: behaviour N(0,1) vs current N(mu,1).
   x = rng.normal(0, 1, 200_000)
   mu = 0.3
-  est = ac.staleness(-(x**2) / 2, -((x - mu) ** 2) / 2, np.zeros_like(x), 0)["kl"]
+  est = ac.staleness(-(x**2) / 2, -((x - mu) ** 2) / 2, np.zeros_like(x), 0, METRIC)["kl"]
   assert est == pytest.approx(mu**2 / 2, rel=0.05)
   # Masked and non-finite tokens are ignored.
-  s = ac.staleness([-1.0, np.nan, -1.0], [-1.0, -1.0, -9.0], [0, 0, 0], 0, mask_T=[1, 1, 0])
+  s = ac.staleness([-1.0, np.nan, -1.0], [-1.0, -1.0, -9.0], [0, 0, 0], 0, METRIC, [1, 1, 0])
   assert s["staleness"] == 0.0
 
 
-@hypothesis.settings(max_examples=100, deadline=None)
+def test_staleness_combination_is_the_designs():
+  # Each signal at its normalizer contributes its weight; the sum is clipped to 1.
+  assert ac.combine_staleness(4.0, 4.0, 0.0, 0.0, METRIC)["staleness"] == pytest.approx(0.3)
+  assert ac.combine_staleness(0.0, 0.0, 0.1, 0.0, METRIC)["staleness"] == pytest.approx(0.4)
+  iw = np.expm1(2.0)  # log1p(var) = iw_normalizer
+  assert ac.combine_staleness(0.0, 0.0, 0.0, iw, METRIC)["staleness"] == pytest.approx(0.3)
+  assert ac.combine_staleness(9.0, 9.0, 5.0, 50.0, METRIC)["staleness"] == 1.0
+  bad = ac.combine_staleness(2.0, 3.0, np.nan, -1e-9, METRIC)  # rounding in E[w^2] - E[w]^2
+  assert bad["staleness"] == pytest.approx(0.15) and bad["version_gap_max"] == 3.0
+
+
+# --- a simulated staleness process --------------------------------------------------
+
+B = 8  # prompts per batch
+
+
+def simulate(adm, steps, kl_rate, *, noise=0.2, seed=0, race=False, metric=METRIC):
+  """Rollout admitted by `adm` and trained in order, one batch of B prompts a step.
+
+  The producer starts whatever admission allows at the current version; a
+  prompt trained at step s has version gap g = s - its start version. The
+  policy drifts kl_rate(s) nats per token per version squared (KL ~ g^2,
+  times lognormal noise) and Var w ~ 2 KL, as for small log-ratios. With
+  `race` the producer also admits on the old lag between the update and the
+  controller's step, as the producer thread may.
+
+  Returns:
+    columns s, mean gap, staleness, ema, ratio, lag, barrier, max gap per step.
+  """
+  rng = np.random.default_rng(seed)
+  versions: list[int] = []
+
+  def admit(step):
+    n = adm.capacity(step)
+    adm.on_started(n)
+    versions.extend([step] * n)
+
+  admit(0)
+  rows = []
+  for s in range(steps):
+    g = s - np.asarray(versions[s * B : (s + 1) * B], float)
+    kl = kl_rate(s) * float(np.mean(g * g)) * float(np.exp(noise * rng.normal()))
+    stale = ac.combine_staleness(g.mean(), g.max(), kl, 2 * kl, metric)["staleness"]
+    if race:
+      admit(s + 1)
+    out = adm.observe(stale, s + 1)
+    admit(s + 1)
+    rows.append((s, g.mean(), stale, out["staleness_ema"], out["async_ratio"]))
+    rows[-1] += (out["allowed_lag"], out["sync_barrier"], g.max())
+  return np.array(rows)
+
+
+def adaptive(**overrides):
+  cfg = dataclasses.replace(CFG, **overrides)
+  return ac.AdmissionController(B, "adaptive", controller=ac.AsyncController(cfg), metric=METRIC)
+
+
+def reversals(ratio) -> int:
+  """How often the ratio's steps change direction."""
+  steps = np.diff(ratio)
+  steps = steps[np.abs(steps) > 1e-12]
+  return int(np.sum(np.sign(steps[1:]) != np.sign(steps[:-1])))
+
+
+def in_band(ema) -> np.ndarray:
+  return np.abs(ema - CFG.target_staleness) <= CFG.tolerance + 1e-12
+
+
+@hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
+@hypothesis.given(
+  seed=st.integers(0, 2**16),
+  kl_rate=st.floats(0.0, 0.08),
+  noise=st.floats(0.0, 0.4),
+  race=st.booleans(),
+  sync_interval=st.sampled_from([0, CFG.sync_interval]),
+)
+def test_settles_inside_the_band_without_oscillating(seed, kl_rate, noise, race, sync_interval):
+  adm = adaptive(sync_interval=sync_interval)
+  r = simulate(adm, SETTLE + 200, lambda s: kl_rate, noise=noise, seed=seed, race=race)
+  ema, ratio, lag = r[SETTLE:, 3], r[SETTLE:, 4], r[:, 5]
+  assert in_band(ema).mean() >= 0.95
+  assert ema.max() <= CFG.hard_bound + CFG.tolerance
+  assert reversals(ratio) <= 2
+  assert np.ptp(ratio) <= 0.1  # settled: the ratio barely moves
+  assert ((lag >= CFG.min_lag) & (lag <= CFG.max_lag)).all()
+  assert r[:, 7].max() <= CFG.max_lag  # no prompt older than max_lag versions
+  assert ((r[:, 4] >= CFG.min_async_ratio) & (r[:, 4] <= CFG.max_async_ratio)).all()
+
+
+def test_follows_drift_and_a_step_change():
+  # The policy settles (KL per version falls 10x over 400 steps), then jumps.
+  def kl_rate(s):
+    return 0.02 * 10 ** -(min(s, 400) / 400) if s < 500 else 0.03
+
+  for race in (False, True):
+    r = simulate(adaptive(), 700, kl_rate, seed=3, race=race)
+    ema, ratio = r[:, 3], r[:, 4]
+    assert in_band(ema[SETTLE:500]).mean() >= 0.95
+    # Fresher data: more async, in one direction while the policy settles (the
+    # EMA rides the band's lower edge and the ratio steps up).
+    assert ratio[499] > ratio[SETTLE] + 0.05
+    assert (np.diff(ratio[SETTLE:500]) >= 0).all()
+    assert ratio[600] < ratio[499] - 0.1  # after the jump: less async
+    assert in_band(ema[600:]).mean() >= 0.95
+    assert reversals(ratio[600:]) <= 1
+
+
+def test_no_windup_when_the_gap_alone_cannot_reach_the_target():
+  # A target out of reach: KL 0 and a version-gap term below target even at
+  # max_lag (a controller without anti-windup ramps to max_lag here and stays).
+  weak_gap = dataclasses.replace(METRIC, max_version_gap=16.0)  # at most 0.075 at gap 4
+  adm = adaptive(sync_interval=0)
+  r = simulate(adm, 460, lambda s: 0.0 if s < 400 else 0.02, noise=0.0, metric=weak_gap)
+  ratio = r[:, 4]
+  assert r[399, 3] < CFG.target_staleness - CFG.tolerance  # below the band all along
+  # The ratio pins at its upper bound, the lag at max_async_ratio * max_lag ...
+  assert (ratio[200:400] == CFG.max_async_ratio).all()
+  assert np.allclose(r[200:400, 5], CFG.max_async_ratio * CFG.max_lag)
+  # ... and when the policy starts moving it leaves the bound within 3 steps
+  # (the EMA needs 2 to leave the band) and keeps falling: nothing wound up.
+  assert ratio[403] < CFG.max_async_ratio
+  assert (np.diff(ratio[402:420]) <= 1e-12).all() and ratio[420] < 0.6
+  assert abs(adm.controller.integral * CFG.ki) <= CFG.max_step + 1e-12
+
+
+@pytest.mark.parametrize("first,then", [(0.0, 0.9), (0.9, 0.0)])
+def test_no_windup_at_either_ratio_bound(first, then):
+  # 500 steps against one bound (an error of 0.15 or 0.75 each step) ...
+  ctl = ac.AsyncController(dataclasses.replace(CFG, sync_interval=0))
+  for step in range(1, 501):
+    ctl.update(first, step)
+  bound = ctl.ratio
+  assert bound == (CFG.max_async_ratio if first == 0.0 else CFG.min_async_ratio)
+  assert abs(CFG.ki * ctl.integral) <= CFG.max_step + 1e-12
+  # ... then the process turns: the ratio leaves the bound at the first step
+  # the EMA is past the band on the other side, and keeps going.
+  for step in range(501, 601):
+    ctl.update(then, step)
+    if abs(ctl.error()) > CFG.tolerance and (ctl.error() > 0) == (then == 0.0):
+      break
+  assert step < 600 and ctl.ratio != bound
+  for later in range(step + 1, step + 6):
+    before = ctl.ratio
+    ctl.update(then, later)
+    assert (ctl.ratio - before) * (1 if then == 0.0 else -1) > 0
+
+
+@hypothesis.settings(max_examples=100, deadline=None, derandomize=True)
 @hypothesis.given(
   meas=st.lists(st.floats(-10, 10) | st.sampled_from([np.nan, np.inf, -np.inf]), max_size=60),
-  lo=st.integers(0, 3),
+  min_lag=st.integers(0, 3),
   span=st.integers(0, 6),
-  target=st.floats(0, 1),
-  kp=st.floats(0, 10),
-  ki=st.floats(0, 5),
-  kd=st.floats(0, 5),
+  ratios=st.lists(st.floats(0, 1), min_size=3, max_size=3).map(sorted),
+  target=st.floats(0, 0.5),
+  tolerance=st.floats(0, 0.2),
+  gains=st.tuples(st.floats(0, 10), st.floats(0, 5), st.floats(0, 5)),
+  max_step=st.floats(0.001, 1),
 )
-def test_pid_output_stays_in_bounds(meas, lo, span, target, kp, ki, kd):
-  pid = ac.PIDController(target, lo, lo + span, kp=kp, ki=ki, kd=kd)
-  for m in meas:
-    out = pid.update(m)
-    assert lo <= out <= lo + span
-  assert np.isfinite(pid.integral)
+def test_respects_both_bounds(meas, min_lag, span, ratios, target, tolerance, gains, max_step):
+  lo, init, hi = ratios
+  cfg = dataclasses.replace(
+    CFG,
+    min_lag=min_lag,
+    max_lag=min_lag + span,
+    min_async_ratio=lo,
+    initial_ratio=init,
+    max_async_ratio=hi,
+    target_staleness=target,
+    tolerance=tolerance,
+    hard_bound=max(target + tolerance, 0.4),
+    kp=gains[0],
+    ki=gains[1],
+    kd=gains[2],
+    max_step=max_step,
+  )
+  adm = ac.AdmissionController(2, "adaptive", controller=ac.AsyncController(cfg), metric=METRIC)
+  ctl = adm.controller
+  for step, m in enumerate(meas, start=1):
+    before = ctl.ratio
+    out = adm.observe(m, step)
+    assert lo <= ctl.ratio <= hi
+    assert abs(ctl.ratio - before) <= max_step + 1e-12
+    assert out["allowed_lag"] == 0 or min_lag <= out["allowed_lag"] <= min_lag + span
+    assert np.isfinite(ctl.integral) and abs(cfg.ki * ctl.integral) <= max_step + 1e-9
 
 
-def simulate(pid, gain, steps, tau=3.0, noise=0.0, seed=0):
-  """First-order staleness process: s relaxes toward gain * lag with time constant tau."""
-  rng = np.random.default_rng(seed)
-  s, trace = 0.0, []
-  for _ in range(steps):
-    lag = pid.update(s + noise * rng.normal())
-    s += (gain * lag - s) / tau
-    trace.append((s, lag))
-  return np.array(trace)
+def test_hard_bound_forces_a_drain_and_an_on_policy_batch():
+  for race in (False, True):
+    adm = adaptive(sync_interval=0)
+    # Calm, then the policy moves fast: the EMA passes the hard bound.
+    r = simulate(adm, 300, lambda s: 0.002 if s < 150 else 0.1, seed=1, race=race)
+    ema, lag, barrier, gap = r[:, 3], r[:, 5], r[:, 6], r[:, 1]
+    assert adm.forced_syncs >= 1
+    starts = np.flatnonzero(np.diff(barrier) > 0) + 1
+    ends = np.flatnonzero(np.diff(barrier) < 0) + 1
+    assert len(starts) >= 1 and len(ends) >= 1
+    over = (ema > CFG.hard_bound) & (np.roll(barrier, 1) == 0)
+    over[0] = False
+    assert (barrier[over] == 1).all() and (lag[over] == 0).all()  # forced at once
+    assert (lag[barrier == 1] == 0).all()
+    for end in ends[ends + 1 < len(gap)]:
+      # The batch trained after the release was generated by the current policy.
+      assert gap[end + 1] == 0
+    assert np.max(ema[200:]) < 0.3
 
 
-@pytest.mark.parametrize("gain,target", [(0.05, 0.15), (0.1, 0.3), (0.04, 0.2)])
-def test_pid_converges_on_first_order_process(gain, target):
-  pid = ac.PIDController(target, 0, 8, kp=2.0, ki=0.5)
-  trace = simulate(pid, gain, 300, noise=0.005)
-  s, lag = trace[:, 0], trace[:, 1]
-  assert (lag >= 0).all() and (lag <= 8).all()
-  assert abs(s[-50:].mean() - target) < 0.01
-  assert abs(lag[-50:].mean() - target / gain) < 0.3
+def test_sync_interval_forces_a_sync():
+  interval = 7
+  adm = adaptive(hard_bound=1.0, sync_interval=interval)
+  r = simulate(adm, 200, lambda s: 0.002, seed=2)
+  barrier, gap = r[:, 6], r[:, 1]
+  starts = np.flatnonzero(np.diff(barrier) > 0) + 1
+  ends = np.flatnonzero(np.diff(barrier) < 0) + 1
+  assert len(starts) >= 10
+  # Row s holds the output of observe(step=s + 1); a barrier starts
+  # `interval` steps after the last one ended.
+  for end, start in zip(ends, starts[1:], strict=False):
+    assert start - end == interval
+  assert all(gap[end + 1] == 0 for end in ends if end + 1 < len(gap))
+  assert (r[:, 2][r[:, 5] > 0] > 0).any()  # async between the syncs
+  # sync_interval 0 and an unreachable hard bound: never.
+  quiet = adaptive(hard_bound=1.0, sync_interval=0)
+  simulate(quiet, 200, lambda s: 0.002, seed=2)
+  assert quiet.forced_syncs == 0
 
 
-def test_pid_anti_windup():
-  # Target unreachable (gain too small): the lag pins at max_lag...
-  pid = ac.PIDController(0.5, 0, 4, kp=2.0, ki=0.5)
-  for _ in range(500):
-    assert pid.update(0.0) <= 4
-  assert pid.output == 4
-  integral_pinned = pid.integral
-  # ... without winding up: the integral stopped growing once saturated.
-  assert integral_pinned < 4 / 0.5 + 1
-  # Staleness jumps above target: the lag leaves the bound at once.
-  assert pid.update(0.9) < 4
-  # Without anti-windup the integral would be 250 and the lag stuck for ~300 steps.
+@hypothesis.settings(max_examples=30, deadline=None, derandomize=True)
+@hypothesis.given(ratio=st.floats(0, 1), min_lag=st.integers(0, 2), span=st.integers(0, 3))
+def test_a_fractional_lag_is_the_mean_version_gap(ratio, min_lag, span):
+  # A ratio held still (no gains, no barriers): the lag is continuous, the
+  # mean version gap of the trained prompts follows it, and no prompt is more
+  # than ceil(lag) versions old.
+  adm = adaptive(
+    min_async_ratio=0.0,
+    max_async_ratio=1.0,
+    initial_ratio=ratio,
+    min_lag=min_lag,
+    max_lag=min_lag + span,
+    kp=0.0,
+    ki=0.0,
+    kd=0.0,
+    sync_interval=0,
+    hard_bound=1.0,
+  )
+  x = min_lag + ratio * span
+  r = simulate(adm, 60, lambda s: 0.01)
+  assert np.allclose(r[:, 5], x)
+  assert r[10:, 1].mean() == pytest.approx(x, abs=1 / B)
+  assert r[:, 7].max() <= np.ceil(x - 1e-9)
 
 
-def test_modes():
+def test_sync_and_fixed_modes():
   sync = ac.AdmissionController(8, "sync")
   assert sync.allowed_lag == 0 and sync.capacity(0) == 8
   sync.on_started(8)
   assert sync.capacity(0) == 0 and sync.capacity(1) == 8  # next batch after the update
-  sync.observe(0.9)
+  assert sync.observe(0.9, 1) == {"allowed_lag": 0.0}
   assert sync.allowed_lag == 0
 
   fixed = ac.AdmissionController(4, "fixed", fixed_lag=2)
   assert fixed.allowed_lag == 2 and fixed.capacity(0) == 12
   fixed.on_started(12)
-  fixed.observe(0.0)
+  for step in range(1, 30):
+    assert fixed.observe(1.0, step) == {"allowed_lag": 2.0}  # no barrier, whatever staleness
   assert fixed.allowed_lag == 2 and fixed.capacity(0) == 0 and fixed.capacity(1) == 4
   fixed.on_cancelled(3)  # aborted rollouts to re-run give their admission back
   assert fixed.capacity(0) == 3
 
-  ad = ac.AdmissionController(4, "adaptive", min_lag=1, max_lag=3, target_staleness=0.2)
-  assert ad.allowed_lag == 1
-  for _ in range(20):
-    ad.observe(0.0)  # fresh data: allow more lag
-  assert ad.allowed_lag == 3 and ad.capacity(0) == 16
-  ad.on_started(16)
-  for _ in range(20):
-    ad.observe(1.0)  # too stale: throttle; finished samples are untouched
-  assert ad.allowed_lag == 1 and ad.capacity(0) == 0 and ad.capacity(2) == 0
-  assert ad.capacity(3) == 4
-
+  for mode in ("sync", "fixed"):
+    built = ac.AdmissionController.from_config(ml_collections.ConfigDict({**LAG, "mode": mode}), 4)
+    assert built.allowed_lag == (0 if mode == "sync" else LAG.fixed_lag)
   with pytest.raises(ValueError):
     ac.AdmissionController(4, "async")
+  with pytest.raises(ValueError):
+    ac.AdmissionController(4, "fixed")
+  with pytest.raises(ValueError):
+    ac.AdmissionController(4, "adaptive")
+
+
+def test_adaptive_admission_throttles_and_starts_balanced():
+  adm = ac.AdmissionController.from_config(LAG, 4)
+  assert adm.allowed_lag == round(0.5 * LAG.max_lag)  # the design starts at ratio 0.5
+  assert adm.capacity(0) == (adm.allowed_lag + 1) * 4
+  for step in range(1, 40):
+    out = adm.observe(0.0, step)  # fresh data: more async
+  assert out["async_ratio"] == pytest.approx(LAG.max_async_ratio)
+  adm.on_started(20)
+  for step in range(40, 80):
+    out = adm.observe(1.0, step)  # too stale: throttle; finished samples are untouched
+  assert out["async_ratio"] == pytest.approx(LAG.min_async_ratio)
+  assert adm.capacity(2) == 0
 
 
 def test_state_round_trip():
-  a = ac.AdmissionController(4, "adaptive", max_lag=5)
-  a.on_started(7)
-  for s in (0.0, 0.05, 0.3):
-    a.observe(s)
+  a = ac.AdmissionController.from_config(LAG, 4)
+  a.on_started(a.capacity(0) - 1)
+  for step, s in enumerate((0.1, 0.3, 0.6, 0.5), start=1):
+    a.observe(s, step)
+  assert a.syncing  # mid-barrier
   state = json.loads(json.dumps(a.get_state()))
-  b = ac.AdmissionController(4, "adaptive", max_lag=5)
+  b = ac.AdmissionController.from_config(LAG, 4)
   b.set_state(state)
   assert b.get_state() == a.get_state()
-  assert a.observe(0.1) == b.observe(0.1) and a.pid.output == b.pid.output
+  for step, s in enumerate((0.1, 0.0, 0.2, 0.05, 0.0, 0.0, 0.1), start=5):
+    assert a.observe(s, step) == b.observe(s, step)
+  assert b.get_state() == a.get_state()

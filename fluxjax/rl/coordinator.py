@@ -20,7 +20,8 @@ properties.
 Every token carries the policy version that sampled it. After each step the
 staleness of the batch (version gap, KL(behaviour || current), importance
 weight variance, measured in the step) feeds the admission controller, which
-in `adaptive` mode moves the allowed lag with a PID (rl/async_control.py).
+in `adaptive` mode moves an async ratio, and with it the allowed lag, by
+small PID steps and forces sync barriers (rl/async_control.py).
 `coordinator.lag.mode = sync` makes rollout wait for each update, so every
 sample is on-policy (importance weights 1 up to engine numerics).
 """
@@ -351,11 +352,14 @@ class Coordinator:
     self._patch_source.release()
     self._filtered += filtered
 
+    # Var(w) = E[w^2] - E[w]^2 from the step's token means of the importance weights.
     iw_var = max(train.get("is_weight_sq", 1.0) - train.get("is_weight", 1.0) ** 2, 0.0)
+    admission = self._producer.admission
+    assert admission.metric is not None, "built by AdmissionController.from_config"
     stale = async_control.combine_staleness(
-      gaps["mean"], gaps["max"], train.get("behaviour_kl", 0.0), iw_var
+      gaps["mean"], gaps["max"], train.get("behaviour_kl", 0.0), iw_var, admission.metric
     )
-    lag = self._producer.call(self._observe(stale["staleness"]))
+    control = self._producer.call(self._observe(stale["staleness"], self._steps))
     groups = [k.group for k in kept]
     all_rewards = [r for g in groups for r in g.rewards]
     lengths = [len(c.output_ids) for g in groups for c in g.completions]
@@ -372,8 +376,8 @@ class Coordinator:
       "perf/tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
       "publish/seconds": t_publish,
       "policy/version": float(self._version),
-      "async/allowed_lag": float(lag),
       **{f"async/{k}": v for k, v in stale.items()},
+      **{f"async/{k}": v for k, v in control.items()},
       **{f"train/{k}": v for k, v in train.items()},
     }
     if rounds:
@@ -387,8 +391,8 @@ class Coordinator:
     host.update(self.fault_counts())
     return StepResult(groups, host, [k.sample.id for k in kept])
 
-  async def _observe(self, staleness: float) -> int:
-    return self._producer.admission.observe(staleness)
+  async def _observe(self, staleness: float, step: int) -> dict:
+    return self._producer.admission.observe(staleness, step)
 
   def _version_gaps(self, kept) -> dict:
     """Version gap of every trained token against the version being updated."""

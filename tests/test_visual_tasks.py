@@ -35,7 +35,8 @@ def test_image_answers_match_the_pixels(level):
     _, blobs = ndimage.label(_mask(s.image, colour))
     assert str(blobs) == s.answer
     total = ndimage.label((np.asarray(s.image) != drawing.BACKGROUND).any(-1))[1]
-    assert total in {"easy": (2, 3), "medium": (4, 5), "hard": (6, 7)}[level]
+    assert total in {"easy": (2, 3), "medium": (4, 5, 6), "hard": (7, 8, 9)}[level]
+    _assert_one_shape_per_cell(s.image)
 
     s = visual_tasks.draw(rng, "left_of", level)
     c1, c2 = _named(s.question, 2)
@@ -49,6 +50,36 @@ def test_image_answers_match_the_pixels(level):
     assert s.answer == (c1 if a1 > a2 else c2)
     ratio = {"easy": 4.0, "medium": 2.25, "hard": 1.5625}[level]  # area ratio = ratio^2
     assert max(a1, a2) / min(a1, a2) == pytest.approx(ratio, rel=0.2)
+    _assert_one_shape_per_cell(s.image)
+
+    s = visual_tasks.draw(rng, "colour_of_shape", level)
+    kind = s.question.removeprefix("What colour is the ").split("?")[0]
+    labels, blobs = ndimage.label((np.asarray(s.image) != drawing.BACKGROUND).any(-1))
+    assert blobs == {"easy": 1, "medium": 2, "hard": 3}[level]
+    kinds = {}
+    for box, k in zip(ndimage.find_objects(labels), range(1, blobs + 1)):
+      blob = labels[box] == k
+      colour = tuple(np.asarray(s.image)[box][blob][0])
+      kinds[_kind(blob)] = next(c for c, rgb in drawing.RGB.items() if rgb == colour)
+    assert len(kinds) == blobs  # distinct kinds: the question names one shape
+    assert kinds[kind] == s.answer
+    _assert_one_shape_per_cell(s.image)
+
+
+def _kind(blob):
+  """A filled shape's kind from how much of its bounding box it fills."""
+  fills = {"square": 1.0, "circle": np.pi / 4, "triangle": 0.5, "star": 0.34}
+  return min(fills, key=lambda k: abs(fills[k] - blob.mean()))
+
+
+def _assert_one_shape_per_cell(image):
+  """Every shape lies inside one cell of the merged-token grid (28 px)."""
+  labels, _ = ndimage.label((np.asarray(image) != drawing.BACKGROUND).any(-1))
+  cell = visual_tasks.CELL
+  for box in ndimage.find_objects(labels):
+    rows, cols = box
+    assert rows.start // cell == (rows.stop - 1) // cell, box
+    assert cols.start // cell == (cols.stop - 1) // cell, box
 
 
 def _glyph(digit, size):
@@ -84,12 +115,14 @@ def test_digit_sum_answer_is_the_sum_of_the_drawn_glyphs():
       assert str(sum(read)) == s.answer, (read, s.answer)
 
 
-def test_colour_changes_are_counted_in_the_decoded_video(tmp_path):
+@pytest.mark.parametrize("task", ["colour_changes", "last_colour"])
+def test_video_answers_are_read_from_the_decoded_video(tmp_path, task):
   rng = np.random.default_rng(2)
+  names = list(drawing.RGB)
   palette = np.asarray(list(drawing.RGB.values()), np.float64)
   for level in visual_tasks.LEVELS:
     for k in range(4):
-      s = visual_tasks.draw(rng, "colour_changes", level)
+      s = visual_tasks.draw(rng, task, level)
       path = str(tmp_path / f"{level}{k}.mp4")
       f, h, w, _ = s.frames.shape
       synth.write_video(path, lambda i, fr=s.frames: fr[i], f, h, w, visual_tasks.VIDEO_FPS)
@@ -97,9 +130,12 @@ def test_colour_changes_are_counted_in_the_decoded_video(tmp_path):
         frames = [x.to_ndarray(format="rgb24") for x in container.decode(video=0)]
       assert len(frames) == visual_tasks.VIDEO_FRAMES
       centre = [fr[h // 2 - 2 : h // 2 + 2, w // 2 - 2 : w // 2 + 2].mean((0, 1)) for fr in frames]
-      names = [int(np.abs(palette - c).sum(1).argmin()) for c in centre]
-      changes = sum(a != b for a, b in itertools.pairwise(names))
-      assert str(changes) == s.answer == str({"easy": 1, "medium": 2, "hard": 3}[level])
+      seen = [int(np.abs(palette - c).sum(1).argmin()) for c in centre]
+      changes = sum(a != b for a, b in itertools.pairwise(seen))
+      assert changes == {"easy": 1, "medium": 2, "hard": 3}[level]
+      # Changes fall between frame pairs: each temporal patch (2 frames) shows one colour.
+      assert all(seen[i] == seen[i + 1] for i in range(0, len(seen), 2))
+      assert s.answer == (str(changes) if task == "colour_changes" else names[seen[-1]])
 
 
 def test_reasoning_mix_rows_carry_task_difficulty_and_load(tmp_path):

@@ -4,17 +4,26 @@ The `reasoning` mix of fluxjax/data/synth.py. Every sample is a 112 px PNG or
 a short 56 px MP4 with a verifiable answer computed from what was drawn, and
 a difficulty level that sets how much there is to tell apart:
 
+  colour_of_shape (image) the colour of the named kind of shape; easy 1
+                  shape, medium 2, hard 3 (of distinct kinds and colours).
   count_colour    (image) how many shapes of a named colour, among others;
-                  easy 2-3 shapes, medium 4-5, hard 6-7.
+                  easy 2-3 shapes, medium 4-6, hard 7-9.
   left_of         (image) is the {c1} shape left of the {c2} shape (yes/no);
-                  horizontal gap easy >= 40 px, medium 20-40, hard 8-20, with
-                  0 / 1 / 2 distractor shapes.
+                  columns apart easy 2-3, medium 1-2, hard 1, with 0 / 1 / 2
+                  distractor shapes.
   bigger          (image) which of two shapes of one kind, named by colour, is
                   bigger; size ratio easy 2, medium 1.5, hard 1.25.
   digit_sum       (image) the sum of two digits drawn in the picture; digits
                   easy 0-4, medium 0-6, hard 0-9, smaller glyphs when harder.
   colour_changes  (video) how many times one shape changes colour over the
                   clip; easy 1, medium 2, hard 3 changes.
+  last_colour     (video) the shape's colour at the end of the clip; easy 1,
+                  medium 2, hard 3 colour changes before it.
+
+Shapes sit one per cell of a GRID x GRID grid of CELL = 28 px cells: one cell
+is one merged vision token of Qwen2.5-VL (2 x 2 patches of 14 px), so no shape
+is split between tokens. Video colour changes fall between frame pairs, so
+each temporal patch (2 frames) shows one colour.
 
 Answers are one token of the tiny tokenizer's vocabulary or a small number,
 so the `accuracy` reward is exact; the prompt asks for the answer in
@@ -39,6 +48,8 @@ IMAGE_SIZE = 112  # the tiny preset's largest image side
 VIDEO_SIZE = 56  # the tiny preset's video frame side
 VIDEO_FRAMES = 8  # at 2 fps: what the processor samples, within its 8-frame cap
 VIDEO_FPS = 2.0
+CELL = 28  # one merged vision token: 2 x 2 patches of 14 px
+GRID = IMAGE_SIZE // CELL
 INSTRUCTION = " Answer in <answer></answer>."
 
 
@@ -72,17 +83,24 @@ def _colours(rng: np.random.Generator, k: int) -> list[str]:
   return [str(c) for c in rng.permutation(COLORS)[:k]]
 
 
+def _centre(col: int, row: int) -> tuple[float, float]:
+  """The pixel centre of a grid cell."""
+  return (col + 0.5) * CELL, (row + 0.5) * CELL
+
+
+def _cells(rng: np.random.Generator, k: int) -> list[tuple[float, float]]:
+  """Centres of k distinct cells of the GRID x GRID grid, in random order."""
+  return [_centre(c % GRID, c // GRID) for c in rng.permutation(GRID**2)[:k]]
+
+
 def count_colour(rng: np.random.Generator, level: str) -> Sample:
-  total = int(rng.integers(*{"easy": (2, 4), "medium": (4, 6), "hard": (6, 8)}[level]))
+  total = int(rng.integers(*{"easy": (2, 4), "medium": (4, 7), "hard": (7, 10)}[level]))
   target, *others = _colours(rng, 4)
   count = int(rng.integers(1, min(3, total - 1) + 1))
   colours = [target] * count + [str(rng.choice(others)) for _ in range(total - count)]
   image, draw = _canvas()
-  cell = IMAGE_SIZE / 3  # one shape per cell of a 3 x 3 grid: none overlap
-  for c, where in zip(colours, rng.permutation(9)[:total]):
-    cx, cy = (where % 3 + 0.5) * cell, (where // 3 + 0.5) * cell
-    jx, jy = rng.uniform(-0.08, 0.08, 2) * cell
-    draw_shape(draw, str(rng.choice(SHAPES)), c, cx + jx, cy + jy, 0.34 * cell)
+  for c, (cx, cy) in zip(colours, _cells(rng, total)):
+    draw_shape(draw, str(rng.choice(SHAPES)), c, cx, cy, 0.36 * CELL)
   return Sample(
     "count_colour",
     level,
@@ -93,22 +111,20 @@ def count_colour(rng: np.random.Generator, level: str) -> Sample:
 
 
 def left_of(rng: np.random.Generator, level: str) -> Sample:
-  lo, hi = {"easy": (40, 70), "medium": (20, 40), "hard": (8, 20)}[level]
+  gaps = {"easy": (2, 3), "medium": (1, 2), "hard": (1,)}[level]
   distractors = {"easy": 0, "medium": 1, "hard": 2}[level]
   c1, c2, *rest = _colours(rng, 2 + distractors)
-  r = 11.0
-  gap = float(rng.uniform(lo, hi))
-  left = float(rng.uniform(r + 2, IMAGE_SIZE - r - 2 - gap))
+  gap = int(rng.choice(gaps))
+  left = int(rng.integers(0, GRID - gap))
   first_is_left = bool(rng.random() < 0.5)
-  x1, x2 = (left, left + gap) if first_is_left else (left + gap, left)
-  # The two named shapes in separate bands of rows; distractors in the third.
-  rows = rng.permutation([IMAGE_SIZE / 6, IMAGE_SIZE / 2, 5 * IMAGE_SIZE / 6])
+  col1, col2 = (left, left + gap) if first_is_left else (left + gap, left)
+  rows = rng.permutation(GRID)
   image, draw = _canvas()
-  draw_shape(draw, str(rng.choice(SHAPES)), c1, x1, rows[0], r)
-  draw_shape(draw, str(rng.choice(SHAPES)), c2, x2, rows[1], r)
-  for k, c in enumerate(rest):
-    x = (k + 0.5) * IMAGE_SIZE / len(rest) + rng.uniform(-6, 6)
-    draw_shape(draw, str(rng.choice(SHAPES)), c, x, rows[2], r)
+  # The two named shapes in rows of their own; distractors share a third.
+  placed = [(c1, col1, rows[0]), (c2, col2, rows[1])]
+  placed += [(c, col, rows[2]) for c, col in zip(rest, rng.permutation(GRID))]
+  for c, col, row in placed:
+    draw_shape(draw, str(rng.choice(SHAPES)), c, *_centre(col, row), 0.36 * CELL)
   return Sample(
     "left_of",
     level,
@@ -121,14 +137,12 @@ def left_of(rng: np.random.Generator, level: str) -> Sample:
 def bigger(rng: np.random.Generator, level: str) -> Sample:
   ratio = {"easy": 2.0, "medium": 1.5, "hard": 1.25}[level]
   c1, c2 = _colours(rng, 2)
-  small = float(rng.uniform(9, 13))
-  sizes = [small * ratio, small] if rng.random() < 0.5 else [small, small * ratio]
+  large = 0.45 * CELL
+  sizes = [large, large / ratio] if rng.random() < 0.5 else [large / ratio, large]
   image, draw = _canvas()
-  xs = rng.permutation([IMAGE_SIZE / 4, 3 * IMAGE_SIZE / 4])
   shape = str(rng.choice(SHAPES))  # one shape for both: size alone differs
-  for c, r, x in zip((c1, c2), sizes, xs):
-    y = IMAGE_SIZE / 2 + rng.uniform(-15, 15)
-    draw_shape(draw, shape, c, x, y, r)
+  for c, r, (cx, cy) in zip((c1, c2), sizes, _cells(rng, 2)):
+    draw_shape(draw, shape, c, cx, cy, r)
   return Sample(
     "bigger",
     level,
@@ -157,10 +171,11 @@ def digit_sum(rng: np.random.Generator, level: str) -> Sample:
   )
 
 
-def colour_changes(rng: np.random.Generator, level: str) -> Sample:
-  changes = {"easy": 1, "medium": 2, "hard": 3}[level]
-  # Segment starts: frame 0, then `changes` distinct later frames.
-  starts = [0, *sorted(int(f) for f in rng.choice(np.arange(1, VIDEO_FRAMES), changes, False))]
+def _changing_clip(rng: np.random.Generator, changes: int) -> tuple[list[str], np.ndarray]:
+  """One shape whose colour changes `changes` times: (colours in order, frames)."""
+  # Segments start at frame 0 and at `changes` distinct later even frames, so
+  # a change never falls inside a temporal patch (2 frames).
+  starts = [0, *sorted(int(f) for f in rng.choice(np.arange(2, VIDEO_FRAMES, 2), changes, False))]
   colours: list[str] = []
   for _ in starts:  # consecutive segments differ, so every boundary is a change
     colours.append(str(rng.choice([c for c in COLORS if not colours or c != colours[-1]])))
@@ -171,12 +186,45 @@ def colour_changes(rng: np.random.Generator, level: str) -> Sample:
     draw_shape(draw, shape, c, VIDEO_SIZE / 2, VIDEO_SIZE / 2, 0.35 * VIDEO_SIZE)
     pictures.append(np.asarray(image))
   segment = np.searchsorted(np.asarray(starts), np.arange(VIDEO_FRAMES), side="right") - 1
+  return colours, np.stack([pictures[s] for s in segment])
+
+
+def colour_changes(rng: np.random.Generator, level: str) -> Sample:
+  changes = {"easy": 1, "medium": 2, "hard": 3}[level]
+  _, frames = _changing_clip(rng, changes)
   return Sample(
     "colour_changes",
     level,
     "How many times does the shape change colour in the video?" + INSTRUCTION,
     str(changes),
-    frames=np.stack([pictures[s] for s in segment]),
+    frames=frames,
+  )
+
+
+def colour_of_shape(rng: np.random.Generator, level: str) -> Sample:
+  k = {"easy": 1, "medium": 2, "hard": 3}[level]
+  colours = _colours(rng, k)
+  kinds = [str(x) for x in rng.permutation(SHAPES)[:k]]
+  image, draw = _canvas()
+  for c, kind, (cx, cy) in zip(colours, kinds, _cells(rng, k)):
+    draw_shape(draw, kind, c, cx, cy, 0.42 * CELL)
+  return Sample(
+    "colour_of_shape",
+    level,
+    f"What colour is the {kinds[0]}?" + INSTRUCTION,
+    colours[0],
+    image=image,
+  )
+
+
+def last_colour(rng: np.random.Generator, level: str) -> Sample:
+  colours, frames = _changing_clip(rng, {"easy": 1, "medium": 2, "hard": 3}[level])
+  return Sample(
+    "last_colour",
+    level,
+    "What colour is the shape at the end of the video?" + INSTRUCTION,
+    colours[-1],
+    frames=frames,
   )
 
 
@@ -186,6 +234,8 @@ TASKS: dict[str, Callable[[np.random.Generator, str], Sample]] = {
   "bigger": bigger,
   "digit_sum": digit_sum,
   "colour_changes": colour_changes,
+  "colour_of_shape": colour_of_shape,
+  "last_colour": last_colour,
 }
 
 

@@ -40,10 +40,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.train = ""
   c.data.eval = ""
-  # image_heavy | video_heavy | only_video | text | shapes. Tiny: `shapes` (the
-  # colour of a shape, or how many shapes 1-4, in a 112 px picture), a task a
+  # image_heavy | video_heavy | only_video | text | shapes | reasoning |
+  # reasoning_tiny | one task (fluxjax/data/synth.py MIXES). Tiny:
+  # `reasoning_tiny`, the colour of a shape, how many shapes of a named colour
+  # (an image) and a shape's colour at the end of a clip (a video): tasks a
   # 524k-parameter model learns from the pixels in minutes on a CPU.
-  c.data.mix = "shapes" if arg.variant == "tiny" else "image_heavy"
+  c.data.mix = "reasoning_tiny" if arg.variant == "tiny" else "image_heavy"
   c.data.synth_train = 1024 if arg.variant == "tiny" else 256
   c.data.synth_eval = 256
   c.data.seed = 0
@@ -120,7 +122,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # mesh.fsdp. 0 = auto: the largest such degree within one host's devices,
   # e.g. on 8 devices 4 for 7B (28 query heads) and 8 for tiny, 3B and 32B.
   c.sharding.sp = 0
-  # Tokens/device/microbatch. Tiny: 256 (~4 sequences of the shapes task and
+  # Tokens/device/microbatch. Tiny: 256 (~4 sequences of the default task and
   # their 256 patches); attention is dense per row on CPU, so one 2048-token
   # row costs ~30x the time of eight 256-token microbatches.
   c.sharding.capacity = 256 if arg.variant == "tiny" else 16384
@@ -289,9 +291,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # run when total_steps is 0 (build, evaluate, stop).
   c.sft = ml_collections.ConfigDict()
   c.sft.enabled = arg.variant == "tiny"
-  # Tiny: 60 steps teach the format and part of the shapes task, leaving
-  # held-out accuracy near 0.19 sampled (0.47 greedy) for GRPO to raise; 80
-  # left 0.37 and a smaller gain, 300 left no headroom (bench/README.md).
+  # Tiny: 60 steps teach the format and part of the task, leaving held-out
+  # accuracy near 0.17 sampled (0.37 greedy) for GRPO to raise; on the shapes
+  # mix 80 left 0.37 and a smaller gain, 300 left no headroom (bench/README.md).
   c.sft.steps = 60
   c.sft.batch_size = 32
   c.sft.lr = 2e-3

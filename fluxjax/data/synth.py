@@ -74,6 +74,10 @@ MIXES = {
   # tasks it can learn from its few patches (counting by a named colour, and
   # colour changes over video frames).
   "mixed": {"colour": 1, "shape_count": 1, "count_colour": 1, "colour_changes": 1},
+  # The tiny preset's default RL task: the shapes colour task and the two
+  # reasoning tasks GRPO lifts on a CPU in minutes: counting by a named colour
+  # (an image) and the colour at the end of a clip (a video).
+  "reasoning_tiny": {"colour": 1, "count_colour": 1, "last_colour": 1},
 }
 SOURCES = ("geo3k", "nextqa", "longvila")
 

@@ -68,11 +68,10 @@ MIXES = {
   # Task weights rather than source weights: the small-image tasks.
   "shapes": {"colour": 1, "shape_count": 1},
   # Tasks with difficulty levels that need combining what the pixels show
-  # (fluxjax/data/visual_tasks.py): four image tasks and a video task.
+  # (fluxjax/data/visual_tasks.py): five image tasks and two video tasks.
   "reasoning": {task: 1 for task in visual_tasks.TASKS},
-  # The tiny preset's RL task: the two shapes tasks plus the two reasoning
-  # tasks it can learn from its few patches (counting by a named colour, and
-  # colour changes over video frames).
+  # The shapes tasks with two reasoning tasks (bench/README.md: with the tiny
+  # preset GRPO lifts only the shapes tasks of it).
   "mixed": {"colour": 1, "shape_count": 1, "count_colour": 1, "colour_changes": 1},
   # The tiny preset's default RL task: the shapes colour task and the two
   # reasoning tasks GRPO lifts on a CPU in minutes: counting by a named colour

@@ -43,8 +43,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # image_heavy | video_heavy | only_video | text | shapes | reasoning |
   # reasoning_tiny | one task (fluxjax/data/synth.py MIXES). Tiny:
   # `reasoning_tiny`, the colour of a shape, how many shapes of a named colour
-  # (an image) and a shape's colour at the end of a clip (a video): tasks a
-  # 524k-parameter model learns from the pixels in minutes on a CPU.
+  # (an image) and a shape's colour at the end of a clip (a video); a
+  # 524k-parameter model learns both colour tasks from the pixels in minutes
+  # on a CPU, the count only to its answer prior (bench/README.md).
   c.data.mix = "reasoning_tiny" if arg.variant == "tiny" else "image_heavy"
   c.data.synth_train = 1024 if arg.variant == "tiny" else 256
   c.data.synth_eval = 256

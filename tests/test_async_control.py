@@ -37,8 +37,9 @@ def test_config_is_the_flux_design():
 def test_every_field_is_read_from_config(key):
   # No second default in code: building from a section without the field fails.
   partial = ml_collections.ConfigDict({k: v for k, v in LAG.items() if k != key})
-  with pytest.raises((KeyError, AttributeError)):
+  with pytest.raises((KeyError, AttributeError)):  # what the coordinator builds from it
     ac.AdmissionController.from_config(partial, 4)
+    ac.StalenessMetric.from_config(partial)
 
 
 def test_version_tags_and_gap():
@@ -125,7 +126,7 @@ def simulate(adm, steps, kl_rate, *, noise=0.2, seed=0, race=False, metric=METRI
 
 def adaptive(**overrides):
   cfg = dataclasses.replace(CFG, **overrides)
-  return ac.AdmissionController(B, "adaptive", controller=ac.AsyncController(cfg), metric=METRIC)
+  return ac.AdmissionController(B, "adaptive", controller=ac.AsyncController(cfg))
 
 
 def reversals(ratio) -> int:
@@ -246,7 +247,7 @@ def test_respects_both_bounds(meas, min_lag, span, ratios, target, tolerance, ga
     kd=gains[2],
     max_step=max_step,
   )
-  adm = ac.AdmissionController(2, "adaptive", controller=ac.AsyncController(cfg), metric=METRIC)
+  adm = ac.AdmissionController(2, "adaptive", controller=ac.AsyncController(cfg))
   ctl = adm.controller
   for step, m in enumerate(meas, start=1):
     before = ctl.ratio

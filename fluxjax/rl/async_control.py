@@ -387,7 +387,6 @@ class AdmissionController:
     mode: "sync", "fixed" or "adaptive".
     fixed_lag: the lag in fixed mode.
     controller: the async controller (adaptive mode).
-    metric: how the coordinator combines a batch's staleness signals.
   """
 
   def __init__(
@@ -397,7 +396,6 @@ class AdmissionController:
     *,
     fixed_lag: int | None = None,
     controller: AsyncController | None = None,
-    metric: StalenessMetric | None = None,
   ):
     if mode not in MODES:
       raise ValueError(f"coordinator.lag.mode must be one of {MODES}, got {mode!r}")
@@ -410,7 +408,6 @@ class AdmissionController:
     self.batch_size, self.mode = batch_size, mode
     self.fixed_lag = fixed_lag
     self.controller = controller
-    self.metric = metric
     self.started = 0
     self.last_staleness: float | None = None
     self.forced_syncs = 0
@@ -428,7 +425,6 @@ class AdmissionController:
       c.mode,
       fixed_lag=int(c.fixed_lag),
       controller=AsyncController(AdaptiveConfig.from_config(c)),
-      metric=StalenessMetric.from_config(c),
     )
 
   @property

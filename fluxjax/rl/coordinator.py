@@ -144,6 +144,7 @@ class Coordinator:
     batcher = tail_batching.TailBatcher(self._P, self._R, float(config.rollout.tail_batching.eta))
     batcher.start_epoch([])  # a streamed epoch: topped up from the loader
     admission = async_control.AdmissionController.from_config(config.coordinator.lag, self._P)
+    self._staleness_metric = async_control.StalenessMetric.from_config(config.coordinator.lag)
     self._producer = producer_lib.Producer(
       rollout,
       reward_scheduler,
@@ -354,10 +355,8 @@ class Coordinator:
 
     # Var(w) = E[w^2] - E[w]^2 from the step's token means of the importance weights.
     iw_var = max(train.get("is_weight_sq", 1.0) - train.get("is_weight", 1.0) ** 2, 0.0)
-    admission = self._producer.admission
-    assert admission.metric is not None, "built by AdmissionController.from_config"
     stale = async_control.combine_staleness(
-      gaps["mean"], gaps["max"], train.get("behaviour_kl", 0.0), iw_var, admission.metric
+      gaps["mean"], gaps["max"], train.get("behaviour_kl", 0.0), iw_var, self._staleness_metric
     )
     control = self._producer.call(self._observe(stale["staleness"], self._steps))
     groups = [k.group for k in kept]

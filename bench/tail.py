@@ -26,15 +26,24 @@ a long round asks for the same lengths.
 
 Configurations, each one epoch over the same prompts, P prompts x R responses
 kept per round (every configuration trains the same P*R*prompts/P responses):
-  baseline      plain rounds: launch P x R, wait for all (no TailBatcher).
-  eta 1.0       TailBatcher with eta 1.0 (must equal the baseline).
-  eta 1.25/1.5  TailBatcher: short rounds launch ceil(eta P) x ceil(eta R).
+  baseline          plain rounds: launch P x R, wait for all (no TailBatcher).
+  eta 1.0           TailBatcher with eta 1.0 (must equal the baseline).
+  eta 1.25 / 1.5    TailBatcher with recycling (the default): short rounds
+                    launch ceil(eta P) prompts x R responses; a deferred
+                    prompt's responses are continued in its long round
+                    (prompt + partial tokens, max_new_tokens = L - done).
+  eta 1.25 discard  Flexes as published: ceil(eta P) x ceil(eta R), the first
+                    R of a prompt kept, aborted work discarded.
 
 Per configuration: rounds, mean / max round time, the engine's prefill and
 decode seconds (and time per decode step), slot-idle fraction (decode
 slot-steps with no request / all decode slot-steps, over all num_slots slots)
 and bubble fraction (idle slot-steps among the slots the round launched,
-min(launched, num_slots): slots left idle waiting for the round's tail).
+min(launched, num_slots): slots left idle waiting for the round's tail),
+decode tokens discarded (decoded, then neither trained nor carried) over all
+decoded, and the length bias: the mean length of the kept responses over the
+mean drawn length of every response launched for the same prompts (1.0: the
+kept set does not favour short responses; below 1: it does).
 Compilation is excluded (warm-up first).
 """
 
@@ -59,6 +68,14 @@ from fluxjax.models import config, vlm
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rl import tail_batching as tb
 from fluxjax.rollout.embedded import EmbeddedRollout
+
+# (name, eta, recycle): the default (recycling) and Flexes as published.
+CONFIGS = (
+  ("eta 1.0", 1.0, True),
+  ("eta 1.25", 1.25, True),
+  ("eta 1.25 discard", 1.25, False),
+  ("eta 1.5", 1.5, True),
+)
 
 
 class Lengths:
@@ -95,6 +112,8 @@ async def baseline_epoch(rollout, prompts, P, R, make_body):
     rows.append(
       {
         "kind": "plain",
+        "tokens_generated": sum(len(c.output_ids) for c in outs),
+        "tokens_discarded": 0,
         "wall_s": wall,
         "decode_steps": steps,
         "busy": busy,
@@ -105,14 +124,29 @@ async def baseline_epoch(rollout, prompts, P, R, make_body):
   return rows
 
 
-async def tail_epoch(rollout, prompts, P, R, eta, make_body):
-  b = tb.TailBatcher(P, R, eta)
+async def tail_epoch(rollout, prompts, P, R, eta, recycle, make_body, lengths):
+  """One epoch of tail-batched rounds; per round the stats plus the length bias.
+
+  Length bias: the kept responses' mean length over the mean drawn length of
+  every response launched for the same prompts (all ceil(eta R) of a
+  speculative prompt, whether it finished or not).
+  """
+  b = tb.TailBatcher(P, R, eta, recycle=recycle)
   b.start_epoch(prompts)
   rows = []
-  while (res := await tb.run_round(rollout, b, make_body, rid_prefix=f"eta{eta}")) is not None:
+  tag = f"eta{eta}{'r' if recycle else 'd'}"
+  while (
+    res := await tb.run_round(
+      rollout, b, make_body, rid_prefix=tag, decode=rollout.tokenizer.decode
+    )
+  ) is not None:
     s = res.stats
     s["busy"] = round((1 - s["slot_idle_fraction"]) * s["decode_steps"] * rollout.engine.num_slots)
     s["launched"] = len(res.plan.prompts) * res.plan.responses
+    s["kept_len_sum"] = sum(len(c.output_ids) for g in res.groups.values() for c in g)
+    s["kept_n"] = sum(len(g) for g in res.groups.values())
+    drawn = [lengths(p, j) for p in res.groups for j in range(res.plan.responses)]
+    s["drawn_len_sum"], s["drawn_n"] = sum(drawn), len(drawn)
     rows.append(s)
   assert sorted(b.trained) == sorted(prompts), "a prompt was lost or trained twice"
   return rows
@@ -132,6 +166,14 @@ def summarize(rows, slots):
     "idle": 1 - busy / (steps * slots),
     "bubble": 1 - busy / own,
     "maxlen": float(np.mean([r["max_kept_len"] for r in rows])),
+    "generated": float(sum(r.get("tokens_generated", r.get("busy", 0)) for r in rows)),
+    "discarded": float(sum(r.get("tokens_discarded", 0) for r in rows)),
+    "bias": (
+      (sum(r["kept_len_sum"] for r in rows) / sum(r["kept_n"] for r in rows))
+      / (sum(r["drawn_len_sum"] for r in rows) / sum(r["drawn_n"] for r in rows))
+      if all("kept_n" in r for r in rows)
+      else 1.0
+    ),
   }
 
 
@@ -190,19 +232,18 @@ def main():
   )
 
   async def run():
-    # Warm-up: compile the prefill bucket and the decode step.
-    await asyncio.gather(
-      *(
-        rollout.generate(
-          {
-            "input_ids": workloads[seeds[0]][0][0],
-            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
-          },
-          None,
-        )
-        for _ in range(2)
+    # Warm-up: compile every prefill bucket (a continued response's prompt is
+    # the prompt plus its partial tokens) and the decode step.
+    first = workloads[seeds[0]][0][0]
+    for bucket in rollout.engine.buckets:
+      n = min(bucket, rollout.engine.capacity - 2)
+      await rollout.generate(
+        {
+          "input_ids": (first * (n // len(first) + 1))[:n],
+          "sampling_params": {"max_new_tokens": 2, "ignore_eos": True},
+        },
+        None,
       )
-    )
     prompts = list(range(args.prompts))
     out = {}
     stats = rollout.engine.stats
@@ -216,8 +257,11 @@ def main():
     for seed in seeds:  # configurations alternate within a seed: same machine state
       make_body = body_maker(seed)
       await timed("baseline", baseline_epoch(rollout, prompts, args.P, args.R, make_body))
-      for eta in (1.0, 1.25, 1.5):
-        await timed(f"eta {eta}", tail_epoch(rollout, prompts, args.P, args.R, eta, make_body))
+      lengths = workloads[seed][1]
+      for name, eta, recycle in CONFIGS:
+        await timed(
+          name, tail_epoch(rollout, prompts, args.P, args.R, eta, recycle, make_body, lengths)
+        )
     await rollout.close()
     return out
 
@@ -245,9 +289,10 @@ def main():
   )
   print(
     "| config | rounds (long) | mean round s | max round s | epoch s | prefill s | "
-    "decode s (ms/step) | mean max len | slot-idle | bubble | speedup (mean round) |"
+    "decode s (ms/step) | mean max len | slot-idle | bubble | discarded / decoded tokens | "
+    "length bias | speedup (mean round) |"
   )
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   base = [summarize(rows, args.slots) for rows, _ in results["baseline"]]
   per_seed = {}
   configs = {}
@@ -271,7 +316,8 @@ def main():
       f"{m['total']:.2f} | {m['prefill_s']:.2f} | {m['decode_s']:.2f} "
       f"({1e3 * m['decode_s'] / max(m['decode_steps'], 1):.2f}) | {m['maxlen']:.0f} | "
       f"{m['idle']:.1%} | {m['bubble']:.1%} | "
-      f"{x.mean():.2f}x{spread} |"
+      f"{m['discarded']:.0f} / {m['generated']:.0f} ({m['discarded'] / m['generated']:.1%}) | "
+      f"{m['bias']:.3f} | {x.mean():.2f}x{spread} |"
     )
   if len(seeds) > 1:
     print("speedup per seed (" + ", ".join(map(str, seeds)) + "):")

@@ -160,10 +160,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # --enable-deterministic-inference (as slime's deterministic mode does).
   c.rollout.seeded = True
 
-  # Tail batching (Flexes): short rounds launch eta*P prompts x eta*R responses
-  # and keep the first P x R to finish; 1.0 disables speculation.
+  # Tail batching (Flexes): a short round launches eta*P prompts and keeps the
+  # first P to finish; the others wait for a long round. 1.0 disables it.
+  # recycle (partial rollouts): each prompt runs exactly R responses, a kept
+  # prompt is all of them (no length bias), and a deferred prompt's responses
+  # are continued from where they were aborted (no decode work discarded).
+  # recycle=False is Flexes as published: eta*R responses, the first R kept,
+  # the rest discarded. rl/tail_batching.py has both.
   c.rollout.tail_batching = ml_collections.ConfigDict()
   c.rollout.tail_batching.eta = 1.25
+  c.rollout.tail_batching.recycle = True
 
   # RL algorithm (rl/losses.py has the loss formula): GRPO advantages, PPO
   # clip (DAPO clip-higher), decoupled truncated importance correction,

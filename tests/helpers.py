@@ -4,11 +4,14 @@ TINY, PATCHES, mixed_batch, make_strategy   strategy-level tests on the
     tiny preset (tests/test_strategies.py and the trainers built on it);
 SERVER_CONTEXT, server_env                  rollout server processes;
 tiny_run_config                             the GRPO loop, cut to seconds;
-ROOT, train_command                         the main job as a subprocess.
+ROOT, train_command                         the main job as a subprocess;
+TokenRollout, decode                        a backend whose tokens are a
+    function of their position (partial rollouts).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 
@@ -110,3 +113,47 @@ def completion(ids: list[int], logprobs: list[float | None], version: str = "3")
     server="embedded",
     meta_info={},
   )
+
+
+def decode(ids, skip_special_tokens=True):
+  """A stand-in tokenizer's decode for the fake backends' ids."""
+  return " ".join(map(str, ids))
+
+
+class TokenRollout:
+  """Decodes one token per `tick` seconds; an abort returns the tokens so far.
+
+  The token at sequence position n is n % 97 with logprob -n / 1000, so a
+  response continued from prompt + its partial tokens equals the
+  uninterrupted one. Like an SGLang server it reports no per-token versions.
+  """
+
+  def __init__(self, tick=1e-3):
+    self.tick = tick
+    self.events: dict[str, asyncio.Event] = {}
+    self.bodies: list[dict] = []
+
+  async def generate(self, body, group=None):
+    self.bodies.append(body)
+    rid, start = body["rid"], len(body["input_ids"])
+    limit = body["sampling_params"]["max_new_tokens"]
+    ev = self.events[rid] = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    try:
+      await asyncio.wait_for(ev.wait(), limit * self.tick)
+      n = min(limit - 1, int((loop.time() - t0) / self.tick))
+      reason = {"type": "abort", "message": "Abort"}
+    except TimeoutError:
+      n, reason = limit, {"type": "length", "length": limit}
+    ids = [pos % 97 for pos in range(start, start + n)]
+    lps = [-pos / 1000 for pos in range(start, start + n)]
+    meta = {"output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}
+    return Completion(rid, decode(ids), ids, lps, reason, start, "?", "fake", meta)
+
+  async def abort(self, rid):
+    if rid in self.events:
+      self.events[rid].set()
+
+  def slot_stats(self):
+    return None

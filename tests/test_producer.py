@@ -9,6 +9,7 @@ from fluxjax.data.meta import SampleMeta
 from fluxjax.rl import async_control, tail_batching
 from fluxjax.rl import producer as producer_lib
 from fluxjax.rollout.client import Completion
+from helpers import TokenRollout, decode
 
 
 @dataclasses.dataclass
@@ -93,7 +94,8 @@ def test_a_late_speculative_response_of_a_forgotten_prompt_does_not_fail_the_rou
   producer = producer_lib.Producer(
     rollout,
     rewards,
-    tail_batching.TailBatcher(P, R, eta=1.5),
+    # Flexes as published: speculative responses, the first R kept.
+    tail_batching.TailBatcher(P, R, eta=1.5, recycle=False),
     async_control.AdmissionController(P, "sync"),
     next_samples=lambda: batches.pop(0) if batches else [],
     make_body=lambda sample, prompt, j: {
@@ -101,6 +103,7 @@ def test_a_late_speculative_response_of_a_forgotten_prompt_does_not_fail_the_rou
       "sampling_params": {"max_new_tokens": 4},
     },
     prompt_fn=lambda sample: [1, 2, 3],
+    decode=decode,
     max_prompt_tokens=16,
   )
   producer.batcher.start_epoch([])
@@ -130,3 +133,70 @@ def test_a_late_speculative_response_of_a_forgotten_prompt_does_not_fail_the_rou
   assert producer.counts["faults/round_failures"] == 0
   # The late response was not scored: its prompt had been forgotten.
   assert rewards.submitted.count("s0") == R
+
+
+def test_recycled_responses_are_scored_whole_and_survive_a_snapshot():
+  """Recycling: the slow prompt's responses are paused when the short round
+  has its P prompts, carried in the snapshot (restored into a new producer),
+  continued in the epoch's last round, and scored on their whole text."""
+  P, R = 2, 2
+  samples = [SampleMeta(uid=i, id=f"s{i}", prompt="p", answer="a") for i in range(3)]
+  lengths = {0: 4, 1: 5, 2: 200}
+
+  def make(batches, rollout, rewards):
+    return producer_lib.Producer(
+      rollout,
+      rewards,
+      tail_batching.TailBatcher(P, R, eta=1.5),
+      async_control.AdmissionController(P, "sync"),
+      next_samples=lambda: batches.pop(0) if batches else [],
+      make_body=lambda sample, prompt, j: {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {"max_new_tokens": lengths[sample.uid]},
+      },
+      prompt_fn=lambda sample: [1, 2, 3],
+      decode=decode,
+      max_prompt_tokens=16,
+    )
+
+  def drain(producer):
+    got = []
+    while True:
+      item = producer.out.get(timeout=30)
+      assert not isinstance(item, BaseException), item
+      if isinstance(item, producer_lib.RoundEnd):
+        return got, item.stats
+      got.append(item)
+
+  first = make([samples], TokenRollout(tick=2e-3), _InstantRewards())
+  first.batcher.start_epoch([])
+  first.start()
+  try:
+    got, stats = drain(first)
+    assert sorted(k.sample.uid for k in got) == [0, 1]
+    assert stats["tokens_discarded"] == 0 and stats["tokens_carried"] > 0
+    snap = first.snapshot(lambda: {}, consumed={0, 1})
+  finally:
+    first.stop()
+  carried = {(p, j): n for p, j, _, c in snap["batcher"]["carried"] for n in [len(c["output_ids"])]}
+  assert sorted(carried) == [(2, 0), (2, 1)] and all(0 < n < 200 for n in carried.values())
+  assert snap["batcher"]["long"] == [2] and "2" in snap["samples"]
+
+  rollout, rewards = TokenRollout(tick=1e-4), _InstantRewards()
+  second = make([], rollout, rewards)
+  second.restore(snap, step=1)
+  second.start()
+  try:
+    got, stats = drain(second)
+  finally:
+    second.stop()
+  (kept,) = got
+  assert kept.sample.uid == 2 and stats["resumed"] == 2 and stats["tokens_discarded"] == 0
+  for j, c in enumerate(kept.group.completions):
+    assert c.output_ids == [pos % 97 for pos in range(3, 203)]
+    assert c.meta_info["segments"] == 2
+    # Scored on the whole response, not on the continuation's text alone.
+    assert kept.group.rewards[j] == float(len(decode(c.output_ids)))
+  assert all(
+    len(b["input_ids"]) == 3 + carried[(2, int(b["rid"].split("-")[4]))] for b in rollout.bodies
+  )

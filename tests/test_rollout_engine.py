@@ -236,3 +236,49 @@ def test_embedded_backend_from_config_and_in_process_publish(model, tok):
   assert backend.metrics() == {}
   with pytest.raises(ValueError, match="embedded or sglang"):
     factory.make_backend(ml_collections.ConfigDict({"backend": "vllm"}))
+
+
+def test_continued_response_equals_the_uninterrupted_one(model, tok, tmp_path):
+  """A partial rollout resumed from prompt + its tokens (protocol.continue_body)
+  on an image + text prompt draws the seeded tokens the uninterrupted request
+  draws: sampling is keyed by sequence position, and the continuation's
+  M-RoPE positions after the image equal the decode loop's."""
+  import asyncio
+
+  from PIL import Image
+
+  from fluxjax.rollout.embedded import EmbeddedRollout
+
+  path = str(tmp_path / "img.png")
+  rng = np.random.default_rng(3)
+  Image.fromarray(rng.integers(0, 255, (56, 84, 3), dtype=np.uint8)).save(path)
+  pcfg = processor.VisionProcessorConfig(image_min_pixels=56 * 56)
+  img = processor.preprocess_image(rng.integers(0, 255, (56, 84, 3), dtype=np.uint8), pcfg)
+  messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "a"}]}]
+  seq = inputs.sequence_from_chat(messages, [img], tok, model.cfg)
+  assert seq.mrope_delta != 0
+
+  def body(max_new):
+    return protocol.generate_request_body(
+      seq.tokens_T.tolist(),
+      image_data=[path],
+      sampling_params={"max_new_tokens": max_new, "sampling_seed": 11, "ignore_eos": True},
+    )
+
+  backend = EmbeddedRollout(model, tok, num_slots=4, context_length=192, proc_cfg=pcfg)
+
+  async def go():
+    async with backend:
+      whole = await backend.generate(body(12))
+      head = await backend.generate(body(5))
+      tail = await backend.generate(protocol.continue_body(body(12), head.output_ids))
+      return whole, head, tail
+
+  whole, head, tail = asyncio.run(go())
+  assert len(tail.output_ids) == 7 and tail.prompt_tokens == len(seq) + 5
+  joined = head.continued_by(tail, tok.decode(head.output_ids + tail.output_ids))
+  assert joined.output_ids == whole.output_ids
+  np.testing.assert_allclose(joined.logprobs, whole.logprobs, atol=LOGPROB_TOL, rtol=0)
+  assert joined.text == whole.text and joined.prompt_tokens == len(seq)
+  with pytest.raises(ValueError, match="already reaches"):
+    protocol.continue_body(body(5), head.output_ids)

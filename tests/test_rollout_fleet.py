@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from fluxjax.models import config, vlm
-from fluxjax.rollout import factory, publish
+from fluxjax.rollout import factory, protocol, publish
 from fluxjax.rollout import fleet as fleet_lib
 from helpers import SERVER_CONTEXT as CONTEXT
 from helpers import server_env
@@ -135,3 +135,22 @@ def test_killed_server_mid_batch_every_request_completes(launched):
       raise AssertionError(f"request pending at the kill finished on the killed server {c}")
   assert retries > 0
   assert healthy.count(False) == 1
+
+
+def test_a_continued_response_through_the_fleet_equals_the_uninterrupted_one(launched):
+  """The fleet continues a partial rollout from prompt + its tokens like the
+  embedded engine: with a sampling seed, the same tokens."""
+  ids = np.random.default_rng(5).integers(0, 490, 9)
+
+  async def go():
+    async with fleet_lib.Fleet(launched.urls) as fleet:
+      whole = await fleet.generate(body(ids, max_new=10, seed=4), "g")
+      head = await fleet.generate(body(ids, max_new=4, seed=4), "g")
+      tail = await fleet.generate(
+        protocol.continue_body(body(ids, max_new=10, seed=4), head.output_ids), "g"
+      )
+      return whole, head, tail
+
+  whole, head, tail = asyncio.run(go())
+  assert head.output_ids + tail.output_ids == whole.output_ids
+  np.testing.assert_allclose(head.logprobs + tail.logprobs, whole.logprobs, atol=1e-4, rtol=0)

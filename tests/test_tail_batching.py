@@ -10,11 +10,16 @@ from hypothesis import strategies as st
 
 from fluxjax.rl import tail_batching as tb
 from fluxjax.rollout.backend import SlotStats
-from fluxjax.rollout.client import Completion
+from fluxjax.rollout.client import Completion, RequestRejected
+from helpers import TokenRollout, decode
 
 
-def simulate_round(rnd: tb.Round, finish_time) -> None:
-  """Feeds a round its completions in order of `finish_time(key)`; aborts stick."""
+def simulate_round(rnd: tb.Round, finish_time) -> dict:
+  """Feeds a round its completions in order of `finish_time(key)`; aborts stick.
+
+  Returns the carry of a recycling round: the deferred prompts' responses
+  that finished before the round ended, and a paused one for the others.
+  """
   aborted = set()
   for key in sorted(rnd.plan.requests(), key=lambda k: (finish_time(k), repr(k))):
     if key in aborted:
@@ -22,6 +27,12 @@ def simulate_round(rnd: tb.Round, finish_time) -> None:
     aborted.update(rnd.finish(*key))
   assert rnd.done
   assert not rnd.outstanding
+  carry = {}
+  for p in rnd.deferred:
+    for j in range(rnd.plan.responses):
+      done = j in rnd.got[p]
+      carry[(p, j)] = tb.Carried(done, {"output_ids": [7] * (3 if done else 1)})
+  return carry
 
 
 def run_epoch(batcher: tb.TailBatcher, prompts, finish_time, limit=lambda: None):
@@ -29,11 +40,11 @@ def run_epoch(batcher: tb.TailBatcher, prompts, finish_time, limit=lambda: None)
   rounds = []
   while (plan := batcher.plan_round(limit=limit())) is not None:
     rnd = tb.Round(plan)
-    simulate_round(rnd, finish_time)
+    carry = simulate_round(rnd, finish_time)
     # Checkpoint round trip between rounds: the state is plain JSON.
     state = json.loads(json.dumps(batcher.get_state()))
     batcher.set_state(state)
-    kept = batcher.commit(rnd)
+    kept = batcher.commit(rnd, carry=carry)
     rounds.append((plan, kept, rnd))
     assert len(rounds) <= 2 * len(prompts) + 2, "the epoch does not terminate"
   return rounds
@@ -47,10 +58,11 @@ def run_epoch(batcher: tb.TailBatcher, prompts, finish_time, limit=lambda: None)
   eta=st.sampled_from([1.0, 1.1, 1.25, 1.5, 2.0]),
   epochs=st.integers(1, 2),
   seed=st.integers(0, 2**32 - 1),
+  recycle=st.booleans(),
 )
-def test_each_prompt_trained_exactly_once_per_epoch(n, P, R, eta, epochs, seed):
+def test_each_prompt_trained_exactly_once_per_epoch(n, P, R, eta, epochs, seed, recycle):
   rng = random.Random(seed)
-  batcher = tb.TailBatcher(P, R, eta)
+  batcher = tb.TailBatcher(P, R, eta, recycle=recycle)
   for _ in range(epochs):
     prompts = list(range(n))
     rng.shuffle(prompts)
@@ -69,6 +81,11 @@ def test_each_prompt_trained_exactly_once_per_epoch(n, P, R, eta, epochs, seed):
       assert all(len(rnd.kept[p]) == R and len(set(rnd.kept[p])) == R for p in kept)
       if plan.kind == "long":
         assert plan.responses == R and set(kept) == set(plan.prompts)
+      if recycle:  # a kept prompt is all of its responses; finished ones never rerun
+        assert plan.responses == R
+        assert all(rnd.kept[p] == list(range(R)) for p in kept)
+        assert not set(plan.requests()) & plan.finished
+    assert not batcher.carried  # every carried response was trained
     # Every round but the epoch's last trains a full batch of P prompts.
     assert all(len(kept) == P for _, kept, _ in rounds[:-1])
 
@@ -117,6 +134,10 @@ def test_eta_one_is_plain_batching(n, P, R, seed):
 
 def test_short_round_shape_and_long_round():
   b = tb.TailBatcher(4, 4, 1.25)
+  b.start_epoch(range(20))
+  # Recycling widens the prompts only: a kept prompt is all R of its responses.
+  assert b.plan_round().responses == 4
+  b = tb.TailBatcher(4, 4, 1.25, recycle=False)
   b.start_epoch(range(20))
   plan = b.plan_round()
   assert (plan.kind, len(plan.prompts), plan.responses) == ("short", 5, 5)
@@ -181,7 +202,7 @@ def test_run_round_against_fake_rollout():
     "input_ids": [1, 2, 3],
     "sampling_params": {"max_new_tokens": length(p, j), "ignore_eos": True},
   }
-  b = tb.TailBatcher(3, 2, 1.5)  # launches 5 prompts x 3 responses
+  b = tb.TailBatcher(3, 2, 1.5, recycle=False)  # launches 5 prompts x 3 responses
   b.start_epoch(range(6))
 
   async def main():
@@ -226,14 +247,14 @@ def test_round_slot_statistics_come_from_the_backends_counters():
   fast = lambda b: 1e-3
   b = tb.TailBatcher(2, 2, 1.0)  # no speculation: every response is kept
   b.start_epoch(range(2))
-  res = asyncio.run(tb.run_round(SlotRollout(fast, num_slots=8), b, body))
+  res = asyncio.run(tb.run_round(SlotRollout(fast, num_slots=8), b, body, decode=decode))
   # 2 x 3 + 2 x 4 tokens = 14 decode steps; each response's first token is
   # the prefill's, so 2 x 2 + 2 x 3 = 10 busy slot-steps of 14 x 8.
   assert res.stats["decode_steps"] == 14
   assert res.stats["slot_idle_fraction"] == pytest.approx(1.0 - 10 / (14 * 8))
   b = tb.TailBatcher(2, 2, 1.0)
   b.start_epoch(range(2))
-  res = asyncio.run(tb.run_round(FakeRollout(fast), b, body))
+  res = asyncio.run(tb.run_round(FakeRollout(fast), b, body, decode=decode))
   assert "decode_steps" not in res.stats and "slot_idle_fraction" not in res.stats
 
 
@@ -271,12 +292,17 @@ def test_failed_round_keeps_what_it_finished_and_requeues_the_rest():
         b,
         body,
         on_kept=lambda p, comps: streamed.append((p, len(comps))),
+        decode=decode,
       )
     assert sorted(err.value.kept) == [0, 1]
     assert b.fresh == [2, 3] and sorted(b.trained) == [0, 1]
     b.extend([4, 5])
     while await tb.run_round(
-      FakeRollout(fast), b, body, on_kept=lambda p, comps: streamed.append((p, len(comps)))
+      FakeRollout(fast),
+      b,
+      body,
+      on_kept=lambda p, comps: streamed.append((p, len(comps))),
+      decode=decode,
     ):
       pass
 
@@ -284,3 +310,140 @@ def test_failed_round_keeps_what_it_finished_and_requeues_the_rest():
   assert sorted(p for p, _ in streamed) == list(range(6))  # each handed out once
   assert all(n == 2 for _, n in streamed)
   assert sorted(b.trained) == list(range(6)) and b.epoch_done
+
+
+def test_recycling_continues_aborted_responses_and_discards_nothing():
+  prompt = [1, 2, 3]
+  lengths = {3: 300, 4: 250}
+  length = lambda p, j: lengths.get(p, 5 + p + j)
+  body = lambda p, j: {
+    "input_ids": list(prompt),
+    "sampling_params": {"max_new_tokens": length(p, j), "ignore_eos": True},
+  }
+  rollout = TokenRollout()
+  b = tb.TailBatcher(3, 2, 1.5)  # recycling: 5 prompts x 2 responses
+  b.start_epoch(range(6))
+
+  short = asyncio.run(tb.run_round(rollout, b, body, version="1", decode=decode))
+  assert (len(short.plan.prompts), short.plan.responses) == (5, 2)
+  assert sorted(short.groups) == [0, 1, 2] and b.long == [3, 4]
+  assert short.stats["tokens_discarded"] == 0 and short.stats["tokens_carried"] > 0
+  paused = {(p, j): c for p, cs in b.carried.items() for j, c in cs.items()}
+  assert sorted(paused) == [(3, 0), (3, 1), (4, 0), (4, 1)]
+  assert all(not c.finished and c.completion["output_ids"] for c in paused.values())
+  carried_tokens = sum(len(c.completion["output_ids"]) for c in paused.values())
+  assert carried_tokens == short.stats["tokens_carried"]
+
+  # A checkpoint between the rounds keeps the partial responses.
+  resumed = tb.TailBatcher(3, 2, 1.5)
+  resumed.set_state(json.loads(json.dumps(b.get_state())))
+  assert resumed.carried == b.carried
+
+  sent = len(rollout.bodies)
+  rest = asyncio.run(tb.run_round(rollout, resumed, body, version="2", decode=decode))
+  assert rest.plan.kind == "long" and sorted(rest.groups) == [3, 4, 5]
+  assert rest.stats["resumed"] == 4 and rest.stats["tokens_resumed"] == carried_tokens
+  assert rest.stats["tokens_discarded"] == 0
+  for p in (3, 4):
+    for j, c in enumerate(rest.groups[p]):
+      m = len(paused[(p, j)].completion["output_ids"])
+      n = lengths[p]
+      positions = range(len(prompt), len(prompt) + n)
+      # Tokens, behaviour logprobs and text equal the uninterrupted response's.
+      assert c.output_ids == [pos % 97 for pos in positions]
+      assert c.logprobs == [-pos / 1000 for pos in positions]
+      assert c.text == decode(c.output_ids) and c.prompt_tokens == len(prompt)
+      # Each token keeps the version of the round that sampled it.
+      assert c.token_versions() == ["1"] * m + ["2"] * (n - m)
+      assert c.meta_info["segments"] == 2
+  continued = [x for x in rollout.bodies[sent:] if len(x["input_ids"]) > len(prompt)]
+  assert len(continued) == 4
+  for x in continued:
+    m = len(x["input_ids"]) - len(prompt)
+    assert x["sampling_params"]["max_new_tokens"] == lengths[int(x["rid"].split("-")[3])] - m
+  assert sorted(resumed.trained) == list(range(6)) and not resumed.carried
+
+
+def test_discarded_work_without_recycling_and_deterministic_ties():
+  body = lambda p, j: {
+    "input_ids": [1],
+    "sampling_params": {"max_new_tokens": 300 if p == 3 else 5, "ignore_eos": True},
+  }
+  b = tb.TailBatcher(3, 2, 1.5, recycle=False)
+  b.start_epoch(range(6))
+  res = asyncio.run(tb.run_round(TokenRollout(), b, body, decode=decode))
+  assert res.stats["tokens_discarded"] > 0 and not b.carried
+  # Equal-length responses finish in the same loop turns: the kept order is
+  # the request order, run after run.
+  orders = []
+  for _ in range(3):
+    b = tb.TailBatcher(3, 2, 1.5)
+    b.start_epoch(range(6))
+    res = asyncio.run(tb.run_round(TokenRollout(tick=0.0), b, body, decode=decode))
+    orders.append(list(res.groups))
+  assert orders == [[0, 1, 2]] * 3
+
+
+class RefusingRollout(TokenRollout):
+  """Refuses any continuation, as a server does when the partial tokens hold a
+  vision placeholder that no media backs."""
+
+  async def generate(self, body, group=None):
+    if len(body["input_ids"]) > 3:
+      self.bodies.append(body)
+      raise RequestRejected("the prompt has 1 image placeholder(s) but the request sent 0")
+    return await super().generate(body, group)
+
+
+def test_a_refused_continuation_is_generated_again_and_counted():
+  body = lambda p, j: {
+    "input_ids": [1, 2, 3],
+    "sampling_params": {"max_new_tokens": 200 if p == 3 else 5, "ignore_eos": True},
+  }
+  b = tb.TailBatcher(3, 1, 1.5)
+  b.start_epoch(range(4))
+  rollout = RefusingRollout()
+  short = asyncio.run(tb.run_round(rollout, b, body, decode=decode))
+  carried = short.stats["tokens_carried"]
+  assert b.long == [3] and carried > 0
+  rest = asyncio.run(tb.run_round(rollout, b, body, decode=decode))
+  (c,) = rest.groups[3]
+  assert c.output_ids == [pos % 97 for pos in range(3, 203)]  # whole, from scratch
+  assert rest.stats["restarted"] == 1 and rest.stats["tokens_discarded"] == carried
+
+
+class PausingRollout(TokenRollout):
+  """Aborts each request on its own after `every` tokens, like a fleet whose
+  weight update pauses (mode abort) the requests in flight."""
+
+  def __init__(self, every):
+    super().__init__(tick=1e-4)
+    self.every = every
+
+  async def generate(self, body, group=None):
+    limit = body["sampling_params"]["max_new_tokens"]
+    if limit <= self.every:
+      return await super().generate(body, group)
+    short = {**body, "sampling_params": {**body["sampling_params"], "max_new_tokens": self.every}}
+    out = await super().generate(short, group)
+    out.finish_reason = {"type": "abort", "message": "Abort: generation paused"}
+    return out
+
+
+@pytest.mark.parametrize("recycle", [True, False])
+def test_backend_pauses_are_continued_not_counted_as_failures(recycle):
+  body = lambda p, j: {
+    "input_ids": [1, 2, 3],
+    "sampling_params": {"max_new_tokens": 20, "ignore_eos": True},
+  }
+  b = tb.TailBatcher(2, 1, 1.0, recycle=recycle)
+  b.start_epoch(range(2))
+  run = tb.run_round(PausingRollout(every=6), b, body, decode=decode, max_retries=2)
+  if not recycle:  # every attempt restarts from scratch and is paused again
+    with pytest.raises(tb.RoundFailed, match="without progress"):
+      asyncio.run(run)
+    return
+  res = asyncio.run(run)
+  for (c,) in res.groups.values():  # 4 pieces of 6, 6, 6 and 2 tokens
+    assert c.output_ids == [pos % 97 for pos in range(3, 23)] and c.meta_info["segments"] == 4
+  assert res.stats["tokens_discarded"] == 0 and res.stats["resumed"] == 6

@@ -32,7 +32,6 @@ def test_group_sequences_fields():
   # Sequence-mean aggregation: each response's weights sum to 1.
   a2, b2 = trajectories.group_sequences(group, agg_mode="seq-mean-token-mean")
   assert a2.loss_mask_T.sum() == pytest.approx(1.0) and b2.loss_mask_T.sum() == pytest.approx(1.0)
-  assert trajectories.weight_versions(group) == [3, 3]
   # eps joins the std in the denominator: 0.5 / (0.7071 + 1).
   c, _ = trajectories.group_sequences(group, eps=1.0)
   np.testing.assert_allclose(c.advantages_T[4:], 0.5 / (0.5**0.5 + 1.0), rtol=1e-5)
@@ -48,3 +47,22 @@ def test_missing_logprobs_or_rewards_are_errors():
     trajectories.group_sequences(
       trajectories.Group("s", prompt, [completion([1], [-1.0]), completion([2], [-1.0])], [1.0])
     )
+
+
+def test_a_continued_response_keeps_each_tokens_behaviour_logprob_and_version():
+  """A response paused under version 3 and finished under version 5: the
+  trainer's behaviour logprobs are each token's own, and the version gap is
+  counted per token."""
+  from fluxjax.rl import async_control
+
+  cfg = config_lib.preset("tiny")
+  prompt = inputs.sequence_from_tokens(np.arange(5), [], cfg)
+  head = completion([7, 8], [-0.1, -0.2], version="3").pinned(None)
+  tail = completion([9, 10, 11], [-0.3, -0.4, -0.5], version="5").pinned(None)
+  whole = head.continued_by(tail, "text")
+  assert whole.token_versions() == ["3", "3", "5", "5", "5"]
+  group = trajectories.Group("k", prompt, [whole, completion([7], [-1.0])], [1.0, 0.0])
+  seq = trajectories.group_sequences(group)[0]
+  np.testing.assert_allclose(seq.old_logprobs_T[5:], [-0.1, -0.2, -0.3, -0.4, -0.5])
+  gaps = async_control.version_gap([int(v) for v in whole.token_versions()], 6)
+  assert gaps == {"mean": (3 + 3 + 1 + 1 + 1) / 5, "max": 3.0}

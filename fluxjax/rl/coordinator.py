@@ -141,7 +141,10 @@ class Coordinator:
     self._steps = 0  # RL updates applied
     rl = config.rl
     self._P, self._R = int(rl.prompts_per_step), int(rl.responses_per_prompt)
-    batcher = tail_batching.TailBatcher(self._P, self._R, float(config.rollout.tail_batching.eta))
+    tail = config.rollout.tail_batching
+    batcher = tail_batching.TailBatcher(
+      self._P, self._R, float(tail.eta), recycle=bool(tail.recycle)
+    )
     batcher.start_epoch([])  # a streamed epoch: topped up from the loader
     admission = async_control.AdmissionController.from_config(config.coordinator.lag, self._P)
     self._staleness_metric = async_control.StalenessMetric.from_config(config.coordinator.lag)
@@ -153,6 +156,7 @@ class Coordinator:
       next_samples=loader.next_batch,
       make_body=lambda sample, prompt, j: self.request(sample, prompt, index=j),
       prompt_fn=self.prompt,
+      decode=self._tokenizer.decode,
       release=loader.release,
       max_prompt_tokens=int(config.rollout.context_length) - int(rl.max_new_tokens),
       thread=thread,

@@ -29,7 +29,7 @@ from typing import Any
 
 from fluxjax.data import meta as meta_lib
 from fluxjax.rl import async_control, tail_batching, trajectories
-from fluxjax.rollout.backend import LoopThread, Sampler, SlotStats
+from fluxjax.rollout.backend import LoopThread, Sampler
 from fluxjax.rollout.client import Completion
 
 log = logging.getLogger(__name__)
@@ -57,29 +57,6 @@ class RoundEnd:
   stats: dict
 
 
-class _Scoring:
-  """The backend as a round's `Sampler`; every finished response is also scored."""
-
-  def __init__(self, rollout: Sampler, score: Callable[[Completion, str | None], Any]):
-    self._rollout = rollout
-    self._score = score
-    self.futures: dict[str, Any] = {}
-
-  def slot_stats(self) -> SlotStats | None:
-    return self._rollout.slot_stats()
-
-  async def generate(self, body: dict, group: str | None = None) -> Completion:
-    completion = await self._rollout.generate(body, group)
-    if completion.finish_type != "abort":
-      future = self._score(completion, group)
-      if future is not None:
-        self.futures[completion.rid] = future
-    return completion
-
-  async def abort(self, rid: str) -> None:
-    await self._rollout.abort(rid)
-
-
 class Producer:
   """Runs rounds ahead of the trainer within the allowed lag.
 
@@ -92,6 +69,8 @@ class Producer:
       StopIteration at the end of the data).
     make_body: (sample, prompt inputs, response index) -> /generate body.
     prompt_fn: sample -> its prompt SequenceInputs.
+    decode: the tokenizer's `decode(ids, skip_special_tokens=...)`: the text
+      of a response continued from a partial one (recycling).
     max_prompt_tokens: longer prompts are skipped (counted).
     release: called with samples the producer drops (skips), to free media.
     max_round_failures: consecutive failed rounds before the run stops.
@@ -109,12 +88,15 @@ class Producer:
     next_samples,
     make_body,
     prompt_fn,
+    decode: Callable[..., str],
     max_prompt_tokens: int,
     release=lambda samples: None,
     max_round_failures: int = 5,
     thread: LoopThread | None = None,
   ):
-    self.rollout = _Scoring(rollout, self._submit_score)
+    self.rollout = rollout
+    self.decode = decode
+    self.scores: dict[str, Any] = {}  # rid -> reward future of a finished response
     self.rewards = reward_scheduler
     self.batcher = batcher
     self.admission = admission
@@ -255,16 +237,13 @@ class Producer:
     self.counts.update(state.get("counts", {}))
 
   # -- the producer loop ---------------------------------------------------------
-  def _submit_score(self, completion: Completion, group: str | None):
-    if group is None:
-      raise ValueError(f"request {completion.rid} carries no prompt id to score it by")
-    sample = self.samples.get(int(group))
-    if sample is None:
-      # A speculative response that finished as its abort was sent, after its
-      # prompt was kept, trained (or DAPO-dropped) and forgotten: no one reads
-      # its score, and the round must not fail over it.
-      return None
-    return self.rewards.submit(completion.text, sample.answer or "", key=sample.id)
+  def _score(self, uid: int, completion: Completion) -> None:
+    """Starts scoring a finished response while its round goes on."""
+    sample = self.samples.get(uid)
+    if sample is not None:
+      self.scores[completion.rid] = self.rewards.submit(
+        completion.text, sample.answer or "", key=sample.id
+      )
 
   def _prompt(self, uid: int):
     if uid not in self.prompts:
@@ -358,9 +337,20 @@ class Producer:
           assert isinstance(uid, int), "the producer's prompt ids are sample uids"
           return self.make_body(self.samples[uid], self._prompt(uid), j)
 
+        def on_finished(uid: tail_batching.PromptId, completion: Completion) -> None:
+          assert isinstance(uid, int), "the producer's prompt ids are sample uids"
+          self._score(uid, completion)
+
         try:
           result = await tail_batching.run_round(
-            self.rollout, self.batcher, body, on_kept=on_kept, plan=plan
+            self.rollout,
+            self.batcher,
+            body,
+            on_kept=on_kept,
+            on_finished=on_finished,
+            plan=plan,
+            version=str(launch_version),
+            decode=self.decode,
           )
         except tail_batching.RoundFailed as e:
           failures += 1
@@ -368,7 +358,7 @@ class Producer:
           self.admission.on_cancelled(plan.keep_prompts - len(e.kept))
           log.warning("rollout round failed (%d in a row): %s", failures, e)
           await asyncio.gather(*pending)
-          self.rollout.futures.clear()
+          self.scores.clear()
           if failures >= self.max_round_failures:
             raise
           await asyncio.sleep(min(2.0**failures, 30.0))
@@ -377,9 +367,9 @@ class Producer:
         assert result is not None, "a round with a plan always returns"
         await asyncio.gather(*pending)
         # Responses that finished but were not kept (their prompt was already
-        # complete, or the round ended): their scores are not needed.
-        self.rollout.futures.clear()
-        for key in ("aborted", "deferred", "tokens_discarded"):
+        # complete, or lost the race): a carried one is scored when it is kept.
+        self.scores.clear()
+        for key in ("aborted", "deferred", "resumed", "tokens_discarded", "tokens_carried"):
           self.counts[f"rollout/{key}_total"] += result.stats.get(key, 0)
         self.out.put(RoundEnd(dict(result.stats)))
     except asyncio.CancelledError:
@@ -389,9 +379,14 @@ class Producer:
       self.out.put(e)
 
   async def _deliver(self, uid: int, completions: list, launch_version: int) -> None:
-    futures = [self.rollout.futures.pop(c.rid) for c in completions]
-    scored = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
     sample = self.samples[uid]
+    # Responses that finished in an earlier round (carried) are scored now.
+    futures = [
+      self.scores.pop(c.rid, None)
+      or self.rewards.submit(c.text, sample.answer or "", key=sample.id)
+      for c in completions
+    ]
+    scored = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
     group = trajectories.Group(
       sample.id, self._prompt(uid), list(completions), [s.reward for s in scored], sample.answer
     )

@@ -1,32 +1,71 @@
 """Flexes tail batching: speculative short rounds, deferred long prompts.
 
-A short round launches ceil(eta*P) prompts with ceil(eta*R) responses each,
-keeps the first P prompts to finish their first R responses, and aborts the
-rest. Prompts that lose the race go to a long-prompt queue; once it holds P
-prompts a long round runs them without speculation. Each prompt of an epoch is
-trained exactly once: a deferred prompt is retrained from scratch in its long
-round, and at the end of the epoch whatever is left runs without speculation.
+A short round launches ceil(eta*P) prompts, keeps the first P prompts to
+finish and aborts the rest. Prompts that lose the race go to a long-prompt
+queue; once it holds P prompts a long round runs them without speculation.
+Each prompt of an epoch is trained exactly once; at the end of the epoch
+whatever is left runs without speculation. eta = 1.0 disables speculation and
+gives plain batching in dataset order.
+
+Two modes (`recycle`):
+  recycle=True, the default (partial rollouts: APRIL, the Flux design). eta
+    widens the prompts only: every launched prompt runs exactly R responses
+    and a kept prompt is all of them, so which responses train does not
+    depend on their length. The responses of a prompt that loses the race
+    are aborted and kept as they stand (tokens, behaviour logprobs, per-token
+    versions: finished ones whole), and its long round continues each
+    unfinished one from prompt + its tokens. A response the backend aborts on
+    its own (a weight-update pause) is continued the same way. No decode work
+    is discarded. The carried responses are part of the batcher's
+    (checkpointed) state.
+  recycle=False (Flexes as published): a short round also launches
+    ceil(eta*R) responses per prompt and keeps a prompt's first R to finish;
+    aborted work is discarded and a deferred prompt is generated again from
+    scratch. The kept responses are biased towards short ones
+    (bench/tail.py measures it).
+
+Ties (requests that finish in the same event-loop turn) are broken by the
+round's request order (prompt order, then response index), never by set
+iteration order.
 
 The scheduling (`TailBatcher`, `Round`) is pure and synchronous so that it can
 be property-tested; `run_round` is the asyncio driver that talks to a rollout
 backend (a `backend.Sampler`: `generate(body, group)`, `abort(rid)`, and
 `slot_stats()` where the backend has slot counters).
-eta = 1.0 disables speculation and gives plain batching in dataset order.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
+from fluxjax.rollout import protocol
 from fluxjax.rollout.backend import Sampler, SlotStats
+from fluxjax.rollout.client import Completion, RequestRejected
+
+log = logging.getLogger(__name__)
 
 PromptId = Hashable  # int or str: it goes into JSON checkpoints
 Key = tuple[Any, int]  # (prompt id, response index)
+
+
+@dataclasses.dataclass(frozen=True)
+class Carried:
+  """A response of a prompt that was not kept, as it stood when its round ended.
+
+  Attributes:
+    finished: it ran to its end (it is not launched again).
+    completion: `Completion.to_dict()`; for an unfinished one, the tokens so
+      far, from which it is continued.
+  """
+
+  finished: bool
+  completion: dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +75,13 @@ class RoundPlan:
   Attributes:
     kind: "short" (speculative) or "long" (every launched request is kept).
     prompts: launched prompt ids, in queue order.
-    responses: responses launched per prompt.
+    responses: responses per prompt (indices 0 .. responses - 1).
     keep_prompts: the round ends when this many prompts are complete.
     keep_responses: a prompt is complete with this many finished responses.
     epoch: the epoch the round belongs to.
     index: the round's index within the epoch.
+    finished: responses that finished in an earlier round (carried): counted,
+      not launched.
   """
 
   kind: str
@@ -50,9 +91,15 @@ class RoundPlan:
   keep_responses: int
   epoch: int
   index: int
+  finished: frozenset = frozenset()
+
+  def keys(self) -> list[Key]:
+    """Every response of the round, in request order (ties break by it)."""
+    return [(p, j) for p in self.prompts for j in range(self.responses)]
 
   def requests(self) -> list[Key]:
-    return [(p, j) for p in self.prompts for j in range(self.responses)]
+    """The responses the round launches."""
+    return [k for k in self.keys() if k not in self.finished]
 
 
 class Round:
@@ -61,35 +108,44 @@ class Round:
   def __init__(self, plan: RoundPlan):
     self.plan = plan
     self.outstanding: set[Key] = set(plan.requests())
-    self.got: dict[Any, list[int]] = {p: [] for p in plan.prompts}
-    self.kept: dict[Any, list[int]] = {}  # prompt -> response indices, finish order
-    self.done = not plan.prompts
+    self.got: dict[Any, list[int]] = {
+      p: [j for j in range(plan.responses) if (p, j) in plan.finished] for p in plan.prompts
+    }
+    self.kept: dict[Any, list[int]] = {}  # prompt -> response indices, in index order
+    # Prompts whose responses all finished in earlier rounds are complete now.
+    for p in plan.prompts:
+      if len(self.got[p]) >= plan.keep_responses and len(self.kept) < plan.keep_prompts:
+        self._keep(p)
+    self.done = not plan.prompts or len(self.kept) >= plan.keep_prompts
+    if self.done:
+      self.outstanding.clear()
+
+  def _keep(self, prompt: PromptId) -> None:
+    self.kept[prompt] = sorted(self.got[prompt])[: self.plan.keep_responses]
+    self.outstanding.difference_update((prompt, j) for j in range(self.plan.responses))
 
   def finish(self, prompt: PromptId, index: int) -> list[Key]:
     """Records a finished (not aborted) response.
 
     Returns:
       The requests to abort now. A request that finishes after it was told to
-      abort (a race with the backend) is ignored: its output is discarded.
+      abort (a race with the backend) does not count for the round.
     """
     key = (prompt, index)
     if self.done or key not in self.outstanding:
       return []
     self.outstanding.discard(key)
-    if prompt in self.kept:
-      return []
     got = self.got[prompt]
     got.append(index)
     if len(got) < self.plan.keep_responses:
       return []
-    self.kept[prompt] = list(got)
+    before = set(self.outstanding)
+    self._keep(prompt)
     if len(self.kept) == self.plan.keep_prompts:
       self.done = True
-      abort = sorted(self.outstanding, key=repr)
-    else:
-      abort = sorted((k for k in self.outstanding if k[0] == prompt), key=repr)
-    self.outstanding.difference_update(abort)
-    return abort
+      self.outstanding.clear()
+      return sorted(before, key=repr)
+    return sorted(before - self.outstanding, key=repr)
 
   @property
   def deferred(self) -> list:
@@ -98,14 +154,26 @@ class Round:
 
 
 class TailBatcher:
-  """Prompt queue, long-prompt queue and per-epoch bookkeeping.
+  """Prompt queue, long-prompt queue, carried responses and per-epoch bookkeeping.
 
   `plan_round` does not change the state; `commit` applies a finished round.
   A checkpoint taken between the two therefore replays the interrupted round
   instead of losing its prompts.
+
+  Args:
+    prompts_per_round: P, the prompts a round keeps (the GRPO batch).
+    responses_per_prompt: R, the responses of a kept prompt.
+    eta: the speculation factor (>= 1; 1 disables it).
+    recycle: partial-rollout recycling (see the module docstring).
   """
 
-  def __init__(self, prompts_per_round: int, responses_per_prompt: int, eta: float = 1.25):
+  def __init__(
+    self,
+    prompts_per_round: int,
+    responses_per_prompt: int,
+    eta: float = 1.25,
+    recycle: bool = True,
+  ):
     if prompts_per_round < 1 or responses_per_prompt < 1:
       raise ValueError("prompts_per_round and responses_per_prompt must be >= 1")
     if eta < 1.0:
@@ -113,11 +181,13 @@ class TailBatcher:
     self.P = prompts_per_round
     self.R = responses_per_prompt
     self.eta = float(eta)
+    self.recycle = bool(recycle)
     self.epoch = -1
     self.round_index = 0
     self.fresh: list = []  # not yet tried this epoch, in dataset order
     self.long: list = []  # lost a short round; waits for a long round
     self.trained: list = []  # kept this epoch, in training order
+    self.carried: dict[Any, dict[int, Carried]] = {}  # prompt -> response index -> response
 
   # The launch widths; the small epsilon keeps eta*P = 10.000000001 at 10.
   @property
@@ -126,6 +196,8 @@ class TailBatcher:
 
   @property
   def launch_responses(self) -> int:
+    if self.recycle:
+      return self.R
     return max(self.R, math.ceil(self.eta * self.R - 1e-9))
 
   @property
@@ -145,6 +217,7 @@ class TailBatcher:
     self.fresh = list(prompt_ids)
     self.long = []
     self.trained = []
+    self.carried = {}
 
   def extend(self, prompt_ids: Sequence[PromptId]) -> None:
     """Appends prompts to the current epoch (a streamed epoch: the coordinator
@@ -164,9 +237,13 @@ class TailBatcher:
     runs a smaller round of the same kind, as eta-wide as a full one.
     """
     k = self.P if limit is None else max(1, min(int(limit), self.P))
-    mk = lambda kind, prompts, r, kp: RoundPlan(
-      kind, tuple(prompts), r, kp, self.R, self.epoch, self.round_index
-    )
+
+    def mk(kind: str, prompts: Sequence, r: int, kp: int) -> RoundPlan:
+      finished = frozenset(
+        (p, j) for p in prompts for j, c in self.carried.get(p, {}).items() if c.finished and j < r
+      )
+      return RoundPlan(kind, tuple(prompts), r, kp, self.R, self.epoch, self.round_index, finished)
+
     if len(self.long) >= self.P:
       return mk("long", self.long[:k], self.R, k)
     if len(self.fresh) >= k and (k < self.P or len(self.fresh) >= self.P):
@@ -180,13 +257,20 @@ class TailBatcher:
     rest = (self.long + self.fresh)[:k]
     return mk("long", rest, self.R, len(rest))
 
-  def commit(self, rnd: Round, *, partial: bool = False) -> list:
+  def commit(
+    self, rnd: Round, *, partial: bool = False, carry: Mapping[Key, Carried] | None = None
+  ) -> list:
     """Applies a round. Returns the prompt ids trained, in finish order.
 
-    `partial=True` applies a round that failed part way (a backend error):
-    its kept prompts count as trained (the caller has them), the others go
-    back to the front of the queue they came from, not to the long queue,
-    since they did not lose a race.
+    Args:
+      rnd: the round, done (or failed part way, with `partial`).
+      partial: applies a round that failed part way (a backend error): its
+        kept prompts count as trained (the caller has them), the others go
+        back to the front of the queue they came from, not to the long queue,
+        since they did not lose a race.
+      carry: with recycling, the responses of launched prompts that were not
+        kept, as they stood at the round's end; a later round continues them.
+        Ignored without recycling (that work is discarded).
     """
     plan = rnd.plan
     if not rnd.done and not partial:
@@ -205,19 +289,24 @@ class TailBatcher:
     for p in kept:
       if len(rnd.kept[p]) != self.R:
         raise RuntimeError(f"prompt {p!r} kept {len(rnd.kept[p])} responses, want {self.R}")
+    for p in kept:
+      self.carried.pop(p, None)
+    if self.recycle:
+      for (p, j), c in (carry or {}).items():
+        if p not in launched or p in rnd.kept:
+          raise RuntimeError(f"carried response {(p, j)!r} is not of a deferred prompt")
+        self.carried.setdefault(p, {})[j] = c
+    self.round_index += 1
+    self.trained.extend(kept)
     if partial and not rnd.done:
       kept_set = set(kept)
       self.fresh = [p for p in self.fresh if p not in kept_set]
       self.long = [p for p in self.long if p not in kept_set]
-      self.trained.extend(kept)
-      self.round_index += 1
       return kept
     self.fresh = [p for p in self.fresh if p not in launched]
     # Deferred prompts join the back of the long queue; ones already there
     # (never deferred twice: long rounds keep everything) keep their place.
     self.long = [p for p in self.long if p not in launched] + rnd.deferred
-    self.trained.extend(kept)
-    self.round_index += 1
     return kept
 
   def get_state(self) -> dict:
@@ -225,11 +314,18 @@ class TailBatcher:
       "P": self.P,
       "R": self.R,
       "eta": self.eta,
+      "recycle": self.recycle,
       "epoch": self.epoch,
       "round_index": self.round_index,
       "fresh": list(self.fresh),
       "long": list(self.long),
       "trained": list(self.trained),
+      # A list, not a dict: prompt ids stay ints through JSON.
+      "carried": [
+        [p, j, c.finished, c.completion]
+        for p, responses in self.carried.items()
+        for j, c in sorted(responses.items())
+      ],
     }
 
   def set_state(self, state: dict) -> None:
@@ -243,6 +339,15 @@ class TailBatcher:
     self.fresh = list(state["fresh"])
     self.long = list(state["long"])
     self.trained = list(state["trained"])
+    self.carried = {}
+    rows = state.get("carried", [])
+    if rows and not self.recycle:
+      log.warning(
+        "recycling is off: %d carried responses of the checkpoint are generated again", len(rows)
+      )
+      return
+    for p, j, finished, completion in rows:
+      self.carried.setdefault(p, {})[int(j)] = Carried(bool(finished), dict(completion))
 
 
 # --- the asyncio driver -------------------------------------------------------------
@@ -254,11 +359,18 @@ class RoundResult:
 
   Attributes:
     plan: what was launched.
-    groups: prompt id -> its R kept completions (finish order), training order.
+    groups: prompt id -> its R kept completions (index order), in the order
+      the prompts completed.
     deferred: prompts moved to the long-prompt queue.
-    stats: wall_s, requests, aborted, retried, tokens_kept, tokens_discarded,
-      max_kept_len, and with a slot-reporting backend decode_steps and
-      slot_idle_fraction.
+    stats: kind, wall_s, prompts, requests, aborted, retried, deferred,
+      resumed (requests that continued a response), tokens_kept (every token
+      of the kept responses), tokens_generated (decoded in this round),
+      tokens_resumed (carried into the round by the responses it continued),
+      tokens_carried (carried out of it), tokens_discarded (decoded, in this
+      round or, for a restarted response, before it, and neither kept nor
+      carried), restarted (continuations the backend refused, generated again
+      from scratch), max_kept_len, and with a
+      slot-reporting backend decode_steps and slot_idle_fraction.
   """
 
   plan: RoundPlan
@@ -288,7 +400,10 @@ async def run_round(
   max_retries: int = 2,
   abort_grace_s: float = 30.0,
   on_kept: Callable[[PromptId, list], None] | None = None,
+  on_finished: Callable[[PromptId, Completion], None] | None = None,
   plan: RoundPlan | None = None,
+  version: str | None = None,
+  decode: Callable[..., str] | None = None,
 ) -> RoundResult | None:
   """Plans, runs and commits one round on `rollout`.
 
@@ -296,102 +411,206 @@ async def run_round(
     rollout: the backend (`EmbeddedRollout`, `Fleet`, or what wraps one).
     batcher: the scheduler; committed only if the round succeeds, so a failed
       round loses no prompt.
-    make_body: (prompt id, response index) -> SGLang /generate body; `rid` is
-      set here.
+    make_body: (prompt id, response index) -> SGLang /generate body (with
+      input_ids when recycling); `rid` is set here, and a continued response
+      gets `protocol.continue_body` of it.
     rid_prefix: request ids are `{prefix}-{epoch}-{round}-{prompt}-{index}-{try}`.
     max_retries: re-launches of a response that the backend aborted on its own
-      (pause, engine error) before the round fails.
+      (pause, engine error) before the round fails; with recycling, an abort
+      after which the response had gained tokens does not count.
     abort_grace_s: how long to wait for aborted requests to come back before
       cancelling their tasks.
     on_kept: called with (prompt id, its R completions) the moment a prompt is
       kept, so a stream trainer can start on it while the round runs.
+    on_finished: called with (prompt id, completion) for each response that
+      finishes and counts for this round (whole, when it was continued), e.g.
+      to score it while the round goes on.
     plan: the round to run (default: `batcher.plan_round()`).
+    version: the policy version the round's requests start from; tokens of a
+      backend that reports no per-token versions are pinned to it.
+    decode: a tokenizer's `decode(ids, skip_special_tokens=...)`, for the text
+      of a continued response; required when recycling.
 
   Returns:
     The result, or None if the epoch is exhausted (call `start_epoch`).
 
   Raises:
     RoundFailed: a backend error stopped the round; what was kept is
-      committed (`commit(partial=True)`), the rest is queued again.
+      committed (`commit(partial=True)`), the rest is queued again (with its
+      responses so far, when recycling).
   """
   plan = plan or batcher.plan_round()
   if plan is None:
     return None
+  recycle = batcher.recycle
+  if recycle and decode is None:
+    raise ValueError("recycling continues responses: run_round needs `decode`")
   rnd = Round(plan)
+  order = {k: i for i, k in enumerate(plan.keys())}
   slots0 = rollout.slot_stats()
   t0 = time.perf_counter()
-  tasks: dict[asyncio.Task, tuple[Key, str]] = {}
+  tasks: dict[asyncio.Task, tuple[Key, str, dict]] = {}
   tries: dict[Key, int] = {}
-  finished: dict[Key, Any] = {}
-  all_outputs: list = []  # every completion, aborted ones included (slot accounting)
+  finished: dict[Key, Completion] = {}
+  # Unfinished responses so far (recycling): carried in, or aborted here.
+  so_far: dict[Key, Completion] = {}
+  for p in plan.prompts:
+    for j, c in batcher.carried.get(p, {}).items():
+      (finished if c.finished else so_far)[(p, j)] = Completion.from_dict(c.completion)
+  tokens_resumed = sum(len(c.output_ids) for k, c in so_far.items() if k in rnd.outstanding)
+  # Tokens decoded in this round by each response's current attempt.
+  new_tokens: dict[Key, int] = {}
+  segments: list[Completion] = []  # every request's output, aborted ones included
   aborted_rids: set[str] = set()
+  resumed = [0]  # requests that continued a response
+  stalls: dict[Key, int] = {}  # backend aborts of a response that gained no tokens
+  progress: dict[Key, int] = {}  # its new tokens at its last backend abort
+  restarted = [0]  # continuations the backend refused, run again from scratch
+  lost = [0]  # tokens decoded before this round by the restarted responses
 
   def launch(key: Key) -> None:
     n = tries.get(key, 0)
     tries[key] = n + 1
     rid = f"{rid_prefix}-{plan.epoch}-{plan.index}-{key[0]}-{key[1]}-{n}"
     body = {**make_body(*key), "rid": rid}
-    tasks[asyncio.ensure_future(rollout.generate(body, str(key[0])))] = (key, rid)
+    prefix = so_far.get(key)
+    if prefix is not None and prefix.output_ids:
+      body = protocol.continue_body(body, prefix.output_ids)
+      resumed[0] += 1
+    tasks[asyncio.ensure_future(rollout.generate(body, str(key[0])))] = (key, rid, body)
+
+  def record(key: Key, out: Completion, body: dict) -> Completion:
+    """The whole response so far, from this request's output."""
+    segments.append(out)
+    out = out.pinned(version)
+    prefix = so_far.get(key) if recycle else None
+    if prefix is None or not prefix.output_ids:
+      new_tokens[key] = len(out.output_ids)
+      return out
+    assert decode is not None, "checked at the start"
+    new_tokens[key] = new_tokens.get(key, 0) + len(out.output_ids)
+    sampling = protocol.SamplingParams.from_dict(body.get("sampling_params"))
+    ids = prefix.output_ids + out.output_ids
+    return prefix.continued_by(out, protocol.output_text(ids, out.finish_reason, sampling, decode))
+
+  def is_refused_continuation(t: asyncio.Task, key: Key) -> bool:
+    prefix = so_far.get(key)
+    return (
+      isinstance(t.exception(), RequestRejected) and prefix is not None and bool(prefix.output_ids)
+    )
+
+  def restart(key: Key, why: BaseException | None) -> None:
+    """A continuation the backend refused: the response starts again from scratch.
+
+    It happens when the partial tokens cannot be a prompt (a vision
+    placeholder id sampled without its media); those tokens are discarded.
+    """
+    prefix = so_far.pop(key)
+    earlier = len(prefix.output_ids) - new_tokens.pop(key, 0)
+    lost[0] += earlier
+    restarted[0] += 1
+    log.warning("continuation of %s refused (%s); generating it again from scratch", key, why)
+    launch(key)
 
   async def abort(keys: list[Key]) -> None:
-    live = {k: rid for k, rid in tasks.values()}
+    live = {k: rid for k, rid, _ in tasks.values()}
     rids = [live[k] for k in keys if k in live and live[k] not in aborted_rids]
     aborted_rids.update(rids)
     await asyncio.gather(*(rollout.abort(r) for r in rids), return_exceptions=True)
 
-  for key in plan.requests():
+  def keep_news(before: int) -> None:
+    if on_kept is None:
+      return
+    for p in list(rnd.kept)[before:]:
+      on_kept(p, [finished[(p, j)] for j in rnd.kept[p]])
+
+  keep_news(0)  # prompts whose responses all finished in earlier rounds
+  for key in sorted(rnd.outstanding, key=order.__getitem__):
     launch(key)
   try:
     while not rnd.done:
       done, _ = await asyncio.wait(list(tasks), return_when=asyncio.FIRST_COMPLETED)
-      for t in done:
-        key, rid = tasks.pop(t)
-        out = t.result()  # RequestRejected / NoServerAvailable fail the round
-        all_outputs.append(out)
-        if out.finish_type == "abort" and rid not in aborted_rids:
-          if key not in rnd.outstanding:
-            continue
-          if tries[key] > max_retries:
-            raise RuntimeError(
-              f"request {rid} aborted by the backend {tries[key]} times: {out.finish_reason}"
-            )
-          launch(key)
+      for t in sorted(done, key=lambda t: order[tasks[t][0]]):
+        key, rid, body = tasks.pop(t)
+        if is_refused_continuation(t, key):
+          if key in rnd.outstanding:
+            restart(key, t.exception())
           continue
-        if out.finish_type != "abort" and key in rnd.outstanding:
-          finished[key] = out
-          kept_before = len(rnd.kept)
-          await abort(rnd.finish(*key))
-          if on_kept is not None and len(rnd.kept) > kept_before:
-            on_kept(key[0], [finished[(key[0], j)] for j in rnd.kept[key[0]]])
+        whole = record(key, t.result(), body)  # RequestRejected etc. fail the round
+        if whole.finish_type == "abort":
+          if recycle:
+            so_far[key] = whole
+          if rid not in aborted_rids and key in rnd.outstanding:
+            # The backend's own abort (a weight-update pause, an engine
+            # error): continued (recycling) or rerun. One that made progress
+            # is not a failure when it is continued.
+            if not (recycle and new_tokens.get(key, 0) > progress.get(key, 0)):
+              stalls[key] = stalls.get(key, 0) + 1
+            progress[key] = new_tokens.get(key, 0)
+            if stalls.get(key, 0) > max_retries:
+              raise RuntimeError(
+                f"request {rid} aborted by the backend {stalls[key]} times without "
+                f"progress: {whole.finish_reason}"
+              )
+            launch(key)
+          continue
+        so_far.pop(key, None)
+        if key not in rnd.outstanding:
+          if recycle:  # finished as its abort went out: carried whole
+            finished[key] = whole
+          continue
+        finished[key] = whole
+        if on_finished is not None:
+          on_finished(key[0], whole)
+        kept_before = len(rnd.kept)
+        await abort(rnd.finish(*key))
+        keep_news(kept_before)
   except Exception as e:
     failure: Exception | None = e
   else:
     failure = None
   finally:
-    # Whatever is still running is speculation to discard (or a failed
-    # round's leftovers): abort it and wait, so the next round starts on free
-    # slots and no stray request outlives its round.
+    # Whatever is still running is speculation to stop (or a failed round's
+    # leftovers): abort it and wait, so the next round starts on free slots,
+    # no stray request outlives its round, and (recycling) what it decoded
+    # is carried.
     if tasks:
-      await abort([k for k, _ in tasks.values()])
+      await abort([k for k, _, _ in tasks.values()])
       _, pending = await asyncio.wait(list(tasks), timeout=abort_grace_s)
       for t in pending:
         t.cancel()
-      for t in tasks:
+      for t, (key, _, body) in sorted(tasks.items(), key=lambda kv: order[kv[1][0]]):
         if t.done() and not t.cancelled() and t.exception() is None:
-          all_outputs.append(t.result())
+          whole = record(key, t.result(), body)
+          if recycle:
+            if whole.finish_type == "abort":
+              so_far[key] = whole
+            else:
+              so_far.pop(key, None)
+              finished[key] = whole
   wall = time.perf_counter() - t0
+  carry: dict[Key, Carried] = {}
+  if recycle:
+    for p in plan.prompts:
+      if p in rnd.kept:
+        continue
+      for j in range(plan.responses):
+        if (p, j) in finished:
+          carry[(p, j)] = Carried(True, finished[(p, j)].to_dict())
+        elif (p, j) in so_far and so_far[(p, j)].output_ids:
+          carry[(p, j)] = Carried(False, so_far[(p, j)].to_dict())
   if failure is not None:
-    kept = batcher.commit(rnd, partial=True)
+    kept = batcher.commit(rnd, partial=True, carry=carry)
     raise RoundFailed(
       f"round {plan.epoch}/{plan.index} failed after keeping {len(kept)} of "
       f"{plan.keep_prompts} prompts: {failure!r}",
       kept,
     ) from failure
 
-  kept = batcher.commit(rnd)
+  kept = batcher.commit(rnd, carry=carry)
   groups = {p: [finished[(p, j)] for j in rnd.kept[p]] for p in kept}
-  kept_ids = {id(c) for g in groups.values() for c in g}
-  tokens_kept = sum(len(c.output_ids) for g in groups.values() for c in g)
+  saved = [k for p in kept for k in ((p, j) for j in rnd.kept[p])] + list(carry)
+  generated = sum(len(c.output_ids) for c in segments)
   stats = {
     "kind": plan.kind,
     "wall_s": wall,
@@ -400,13 +619,18 @@ async def run_round(
     "aborted": len(aborted_rids),
     "retried": sum(tries.values()) - len(tries),
     "deferred": len(rnd.deferred),
-    "tokens_kept": tokens_kept,
-    "tokens_discarded": sum(len(c.output_ids) for c in all_outputs if id(c) not in kept_ids),
+    "resumed": resumed[0],
+    "restarted": restarted[0],
+    "tokens_kept": sum(len(c.output_ids) for g in groups.values() for c in g),
+    "tokens_generated": generated,
+    "tokens_resumed": tokens_resumed,
+    "tokens_carried": sum(len(c.completion["output_ids"]) for c in carry.values()),
+    "tokens_discarded": generated - sum(new_tokens.get(k, 0) for k in saved) + lost[0],
     "max_kept_len": max((len(c.output_ids) for g in groups.values() for c in g), default=0),
   }
   slots1 = rollout.slot_stats()
   if slots0 is not None and slots1 is not None:
-    stats.update(_slot_usage(slots0, slots1, all_outputs))
+    stats.update(_slot_usage(slots0, slots1, segments))
   return RoundResult(plan, groups, rnd.deferred, stats)
 
 

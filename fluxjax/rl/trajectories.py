@@ -6,8 +6,10 @@ rewards. Each response becomes a `TrainSequence`: the prompt's tokens and
 M-RoPE positions continued by the response, loss weights on the response
 tokens only (in the configured aggregation mode), the group-normalized
 advantage on every response token, and the behaviour logprobs aligned with
-the tokens they score. The policy version that produced each response
-travels along for staleness accounting.
+the tokens they score. A response continued across rounds (a partial
+rollout) carries each token's own behaviour logprob, so the importance
+weight of every token is taken against the policy version that sampled it;
+the per-token versions (`Completion.token_versions`) feed the staleness.
 """
 
 from __future__ import annotations
@@ -79,9 +81,3 @@ def group_sequences(
     )
   return out
 
-
-def weight_versions(group: Group) -> list[int]:
-  """The policy version that produced each response (for staleness)."""
-  return [
-    int(c.weight_version) if str(c.weight_version).isdigit() else 0 for c in group.completions
-  ]

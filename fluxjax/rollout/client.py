@@ -67,6 +67,55 @@ class Completion:
       return [str(v) for v in per_token]
     return [str(self.weight_version if default is None else default)] * len(self.output_ids)
 
+  def pinned(self, default: str | None) -> Completion:
+    """This completion with every token's version written out.
+
+    A response may be paused and continued by later requests; each piece
+    keeps the versions of its own tokens (`token_versions(default)` with the
+    version its request was launched under).
+    """
+    meta = {**self.meta_info, "output_token_weight_versions": self.token_versions(default)}
+    return dataclasses.replace(self, meta_info=meta)
+
+  def continued_by(self, rest: Completion, text: str) -> Completion:
+    """This paused response followed by `rest`, its continuation.
+
+    Tokens, behaviour logprobs and per-token versions are concatenated (both
+    pieces pinned first); the finish reason, rid, server and final version are
+    the continuation's, `prompt_tokens` stays the original prompt's.
+
+    Args:
+      rest: the completion of the request that resumed this one from prompt
+        + these tokens (pinned).
+      text: the whole response's text (decoded once: a character may straddle
+        the pause).
+    """
+    meta = {
+      **rest.meta_info,
+      "prompt_tokens": self.prompt_tokens,
+      "completion_tokens": len(self.output_ids) + len(rest.output_ids),
+      "output_token_weight_versions": self.token_versions() + rest.token_versions(),
+      "output_token_logprobs": list(self.meta_info.get("output_token_logprobs") or [])
+      + list(rest.meta_info.get("output_token_logprobs") or []),
+      "segments": int(self.meta_info.get("segments", 1)) + int(rest.meta_info.get("segments", 1)),
+    }
+    return dataclasses.replace(
+      rest,
+      text=text,
+      output_ids=self.output_ids + rest.output_ids,
+      logprobs=self.logprobs + rest.logprobs,
+      prompt_tokens=self.prompt_tokens,
+      meta_info=meta,
+    )
+
+  def to_dict(self) -> dict:
+    """A JSON-able dict (checkpointed partial responses); `from_dict` reads it."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> Completion:
+    return cls(**d)
+
   @classmethod
   def from_response(cls, body: dict, server: str) -> Completion:
     meta = body["meta_info"]

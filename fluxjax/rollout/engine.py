@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -159,18 +158,19 @@ class Engine:
       model = nnx.merge(graphdef, state)
       logits_V, cache = decode.prefill(model, cache, slot, tokens_P, positions_3P, length, vis)
       cache = _pin(cache, cache_sharding)
+      # The first output token sits at position `length` of the sequence.
       tok, lp = sampling.sample(
-        logits_V[None], temp[None], top_p[None], top_k[None], seed[None], jnp.zeros((1,), jnp.int32)
+        logits_V[None], temp[None], top_p[None], top_k[None], seed[None], length[None]
       )
       return tok[0], lp[0], cache
 
     def decode_fn(
-      state, cache, tokens_S, lengths_S, rope_pos_S, steps_S, temp_S, top_p_S, top_k_S, seed_S
+      state, cache, tokens_S, lengths_S, rope_pos_S, positions_S, temp_S, top_p_S, top_k_S, seed_S
     ):
       model = nnx.merge(graphdef, state)
       logits_SV, cache = decode.decode_step(model, cache, tokens_S, lengths_S, rope_pos_S)
       cache = _pin(cache, cache_sharding)
-      tok_S, lp_S = sampling.sample(logits_SV, temp_S, top_p_S, top_k_S, seed_S, steps_S)
+      tok_S, lp_S = sampling.sample(logits_SV, temp_S, top_p_S, top_k_S, seed_S, positions_S)
       return tok_S, lp_S, cache
 
     # The cache is donated (updated in place); parameters never are.
@@ -404,14 +404,17 @@ class Engine:
 
   def _decode_all(self, active: list[int]) -> None:
     t0 = time.perf_counter()
-    steps_S = np.array([len(r.output_ids) if r is not None else 0 for r in self._slots], np.int32)
+    # Each slot samples the token at position prompt + output so far.
+    positions_S = np.array(
+      [len(r.prompt) + len(r.output_ids) if r is not None else 0 for r in self._slots], np.int32
+    )
     tok_S, lp_S, self._cache = self._decode(
       self._state,
       self._cache,
       self._tokens_S,
       self._lengths_S,
       self._lengths_S + self._delta_S,
-      steps_S,
+      positions_S,
       self._temperature_S,
       self._top_p_S,
       self._top_k_S,
@@ -477,20 +480,7 @@ def _check_same(a, b):
 
 def output_text(req: EngineRequest, tokenizer: Tokenizer) -> str:
   """`text` as SGLang returns it: the matched stop token/string trimmed."""
-  sp = req.sampling
-  ids = req.output_ids
-  reason = req.finish_reason or {}
-  if (
-    reason.get("type") == "stop" and isinstance(reason.get("matched"), int) and not sp.no_stop_trim
-  ):
-    ids = ids[:-1]
-  text = tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
-  if (
-    reason.get("type") == "stop" and isinstance(reason.get("matched"), str) and not sp.no_stop_trim
-  ):
-    cut = text.find(reason["matched"])
-    text = text[:cut] if cut >= 0 else text
-  return text
+  return protocol.output_text(req.output_ids, req.finish_reason, req.sampling, tokenizer.decode)
 
 
 def response(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # SamplingParams keys and defaults (sampling_params.py). An unknown key is an
@@ -284,6 +285,64 @@ def finish_abort(message: str = "Abort") -> dict:
 
 
 ABORT_WAITING = "Abort in waiting queue"
+
+
+def output_text(
+  output_ids: Sequence[int],
+  finish_reason: dict | None,
+  sampling: SamplingParams,
+  decode: Callable[..., str],
+) -> str:
+  """`text` as SGLang returns it: the output decoded, the matched stop trimmed.
+
+  Args:
+    output_ids: the generated ids, the matched stop token included.
+    finish_reason: the finish reason dict, or None while still running.
+    sampling: the request's sampling parameters (stop trimming, special tokens).
+    decode: a tokenizer's `decode(ids, skip_special_tokens=...)`.
+  """
+  reason = finish_reason or {}
+  stopped = reason.get("type") == "stop" and not sampling.no_stop_trim
+  ids = list(output_ids)
+  if stopped and isinstance(reason.get("matched"), int):
+    ids = ids[:-1]
+  text = decode(ids, skip_special_tokens=sampling.skip_special_tokens)
+  if stopped and isinstance(reason.get("matched"), str):
+    cut = text.find(reason["matched"])
+    text = text[:cut] if cut >= 0 else text
+  return text
+
+
+def continue_body(body: dict, output_ids: Sequence[int]) -> dict:
+  """The /generate body that resumes `body`'s response after `output_ids`.
+
+  A partial rollout: the prompt becomes prompt + the tokens generated so far
+  and max_new_tokens shrinks by as many, so the response ends where the
+  uninterrupted one would. A seeded request keeps its seed: sampling is keyed
+  by the token's position in the sequence (SGLang's and our engine's seeded
+  sampler), so under the same weights the continuation draws the tokens the
+  uninterrupted request would have drawn. Stop strings are matched on the
+  continuation's own text only; a stop string that straddles the pause is not
+  seen.
+
+  Raises:
+    ValueError: the body has no input_ids (a text prompt cannot be extended
+      token-exactly), or `output_ids` already reach max_new_tokens.
+  """
+  if body.get("input_ids") is None:
+    raise ValueError("only an input_ids request can be continued from its partial output")
+  params = dict(body.get("sampling_params") or {})
+  n = len(output_ids)
+  limit = params.get("max_new_tokens", SAMPLING_DEFAULTS["max_new_tokens"])
+  if limit is not None:
+    if n >= int(limit):
+      raise ValueError(f"the partial output ({n} tokens) already reaches max_new_tokens {limit}")
+    params["max_new_tokens"] = int(limit) - n
+  return {
+    **body,
+    "input_ids": [int(i) for i in body["input_ids"]] + [int(i) for i in output_ids],
+    "sampling_params": params,
+  }
 
 
 def error_body(message: str) -> dict:

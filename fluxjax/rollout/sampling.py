@@ -11,9 +11,12 @@ Semantics follow SGLang's sampler (`python/sglang/srt/layers/sampler.py`):
     top-p/top-k truncation. With temperature 1 and no truncation this is the
     model's distribution, which is what the trainer recomputes.
 
-Randomness: the key of a slot at step n is fold_in(key(seed), n), so a request
-with a given `sampling_seed` produces the same tokens whatever else is batched
-with it.
+Randomness: the key of the token sampled at position n of the sequence
+(prompt included) is fold_in(key(seed), n), as SGLang's seeded sampler hashes
+(seed, position). So a request with a given `sampling_seed` produces the same
+tokens whatever else is batched with it, and a paused response continued from
+prompt + its partial tokens (rollout/protocol.py `continue_body`) draws what
+the uninterrupted one would have.
 
 Shapes: S slots, V vocabulary.
 """
@@ -48,7 +51,7 @@ def sample(
   top_p_S: jax.Array,
   top_k_S: jax.Array,
   seed_S: jax.Array,
-  step_S: jax.Array,
+  position_S: jax.Array,
 ):
   """Samples one token per slot.
 
@@ -58,7 +61,8 @@ def sample(
     top_p_S: in (0, 1].
     top_k_S: >= 1; any value >= V means no top-k.
     seed_S: uint32 per-request seeds.
-    step_S: int tokens sampled so far by the request (the fold-in counter).
+    position_S: int position of the sampled token in its sequence (the
+      fold-in counter).
 
   Returns:
     (tokens_S int32, logprobs_S fp32): logprob under softmax(logits / T).
@@ -71,7 +75,7 @@ def sample(
   masked_SV = jax.lax.cond(
     needs_truncation, _truncate, lambda x, *_: x, scaled_SV, top_p_S, top_k_S
   )
-  keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seed_S, step_S)
+  keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seed_S, position_S)
   gumbel_SV = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
   sampled_S = jnp.argmax(masked_SV + gumbel_SV, axis=-1)
   greedy_S = jnp.argmax(logits_SV, axis=-1)

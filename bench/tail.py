@@ -22,7 +22,9 @@ with z_p shared by the responses of prompt p (some prompts are hard: all their
 responses run long, which is what sends them to the long round) and z_pj per
 response. Marginally log L ~ N(log median, sigma_prompt^2 + sigma_resp^2).
 Lengths are a seeded function of (prompt, response index), so a prompt rerun in
-a long round asks for the same lengths.
+a long round asks for the same lengths. Requests carry a logit_bias of -100 on
+the two vision placeholder ids: random weights would sample them (2 of 512
+ids), and a partial response holding one cannot be continued.
 
 Configurations, each one epoch over the same prompts, P prompts x R responses
 kept per round (every configuration trains the same P*R*prompts/P responses):
@@ -217,11 +219,22 @@ def main():
       Lengths(args.median, args.sigma_prompt, args.sigma_resp, args.cap, seed),
     )
 
+  # Random weights sample the vision placeholder ids (2 of the tiny preset's
+  # 512) about 1 token in 250; a response holding one cannot be continued (no
+  # media backs it), and a trained policy practically never emits them. So
+  # the workload keeps them out, with SGLang's logit_bias.
+  no_placeholders = {str(cfg.image_token_id): -100.0, str(cfg.video_token_id): -100.0}
+
   def body_maker(seed):
     prompt_ids, lengths = workloads[seed]
     return lambda p, j: {
       "input_ids": prompt_ids[p],
-      "sampling_params": {"max_new_tokens": lengths(p, j), "ignore_eos": True, "temperature": 1.0},
+      "sampling_params": {
+        "max_new_tokens": lengths(p, j),
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "logit_bias": no_placeholders,
+      },
     }
 
   all_l = np.array(

@@ -282,3 +282,25 @@ def test_continued_response_equals_the_uninterrupted_one(model, tok, tmp_path):
   assert joined.text == whole.text and joined.prompt_tokens == len(seq)
   with pytest.raises(ValueError, match="already reaches"):
     protocol.continue_body(body(5), head.output_ids)
+
+
+def test_logit_bias_bans_and_forces_tokens(model, engine):
+  """SGLang's logit_bias: -100 keeps a token out, +100 forces it (its logprob
+  then ~0: the logprob is under the biased distribution it was drawn from)."""
+  seq = text_seq(model.cfg, 7, 21)
+  (free,) = run(engine, [seq], params(max_new_tokens=6, temperature=0), "lb0")
+  banned = {str(t): -100.0 for t in set(free.output_ids)}
+  (ban,) = run(engine, [seq], params(max_new_tokens=6, temperature=0, logit_bias=banned), "lb1")
+  assert not set(ban.output_ids) & set(free.output_ids)
+  sp = params(max_new_tokens=5, sampling_seed=3, logit_bias={"17": 100.0})
+  (forced,) = run(engine, [seq], sp, "lb2")
+  assert forced.output_ids == [17] * 5
+  np.testing.assert_allclose(forced.output_logprobs, 0.0, atol=1e-4)
+  too_many = {str(i): -1.0 for i in range(engine.max_logit_bias + 1)}
+  with pytest.raises(protocol.ProtocolError, match="at most"):
+    engine.submit(engine_lib.EngineRequest("lb3", seq, params(logit_bias=too_many)))
+  with pytest.raises(protocol.ProtocolError, match="vocab_size"):
+    engine.submit(engine_lib.EngineRequest("lb4", seq, params(logit_bias={"100000": 1.0})))
+  for bad in ({"x": 1.0}, {"-1": 1.0}, {"3": "big"}, [1, 2]):
+    with pytest.raises(protocol.ProtocolError, match="logit_bias"):
+      params(logit_bias=bad)

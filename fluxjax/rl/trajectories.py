@@ -80,4 +80,3 @@ def group_sequences(
       )
     )
   return out
-

@@ -118,6 +118,7 @@ class Engine:
     seed: int = 0,
     weight_version: str = "default",
     prefill_buckets: Sequence[int] | None = None,
+    max_logit_bias: int = 16,
   ):
     self.cfg = model.cfg
     self.tokenizer = tokenizer
@@ -141,6 +142,9 @@ class Engine:
     self._top_p_S = np.ones(num_slots, np.float32)
     self._top_k_S = np.ones(num_slots, np.int32)
     self._seed_S = np.zeros(num_slots, np.uint32)
+    self.max_logit_bias = max_logit_bias
+    self._bias_ids_SK = np.zeros((num_slots, max_logit_bias), np.int32)
+    self._bias_SK = np.zeros((num_slots, max_logit_bias), np.float32)
     self._waiting: deque[EngineRequest] = deque()
     self._by_rid: dict[str, EngineRequest] = {}
     self._cv = threading.Condition()
@@ -153,11 +157,12 @@ class Engine:
     graphdef = self._graphdef
 
     def prefill_fn(
-      state, cache, slot, tokens_P, positions_3P, length, vis, temp, top_p, top_k, seed
+      state, cache, slot, tokens_P, positions_3P, length, vis, temp, top_p, top_k, seed, bias
     ):
       model = nnx.merge(graphdef, state)
       logits_V, cache = decode.prefill(model, cache, slot, tokens_P, positions_3P, length, vis)
       cache = _pin(cache, cache_sharding)
+      logits_V = sampling.apply_logit_bias(logits_V[None], bias[0][None], bias[1][None])[0]
       # The first output token sits at position `length` of the sequence.
       tok, lp = sampling.sample(
         logits_V[None], temp[None], top_p[None], top_k[None], seed[None], length[None]
@@ -165,11 +170,23 @@ class Engine:
       return tok[0], lp[0], cache
 
     def decode_fn(
-      state, cache, tokens_S, lengths_S, rope_pos_S, positions_S, temp_S, top_p_S, top_k_S, seed_S
+      state,
+      cache,
+      tokens_S,
+      lengths_S,
+      rope_pos_S,
+      positions_S,
+      temp_S,
+      top_p_S,
+      top_k_S,
+      seed_S,
+      bias_ids_SK,
+      bias_SK,
     ):
       model = nnx.merge(graphdef, state)
       logits_SV, cache = decode.decode_step(model, cache, tokens_S, lengths_S, rope_pos_S)
       cache = _pin(cache, cache_sharding)
+      logits_SV = sampling.apply_logit_bias(logits_SV, bias_ids_SK, bias_SK)
       tok_S, lp_S = sampling.sample(logits_SV, temp_S, top_p_S, top_k_S, seed_S, positions_S)
       return tok_S, lp_S, cache
 
@@ -191,6 +208,13 @@ class Engine:
     vocab = self.cfg.text.vocab_size
     if int(req.prompt.tokens_T.max()) >= vocab:
       raise ProtocolError(f"input_ids must be < vocab_size {vocab}")
+    bias = req.sampling.logit_bias
+    if len(bias) > self.max_logit_bias:
+      raise ProtocolError(
+        f"logit_bias has {len(bias)} entries; this server takes at most {self.max_logit_bias}"
+      )
+    if bias and bias[-1][0] >= vocab:
+      raise ProtocolError(f"logit_bias token ids must be < vocab_size {vocab}")
     limit = self.capacity - n
     mnt = req.sampling.max_new_tokens
     req.max_new = limit if mnt is None else min(mnt, limit)
@@ -365,6 +389,10 @@ class Engine:
     self._top_p_S[s] = sp.top_p
     self._top_k_S[s] = min(sp.top_k, self.cfg.text.vocab_size)
     self._seed_S[s] = req.seed
+    self._bias_ids_SK[s] = 0
+    self._bias_SK[s] = 0.0
+    for k, (token, bias) in enumerate(sp.logit_bias):
+      self._bias_ids_SK[s, k], self._bias_SK[s, k] = token, bias
 
   def _prefill_one(self, req: EngineRequest) -> None:
     t0 = time.perf_counter()
@@ -395,6 +423,7 @@ class Engine:
       self._top_p_S[s],
       self._top_k_S[s],
       self._seed_S[s],
+      (self._bias_ids_SK[s], self._bias_SK[s]),
     )
     tok, lp = int(tok), float(lp)
     self.stats["prefill_s"] += time.perf_counter() - t0
@@ -419,6 +448,8 @@ class Engine:
       self._top_p_S,
       self._top_k_S,
       self._seed_S,
+      self._bias_ids_SK,
+      self._bias_SK,
     )
     tok_S, lp_S = jax.device_get((tok_S, lp_S))
     self.stats["decode_s"] += time.perf_counter() - t0

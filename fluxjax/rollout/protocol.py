@@ -66,7 +66,6 @@ _UNSUPPORTED = (
   "regex",
   "ebnf",
   "structural_tag",
-  "logit_bias",
   "custom_params",
 )
 GREEDY_EPS = 1e-6
@@ -126,6 +125,10 @@ class SamplingParams:
   skip_special_tokens: bool = True
   no_stop_trim: bool = False
   sampling_seed: int | None = None
+  # (token id, bias) pairs added to the logits before temperature, as
+  # SGLang's logit_bias {str(token_id): bias}; the sampled token's logprob is
+  # under the biased distribution (the one it was drawn from).
+  logit_bias: tuple[tuple[int, float], ...] = ()
 
   @property
   def greedy(self) -> bool:
@@ -173,6 +176,7 @@ class SamplingParams:
     seed = p["sampling_seed"]
     if seed is not None and not isinstance(seed, int):
       raise ProtocolError(f"sampling_seed must be an int, got {seed!r}")
+    bias = _logit_bias(p["logit_bias"])
     return cls(
       max_new_tokens=max_new,
       temperature=float(temperature),
@@ -184,7 +188,28 @@ class SamplingParams:
       skip_special_tokens=bool(p["skip_special_tokens"]),
       no_stop_trim=bool(p["no_stop_trim"]),
       sampling_seed=seed,
+      logit_bias=bias,
     )
+
+
+def _logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
+  """SGLang's logit_bias {str(token_id): bias} as sorted (id, bias) pairs."""
+  if raw is None:
+    return ()
+  if not isinstance(raw, dict):
+    raise ProtocolError(f"logit_bias must map token ids to floats, got {type(raw).__name__}")
+  out = []
+  for key, value in raw.items():
+    try:
+      token = int(key)
+    except (TypeError, ValueError):
+      raise ProtocolError(f"logit_bias key {key!r} is not a token id") from None
+    if token < 0:
+      raise ProtocolError(f"logit_bias token id {token} is negative")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+      raise ProtocolError(f"logit_bias[{key!r}] must be a number, got {value!r}")
+    out.append((token, float(value)))
+  return tuple(sorted(out))
 
 
 @dataclasses.dataclass

@@ -11,6 +11,10 @@ Semantics follow SGLang's sampler (`python/sglang/srt/layers/sampler.py`):
     top-p/top-k truncation. With temperature 1 and no truncation this is the
     model's distribution, which is what the trainer recomputes.
 
+Logit bias (SGLang's logit_bias): up to K (token id, bias) pairs per slot are
+added to the logits before temperature; padding pairs carry bias 0. The
+returned logprob is under the biased distribution, the one sampled from.
+
 Randomness: the key of the token sampled at position n of the sequence
 (prompt included) is fold_in(key(seed), n), as SGLang's seeded sampler hashes
 (seed, position). So a request with a given `sampling_seed` produces the same
@@ -43,6 +47,12 @@ def _truncate(scaled_SV, top_p_S, top_k_S):
   cut_S = jnp.take_along_axis(sorted_SV, last_S[:, None], axis=-1)[:, 0]
   threshold_S = jnp.maximum(kth_S, cut_S)
   return jnp.where(scaled_SV >= threshold_S[:, None], scaled_SV, _NEG_INF)
+
+
+def apply_logit_bias(logits_SV: jax.Array, bias_ids_SK: jax.Array, bias_SK: jax.Array):
+  """Adds each slot's (id, bias) pairs to its logits (bias 0 pairs are no-ops)."""
+  rows_S1 = jnp.arange(logits_SV.shape[0])[:, None]
+  return logits_SV.at[rows_S1, bias_ids_SK].add(bias_SK)
 
 
 def sample(

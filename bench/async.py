@@ -1,28 +1,38 @@
-r"""Adaptive async: steps/s and staleness for sync, fixed lag 1 and adaptive lag.
+r"""Adaptive async: trained samples/s, staleness and held-out accuracy per lag mode.
 
-  python bench/async.py                 # 12 steps each, tiny preset, embedded engine
-  python bench/async.py --steps 20 --eta 1.0
-  python bench/async.py --json PATH     # also write the figures (with command, machine, commit)
+  python bench/async.py                      # rollout and trainer on disjoint cores
+  python bench/async.py --placement shared   # both on every core, in one process
+  python bench/async.py --steps 60 --modes sync,fixed:1,fixed:2,adaptive --json PATH
 
 Each mode runs the real GRPO loop (`fluxjax.rl.loop.run`: producer thread,
-tail batching, stream trainer, weight publishing) on the same config, seed,
-synthetic data and run length, one after the other in this process, in a
-fresh work directory each. Reported per mode, from the run's metrics.jsonl:
+tail batching with recycling, stream trainer, weight publishing) on the
+default config (configs/vlm.py: the tiny preset, the reasoning_tiny mix, the
+SFT warm-up), the same seed and data, one mode after the other, each in a
+fresh work directory. Only the lag mode differs.
 
-  steps/s       (steps - 1) / wall time from the end of step 1 to the end of
-                the last step (step 1 carries the compilations, so it is left
-                out of every mode alike);
-  staleness     mean of async/staleness over steps (rl/async_control.py:
-                clip(0.4 KL/0.1 + 0.3 log1p(Var w)/2 + 0.3 gap/max_lag, 0, 1));
+Placement. `disjoint` (default): this process, the trainer, is pinned to
+`--trainer-cores` (sched_setaffinity, before JAX starts) and the rollout
+engine runs as a separate server process (`python -m fluxjax.rollout.server`,
+SGLang's protocol) pinned to `--rollout-cores` with `taskset`; the loop
+drives it as a fleet of one (`rollout.backend=sglang`), weights published
+through disk every step (pause -> update_weights_from_disk -> continue). So
+rollout and training can overlap, as on a cluster where they run on
+different GPUs. `shared`: the embedded engine in a thread of this process,
+both on every core (what overlap cannot speed up).
+
+Reported per mode, from the run's metrics.jsonl:
+
+  samples/s     trained responses per second: (steps - 1) * P * R over the
+                summed perf/step_seconds of steps 2.. (step 1 carries the
+                compilations; evaluations fall outside steps);
+  staleness     mean async/staleness (rl/async_control.py, the Flux metric)
+                and the target the adaptive controller holds it to;
   version gap   mean per-token gap between the version that sampled a token
-                and the version it trains (0 in sync mode by construction);
-  lag           mean allowed lag (the async controller's in adaptive mode);
-  is_weight     mean truncated importance weight pi / mu of trained tokens;
-  wait s        mean time the trainer waited for groups (rollout not hidden).
-
-Ratios are against sync. On a CPU the engine and the trainer share the same
-cores, so overlap buys less than on a GPU cluster, where rollout and training
-run on different devices; the staleness figures hold on any machine.
+                and the version it trains;
+  lag           mean allowed lag (the controller's, in adaptive mode);
+  wait s        mean time the trainer waited for groups;
+  accuracy      held-out eval/accuracy at step 0 and after the last step,
+                with its 95% interval (`--eval-prompts` x 4 samples).
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import runinfo  # noqa: E402  (lives next to this script)
 PER_STEP_KEYS = (
   "step",
   "time",
+  "perf/step_seconds",
   "async/staleness",
   "async/version_gap",
   "async/allowed_lag",
@@ -51,78 +62,135 @@ PER_STEP_KEYS = (
 )
 
 
-def run_mode(mode: str, args, workdir: str) -> dict:
+def parse_mode(mode: str) -> tuple[str, int]:
+  """ "sync", "fixed:2", "adaptive" -> (lag mode, fixed lag)."""
+  name, _, lag = mode.partition(":")
+  if name not in ("sync", "fixed", "adaptive"):
+    raise ValueError(f"unknown mode {mode!r}: sync, fixed:K or adaptive")
+  return name, int(lag or 1)
+
+
+def make_config(mode: str, args, urls: tuple[str, ...]):
   from fluxjax import config_args
-  from fluxjax.rl import loop, metrics
 
   c = config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"))
-  c.total_steps, c.eval.every = args.steps, 0
+  c.total_steps = args.steps
+  c.eval.every, c.eval.prompts = args.steps, args.eval_prompts
   c.checkpoint.every = 10**6  # no checkpoint inside the measured steps
-  c.sft.enabled = False  # RL only: the warm-up is not what is measured
-  c.rl.prompts_per_step, c.rl.responses_per_prompt = args.P, args.R
-  c.rl.max_new_tokens = args.max_new_tokens
-  c.rollout.tail_batching.eta = args.eta
-  c.data.synth_train = max(c.data.synth_train, 4 * args.P * args.steps)
-  c.eval.prompts = 2
-  c.coordinator.lag.mode = mode
-  c.coordinator.lag.fixed_lag = 1
+  c.sft.enabled = not args.no_sft
+  if args.P:
+    c.rl.prompts_per_step = args.P
+  if args.R:
+    c.rl.responses_per_prompt = args.R
+  c.coordinator.lag.mode, c.coordinator.lag.fixed_lag = parse_mode(mode)
+  if urls:
+    c.rollout.backend, c.rollout.urls = "sglang", urls
+  return c
+
+
+def run_mode(mode: str, args, workdir: str, urls: tuple[str, ...]) -> dict:
+  from fluxjax.rl import loop, metrics
+
+  c = make_config(mode, args, urls)
   t0 = time.perf_counter()
   loop.run(c, workdir)
   wall = time.perf_counter() - t0
-  recs = [r for r in metrics.read_metrics(workdir) if r["step"] >= 1]
-  times = [r["time"] for r in recs]
-  mean = lambda k: statistics.fmean(float(r[k]) for r in recs if k in r)
+  recs = metrics.read_metrics(workdir)
+  steps = [r for r in recs if r["step"] >= 1 and "perf/step_seconds" in r]
+  evals = {r["step"]: r for r in recs if "eval/accuracy" in r}
+  mean = lambda k: statistics.fmean(float(r[k]) for r in steps if k in r)
+  per_step = c.rl.prompts_per_step * c.rl.responses_per_prompt
+  timed = steps[1:]
+  first, last = evals[0], evals[max(evals)]
   return {
     "mode": mode,
-    "steps": len(recs),
+    "steps": len(steps),
     "wall_s": wall,
-    "steps_per_s": (len(recs) - 1) / (times[-1] - times[0]),
+    "samples_per_s": len(timed) * per_step / sum(r["perf/step_seconds"] for r in timed),
     "staleness": mean("async/staleness"),
+    "staleness_target": float(c.coordinator.lag.target_staleness),
     "version_gap": mean("async/version_gap"),
     "lag": mean("async/allowed_lag"),
     "is_weight": mean("train/is_weight"),
     "wait_s": mean("rollout/wait_seconds"),
     "reward": mean("rollout/reward_mean"),
+    "accuracy_start": first["eval/accuracy"],
+    "accuracy_end": last["eval/accuracy"],
+    "accuracy_end_ci95": last["eval/accuracy_ci95"],
+    "accuracy_step": max(evals),
     # What the means above are taken over, for --json.
-    "per_step": [{k: r[k] for k in PER_STEP_KEYS if k in r} for r in recs],
+    "per_step": [{k: r[k] for k in PER_STEP_KEYS if k in r} for r in steps],
   }
+
+
+def launch_rollout(args):
+  """The rollout server on its own cores, as the fleet's one server."""
+  from fluxjax.rollout import fleet
+
+  c = make_config("sync", args, ())
+  v = c.data.vision
+  cmd = ["taskset", "-c", args.rollout_cores, "python", "-m", "fluxjax.rollout.server"]
+  cmd += ["--preset", str(c.model.preset), "--seed", str(c.seed)]
+  cmd += ["--num-slots", str(c.rollout.num_slots)]
+  cmd += ["--context-length", str(c.rollout.context_length)]
+  for key in ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels"):
+    cmd += [f"--{key.replace('_', '-')}", str(v[key])]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  return fleet.launch_servers(cmd, 1, env=env, timeout_s=600), " ".join(cmd)
 
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--steps", type=int, default=12)
-  p.add_argument("--P", type=int, default=8, help="prompts per step")
-  p.add_argument("--R", type=int, default=4, help="responses per prompt")
-  p.add_argument("--max-new-tokens", type=int, default=24)
-  p.add_argument("--eta", type=float, default=1.25, help="tail batching eta")
-  p.add_argument("--modes", default="sync,fixed,adaptive")
+  p.add_argument("--steps", type=int, default=60, help="GRPO steps per mode")
+  p.add_argument("--P", type=int, default=0, help="prompts per step (0: the config's)")
+  p.add_argument("--R", type=int, default=0, help="responses per prompt (0: the config's)")
+  p.add_argument("--modes", default="sync,fixed:1,fixed:2,adaptive")
+  p.add_argument("--placement", choices=("disjoint", "shared"), default="disjoint")
+  p.add_argument("--trainer-cores", default="0", help="disjoint: this process's cores")
+  p.add_argument("--rollout-cores", default="1", help="disjoint: the server's cores (taskset)")
+  p.add_argument("--eval-prompts", type=int, default=128)
+  p.add_argument("--no-sft", action="store_true", help="skip the warm-up (no learning signal)")
   p.add_argument(
     "--json",
     metavar="PATH",
     help="also write the figures here, with the command, machine, commit and date",
   )
   args = p.parse_args(argv)
+  for mode in args.modes.split(","):
+    parse_mode(mode)
   print(f"python {' '.join(sys.argv)}")
-  print(
-    f"config: tiny preset, embedded engine, {args.steps} steps x {args.P} prompts x "
-    f"{args.R} responses, max_new_tokens {args.max_new_tokens}, eta {args.eta}"
-  )
+  servers, server_cmd = None, ""
+  if args.placement == "disjoint":
+    # Before JAX starts its thread pools: they size themselves to these cores.
+    os.sched_setaffinity(0, {int(x) for x in args.trainer_cores.split(",")})
+    servers, server_cmd = launch_rollout(args)
+    print(f"trainer on cores {args.trainer_cores}; rollout server: {server_cmd}")
+  urls = tuple(servers.urls) if servers else ()
   rows = []
-  with tempfile.TemporaryDirectory() as tmp:
-    for mode in args.modes.split(","):
-      rows.append(run_mode(mode, args, os.path.join(tmp, mode)))
-      print(f"  {mode}: done in {rows[-1]['wall_s']:.1f} s", flush=True)
-  base = rows[0]["steps_per_s"]
+  try:
+    with tempfile.TemporaryDirectory() as tmp:
+      for mode in args.modes.split(","):
+        rows.append(run_mode(mode, args, os.path.join(tmp, mode.replace(":", "")), urls))
+        print(f"  {mode}: done in {rows[-1]['wall_s']:.1f} s", flush=True)
+  finally:
+    if servers is not None:
+      servers.stop()
+  base = rows[0]["samples_per_s"]
   print(
-    "\n| mode | steps/s | vs sync | staleness | version gap | allowed lag | is_weight "
-    "| trainer wait s | reward |"
+    f"\n{args.placement} placement, {args.steps} steps per mode; accuracy: held-out, "
+    f"{args.eval_prompts} prompts x 4, step 0 -> step {rows[0]['accuracy_step']}"
   )
-  print("|---|---|---|---|---|---|---|---|---|")
+  print(
+    "| mode | samples/s | vs first | staleness (target) | version gap | allowed lag | "
+    "trainer wait s | accuracy |"
+  )
+  print("|---|---|---|---|---|---|---|---|")
   for r in rows:
     print(
-      f"| {r['mode']} | {r['steps_per_s']:.3f} | {r['steps_per_s'] / base:.2f}x | "
-      f"{r['staleness']:.3f} | {r['version_gap']:.2f} | {r['lag']:.2f} | "
-      f"{r['is_weight']:.3f} | {r['wait_s']:.2f} | {r['reward']:.3f} |"
+      f"| {r['mode']} | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base:.2f}x | "
+      f"{r['staleness']:.3f} ({r['staleness_target']:.2f}) | {r['version_gap']:.2f} | "
+      f"{r['lag']:.2f} | {r['wait_s']:.2f} | {r['accuracy_start']:.3f} -> "
+      f"{r['accuracy_end']:.3f} +- {r['accuracy_end_ci95']:.3f} |"
     )
   if args.json:
     runinfo.write(
@@ -130,7 +198,8 @@ def main(argv=None) -> None:
       "async.py",
       {
         "args": vars(args),
-        "rows": [dict(r, steps_per_s_vs_first_mode=r["steps_per_s"] / base) for r in rows],
+        "rollout_server": server_cmd,
+        "rows": [dict(r, samples_per_s_vs_first=r["samples_per_s"] / base) for r in rows],
       },
     )
 

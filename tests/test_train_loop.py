@@ -103,6 +103,36 @@ def test_dynamic_sampling_trains_only_groups_with_signal(tmp_path):
   assert last.get("faults/round_failures", 0.0) == 0.0
 
 
+@pytest.mark.slow
+def test_adaptive_lag_with_recycling_trains_each_prompt_once(tmp_path):
+  """The Flux controller through the coordinator, with tail batching's
+  partial rollouts: every step full, no prompt twice, the lag within its
+  bounds, the sync interval's barrier taken, tokens at most max_lag stale,
+  and no decode work discarded."""
+  c = tiny_run_config(6)
+  c.eval.every = 0
+  c.data.synth_train = 64
+  c.rl.prompts_per_step, c.rl.responses_per_prompt = 3, 2
+  c.rollout.tail_batching.eta = 1.5
+  lag = c.coordinator.lag
+  lag.mode, lag.sync_interval = "adaptive", 3
+  last = loop.run(c, str(tmp_path))
+  assert last["policy/version"] == 6.0
+  recs = [r for r in metrics.read_metrics(str(tmp_path)) if r["step"] >= 1]
+  assert all(lag.min_lag <= r["async/allowed_lag"] <= lag.max_lag for r in recs)
+  assert all(lag.min_async_ratio <= r["async/async_ratio"] <= lag.max_async_ratio for r in recs)
+  assert any(r["async/sync_barrier"] == 1.0 for r in recs)  # sync_interval 3 in 6 steps
+  assert all(r["async/version_gap_max"] <= lag.max_lag for r in recs)
+  assert all(0.0 <= r["async/staleness"] <= 1.0 for r in recs)
+  steps = loop.read_trained(str(tmp_path))
+  trained = [i for r in steps for i in r["ids"]]
+  assert [len(r["ids"]) for r in steps] == [3] * 6 and len(trained) == len(set(trained))
+  # Decode work is discarded only when a continuation is refused (a random
+  # policy can sample a vision placeholder id, which no prompt may hold bare).
+  if last["rollout/restarted_total"] == 0.0:
+    assert last["rollout/tokens_discarded_total"] == 0.0
+
+
 def test_sampling_seeds_are_derived_per_response():
   """A request's seed depends only on (run seed, sample position, response
   index): the same response gets the same seed in any run, and the responses

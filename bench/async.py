@@ -47,7 +47,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # runs from a checkout without `pip install -e .`, as the others
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import runinfo  # noqa: E402  (lives next to this script)
+import cores  # noqa: E402  (these two live next to this script)
+import runinfo  # noqa: E402
 
 PER_STEP_KEYS = (
   "step",
@@ -83,8 +84,7 @@ def make_config(mode: str, args, urls: tuple[str, ...]):
   if args.R:
     c.rl.responses_per_prompt = args.R
   c.coordinator.lag.mode, c.coordinator.lag.fixed_lag = parse_mode(mode)
-  if urls:
-    c.rollout.backend, c.rollout.urls = "sglang", urls
+  cores.use_server(c, urls)
   return c
 
 
@@ -123,22 +123,6 @@ def run_mode(mode: str, args, workdir: str, urls: tuple[str, ...]) -> dict:
   }
 
 
-def launch_rollout(args):
-  """The rollout server on its own cores, as the fleet's one server."""
-  from fluxjax.rollout import fleet
-
-  c = make_config("sync", args, ())
-  v = c.data.vision
-  cmd = ["taskset", "-c", args.rollout_cores, "python", "-m", "fluxjax.rollout.server"]
-  cmd += ["--preset", str(c.model.preset), "--seed", str(c.seed)]
-  cmd += ["--num-slots", str(c.rollout.num_slots)]
-  cmd += ["--context-length", str(c.rollout.context_length)]
-  for key in ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels"):
-    cmd += [f"--{key.replace('_', '-')}", str(v[key])]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  return fleet.launch_servers(cmd, 1, env=env, timeout_s=600), " ".join(cmd)
-
-
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--steps", type=int, default=60, help="GRPO steps per mode")
@@ -161,9 +145,9 @@ def main(argv=None) -> None:
   print(f"python {' '.join(sys.argv)}")
   servers, server_cmd = None, ""
   if args.placement == "disjoint":
-    # Before JAX starts its thread pools: they size themselves to these cores.
-    os.sched_setaffinity(0, {int(x) for x in args.trainer_cores.split(",")})
-    servers, server_cmd = launch_rollout(args)
+    servers, server_cmd = cores.pin_and_launch(
+      args.trainer_cores, args.rollout_cores, make_config("sync", args, ())
+    )
     print(f"trainer on cores {args.trainer_cores}; rollout server: {server_cmd}")
   urls = tuple(servers.urls) if servers else ()
   rows = []

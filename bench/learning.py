@@ -23,6 +23,17 @@ Runs:
             chose the default).
   sweep     the default with one setting changed per run (--sweep KEY=V1,V2:
             prompts per step, responses per prompt, KL, updates per batch).
+  parity    the lag modes and tail batching at an equal number of trained
+            samples, per seed of --seeds: sync (lag 0, no tail batching),
+            recycle (the default: lag 0, eta 1.25 with recycling), fixed2
+            (lag 2) and adaptive (the Flux controller), both with the
+            default's tail batching. The table adds each mode's accuracy
+            difference from sync, paired by seed, with its 95% interval
+            (t over seeds), and its trained samples/s over sync's.
+
+--placement disjoint (bench/cores.py) pins this process, the trainer, to
+--trainer-cores and runs the rollout engine as a server process under
+taskset on --rollout-cores, so that running ahead can pay in wall time.
 
 Baseline and fluxjax are in the same run: the controls are the baseline the
 default's gain is measured against.
@@ -32,8 +43,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -42,9 +55,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import runinfo  # noqa: E402  (lives next to this script)
+import cores  # noqa: E402  (these two live next to this script)
+import runinfo  # noqa: E402
 from fluxjax import config_args  # noqa: E402
 from fluxjax.rl import loop, metrics  # noqa: E402
+
+PARITY = {
+  "sync": {"rollout.tail_batching.eta": 1.0},
+  "recycle": {},
+  "fixed2": {"coordinator.lag.mode": "fixed", "coordinator.lag.fixed_lag": 2},
+  "adaptive": {"coordinator.lag.mode": "adaptive"},
+}
+# Two-sided 95% Student t quantiles by degrees of freedom.
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 CONTROLS = {
   "default": {},
@@ -108,7 +131,14 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
   start = next(e for e in evals if e["step"] == 0)
   end = evals[-1]
   gain = end["accuracy"] - start["accuracy"]
+  steps = [r for r in records if r["step"] >= 2 and "perf/step_seconds" in r]
+  with open(os.path.join(workdir, "config.json")) as f:
+    rl = json.load(f)["rl"]
+  per_step = rl["prompts_per_step"] * rl["responses_per_prompt"]
+  train_s = sum(r["perf/step_seconds"] for r in steps)
   return {
+    # Trained responses per second over steps 2.. (step 1 carries the compilations).
+    "samples_per_s": len(steps) * per_step / train_s if train_s else float("nan"),
     "name": name,
     "seed": seed,
     "overrides": overrides,
@@ -125,7 +155,7 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument(
-    "--runs", default="default,reversed,zeroed", help="default,reversed,zeroed,lr,sweep"
+    "--runs", default="default,reversed,zeroed", help="default,reversed,zeroed,lr,sweep,parity"
   )
   p.add_argument("--seeds", default="0,1,2", help="seeds of the default run")
   p.add_argument("--control-seeds", default="0", help="seeds of the reversed/zeroed runs")
@@ -145,6 +175,9 @@ def main() -> None:
     metavar="KEY=VALUE",
     help="extra config override for every run (Python literal values), e.g. rl.temperature=0.7",
   )
+  p.add_argument("--placement", choices=("shared", "disjoint"), default="shared")
+  p.add_argument("--trainer-cores", default="0", help="disjoint: this process's cores")
+  p.add_argument("--rollout-cores", default="1", help="disjoint: the server's cores (taskset)")
   p.add_argument("--keep", metavar="DIR", help="keep each run's work directory under DIR")
   p.add_argument("--json", metavar="PATH", help="write every run's figures here")
   args = p.parse_args()
@@ -168,10 +201,32 @@ def main() -> None:
         (f"lr={lr}", control_seeds[0], {**extra, "optim.lr": float(lr)})
         for lr in args.lrs.split(",")
       ]
+    elif name == "parity":
+      plan += [(mode, s, {**extra, **PARITY[mode]}) for s in seeds for mode in PARITY]
     else:
       sys.exit(f"unknown run {name!r}")
 
+  servers = None
+  if args.placement == "disjoint":
+    servers, command = cores.pin_and_launch(
+      args.trainer_cores, args.rollout_cores, config_args.load_config()
+    )
+    print(f"trainer on cores {args.trainer_cores}; rollout server: {command}", flush=True)
+    for _, _, overrides in plan:
+      overrides.update({"rollout.backend": "sglang", "rollout.urls": tuple(servers.urls)})
+
   results = []
+  try:
+    run_plan(plan, args, results)
+  finally:
+    if servers is not None:
+      servers.stop()
+  print_table(results)
+  if "parity" in args.runs.split(","):
+    print_parity(results)
+
+
+def run_plan(plan, args, results: list) -> None:
   for name, seed, overrides in plan:
     keep = os.path.join(args.keep, f"{name}-{seed}") if args.keep else None
     r = run_one(name, seed, overrides, keep)
@@ -185,6 +240,8 @@ def main() -> None:
     if args.json:  # after every run: a long sweep stopped early keeps what it measured
       runinfo.write(args.json, "learning.py", {"args": vars(args), "runs": results})
 
+
+def print_table(results: list) -> None:
   print("\n| run | seed | accuracy at RL start | at last eval | gain +- 95% | greedy | wall min |")
   print("|---|---|---|---|---|---|---|")
   for r in results:
@@ -194,6 +251,31 @@ def main() -> None:
       f"| {r['name']} | {r['seed']} | {s['accuracy']:.3f} +- {s['ci95']:.3f} | "
       f"{e['accuracy']:.3f} +- {e['ci95']:.3f} | {r['gain']:+.3f} +- {r['gain_ci95']:.3f} | "
       f"{greedy} | {r['seconds'] / 60:.1f} |"
+    )
+
+
+def print_parity(results: list) -> None:
+  """Each mode against sync, paired by seed (same data, prompts and warm-up)."""
+  by = {(r["name"], r["seed"]): r for r in results}
+  seeds = sorted({r["seed"] for r in results if r["name"] == "sync"})
+  print(
+    "\n| mode | final accuracy, mean over seeds | minus sync, 95% (t, paired) | "
+    "samples/s vs sync | wall min, mean |"
+  )
+  print("|---|---|---|---|---|")
+  for mode in PARITY:
+    rows = [(by[(mode, s)], by[("sync", s)]) for s in seeds if (mode, s) in by]
+    if not rows:
+      continue
+    acc = [r["end"]["accuracy"] for r, _ in rows]
+    diff = [r["end"]["accuracy"] - b["end"]["accuracy"] for r, b in rows]
+    speed = [r["samples_per_s"] / b["samples_per_s"] for r, b in rows]
+    n = len(rows)
+    half = T95.get(n - 1, 1.96) * statistics.stdev(diff) / math.sqrt(n) if n > 1 else float("nan")
+    minutes = statistics.fmean(r["seconds"] for r, _ in rows) / 60
+    print(
+      f"| {mode} | {statistics.fmean(acc):.3f} | {statistics.fmean(diff):+.3f} +- {half:.3f} | "
+      f"{statistics.fmean(speed):.2f}x | {minutes:.1f} |"
     )
 
 

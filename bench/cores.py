@@ -1,0 +1,40 @@
+"""Rollout and trainer on disjoint cores, for the benches that compare lag modes.
+
+`pin_and_launch(trainer_cores, rollout_cores, config)` pins this process (the
+trainer) to `trainer_cores` with sched_setaffinity, which must happen before
+JAX starts its thread pools, and starts one `fluxjax.rollout.server` process
+(SGLang's protocol) under `taskset -c rollout_cores`, configured like the
+run's embedded engine would be. A run then drives it as a fleet of one:
+`use_server(config, urls)`. Weights reach it through disk every step (pause
+-> update_weights_from_disk -> continue), as they reach an SGLang fleet.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _cores(spec: str) -> set[int]:
+  return {int(x) for x in spec.split(",") if x}
+
+
+def pin_and_launch(trainer_cores: str, rollout_cores: str, config):
+  """Pins this process and starts the rollout server; returns (servers, command)."""
+  from fluxjax.rollout import fleet
+
+  os.sched_setaffinity(0, _cores(trainer_cores))
+  v = config.data.vision
+  cmd = ["taskset", "-c", rollout_cores, "python", "-m", "fluxjax.rollout.server"]
+  cmd += ["--preset", str(config.model.preset), "--seed", str(config.seed)]
+  cmd += ["--num-slots", str(config.rollout.num_slots)]
+  cmd += ["--context-length", str(config.rollout.context_length)]
+  for key in ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels"):
+    cmd += [f"--{key.replace('_', '-')}", str(v[key])]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  return fleet.launch_servers(cmd, 1, env=env, timeout_s=600), " ".join(cmd)
+
+
+def use_server(config, urls) -> None:
+  """Points a run's rollout at the launched server (a fleet of one)."""
+  if urls:
+    config.rollout.backend, config.rollout.urls = "sglang", tuple(urls)

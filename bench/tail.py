@@ -34,6 +34,8 @@ kept per round (every configuration trains the same P*R*prompts/P responses):
                     launch ceil(eta P) prompts x R responses; a deferred
                     prompt's responses are continued in its long round
                     (prompt + partial tokens, max_new_tokens = L - done).
+  eta 1.25 next-round  the same, a deferred prompt continued first in the
+                    next short round (APRIL's order) instead of a long round.
   eta 1.25 discard  Flexes as published: ceil(eta P) x ceil(eta R), the first
                     R of a prompt kept, aborted work discarded.
 
@@ -71,12 +73,14 @@ from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rl import tail_batching as tb
 from fluxjax.rollout.embedded import EmbeddedRollout
 
-# (name, eta, recycle): the default (recycling) and Flexes as published.
+# (name, eta, recycle, continue_in): the default (recycling, long rounds),
+# APRIL's order, and Flexes as published.
 CONFIGS = (
-  ("eta 1.0", 1.0, True),
-  ("eta 1.25", 1.25, True),
-  ("eta 1.25 discard", 1.25, False),
-  ("eta 1.5", 1.5, True),
+  ("eta 1.0", 1.0, True, "long_round"),
+  ("eta 1.25", 1.25, True, "long_round"),
+  ("eta 1.25 next-round", 1.25, True, "next_round"),
+  ("eta 1.25 discard", 1.25, False, "long_round"),
+  ("eta 1.5", 1.5, True, "long_round"),
 )
 
 
@@ -126,17 +130,17 @@ async def baseline_epoch(rollout, prompts, P, R, make_body):
   return rows
 
 
-async def tail_epoch(rollout, prompts, P, R, eta, recycle, make_body, lengths):
+async def tail_epoch(rollout, prompts, P, R, eta, recycle, continue_in, make_body, lengths):
   """One epoch of tail-batched rounds; per round the stats plus the length bias.
 
   Length bias: the kept responses' mean length over the mean drawn length of
   every response launched for the same prompts (all ceil(eta R) of a
   speculative prompt, whether it finished or not).
   """
-  b = tb.TailBatcher(P, R, eta, recycle=recycle)
+  b = tb.TailBatcher(P, R, eta, recycle=recycle, continue_in=continue_in)
   b.start_epoch(prompts)
   rows = []
-  tag = f"eta{eta}{'r' if recycle else 'd'}"
+  tag = f"eta{eta}{'r' if recycle else 'd'}{continue_in[0]}"
   while (
     res := await tb.run_round(
       rollout, b, make_body, rid_prefix=tag, decode=rollout.tokenizer.decode
@@ -271,10 +275,11 @@ def main():
       make_body = body_maker(seed)
       await timed("baseline", baseline_epoch(rollout, prompts, args.P, args.R, make_body))
       lengths = workloads[seed][1]
-      for name, eta, recycle in CONFIGS:
-        await timed(
-          name, tail_epoch(rollout, prompts, args.P, args.R, eta, recycle, make_body, lengths)
+      for name, eta, recycle, continue_in in CONFIGS:
+        epoch = tail_epoch(
+          rollout, prompts, args.P, args.R, eta, recycle, continue_in, make_body, lengths
         )
+        await timed(name, epoch)
     await rollout.close()
     return out
 

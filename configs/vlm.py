@@ -170,6 +170,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.tail_batching = ml_collections.ConfigDict()
   c.rollout.tail_batching.eta = 1.25
   c.rollout.tail_batching.recycle = True
+  # Where a deferred prompt's partial responses go on: "long_round" (with P
+  # other deferred prompts, Flexes' order) or "next_round" (APRIL's order:
+  # first in the next short round, so its early tokens are less stale).
+  c.rollout.tail_batching.continue_in = "long_round"
 
   # RL algorithm (rl/losses.py has the loss formula): GRPO advantages, PPO
   # clip (DAPO clip-higher), decoupled truncated importance correction,

@@ -59,10 +59,13 @@ def run_epoch(batcher: tb.TailBatcher, prompts, finish_time, limit=lambda: None)
   epochs=st.integers(1, 2),
   seed=st.integers(0, 2**32 - 1),
   recycle=st.booleans(),
+  continue_in=st.sampled_from(["long_round", "next_round"]),
 )
-def test_each_prompt_trained_exactly_once_per_epoch(n, P, R, eta, epochs, seed, recycle):
+def test_each_prompt_trained_exactly_once_per_epoch(
+  n, P, R, eta, epochs, seed, recycle, continue_in
+):
   rng = random.Random(seed)
-  batcher = tb.TailBatcher(P, R, eta, recycle=recycle)
+  batcher = tb.TailBatcher(P, R, eta, recycle=recycle, continue_in=continue_in)
   for _ in range(epochs):
     prompts = list(range(n))
     rng.shuffle(prompts)
@@ -447,3 +450,17 @@ def test_backend_pauses_are_continued_not_counted_as_failures(recycle):
   for (c,) in res.groups.values():  # 4 pieces of 6, 6, 6 and 2 tokens
     assert c.output_ids == [pos % 97 for pos in range(3, 23)] and c.meta_info["segments"] == 4
   assert res.stats["tokens_discarded"] == 0 and res.stats["resumed"] == 6
+
+
+def test_next_round_continuation_races_deferred_prompts_first():
+  """APRIL's order: a deferred prompt goes to the front of the fresh queue and
+  is continued in the very next short round, not after P others gathered."""
+  b = tb.TailBatcher(4, 2, 1.25, continue_in="next_round")
+  b.start_epoch(range(20))
+  rnd = tb.Round(b.plan_round())
+  carry = simulate_round(rnd, lambda k: 100 if k[0] == 0 else k[1])
+  assert b.commit(rnd, carry=carry) == [1, 2, 3, 4] and not b.long
+  plan = b.plan_round()
+  assert plan.kind == "short" and plan.prompts == (0, 5, 6, 7, 8)
+  with pytest.raises(ValueError, match="continue_in"):
+    tb.TailBatcher(4, 2, 1.25, continue_in="later")

@@ -143,7 +143,11 @@ class Coordinator:
     self._P, self._R = int(rl.prompts_per_step), int(rl.responses_per_prompt)
     tail = config.rollout.tail_batching
     batcher = tail_batching.TailBatcher(
-      self._P, self._R, float(tail.eta), recycle=bool(tail.recycle)
+      self._P,
+      self._R,
+      float(tail.eta),
+      recycle=bool(tail.recycle),
+      continue_in=str(tail.continue_in),
     )
     batcher.start_epoch([])  # a streamed epoch: topped up from the loader
     admission = async_control.AdmissionController.from_config(config.coordinator.lag, self._P)

@@ -13,7 +13,7 @@ Two modes (`recycle`):
     and a kept prompt is all of them, so which responses train does not
     depend on their length. The responses of a prompt that loses the race
     are aborted and kept as they stand (tokens, behaviour logprobs, per-token
-    versions: finished ones whole), and its long round continues each
+    versions: finished ones whole), and a later round continues each
     unfinished one from prompt + its tokens. A response the backend aborts on
     its own (a weight-update pause) is continued the same way. No decode work
     is discarded. The carried responses are part of the batcher's
@@ -23,6 +23,13 @@ Two modes (`recycle`):
     aborted work is discarded and a deferred prompt is generated again from
     scratch. The kept responses are biased towards short ones
     (bench/tail.py measures it).
+
+`continue_in` says where a deferred prompt's carried responses go on:
+"long_round" (Flexes' order: it waits in the long-prompt queue until P
+have gathered, so its first tokens may be several policy versions old when
+it trains) or "next_round" (APRIL's order: it goes to the front of the
+fresh queue and races again, with its head start, in the very next short
+round instead of waiting for P others).
 
 Ties (requests that finish in the same event-loop turn) are broken by the
 round's request order (prompt order, then response index), never by set
@@ -165,6 +172,8 @@ class TailBatcher:
     responses_per_prompt: R, the responses of a kept prompt.
     eta: the speculation factor (>= 1; 1 disables it).
     recycle: partial-rollout recycling (see the module docstring).
+    continue_in: "long_round" or "next_round": where deferred prompts go on
+      (see the module docstring); without recycling always the long round.
   """
 
   def __init__(
@@ -173,6 +182,7 @@ class TailBatcher:
     responses_per_prompt: int,
     eta: float = 1.25,
     recycle: bool = True,
+    continue_in: str = "long_round",
   ):
     if prompts_per_round < 1 or responses_per_prompt < 1:
       raise ValueError("prompts_per_round and responses_per_prompt must be >= 1")
@@ -182,6 +192,11 @@ class TailBatcher:
     self.R = responses_per_prompt
     self.eta = float(eta)
     self.recycle = bool(recycle)
+    if continue_in not in ("long_round", "next_round"):
+      raise ValueError(
+        f"tail_batching.continue_in must be long_round or next_round, got {continue_in!r}"
+      )
+    self.continue_in = continue_in if self.recycle else "long_round"
     self.epoch = -1
     self.round_index = 0
     self.fresh: list = []  # not yet tried this epoch, in dataset order
@@ -304,6 +319,11 @@ class TailBatcher:
       self.long = [p for p in self.long if p not in kept_set]
       return kept
     self.fresh = [p for p in self.fresh if p not in launched]
+    if self.continue_in == "next_round":
+      # Deferred prompts race again first, continued from where they stopped.
+      self.fresh = rnd.deferred + self.fresh
+      self.long = [p for p in self.long if p not in launched]
+      return kept
     # Deferred prompts join the back of the long queue; ones already there
     # (never deferred twice: long rounds keep everything) keep their place.
     self.long = [p for p in self.long if p not in launched] + rnd.deferred

@@ -390,14 +390,7 @@ class Coordinator:
     if rounds:
       host["rollout/round_seconds"] = float(np.mean([r["wall_s"] for r in rounds]))
       host["rollout/long_rounds"] = float(sum(r["kind"] == "long" for r in rounds))
-      for key in (
-        "aborted",
-        "deferred",
-        "resumed",
-        "restarted",
-        "tokens_discarded",
-        "tokens_carried",
-      ):
+      for key in tail_batching.COUNTED_STATS:
         host[f"rollout/{key}"] = float(sum(r.get(key, 0) for r in rounds))
       idle = [r["slot_idle_fraction"] for r in rounds if "slot_idle_fraction" in r]
       if idle:

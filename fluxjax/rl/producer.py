@@ -369,14 +369,7 @@ class Producer:
         # Responses that finished but were not kept (their prompt was already
         # complete, or lost the race): a carried one is scored when it is kept.
         self.scores.clear()
-        for key in (
-          "aborted",
-          "deferred",
-          "resumed",
-          "restarted",
-          "tokens_discarded",
-          "tokens_carried",
-        ):
+        for key in tail_batching.COUNTED_STATS:
           self.counts[f"rollout/{key}_total"] += result.stats.get(key, 0)
         self.out.put(RoundEnd(dict(result.stats)))
     except asyncio.CancelledError:

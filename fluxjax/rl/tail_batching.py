@@ -44,6 +44,7 @@ backend (a `backend.Sampler`: `generate(body, group)`, `abort(rid)`, and
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import math
@@ -58,6 +59,15 @@ from fluxjax.rollout.client import Completion, RequestRejected
 log = logging.getLogger(__name__)
 
 PromptId = Hashable  # int or str: it goes into JSON checkpoints
+# Round statistics that are counts, summed over rounds into run totals.
+COUNTED_STATS = (
+  "aborted",
+  "deferred",
+  "resumed",
+  "restarted",
+  "tokens_discarded",
+  "tokens_carried",
+)
 Key = tuple[Any, int]  # (prompt id, response index)
 
 
@@ -304,7 +314,6 @@ class TailBatcher:
     for p in kept:
       if len(rnd.kept[p]) != self.R:
         raise RuntimeError(f"prompt {p!r} kept {len(rnd.kept[p])} responses, want {self.R}")
-    for p in kept:
       self.carried.pop(p, None)
     if self.recycle:
       for (p, j), c in (carry or {}).items():
@@ -381,7 +390,8 @@ class RoundResult:
     plan: what was launched.
     groups: prompt id -> its R kept completions (index order), in the order
       the prompts completed.
-    deferred: prompts moved to the long-prompt queue.
+    deferred: launched prompts not kept (to the long-prompt queue, or with
+      continue_in="next_round" to the front of the fresh queue).
     stats: kind, wall_s, prompts, requests, aborted, retried, deferred,
       resumed (requests that continued a response), tokens_kept (every token
       of the kept responses), tokens_generated (decoded in this round),
@@ -482,11 +492,12 @@ async def run_round(
   new_tokens: dict[Key, int] = {}
   segments: list[Completion] = []  # every request's output, aborted ones included
   aborted_rids: set[str] = set()
-  resumed = [0]  # requests that continued a response
+  # resumed: requests that continued a response; restarted: continuations
+  # the backend refused, run again from scratch; lost_tokens: what those
+  # had decoded before this round.
+  events: collections.Counter = collections.Counter()
   stalls: dict[Key, int] = {}  # backend aborts of a response that gained no tokens
   progress: dict[Key, int] = {}  # its new tokens at its last backend abort
-  restarted = [0]  # continuations the backend refused, run again from scratch
-  lost = [0]  # tokens decoded before this round by the restarted responses
 
   def launch(key: Key) -> None:
     n = tries.get(key, 0)
@@ -496,14 +507,14 @@ async def run_round(
     prefix = so_far.get(key)
     if prefix is not None and prefix.output_ids:
       body = protocol.continue_body(body, prefix.output_ids)
-      resumed[0] += 1
+      events["resumed"] += 1
     tasks[asyncio.ensure_future(rollout.generate(body, str(key[0])))] = (key, rid, body)
 
   def record(key: Key, out: Completion, body: dict) -> Completion:
     """The whole response so far, from this request's output."""
     segments.append(out)
     out = out.pinned(version)
-    prefix = so_far.get(key) if recycle else None
+    prefix = so_far.get(key)  # only ever set when recycling
     if prefix is None or not prefix.output_ids:
       new_tokens[key] = len(out.output_ids)
       return out
@@ -527,8 +538,8 @@ async def run_round(
     """
     prefix = so_far.pop(key)
     earlier = len(prefix.output_ids) - new_tokens.pop(key, 0)
-    lost[0] += earlier
-    restarted[0] += 1
+    events["lost_tokens"] += earlier
+    events["restarted"] += 1
     log.warning("continuation of %s refused (%s); generating it again from scratch", key, why)
     launch(key)
 
@@ -631,6 +642,7 @@ async def run_round(
   groups = {p: [finished[(p, j)] for j in rnd.kept[p]] for p in kept}
   saved = [k for p in kept for k in ((p, j) for j in rnd.kept[p])] + list(carry)
   generated = sum(len(c.output_ids) for c in segments)
+  discarded = generated - sum(new_tokens.get(k, 0) for k in saved) + events["lost_tokens"]
   stats = {
     "kind": plan.kind,
     "wall_s": wall,
@@ -639,13 +651,13 @@ async def run_round(
     "aborted": len(aborted_rids),
     "retried": sum(tries.values()) - len(tries),
     "deferred": len(rnd.deferred),
-    "resumed": resumed[0],
-    "restarted": restarted[0],
+    "resumed": events["resumed"],
+    "restarted": events["restarted"],
     "tokens_kept": sum(len(c.output_ids) for g in groups.values() for c in g),
     "tokens_generated": generated,
     "tokens_resumed": tokens_resumed,
     "tokens_carried": sum(len(c.completion["output_ids"]) for c in carry.values()),
-    "tokens_discarded": generated - sum(new_tokens.get(k, 0) for k in saved) + lost[0],
+    "tokens_discarded": discarded,
     "max_kept_len": max((len(c.output_ids) for g in groups.values() for c in g), default=0),
   }
   slots1 = rollout.slot_stats()

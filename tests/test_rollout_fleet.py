@@ -85,12 +85,16 @@ def test_groups_stay_on_one_server_and_spread_over_the_fleet(launched):
   assert len(set().union(*servers_of.values())) > 1  # least-loaded spreads the groups
 
 
-def test_publish_reaches_every_server(launched, tmp_path):
-  # Random weights without create_model's many small init compilations.
+def random_model(seed: int) -> vlm.Qwen25VL:
+  """Random tiny weights without create_model's many small init compilations."""
   graphdef, state = nnx.split(vlm.abstract_model(config.preset("tiny")))
-  rng = np.random.default_rng(3)
+  rng = np.random.default_rng(seed)
   state = jax.tree.map(lambda x: np.asarray(0.05 * rng.standard_normal(x.shape), x.dtype), state)
-  model = nnx.merge(graphdef, state)
+  return nnx.merge(graphdef, state)
+
+
+def test_publish_reaches_every_server(launched, tmp_path):
+  model = random_model(3)
 
   async def go():
     async with fleet_lib.Fleet(launched.urls) as fleet:
@@ -103,6 +107,78 @@ def test_publish_reaches_every_server(launched, tmp_path):
   print("publish phases (s):", {k: round(v, 3) for k, v in report.seconds.items()})
   assert not report.failed and all(t >= 0 for t in report.seconds.values())
   assert set(versions.values()) == {"7"} and out.weight_version == "7"
+
+
+def test_publish_mid_round_continues_every_response_under_the_new_weights(launched, tmp_path):
+  """The pause aborts in-flight responses; their continuations, sent at once
+  as partial-rollout recycling does, wait in the paused servers instead of
+  blocking the flush, and finish under the published version."""
+  model = random_model(4)
+  rng = np.random.default_rng(6)
+  n, max_new = 12, 200
+
+  async def to_the_end(fleet, b):
+    out = await fleet.generate(b)
+    while out.finish_type == "abort":
+      rest = await fleet.generate(protocol.continue_body(b, out.output_ids))
+      out = out.pinned(None).continued_by(rest.pinned(None), "")
+    return out
+
+  # Random weights sample the vision placeholder ids, which cannot be sent
+  # back without their media; a trained policy does not.
+  cfg = config.preset("tiny")
+  no_placeholders = {str(cfg.image_token_id): -100.0, str(cfg.video_token_id): -100.0}
+
+  def long_body():
+    b = body(rng.integers(0, 490, 8), max_new=max_new)
+    b["sampling_params"]["logit_bias"] = no_placeholders
+    return b
+
+  async def go():
+    async with fleet_lib.Fleet(launched.urls) as fleet:
+      before = await fleet.refresh_versions()
+      tasks = [asyncio.create_task(to_the_end(fleet, long_body())) for _ in range(n)]
+      while sum(len(s.inflight) for s in fleet.servers) < n:
+        await asyncio.sleep(0.01)
+      await asyncio.sleep(0.05)  # prefilled, decoding
+      seconds, failed = await fleet.update_weights(path, "8")
+      outs = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+      return before, seconds, failed, outs, [s.healthy for s in fleet.servers]
+
+  path = publish.write_checkpoint(model, str(tmp_path), 8, dtype="float32")
+  before, seconds, failed, outs, healthy = asyncio.run(go())
+  assert not failed and all(healthy), failed
+  assert set(seconds) == {"pause", "flush", "update", "resume"}
+  old = set(before.values())
+  assert "8" not in old
+  paused = 0
+  for out in outs:
+    assert out.finish_type == "length" and len(out.output_ids) == max_new
+    versions = out.token_versions()
+    assert set(versions) <= old | {"8"}, versions
+    # Tokens keep the version that sampled them: old ones first, then "8".
+    assert versions == sorted(versions, key=lambda v: v == "8")
+    if out.meta_info.get("segments", 1) > 1:  # aborted by the pause, then continued
+      assert versions[-1] == "8", versions
+      paused += versions[0] != "8"
+  assert paused > 0  # the publish did interrupt responses mid-decode
+
+
+def test_a_server_that_missed_a_publish_is_refit_when_it_rejoins(launched, tmp_path):
+  model = random_model(5)
+
+  async def go():
+    async with fleet_lib.Fleet(launched.urls, health_interval_s=3600) as fleet:
+      missed = fleet.servers[0]
+      missed.healthy = False  # down during the publish, as after a failed health check
+      report = await publish.publish_to_fleet(fleet, model, str(tmp_path), 9, dtype="float32")
+      stale = await missed.client.weight_version()
+      await fleet.check_health()
+      return report, stale, await fleet.refresh_versions(), missed.healthy
+
+  report, stale, versions, back = asyncio.run(go())
+  assert not report.failed and stale != "9"
+  assert back and set(versions.values()) == {"9"}, versions
 
 
 def test_killed_server_mid_batch_every_request_completes(launched):

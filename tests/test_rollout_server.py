@@ -321,14 +321,19 @@ def test_malformed_request_gets_400_and_server_stays_up(url, body, message):
   assert http(url, "/generate", {"input_ids": [1, 2], "sampling_params": GREEDY})[0] == 200
 
 
-def test_pause_in_place_holds_requests_until_continue(url):
+@pytest.mark.parametrize("mode", ["abort", "in_place"])
+def test_pause_holds_new_requests_outside_the_engine_until_continue(url, mode):
+  """As SGLang's tokenizer manager: a request sent while paused waits, and
+  the cache can be flushed meanwhile (a weight update's next step)."""
+
   async def go():
     c = client_lib.SGLangClient(url)
     try:
-      await c.pause("in_place")
+      await c.pause(mode)
       task = asyncio.create_task(c.generate({"input_ids": [3, 4, 5], "sampling_params": GREEDY}))
       await asyncio.sleep(0.5)
       held = not task.done()
+      await c.flush_cache(retries=1)  # raises ServerUnavailable if the request were queued
       await c.resume()
       return held, await task
     finally:

@@ -259,4 +259,10 @@ class SGLangClient:
     return (await self.request("GET", "/get_server_info"))[1]
 
   async def weight_version(self) -> str:
-    return str((await self.request("GET", "/get_weight_version"))[1]["weight_version"])
+    """The served weight version (SGLang main reads it from /model_info only)."""
+    status, data = await self.request("GET", "/get_weight_version")
+    if status == 404:
+      status, data = await self.request("GET", "/model_info")
+    if not isinstance(data, dict) or "weight_version" not in data:
+      raise RequestRejected(f"{self.url}: no weight_version in the answer (HTTP {status})")
+    return str(data["weight_version"])

@@ -246,8 +246,7 @@ class Engine:
 
   def pause(self, mode: str = "abort") -> None:
     """Stops scheduling; "abort" also aborts everything in flight."""
-    if mode not in ("abort", "in_place", "retract"):
-      raise ProtocolError(f"unknown pause mode {mode!r}; use abort, in_place or retract")
+    protocol.check_pause_mode(mode)
     with self._cv:
       self._paused = True
     if mode == "abort":

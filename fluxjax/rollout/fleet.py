@@ -9,7 +9,9 @@ aborted by rid. Routing:
     (prompt + max_new_tokens of its in-flight requests).
 A server that fails (connection refused or reset, 5xx) is marked down, its
 groups are re-homed, and the request is retried from scratch elsewhere. A
-background task re-checks `/health` and brings servers back.
+background task re-checks `/health` and brings servers back; one that missed a
+weight update (down during it, or restarted) is first refit to the last
+published version, so no server rejoins with stale weights.
 
 `Fleet` implements `backend.RolloutBackend`: a new policy version is
 published as a versioned HF folder under `weights_root` that every server
@@ -112,6 +114,10 @@ class Fleet:
     self.max_attempts = max_attempts or 2 * len(self.servers)
     self._health_task: asyncio.Task | None = None
     self.retries = 0
+    # (weight_version, model_path) of the last update; a rejoining server is refit to it.
+    self.published: tuple[str, str] | None = None
+    # Serializes weight updates and rejoins.
+    self._control = asyncio.Lock()
 
   def metrics(self) -> dict[str, float]:
     """Fault counters for the metrics writer: retried requests, servers down."""
@@ -245,28 +251,105 @@ class Fleet:
 
   # --- fleet-wide control ------------------------------------------------------------
 
-  async def broadcast(self, fn) -> list:
-    """Runs `fn(client)` on every healthy server concurrently; marks failures down."""
-    servers = [s for s in self.servers if s.healthy]
+  async def broadcast(self, fn, servers: Sequence[ServerState] | None = None) -> list:
+    """Runs `fn(client)` concurrently on `servers` (default: the healthy ones).
+
+    A server that fails with ServerUnavailable, or whose request is refused
+    (RequestRejected), is marked down; the exception is its result.
+    """
+    servers = [s for s in self.servers if s.healthy] if servers is None else servers
 
     async def run(s):
       try:
         return await fn(s.client)
-      except ServerUnavailable as e:
+      except (ServerUnavailable, RequestRejected) as e:
         self._mark_down(s, str(e))
         return e
 
     return await asyncio.gather(*(run(s) for s in servers))
 
+  async def update_weights(
+    self,
+    path: str,
+    version: str,
+    *,
+    pause_mode: str = "abort",
+    servers: Sequence[ServerState] | None = None,
+  ) -> tuple[dict[str, float], list[str]]:
+    """pause -> flush -> update_weights_from_disk -> continue on `servers`.
+
+    Every server that was paused is continued, even one that failed a later
+    phase: a failed server is marked down and refit when it rejoins, never
+    left paused. In-flight requests return `abort` with their partial output
+    (pause mode "abort"); requests sent meanwhile wait in the servers.
+
+    Returns:
+      Seconds per phase (the slowest server counts) and the failures.
+    """
+    async with self._control:
+      paused = [s for s in self.servers if s.healthy] if servers is None else list(servers)
+      self.published = (version, path)
+      phases = (
+        ("pause", lambda c: c.pause(pause_mode), None),
+        ("flush", lambda c: c.flush_cache(), None),
+        ("update", lambda c: c.update_weights_from_disk(path, version), None),
+        ("resume", lambda c: c.resume(), paused),
+      )
+      seconds: dict[str, float] = {}
+      failed: list[str] = []
+      for name, fn, on in phases:
+        t = time.perf_counter()
+        targets = on if on is not None else [s for s in paused if s.healthy]
+        results = await self.broadcast(fn, targets)
+        seconds[name] = time.perf_counter() - t
+        failed += [str(r) for r in results if isinstance(r, Exception)]
+      for s in paused:
+        if s.healthy:
+          s.weight_version = version
+      return seconds, failed
+
+  async def _rejoin(self, server: ServerState) -> bool:
+    """Refits a server that answers /health again to the published weights."""
+    if self.published is None:
+      return True
+    version, _ = self.published
+    try:
+      current: str | None = await server.client.weight_version()
+    except (ServerUnavailable, RequestRejected):
+      current = None  # not readable (SGLang main dropped the endpoint): refit anyway
+    if current != version:
+      # Under the lock, the published version cannot move meanwhile.
+      async with self._control:
+        version, path = self.published
+        for step in (
+          lambda c: c.pause("abort"),
+          lambda c: c.flush_cache(),
+          lambda c: c.update_weights_from_disk(path, version),
+        ):
+          try:
+            await step(server.client)
+          except (ServerUnavailable, RequestRejected) as e:
+            log.debug("rollout server %s cannot rejoin yet: %s", server.url, e)
+            return False
+        log.info("rollout server %s refit to weight version %s", server.url, version)
+    try:
+      await server.client.resume()
+    except (ServerUnavailable, RequestRejected):
+      return False
+    server.weight_version = version
+    return True
+
   async def check_health(self) -> list[bool]:
-    results = await asyncio.gather(*(s.client.health() for s in self.servers))
-    for s, ok in zip(self.servers, results):
-      if ok and not s.healthy:
-        log.info("rollout server %s is back", s.url)
+    """Checks /health everywhere; a server that answers again is refit, then back."""
+    results = list(await asyncio.gather(*(s.client.health() for s in self.servers)))
+    for i, (s, ok) in enumerate(zip(self.servers, results)):
       if not ok:
         self._mark_down(s, "health check failed")
-      s.healthy = ok
-    return list(results)
+      elif not s.healthy:
+        results[i] = s.healthy = await self._rejoin(s)
+        if s.healthy:
+          log.info("rollout server %s is back", s.url)
+    return results
 
   async def refresh_versions(self) -> dict[str, str | None]:
     """{url: weight version} of every server (None: not known, e.g. down since start)."""

@@ -311,6 +311,14 @@ def finish_abort(message: str = "Abort") -> dict:
 
 ABORT_WAITING = "Abort in waiting queue"
 
+PAUSE_MODES = ("abort", "in_place", "retract")
+
+
+def check_pause_mode(mode: str) -> None:
+  """Raises ProtocolError unless `mode` is one of SGLang's pause modes."""
+  if mode not in PAUSE_MODES:
+    raise ProtocolError(f"unknown pause mode {mode!r}; use abort, in_place or retract")
+
 
 def output_text(
   output_ids: Sequence[int],

@@ -6,11 +6,13 @@ Remote servers (ours or SGLang) get the refit sequence slime and AReaL use:
           reads a half-written checkpoint;
   pause   POST /pause_generation (mode "abort": in-flight requests return
           their partial output with finish_reason abort, which the
-          coordinator resubmits or keeps as partial rollouts);
+          coordinator continues; requests sent while paused wait in the
+          server, as SGLang holds them);
   flush   POST /flush_cache (retried until idle);
   update  POST /update_weights_from_disk {model_path, weight_version};
-  resume  POST /continue_generation.
-Each phase is timed across the fleet (the slowest server counts).
+  resume  POST /continue_generation, on every server that was paused.
+Each phase is timed across the fleet (the slowest server counts);
+`Fleet.update_weights` runs the sequence.
 
 In-process engines skip the disk: `publish_in_process` swaps the arrays.
 """
@@ -25,7 +27,6 @@ from collections.abc import Mapping, Sequence
 
 from fluxjax.models import hf_io, vlm
 from fluxjax.models import tokenizer as tokenizer_lib
-from fluxjax.rollout.client import ServerUnavailable
 
 
 @dataclasses.dataclass
@@ -74,29 +75,13 @@ async def publish_to_fleet(
   Returns:
     The report, with seconds per phase and servers that failed (marked down).
   """
-  seconds = {}
   t = time.perf_counter()
   path = await asyncio.get_running_loop().run_in_executor(
     None, lambda: write_checkpoint(model, root, version, dtype=dtype, extra_files=extra_files)
   )
-  seconds["write"] = time.perf_counter() - t
-  failed: list[str] = []
-  v = str(version)
-  phases = (
-    ("pause", lambda c: c.pause(pause_mode)),
-    ("flush", lambda c: c.flush_cache()),
-    ("update", lambda c: c.update_weights_from_disk(path, v)),
-    ("resume", lambda c: c.resume()),
-  )
-  for name, fn in phases:
-    t = time.perf_counter()
-    results = await fleet.broadcast(fn)
-    seconds[name] = time.perf_counter() - t
-    failed += [str(r) for r in results if isinstance(r, ServerUnavailable)]
-  for s in fleet.servers:
-    if s.healthy:
-      s.weight_version = v
-  return PublishReport(v, path, seconds, failed)
+  write_s = time.perf_counter() - t
+  seconds, failed = await fleet.update_weights(path, str(version), pause_mode=pause_mode)
+  return PublishReport(str(version), path, {"write": write_s, **seconds}, failed)
 
 
 def publish_in_process(engines: Sequence, model: vlm.Qwen25VL, version: int | str) -> PublishReport:

@@ -63,6 +63,11 @@ class RolloutServer:
     self.engine: engine_lib.Engine | None = None
     self.tokenizer: Tokenizer | None = None
     self.load_error: str | None = None
+    # Set while generation runs; /generate waits on it, so requests that arrive
+    # during a pause are held in the HTTP layer, as SGLang's tokenizer manager
+    # holds them, and /flush_cache sees an idle engine.
+    self._unpaused = asyncio.Event()
+    self._unpaused.set()
     pixels = {
       k: getattr(args, k)
       for k in ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels")
@@ -169,6 +174,7 @@ class RolloutServer:
     ereq = engine_lib.EngineRequest(
       req.rid, seq, req.sampling, return_logprob=req.return_logprob, on_event=on_event
     )
+    await self._unpaused.wait()
     try:
       engine.submit(ereq)
     except ProtocolError as e:
@@ -226,16 +232,18 @@ class RolloutServer:
     engine = self._ready()
     try:
       body = await _json_body(request)
-      await asyncio.get_running_loop().run_in_executor(
-        None, engine.pause, body.get("mode") or "abort"
-      )
+      mode = body.get("mode") or "abort"
+      protocol.check_pause_mode(mode)
+      self._unpaused.clear()
+      await asyncio.get_running_loop().run_in_executor(None, engine.pause, mode)
     except ProtocolError as e:
       return _error(str(e))
-    return web.json_response({"message": "Generation paused."})
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
   async def continue_generation(self, request: web.Request) -> web.Response:
     self._ready().resume()
-    return web.json_response({"message": "Generation continued."})
+    self._unpaused.set()
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
   async def flush_cache(self, request: web.Request) -> web.Response:
     # No prefix cache is kept across requests, so flushing is a no-op once idle;

@@ -150,6 +150,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.urls = ()
   c.rollout.launch = ()
   c.rollout.num_servers = 1
+  # Behind the SGLang router (sglang-router): generation goes through it and
+  # weight updates to each of its workers. router_url names a running router
+  # (its workers are read from it); router_launch starts one in front of the
+  # servers, e.g. ("python","-m","sglang_router.launch_router","--policy","cache_aware").
+  c.rollout.router_url = ""
+  c.rollout.router_launch = ()
   c.rollout.launch_timeout_s = 600.0
   c.rollout.health_interval_s = 2.0
   c.rollout.num_slots = 32  # embedded engine: concurrent requests

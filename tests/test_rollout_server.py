@@ -309,7 +309,11 @@ def test_image_and_video_prompts(url, model, tok, media_files):
     ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
     ({"input_ids": [1, 2], "image_data": ["/no/such/file.png"]}, "placeholder"),
     ({"text": chat.IMAGE_PLACEHOLDER, "image_data": ["/no/such/file.png"]}, "file not found"),
-    ({"input_ids": [1, 2], "bogus": 1}, "unknown /generate field"),
+    ({"input_ids": [1, 2], "return_entropy": True}, "return_entropy=True is not supported"),
+    ({"input_ids": [[1, 2], []]}, "non-empty list"),
+    ({"input_ids": [[1, 2], [3]], "rid": ["a", "a"]}, "duplicate rids"),
+    ({"input_ids": [[1, 2], [3]], "sampling_params": [{}]}, "1 entries for a batch of 2"),
+    ({"input_ids": [[1, 2]], "stream": True}, "streaming a batched"),
     (b"{not json", "not valid JSON"),
   ],
 )
@@ -377,3 +381,35 @@ def test_protocol_rejects_unsupported_sampling_values():
   sp = protocol.SamplingParams.from_dict({"temperature": 0.0})
   assert sp.greedy and sp.temperature == 1.0
   assert protocol.SamplingParams.from_dict({}).max_new_tokens == 128
+
+
+def test_generate_fields_are_used_ignored_or_refused_as_documented():
+  """Every GenerateReqInput field is accepted (sglang-router forwards them);
+  unknown fields are ignored as SGLang's binding ignores them; a field asking
+  for something this server does not do is refused unless at its default."""
+  ids = [1, 2, 3]
+  ignored = {k: "x" for k in protocol.IGNORED_FIELDS}
+  reqs, batched = protocol.parse_generate({"input_ids": ids, **ignored, "no_such_field": 1})
+  assert not batched and reqs[0].input_ids == ids
+  assert protocol.unknown_fields({"input_ids": ids, "no_such_field": 1}) == ["no_such_field"]
+  reqs, _ = protocol.parse_generate({"input_ids": ids, **protocol.DEFAULT_ONLY_FIELDS})
+  assert reqs[0].input_ids == ids
+  for key in protocol.DEFAULT_ONLY_FIELDS:
+    with pytest.raises(protocol.ProtocolError, match=key):
+      protocol.parse_generate({"input_ids": ids, key: 3})
+
+
+def test_batched_generate_answers_a_list_in_input_order(url):
+  prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+  singles = [
+    http(url, "/generate", {"input_ids": p, "sampling_params": GREEDY})[1]["output_ids"]
+    for p in prompts
+  ]
+  status, out = http(
+    url, "/generate", {"input_ids": prompts, "sampling_params": GREEDY, "return_logprob": True}
+  )
+  assert status == 200 and isinstance(out, list)
+  assert [o["output_ids"] for o in out] == singles
+  assert all(len(o["meta_info"]["output_token_logprobs"]) == len(o["output_ids"]) for o in out)
+  status, out = http(url, "/generate", {"text": ["a", "b"], "rid": "t", "sampling_params": GREEDY})
+  assert status == 200 and [o["meta_info"]["id"] for o in out] == ["t_0", "t_1"]

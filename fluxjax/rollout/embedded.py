@@ -50,7 +50,10 @@ class EmbeddedRollout:
     del group  # one engine: every group shares it
     loop = asyncio.get_running_loop()
     try:
-      req = protocol.parse_generate(body)
+      reqs, batched = protocol.parse_generate(body)
+      if batched:
+        raise protocol.ProtocolError("the backend takes one prompt per request")
+      req = reqs[0]
       seq = await loop.run_in_executor(
         None, prompt.build_sequence, req, self.tokenizer, self.engine.cfg, self.proc_cfg
       )

@@ -6,7 +6,11 @@ backend = "sglang"    a `Fleet` of servers speaking SGLang's native API:
                       `urls` of running servers, or `launch` (a command
                       such as ["python", "-m", "sglang.launch_server",
                       "--model-path", M], given --port) started
-                      `num_servers` times.
+                      `num_servers` times. With `router_url` (a running
+                      SGLang router) or `router_launch` (a router command,
+                      given --worker-urls and --port), a `RoutedFleet`:
+                      generation through the router, weight updates to
+                      each worker.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 from fluxjax.models import vlm
 from fluxjax.models.processor import VisionProcessorConfig
 from fluxjax.models.tokenizer import Tokenizer
-from fluxjax.rollout import embedded, fleet
+from fluxjax.rollout import embedded, fleet, router
 from fluxjax.rollout.backend import RolloutBackend
 
 BACKENDS = ("embedded", "sglang")
@@ -26,11 +30,14 @@ def check_config(cfg) -> None:
   backend = cfg.get("backend", "embedded")
   if backend not in BACKENDS:
     raise ValueError(f"rollout.backend must be embedded or sglang, got {backend!r}")
-  if backend == "sglang" and not (cfg.get("urls") or cfg.get("launch")):
+  if backend == "sglang" and not (cfg.get("urls") or cfg.get("launch") or cfg.get("router_url")):
     raise ValueError(
-      "rollout.backend=sglang needs rollout.urls (running servers) or "
-      "rollout.launch (a command that starts one, given --port)"
+      "rollout.backend=sglang needs rollout.urls (running servers), "
+      "rollout.launch (a command that starts one, given --port) or "
+      "rollout.router_url (a running SGLang router)"
     )
+  if cfg.get("router_url") and cfg.get("router_launch"):
+    raise ValueError("give rollout.router_url (a running router) or router_launch, not both")
 
 
 def make_backend(
@@ -46,7 +53,8 @@ def make_backend(
 
   Args:
     cfg: the `rollout` section (backend, num_slots, context_length, urls,
-      launch, num_servers, launch_timeout_s, health_interval_s).
+      launch, num_servers, launch_timeout_s, health_interval_s, router_url,
+      router_launch).
     model, tokenizer: what the embedded backend serves (the trainer's).
     seed: the embedded engine's sampling seed.
     proc_cfg: the embedded engine's vision processing; must equal the
@@ -69,6 +77,12 @@ def make_backend(
       seed=seed,
       proc_cfg=proc_cfg,
     ), None
+  health_s = float(cfg.get("health_interval_s", 2.0))
+  router_url = cfg.get("router_url") or ""
+  if router_url:
+    return router.RoutedFleet(
+      router_url, health_interval_s=health_s, weights_root=weights_root
+    ), None
   urls = list(cfg.get("urls") or [])
   launched = None
   if not urls:
@@ -78,6 +92,17 @@ def make_backend(
       timeout_s=float(cfg.get("launch_timeout_s", 600)),
     )
     urls = launched.urls
-  return fleet.Fleet(
-    urls, health_interval_s=float(cfg.get("health_interval_s", 2.0)), weights_root=weights_root
+  if not cfg.get("router_launch"):
+    return fleet.Fleet(urls, health_interval_s=health_s, weights_root=weights_root), launched
+  try:
+    routed = router.launch_router(list(cfg.get("router_launch")), urls)
+  except BaseException:
+    if launched is not None:
+      launched.stop()
+    raise
+  if launched is None:
+    launched = fleet.LaunchedServers([], [], [])
+  launched.router = routed
+  return router.RoutedFleet(
+    routed.urls[0], health_interval_s=health_s, weights_root=weights_root
   ), launched

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 import aiohttp
 
@@ -107,7 +107,8 @@ class Fleet:
     self._session: aiohttp.ClientSession | None = None
     self.weights_root = weights_root or os.path.join(tempfile.gettempdir(), "fluxjax_weights")
     self.weights_dtype = weights_dtype
-    self.servers = [ServerState(SGLangClient(u, timeout_s=request_timeout_s)) for u in urls]
+    self.request_timeout_s = request_timeout_s
+    self.servers = [self._server_state(u) for u in urls]
     self.affinity: dict[str, ServerState] = {}
     self.where: dict[str, ServerState] = {}  # rid -> server running it
     self.health_interval_s = health_interval_s
@@ -140,12 +141,19 @@ class Fleet:
       self, model, self.weights_root, version, dtype=self.weights_dtype
     )
 
-  async def __aenter__(self) -> Fleet:
+  async def __aenter__(self) -> Self:
     await self.start()
     return self
 
   async def __aexit__(self, *exc) -> None:
     await self.close()
+
+  def _server_state(self, url: str) -> ServerState:
+    """A server's state; its client shares the fleet's session once started."""
+    client = SGLangClient(url, timeout_s=self.request_timeout_s)
+    if self._session is not None:
+      client._session, client._own_session = self._session, False
+    return ServerState(client)
 
   async def start(self) -> None:
     self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -386,8 +394,12 @@ class LaunchedServers:
   urls: list[str]
   procs: list[subprocess.Popen]
   logs: list[str]
+  # A router launched in front of these servers (rollout.router_launch).
+  router: LaunchedServers | None = None
 
   def stop(self) -> None:
+    if self.router is not None:
+      self.router.stop()
     for p in self.procs:
       if p.poll() is None:
         p.terminate()

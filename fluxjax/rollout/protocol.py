@@ -71,40 +71,93 @@ _UNSUPPORTED = (
 GREEDY_EPS = 1e-6
 TOP_K_ALL = 1 << 30  # SGLang stores top_k = -1 as 1 << 30
 
-# Top-level GenerateReqInput fields. Those we do not use are accepted and ignored
-# when they hold their defaults.
-_GENERATE_FIELDS = {
+# Top-level GenerateReqInput fields (io_struct.py), in three kinds.
+#
+# Used by this server.
+_USED_FIELDS = {
   "text",
   "input_ids",
-  "input_embeds",
   "image_data",
   "video_data",
-  "audio_data",
   "sampling_params",
   "rid",
   "return_logprob",
-  "logprob_start_len",
-  "top_logprobs_num",
-  "token_ids_logprob",
   "return_text_in_logprobs",
   "stream",
-  "return_hidden_states",
-  "return_routed_experts",
-  "lora_path",
-  "session_params",
-  "session_id",
-  "custom_logit_processor",
-  "priority",
-  "routed_dp_rank",
-  "extra_key",
-  "return_prompt_token_ids",
-  "bootstrap_host",
-  "bootstrap_port",
-  "bootstrap_room",
-  "data_parallel_rank",
-  "log_metrics",
-  "modalities",
 }
+# Do not change what a generation returns: routing and prefix-cache hints,
+# sessions' identity, logging, metrics, tracing, PD-disaggregation and
+# multi-tokenizer plumbing, other models' tiling, and `model`, which
+# sglang-router adds. Accepted with any value and ignored.
+IGNORED_FIELDS = frozenset(
+  {
+    "model",
+    "session_id",
+    "modalities",
+    "mm_hashes",
+    "mm_content_hashes",
+    "log_metrics",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "bootstrap_pair_key",
+    "decode_tp_size",
+    "routed_dp_rank",
+    "data_parallel_rank",
+    "disagg_prefill_dp_rank",
+    "kv_router_hint",
+    "routing_key",
+    "conversation_id",
+    "http_worker_ipc",
+    "priority",
+    "extra_key",
+    "cache_salt",
+    "no_logs",
+    "custom_labels",
+    "external_trace_header",
+    "received_time",
+    "need_wait_for_mm_inputs",
+    "num_items_assigned",
+    "encoder_urls",
+    "max_dynamic_patch",
+    "min_dynamic_patch",
+    "image_max_dynamic_patch",
+    "video_max_dynamic_patch",
+  }
+)
+# Ask for something this server does not do when set: accepted at their
+# default only (400 otherwise), so a request never silently gets less than it
+# asked for. A per-item list of defaults (a batch) counts as the default.
+DEFAULT_ONLY_FIELDS: dict[str, Any] = {
+  "input_embeds": None,
+  "audio_data": None,
+  "use_audio_in_video": False,
+  "video_config": None,
+  "logprob_start_len": -1,
+  "top_logprobs_num": 0,
+  "token_ids_logprob": None,
+  "return_sampling_mask": False,
+  "return_flat_raw_top_logprobs": False,
+  "return_flat_raw_top_logprobs_b64": False,
+  "return_hidden_states": False,
+  "return_routed_experts": False,
+  "routed_experts_start_len": 0,
+  "return_indexer_topk": False,
+  "return_entropy": False,
+  "return_bytes": False,
+  "return_prompt_token_ids": False,
+  "session_params": None,
+  "lora_path": None,
+  "lora_id": None,
+  "custom_logit_processor": None,
+  "positional_embed_overrides": None,
+  "background": False,
+  "require_reasoning": False,
+  "max_thinking_tokens": None,
+  "images_config": None,
+  "multi_item_delimiter_indices": None,
+}
+GENERATE_FIELDS = _USED_FIELDS | IGNORED_FIELDS | set(DEFAULT_ONLY_FIELDS)
 
 
 class ProtocolError(ValueError):
@@ -214,7 +267,7 @@ def _logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
 
 @dataclasses.dataclass
 class GenerateRequest:
-  """One (non-batched) /generate request."""
+  """One prompt's /generate request (a batch is several)."""
 
   rid: str
   sampling: SamplingParams
@@ -233,61 +286,134 @@ def _as_list(x) -> list:
   return list(x) if isinstance(x, list) else [x]
 
 
-def parse_generate(body: Any) -> GenerateRequest:
-  """Validates a /generate body. Batches are not supported: fan out instead.
+def _is_default(value: Any, default: Any) -> bool:
+  if isinstance(value, list) and not isinstance(default, list):
+    return all(_is_default(v, default) for v in value)
+  if default is None:
+    return value is None or value == [] or value == {}
+  return value == default or (default == 0 and value is None)
+
+
+def _per_item(body: dict, key: str, n: int, default: Any) -> list:
+  """A batch field as one value per item: a list of n, or one value for all."""
+  value = body.get(key, default)
+  if isinstance(value, list):
+    if len(value) != n:
+      raise ProtocolError(f"{key} has {len(value)} entries for a batch of {n}")
+    return value
+  return [value] * n
+
+
+def _media_per_item(body: dict, key: str, n: int, batched: bool) -> list[list[str]]:
+  """image_data / video_data as a list of media per request (SGLang's shapes)."""
+  raw = body.get(key)
+  if not batched:
+    per = [_as_list(raw)]
+  elif raw is None or raw == []:
+    per = [[] for _ in range(n)]
+  elif not isinstance(raw, list):
+    per = [[raw] for _ in range(n)]  # one item for every request
+  else:
+    if len(raw) != n:
+      raise ProtocolError(f"{key} has {len(raw)} entries for a batch of {n}")
+    per = [_as_list(x) for x in raw]
+  for items in per:
+    if not all(isinstance(x, str) for x in items):
+      raise ProtocolError(f"{key} items must be strings (path, URL, data URI or base64)")
+  return per
+
+
+def _check_ids(ids: Any) -> list[int]:
+  if not isinstance(ids, list) or not ids:
+    raise ProtocolError("input_ids must be a non-empty list of ints")
+  if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+    raise ProtocolError("input_ids must hold non-negative ints")
+  return ids
+
+
+def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
+  """Validates a /generate body, single or batched, as SGLang normalizes it.
+
+  A batch is `text` as a list or `input_ids` as a list of lists; per-item
+  fields (rid, sampling_params, image_data, video_data, return_logprob) are
+  then a list of that length or one value for every item, a string rid
+  becomes `f"{rid}_{i}"`, and the answers come back in input order.
+
+  Unknown fields are ignored, as SGLang's request binding ignores them;
+  `unknown_fields` names them so the server can log them.
+
+  Returns:
+    (requests, batched).
 
   Raises:
     ProtocolError: with a message naming the offending field.
   """
   if not isinstance(body, dict):
     raise ProtocolError("the /generate body must be a JSON object")
-  unknown = sorted(set(body) - _GENERATE_FIELDS)
-  if unknown:
-    raise ProtocolError(f"unknown /generate field(s) {unknown}")
-  given = [k for k in ("text", "input_ids", "input_embeds") if body.get(k) is not None]
+  for key, default in DEFAULT_ONLY_FIELDS.items():
+    if key in body and not _is_default(body[key], default):
+      raise ProtocolError(
+        f"{key}={body[key]!r} is not supported by this server (only the default {default!r})"
+      )
+  given = [k for k in ("text", "input_ids") if body.get(k) is not None]
   if len(given) != 1:
     raise ProtocolError(f"give exactly one of text / input_ids / input_embeds, got {given}")
-  if given[0] == "input_embeds":
-    raise ProtocolError("input_embeds is not supported by this server")
   text, ids = body.get("text"), body.get("input_ids")
-  if isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
-    raise ProtocolError("batched /generate is not supported; send one request per prompt")
-  if text is not None and not isinstance(text, str):
-    raise ProtocolError(f"text must be a string, got {type(text).__name__}")
-  if ids is not None:
-    if not isinstance(ids, list) or not ids:
-      raise ProtocolError("input_ids must be a non-empty list of ints")
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-      raise ProtocolError("input_ids must hold non-negative ints")
-  for key in ("top_logprobs_num",):
-    if body.get(key):
-      raise ProtocolError(f"{key} is not supported by this server")
-  if body.get("logprob_start_len", -1) != -1:
-    raise ProtocolError("only logprob_start_len = -1 (output logprobs) is supported")
-  if body.get("token_ids_logprob") is not None:
-    raise ProtocolError("token_ids_logprob is not supported by this server")
-  media = {}
-  for key in ("image_data", "video_data"):
-    items = _as_list(body.get(key))
-    if not all(isinstance(x, str) for x in items):
-      raise ProtocolError(f"{key} items must be strings (path, URL, data URI or base64)")
-    media[key] = items
-  if body.get("audio_data"):
-    raise ProtocolError("audio_data is not supported by this model")
-  rid = body.get("rid") or uuid.uuid4().hex
-  if not isinstance(rid, str):
-    raise ProtocolError("rid must be a string (batches are not supported)")
-  return GenerateRequest(
-    rid=rid,
-    sampling=SamplingParams.from_dict(body.get("sampling_params")),
-    text=text,
-    input_ids=ids,
-    image_data=media["image_data"],
-    video_data=media["video_data"],
-    return_logprob=bool(body.get("return_logprob", False)),
-    return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
-    stream=bool(body.get("stream", False)),
+  if text is not None:
+    batched = isinstance(text, list)
+    texts = text if batched else [text]
+    if not all(isinstance(t, str) for t in texts):
+      raise ProtocolError("text must be a string or a list of strings")
+    prompts: list[tuple[str | None, list[int] | None]] = [(t, None) for t in texts]
+  else:
+    batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+    prompts = [(None, _check_ids(x)) for x in (ids if batched and ids else [ids])]
+  n = len(prompts)
+  if n == 0:
+    raise ProtocolError("the batch is empty")
+  if body.get("stream") and batched:
+    raise ProtocolError("streaming a batched /generate is not supported; stream one per prompt")
+  rid = body.get("rid")
+  if not batched:
+    rids = [rid or uuid.uuid4().hex]
+  elif rid is None:
+    rids = [uuid.uuid4().hex for _ in range(n)]
+  elif isinstance(rid, str):
+    rids = [f"{rid}_{i}" for i in range(n)]
+  else:
+    rids = _per_item(body, "rid", n, None)
+  if not all(isinstance(r, str) and r for r in rids):
+    raise ProtocolError("rid must be a string, or one string per batch item")
+  if len(set(rids)) != n:
+    raise ProtocolError(f"duplicate rids in the batch: {sorted(rids)}")
+  sampling = body.get("sampling_params")
+  samplings = (
+    _per_item(body, "sampling_params", n, None)
+    if batched and isinstance(sampling, list)
+    else [sampling] * n
   )
+  logprobs = _per_item(body, "return_logprob", n, False)
+  images = _media_per_item(body, "image_data", n, batched)
+  videos = _media_per_item(body, "video_data", n, batched)
+  return [
+    GenerateRequest(
+      rid=rids[i],
+      sampling=SamplingParams.from_dict(samplings[i]),
+      text=prompts[i][0],
+      input_ids=prompts[i][1],
+      image_data=images[i],
+      video_data=videos[i],
+      return_logprob=bool(logprobs[i]),
+      return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
+      stream=bool(body.get("stream", False)),
+    )
+    for i in range(n)
+  ], batched
+
+
+def unknown_fields(body: dict) -> list[str]:
+  """Top-level fields of a /generate body that GenerateReqInput does not have."""
+  return sorted(set(body) - GENERATE_FIELDS)
 
 
 # --- finish reasons (schedule_batch.py FINISH_* classes) ---------------------------

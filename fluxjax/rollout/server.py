@@ -68,6 +68,7 @@ class RolloutServer:
     # holds them, and /flush_cache sees an idle engine.
     self._unpaused = asyncio.Event()
     self._unpaused.set()
+    self._unknown_logged: set[str] = set()
     pixels = {
       k: getattr(args, k)
       for k in ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels")
@@ -157,13 +158,19 @@ class RolloutServer:
   # --- generation -----------------------------------------------------------------
 
   async def generate(self, request: web.Request) -> web.StreamResponse:
+    """One prompt, or a batch (answered as a list in input order)."""
     engine = self._ready()
+    loop = asyncio.get_running_loop()
     try:
-      req = protocol.parse_generate(await _json_body(request))
-      loop = asyncio.get_running_loop()
-      seq = await loop.run_in_executor(
-        None, prompt.build_sequence, req, self._tokenizer(), engine.cfg, self.proc_cfg
-      )
+      body = await _json_body(request)
+      reqs, batched = protocol.parse_generate(body)
+      self._log_unknown(body)
+      seqs = [
+        await loop.run_in_executor(
+          None, prompt.build_sequence, req, self._tokenizer(), engine.cfg, self.proc_cfg
+        )
+        for req in reqs
+      ]
     except ProtocolError as e:
       return _error(str(e))
     events: asyncio.Queue = asyncio.Queue()
@@ -171,24 +178,39 @@ class RolloutServer:
     def on_event(_: engine_lib.EngineRequest) -> None:  # called on the engine's thread
       loop.call_soon_threadsafe(events.put_nowait, None)
 
-    ereq = engine_lib.EngineRequest(
-      req.rid, seq, req.sampling, return_logprob=req.return_logprob, on_event=on_event
-    )
+    ereqs = [
+      engine_lib.EngineRequest(
+        req.rid, seq, req.sampling, return_logprob=req.return_logprob, on_event=on_event
+      )
+      for req, seq in zip(reqs, seqs)
+    ]
     await self._unpaused.wait()
+    submitted: list[engine_lib.EngineRequest] = []
     try:
-      engine.submit(ereq)
-    except ProtocolError as e:
-      return _error(str(e))
-    try:
-      if req.stream:
-        return await self._stream(request, ereq, events, req)
-      while ereq.finish_reason is None:
+      try:
+        for ereq in ereqs:
+          submitted.append(engine.submit(ereq))
+      except ProtocolError as e:
+        return _error(str(e))
+      if not batched and reqs[0].stream:
+        return await self._stream(request, ereqs[0], events, reqs[0])
+      while any(e.finish_reason is None for e in ereqs):
         await events.get()
-      return web.json_response(self._response(ereq, req))
+      answers = [self._response(e, r) for e, r in zip(ereqs, reqs)]
+      return web.json_response(answers if batched else answers[0])
     finally:
-      # A client that went away (cancelled handler) aborts its request, as in SGLang.
-      if ereq.finish_reason is None:
-        engine.abort(ereq.rid, message="Abort: client disconnected")
+      # A client that went away (cancelled handler), or a batch refused part
+      # way, aborts what it submitted, as in SGLang.
+      for ereq in submitted:
+        if ereq.finish_reason is None:
+          engine.abort(ereq.rid, message="Abort: client disconnected")
+
+  def _log_unknown(self, body: dict) -> None:
+    """Logs each top-level field GenerateReqInput lacks, once (they are ignored)."""
+    for key in protocol.unknown_fields(body):
+      if key not in self._unknown_logged:
+        self._unknown_logged.add(key)
+        log.warning("ignoring /generate field %r: not a field of SGLang's GenerateReqInput", key)
 
   def _response(self, ereq, req) -> dict:
     return engine_lib.response(

@@ -1,0 +1,154 @@
+"""A fleet behind the SGLang router: generation through it, control to each worker.
+
+  python -m sglang_router.launch_router --worker-urls URL... --policy cache_aware
+
+The router (`sglang-router`, sgl-model-gateway) places each /generate on a
+worker by its policy (cache_aware keeps shared prefixes, a GRPO group's
+prompt, on one worker), retries and health-checks the workers. It does not
+pause, flush or update weights, so the fleet sends those to every worker
+directly, as slime and AReaL do, and reads the worker list from the router's
+`GET /workers`, refreshed at every health check.
+
+`RoutedFleet` is a `Fleet` (the same `RolloutBackend`): weight updates,
+abort_all, health, rejoin refits and metrics work on the workers; only
+`generate` and `abort` differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+
+from fluxjax.rollout.client import Completion, RequestRejected, ServerUnavailable, SGLangClient
+from fluxjax.rollout.fleet import (
+  Fleet,
+  LaunchedServers,
+  NoServerAvailable,
+  free_port,
+  launch_servers,
+)
+
+log = logging.getLogger(__name__)
+
+
+class RoutedFleet(Fleet):
+  """Generation through an SGLang router; weight updates to its workers.
+
+  Args:
+    router_url: the router.
+    max_attempts: tries of one request through the router. A worker killed
+      mid-request fails it with a 5xx; the retry, from scratch under a new
+      rid, goes wherever the router then places it, with a growing pause
+      (0.1 s doubling up to 2 s) so its health check can drop the worker.
+    other arguments: as `Fleet`.
+  """
+
+  def __init__(
+    self,
+    router_url: str,
+    *,
+    health_interval_s: float = 2.0,
+    request_timeout_s: float = 3600.0,
+    max_attempts: int = 12,
+    weights_root: str | None = None,
+    weights_dtype: str = "bfloat16",
+  ):
+    super().__init__(
+      [],
+      health_interval_s=health_interval_s,
+      request_timeout_s=request_timeout_s,
+      max_attempts=max_attempts,
+      weights_root=weights_root,
+      weights_dtype=weights_dtype,
+    )
+    self.router = SGLangClient(router_url, timeout_s=request_timeout_s)
+    self._attempt_rid: dict[str, str] = {}  # rid -> rid of its current attempt
+
+  @property
+  def url(self) -> str:
+    return self.router.url
+
+  async def start(self) -> None:
+    await super().start()
+    self.router._session, self.router._own_session = self._session, False
+    await self.refresh_workers()
+    if not self.servers:
+      raise NoServerAvailable(f"the router at {self.router.url} has no workers")
+
+  async def refresh_workers(self) -> list[str]:
+    """Reads the router's worker list; new workers join, removed ones leave."""
+    _, data = await self.router.request("GET", "/workers")
+    workers = data.get("workers", []) if isinstance(data, dict) else []
+    urls = [w["url"] for w in workers if w.get("worker_type", "regular") == "regular"]
+    known = {s.url: s for s in self.servers}
+    for url in set(known) - set(urls):
+      log.warning("rollout worker %s left the router", url)
+    self.servers = [known.get(u) or self._server_state(u) for u in urls]
+    return urls
+
+  async def generate(self, body: dict, group: str | None = None) -> Completion:
+    """Runs one request through the router, retrying on 5xx and lost connections.
+
+    `group` is not sent: the router's policy places requests.
+
+    Raises:
+      RequestRejected: the request is malformed (no retry).
+      NoServerAvailable: every attempt failed.
+    """
+    del group
+    rid = body.get("rid") or os.urandom(16).hex()
+    last: Exception | None = None
+    try:
+      for attempt in range(self.max_attempts):
+        # A fresh rid per attempt: a worker the router lost touch with may
+        # still hold the previous one.
+        current = rid if attempt == 0 else f"{rid}-retry{attempt}"
+        self._attempt_rid[rid] = current
+        try:
+          return await self.router.generate({**body, "rid": current})
+        except ServerUnavailable as e:
+          last = e
+          self.retries += 1
+          await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
+    finally:
+      self._attempt_rid.pop(rid, None)
+    raise NoServerAvailable(f"request {rid} failed through the router {self.router.url}: {last}")
+
+  async def abort(self, rid: str) -> None:
+    """Aborts `rid` on every worker (the router does not say which holds it)."""
+    current = self._attempt_rid.get(rid, rid)
+    await self.broadcast(lambda c: c.abort(current))
+
+  async def check_health(self) -> list[bool]:
+    try:
+      await self.refresh_workers()
+    except (ServerUnavailable, RequestRejected) as e:
+      log.warning("router %s: worker list not readable: %s", self.router.url, e)
+    return await super().check_health()
+
+  def metrics(self) -> dict[str, float]:
+    return {**super().metrics(), "fleet/routed": 1.0}
+
+
+def launch_router(
+  cmd: Sequence[str],
+  worker_urls: Sequence[str],
+  *,
+  host: str = "127.0.0.1",
+  timeout_s: float = 120.0,
+  log_dir: str | None = None,
+) -> LaunchedServers:
+  """Starts `cmd --worker-urls URL... --host H --port P` and waits for /health.
+
+  `cmd` is e.g. ["python", "-m", "sglang_router.launch_router", "--policy",
+  "cache_aware"]. Unless it names one, the router's Prometheus exporter gets
+  a free port (its fixed default would collide with a second router).
+  """
+  cmd = list(cmd)
+  if "--prometheus-port" not in cmd:
+    cmd += ["--prometheus-port", str(free_port(host))]
+  return launch_servers(
+    [*cmd, "--worker-urls", *worker_urls], 1, host=host, timeout_s=timeout_s, log_dir=log_dir
+  )

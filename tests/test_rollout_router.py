@@ -1,0 +1,151 @@
+"""The real SGLang router (sglang-router) in front of three fluxjax servers.
+
+Generation goes through the router, which adds fields of SGLang's current
+GenerateReqInput (model, background, no_logs, return_bytes, return_entropy,
+...) to every request; weight updates go to each worker directly. The last
+test kills a worker, so it runs last.
+"""
+
+import asyncio
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from fluxjax.models import config, vlm
+from fluxjax.rollout import fleet as fleet_lib
+from fluxjax.rollout import router as router_lib
+from helpers import SERVER_CONTEXT, server_env
+
+# A dead worker is dropped after one failed check a second apart.
+ROUTER = [
+  "python",
+  "-m",
+  "sglang_router.launch_router",
+  "--policy",
+  "cache_aware",
+  "--health-check-interval-secs",
+  "1",
+  "--health-failure-threshold",
+  "1",
+  "--log-level",
+  "warn",
+]
+
+
+@pytest.fixture(scope="module")
+def routed():
+  cmd = [
+    "python",
+    "-m",
+    "fluxjax.rollout.server",
+    "--preset",
+    "tiny",
+    "--seed",
+    "0",
+    "--num-slots",
+    "4",
+    "--context-length",
+    str(SERVER_CONTEXT),
+  ]
+  servers = fleet_lib.launch_servers(cmd, 3, env=server_env(), timeout_s=180)
+  try:
+    servers.router = router_lib.launch_router(ROUTER, servers.urls)
+    yield servers
+  finally:
+    servers.stop()
+
+
+def body(ids, max_new=4, seed=None):
+  sp = {"max_new_tokens": max_new, "temperature": 1.0, "ignore_eos": True}
+  if seed is not None:
+    sp["sampling_seed"] = seed
+  return {"input_ids": [int(i) for i in ids], "sampling_params": sp, "return_logprob": True}
+
+
+def test_the_fleet_reads_the_workers_from_the_router(routed):
+  async def go():
+    async with router_lib.RoutedFleet(routed.router.urls[0]) as fleet:
+      return sorted(s.url for s in fleet.servers)
+
+  assert asyncio.run(go()) == sorted(routed.urls)
+
+
+def test_single_and_batched_generate_through_the_router(routed):
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, 490, 5 + i).tolist() for i in range(3)]
+
+  # The router takes one sampling_params object for a whole batch (its
+  # schema refuses SGLang's per-item list); greedy makes items comparable.
+  greedy = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+
+  async def go():
+    async with router_lib.RoutedFleet(routed.router.urls[0]) as fleet:
+      singles = [
+        await fleet.generate({"input_ids": p, "sampling_params": greedy}) for p in prompts
+      ]
+      batch = {"input_ids": prompts, "sampling_params": greedy, "rid": "batch"}
+      _, answers = await fleet.router.request("POST", "/generate", batch)
+      return singles, answers
+
+  singles, answers = asyncio.run(go())
+  assert all(c.finish_type == "length" and len(c.output_ids) == 4 for c in singles)
+  # SGLang's batch contract: a list in input order, rids "<rid>_<i>", each
+  # item the tokens of its single request.
+  assert isinstance(answers, list) and len(answers) == 3
+  assert [a["meta_info"]["id"] for a in answers] == ["batch_0", "batch_1", "batch_2"]
+  assert [a["output_ids"] for a in answers] == [c.output_ids for c in singles]
+
+
+def test_a_publish_reaches_every_worker_and_generation_reports_it(routed, tmp_path):
+  graphdef, state = nnx.split(vlm.abstract_model(config.preset("tiny")))
+  rng = np.random.default_rng(3)
+  state = jax.tree.map(lambda x: np.asarray(0.05 * rng.standard_normal(x.shape), x.dtype), state)
+  model = nnx.merge(graphdef, state)
+
+  async def go():
+    fleet = router_lib.RoutedFleet(routed.router.urls[0], weights_root=str(tmp_path))
+    async with fleet:
+      fleet.weights_dtype = "float32"
+      report = await fleet.publish(model, 5)
+      versions = await fleet.refresh_versions()
+      outs = [await fleet.generate(body([1, 2, 3 + i])) for i in range(6)]
+      return report, versions, outs
+
+  report, versions, outs = asyncio.run(go())
+  assert not report.failed, report
+  assert sorted(versions) == sorted(routed.urls) and set(versions.values()) == {"5"}
+  assert {o.weight_version for o in outs} == {"5"}
+
+
+def test_a_worker_killed_mid_round_loses_no_request(routed):
+  """Requests in flight on the killed worker are retried; each completes,
+  whole, on a live worker, and the fleet sees the worker down."""
+  rng = np.random.default_rng(1)
+  n, max_new = 24, 40
+
+  async def go():
+    async with router_lib.RoutedFleet(routed.router.urls[0], health_interval_s=3600) as fleet:
+      bodies = [body(rng.integers(0, 490, 8), max_new=max_new) for _ in range(n)]
+      tasks = [asyncio.create_task(fleet.generate(b)) for b in bodies]
+      victim = routed.procs[0]
+      state = next(s for s in fleet.servers if s.url == routed.urls[0])
+      # Kill once the victim is decoding (its load is visible on /get_load).
+      while True:
+        _, load = await state.client.request("GET", "/get_load")
+        if load["num_running_reqs"] > 0:
+          break
+        await asyncio.sleep(0.01)
+      pending = sum(not t.done() for t in tasks)
+      victim.kill()
+      outs = await asyncio.wait_for(asyncio.gather(*tasks), 180)
+      await fleet.check_health()
+      return pending, outs, fleet.metrics()
+
+  pending, outs, metrics = asyncio.run(go())
+  # The router retries a request whose worker died (or the fleet does, on a
+  # 5xx: fleet/retries); either way every request ends whole.
+  assert pending > 0 and metrics["fleet/servers_down"] == 1.0, metrics
+  for out in outs:
+    assert out.finish_type == "length" and len(out.output_ids) == max_new, out

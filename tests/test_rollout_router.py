@@ -82,9 +82,7 @@ def test_single_and_batched_generate_through_the_router(routed):
 
   async def go():
     async with router_lib.RoutedFleet(routed.router.urls[0]) as fleet:
-      singles = [
-        await fleet.generate({"input_ids": p, "sampling_params": greedy}) for p in prompts
-      ]
+      singles = [await fleet.generate({"input_ids": p, "sampling_params": greedy}) for p in prompts]
       batch = {"input_ids": prompts, "sampling_params": greedy, "rid": "batch"}
       _, answers = await fleet.router.request("POST", "/generate", batch)
       return singles, answers

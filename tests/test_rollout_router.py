@@ -1,4 +1,4 @@
-"""The real SGLang router (sglang-router) in front of three fluxjax servers.
+"""The real SGLang router (sglang-router) in front of two fluxjax servers.
 
 Generation goes through the router, which adds fields of SGLang's current
 GenerateReqInput (model, background, no_logs, return_bytes, return_entropy,
@@ -49,7 +49,7 @@ def routed():
     "--context-length",
     str(SERVER_CONTEXT),
   ]
-  servers = fleet_lib.launch_servers(cmd, 3, env=server_env(), timeout_s=180)
+  servers = fleet_lib.launch_servers(cmd, 2, env=server_env(), timeout_s=180)
   try:
     servers.router = router_lib.launch_router(ROUTER, servers.urls)
     yield servers

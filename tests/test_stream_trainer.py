@@ -192,12 +192,13 @@ def test_apply_without_parts_is_an_error(devices):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("temperature", [0.7])
 def test_on_policy_importance_weights_are_one_at_the_sampling_temperature(temperature, devices):
   """Responses the engine samples at T, trained by the stream trainer at T: pi / mu = 1.
 
   The engine reports log softmax(logits / T); the trainer must score the same
   distribution, or every importance weight (and the staleness signal) is off.
+  T = 0.7: at T = 1 a missing or doubled temperature would go unseen.
   """
   strategy = make_strategy("packed_dp", capacity=128)
   mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())

@@ -7,7 +7,7 @@ import pytest
 
 from fluxjax.data import readers
 from fluxjax.rl import coordinator, loop, metrics
-from helpers import tiny_run_config
+from helpers import server_env, tiny_run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,6 +67,46 @@ def test_validate_refuses_what_the_loop_cannot_do():
     loop.validate(c)
   c.rollout.urls = ("http://127.0.0.1:1",)
   loop.validate(c)
+
+
+@pytest.mark.slow
+def test_steps_through_the_sglang_router_launched_from_the_config(tmp_path, monkeypatch):
+  """rollout.launch starts two servers and rollout.router_launch the real
+  SGLang router in front of them: generation goes through the router, each
+  weight update to both servers, and every prompt trains once."""
+  c = tiny_run_config(2)
+  c.eval.every = 0
+  c.rollout.backend, c.rollout.num_servers = "sglang", 2
+  v = c.data.vision
+  c.rollout.launch = (
+    "python",
+    "-m",
+    "fluxjax.rollout.server",
+    "--preset",
+    "tiny",
+    "--num-slots",
+    "4",
+    "--context-length",
+    str(c.rollout.context_length),
+    "--image-min-pixels",
+    str(v.image_min_pixels),
+    "--image-max-pixels",
+    str(v.image_max_pixels),
+    "--video-min-pixels",
+    str(v.video_min_pixels),
+    "--video-max-pixels",
+    str(v.video_max_pixels),
+  )
+  c.rollout.router_launch = ("python", "-m", "sglang_router.launch_router", "--log-level", "warn")
+  # The servers inherit this environment: one plain CPU device each.
+  for key, value in server_env().items():
+    monkeypatch.setenv(key, value)
+  last = loop.run(c, str(tmp_path))
+  assert last["policy/version"] == 2.0
+  assert last["fleet/routed"] == 1.0 and last["fleet/servers"] == 2.0
+  assert last["fleet/servers_down"] == 0.0
+  trained = [i for r in loop.read_trained(str(tmp_path)) for i in r["ids"]]
+  assert len(trained) == 4 == len(set(trained))
 
 
 @pytest.mark.slow

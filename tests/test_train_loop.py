@@ -70,46 +70,6 @@ def test_validate_refuses_what_the_loop_cannot_do():
 
 
 @pytest.mark.slow
-def test_steps_through_the_sglang_router_launched_from_the_config(tmp_path, monkeypatch):
-  """rollout.launch starts two servers and rollout.router_launch the real
-  SGLang router in front of them: generation goes through the router, each
-  weight update to both servers, and every prompt trains once."""
-  c = tiny_run_config(2)
-  c.eval.every = 0
-  c.rollout.backend, c.rollout.num_servers = "sglang", 2
-  v = c.data.vision
-  c.rollout.launch = (
-    "python",
-    "-m",
-    "fluxjax.rollout.server",
-    "--preset",
-    "tiny",
-    "--num-slots",
-    "4",
-    "--context-length",
-    str(c.rollout.context_length),
-    "--image-min-pixels",
-    str(v.image_min_pixels),
-    "--image-max-pixels",
-    str(v.image_max_pixels),
-    "--video-min-pixels",
-    str(v.video_min_pixels),
-    "--video-max-pixels",
-    str(v.video_max_pixels),
-  )
-  c.rollout.router_launch = ("python", "-m", "sglang_router.launch_router", "--log-level", "warn")
-  # The servers inherit this environment: one plain CPU device each.
-  for key, value in server_env().items():
-    monkeypatch.setenv(key, value)
-  last = loop.run(c, str(tmp_path))
-  assert last["policy/version"] == 2.0
-  assert last["fleet/routed"] == 1.0 and last["fleet/servers"] == 2.0
-  assert last["fleet/servers_down"] == 0.0
-  trained = [i for r in loop.read_trained(str(tmp_path)) for i in r["ids"]]
-  assert len(trained) == 4 == len(set(trained))
-
-
-@pytest.mark.slow
 def test_dynamic_sampling_trains_only_groups_with_signal(tmp_path):
   """DAPO in the loop: groups whose rewards are all equal are dropped and refilled.
 
@@ -144,9 +104,14 @@ def test_dynamic_sampling_trains_only_groups_with_signal(tmp_path):
 
 
 @pytest.mark.slow
-def test_adaptive_lag_with_recycling_trains_each_prompt_once(tmp_path):
+def test_adaptive_lag_with_recycling_through_the_router_trains_each_prompt_once(
+  tmp_path, monkeypatch
+):
   """The Flux controller through the coordinator, with tail batching's
-  partial rollouts: every step full, no prompt twice, the lag within its
+  partial rollouts, on two server processes behind the real SGLang router,
+  all launched from the config (rollout.launch, rollout.router_launch):
+  generation goes through the router and each weight update pauses both
+  servers mid-round. Every step full, no prompt twice, the lag within its
   bounds, the sync interval's barrier taken, tokens at most max_lag stale,
   and no decode work discarded."""
   c = tiny_run_config(6)
@@ -156,8 +121,35 @@ def test_adaptive_lag_with_recycling_trains_each_prompt_once(tmp_path):
   c.rollout.tail_batching.eta = 1.5
   lag = c.coordinator.lag
   lag.mode, lag.sync_interval = "adaptive", 3
+  c.rollout.backend, c.rollout.num_servers = "sglang", 2
+  v = c.data.vision
+  c.rollout.launch = (
+    "python",
+    "-m",
+    "fluxjax.rollout.server",
+    "--preset",
+    "tiny",
+    "--num-slots",
+    "4",
+    "--context-length",
+    str(c.rollout.context_length),
+    "--image-min-pixels",
+    str(v.image_min_pixels),
+    "--image-max-pixels",
+    str(v.image_max_pixels),
+    "--video-min-pixels",
+    str(v.video_min_pixels),
+    "--video-max-pixels",
+    str(v.video_max_pixels),
+  )
+  c.rollout.router_launch = ("python", "-m", "sglang_router.launch_router", "--log-level", "warn")
+  # The servers inherit this environment: one plain CPU device each.
+  for key, value in server_env().items():
+    monkeypatch.setenv(key, value)
   last = loop.run(c, str(tmp_path))
   assert last["policy/version"] == 6.0
+  assert last["fleet/routed"] == 1.0 and last["fleet/servers"] == 2.0
+  assert last["fleet/servers_down"] == 0.0
   recs = [r for r in metrics.read_metrics(str(tmp_path)) if r["step"] >= 1]
   assert all(lag.min_lag <= r["async/allowed_lag"] <= lag.max_lag for r in recs)
   assert all(lag.min_async_ratio <= r["async/async_ratio"] <= lag.max_async_ratio for r in recs)

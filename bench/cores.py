@@ -20,16 +20,10 @@ def _cores(spec: str) -> set[int]:
 
 def pin_and_launch(trainer_cores: str, rollout_cores: str, config):
   """Pins this process and starts the rollout server; returns (servers, command)."""
-  from fluxjax.rollout import fleet
+  from fluxjax.rollout import factory, fleet
 
   os.sched_setaffinity(0, _cores(trainer_cores))
-  v = config.data.vision
-  cmd = ["taskset", "-c", rollout_cores, "python", "-m", "fluxjax.rollout.server"]
-  cmd += ["--preset", str(config.model.preset), "--seed", str(config.seed)]
-  cmd += ["--num-slots", str(config.rollout.num_slots)]
-  cmd += ["--context-length", str(config.rollout.context_length)]
-  for key in ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels"):
-    cmd += [f"--{key.replace('_', '-')}", str(v[key])]
+  cmd = ["taskset", "-c", rollout_cores, *factory.server_command(config)]
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
   return fleet.launch_servers(cmd, 1, env=env, timeout_s=600), " ".join(cmd)
 

@@ -2,7 +2,8 @@
 
 TINY, PATCHES, mixed_batch, make_strategy   strategy-level tests on the
     tiny preset (tests/test_strategies.py and the trainers built on it);
-SERVER_CONTEXT, server_env                  rollout server processes;
+SERVER_CONTEXT, TINY_SERVER, server_env,    rollout server processes and
+    generate_body                           the requests they get;
 tiny_run_config                             the GRPO loop, cut to seconds;
 ROOT, train_command                         the main job as a subprocess;
 TokenRollout, decode                        a backend whose tokens are a
@@ -58,6 +59,30 @@ def make_strategy(
     {"strategy": name, "sp": sp, "capacity": capacity, "capacity_buckets": buckets, "sync": sync}
   )
   return strategies.get_strategy(cfg, TINY)
+
+
+# A tiny-preset server with random weights (launch_servers adds --host, --port).
+TINY_SERVER = [
+  "python",
+  "-m",
+  "fluxjax.rollout.server",
+  "--preset",
+  "tiny",
+  "--seed",
+  "0",
+  "--num-slots",
+  "4",
+  "--context-length",
+  str(SERVER_CONTEXT),
+]
+
+
+def generate_body(ids, max_new: int = 4, seed: int | None = None) -> dict:
+  """A /generate body for `ids`: temperature 1, exactly `max_new` tokens, logprobs."""
+  sp = {"max_new_tokens": max_new, "temperature": 1.0, "ignore_eos": True}
+  if seed is not None:
+    sp["sampling_seed"] = seed
+  return {"input_ids": [int(i) for i in ids], "sampling_params": sp, "return_logprob": True}
 
 
 def server_env() -> dict[str, str]:

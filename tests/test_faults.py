@@ -21,6 +21,7 @@ import pytest
 
 from fluxjax.data import readers, synth
 from fluxjax.rl import loop, metrics
+from fluxjax.rollout import factory
 from fluxjax.rollout import fleet as fleet_lib
 from helpers import server_env, tiny_run_config
 
@@ -71,28 +72,12 @@ def test_server_killed_mid_round(tmp_path):
   c = tiny_run_config(3)
   c.data.synth_train = 32  # more than the run reads: ids repeat only across epochs
   c.rl.prompts_per_step, c.rl.responses_per_prompt = 3, 2
-  c.rl.max_new_tokens = 16
+  # Long responses: a kill while the server is busy meets requests in flight,
+  # not the gap between a round's last answer and the next weight update.
+  c.rl.max_new_tokens = 48
   c.coordinator.lag.mode = "fixed"  # rounds keep running while the trainer steps
-  v = c.data.vision
-  cmd = [
-    "python",
-    "-m",
-    "fluxjax.rollout.server",
-    "--preset",
-    "tiny",
-    "--num-slots",
-    "4",
-    "--context-length",
-    str(c.rollout.context_length),
-    "--image-min-pixels",
-    str(v.image_min_pixels),
-    "--image-max-pixels",
-    str(v.image_max_pixels),
-    "--video-min-pixels",
-    str(v.video_min_pixels),
-    "--video-max-pixels",
-    str(v.video_max_pixels),
-  ]
+  c.rollout.num_slots = 4
+  cmd = factory.server_command(c)
   servers = fleet_lib.launch_servers(cmd, 2, env=server_env(), timeout_s=300)
   try:
     c.rollout.backend, c.rollout.urls = "sglang", tuple(servers.urls)

@@ -18,8 +18,8 @@ from flax import nnx
 from fluxjax.models import config, vlm
 from fluxjax.rollout import factory, protocol, publish
 from fluxjax.rollout import fleet as fleet_lib
-from helpers import SERVER_CONTEXT as CONTEXT
-from helpers import server_env
+from helpers import TINY_SERVER, server_env
+from helpers import generate_body as body
 
 
 @pytest.fixture(scope="module")
@@ -30,19 +30,7 @@ def launched():
       "urls": [],
       "num_servers": 3,
       "launch_timeout_s": 180,
-      "launch": [
-        "python",
-        "-m",
-        "fluxjax.rollout.server",
-        "--preset",
-        "tiny",
-        "--seed",
-        "0",
-        "--num-slots",
-        "4",
-        "--context-length",
-        str(CONTEXT),
-      ],
+      "launch": TINY_SERVER,
     }
   )
   # make_backend launches with the parent's environment; give the servers a
@@ -59,13 +47,6 @@ def launched():
   assert isinstance(fleet, fleet_lib.Fleet) and len(servers.urls) == 3
   yield servers
   servers.stop()
-
-
-def body(ids, max_new=4, seed=None):
-  sp = {"max_new_tokens": max_new, "temperature": 1.0, "ignore_eos": True}
-  if seed is not None:
-    sp["sampling_seed"] = seed
-  return {"input_ids": [int(i) for i in ids], "sampling_params": sp, "return_logprob": True}
 
 
 def test_groups_stay_on_one_server_and_spread_over_the_fleet(launched):

@@ -16,7 +16,8 @@ from flax import nnx
 from fluxjax.models import config, vlm
 from fluxjax.rollout import fleet as fleet_lib
 from fluxjax.rollout import router as router_lib
-from helpers import SERVER_CONTEXT, server_env
+from helpers import TINY_SERVER, server_env
+from helpers import generate_body as body
 
 # A dead worker is dropped after one failed check a second apart.
 ROUTER = [
@@ -36,32 +37,12 @@ ROUTER = [
 
 @pytest.fixture(scope="module")
 def routed():
-  cmd = [
-    "python",
-    "-m",
-    "fluxjax.rollout.server",
-    "--preset",
-    "tiny",
-    "--seed",
-    "0",
-    "--num-slots",
-    "4",
-    "--context-length",
-    str(SERVER_CONTEXT),
-  ]
-  servers = fleet_lib.launch_servers(cmd, 2, env=server_env(), timeout_s=180)
+  servers = fleet_lib.launch_servers(TINY_SERVER, 2, env=server_env(), timeout_s=180)
   try:
     servers.router = router_lib.launch_router(ROUTER, servers.urls)
     yield servers
   finally:
     servers.stop()
-
-
-def body(ids, max_new=4, seed=None):
-  sp = {"max_new_tokens": max_new, "temperature": 1.0, "ignore_eos": True}
-  if seed is not None:
-    sp["sampling_seed"] = seed
-  return {"input_ids": [int(i) for i in ids], "sampling_params": sp, "return_logprob": True}
 
 
 def test_the_fleet_reads_the_workers_from_the_router(routed):

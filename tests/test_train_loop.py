@@ -7,6 +7,7 @@ import pytest
 
 from fluxjax.data import readers
 from fluxjax.rl import coordinator, loop, metrics
+from fluxjax.rollout import factory
 from helpers import server_env, tiny_run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,26 +123,8 @@ def test_adaptive_lag_with_recycling_through_the_router_trains_each_prompt_once(
   lag = c.coordinator.lag
   lag.mode, lag.sync_interval = "adaptive", 3
   c.rollout.backend, c.rollout.num_servers = "sglang", 2
-  v = c.data.vision
-  c.rollout.launch = (
-    "python",
-    "-m",
-    "fluxjax.rollout.server",
-    "--preset",
-    "tiny",
-    "--num-slots",
-    "4",
-    "--context-length",
-    str(c.rollout.context_length),
-    "--image-min-pixels",
-    str(v.image_min_pixels),
-    "--image-max-pixels",
-    str(v.image_max_pixels),
-    "--video-min-pixels",
-    str(v.video_min_pixels),
-    "--video-max-pixels",
-    str(v.video_max_pixels),
-  )
+  c.rollout.num_slots = 4
+  c.rollout.launch = tuple(factory.server_command(c))
   c.rollout.router_launch = ("python", "-m", "sglang_router.launch_router", "--log-level", "warn")
   # The servers inherit this environment: one plain CPU device each.
   for key, value in server_env().items():

@@ -40,6 +40,24 @@ def check_config(cfg) -> None:
     raise ValueError("give rollout.router_url (a running router) or router_launch, not both")
 
 
+def server_command(config) -> list[str]:
+  """`python -m fluxjax.rollout.server` serving a run config's model.
+
+  The same preset, seed, slots, context and vision pixel limits as the run
+  (the trainer and the server must preprocess media alike: the prompt's pad
+  counts come from it); `launch_servers` adds --host and --port. For
+  `rollout.launch` when no SGLang is at hand.
+  """
+  v = config.data.vision
+  cmd = ["python", "-m", "fluxjax.rollout.server"]
+  cmd += ["--preset", str(config.model.preset), "--seed", str(config.seed)]
+  cmd += ["--num-slots", str(config.rollout.num_slots)]
+  cmd += ["--context-length", str(config.rollout.context_length)]
+  for key in ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels"):
+    cmd += [f"--{key.replace('_', '-')}", str(v[key])]
+  return cmd
+
+
 def make_backend(
   cfg,
   *,

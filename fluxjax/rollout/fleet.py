@@ -277,72 +277,65 @@ class Fleet:
     return await asyncio.gather(*(run(s) for s in servers))
 
   async def update_weights(
-    self,
-    path: str,
-    version: str,
-    *,
-    pause_mode: str = "abort",
-    servers: Sequence[ServerState] | None = None,
+    self, path: str, version: str, *, pause_mode: str = "abort"
   ) -> tuple[dict[str, float], list[str]]:
-    """pause -> flush -> update_weights_from_disk -> continue on `servers`.
+    """pause -> flush -> update_weights_from_disk -> continue on the healthy servers.
 
-    Every server that was paused is continued, even one that failed a later
-    phase: a failed server is marked down and refit when it rejoins, never
-    left paused. In-flight requests return `abort` with their partial output
-    (pause mode "abort"); requests sent meanwhile wait in the servers.
+    In-flight requests return `abort` with their partial output (pause mode
+    "abort"); requests sent meanwhile wait in the servers. A server that
+    fails a phase is marked down (and refit when it rejoins) but still
+    continued, never left paused.
 
     Returns:
       Seconds per phase (the slowest server counts) and the failures.
     """
     async with self._control:
-      paused = [s for s in self.servers if s.healthy] if servers is None else list(servers)
       self.published = (version, path)
-      phases = (
-        ("pause", lambda c: c.pause(pause_mode), None),
-        ("flush", lambda c: c.flush_cache(), None),
-        ("update", lambda c: c.update_weights_from_disk(path, version), None),
-        ("resume", lambda c: c.resume(), paused),
-      )
-      seconds: dict[str, float] = {}
-      failed: list[str] = []
-      for name, fn, on in phases:
-        t = time.perf_counter()
-        targets = on if on is not None else [s for s in paused if s.healthy]
-        results = await self.broadcast(fn, targets)
-        seconds[name] = time.perf_counter() - t
-        failed += [str(r) for r in results if isinstance(r, Exception)]
-      for s in paused:
-        if s.healthy:
-          s.weight_version = version
-      return seconds, failed
+      return await self._refit([s for s in self.servers if s.healthy], path, version, pause_mode)
+
+  async def _refit(
+    self, servers: Sequence[ServerState], path: str, version: str, pause_mode: str
+  ) -> tuple[dict[str, float], list[str]]:
+    """The update sequence on `servers`; a phase runs on those that passed the
+    ones before it, and continue on all of them. Call under `_control`."""
+    seconds: dict[str, float] = {}
+    failed: dict[ServerState, str] = {}
+    phases = (
+      ("pause", lambda c: c.pause(pause_mode)),
+      ("flush", lambda c: c.flush_cache()),
+      ("update", lambda c: c.update_weights_from_disk(path, version)),
+      ("resume", lambda c: c.resume()),
+    )
+    for name, fn in phases:
+      t = time.perf_counter()
+      targets = servers if name == "resume" else [s for s in servers if s not in failed]
+      for s, r in zip(targets, await self.broadcast(fn, targets)):
+        if isinstance(r, Exception):
+          failed.setdefault(s, str(r))
+      seconds[name] = time.perf_counter() - t
+    for s in servers:
+      if s not in failed:
+        s.weight_version = version
+    return seconds, list(failed.values())
 
   async def _rejoin(self, server: ServerState) -> bool:
     """Refits a server that answers /health again to the published weights."""
     if self.published is None:
       return True
-    version, _ = self.published
-    try:
-      current: str | None = await server.client.weight_version()
-    except (ServerUnavailable, RequestRejected):
-      current = None  # not readable (SGLang main dropped the endpoint): refit anyway
-    if current != version:
-      # Under the lock, the published version cannot move meanwhile.
-      async with self._control:
-        version, path = self.published
-        for step in (
-          lambda c: c.pause("abort"),
-          lambda c: c.flush_cache(),
-          lambda c: c.update_weights_from_disk(path, version),
-        ):
-          try:
-            await step(server.client)
-          except (ServerUnavailable, RequestRejected) as e:
-            log.debug("rollout server %s cannot rejoin yet: %s", server.url, e)
-            return False
-        log.info("rollout server %s refit to weight version %s", server.url, version)
-    try:
-      await server.client.resume()
-    except (ServerUnavailable, RequestRejected):
+    async with self._control:  # the published version cannot move meanwhile
+      version, path = self.published
+      try:
+        current: str | None = await server.client.weight_version()
+      except (ServerUnavailable, RequestRejected):
+        current = None  # not readable (SGLang main dropped the endpoint): refit anyway
+      if current == version:  # up to date, but a failed update may have left it paused
+        results = await self.broadcast(lambda c: c.resume(), [server])
+        failed = [str(r) for r in results if isinstance(r, Exception)]
+      else:
+        _, failed = await self._refit([server], path, version, "abort")
+        if not failed:
+          log.info("rollout server %s refit to weight version %s", server.url, version)
+    if failed:
       return False
     server.weight_version = version
     return True

@@ -66,10 +66,6 @@ class RoutedFleet(Fleet):
     self.router = SGLangClient(router_url, timeout_s=request_timeout_s)
     self._attempt_rid: dict[str, str] = {}  # rid -> rid of its current attempt
 
-  @property
-  def url(self) -> str:
-    return self.router.url
-
   async def start(self) -> None:
     await super().start()
     self.router._session, self.router._own_session = self._session, False

@@ -5,7 +5,11 @@ TINY, PATCHES, mixed_batch, make_strategy   strategy-level tests on the
 SERVER_CONTEXT, TINY_SERVER, server_env,    rollout server processes and
     generate_body                           the requests they get;
 tiny_run_config                             the GRPO loop, cut to seconds;
-ROOT, train_command                         the main job as a subprocess;
+ROOT, train_command,                        the main job as a subprocess,
+    assert_each_prompt_trained_once             and what a resumed run trained;
+run_launcher, process_alive                 python -m fluxjax.launch, stopped
+                                            with its processes on a timeout;
+                                            whether a pid still runs;
 TokenRollout, decode                        a backend whose tokens are a
     function of their position (partial rollouts).
 """
@@ -13,16 +17,22 @@ TokenRollout, decode                        a backend whose tokens are a
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import signal
+import subprocess
 import sys
 
 import ml_collections
 
 from fluxjax import config_args
+from fluxjax.data import pipeline, readers
 from fluxjax.models import config as config_lib
+from fluxjax.models import processor
 from fluxjax.parallel import random_batch, strategies
 from fluxjax.parallel.batch import TrainSequence
 from fluxjax.parallel.strategies import Strategy
+from fluxjax.rl import loop
 from fluxjax.rollout.client import Completion
 
 TINY = config_lib.preset("tiny")
@@ -40,6 +50,57 @@ def train_command(workdir, overrides: dict) -> list[str]:
     f"--config={ROOT}/configs/vlm.py",
     f"--workdir={workdir}",
   ] + [f"--config.{k}={v}" for k, v in overrides.items()]
+
+
+def assert_each_prompt_trained_once(workdir, steps: int, prompts_per_step: int) -> list[dict]:
+  """trained.jsonl holds steps 1..steps once each, and their prompts are the
+  seeded loader's first steps * P samples, each exactly once (sync lag and no
+  tail batching: a step's prompts follow the loader's order; within a step
+  groups arrive in finish order, so each step compares as a set).
+
+  Returns the records.
+  """
+  records = loop.read_trained(str(workdir))
+  assert [r["step"] for r in records] == list(range(1, steps + 1))
+  trained = [i for r in records for i in r["ids"]]
+  assert len(trained) == steps * prompts_per_step and len(set(trained)) == len(trained)
+  rows = readers.read_rows(os.path.join(workdir, "data", "train", "manifest.jsonl"))
+  config = json.load(open(os.path.join(workdir, "config.json")))
+  loader = pipeline.ShadowLoader(
+    rows,
+    prompts_per_step,
+    processor.VisionProcessorConfig(**config["data"]["vision"]),
+    num_workers=0,
+    seed=config["seed"],
+  )
+  expected = [sorted(s.id for s in loader.next_batch()) for _ in range(steps)]
+  loader.close()
+  assert [sorted(r["ids"]) for r in records] == expected
+  return records
+
+
+def run_launcher(command: list[str], *, timeout: float, **popen) -> subprocess.CompletedProcess:
+  """subprocess.run for `python -m fluxjax.launch ...`: on a timeout the launcher
+  gets SIGTERM, which it passes to the processes it started, before the
+  TimeoutExpired is raised (killing it alone would leave them running)."""
+  with subprocess.Popen(command, **popen) as proc:
+    try:
+      out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      proc.send_signal(signal.SIGTERM)
+      proc.communicate(timeout=60)
+      raise
+  return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def process_alive(pid: int) -> bool:
+  """Whether `pid` runs (a zombie waiting for its parent to reap it counts as gone)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      stat = f.read()
+  except FileNotFoundError:
+    return False
+  return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def mixed_batch(seed: int = 0, long: bool = False) -> list[TrainSequence]:
@@ -104,7 +165,7 @@ def tiny_run_config(total_steps: int) -> ml_collections.ConfigDict:
   c.rl.reward.num_workers = 1
   c.rollout.num_slots = 4
   c.checkpoint.every = 1
-  c.sft.enabled = False  # the warm-up before RL has its own loop test (test_sft.py)
+  c.sft.enabled = False  # the warm-up's loop runs in test_multiprocess.py
   return c
 
 

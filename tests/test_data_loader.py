@@ -23,6 +23,7 @@ from fluxjax.models import inputs, processor
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.sharding import planners
+from helpers import process_alive
 
 CFG = processor.VisionProcessorConfig(
   image_min_pixels=28 * 28 * 4,
@@ -84,13 +85,18 @@ def _train_sequences(samples):
   return seqs
 
 
+def _planned(samples):
+  """(sequences, packed plan on 8 devices, patch capacity) of a batch."""
+  seqs = _train_sequences(samples)
+  plan = planners.plan_packed_dp([len(s) for s in seqs], 8, 4096, MODEL.cost_shape())
+  return seqs, plan, batch_lib.patch_capacity_for(plan, seqs, MODEL, (512, 1024, 4096))
+
+
 def test_materializer_builds_the_same_vision_buffers(data):
   _, rows = data
   with pipeline.ShadowLoader(rows, 6, CFG, num_workers=2, num_epochs=1, shuffle=False) as loader:
     samples = loader.next_batch()
-    seqs = _train_sequences(samples)
-    plan = planners.plan_packed_dp([len(s) for s in seqs], 8, 4096, MODEL.cost_shape())
-    cap = batch_lib.patch_capacity_for(plan, seqs, MODEL, (512, 1024, 4096))
+    seqs, plan, cap = _planned(samples)
     # The reference: the same sequences holding in-process processor output.
     ref_seqs = []
     for s in seqs:
@@ -121,6 +127,42 @@ def test_materializer_builds_the_same_vision_buffers(data):
     got = batch_lib.materialize(plan, seqs, MODEL, cap, patch_source=mat)
     np.testing.assert_array_equal(got.inputs.vision.patches_BNP, want.inputs.vision.patches_BNP)
     mat.release()
+    loader.release(samples)
+
+
+def test_a_process_materializes_only_its_own_devices_media(data):
+  """A process of a multi-controller run fills its own devices' vision rows,
+  equal to the full batch's, and reads no other device's media."""
+  _, rows = data
+  with pipeline.ShadowLoader(rows, 6, CFG, num_workers=2, num_epochs=1, shuffle=False) as loader:
+    samples = loader.next_batch()
+    seqs, plan, cap = _planned(samples)
+    source = mat_lib.Materializer(loader.store)
+    for balance in (False, True):
+      want = batch_lib.materialize(plan, seqs, MODEL, cap, source, balance_vision=balance)
+      units = batch_lib.vision_assignment(plan, seqs, MODEL, balance)
+      for mine in ({0, 1, 2, 3}, {4, 5, 6, 7}):
+        read = []
+        got = batch_lib.materialize(
+          plan,
+          seqs,
+          MODEL,
+          cap,
+          lambda item, read=read: read.append(item.id) or source(item),
+          balance_vision=balance,
+          devices=mine,
+        )
+        local = sorted(mine)
+        expected = {u.item.id for m in units for d, us in m[0].items() if d in mine for u in us}
+        assert set(read) == expected
+        for name in ("patches_BNP", "frame_ids_BN", "window_ids_BN", "hw_BN2"):
+          np.testing.assert_array_equal(
+            getattr(got.inputs.vision, name)[:, local], getattr(want.inputs.vision, name)[:, local]
+          )
+        # Where embeddings go is metadata: every device's token rows are whole.
+        np.testing.assert_array_equal(got.inputs.vision_index_BT, want.inputs.vision_index_BT)
+        np.testing.assert_array_equal(got.inputs.tokens_BT, want.inputs.tokens_BT)
+      assert {u.item.id for m in units for us in m[0].values() for u in us}, "no media"
     loader.release(samples)
 
 
@@ -321,16 +363,7 @@ def test_workers_exit_when_their_parent_is_killed():
     parent.wait()
   assert len(pids) == 2
 
-  def alive(pid):
-    try:
-      os.kill(pid, 0)
-    except ProcessLookupError:
-      return False
-    # A zombie (exited, not yet reaped by init) counts as gone.
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().split(")")[-1].split()[0] != "Z"
-
   deadline = time.monotonic() + 10 * workers.PARENT_CHECK_S + 5
-  while any(alive(p) for p in pids) and time.monotonic() < deadline:
+  while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
     time.sleep(0.2)
-  assert not [p for p in pids if alive(p)], "workers outlived their killed parent"
+  assert not [p for p in pids if process_alive(p)], "workers outlived their killed parent"

@@ -27,6 +27,7 @@ PACKAGE = ROOT / "fluxjax"
 LAYERS = {
   "fluxjax": (6, "entry"),
   "fluxjax.train": (6, "entry"),
+  "fluxjax.launch": (6, "entry"),
   "fluxjax.plot": (6, "entry"),
   "fluxjax.config_args": (6, "entry"),
   "fluxjax.logs": (6, "entry"),

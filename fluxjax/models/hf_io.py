@@ -195,7 +195,8 @@ def load_hf_checkpoint(
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
-  if jax.process_count() > 1:
+  """The whole array on this host; a collective when other processes hold shards of it."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -232,7 +233,10 @@ def save_hf_checkpoint(
 
   The folder is written next to `path` and renamed into place, so a reader
   (a rollout server loading new weights) never sees a half-written folder.
-  Only process 0 writes; every process must call this (gathers are collective).
+  Only process 0 writes. A model sharded across processes needs every
+  process to call this (the gathers are collective); one held by process 0
+  alone (the rollout engine's copy in a multi-controller run) is written by
+  process 0 by itself.
 
   Args:
     model: the model to export.

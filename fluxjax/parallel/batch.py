@@ -15,7 +15,7 @@ same sequence.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import jax
 import numpy as np
@@ -247,8 +247,9 @@ def materialize(
   patch_capacity: int | Sequence[int],
   patch_source=None,
   balance_vision: bool = False,
+  devices: Collection[int] | None = None,
 ) -> TrainBatch:
-  """Host numpy buffers for a plan (every device's; see `to_device`).
+  """Host numpy buffers for a plan (see `to_device`).
 
   Args:
     plan: the strategy's plan for these sequences.
@@ -262,6 +263,11 @@ def materialize(
     balance_vision: spread images and video frames over devices by patch
       count (see `vision_assignment`) instead of encoding each where its first
       token sits.
+    devices: the plan devices whose vision buffers are filled (None: all).
+      A process of a multi-controller run passes its own
+      (`materializer.local_device_indices`): only those rows reach its
+      devices, so it reads no other process's pixels. Token rows are
+      filled for every device (metadata the controller already holds).
   """
   patch_source = patch_source or (lambda item: item.patches)
   if len(seqs) != len(plan.lengths) or any(len(s) != n for s, n in zip(seqs, plan.lengths)):
@@ -355,13 +361,14 @@ def materialize(
           f"device {d} microbatch {m}: {n_patches} patches exceed the patch "
           f"capacity {patch_capacity}"
         )
-      pieces = []
-      for u in us:
-        per_frame = u.num_patches // (u.hi - u.lo)
-        pieces.append(np.asarray(patch_source(u.item))[u.lo * per_frame : u.hi * per_frame])
-      vis = vision_lib.make_vision_inputs(pieces, [u.grid_thw for u in us], vcfg, patch_capacity)
-      patches[m, d], frame_ids[m, d] = vis.patches_BNP[0], vis.frame_ids_BN[0]
-      window_ids[m, d], hw[m, d] = vis.window_ids_BN[0], vis.hw_BN2[0]
+      if devices is None or d in devices:
+        pieces = []
+        for u in us:
+          per_frame = u.num_patches // (u.hi - u.lo)
+          pieces.append(np.asarray(patch_source(u.item))[u.lo * per_frame : u.hi * per_frame])
+        vis = vision_lib.make_vision_inputs(pieces, [u.grid_thw for u in us], vcfg, patch_capacity)
+        patches[m, d], frame_ids[m, d] = vis.patches_BNP[0], vis.frame_ids_BN[0]
+        window_ids[m, d], hw[m, d] = vis.window_ids_BN[0], vis.hw_BN2[0]
       o = 0
       for u in us:
         per_frame = u.num_patches // (u.hi - u.lo) // vcfg.merge_unit

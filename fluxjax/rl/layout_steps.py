@@ -18,6 +18,7 @@ from typing import Generic, TypeVar
 
 import jax
 
+from fluxjax.data import materializer as materializer_lib
 from fluxjax.models.config import ModelConfig
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel.strategies import Strategy
@@ -84,6 +85,9 @@ class LayoutSteps(Generic[StepT]):
     self.strategy = strategy
     self.patch_buckets = tuple(patch_buckets)
     self.patch_source = patch_source
+    # A process of a multi-controller run fills only its own devices' vision
+    # rows (to_device places only those).
+    self._devices = materializer_lib.local_device_indices(mesh) if jax.process_count() > 1 else None
     self._compile = compile
     self._steps: dict[Hashable, StepT] = {}
 
@@ -102,6 +106,7 @@ class LayoutSteps(Generic[StepT]):
       self.patch_buckets,
       patch_source=self.patch_source,
       balance_vision=self.strategy.balance_vision,
+      devices=self._devices,
     )
     return plan, host
 

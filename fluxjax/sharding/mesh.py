@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import ml_collections
@@ -36,15 +38,100 @@ FSDP = "fsdp"
 SP = "sp"
 
 
-def maybe_initialize_distributed(cfg: ml_collections.ConfigDict | None) -> None:
-  """Multi-controller start-up when a coordinator address is configured."""
-  if cfg is None or not cfg.get("coordinator_address"):
+# FLUXJAX_DISTRIBUTED=1 declares a multi-process job that no other variable
+# gives away, e.g. a Kubernetes job (JAX finds the address and ids itself).
+DISTRIBUTED_ENV = "FLUXJAX_DISTRIBUTED"
+
+
+def _env_int(environ: Mapping[str, str], name: str) -> int:
+  try:
+    return int(environ.get(name, ""))
+  except ValueError:
+    return 0
+
+
+def cluster_job(environ: Mapping[str, str]) -> str | None:
+  """The launcher of a multi-process job this process is one of, or None.
+
+  Only jobs with more than one process count: a single Slurm task or a bare
+  Kubernetes pod is a single-process run, and initializing jax.distributed
+  there would wait for peers that never come. Kubernetes is never detected on
+  its own (every pod has KUBERNETES_SERVICE_HOST); such jobs set
+  FLUXJAX_DISTRIBUTED=1.
+
+  Args:
+    environ: the process environment (os.environ, or a dict in tests).
+
+  Returns:
+    "slurm" (an srun step of several tasks), "openmpi", "tpu" (a multi-host
+    TPU pod), DISTRIBUTED_ENV, or None.
+  """
+  if _env_int(environ, "SLURM_NTASKS") > 1 and environ.get("SLURM_STEP_NODELIST"):
+    return "slurm"
+  if _env_int(environ, "OMPI_COMM_WORLD_SIZE") > 1:
+    return "openmpi"
+  if "," in environ.get("TPU_WORKER_HOSTNAMES", ""):
+    return "tpu"
+  if environ.get(DISTRIBUTED_ENV) == "1":
+    return DISTRIBUTED_ENV
+  return None
+
+
+def distributed_arguments(
+  cfg: ml_collections.ConfigDict | None, environ: Mapping[str, str]
+) -> dict[str, Any] | None:
+  """The jax.distributed.initialize arguments for this run, or None for a
+  single-process run.
+
+  A run is multi-process when `cfg.coordinator_address` or the
+  JAX_COORDINATOR_ADDRESS variable is set, or when `cfg.auto` is on and
+  `cluster_job` detects a job. Unset fields (-1, "") become None, which JAX
+  fills in from the launcher's environment (Slurm, Open MPI, TPU, Kubernetes;
+  JAX_COORDINATOR_ADDRESS and JAX_LOCAL_DEVICE_IDS).
+
+  Args:
+    cfg: the config's `distributed` section (see configs/vlm.py), or None.
+    environ: the process environment.
+  """
+  if cfg is None:
+    return None
+  address = cfg.get("coordinator_address") or None
+  if not (
+    address
+    or environ.get("JAX_COORDINATOR_ADDRESS")
+    or (cfg.get("auto", False) and cluster_job(environ))
+  ):
+    return None
+  num_processes = cfg.get("num_processes", -1)
+  process_id = cfg.get("process_id", -1)
+  device_ids = cfg.get("local_device_ids", "")
+  return {
+    "coordinator_address": address,
+    "num_processes": None if num_processes == -1 else num_processes,
+    "process_id": None if process_id == -1 else process_id,
+    "local_device_ids": [int(i) for i in device_ids.split(",")] if device_ids else None,
+  }
+
+
+def maybe_initialize_distributed(
+  cfg: ml_collections.ConfigDict | None, environ: Mapping[str, str] | None = None
+) -> None:
+  """Starts jax.distributed when this process is one of a multi-process run
+  (see `distributed_arguments`); a single-process run is left alone.
+
+  Must run before any JAX computation. A second call, or one after the caller
+  initialized jax.distributed itself, does nothing.
+
+  Args:
+    cfg: the config's `distributed` section, or None.
+    environ: the process environment; os.environ when None.
+  """
+  if jax.distributed.is_initialized():
     return
-  jax.distributed.initialize(
-    coordinator_address=cfg.coordinator_address,
-    num_processes=cfg.num_processes,
-    process_id=cfg.process_id,
-  )
+  arguments = distributed_arguments(cfg, os.environ if environ is None else environ)
+  if arguments is None:
+    return
+  jax.distributed.initialize(**arguments)
   log.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
 
 

@@ -1,0 +1,176 @@
+"""Several JAX processes, one run: process 0 decides, every process computes.
+
+A multi-controller run (jax.distributed) has one global mesh over every
+process's devices, and every jitted program on it must be launched by every
+process, in the same order. Decisions that depend on timing or on I/O only
+one process does (rollout, rewards, admission, which groups make a part of
+the batch) are made once, on process 0, the leader. The leader sends each
+decision as an op on a `Channel`, an ordered stream over the coordination
+service's key-value store, and then runs it itself; the other processes
+receive the ops in order and run the same programs on their shards
+(rl/worker.py).
+
+The channel is not a device collective: a follower waiting for the next op
+(while the leader's rollout runs for minutes) sits in a key-value get, not
+inside a gloo/NCCL collective that could time out. Payloads are pickled (the
+ops carry metadata and per-token arrays, never pixels: each process decodes
+its own devices' media) and split into chunks the gRPC service accepts.
+
+`gather_to_leader` brings a sharded tree whole to the leader's host: how the
+leader's rollout engine gets its own copy of the weights (rollout programs
+are process-local, so they need no cross-process ordering).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+LEADER = 0
+
+
+def is_leader() -> bool:
+  """Whether this process decides (process 0; also a single-process run)."""
+  return jax.process_index() == LEADER
+
+
+def leader_devices() -> list[jax.Device]:
+  """The leader's devices, in global order."""
+  return [d for d in jax.devices() if d.process_index == LEADER]
+
+
+def _client():
+  from jax._src.distributed import global_state  # the one place touching it
+
+  if global_state.client is None:
+    raise RuntimeError("jax.distributed is not initialized: a channel needs several processes")
+  return global_state.client
+
+
+class Channel:
+  """An ordered op stream from the leader to every other process.
+
+  Op n is stored as chunks `{prefix}/{n}/{i}` and then a header `{prefix}/{n}`
+  holding the chunk count: a reader that sees the header finds every chunk.
+  The leader deletes ops once every follower has read them (`forget_through`,
+  after a collective that every follower must have reached).
+
+  Args:
+    prefix: key prefix (one channel per prefix).
+    timeout_s: how long a follower waits for the next op; the leader's
+      rollout and evaluation between two ops may take long.
+    chunk_bytes: payload bytes per key.
+  """
+
+  def __init__(
+    self, prefix: str = "fluxjax/ops", timeout_s: float = 7 * 86400, chunk_bytes: int = 2 << 20
+  ):
+    self.prefix = prefix
+    self.timeout_ms = int(timeout_s * 1000)
+    self.chunk_bytes = int(chunk_bytes)
+    self._next = 0  # the next op to send or receive
+    self._forgotten = 0  # ops below this are deleted
+
+  def send(self, name: str, *args: Any) -> int:
+    """Leader: appends op `name(*args)`; returns its number."""
+    client = _client()
+    n = self._next
+    payload = pickle.dumps((name, args), protocol=pickle.HIGHEST_PROTOCOL)
+    chunks = max(1, -(-len(payload) // self.chunk_bytes))
+    for i in range(chunks):
+      part = payload[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]
+      client.key_value_set_bytes(f"{self.prefix}/{n}/{i}", part)
+    client.key_value_set(f"{self.prefix}/{n}", str(chunks))
+    self._next += 1
+    return n
+
+  def recv(self) -> tuple[str, tuple]:
+    """Follower: the next op as (name, args), waiting for it."""
+    client = _client()
+    n = self._next
+    chunks = int(client.blocking_key_value_get(f"{self.prefix}/{n}", self.timeout_ms))
+    payload = b"".join(
+      client.blocking_key_value_get_bytes(f"{self.prefix}/{n}/{i}", self.timeout_ms)
+      for i in range(chunks)
+    )
+    self._next += 1
+    name, args = pickle.loads(payload)
+    return name, args
+
+  def forget_through(self, n: int) -> None:
+    """Leader: deletes ops up to `n`, which every follower has read."""
+    client = _client()
+    for k in range(self._forgotten, n + 1):
+      client.key_value_delete(f"{self.prefix}/{k}")  # the header and the chunks under it
+    self._forgotten = max(self._forgotten, n + 1)
+
+
+@contextlib.contextmanager
+def fail_fast() -> Iterator[None]:
+  """Ends this process at once when the block raises in a multi-process run.
+
+  jax.distributed shuts down at interpreter exit with a barrier across every
+  process, and the others may be waiting in a collective (or for an op) for
+  this one: a plain exit would hang them all. Exiting now lets the launcher
+  (or the cluster scheduler) see the failure and stop the others. The error
+  is logged first; one process re-raises as usual.
+  """
+  try:
+    yield
+  except BaseException:
+    if jax.process_count() == 1:
+      raise
+    log.exception("process %d of %d failed", jax.process_index(), jax.process_count())
+    for handler in logging.getLogger().handlers:
+      handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def barrier(name: str, timeout_s: float = 600.0) -> None:
+  """Every process waits here until all have arrived (no-op for one process)."""
+  if jax.process_count() > 1:
+    _client().wait_at_barrier(name, int(timeout_s * 1000))
+
+
+def _gathered(leaves) -> Iterator[np.ndarray]:
+  from jax.experimental import multihost_utils
+
+  for leaf in leaves:
+    yield np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+
+
+def gather_to_leader(tree, shardings):
+  """A copy of a sharded tree placed with `shardings` on the leader's devices.
+
+  Collective: every process calls it, with the same tree structure, in the
+  same order. One leaf at a time is gathered to host memory and placed, so
+  the host holds at most one whole tensor.
+
+  Args:
+    tree: jax.Arrays sharded over the global mesh.
+    shardings: a tree like `tree` of shardings on leader devices only.
+
+  Returns:
+    On the leader the placed copy; None on every other process.
+  """
+  flat_shardings = jax.tree.leaves(shardings)
+  leaves, treedef = jax.tree.flatten(tree)
+  if len(flat_shardings) != len(leaves):
+    raise ValueError(f"{len(flat_shardings)} shardings for {len(leaves)} arrays")
+  placed = []
+  for host, sharding in zip(_gathered(leaves), flat_shardings):
+    if is_leader():
+      placed.append(jax.device_put(host, sharding))
+  return jax.tree.unflatten(treedef, placed) if is_leader() else None

@@ -1,0 +1,133 @@
+"""A process for tests/test_launch.py to start through fluxjax.launch.
+
+  python -m launch_child ACTION_0 ACTION_1 ... --config.distributed.*=...
+
+Process i does ACTION_i:
+  ok        exit 0.
+  exit:N    exit with code N.
+  sleep     sleep (until stopped; at most 60 s).
+  sigkill   SIGKILL itself.
+  orphan:N  start a `sleep` worker in its process group, print the worker's pid,
+            exit with code N (the worker is left behind).
+  jax       jax.distributed through fluxjax's set-up from the launcher's flags,
+            then a jitted sum over a global array on a 4-device mesh; process 0
+            prints `sum=<value>`. Then the leader's op channel: process 0 sends
+            a small op and one of several chunks, the other prints what it
+            received as `ops=<name>:<count>,...`; and the global array gathered
+            onto process 0's devices, which prints `gathered=<values>`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+
+DISTRIBUTED_FLAG = "--config.distributed."
+SUM_SIZE = 16
+CHANNEL_BIG = 10240
+
+
+def distributed_sum(flags: dict[str, str]) -> None:
+  import jax
+  import jax.numpy as jnp
+  import ml_collections
+  import numpy as np
+
+  from fluxjax.sharding import mesh as mesh_lib
+
+  cfg = ml_collections.ConfigDict(
+    {
+      "coordinator_address": flags["coordinator_address"],
+      "num_processes": int(flags["num_processes"]),
+      "process_id": int(flags["process_id"]),
+      "local_device_ids": "",
+      "auto": False,
+    }
+  )
+  mesh_lib.maybe_initialize_distributed(cfg)
+  assert jax.process_count() == 2, jax.process_count()
+  assert jax.device_count() == 4, jax.devices()
+  mesh = jax.make_mesh((4,), ("x",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+  values = np.arange(SUM_SIZE, dtype=np.float32)
+  array = jax.make_array_from_callback((SUM_SIZE,), sharding, lambda index: values[index])
+  total = jax.jit(jnp.sum)(array)
+  if jax.process_index() == 0:
+    print(f"sum={float(total)}", flush=True)
+  leader_channel(array)
+
+
+def leader_channel(array) -> None:
+  import jax
+  import numpy as np
+
+  from fluxjax.parallel import multihost
+
+  channel = multihost.Channel(prefix="test/ops", timeout_s=60, chunk_bytes=1024)
+  big = np.arange(CHANNEL_BIG, dtype=np.int32)  # 40 KiB: 40 chunks
+  if multihost.is_leader():
+    channel.send("small", 1, "two")
+    last = channel.send("big", big)
+  else:
+    received = [channel.recv(), channel.recv()]
+    assert received[0] == ("small", (1, "two")), received[0]
+    np.testing.assert_array_equal(received[1][1][0], big)
+    print("ops=" + ",".join(f"{name}:{len(args)}" for name, args in received), flush=True)
+  multihost.barrier("test/read")  # the follower has read both ops
+  if multihost.is_leader():
+    channel.forget_through(last)
+    from jax._src.distributed import global_state
+
+    try:
+      global_state.client.key_value_try_get("test/ops/1")
+    except jax.errors.JaxRuntimeError:  # not found: deleted
+      pass
+    else:
+      raise AssertionError("forget_through left op 1 in the store")
+  local = jax.sharding.SingleDeviceSharding(multihost.leader_devices()[0])
+  gathered = multihost.gather_to_leader({"x": array}, {"x": local})
+  if multihost.is_leader():
+    assert gathered["x"].sharding == local
+    print("gathered=" + ",".join(str(int(v)) for v in np.asarray(gathered["x"])), flush=True)
+  else:
+    assert gathered is None
+
+
+def main() -> None:
+  flags = dict(
+    a[len(DISTRIBUTED_FLAG) :].split("=", 1) for a in sys.argv[1:] if a.startswith(DISTRIBUTED_FLAG)
+  )
+  actions = [a for a in sys.argv[1:] if not a.startswith("--")]
+  action, _, code = actions[int(flags["process_id"])].partition(":")
+  if action == "ok":
+    return
+  if action == "exit":
+    sys.exit(int(code))
+  if action == "sleep":
+    time.sleep(60)
+    return
+  if action == "sigkill":
+    os.kill(os.getpid(), signal.SIGKILL)
+  if action == "orphan":
+    worker = subprocess.Popen(["sleep", "60"])
+    print(f"launch_child: worker pid {worker.pid}", file=sys.stderr, flush=True)
+    os._exit(int(code))  # no clean-up: the worker outlives this process
+  if action == "jax":
+    try:
+      distributed_sum(flags)
+    except BaseException:
+      # jax.distributed's exit barrier would wait for the other process,
+      # which may wait in a collective for this one: fail now.
+      traceback.print_exc()
+      sys.stderr.flush()
+      os._exit(1)
+    return
+  sys.exit(f"launch_child: unknown action {action!r}")
+
+
+if __name__ == "__main__":
+  main()

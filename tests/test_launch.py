@@ -1,0 +1,276 @@
+"""fluxjax.launch and the jax.distributed set-up: cluster detection, each
+process's environment and flags, supervision of real processes, and one real
+2-process jax.distributed run through the launcher's command line."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import ml_collections
+import pytest
+
+from fluxjax import launch
+from fluxjax.sharding import mesh as mesh_lib
+from helpers import process_alive, run_launcher
+
+TESTS = pathlib.Path(__file__).resolve().parent
+ROOT = TESTS.parent
+PID_LINE = re.compile(r"^fluxjax\.launch: process (\d+) pid (\d+)$", re.MULTILINE)
+WORKER_LINE = re.compile(r"^launch_child: worker pid (\d+)$", re.MULTILINE)
+
+
+def _distributed(**fields) -> ml_collections.ConfigDict:
+  cfg = {
+    "coordinator_address": "",
+    "num_processes": -1,
+    "process_id": -1,
+    "local_device_ids": "",
+    "auto": True,
+  }
+  return ml_collections.ConfigDict({**cfg, **fields})
+
+
+# --- detection ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "environ, job",
+  [
+    ({}, None),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1", "SLURM_STEP_NODELIST": "n1"}, None),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "n[1-2]"}, "slurm"),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2"}, None),  # the batch script, not an srun step
+    ({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, None),
+    ({"OMPI_COMM_WORLD_SIZE": "1"}, None),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, "openmpi"),
+    ({"TPU_WORKER_HOSTNAMES": "t0"}, None),
+    ({"TPU_WORKER_HOSTNAMES": "t0,t1"}, "tpu"),
+    ({"KUBERNETES_SERVICE_HOST": "10.0.0.1", "FLUXJAX_DISTRIBUTED": "1"}, "FLUXJAX_DISTRIBUTED"),
+  ],
+)
+def test_cluster_job_counts_only_multi_process_jobs(environ, job):
+  assert mesh_lib.cluster_job(environ) == job
+
+
+def test_distributed_arguments():
+  slurm = {"SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "n[1-2]"}
+  detect = {
+    "coordinator_address": None,
+    "num_processes": None,
+    "process_id": None,
+    "local_device_ids": None,
+  }
+  assert mesh_lib.distributed_arguments(None, slurm) is None
+  assert mesh_lib.distributed_arguments(_distributed(), {}) is None
+  assert mesh_lib.distributed_arguments(_distributed(), {"KUBERNETES_SERVICE_HOST": "x"}) is None
+  assert mesh_lib.distributed_arguments(_distributed(), slurm) == detect
+  assert mesh_lib.distributed_arguments(_distributed(auto=False), slurm) is None
+  # JAX reads JAX_COORDINATOR_ADDRESS itself; it alone makes the run multi-process.
+  assert mesh_lib.distributed_arguments(
+    _distributed(auto=False), {"JAX_COORDINATOR_ADDRESS": "h:1"}
+  )
+  explicit = _distributed(
+    coordinator_address="h:1234", num_processes=4, process_id=3, local_device_ids="6,7"
+  )
+  assert mesh_lib.distributed_arguments(explicit, {}) == {
+    "coordinator_address": "h:1234",
+    "num_processes": 4,
+    "process_id": 3,
+    "local_device_ids": [6, 7],
+  }
+
+
+def test_a_single_process_run_leaves_jax_distributed_alone():
+  mesh_lib.maybe_initialize_distributed(_distributed(), {"KUBERNETES_SERVICE_HOST": "x"})
+  assert not jax.distributed.is_initialized()
+
+
+# --- each process's environment and command line ----------------------------------
+
+
+def test_child_env_replaces_the_cpu_device_count():
+  environ = {
+    "XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=8 --xla_bar",
+    "JAX_NUM_CPU_DEVICES": "8",
+    "KEEP": "me",
+  }
+  env = launch.child_env(environ, process_id=1, cpu_devices=2, gpus_per_process=0)
+  assert env["XLA_FLAGS"] == "--xla_foo=1 --xla_bar --xla_force_host_platform_device_count=2"
+  assert env["JAX_PLATFORMS"] == "cpu"
+  assert env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] == "gloo"
+  assert env["NPROC"] == "24" and env["KEEP"] == "me"
+  assert "JAX_NUM_CPU_DEVICES" not in env
+  assert "JAX_LOCAL_DEVICE_IDS" not in env
+  assert launch.child_env({"NPROC": "4"}, 0, 2, 0)["NPROC"] == "4"
+
+
+def test_child_env_leaves_the_platform_alone_by_default():
+  environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "CUDA_VISIBLE_DEVICES": "4"}
+  assert launch.child_env(environ, 1, cpu_devices=0, gpus_per_process=0) == environ
+
+
+def test_child_env_gives_each_process_its_gpus():
+  environ = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5"}
+  ids = [launch.child_env(environ, i, 0, 3)["JAX_LOCAL_DEVICE_IDS"] for i in range(2)]
+  assert ids == ["0,1,2", "3,4,5"]
+  assert launch.child_env(environ, 1, 0, 3)["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5"
+
+
+def test_child_args():
+  assert launch.child_args("fluxjax.train", ["--config=c.py", "--workdir=w"], "h:9", 2, 1) == [
+    sys.executable,
+    "-m",
+    "fluxjax.train",
+    "--config=c.py",
+    "--workdir=w",
+    "--config.distributed.coordinator_address=h:9",
+    "--config.distributed.num_processes=2",
+    "--config.distributed.process_id=1",
+  ]
+
+
+def test_the_launcher_owns_the_distributed_flags(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    launch.main(["--processes=2", "--", "--config.distributed.process_id=0"])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert "--config.distributed.process_id=0" in err and "the launcher sets" in err
+
+
+@pytest.mark.parametrize("argv", [[], ["--processes=0"], ["--processes=2", "--cpu_devices=-1"]])
+def test_bad_options_exit_2(argv, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    launch.main(argv)
+  assert exit_info.value.code == 2
+  assert "usage:" in capsys.readouterr().err
+
+
+def test_exit_status():
+  assert launch.exit_status(0) == 0
+  assert launch.exit_status(3) == 3
+  assert launch.exit_status(-signal.SIGKILL) == 137
+  assert launch.exit_status(-signal.SIGTERM) == 143
+
+
+# --- supervision of real processes --------------------------------------------------
+
+
+def _gone_soon(pid: int, timeout_s: float = 5.0) -> bool:
+  deadline = time.monotonic() + timeout_s
+  while process_alive(pid):
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.05)
+  return True
+
+
+def _pids(stderr: str) -> dict[int, int]:
+  return {int(i): int(pid) for i, pid in PID_LINE.findall(stderr)}
+
+
+@pytest.fixture
+def child_module(monkeypatch):
+  """Lets `--module launch_child` resolve in the launched processes."""
+  path = os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")])
+  monkeypatch.setenv("PYTHONPATH", path.rstrip(os.pathsep))
+
+
+def _launch(actions: list[str], grace_s: float = 5.0) -> tuple[int, float]:
+  start = time.monotonic()
+  rc = launch.main(
+    [f"--processes={len(actions)}", f"--grace_s={grace_s}", "--module=launch_child", "--"] + actions
+  )
+  return rc, time.monotonic() - start
+
+
+def test_all_processes_succeed(child_module, capfd):
+  rc, _ = _launch(["ok", "ok", "ok"])
+  assert rc == 0
+  assert sorted(_pids(capfd.readouterr().err)) == [0, 1, 2]
+
+
+def test_a_failure_stops_the_others_and_gives_its_code(child_module, capfd):
+  rc, seconds = _launch(["sleep", "exit:3"])
+  err = capfd.readouterr().err
+  assert rc == 3
+  assert seconds < 20, seconds  # not the sleeper's 60 s
+  assert "process 1 (pid" in err and "exited with code 3; stopping the other 1 process" in err
+  assert not process_alive(_pids(err)[0])
+
+
+def test_a_process_killed_by_a_signal_gives_128_plus_the_signal(child_module, capfd):
+  rc, seconds = _launch(["sleep", "sigkill"])
+  err = capfd.readouterr().err
+  assert rc == 137
+  assert seconds < 20, seconds
+  assert "was killed by SIGKILL (9)" in err
+  assert not process_alive(_pids(err)[0])
+
+
+def test_a_failed_process_leaves_no_workers_behind(child_module, capfd):
+  rc, _ = _launch(["sleep", "orphan:5"])
+  err = capfd.readouterr().err
+  assert rc == 5
+  worker = int(WORKER_LINE.search(err).group(1))
+  assert _gone_soon(worker), f"the failed process's worker {worker} still runs"
+  assert not process_alive(_pids(err)[0])
+
+
+def _read_until(stream, pattern: re.Pattern, count: int, timeout_s: float) -> str:
+  """Lines of `stream` until `pattern` has matched `count` times."""
+  text = ""
+  deadline = time.monotonic() + timeout_s
+  while len(pattern.findall(text)) < count:
+    assert time.monotonic() < deadline, text
+    line = stream.readline()
+    assert line, text  # the launcher ended early
+    text += line
+  return text
+
+
+def test_sigterm_to_the_launcher_stops_every_process(child_module):
+  launcher = subprocess.Popen(
+    [sys.executable, "-m", "fluxjax.launch", "--processes=2", "--module=launch_child"]
+    + ["--", "sleep", "sleep"],
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  try:
+    pids = _pids(_read_until(launcher.stderr, PID_LINE, 2, timeout_s=30))
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    assert not any(process_alive(pid) for pid in pids.values())
+  finally:
+    launcher.kill()
+    launcher.wait()
+    launcher.stderr.close()
+
+
+# --- a real jax.distributed run ----------------------------------------------------
+
+
+def test_two_processes_run_one_jax_distributed_program(child_module):
+  """2 processes x 2 CPU devices: one global 4-device mesh. conftest.py's 8-device
+  XLA_FLAGS reach the launcher; --cpu_devices=2 must win over them."""
+  out = run_launcher(
+    [sys.executable, "-m", "fluxjax.launch", "--processes=2", "--cpu_devices=2"]
+    + ["--module=launch_child", "--", "jax", "jax"],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    timeout=180,
+  )
+  assert out.returncode == 0, out.stderr[-4000:]
+  lines = out.stdout.splitlines()
+  assert f"sum={float(sum(range(16)))}" in lines, out.stdout
+  # The leader's op channel (40 chunks for the big op) and the gather to the leader.
+  assert "ops=small:2,big:1" in lines, out.stdout
+  assert "gathered=" + ",".join(map(str, range(16))) in lines, out.stdout
+  assert sorted(_pids(out.stderr)) == [0, 1]

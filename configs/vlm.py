@@ -104,11 +104,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1
   c.mesh.fsdp = -1
-  # Multi-controller runs: set the coordinator address (host:port) and ids.
+  # Multi-controller runs (several processes, one jax.distributed job): either an
+  # explicit coordinator address (host:port; python -m fluxjax.launch sets it and
+  # the ids), or auto-detection of a Slurm step, Open MPI job or TPU pod, which
+  # JAX reads the address and ids from. A Kubernetes job (or another launcher
+  # JAX can detect) sets FLUXJAX_DISTRIBUTED=1 or an explicit address: JAX sees
+  # Kubernetes in every pod, single-process ones included.
   c.distributed = ml_collections.ConfigDict()
-  c.distributed.coordinator_address = ""
-  c.distributed.num_processes = 1
-  c.distributed.process_id = 0
+  c.distributed.coordinator_address = ""  # "" = JAX_COORDINATOR_ADDRESS or detected
+  c.distributed.num_processes = -1  # -1 = detected
+  c.distributed.process_id = -1  # -1 = detected
+  c.distributed.local_device_ids = ""  # e.g. "0,1"; "" = JAX_LOCAL_DEVICE_IDS or detected
+  c.distributed.auto = True  # initialize when a multi-process cluster job is detected
 
   # Sharding strategy, swapped by --config.sharding.strategy alone (every
   # other field keeps its meaning): packed_dp (veRL-like: sequences packed
@@ -160,6 +167,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.health_interval_s = 2.0
   c.rollout.num_slots = 32  # embedded engine: concurrent requests
   c.rollout.context_length = 1024  # embedded engine: prompt + response tokens
+  # Embedded engine placement: 0 runs it on the trainer's mesh (one process)
+  # or on all of process 0's devices (several processes); k > 0 runs it on
+  # the first k devices of process 0, with its own copy of the weights.
+  c.rollout.embedded_devices = 0
   # Each request carries a sampling_seed derived from (seed, sample position,
   # response index), so its tokens do not depend on batching or thread timing:
   # a run on the embedded engine repeats. SGLang honours the seed with

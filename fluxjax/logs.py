@@ -11,7 +11,10 @@ Every fluxjax module logs through the standard library,
            warns on every checkpoint about its internal layout);
   file     WORKDIR/train.log: fluxjax at DEBUG (e.g. the evaluated answers)
            and everything else at INFO and above (Orbax writes ~60 INFO
-           lines per checkpoint), for when a run needs explaining.
+           lines per checkpoint), for when a run needs explaining. Process
+           k > 0 of a multi-controller run writes train.p<k>.log, and its
+           console shows WARNING and above only, prefixed [p<k>] (the
+           leader reports progress).
 
 Library code never configures logging; a notebook or test sees fluxjax's
 records through the root logger as usual.
@@ -35,9 +38,13 @@ _FORMAT_CONSOLE_WARNING = "%(asctime)s %(levelname)s %(name)s] %(message)s"
 class _ConsoleFilter(logging.Filter):
   """The console's share of the records (see the module docstring)."""
 
+  def __init__(self, fluxjax_level: int = logging.INFO):
+    super().__init__()
+    self.fluxjax_level = fluxjax_level
+
   def filter(self, record: logging.LogRecord) -> bool:
     if record.name == "fluxjax" or record.name.startswith("fluxjax."):
-      return record.levelno >= logging.INFO
+      return record.levelno >= self.fluxjax_level
     if record.name == "absl":
       return record.levelno >= logging.ERROR
     return record.levelno >= logging.WARNING
@@ -46,9 +53,9 @@ class _ConsoleFilter(logging.Filter):
 class _ConsoleFormatter(logging.Formatter):
   """Plain lines for progress; level and logger name where something is wrong."""
 
-  def __init__(self):
-    super().__init__(_FORMAT_CONSOLE, datefmt="%H:%M:%S")
-    self._warning = logging.Formatter(_FORMAT_CONSOLE_WARNING, datefmt="%H:%M:%S")
+  def __init__(self, prefix: str = ""):
+    super().__init__(prefix + _FORMAT_CONSOLE, datefmt="%H:%M:%S")
+    self._warning = logging.Formatter(prefix + _FORMAT_CONSOLE_WARNING, datefmt="%H:%M:%S")
 
   def format(self, record: logging.LogRecord) -> str:
     if record.levelno >= logging.WARNING:
@@ -56,7 +63,7 @@ class _ConsoleFormatter(logging.Formatter):
     return super().format(record)
 
 
-def configure(console: TextIO | None = None) -> None:
+def configure(console: TextIO | None = None, process_index: int = 0) -> None:
   """Routes every record of the process to the console (see the module docstring).
 
   Replaces the root logger's handlers (absl's, under `absl.app.run`), so it
@@ -65,6 +72,8 @@ def configure(console: TextIO | None = None) -> None:
 
   Args:
     console: the console stream (default stderr).
+    process_index: this process in a multi-controller run; k > 0 shows
+      fluxjax's WARNING and above only, prefixed [p<k>].
   """
   root = logging.getLogger()
   for handler in list(root.handlers):
@@ -72,18 +81,23 @@ def configure(console: TextIO | None = None) -> None:
   root.setLevel(logging.INFO)
   logging.getLogger("fluxjax").setLevel(logging.DEBUG)
   to_console = logging.StreamHandler(console or sys.stderr)
-  to_console.addFilter(_ConsoleFilter())
-  to_console.setFormatter(_ConsoleFormatter())
+  to_console.addFilter(_ConsoleFilter(logging.INFO if process_index == 0 else logging.WARNING))
+  to_console.setFormatter(_ConsoleFormatter(f"[p{process_index}] " if process_index else ""))
   root.addHandler(to_console)
   # absl's own threshold gates what reaches the Python logger (Orbax logs
   # through absl); let its INFO through to the file.
   absl_logging.set_verbosity(absl_logging.INFO)
 
 
-def add_file(workdir: str) -> str:
-  """Also writes every record to WORKDIR/train.log; returns its path."""
+def log_file_name(process_index: int = 0) -> str:
+  """train.log for the leader (process 0); train.p<k>.log for process k of several."""
+  return LOG_FILE if process_index == 0 else LOG_FILE.replace(".log", f".p{process_index}.log")
+
+
+def add_file(workdir: str, process_index: int = 0) -> str:
+  """Also writes every record to WORKDIR/train.log (per process); returns its path."""
   os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, LOG_FILE)
+  path = os.path.join(workdir, log_file_name(process_index))
   to_file = logging.FileHandler(path)
   to_file.setFormatter(logging.Formatter(_FORMAT_FILE))
   logging.getLogger().addHandler(to_file)

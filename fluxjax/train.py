@@ -26,19 +26,26 @@ def main(argv):
   del argv
   config = _CONFIG.value
   # Heavy imports after flag parsing, so --help stays fast.
+  import jax
+
   from fluxjax import logs
+  from fluxjax.parallel import multihost
   from fluxjax.rl import loop
   from fluxjax.sharding import mesh as mesh_lib
 
   logs.configure()
   mesh_lib.maybe_initialize_distributed(config.distributed)
+  process = jax.process_index()
+  if process:
+    logs.configure(process_index=process)
   try:
     loop.validate(config)
   except ValueError as e:  # a configuration mistake: say what, not where
     sys.exit(f"fluxjax.train: bad configuration: {e}")
-  log_file = logs.add_file(_WORKDIR.value)
+  log_file = logs.add_file(_WORKDIR.value, process)
   logging.getLogger("fluxjax.train").info("full log: %s", log_file)
-  loop.run(config, _WORKDIR.value)
+  with multihost.fail_fast():
+    loop.run(config, _WORKDIR.value)
 
 
 if __name__ == "__main__":

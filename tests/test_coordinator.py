@@ -6,6 +6,7 @@ nothing here compiles a train step.
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 
@@ -14,9 +15,10 @@ import numpy as np
 import pytest
 
 from fluxjax import config_args
+from fluxjax.data import materializer as materializer_lib
 from fluxjax.data import meta as meta_lib
-from fluxjax.models import inputs, sharded
-from fluxjax.parallel import train_step
+from fluxjax.data import store as store_lib
+from fluxjax.models import inputs
 from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import loop, trajectories
 from fluxjax.rollout import backend as backend_lib
@@ -101,19 +103,25 @@ class _Rewards:
 
 
 @pytest.fixture(scope="module")
-def parts(devices):
+def parts(devices, tmp_path_factory):
   del devices
   config = config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"))
-  cfg, strategy, mesh = loop.validate(config)
-  model = sharded.create_sharded_model(cfg, mesh, seed=0)
-  tx = train_step.make_optimizer(config.optim)
-  graphdef, state, shardings = train_step.create_train_state(model, tx, mesh)
-  return config, cfg, strategy, mesh, graphdef, state, shardings, tx
+  with contextlib.ExitStack() as stack:
+    store = store_lib.MetaStore(1 << 20)
+    stack.callback(store.close)
+    policy = loop.build_policy(
+      config,
+      str(tmp_path_factory.mktemp("coordinator")),
+      stack,
+      materializer_lib.Materializer(store),
+      owns_media=False,
+    )
+    yield config, policy
 
 
 @pytest.fixture
 def coord(parts):
-  config, cfg, strategy, mesh, graphdef, state, shardings, tx = parts
+  config, policy = parts
   from fluxjax.models.tokenizer import Tokenizer
 
   backend = _Backend()
@@ -122,19 +130,7 @@ def coord(parts):
     backend_lib.LoopThread() as thread,
     thread.running(backend),
     coordinator_lib.Coordinator(
-      config,
-      cfg,
-      Tokenizer.default(),
-      mesh,
-      strategy,
-      graphdef,
-      state,
-      shardings,
-      tx,
-      _EmptyLoader(),
-      backend,
-      _Rewards(),
-      thread=thread,
+      config, Tokenizer.default(), policy, _EmptyLoader(), backend, _Rewards(), thread=thread
     ) as c,
   ):
     yield c, backend
@@ -174,29 +170,28 @@ def test_publish_hands_the_backend_a_copy_and_counts_versions(coord):
   assert c.fault_counts()["fake/publishes"] == 2.0
 
 
-def test_load_params_replaces_the_parameters_only(coord):
+def test_load_params_replaces_the_parameters_only(coord, parts):
   c, _ = coord
+  policy = parts[1]
   before = c.state
   params = jax.tree.map(lambda x: x + 1, before.params)
-  c.load_params(params)
-  assert c.state.params is params
+  policy.load_params(params)
+  assert c.state.params is params  # the coordinator reads its policy's state
   assert c.state.opt_state is before.opt_state and c.state.step is before.step
-  c.set_reference(before.params)  # the KL reference: no effect on the policy
-  assert c.state.params is params
+  policy.load_params(before.params)
 
 
 def test_restore_before_start_only(coord):
   c, _ = coord
-  restored = train_step.TrainState(c.state.params, c.state.opt_state, c.state.step + 3)
-  c.restore(restored, {"version": 4, "steps": 3, "filtered": 2}, {"position": 7})
-  assert c.state is restored and (c.version, c.steps) == (4, 3)
+  c.restore({"version": 4, "steps": 3, "filtered": 2}, {"position": 7})
+  assert (c.version, c.steps) == (4, 3)
   assert c.fault_counts()["rollout/filtered_groups_total"] == 2.0
   state, data = c.get_state()
   assert (state["version"], state["steps"], state["filtered"]) == (4, 3, 2)
   assert data == {"position": 7}
   c.start()
   with pytest.raises(RuntimeError, match="after rollout started"):
-    c.restore(restored, {"version": 4}, {})
+    c.restore({"version": 4}, {})
 
 
 def test_sequences_honour_the_advantage_settings(coord, parts):

@@ -16,7 +16,7 @@ from fluxjax.data import drawing
 from fluxjax.models import inputs, processor, sharded
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import train_step
-from fluxjax.rl import loop, metrics, rewards, sft
+from fluxjax.rl import loop, rewards, sft
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -161,30 +161,3 @@ def test_optimizer_config_is_the_warm_ups_own(setup):
   assert (optim.lr, optim.total_steps) == (config.sft.lr, config.sft.steps)
   assert config.optim.lr != optim.lr  # the RL optimizer's settings are not changed
   assert optim.max_grad_norm == config.optim.max_grad_norm
-
-
-@pytest.mark.slow
-def test_loop_runs_the_warm_up_before_rl(tmp_path):
-  c = _config()
-  assert c.sft.enabled
-  c.total_steps, c.eval.every = 1, 1
-  c.sft.steps, c.sft.batch_size, c.sft.eval_every = 3, 2, 2
-  c.data.synth_train, c.data.synth_eval, c.eval.prompts = 8, 2, 2
-  c.rl.prompts_per_step, c.rl.responses_per_prompt, c.rl.max_new_tokens = 2, 2, 6
-  c.rl.reward.num_workers = 1
-  c.rollout.num_slots = 4
-  c.checkpoint.every = 1
-  last = loop.run(c, str(tmp_path))
-  recs = {r["step"]: r for r in metrics.read_metrics(str(tmp_path))}
-  assert sorted(recs) == [-3, -2, -1, 0, 1]
-  assert "eval/accuracy" in recs[-3]  # before the warm-up
-  assert all(np.isfinite(recs[k]["sft/loss"]) for k in (-2, -1, 0))
-  assert "eval/accuracy" in recs[-1] and "eval/accuracy" not in recs[-2]  # every 2 steps
-  assert "eval/accuracy" in recs[0]  # after it, where GRPO starts
-  # The warm-up published a snapshot and its result; the RL step the next one.
-  assert last["policy/version"] == 3.0
-  # A resumed run does not warm up again.
-  c.total_steps = 2
-  loop.run(c, str(tmp_path))
-  recs = metrics.read_metrics(str(tmp_path))
-  assert [r["step"] for r in recs] == [-3, -2, -1, 0, 1, 2]

@@ -11,11 +11,14 @@
        the new version opens admission for the rounds it allows.
 
 The coordinator's collaborators are passed in, built and closed by the run
-loop (rl/loop.py): the rollout backend (`rollout.backend.RolloutBackend`,
-open on the rollout thread's loop), the loader, the reward pool. What others
-may do to it is its methods (`restore`, `load_params`, `set_reference`,
-`publish`, `start`, `step`, `close`); what they may read, read-only
-properties.
+loop (rl/loop.py): the policy worker that owns the train state and runs
+every program on the training mesh (rl/worker.py; in a multi-controller run
+a `LeaderWorker` that sends each op to the other processes first), the
+rollout backend (`rollout.backend.RolloutBackend`, open on the rollout
+thread's loop), the loader, the reward pool. The coordinator runs on the
+leader only and decides; what others may do to it is its methods
+(`restore`, `publish`, `start`, `step`, `close`); what they may read,
+read-only properties.
 
 Every token carries the policy version that sampled it. After each step the
 staleness of the batch (version gap, KL(behaviour || current), importance
@@ -41,7 +44,6 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from fluxjax.data import materializer as materializer_lib
 from fluxjax.data import meta as meta_lib
 from fluxjax.models import inputs
 from fluxjax.models.config import ModelConfig
@@ -50,9 +52,9 @@ from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import train_step
 from fluxjax.parallel.strategies import Strategy
 from fluxjax.rl import advantages as adv_lib
-from fluxjax.rl import async_control, evaluation, losses, rewards, tail_batching, trajectories
+from fluxjax.rl import async_control, evaluation, rewards, tail_batching, trajectories
 from fluxjax.rl import producer as producer_lib
-from fluxjax.rl.stream_trainer import StreamTrainer
+from fluxjax.rl.worker import Policy
 from fluxjax.rollout.backend import LoopThread, RolloutBackend
 from fluxjax.rollout.client import Completion
 
@@ -84,13 +86,9 @@ class Coordinator:
 
   Args:
     config: the run config.
-    model_cfg: the model configuration.
     tokenizer: the run's tokenizer (prompts, stop tokens).
-    mesh: the training mesh.
-    strategy: the sharding strategy.
-    graphdef, state, state_shardings: the policy's graph, its sharded
-      TrainState (donated to each update) and the state's shardings.
-    tx: the optimizer.
+    policy: the policy worker (rl/worker.py): the train state and the
+      programs that change it.
     loader: the training data (a ShadowLoader).
     rollout: the backend, already started on `thread`'s loop.
     reward_scheduler: scores responses.
@@ -100,14 +98,8 @@ class Coordinator:
   def __init__(
     self,
     config,
-    model_cfg: ModelConfig,
     tokenizer: Tokenizer,
-    mesh,
-    strategy: Strategy,
-    graphdef,
-    state,
-    state_shardings,
-    tx,
+    policy: Policy,
     loader,
     rollout: RolloutBackend,
     reward_scheduler: rewards.RewardScheduler,
@@ -115,28 +107,11 @@ class Coordinator:
     thread: LoopThread,
   ):
     self._config = config
-    self._cfg = model_cfg
     self._tokenizer = tokenizer
-    self._mesh = mesh
-    self._strategy = strategy
-    self._graphdef = graphdef
+    self._policy = policy
     self._loader = loader
     self._rollout = rollout
     self._rewards = reward_scheduler
-    self._patch_source = materializer_lib.Materializer(loader.store, loader.pool)
-    self._trainer = StreamTrainer(
-      model_cfg,
-      mesh,
-      strategy,
-      graphdef,
-      state,
-      state_shardings,
-      tx,
-      losses.make_loss_fn(config.rl),
-      patch_source=self._patch_source,
-      temperature=float(config.rl.temperature),
-      updates_per_batch=int(config.rl.updates_per_batch),
-    )
     self._version = 0  # weight version published to rollout
     self._steps = 0  # RL updates applied
     rl = config.rl
@@ -175,8 +150,13 @@ class Coordinator:
 
   # -- read-only views -------------------------------------------------------
   @property
+  def policy(self) -> Policy:
+    """The policy worker (every process runs its ops)."""
+    return self._policy
+
+  @property
   def cfg(self) -> ModelConfig:
-    return self._cfg
+    return self._policy.cfg
 
   @property
   def tokenizer(self) -> Tokenizer:
@@ -184,24 +164,24 @@ class Coordinator:
 
   @property
   def mesh(self) -> jax.sharding.Mesh:
-    return self._mesh
+    return self._policy.mesh
 
   @property
   def strategy(self) -> Strategy:
-    return self._strategy
+    return self._policy.strategy
 
   @property
   def graphdef(self):
-    return self._graphdef
+    return self._policy.graphdef
 
   @property
   def state(self) -> train_step.TrainState:
     """The policy's train state (each update donates it: read it again after one)."""
-    return self._trainer.state
+    return self._policy.state
 
   @property
   def state_shardings(self) -> train_step.TrainState:
-    return self._trainer.state_shardings
+    return self._policy.state_shardings
 
   @property
   def version(self) -> int:
@@ -213,23 +193,10 @@ class Coordinator:
     """RL updates applied."""
     return self._steps
 
-  # -- the policy's weights --------------------------------------------------
-  def load_params(self, params) -> None:
-    """Makes `params` the policy's parameters; optimizer state and step stay.
-
-    Rollout keeps sampling the published version until the next `publish`.
-    """
-    state = self._trainer.state
-    self._trainer.load_state(train_step.TrainState(params, state.opt_state, state.step))
-
-  def set_reference(self, params) -> None:
-    """The KL term's reference parameters (sharded like the policy's)."""
-    self._trainer.set_reference(params)
-
   # -- rollout ---------------------------------------------------------------
   def prompt(self, sample: meta_lib.SampleMeta) -> inputs.SequenceInputs:
     return inputs.sequence_from_chat(
-      sample.messages(), list(sample.media), self._tokenizer, self._cfg
+      sample.messages(), list(sample.media), self._tokenizer, self.cfg
     )
 
   def request(
@@ -342,23 +309,22 @@ class Coordinator:
       kept.append(item)
       pending.append(item)
       if len(pending) >= chunk:
-        self._trainer.add(self.sequences([k.group for k in pending]))
+        self._policy.add(self.sequences([k.group for k in pending]))
         pending = []
     if pending:
-      self._trainer.add(self.sequences([k.group for k in pending]))
+      self._policy.add(self.sequences([k.group for k in pending]))
     t_rollout = time.perf_counter() - t0
     if not kept:
       raise RuntimeError(
         "dynamic sampling filtered every group of the step; raise rl.max_refill_rounds"
       )
     gaps = self._version_gaps(kept)
-    device_metrics = self._trainer.apply()
+    device_metrics = self._policy.apply()
     self._steps += 1
     train = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
     t_publish = self.publish()
     self._consumed.update(k.sample.uid for k in kept)
     self._done_with(kept)
-    self._patch_source.release()
     self._filtered += filtered
 
     # Var(w) = E[w^2] - E[w]^2 from the step's token means of the importance weights.
@@ -434,9 +400,11 @@ class Coordinator:
     self._version += int(new_version)
     # The engine gets its own buffers: the next update donates the trainer's,
     # while rollout goes on sampling from these.
-    params = jax.tree.map(lambda x: x.copy(), self._trainer.state.params)
-    model = nnx.merge(self._graphdef, params)
     t = time.perf_counter()
+    params = self._policy.stage()
+    if params is None:
+      raise RuntimeError("the coordinator runs on the leader, which receives the staged weights")
+    model = nnx.merge(self.graphdef, params)
     report = self._producer.call(self._rollout.publish(model, self._version))
     if report.failed:
       log.warning("weight update failed on %s", report.failed)
@@ -484,16 +452,14 @@ class Coordinator:
       **snap,
     }, data
 
-  def restore(self, train_state: train_step.TrainState, state: dict, data: dict) -> None:
-    """Resumes from a checkpoint (before `start`).
+  def restore(self, state: dict, data: dict) -> None:
+    """Resumes from a checkpoint (before `start`); the policy restored its train state.
 
     Args:
-      train_state: the policy's restored TrainState (placed like `state`).
       state, data: what `get_state()` returned when the checkpoint was taken.
     """
     if self._started:
       raise RuntimeError("restore() after rollout started")
-    self._trainer.load_state(train_state)
     self._version = int(state["version"])
     self._steps = int(state.get("steps", 0))
     self._filtered = int(state.get("filtered", 0))

@@ -7,6 +7,13 @@ fleet), rewards, coordinator, and the reference model when rl.kl_coef > 0
 (rl/reference.py); then the loop with delayed metrics, held-out
 evaluation, checkpoints and auto-resume. One ExitStack owns every resource of
 a run and closes them in reverse order of creation, whatever ends it.
+
+A multi-controller run (several processes under jax.distributed) splits it:
+process 0, the leader, builds and runs everything above; every process,
+the leader included, builds the policy worker (rl/worker.py: the model, its
+train state and the checkpointer, on the global mesh), and the others
+`follow` the leader's ops with their own decoders for their own devices'
+media. Metrics, trained.jsonl, config.json and evaluation are the leader's.
 """
 
 from __future__ import annotations
@@ -18,16 +25,20 @@ import logging
 import os
 
 import jax
+from flax import nnx
 
+from fluxjax.data import materializer as materializer_lib
 from fluxjax.data import pipeline, readers, synth
+from fluxjax.data import store as store_lib
+from fluxjax.data import workers as workers_lib
 from fluxjax.models import config as model_config
 from fluxjax.models import hf_io, processor, sharded
 from fluxjax.models.tokenizer import Tokenizer
-from fluxjax.parallel import strategies, train_step
-from fluxjax.rl import checkpoint as checkpoint_lib
+from fluxjax.parallel import multihost, strategies, train_step
 from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import metrics as metrics_lib
 from fluxjax.rl import reference, rewards, sft
+from fluxjax.rl import worker as worker_lib
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout import factory
 from fluxjax.sharding import mesh as mesh_lib
@@ -91,31 +102,52 @@ class Built:
 
   Attributes:
     coordinator: the run's Coordinator.
+    policy: the policy worker the coordinator drives (a LeaderWorker in a
+      multi-controller run).
     loader: the training data (the coordinator's).
     eval_rows: held-out rows for evaluation.
     proc: the vision processor config.
   """
 
   coordinator: coordinator_lib.Coordinator
+  policy: worker_lib.PolicyWorker | worker_lib.LeaderWorker
   loader: pipeline.ShadowLoader
   eval_rows: list[dict]
   proc: processor.VisionProcessorConfig
 
 
-def build(config, workdir: str, stack: contextlib.ExitStack) -> Built:
-  """Everything a run needs, created sharded; `stack` closes it in reverse order.
+def rollout_shardings(config, cfg, mesh):
+  """Where the embedded engine's copy of the weights goes (`PolicyWorker.stage`).
 
-  Closing order: the coordinator (rollout stops), the reward pool, the
-  rollout backend (on the rollout thread's loop), any launched servers, the
-  loop, the loader.
+  None keeps it on the training mesh (one process, rollout.embedded_devices
+  0, or a fleet, which is sent a checkpoint). Otherwise the first
+  rollout.embedded_devices (0: all) of the leader's devices: the leader runs
+  rollout alone, so its programs must not span other processes.
+  """
+  k = int(config.rollout.get("embedded_devices", 0))
+  if jax.process_count() == 1 and (k == 0 or config.rollout.backend != "embedded"):
+    return None
+  devices = multihost.leader_devices()
+  if k > len(devices):
+    raise ValueError(
+      f"rollout.embedded_devices={k} but process 0 has {len(devices)} devices; "
+      f"set --config.rollout.embedded_devices to at most {len(devices)} (0: all)"
+    )
+  local = mesh_lib.make_mesh(1, -1, devices=devices[: k or None])
+  return sharded.model_shardings(
+    cfg, local, max_replicated_bytes=config.sharding.max_replicated_bytes, log_table=False
+  )
+
+
+def build_policy(
+  config, workdir: str, stack: contextlib.ExitStack, patch_source, *, owns_media: bool
+) -> worker_lib.PolicyWorker:
+  """This process's policy worker: the model created sharded, its train state, the checkpointer.
+
+  Every process of a run calls it (the initialization programs are global).
   """
   cfg, strategy, mesh = validate(config)
   log.info("strategy %s (sp=%d) on mesh %s", strategy.name, strategy.sp, dict(mesh.shape))
-  tokenizer = (
-    Tokenizer.from_file(config.model.tokenizer_path)
-    if config.model.tokenizer_path
-    else Tokenizer.default()
-  )
   max_replicated = config.sharding.max_replicated_bytes
   if config.model.hf_path:
     shardings = sharded.model_shardings(cfg, mesh, max_replicated_bytes=max_replicated)
@@ -126,9 +158,52 @@ def build(config, workdir: str, stack: contextlib.ExitStack) -> Built:
     )
   tx = train_step.make_optimizer(config.optim)
   graphdef, state, state_shardings = train_step.create_train_state(model, tx, mesh)
+  policy = worker_lib.PolicyWorker(
+    config,
+    workdir,
+    cfg=cfg,
+    mesh=mesh,
+    strategy=strategy,
+    graphdef=graphdef,
+    state=state,
+    state_shardings=state_shardings,
+    tx=tx,
+    patch_source=patch_source,
+    owns_media=owns_media,
+    rollout_shardings=rollout_shardings(config, cfg, mesh),
+  )
+  return stack.enter_context(policy)
 
+
+def processor_config(config) -> processor.VisionProcessorConfig:
+  return processor.VisionProcessorConfig(**config.data.vision.to_dict())
+
+
+def media_source(config, stack: contextlib.ExitStack) -> materializer_lib.Materializer:
+  """A follower's pixels: its own store, filled by its own decoders on demand."""
+  store = store_lib.MetaStore()
+  stack.callback(store.close)
+  workers = max(1, int(config.data.num_workers))
+  pool = workers_lib.WorkerPool(workers, processor_config(config), store)
+  stack.callback(pool.close)
+  return materializer_lib.Materializer(store, pool)
+
+
+def build(config, workdir: str, stack: contextlib.ExitStack) -> Built:
+  """Everything the leader runs, created sharded; `stack` closes it in reverse order.
+
+  In a multi-controller run every other process runs `follow` meanwhile.
+  Closing order: the coordinator (rollout stops), the reward pool, the
+  rollout backend (on the rollout thread's loop), any launched servers, the
+  loop, the policy worker (checkpoints finish), the loader.
+  """
+  tokenizer = (
+    Tokenizer.from_file(config.model.tokenizer_path)
+    if config.model.tokenizer_path
+    else Tokenizer.default()
+  )
   train_path, eval_path = dataset_paths(config, workdir)
-  proc = processor.VisionProcessorConfig(**config.data.vision.to_dict())
+  proc = processor_config(config)
   loader = pipeline.ShadowLoader(
     train_path,
     config.rl.prompts_per_step,
@@ -137,11 +212,24 @@ def build(config, workdir: str, stack: contextlib.ExitStack) -> Built:
     seed=config.seed,
   )
   stack.callback(loader.close)
+  worker = build_policy(
+    config,
+    workdir,
+    stack,
+    materializer_lib.Materializer(loader.store, loader.pool),
+    owns_media=False,
+  )
+  policy: worker_lib.PolicyWorker | worker_lib.LeaderWorker = worker
+  if jax.process_count() > 1:
+    policy = worker_lib.LeaderWorker(worker, multihost.Channel())
   # Every backend call runs on this loop: a fleet's HTTP session belongs to it.
   thread = stack.enter_context(backend_lib.LoopThread("rollout"))
+  engine_model = None
+  if config.rollout.backend == "embedded":  # the engine's own copy of the weights
+    engine_model = nnx.merge(worker.graphdef, policy.stage())
   rollout, launched = factory.make_backend(
     config.rollout,
-    model=model,
+    model=engine_model,
     tokenizer=tokenizer,
     seed=config.seed,
     proc_cfg=proc,
@@ -162,23 +250,18 @@ def build(config, workdir: str, stack: contextlib.ExitStack) -> Built:
   stack.callback(scheduler.shutdown)
   coord = stack.enter_context(
     coordinator_lib.Coordinator(
-      config,
-      cfg,
-      tokenizer,
-      mesh,
-      strategy,
-      graphdef,
-      state,
-      state_shardings,
-      tx,
-      loader,
-      rollout,
-      scheduler,
-      thread=thread,
+      config, tokenizer, policy, loader, rollout, scheduler, thread=thread
     )
   )
   eval_rows = readers.read_rows(eval_path)[: config.eval.prompts]
-  return Built(coord, loader, eval_rows, proc)
+  return Built(coord, policy, loader, eval_rows, proc)
+
+
+def follow(config, workdir: str) -> int:
+  """A follower's run (process k > 0): the leader's ops until it stops; returns ops run."""
+  with contextlib.ExitStack() as stack:
+    policy = build_policy(config, workdir, stack, media_source(config, stack), owns_media=True)
+    return worker_lib.serve(policy, multihost.Channel())
 
 
 TRAINED = "trained.jsonl"
@@ -194,80 +277,87 @@ def read_trained(workdir: str) -> list[dict]:
 
 
 def run(config, workdir: str) -> dict:
-  """The GRPO loop with auto-resume; returns the last metrics written."""
+  """The GRPO loop with auto-resume; returns the last metrics written.
+
+  In a multi-controller run the leader runs the loop and returns its
+  metrics; every other process follows it (`follow`) and returns {}.
+  """
+  if not multihost.is_leader():
+    follow(config, workdir)
+    return {}
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
   with contextlib.ExitStack() as stack:
     built = build(config, workdir, stack)
-    coord = built.coordinator
-    ckpt = checkpoint_lib.Checkpointer(workdir, save_every=config.checkpoint.every)
-    stack.callback(ckpt.close)
-    rng = jax.random.key(config.seed)
-    first = 0
-    if ckpt.latest_step() is not None:  # auto-resume from the work directory
-      first, train_state, rng, coord_state, data_state = ckpt.restore(
-        checkpoint_lib.abstract_like(coord.state)
+    policy = built.policy
+    try:
+      last = _loop(config, workdir, built, stack)
+    except BaseException as e:
+      if isinstance(policy, worker_lib.LeaderWorker):
+        policy.abort(repr(e))
+      raise
+    if isinstance(policy, worker_lib.LeaderWorker):
+      policy.stop()
+  return last
+
+
+def _loop(config, workdir: str, built: Built, stack: contextlib.ExitStack) -> dict:
+  coord, policy = built.coordinator, built.policy
+  # Auto-resume from the work directory; the leader's view of it decides.
+  restored = policy.restore(policy.latest_step())
+  first = 0
+  if restored is not None:
+    first = restored.step
+    coord.restore(restored.coordinator, restored.data)
+    # Steps after the checkpoint are redone: their old records go.
+    for name in (metrics_lib.JSONL, TRAINED):
+      dropped = metrics_lib.truncate_after(os.path.join(workdir, name), first)
+      if dropped:
+        log.info("dropped %d records of %s after step %d", dropped, name, first)
+    log.info("resumed from step %d (policy version %d)", first, coord.version)
+  # Rollout samples from the policy the run starts (or resumes) with.
+  coord.publish(new_version=False)
+  writer = metrics_lib.MetricWriter(workdir)
+  stack.callback(writer.close)
+  trained_log = stack.enter_context(open(os.path.join(workdir, TRAINED), "a", buffering=1))
+  eval_loader = pipeline.ShadowLoader(
+    built.eval_rows, len(built.eval_rows), built.proc, num_workers=0, shuffle=False, num_epochs=1
+  )
+  stack.callback(eval_loader.close)
+  eval_samples = eval_loader.next_batch()
+  last = {}
+  if first == 0:
+    # Warm-up for GRPO (none without RL steps); logged at steps -sft.steps..0.
+    if sft.runs(config):
+      sft.warm_up(
+        coord,
+        config,
+        dataset_paths(config, workdir)[0],
+        built.proc,
+        writer,
+        lambda: coord.evaluate(eval_samples),
       )
-      coord.restore(train_state, coord_state, data_state)
-      # Steps after the checkpoint are redone: their old records go.
-      for name in (metrics_lib.JSONL, TRAINED):
-        dropped = metrics_lib.truncate_after(os.path.join(workdir, name), first)
-        if dropped:
-          log.info("dropped %d records of %s after step %d", dropped, name, first)
-      log.info("resumed from step %d (policy version %d)", first, coord.version)
-    # Rollout samples from the policy the run starts (or resumes) with.
-    coord.publish(new_version=False)
-    writer = metrics_lib.MetricWriter(workdir)
-    stack.callback(writer.close)
-    trained_log = stack.enter_context(open(os.path.join(workdir, TRAINED), "a", buffering=1))
-    eval_loader = pipeline.ShadowLoader(
-      built.eval_rows, len(built.eval_rows), built.proc, num_workers=0, shuffle=False, num_epochs=1
-    )
-    stack.callback(eval_loader.close)
-    eval_samples = eval_loader.next_batch()
-    last = {}
-    if first == 0:
-      # Warm-up for GRPO (none without RL steps); logged at steps -sft.steps..0.
-      if sft.runs(config):
-        sft.warm_up(
-          coord,
-          config,
-          dataset_paths(config, workdir)[0],
-          built.proc,
-          writer,
-          lambda: coord.evaluate(eval_samples),
-        )
-      writer.write(0, coord.evaluate(eval_samples))
-    if first < config.total_steps:
-      if reference.needed(config):
-        coord.set_reference(
-          reference.reference_params(
-            config,
-            workdir,
-            coord.cfg,
-            coord.graphdef,
-            coord.state.params,
-            coord.state_shardings.params,
-            fresh=first == 0,
-          )
-        )
-      coord.start()  # rollout runs ahead from here, within the allowed lag
-    progress = metrics_lib.Progress(config.total_steps, first)  # ETA from RL steps only
-    for step in range(first + 1, config.total_steps + 1):
-      try:
-        result = coord.step()
-      except StopIteration:
-        log.info("data exhausted after step %d", step - 1)
-        break
-      host = dict(result.metrics, **built.loader.metrics())
-      if config.eval.every and step % config.eval.every == 0:
-        host.update(coord.evaluate(eval_samples))
-      writer.write(step, host)
-      trained_log.write(json.dumps({"step": step, "ids": result.trained}) + "\n")
-      log.info(progress.line(step, host))
-      last = host
-      if ckpt.should_save(step) or step == config.total_steps:
-        coord_state, data_state = coord.get_state()
-        ckpt.save(step, coord.state, rng, coord_state, data_state, force=step == config.total_steps)
+    writer.write(0, coord.evaluate(eval_samples))
+  if first < config.total_steps:
+    if reference.needed(config):
+      policy.set_reference(fresh=first == 0)
+    coord.start()  # rollout runs ahead from here, within the allowed lag
+  progress = metrics_lib.Progress(config.total_steps, first)  # ETA from RL steps only
+  for step in range(first + 1, config.total_steps + 1):
+    try:
+      result = coord.step()
+    except StopIteration:
+      log.info("data exhausted after step %d", step - 1)
+      break
+    host = dict(result.metrics, **built.loader.metrics())
+    if config.eval.every and step % config.eval.every == 0:
+      host.update(coord.evaluate(eval_samples))
+    writer.write(step, host)
+    trained_log.write(json.dumps({"step": step, "ids": result.trained}) + "\n")
+    log.info(progress.line(step, host))
+    last = host
+    if policy.should_save(step) or step == config.total_steps:
+      coord_state, data_state = coord.get_state()
+      policy.save(step, coord_state, data_state, force=step == config.total_steps)
   return last

@@ -99,17 +99,11 @@ def optimizer_config(config):
   return optim
 
 
-class Policy(Protocol):
-  """What the warm-up reads from the run's policy, and how it hands weights back.
-
-  The run's `Coordinator` is one.
-  """
+class PolicyView(Protocol):
+  """The run's policy as its trainers read it: model, mesh, strategy, train state."""
 
   @property
   def cfg(self) -> ModelConfig: ...
-
-  @property
-  def tokenizer(self) -> Tokenizer: ...
 
   @property
   def mesh(self) -> jax.sharding.Mesh: ...
@@ -123,12 +117,29 @@ class Policy(Protocol):
   @property
   def state(self) -> train_step.TrainState: ...
 
-  def prompt(self, sample: meta_lib.SampleMeta) -> SequenceInputs:
-    """The sample's prompt, as rollout sees it."""
-    ...
+
+class Policy(PolicyView, Protocol):
+  """What the warm-up's trainer reads from the run's policy, and how it hands weights back.
+
+  The run's `PolicyWorker` (rl/worker.py) is one.
+  """
 
   def load_params(self, params: nnx.State) -> None:
     """Makes `params` the policy's parameters (optimizer state and step kept)."""
+    ...
+
+
+class Rollout(Protocol):
+  """What the warm-up needs from the run's coordinator: prompts, publishing, the worker."""
+
+  @property
+  def tokenizer(self) -> Tokenizer: ...
+
+  @property
+  def policy(self) -> WarmUpOps: ...
+
+  def prompt(self, sample: meta_lib.SampleMeta) -> SequenceInputs:
+    """The sample's prompt, as rollout sees it."""
     ...
 
   def publish(self, new_version: bool = True) -> float:
@@ -136,11 +147,31 @@ class Policy(Protocol):
     ...
 
 
+class WarmUpOps(Protocol):
+  """The warm-up's ops on the run's policy worker (every process runs them)."""
+
+  def sft_begin(self, patch_source: Callable | None = None) -> None: ...
+
+  def sft_train(self, seqs: Sequence[batch_lib.TrainSequence]) -> dict: ...
+
+  def sft_finish(self, copy: bool = False) -> None: ...
+
+  def sft_end(self) -> None: ...
+
+
+def sequences(
+  samples: Sequence[meta_lib.SampleMeta], rollout: Rollout
+) -> list[batch_lib.TrainSequence]:
+  """The warm-up sequences of `samples`: each prompt as rollout sees it, then its answer."""
+  tok = rollout.tokenizer
+  return [sft_sequence(rollout.prompt(s), answer_ids(tok, s.answer or "")) for s in samples]
+
+
 class Trainer:
   """Jitted NLL steps on the run's mesh and strategy, from the run's parameters.
 
   Args:
-    policy: the run's policy (the Coordinator); not modified until `finish`.
+    policy: the run's policy worker; not modified until `finish`.
     config: the run config (its `optim` and `sft` sections).
     patch_source: MediaRef -> patches (a Materializer over the store the
       media were decoded into).
@@ -158,10 +189,6 @@ class Trainer:
     self._layouts = LayoutSteps(
       policy.cfg, policy.mesh, policy.strategy, self._compile_step, patch_source=patch_source
     )
-
-  def sequences(self, samples: Sequence[meta_lib.SampleMeta]) -> list[batch_lib.TrainSequence]:
-    p = self.policy
-    return [sft_sequence(p.prompt(s), answer_ids(p.tokenizer, s.answer or "")) for s in samples]
 
   def _compile_step(self, plan: Plan, batch: batch_lib.TrainBatch):
     del batch  # the step's shardings come from the state and the plan
@@ -195,7 +222,7 @@ class Trainer:
 
 
 def warm_up(
-  coord: Policy,
+  coord: Rollout,
   config,
   train_path: str,
   proc,
@@ -205,8 +232,9 @@ def warm_up(
   """Runs the warm-up (see the module docstring); returns a summary.
 
   Args:
-    coord: the run's Coordinator; its state and rollout engine get the
-      warmed-up weights (a new policy version).
+    coord: the run's Coordinator; its policy worker trains (every process
+      runs the warm-up's ops) and its rollout engine gets the warmed-up
+      weights (a new policy version).
     config: the run config.
     train_path: the training manifest (the warm-up samples its prompts).
     proc: the vision processor config.
@@ -236,7 +264,8 @@ def warm_up(
     seed=config.seed + 1,
   )
   source = materializer_lib.Materializer(loader.store, loader.pool)
-  trainer = Trainer(coord, config, source)
+  policy = coord.policy
+  policy.sft_begin(source)
   delayed = train_step.DelayedMetrics()
   t0 = time.perf_counter()
   losses = []
@@ -255,17 +284,18 @@ def warm_up(
   try:
     for k in range(1, s.steps + 1):
       samples = loader.next_batch()
-      metrics = trainer.train(trainer.sequences(samples))
+      metrics = policy.sft_train(sequences(samples, coord))
       loader.release(samples)  # the store's copies of this batch's media
       record(delayed.push(k, metrics))
       if s.eval_every and k % s.eval_every == 0 and k < s.steps:
-        trainer.finish(copy=True)  # the loop evaluates the final one at step 0
+        policy.sft_finish(copy=True)  # the loop evaluates the final one at step 0
         coord.publish()
         writer.write(first + k, evaluate())
     record(delayed.flush())
   finally:
     loader.close()
-  trainer.finish()
+  policy.sft_finish()
+  policy.sft_end()
   coord.publish()  # rollouts now sample from the warmed-up policy
   seconds = time.perf_counter() - t0
   writer.write(0, {"sft/seconds": seconds})

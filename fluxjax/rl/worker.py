@@ -1,0 +1,419 @@
+"""The policy worker: a run's train state and every program that changes it.
+
+A run splits into what decides and what computes. The coordinator (process 0,
+the leader) decides: which prompts, which responses, which groups make a part
+of the batch, when to update, publish and save. The policy worker computes:
+it owns the train state, the stream trainer, the SFT warm-up's trainer, the
+reference model and the checkpointer, and runs their jitted programs on the
+global mesh. Its methods are the ops:
+
+  add(seqs)             a part of the batch: planned from lengths, local
+                        rows materialized, gradients accumulated
+  apply()               the optimizer update(s) of the batch
+  stage()               a copy of the weights for the rollout engine
+  restore(step)         the train state of a checkpoint (or none)
+  save(step, ...)       a checkpoint
+  set_reference(fresh)  the KL term's reference model
+  sft_begin / sft_train(seqs) / sft_finish(copy) / sft_end   the warm-up
+
+In a one-process run the coordinator calls the worker directly. In a
+multi-controller run (parallel/multihost.py) every process has a worker: the
+leader's coordinator holds a `LeaderWorker`, which sends each op on the
+channel and then runs it, and every other process runs `serve`, which runs
+the ops it receives, in order, on its own worker. All processes thus launch
+the same global programs in the same order; each materializes only its own
+devices' rows, decoding their media itself.
+
+Every op is issued from the main thread of each process: a program on the
+global mesh launched from another thread (the rollout loop) could interleave
+differently on different processes and deadlock their collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import jax
+from flax import nnx
+
+from fluxjax.data import materializer as materializer_lib
+from fluxjax.models.config import ModelConfig
+from fluxjax.parallel import batch as batch_lib
+from fluxjax.parallel import multihost, train_step
+from fluxjax.parallel.strategies import Strategy
+from fluxjax.rl import checkpoint as checkpoint_lib
+from fluxjax.rl import losses, reference, sft
+from fluxjax.rl.stream_trainer import StreamTrainer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  """What a restored checkpoint hands the coordinator (the train state stays in the worker).
+
+  Attributes:
+    step: the checkpoint's step.
+    coordinator: the coordinator's JSON state.
+    data: the loader's JSON state.
+  """
+
+  step: int
+  coordinator: dict
+  data: dict
+
+
+class Policy(sft.PolicyView, sft.WarmUpOps, Protocol):
+  """The policy as the coordinator and the warm-up drive it (a PolicyWorker or a LeaderWorker)."""
+
+  @property
+  def state_shardings(self) -> train_step.TrainState: ...
+
+  def add(self, seqs: Sequence[batch_lib.TrainSequence]) -> None: ...
+
+  def apply(self) -> dict: ...
+
+  def stage(self) -> nnx.State | None: ...
+
+
+class PolicyWorker:
+  """One process's part of the policy (see the module docstring).
+
+  Args:
+    config: the run config.
+    workdir: the run's work directory (checkpoints, the reference snapshot).
+    cfg: the model configuration.
+    mesh: the training mesh (global).
+    strategy: the sharding strategy.
+    graphdef, state, state_shardings: the policy's graph, its sharded
+      TrainState and the state's shardings.
+    tx: the optimizer.
+    patch_source: the Materializer pixels are read from: the loader's store
+      on the leader; on every other process a store of its own.
+    owns_media: whether this worker evicts what it read after each update
+      (its own store); the leader's loader releases the samples it handed out.
+    rollout_shardings: {parameter path: sharding} of the rollout engine's
+      copy, on the leader's devices (`stage`), or None for a copy on the
+      training mesh.
+  """
+
+  def __init__(
+    self,
+    config,
+    workdir: str,
+    *,
+    cfg: ModelConfig,
+    mesh: jax.sharding.Mesh,
+    strategy: Strategy,
+    graphdef: nnx.GraphDef,
+    state: train_step.TrainState,
+    state_shardings: train_step.TrainState,
+    tx,
+    patch_source: materializer_lib.Materializer,
+    owns_media: bool = False,
+    rollout_shardings=None,
+  ):
+    self.config = config
+    self.workdir = workdir
+    self._cfg = cfg
+    self._mesh = mesh
+    self._strategy = strategy
+    self._graphdef = graphdef
+    self._patch_source = patch_source
+    self._owns_media = owns_media
+    self._read: list = []  # MediaRefs read since the last update (owns_media)
+    self._rollout_shardings = (
+      None
+      if rollout_shardings is None
+      else nnx.from_flat_state(
+        [(path, rollout_shardings[path]) for path, _ in nnx.to_flat_state(state.params)]
+      )
+    )
+    self._trainer = StreamTrainer(
+      cfg,
+      mesh,
+      strategy,
+      graphdef,
+      state,
+      state_shardings,
+      tx,
+      losses.make_loss_fn(config.rl),
+      patch_source=self._read_patches,
+      temperature=float(config.rl.temperature),
+      updates_per_batch=int(config.rl.updates_per_batch),
+    )
+    self.ckpt = checkpoint_lib.Checkpointer(workdir, save_every=int(config.checkpoint.every))
+    self.rng = jax.random.key(int(config.seed))
+    self._sft: sft.Trainer | None = None
+
+  # -- read-only views -------------------------------------------------------
+  @property
+  def cfg(self) -> ModelConfig:
+    return self._cfg
+
+  @property
+  def mesh(self) -> jax.sharding.Mesh:
+    return self._mesh
+
+  @property
+  def strategy(self) -> Strategy:
+    return self._strategy
+
+  @property
+  def graphdef(self) -> nnx.GraphDef:
+    return self._graphdef
+
+  @property
+  def state(self) -> train_step.TrainState:
+    """The train state (each update donates it: read it again after one)."""
+    return self._trainer.state
+
+  @property
+  def state_shardings(self) -> train_step.TrainState:
+    return self._trainer.state_shardings
+
+  @property
+  def patch_source(self) -> materializer_lib.Materializer:
+    return self._patch_source
+
+  def _read_patches(self, item):
+    if self._owns_media:
+      self._read.append(item)
+    return self._patch_source(item)
+
+  def _release_media(self) -> None:
+    self._patch_source.release(self._read)
+    self._read = []
+
+  # -- local (not ops: every process calls them itself, inside an op) --------
+  def load_params(self, params: nnx.State) -> None:
+    """Makes `params` the policy's parameters; optimizer state and step stay."""
+    state = self._trainer.state
+    self._trainer.load_state(train_step.TrainState(params, state.opt_state, state.step))
+
+  def should_save(self, step: int) -> bool:
+    return self.ckpt.should_save(step)
+
+  def latest_step(self) -> int | None:
+    """The latest complete checkpoint in the work directory."""
+    return self.ckpt.latest_step()
+
+  # -- ops -------------------------------------------------------------------
+  def add(self, seqs: Sequence[batch_lib.TrainSequence]) -> None:
+    """Adds a part's gradients (dispatched; returns before they finish)."""
+    self._trainer.add(seqs)
+
+  def apply(self) -> dict:
+    """The batch's update(s); returns device metrics (replicated scalars)."""
+    metrics = self._trainer.apply()
+    self._release_media()
+    return metrics
+
+  def stage(self) -> nnx.State | None:
+    """A copy of the parameters for the rollout engine (its own buffers).
+
+    On the training mesh without `rollout_shardings`; otherwise placed on the
+    leader's devices (gathered across processes in a multi-controller run).
+    Returns None on processes other than the leader.
+    """
+    params = self._trainer.state.params
+    if self._rollout_shardings is None:
+      return jax.tree.map(lambda x: x.copy(), params)
+    if jax.process_count() == 1:
+      return jax.device_put(params, self._rollout_shardings, may_alias=False)
+    return multihost.gather_to_leader(params, self._rollout_shardings)
+
+  def restore(self, step: int | None) -> Restored | None:
+    """Loads checkpoint `step`'s train state (None: a fresh run, nothing to load)."""
+    if step is None:
+      return None
+    first, train_state, self.rng, coord_state, data_state = self.ckpt.restore(
+      checkpoint_lib.abstract_like(self._trainer.state), step=step
+    )
+    self._trainer.load_state(train_state)
+    return Restored(first, coord_state, data_state)
+
+  def save(self, step: int, coordinator: dict, data: dict, force: bool = False) -> bool:
+    """Queues checkpoint `step` (every process writes its own shards)."""
+    return self.ckpt.save(step, self._trainer.state, self.rng, coordinator, data, force=force)
+
+  def set_reference(self, fresh: bool) -> None:
+    """Loads (or, on a fresh run, copies) the KL term's reference model."""
+    self._trainer.set_reference(
+      reference.reference_params(
+        self.config,
+        self.workdir,
+        self._cfg,
+        self._graphdef,
+        self._trainer.state.params,
+        self._trainer.state_shardings.params,
+        fresh=fresh,
+      )
+    )
+
+  def sft_begin(self, patch_source: Callable | None = None) -> None:
+    """Starts the warm-up's trainer (pixels from `patch_source`, default this worker's)."""
+    self._sft = sft.Trainer(self, self.config, patch_source or self._read_patches)
+
+  def sft_train(self, seqs: Sequence[batch_lib.TrainSequence]) -> dict:
+    """One warm-up step; returns its device metrics."""
+    if self._sft is None:
+      raise RuntimeError("sft_train() before sft_begin()")
+    metrics = self._sft.train(seqs)
+    if self._owns_media:
+      self._release_media()
+    return metrics
+
+  def sft_finish(self, copy: bool = False) -> None:
+    """Hands the warmed-up parameters to the policy (see `sft.Trainer.finish`)."""
+    if self._sft is None:
+      raise RuntimeError("sft_finish() before sft_begin()")
+    self._sft.finish(copy=copy)
+
+  def sft_end(self) -> None:
+    """Drops the warm-up's trainer and its optimizer state."""
+    self._sft = None
+
+  def close(self) -> None:
+    """Waits for checkpoints being written, then closes the checkpointer."""
+    self.ckpt.close()
+
+  def __enter__(self) -> PolicyWorker:
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    if exc_type is not None and jax.process_count() > 1:
+      # A checkpoint being written is finished by every process together;
+      # after a failure the others may never join, and an incomplete one is
+      # never picked up (Orbax renames it into place when complete).
+      log.warning("not waiting for checkpoint writes after a failure")
+      return
+    self.close()
+
+
+class LeaderWorker:
+  """The leader's worker in a multi-controller run: each op is sent, then run.
+
+  The followers run the same op from `serve`, in the order it was sent.
+
+  Args:
+    worker: the leader's own PolicyWorker.
+    channel: the op stream to the other processes.
+  """
+
+  def __init__(self, worker: PolicyWorker, channel: multihost.Channel):
+    self.worker = worker
+    self.channel = channel
+
+  cfg = property(lambda self: self.worker.cfg)
+  mesh = property(lambda self: self.worker.mesh)
+  strategy = property(lambda self: self.worker.strategy)
+  graphdef = property(lambda self: self.worker.graphdef)
+  state = property(lambda self: self.worker.state)
+  state_shardings = property(lambda self: self.worker.state_shardings)
+  patch_source = property(lambda self: self.worker.patch_source)
+
+  def should_save(self, step: int) -> bool:
+    return self.worker.should_save(step)
+
+  def latest_step(self) -> int | None:
+    return self.worker.latest_step()
+
+  def add(self, seqs: Sequence[batch_lib.TrainSequence]) -> None:
+    self.channel.send("add", list(seqs))
+    self.worker.add(seqs)
+
+  def apply(self) -> dict:
+    n = self.channel.send("apply")
+    metrics = jax.block_until_ready(self.worker.apply())
+    # The update is a collective every follower has joined: they have read
+    # every op up to it.
+    self.channel.forget_through(n)
+    return metrics
+
+  def stage(self) -> nnx.State | None:
+    self.channel.send("stage")
+    return self.worker.stage()
+
+  def restore(self, step: int | None) -> Restored | None:
+    self.channel.send("restore", step)
+    return self.worker.restore(step)
+
+  def save(self, step: int, coordinator: dict, data: dict, force: bool = False) -> bool:
+    self.channel.send("save", step, coordinator, data, force)
+    return self.worker.save(step, coordinator, data, force)
+
+  def set_reference(self, fresh: bool) -> None:
+    self.channel.send("set_reference", fresh)
+    self.worker.set_reference(fresh)
+
+  def sft_begin(self, patch_source: Callable | None = None) -> None:
+    self.channel.send("sft_begin")  # followers read pixels from their own store
+    self.worker.sft_begin(patch_source)
+
+  def sft_train(self, seqs: Sequence[batch_lib.TrainSequence]) -> dict:
+    self.channel.send("sft_train", list(seqs))
+    return self.worker.sft_train(seqs)
+
+  def sft_finish(self, copy: bool = False) -> None:
+    self.channel.send("sft_finish", copy)
+    self.worker.sft_finish(copy)
+
+  def sft_end(self) -> None:
+    self.channel.send("sft_end")
+    self.worker.sft_end()
+
+  def stop(self) -> None:
+    """Ends every follower's `serve` (a run's last op)."""
+    self.channel.send(STOP)
+
+  def abort(self, reason: str) -> None:
+    """Ends every follower's `serve` with an error (the leader failed)."""
+    self.channel.send(ABORT, reason)
+
+  def close(self) -> None:
+    self.worker.close()
+
+
+STOP, ABORT = "stop", "abort"
+OPS = frozenset(
+  {
+    "add",
+    "apply",
+    "stage",
+    "restore",
+    "save",
+    "set_reference",
+    "sft_begin",
+    "sft_train",
+    "sft_finish",
+    "sft_end",
+  }
+)
+
+
+class LeaderFailed(RuntimeError):
+  """The leader ended the run with an error; followers stop with it."""
+
+
+def serve(worker: PolicyWorker, channel: multihost.Channel) -> int:
+  """A follower's run: the leader's ops, in order, until it stops; returns ops run.
+
+  Raises:
+    LeaderFailed: the leader aborted the run.
+  """
+  done = 0
+  while True:
+    name, args = channel.recv()
+    if name == STOP:
+      log.info("the leader ended the run after %d ops", done)
+      return done
+    if name == ABORT:
+      raise LeaderFailed(f"the leader failed: {args[0] if args else 'no reason given'}")
+    if name not in OPS:
+      raise ValueError(f"unknown op {name!r} from the leader")
+    getattr(worker, name)(*args)
+    done += 1

@@ -77,24 +77,24 @@ def leader_channel(array) -> None:
     assert received[0] == ("small", (1, "two")), received[0]
     np.testing.assert_array_equal(received[1][1][0], big)
     print("ops=" + ",".join(f"{name}:{len(args)}" for name, args in received), flush=True)
-  multihost.barrier("test/read")  # the follower has read both ops
-  if multihost.is_leader():
-    channel.forget_through(last)
-    from jax._src.distributed import global_state
-
-    try:
-      global_state.client.key_value_try_get("test/ops/1")
-    except jax.errors.JaxRuntimeError:  # not found: deleted
-      pass
-    else:
-      raise AssertionError("forget_through left op 1 in the store")
+  # The gather is a collective: once it is done on the leader, the follower
+  # has read both ops (as a run's leader forgets after an update).
   local = jax.sharding.SingleDeviceSharding(multihost.leader_devices()[0])
   gathered = multihost.gather_to_leader({"x": array}, {"x": local})
-  if multihost.is_leader():
-    assert gathered["x"].sharding == local
-    print("gathered=" + ",".join(str(int(v)) for v in np.asarray(gathered["x"])), flush=True)
-  else:
+  if not multihost.is_leader():
     assert gathered is None
+    return
+  assert gathered["x"].sharding == local
+  print("gathered=" + ",".join(str(int(v)) for v in np.asarray(gathered["x"])), flush=True)
+  channel.forget_through(last)
+  from jax._src.distributed import global_state
+
+  try:
+    global_state.client.key_value_try_get("test/ops/1")
+  except jax.errors.JaxRuntimeError:  # not found: deleted
+    pass
+  else:
+    raise AssertionError("forget_through left op 1 in the store")
 
 
 def main() -> None:

@@ -64,7 +64,7 @@ def setup(devices):
   tx = train_step.make_optimizer(config.optim)
   graphdef, state, _ = train_step.create_train_state(model, tx, mesh)
   tokenizer = Tokenizer.default()
-  proc = processor.VisionProcessorConfig(**config.data.vision.to_dict())
+  proc = loop.processor_config(config)
   coord = _Policy(cfg, tokenizer, mesh, strategy, graphdef, state)
   seqs, answers = [], []
   for colour, question in (

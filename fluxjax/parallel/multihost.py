@@ -138,19 +138,6 @@ def fail_fast() -> Iterator[None]:
     os._exit(1)
 
 
-def barrier(name: str, timeout_s: float = 600.0) -> None:
-  """Every process waits here until all have arrived (no-op for one process)."""
-  if jax.process_count() > 1:
-    _client().wait_at_barrier(name, int(timeout_s * 1000))
-
-
-def _gathered(leaves) -> Iterator[np.ndarray]:
-  from jax.experimental import multihost_utils
-
-  for leaf in leaves:
-    yield np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-
-
 def gather_to_leader(tree, shardings):
   """A copy of a sharded tree placed with `shardings` on the leader's devices.
 
@@ -165,12 +152,15 @@ def gather_to_leader(tree, shardings):
   Returns:
     On the leader the placed copy; None on every other process.
   """
+  from jax.experimental import multihost_utils
+
   flat_shardings = jax.tree.leaves(shardings)
   leaves, treedef = jax.tree.flatten(tree)
   if len(flat_shardings) != len(leaves):
     raise ValueError(f"{len(flat_shardings)} shardings for {len(leaves)} arrays")
   placed = []
-  for host, sharding in zip(_gathered(leaves), flat_shardings):
+  for leaf, sharding in zip(leaves, flat_shardings):
+    host = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
     if is_leader():
       placed.append(jax.device_put(host, sharding))
   return jax.tree.unflatten(treedef, placed) if is_leader() else None

@@ -1,8 +1,11 @@
-"""The Coordinator's API: read-only views, and the methods that change its state.
+"""The Coordinator's API: read-only views, the methods that change its state, and
+its per-step decisions.
 
 A coordinator over the tiny preset on the fake 8-device mesh, with a
-recording rollout backend, a loader that holds no data and instant rewards:
-nothing here compiles a train step.
+recording rollout backend and a loader and rewards of the test's own (or a
+real reward worker): nothing here compiles a train step. The loop tests
+(test_train_loop.py, test_multiprocess.py) run the coordinator with the real
+parts.
 """
 
 import concurrent.futures
@@ -20,7 +23,7 @@ from fluxjax.data import meta as meta_lib
 from fluxjax.data import store as store_lib
 from fluxjax.models import inputs
 from fluxjax.rl import coordinator as coordinator_lib
-from fluxjax.rl import loop, trajectories
+from fluxjax.rl import loop, rewards, trajectories
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout.publish import PublishReport
 from helpers import completion
@@ -92,6 +95,49 @@ class _EmptyLoader:
 
   def set_state(self, state):
     self.state = dict(state)
+
+
+class _Data:
+  """A loader over SAMPLES in order, four at a time; it records what was released."""
+
+  store = pool = None
+
+  def __init__(self, samples):
+    self.samples, self.position, self.released = list(samples), 0, []
+
+  def next_batch(self):
+    batch = self.samples[self.position : self.position + 4]
+    self.position += len(batch)
+    return batch
+
+  def release(self, samples):
+    self.released.extend(s.uid for s in samples)
+
+  def get_state(self):
+    return {"position": self.position}
+
+  def set_state(self, state):
+    self.position = state["position"]
+
+
+class _RecordingPolicy:
+  """The run's policy worker, except that updates are recorded, not applied."""
+
+  def __init__(self, policy):
+    self._policy = policy
+    self.added: list[int] = []  # sequences handed to the pending update
+    self.updates: list[int] = []  # sequences per applied update
+
+  def __getattr__(self, name):
+    return getattr(self._policy, name)
+
+  def add(self, seqs):
+    self.added.extend(range(len(seqs)))
+
+  def apply(self):
+    self.updates.append(len(self.added))
+    self.added = []
+    return {"loss": np.float32(0.0)}
 
 
 class _Rewards:
@@ -230,3 +276,55 @@ def test_evaluate_samples_at_the_training_temperature_and_summarizes(coord, part
   assert out[f"eval/pass@{k}"] == 1.0 and out["eval/accuracy_greedy"] == 1.0
   assert out["eval/accuracy/easy"] == out["eval/accuracy/hard"] == pytest.approx(1 / k)
   assert out["eval/prompts"] == 3 and out["eval/samples"] == 3 * k
+
+
+def test_dynamic_sampling_trains_only_groups_with_signal(parts):
+  """DAPO: groups whose rewards are all equal are dropped, counted and refilled.
+
+  The reward (tests/fault_rewards.py, in a reward worker) scores every
+  response to a numeric-answer prompt 0, so those groups have no signal, and
+  others by a hash of the response (each response is distinct): no
+  numeric-answer prompt may be trained, and each step is still full.
+  """
+  from fluxjax.models.tokenizer import Tokenizer
+
+  config = parts[0].copy_and_resolve_references()
+  config.rl.prompts_per_step, config.rl.responses_per_prompt = 3, 4
+  config.rl.dynamic_sampling, config.rl.max_refill_rounds = True, 8
+  # Every other prompt has a numeric answer. Eight refill rounds (24 groups)
+  # per step are more than the data can ask for in three steps.
+  samples = [
+    meta_lib.SampleMeta(
+      uid=i, id=f"q{i}", prompt=f"Question {i}?", answer=str(i) if i % 2 else "red"
+    )
+    for i in range(64)
+  ]
+  backend = _Backend()
+
+  async def distinct(body, group=None):
+    text = f"<answer>{body['rid']}</answer>"
+    return dataclasses.replace(completion([1, 2, 3], [-0.1, -0.2, -0.3]), text=text)
+
+  backend.generate = distinct
+  data, policy = _Data(samples), _RecordingPolicy(parts[1])
+  with (
+    backend_lib.LoopThread() as thread,
+    thread.running(backend),
+    rewards.RewardScheduler(1, "fault_rewards:signal_unless_numeric") as scheduler,
+    coordinator_lib.Coordinator(
+      config, Tokenizer.default(), policy, data, backend, scheduler, thread=thread
+    ) as c,
+  ):
+    results = [c.step() for _ in range(3)]
+    counts = c.fault_counts()
+  trained = [i for r in results for i in r.trained]
+  assert [len(r.trained) for r in results] == [3, 3, 3]  # refills kept every step full
+  assert policy.updates == [12, 12, 12]  # 3 groups x 4 responses per update
+  assert len(set(trained)) == 9
+  assert all(int(i[1:]) % 2 == 0 for i in trained)  # no numeric-answer prompt trained
+  filtered = [r.metrics["rollout/filtered_groups"] for r in results]
+  assert sum(filtered) >= 1 and counts["rollout/filtered_groups_total"] == sum(filtered)
+  # A dropped group's late speculative responses are discarded, not a fault.
+  assert counts.get("faults/round_failures", 0.0) == 0.0
+  # Dropped and trained samples are handed back to the loader.
+  assert {f"q{u}" for u in data.released} >= set(trained)

@@ -10,13 +10,18 @@ nbformat = pytest.importorskip("nbformat")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def execute(name: str, tmp_path) -> str:
+def execute(name: str, tmp_path, parameters: str = "") -> str:
   """Runs notebooks/NAME in a fresh kernel in tmp_path; returns its printed text.
 
-  The notebook sets its own fake-mesh flags; its figures go to tmp_path, not
-  into the checkout.
+  PARAMETERS, if given, runs as a cell right after the one tagged
+  `parameters` (papermill's convention). The notebook sets its own fake-mesh
+  flags; its figures go to tmp_path, not into the checkout.
   """
   nb = nbformat.read(os.path.join(ROOT, "notebooks", name), as_version=4)
+  if parameters:
+    tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"{name}: one cell tagged 'parameters' expected, got {len(tagged)}"
+    nb.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(parameters))
   client = nbclient.NotebookClient(
     nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
   )
@@ -39,7 +44,16 @@ def test_grpo_notebook_executes(tmp_path, monkeypatch):
   # Its kernel inherits this environment: the notebook's own 2-device mesh,
   # not the suite's 8 fake devices.
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
-  outputs = execute("grpo.ipynb", tmp_path)
+  # Every cell runs as written; the sizes are cut to a third (suite time).
+  outputs = execute(
+    "grpo.ipynb",
+    tmp_path,
+    "config.sft.steps = 20\n"
+    "config.data.synth_eval = config.eval.prompts = 16\n"
+    "grpo_steps, eval_every = 4, 2",
+  )
   assert "logprob" in outputs and "accuracy" in outputs
+  curve = [line for line in outputs.splitlines() if line.startswith("accuracy [")]
+  assert len(curve) == 1 and curve[0].count(",") == 2, curve  # evaluated at steps 0, 2, 4
   for figure in ("group.png", "grpo_curve.png"):
     assert (tmp_path / "notebook_out" / figure).exists()

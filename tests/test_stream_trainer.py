@@ -115,15 +115,23 @@ def test_stream_update_equals_synchronous_update(name, sp, sync, devices):
   )
 
 
-def _single_device_logprobs(model, seq):
-  """log p(token t | tokens < t) of one sequence alone on one device (0 at t = 0)."""
-  n = len(seq)
-  row = inputs.pack_row(
-    [seq.inputs], CFG, token_capacity=n, patch_capacity=max(4, seq.inputs.num_patches)
-  )
-  targets = np.concatenate([seq.inputs.tokens_T[1:], [0]])[None].astype(np.int32)
-  logp = np.asarray(model.token_logprobs(row, targets))[0]
-  return np.concatenate([[0.0], logp[: n - 1]]).astype(np.float32)
+def _single_device_logprobs(model, seqs):
+  """log p(token t | tokens < t) of each sequence alone on one device (0 at t = 0).
+
+  Each sequence is its own row, padded to one shape, so one program serves all.
+  """
+  tokens = max(len(s) for s in seqs)
+  patches = max(max(s.inputs.num_patches for s in seqs), 4)
+  logprobs = nnx.jit(lambda m, row, targets: m.token_logprobs(row, targets))
+  out = []
+  for seq in seqs:
+    n = len(seq)
+    row = inputs.pack_row([seq.inputs], CFG, token_capacity=tokens, patch_capacity=patches)
+    targets = np.zeros((1, tokens), np.int32)
+    targets[0, : n - 1] = seq.inputs.tokens_T[1:]
+    logp = np.asarray(logprobs(model, row, targets))[0]
+    out.append(np.concatenate([[0.0], logp[: n - 1]]).astype(np.float32))
+  return out
 
 
 @pytest.mark.slow
@@ -145,9 +153,9 @@ def test_stream_reference_kl_equals_update_with_single_device_reference(name, sp
   loss_fn = losses.make_loss_fn(rl)
   seqs = mixed_batch(seed=6)
   ref_model = vlm.create_model(CFG, seed=1)
-  for s in seqs:
+  for s, ref_logprobs_T in zip(seqs, _single_device_logprobs(ref_model, seqs)):
     s.old_logprobs_T = np.full(len(s), -6.2, np.float32)
-    s.ref_logprobs_T = _single_device_logprobs(ref_model, s)
+    s.ref_logprobs_T = ref_logprobs_T
 
   want_state, want = _synchronous_step(strategy, mesh, tx, loss_fn, seqs)
 

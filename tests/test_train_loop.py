@@ -4,7 +4,6 @@ import os
 
 import pytest
 
-from fluxjax.data import readers
 from fluxjax.rl import coordinator, loop, metrics
 from fluxjax.rollout import factory
 from helpers import server_env, tiny_run_config
@@ -24,40 +23,6 @@ def test_validate_refuses_what_the_loop_cannot_do():
     loop.validate(c)
   c.rollout.urls = ("http://127.0.0.1:1",)
   loop.validate(c)
-
-
-@pytest.mark.slow
-def test_dynamic_sampling_trains_only_groups_with_signal(tmp_path):
-  """DAPO in the loop: groups whose rewards are all equal are dropped and refilled.
-
-  The reward scores every response to a numeric-answer prompt 0 (those groups
-  have no signal) and others by a hash of the response; so no numeric-answer
-  prompt may be trained, each step is still full, and the drops are counted.
-  """
-  c = tiny_run_config(3)
-  # About half the rows have numeric answers, so a step reads 3 + 3 filtered
-  # groups on average; 8 refill rounds (24 groups) leave a step short only if
-  # 25 of 27 rows in a row are numeric. More rows than 3 steps can read even
-  # if every refill is spent (3 x (3 + 8 x 3) groups plus the read-ahead):
-  # one epoch, so ids are unique in it.
-  c.data.synth_train = 128
-  c.rl.prompts_per_step, c.rl.responses_per_prompt = 3, 4
-  c.rl.dynamic_sampling, c.rl.max_refill_rounds = True, 8
-  c.rl.reward.fn = "fault_rewards:signal_unless_numeric"
-  last = loop.run(c, str(tmp_path))
-  assert last["policy/version"] == 3.0
-  rows = readers.read_rows(str(tmp_path / "data" / "train" / "manifest.jsonl"))
-  numeric = {r["id"] for r in rows if str(r["answer"]).strip().isdigit()}
-  assert 0 < len(numeric) < len(rows)  # the data holds both kinds
-  steps = loop.read_trained(str(tmp_path))
-  trained = [i for r in steps for i in r["ids"]]
-  assert [len(r["ids"]) for r in steps] == [3, 3, 3]  # refills kept every step full
-  assert len(trained) == len(set(trained))
-  assert not numeric & set(trained)
-  assert last["rollout/filtered_groups_total"] >= 1
-  assert last["data/emitted"] <= c.data.synth_train  # still in the first epoch
-  # A dropped group's late speculative responses are discarded, not a fault.
-  assert last.get("faults/round_failures", 0.0) == 0.0
 
 
 @pytest.mark.slow

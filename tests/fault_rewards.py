@@ -30,3 +30,13 @@ def signal_unless_numeric(response: str, answer: str) -> float:
   if answer.strip().isdigit():
     return 0.0
   return hashlib.md5(response.encode()).digest()[0] / 255.0
+
+
+def fail_on_marked_answers(response: str, answer: str) -> float:
+  """Raises for the reference answer "raise", returns NaN for "nan" and inf
+  for "inf"; 1 for any other."""
+  if answer == "raise":
+    raise RuntimeError(f"reward bug on {response!r}")
+  if answer in ("nan", "inf"):
+    return float(answer)
+  return 1.0

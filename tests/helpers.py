@@ -243,3 +243,66 @@ class TokenRollout:
 
   def slot_stats(self):
     return None
+
+
+def video_codec() -> str:
+  """H.264 (what real datasets hold), or mpeg4 where PyAV has no libx264."""
+  import av  # pylint: disable=import-outside-toplevel
+
+  return "libx264" if "libx264" in av.codecs_available else "mpeg4"
+
+
+def grey_level(i: int) -> int:
+  """Flat grey level of frame i: distinct per frame, survives compression."""
+  return (i * 8) % 256
+
+
+def write_video(
+  path,
+  *,
+  num_frames: int,
+  fps: float,
+  height: int,
+  width: int,
+  codec: str | None = None,
+  container_format: str | None = None,
+  options: dict | None = None,
+):
+  """Writes a real video of flat grey frames (frame i at `grey_level(i)`) with PyAV.
+
+  Args:
+    codec: encoder name; None: `video_codec()`.
+
+  Returns:
+    path.
+  """
+  import av  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  with av.open(str(path), "w", format=container_format, options=options or {}) as out:
+    stream = out.add_stream(codec or video_codec(), rate=fps)
+    stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+    for i in range(num_frames):
+      frame_HWC = np.full((height, width, 3), grey_level(i), np.uint8)
+      out.mux(stream.encode(av.VideoFrame.from_ndarray(frame_HWC, format="rgb24")))
+    out.mux(stream.encode())
+  return path
+
+
+def lying_png(height: int, width: int) -> bytes:
+  """A real 4x4 PNG whose IHDR claims height x width (with a valid CRC, so
+  that decoders believe it): a decompression bomb when the claim is huge."""
+  import io  # pylint: disable=import-outside-toplevel
+  import struct  # pylint: disable=import-outside-toplevel
+  import zlib  # pylint: disable=import-outside-toplevel
+
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import PIL.Image  # pylint: disable=import-outside-toplevel
+
+  buf = io.BytesIO()
+  PIL.Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(buf, "PNG")
+  data = bytearray(buf.getvalue())
+  assert data[12:16] == b"IHDR"
+  data[16:24] = struct.pack(">II", width, height)
+  data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+  return bytes(data)

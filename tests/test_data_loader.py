@@ -23,7 +23,7 @@ from fluxjax.models import inputs, processor
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.sharding import planners
-from helpers import process_alive
+from helpers import lying_png, process_alive
 
 CFG = processor.VisionProcessorConfig(
   image_min_pixels=28 * 28 * 4,
@@ -217,6 +217,10 @@ def _bad_file(kind, folder, rows):
     path = folder / "text.mp4"
     path.write_text("plain text, not a container\n" * 20)
     return dict(vid, id="bad", videos=[str(path)]), "unsupported"
+  if kind == "decompression_bomb":
+    path = folder / "bomb.png"
+    path.write_bytes(lying_png(100_000, 100_000))  # a tiny file, 10G pixels claimed
+    return dict(img, id="bad", images=[str(path)]), "size"
   if kind == "too_large":
     big = max((r for r in rows if r["images"]), key=lambda r: np.prod(media_probe(r["images"][0])))
     return dict(big, id="bad"), "size"
@@ -224,7 +228,16 @@ def _bad_file(kind, folder, rows):
 
 
 @pytest.mark.parametrize(
-  "kind", ["missing", "corrupt", "truncated_image", "truncated_mp4", "unsupported", "too_large"]
+  "kind",
+  [
+    "missing",
+    "corrupt",
+    "truncated_image",
+    "truncated_mp4",
+    "unsupported",
+    "too_large",
+    "decompression_bomb",
+  ],
 )
 def test_bad_input_is_a_counted_skip_and_the_batch_stays_full(kind, data, tmp_path, caplog):
   _, rows = data
@@ -249,6 +262,25 @@ def test_bad_input_is_a_counted_skip_and_the_batch_stays_full(kind, data, tmp_pa
     loader.release(batch)
     assert loader.store.bytes_in_use == 0
   assert any("skipping sample bad" in r.getMessage() for r in caplog.records)
+
+
+def test_a_hung_decoder_costs_one_timeout_and_its_worker_is_restarted(data):
+  """The only worker stops (SIGSTOP: a decoder looping forever). The sample it
+  holds times out and the worker is killed and restarted, so the samples
+  queued behind it fail at once instead of each waiting out the timeout."""
+  _, rows = data
+  with pipeline.ShadowLoader(
+    rows, 2, CFG, num_workers=1, num_epochs=1, shuffle=False, decode_timeout_s=1.0
+  ) as loader:
+    stuck = loader.pool._procs[0].pid  # pylint: disable=protected-access
+    os.kill(stuck, signal.SIGSTOP)
+    batch = loader.next_batch()
+    assert len(batch) == 2
+    m = loader.metrics()
+    assert m["data/skipped/timeout"] == 1
+    assert m["data/skipped"] == 1 + m.get("data/skipped/worker", 0)
+    assert loader.pool.restarts == 1 and not process_alive(stuck)
+    loader.release(batch)
 
 
 def test_truncated_mp4_probes_fine_and_fails_in_the_worker(data, tmp_path):

@@ -1,5 +1,6 @@
 """Probing and decoding real image and video files (fluxjax.models.media)."""
 
+import base64
 import os
 
 import av
@@ -10,32 +11,29 @@ import PIL.ImageFile
 import pytest
 from hypothesis import strategies as st
 
+from fluxjax.data import pipeline
 from fluxjax.models import media
 from fluxjax.models import processor as vp
+from fluxjax.rollout import prompt, protocol
+from helpers import grey_level, lying_png, video_codec, write_video
 
-# H.264 in yuv420p is what real datasets hold; mpeg4 is the fallback encoder
-# for PyAV builds without libx264.
-_CODEC = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+_CODEC = video_codec()
 _FRAMES, _FPS, _H, _W = 30, 10, 64, 96
-
-
-def _level(i):
-  """Flat grey level of frame i: distinct per frame, survives compression."""
-  return (i * 8) % 256
+_level = grey_level
 
 
 def _write_video(
   path, num_frames=_FRAMES, fps=_FPS, height=_H, width=_W, container_format=None, options=None
 ):
-  with av.open(str(path), "w", format=container_format, options=options or {}) as out:
-    stream = out.add_stream(_CODEC, rate=fps)
-    stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-    for i in range(num_frames):
-      frame_HWC = np.full((height, width, 3), _level(i), np.uint8)
-      frame = av.VideoFrame.from_ndarray(frame_HWC, format="rgb24")
-      out.mux(stream.encode(frame))
-    out.mux(stream.encode())
-  return path
+  return write_video(
+    path,
+    num_frames=num_frames,
+    fps=fps,
+    height=height,
+    width=width,
+    container_format=container_format,
+    options=options,
+  )
 
 
 def _image_array(height, width, channels=3, seed=0):
@@ -45,10 +43,12 @@ def _image_array(height, width, channels=3, seed=0):
 
 @pytest.fixture(scope="module")
 def media_dir(tmp_path_factory):
-  """Real files written once per module: JPEG, PNG, MP4, MKV."""
+  """Real files written once per module: JPEG, PNG, GIF, WebP, MP4, MKV."""
   d = tmp_path_factory.mktemp("media")
   PIL.Image.fromarray(_image_array(37, 53)).save(d / "a.jpg", quality=95)
   PIL.Image.fromarray(_image_array(41, 29, channels=4)).save(d / "a.png")
+  PIL.Image.fromarray(_image_array(37, 53)).save(d / "a.gif")
+  PIL.Image.fromarray(_image_array(37, 53)).save(d / "a.webp")
   # faststart puts the index first, so a cut file still opens (see below).
   _write_video(d / "a.mp4", options={"movflags": "faststart"})
   _write_video(d / "plain.mp4")  # index at the end, as ffmpeg writes by default
@@ -82,12 +82,89 @@ def test_png_alpha_is_composited_onto_white(media_dir):
   np.testing.assert_allclose(loaded, expected, atol=1)
 
 
-def test_probe_image_does_not_decode(media_dir, monkeypatch):
-  def no_decoding(self):
-    raise AssertionError("probe_image decoded pixels")
+@pytest.mark.parametrize(
+  "name,size", [("a.jpg", (37, 53)), ("a.png", (41, 29)), ("a.gif", (37, 53)), ("a.webp", (37, 53))]
+)
+def test_probe_image_does_not_decode(media_dir, monkeypatch, name, size):
+  # PNG's getexif() would decode the whole image: the probe must not call it.
+  decoded = []
+  monkeypatch.setattr(PIL.ImageFile.ImageFile, "load", lambda self: decoded.append(self))
+  assert media.probe_image(media_dir / name) == size
+  assert not decoded
 
-  monkeypatch.setattr(PIL.ImageFile.ImageFile, "load", no_decoding)
-  assert media.probe_image(media_dir / "a.jpg") == (37, 53)
+
+def test_bad_file_turns_any_exception_into_one_media_error(tmp_path):
+  path = tmp_path / "x.png"
+  for exc in (KeyError("k"), ZeroDivisionError("z"), av.error.InvalidDataError(1, "bad")):
+    with pytest.raises(media.MediaError) as e, media.bad_file(path, "decode image"):
+      raise exc
+    assert e.value.path == str(path) and e.value.__cause__ is exc
+    assert e.value.reason.startswith(f"cannot decode image: {type(exc).__name__}: ")
+    assert pipeline.skip_kind(e.value.reason) == "corrupt"
+  with pytest.raises(media.MediaError) as e, media.bad_file(path, "decode image"):
+    raise PIL.Image.DecompressionBombError("Image size (1 pixels) exceeds limit")
+  assert pipeline.skip_kind(e.value.reason) == "size"
+  with pytest.raises(media.MediaError) as e, media.bad_file(path, "decode video"):
+    raise MemoryError()
+  assert e.value.reason.startswith("out of memory: cannot decode video")
+  assert pipeline.skip_kind(e.value.reason) == "size"
+  original = media.MediaError(path, "stream ended early")
+  with pytest.raises(media.MediaError) as e, media.bad_file(path, "decode video"):
+    raise original
+  assert e.value is original
+  # An interrupt is not the file's fault.
+  for interrupt in (KeyboardInterrupt, SystemExit):
+    with pytest.raises(interrupt), media.bad_file(path, "decode image"):
+      raise interrupt()
+
+
+def test_image_budgets_are_checked_from_the_header_before_decoding(media_dir, monkeypatch):
+  decoded = []
+  monkeypatch.setattr(PIL.ImageFile.ImageFile, "load", lambda self: decoded.append(self))
+  cases = [
+    (media.MediaLimits(max_image_pixels=37 * 53 - 1), "image exceeds the limit of 1960 pixels"),
+    (media.MediaLimits(min_side=38), "side below the limit 38: 37x53"),
+  ]
+  for limits, reason in cases:
+    with pytest.raises(media.MediaError, match=reason) as e:
+      media.load_image(media_dir / "a.jpg", limits)
+    assert pipeline.skip_kind(e.value.reason) == "size"
+  assert not decoded
+  monkeypatch.undo()
+  limits = media.MediaLimits(max_image_pixels=37 * 53)
+  assert media.load_image(media_dir / "a.jpg", limits).size == (53, 37)
+
+
+@pytest.mark.parametrize(
+  "limits,reason",
+  [
+    (media.MediaLimits(max_video_frames=_FRAMES - 1), f"{_FRAMES} frames exceed the limit"),
+    (media.MediaLimits(max_frame_pixels=_H * _W - 1), f"{_H}x{_W} frames exceed the limit"),
+    (media.MediaLimits(max_sampled_video_pixels=_H * _W), "sampled frames of 64x96 exceed"),
+    (media.MediaLimits(min_side=_H + 1), "side below the limit"),
+  ],
+)
+def test_video_budgets_are_checked_from_the_header_before_decoding(media_dir, limits, reason):
+  with pytest.raises(media.MediaError, match=reason) as e:
+    media.load_video(media_dir / "a.mp4", vp.VisionProcessorConfig(), limits)
+  assert pipeline.skip_kind(e.value.reason) == "size"
+
+
+def test_frame_count_by_demuxing_is_bounded(media_dir):
+  # Matroska stores no frame count: the probe counts packets, up to the limit.
+  limits = media.MediaLimits(max_video_frames=10)
+  with pytest.raises(media.MediaError, match="frames exceed the limit 10") as e:
+    media.probe_video(media_dir / "a.mkv", limits)
+  assert pipeline.skip_kind(e.value.reason) == "size"
+  assert media.probe_video(media_dir / "a.mkv").num_frames == _FRAMES
+
+
+def test_preprocessing_failure_is_a_media_error(tmp_path):
+  path = tmp_path / "sliver.png"
+  PIL.Image.fromarray(_image_array(1, 300)).save(path)  # aspect ratio 300 > 200
+  with pytest.raises(media.MediaError, match=r"cannot preprocess image: ValueError: .*aspect") as e:
+    media.preprocess_file("image", path, vp.VisionProcessorConfig())
+  assert pipeline.skip_kind(e.value.reason) == "preprocess"
 
 
 def test_exif_rotation_is_applied_in_probe_and_load(tmp_path):
@@ -205,7 +282,7 @@ def test_truncated_mp4_with_index_first(media_dir, tmp_path):
   # The header still promises every frame, so probe (no decode) succeeds...
   assert media.probe_video(path).num_frames == _FRAMES
   # ...and decoding finds the data missing.
-  with pytest.raises(media.MediaError, match=r"ended early|decode failed"):
+  with pytest.raises(media.MediaError, match=r"ended early|cannot decode video"):
     media.load_video(path, vp.VisionProcessorConfig())
 
 
@@ -250,3 +327,29 @@ def test_media_error_carries_path_and_reason(tmp_path):
   assert err.path == os.fspath(tmp_path / "x.mp4")
   assert err.reason == "broken"
   assert "broken" in str(err) and "x.mp4" in str(err)
+
+
+def test_request_media_are_held_to_the_budgets(media_dir):
+  """A rollout server decodes base64 media from requests: the same budgets,
+  from the header, and a bad item is a 400 (ProtocolError), never a crash.
+  (Raw base64 holds "/": it is not mistaken for a path.)"""
+  bomb = base64.b64encode(lying_png(100_000, 100_000)).decode()
+  jpeg = base64.b64encode((media_dir / "a.jpg").read_bytes()).decode()
+  assert "/" in jpeg
+  cfg = vp.VisionProcessorConfig()
+
+  def request(**media_data):
+    return protocol.GenerateRequest("r", protocol.SamplingParams(), **media_data)
+
+  with pytest.raises(protocol.ProtocolError, match="decompression-bomb"):
+    prompt.load_media(request(image_data=[f"data:image/png;base64,{bomb}"]), cfg)
+  small = media.MediaLimits(max_image_pixels=100)
+  with pytest.raises(protocol.ProtocolError, match="37x53 image exceeds the limit of 100"):
+    prompt.load_media(request(image_data=[jpeg]), cfg, small)
+  small = media.MediaLimits(max_video_frames=_FRAMES - 1)
+  with pytest.raises(protocol.ProtocolError, match=f"{_FRAMES} frames exceed"):
+    prompt.load_media(request(video_data=[str(media_dir / "a.mp4")]), cfg, small)
+  (image,) = prompt.load_media(request(image_data=[jpeg]), cfg)
+  assert image.kind == "image"
+  with pytest.raises(protocol.ProtocolError, match="file not found"):
+    prompt.load_media(request(image_data=[str(media_dir / ("x" * 64) / "gone.png")]), cfg)

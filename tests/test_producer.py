@@ -3,11 +3,14 @@
 import asyncio
 import concurrent.futures
 import dataclasses
+import logging
 import time
 
+import fault_rewards
 from fluxjax.data.meta import SampleMeta
 from fluxjax.rl import async_control, tail_batching
 from fluxjax.rl import producer as producer_lib
+from fluxjax.rl import rewards as rewards_lib
 from fluxjax.rollout.client import Completion
 from helpers import TokenRollout, decode
 
@@ -200,3 +203,103 @@ def test_recycled_responses_are_scored_whole_and_survive_a_snapshot():
   assert all(
     len(b["input_ids"]) == 3 + carried[(2, int(b["rid"].split("-")[4]))] for b in rollout.bodies
   )
+
+
+def _producer(samples, rewards, P, R, *, prompt_fn, released=None, **kw):
+  """A producer over one loader batch of `samples` on the token backend."""
+  batches = [samples]
+  return producer_lib.Producer(
+    TokenRollout(tick=1e-4),
+    rewards,
+    tail_batching.TailBatcher(P, R, eta=1.0),
+    async_control.AdmissionController(P, "sync"),
+    next_samples=lambda: batches.pop(0) if batches else [],
+    make_body=lambda sample, prompt, j: {
+      "input_ids": list(prompt),
+      "sampling_params": {"max_new_tokens": 4},
+    },
+    prompt_fn=prompt_fn,
+    decode=decode,
+    max_prompt_tokens=16,
+    release=(released.extend if released is not None else lambda samples: None),
+    **kw,
+  )
+
+
+def _kept_until_round_end(producer) -> list:
+  kept = []
+  while True:
+    item = producer.out.get(timeout=30)
+    assert not isinstance(item, BaseException), item
+    if isinstance(item, producer_lib.RoundEnd):
+      return kept
+    kept.append(item)
+
+
+def _tokenize(sample):
+  if sample.prompt == "untokenizable":
+    raise UnicodeEncodeError("utf-8", sample.prompt, 0, 1, "surrogates not allowed")
+  return [1, 2, 3]
+
+
+def test_a_prompt_that_fails_to_build_is_a_counted_logged_skip(caplog):
+  caplog.set_level(logging.WARNING, logger="fluxjax.rl.producer")
+  samples = [
+    SampleMeta(uid=0, id="s0", prompt="p", answer="a"),
+    SampleMeta(uid=1, id="s1", prompt="untokenizable", answer="a"),
+    SampleMeta(uid=2, id="s2", prompt="p", answer="a"),
+  ]
+  released = []
+  producer = _producer(samples, _InstantRewards(), 2, 2, prompt_fn=_tokenize, released=released)
+  producer.batcher.start_epoch([])
+  producer.start()
+  try:
+    kept = _kept_until_round_end(producer)
+  finally:
+    producer.stop()
+  assert sorted(k.sample.id for k in kept) == ["s0", "s2"]
+  assert producer.counts["data/skipped/prompt_error"] == 1
+  assert [s.id for s in released] == ["s1"]
+  assert 1 not in producer.samples and 1 not in producer.prompts
+  assert any(
+    "skipping sample s1" in r.getMessage() and "UnicodeEncodeError" in r.getMessage()
+    for r in caplog.records
+  )
+
+
+def test_prompts_failing_in_a_row_stop_the_run():
+  """A tokenizer that fails on everything is a bug, not a dataset of bad samples."""
+  samples = [SampleMeta(uid=i, id=f"s{i}", prompt="untokenizable", answer="a") for i in range(4)]
+  producer = _producer(
+    samples, _InstantRewards(), 2, 2, prompt_fn=_tokenize, max_prompt_errors_in_a_row=3
+  )
+  producer.batcher.start_epoch([])
+  producer.start()
+  try:
+    error = producer.out.get(timeout=30)
+  finally:
+    producer.stop()
+  assert isinstance(error, RuntimeError), error
+  assert "3 prompts in a row failed to build" in str(error) and "s2" in str(error)
+  assert producer.counts["data/skipped/prompt_error"] == 3
+
+
+def test_rewards_that_raise_or_are_not_finite_score_zero_and_the_producer_goes_on(caplog):
+  caplog.set_level(logging.WARNING, logger="fluxjax.rl.rewards")
+  answers = {"s0": "raise", "s1": "nan", "s2": "inf", "s3": "1"}
+  samples = [SampleMeta(uid=i, id=f"s{i}", prompt="p", answer=answers[f"s{i}"]) for i in range(4)]
+  with rewards_lib.RewardScheduler(num_workers=1, fn=fault_rewards.fail_on_marked_answers) as rs:
+    producer = _producer(samples, rs, 4, 2, prompt_fn=lambda sample: [1, 2, 3])
+    producer.batcher.start_epoch([])
+    producer.start()
+    try:
+      kept = _kept_until_round_end(producer)
+    finally:
+      producer.stop()
+    metrics = rs.metrics()
+  rewards = {k.sample.id: k.group.rewards for k in kept}
+  assert rewards == {"s0": [0.0, 0.0], "s1": [0.0, 0.0], "s2": [0.0, 0.0], "s3": [1.0, 1.0]}
+  assert metrics["reward/error"] == 6 and metrics["reward/ok"] == 2
+  logged = [r.getMessage() for r in caplog.records if r.name == "fluxjax.rl.rewards"]
+  for sample_id, why in [("s0", "reward bug"), ("s1", "non-finite"), ("s2", "non-finite")]:
+    assert sum(f"'{sample_id}'" in m and why in m for m in logged) == 2, (sample_id, logged)

@@ -5,6 +5,7 @@ module-level so that they unpickle there (this module imports nothing heavy,
 keeping worker start-up fast).
 """
 
+import logging
 import math
 import multiprocessing
 import os
@@ -39,6 +40,14 @@ def crash(response, answer):
 
 def die(response, answer):
   os._exit(3)  # a segfaulting sandbox, as far as the parent can tell
+
+
+def not_a_number(response, answer):
+  return float(response)  # "nan", "inf", "-inf"
+
+
+def not_a_float(response, answer):
+  return None
 
 
 # --- the registry ------------------------------------------------------------
@@ -198,6 +207,36 @@ def test_crash_gives_zero_and_counted_error(make_scheduler):
   assert "worker died" in died.error
   m = rs.metrics()
   assert m["reward/error"] == 2 and m["reward/worker_restarts"] == 1  # raising keeps the worker
+  assert rs.submit("<answer>red</answer>", "red").result(timeout=20).status == "ok"
+
+
+def test_a_reward_that_is_not_a_finite_number_is_a_counted_logged_error(make_scheduler, caplog):
+  caplog.set_level(logging.WARNING, logger="fluxjax.rl.rewards")
+  rs = make_scheduler(t_min=0.2, t_max=5.0)
+  bad = [
+    rs.submit(text, "", fn=not_a_number, key=f"sample-{text}") for text in ("nan", "inf", "-inf")
+  ]
+  bad.append(rs.submit("", "", fn=not_a_float, key="sample-none"))
+  bad.append(rs.submit("", "", fn=crash, key="sample-crash"))
+  results = rs.gather(bad, timeout=20)
+  assert [(r.reward, r.status) for r in results] == [(0.0, "error")] * 5
+  assert [r.error for r in results[:3]] == [
+    "non-finite reward nan",
+    "non-finite reward inf",
+    "non-finite reward -inf",
+  ]
+  assert "TypeError" in results[3].error
+  m = rs.metrics()
+  assert m["reward/error"] == 5 and m["reward/ok"] == 0 and m["reward/worker_restarts"] == 0
+  logged = [r.getMessage() for r in caplog.records if r.name == "fluxjax.rl.rewards"]
+  for key, why in [
+    ("sample-nan", "non-finite reward nan"),
+    ("sample-inf", "non-finite reward inf"),
+    ("sample-none", "TypeError"),
+    ("sample-crash", "RuntimeError: reward bug"),
+  ]:
+    assert any(f"'{key}'" in msg and why in msg for msg in logged), (key, logged)
+  # The pool keeps serving.
   assert rs.submit("<answer>red</answer>", "red").result(timeout=20).status == "ok"
 
 

@@ -18,21 +18,8 @@ import os
 from fluxjax.models import media as media_lib
 from fluxjax.models import processor
 
-
-@dataclasses.dataclass(frozen=True)
-class MediaLimits:
-  """What the loader accepts; anything outside is a counted skip.
-
-  Attributes:
-    max_image_pixels: largest source image (height * width); PIL's own
-      decompression-bomb limit is about 89M.
-    min_side: smallest source side in pixels.
-    max_video_frames: most frames in a video file.
-  """
-
-  max_image_pixels: int = 64_000_000
-  min_side: int = 1
-  max_video_frames: int = 1_000_000
+# The loader's size budgets: defined with the decoders that enforce them.
+MediaLimits = media_lib.MediaLimits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,15 +160,20 @@ def _stat_key(path: str) -> tuple[str, int, int]:
 
 
 @functools.lru_cache(maxsize=65536)
-def _probe_cached(kind: str, path: str, size: int, mtime_ns: int):
+def _probe_cached(kind: str, path: str, size: int, mtime_ns: int, limits: MediaLimits):
   del size, mtime_ns  # only part of the cache key: a rewritten file re-probes
   if kind == "image":
     return media_lib.probe_image(path)
-  return media_lib.probe_video(path)
+  return media_lib.probe_video(path, limits)
 
 
-def probe(kind: str, path: str):
-  """Header facts of a file, cached by (path, size, mtime).
+def probe(kind: str, path: str, limits: MediaLimits = media_lib.DEFAULT_LIMITS):
+  """Header facts of a file, cached by (path, size, mtime, limits).
+
+  Args:
+    kind: "image" or "video".
+    path: the file.
+    limits: bounds the frames counted in a video without a frame count.
 
   Returns:
     (height, width) for an image, `media.VideoInfo` for a video.
@@ -189,7 +181,7 @@ def probe(kind: str, path: str):
   Raises:
     MediaError: the file is missing or its header is unreadable.
   """
-  return _probe_cached(kind, *_stat_key(path))
+  return _probe_cached(kind, *_stat_key(path), limits)
 
 
 def probe_cache_info():
@@ -201,7 +193,7 @@ def media_ref(
   kind: processor.Kind,
   path: str,
   cfg: processor.VisionProcessorConfig,
-  limits: MediaLimits = MediaLimits(),
+  limits: MediaLimits = media_lib.DEFAULT_LIMITS,
 ) -> MediaRef:
   """A MediaRef from a file's headers and the processor's resize rule.
 
@@ -210,23 +202,16 @@ def media_ref(
       processor's rule (e.g. aspect ratio above 200).
   """
   if kind == "image":
-    height, width = probe(kind, path)
+    height, width = probe(kind, path, limits)
     frames, fps, sampled = 1, None, 1
   elif kind == "video":
-    info = probe(kind, path)
+    info = probe(kind, path, limits)
     height, width, frames, fps = info.height, info.width, info.num_frames, info.fps
-    if frames > limits.max_video_frames:
-      raise media_lib.MediaError(
-        path, f"{frames} frames exceed the limit {limits.max_video_frames}"
-      )
     indices, sampled_fps = media_lib.sample_frame_indices(frames, fps, cfg)
     sampled = len(indices)
   else:
     raise ValueError(f"kind must be 'image' or 'video', got {kind!r}")
-  if min(height, width) < limits.min_side:
-    raise media_lib.MediaError(path, f"side below {limits.min_side}: {height}x{width}")
-  if kind == "image" and height * width > limits.max_image_pixels:
-    raise media_lib.MediaError(path, f"{height}x{width} exceeds {limits.max_image_pixels} pixels")
+  media_lib.check_size(path, kind, height, width, limits, frames=frames, sampled_frames=sampled)
   try:
     grid = processor.grid_for_size(kind, height, width, sampled, cfg)
   except ValueError as e:
@@ -242,7 +227,9 @@ class ToMeta:
   loader can count, log and replace the sample.
   """
 
-  def __init__(self, cfg: processor.VisionProcessorConfig, limits: MediaLimits = MediaLimits()):
+  def __init__(
+    self, cfg: processor.VisionProcessorConfig, limits: MediaLimits = media_lib.DEFAULT_LIMITS
+  ):
     self.cfg = cfg
     self.limits = limits
 

@@ -61,21 +61,31 @@ def meta_dataset(
   return ds.map_with_index(meta_lib.ToMeta(cfg, limits))
 
 
+# (needle, kind), first match wins. Reasons start with a phrase of our own
+# (models/media.py, data/workers.py, data/store.py, this module); a decoder's
+# message follows it, so the phrases that lead a reason come first.
 _SKIP_KINDS = (
   ("not found", "missing"),
   ("not a regular file", "missing"),
   ("stream ended early", "truncated"),
-  ("decode failed", "corrupt"),
-  ("cannot decode", "corrupt"),
-  ("cannot read image header", "corrupt"),
-  ("cannot demux", "corrupt"),
+  ("decompression-bomb", "size"),
+  ("out of memory", "size"),
+  ("cannot preprocess", "preprocess"),
   ("cannot open video", "unsupported"),
   ("no video stream", "unsupported"),
+  ("cannot decode", "corrupt"),
+  ("cannot read", "corrupt"),
+  ("unknown frame rate", "corrupt"),
+  ("has no frames", "corrupt"),
+  ("bad frame size", "corrupt"),
+  ("empty image", "corrupt"),
+  ("the header said", "corrupt"),
   ("exceed", "size"),
   ("side below", "size"),
   ("size rejected", "size"),
   ("decoded grid", "size"),
   ("died", "worker"),
+  ("worker could not", "worker"),
   ("timed out", "timeout"),
 )
 
@@ -109,7 +119,8 @@ class ShadowLoader:
       batch is decoded while the current one trains).
     store_bytes: budget of the host store; prefetching beyond the current
       batch stops while it is full.
-    limits: media size limits.
+    limits: media size budgets, checked from headers by the probe and by
+      every worker decode.
     read_threads: Grain threads probing headers ahead.
     transport: worker result transport ("shm" or "pickle").
     decode_timeout_s: a decode that takes longer (a hung decoder) is a
@@ -151,7 +162,7 @@ class ShadowLoader:
     self._exhausted = False
     self.store = store_lib.MetaStore(store_bytes)
     self.pool = (
-      workers_lib.WorkerPool(num_workers, cfg, self.store, transport=transport)
+      workers_lib.WorkerPool(num_workers, cfg, self.store, transport=transport, limits=limits)
       if num_workers
       else None
     )
@@ -208,10 +219,10 @@ class ShadowLoader:
       except TimeoutError:
         reason = f"decode timed out after {self.decode_timeout_s} s"
         self.store.set_failed(ref.media_id, reason)
-        failed = self.store.get(ref.media_id)
-        if failed is None:  # released meanwhile: set_failed dropped it
-          return f"{ref.path}: {reason}"
-        entry = failed
+        # The worker is stuck in it: restart it rather than let the items
+        # queued behind it wait out the timeout one by one.
+        self.pool.abandon(ref.media_id)
+        return f"{ref.path}: {reason}"
       if entry.status == store_lib.FAILED:
         return f"{ref.path}: {entry.reason}"
     return None

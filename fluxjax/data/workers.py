@@ -11,8 +11,9 @@ through the result queue instead (kept for the benchmark's comparison).
 Dispatch picks the worker with the fewest outstanding patches (FlexRL's
 least-loaded routing, weighted by work rather than task count since one long
 video outweighs many images). Task queues are bounded, so a flood of
-submissions blocks instead of growing memory. A worker that dies has its
-pending items failed (counted skips upstream) and is restarted.
+submissions blocks instead of growing memory. A worker that dies, or that
+the loader abandons because its decode hung, has its pending items failed
+(counted skips upstream) and is restarted.
 """
 
 from __future__ import annotations
@@ -35,24 +36,23 @@ log = logging.getLogger(__name__)
 PARENT_CHECK_S = 1.0  # how often an idle worker checks that its parent lives
 
 
-def preprocess_file(
-  kind: str, path: str, cfg: processor.VisionProcessorConfig
-) -> processor.ProcessedVision:
-  """Decodes and preprocesses one file exactly as the model's processor does.
-
-  Raises:
-    MediaError: the file cannot be decoded.
-  """
-  if kind == "image":
-    return processor.preprocess_image(media_lib.load_image(path), cfg)
-  frames, fps = media_lib.load_video(path, cfg)
-  return processor.preprocess_video(frames, cfg, fps)
+# A worker's unit of work: decode and preprocess one file (MediaError if bad).
+preprocess_file = media_lib.preprocess_file
 
 
 def _worker_main(
-  worker: int, cfg, tasks, results, transport: str, parent_pid: int | None = None
+  worker: int,
+  cfg,
+  tasks,
+  results,
+  transport: str,
+  parent_pid: int | None = None,
+  limits: media_lib.MediaLimits = media_lib.DEFAULT_LIMITS,
 ) -> None:
   """Worker loop: (media_id, kind, path) in, ("ok"|"failed", ...) out.
+
+  A bad file is a "failed" result with its reason (`media.bad_file` turns
+  any decoder exception into MediaError), never a dead worker.
 
   Exits when its parent is gone (killed without `close`, e.g. SIGKILL): the
   task queue carries both ends of its pipe into this process, so a read never
@@ -70,29 +70,34 @@ def _worker_main(
     media_id, kind, path = task
     start = time.perf_counter()
     try:
-      pv = preprocess_file(kind, path, cfg)
-      slot = array = None
-      if transport == "shm":
-        slot = store_lib.write_shared(pv.patches)
-      else:
-        array = pv.patches
-      results.put(
-        (
-          "ok",
-          worker,
-          media_id,
-          slot,
-          array,
-          pv.patches.shape,
-          pv.grid_thw,
-          time.perf_counter() - start,
-        )
-      )
+      pv = preprocess_file(kind, path, cfg, limits)
     except media_lib.MediaError as e:
       results.put(("failed", worker, media_id, e.reason))
-    except Exception as e:  # pylint: disable=broad-except
-      # Any decoder surprise is a bad file, never a dead worker.
-      results.put(("failed", worker, media_id, f"{type(e).__name__}: {e}"))
+      continue
+    slot = array = None
+    if transport == "shm":
+      try:
+        slot = store_lib.write_shared(pv.patches)
+      except OSError as e:
+        # Not the file's fault: no shared-memory segment could be made (too
+        # many open, or /dev/shm refused it). The item fails, counted like a
+        # bad file, and the worker serves the next one.
+        results.put(("failed", worker, media_id, f"worker could not store the patches: {e}"))
+        continue
+    else:
+      array = pv.patches
+    results.put(
+      (
+        "ok",
+        worker,
+        media_id,
+        slot,
+        array,
+        pv.patches.shape,
+        pv.grid_thw,
+        time.perf_counter() - start,
+      )
+    )
 
 
 class WorkerPool:
@@ -104,6 +109,7 @@ class WorkerPool:
     store: where results are registered.
     queue_size: bound of each worker's task queue.
     transport: "shm" (shared-memory slots) or "pickle" (arrays via queue).
+    limits: size budgets every decode enforces from the file's header.
   """
 
   def __init__(
@@ -113,12 +119,13 @@ class WorkerPool:
     store: store_lib.MetaStore,
     queue_size: int = 64,
     transport: str = "shm",
+    limits: media_lib.MediaLimits = media_lib.DEFAULT_LIMITS,
   ):
     if num_workers < 1:
       raise ValueError(f"need at least one worker, got {num_workers}")
     if transport not in ("shm", "pickle"):
       raise ValueError(f"transport must be 'shm' or 'pickle', got {transport}")
-    self.cfg, self.store, self.transport = cfg, store, transport
+    self.cfg, self.store, self.transport, self.limits = cfg, store, transport, limits
     self.patch_dim = 3 * cfg.temporal_patch_size * cfg.patch_size**2
     self._ctx = mp.get_context("spawn")
     self._queue_size = queue_size
@@ -147,7 +154,15 @@ class WorkerPool:
       target=_worker_main,
       name=f"fluxjax-preproc-{w}",
       daemon=True,
-      args=(w, self.cfg, self._tasks[w], self._results, self.transport, os.getpid()),
+      args=(
+        w,
+        self.cfg,
+        self._tasks[w],
+        self._results,
+        self.transport,
+        os.getpid(),
+        self.limits,
+      ),
     )
     proc.start()
     return proc
@@ -169,12 +184,36 @@ class WorkerPool:
       return -1
     cost = processor.num_patches(ref.full_grid)
     with self._lock:
+      # Pending and queued under the lock that a restart holds: a restart of
+      # worker w either fails this item with the dead queue or comes before
+      # it, and the item goes to the new queue.
       w = min(range(len(self._load)), key=lambda i: (self._load[i], i))
+      self.store.register(ref.media_id, w, ref.nbytes(self.patch_dim), ref.full_grid)
       self._load[w] += cost
       self._pending[ref.media_id] = (w, cost)
-    self.store.register(ref.media_id, w, ref.nbytes(self.patch_dim), ref.full_grid)
-    self._tasks[w].put((ref.media_id, ref.kind, ref.path))
-    return w
+      tasks = self._tasks[w]
+    while True:
+      try:
+        tasks.put((ref.media_id, ref.kind, ref.path), timeout=PARENT_CHECK_S)
+        return w
+      except queue.Full:
+        with self._lock:
+          if self._tasks[w] is not tasks:
+            return w  # the worker was restarted meanwhile: the item failed with it
+
+  def abandon(self, media_id: str) -> None:
+    """Kills the worker decoding `media_id` (a decoder hung past the loader's
+    timeout): it is restarted, and the items queued behind it fail (counted
+    skips) instead of each waiting out the timeout in turn."""
+    with self._lock:
+      # While the item is pending its worker has not been replaced, so this
+      # is the process that holds it.
+      pending = self._pending.get(media_id)
+      if pending is None:
+        return
+      w = pending[0]
+      log.error("preprocessor %d is stuck on %s; killing it", w, media_id)
+      self._procs[w].kill()
 
   def _done(self, media_id: str) -> None:
     with self._lock:
@@ -207,13 +246,15 @@ class WorkerPool:
         continue
       log.error("preprocessor %d died (exit %s); restarting", w, proc.exitcode)
       with self._lock:
+        # Atomic with submit: no item is left behind in the dead queue.
         lost = [k for k, (pw, _) in self._pending.items() if pw == w]
+        for media_id in lost:
+          self._load[w] -= self._pending.pop(media_id)[1]
+        self._tasks[w] = self._ctx.Queue(self._queue_size)
+        self._procs[w] = self._start(w)
+        self.restarts += 1
       for media_id in lost:
-        self._done(media_id)
         self.store.set_failed(media_id, f"worker {w} died")
-      self.restarts += 1
-      self._tasks[w] = self._ctx.Queue(self._queue_size)
-      self._procs[w] = self._start(w)
 
   def close(self, timeout: float = 5.0) -> None:
     """Stops the workers (joins, then terminates stragglers)."""

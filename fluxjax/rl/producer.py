@@ -13,8 +13,11 @@ lag k rollout runs up to k batches ahead. Finished groups are never dropped.
 
 Faults: a round stopped by a backend error (a server killed mid-round, with no
 other server to retry on) keeps what it finished, re-queues the rest and is
-counted; the next round picks them up. A prompt too long for the rollout
-context is a counted, logged skip before it is ever sent.
+counted; the next round picks them up. A sample whose prompt cannot be
+built (the chat template or tokenizer raises) and a prompt too long for the
+rollout context are counted, logged skips before anything is sent. A reward
+call that raises, hangs or returns a non-finite value scores 0 and is
+counted by the reward scheduler (rl/rewards.py).
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ class Producer:
     max_prompt_tokens: longer prompts are skipped (counted).
     release: called with samples the producer drops (skips), to free media.
     max_round_failures: consecutive failed rounds before the run stops.
+    max_prompt_errors_in_a_row: consecutive samples whose prompt_fn raised
+      (each a counted skip) before the run stops: that many in a row is a
+      broken tokenizer or template, not bad samples.
     thread: the rollout thread's loop, shared with the backend's other
       callers; None = a loop of its own, stopped by `stop`.
   """
@@ -92,6 +98,7 @@ class Producer:
     max_prompt_tokens: int,
     release=lambda samples: None,
     max_round_failures: int = 5,
+    max_prompt_errors_in_a_row: int = 100,
     thread: LoopThread | None = None,
   ):
     self.rollout = rollout
@@ -106,6 +113,8 @@ class Producer:
     self.max_prompt_tokens = max_prompt_tokens
     self.release = release
     self.max_round_failures = max_round_failures
+    self.max_prompt_errors_in_a_row = max_prompt_errors_in_a_row
+    self._prompt_errors_in_a_row = 0
     self.samples: dict[int, meta_lib.SampleMeta] = {}
     self.prompts: dict[int, Any] = {}
     self.out: queue.Queue = queue.Queue()
@@ -268,7 +277,30 @@ class Producer:
       fresh, skipped = [], []
       for sample in batch:
         self.samples[sample.uid] = sample
-        n = len(self._prompt(sample.uid))
+        try:
+          n = len(self._prompt(sample.uid))
+        except Exception as e:
+          # Whatever the chat template or tokenizer raises on this sample's
+          # prompt is the sample's fault: a counted skip, not a stopped run.
+          self._prompt_errors_in_a_row += 1
+          log.warning(
+            "skipping sample %s (uid %d): cannot build its prompt: %s: %s",
+            sample.id,
+            sample.uid,
+            type(e).__name__,
+            e,
+          )
+          self.counts["data/skipped/prompt_error"] += 1
+          skipped.append(sample)
+          self.forget(sample.uid)
+          if self._prompt_errors_in_a_row >= self.max_prompt_errors_in_a_row:
+            self.release(skipped)
+            raise RuntimeError(
+              f"{self._prompt_errors_in_a_row} prompts in a row failed to build"
+              f" (last: sample {sample.id}: {type(e).__name__}: {e})"
+            ) from e
+          continue
+        self._prompt_errors_in_a_row = 0
         if n > self.max_prompt_tokens:
           # The engine would reject it; a counted skip, not a failed round.
           log.warning(

@@ -35,10 +35,12 @@ case; key None shares one anchor). Before any correct call T = t_max: there is
 no evidence yet of how long a correct answer takes, so nothing is cut early.
 A call that exceeds T has its worker killed (SIGKILL: a hung sandbox may ignore
 SIGTERM) and replaced, and yields reward 0 with status "timeout"; a call that
-raises, or whose worker dies, yields 0 with status "error". The pool keeps
-serving either way. Durations are measured inside the worker (compute time,
-not queueing); the deadline is counted from dispatch to a worker that has
-already finished starting up.
+raises, returns a value that is not a finite number, or whose worker dies,
+yields 0 with status "error". Each such call is logged with its key and tag
+(the producer's key is the sample id) and counted (`reward/timeout`,
+`reward/error`). The pool keeps serving either way. Durations are measured
+inside the worker (compute time, not queueing); the deadline is counted from
+dispatch to a worker that has already finished starting up.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import importlib
+import logging
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -56,6 +59,8 @@ import time
 import traceback
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str], float]
 REWARDS: dict[str, RewardFn] = {}
@@ -456,6 +461,16 @@ class RewardScheduler:
       pass
 
   def _finish(self, task: _Task, result: RewardResult) -> None:
+    if result.status in ("error", "timeout"):
+      # The last line of a traceback names the exception; the rest is in it.
+      lines = result.error.strip().splitlines() or [""]
+      log.warning(
+        "reward call %s (key %r, tag %r), scored 0: %s",
+        result.status,
+        result.key,
+        result.tag,
+        lines[-1],
+      )
     with self._lock:
       self._counts["completed"] += 1
       self._counts[result.status] += 1

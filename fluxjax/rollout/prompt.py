@@ -34,13 +34,15 @@ def _materialize(item: str, kind: str, tmpdir: str, index: int) -> str:
     raise ProtocolError(f"{kind} {index}: URLs are not supported; send a path or base64")
   if item.startswith("data:"):
     _, _, payload = item.partition(",")
-  elif os.path.exists(item) or os.sep in item or len(item) < 64:
+  elif os.path.exists(item) or len(item) < 64:
     return item  # a path; a missing one fails with "file not found" below
   else:
-    payload = item
+    payload = item  # raw base64, whose alphabet includes "/"
   try:
     data = base64.b64decode(payload, validate=True)
   except (binascii.Error, ValueError) as e:
+    if payload is item and os.sep in item:
+      return item  # a path after all: "file not found" below
     raise ProtocolError(f"{kind} {index}: not a path and not valid base64 ({e})") from e
   path = os.path.join(tmpdir, f"{kind}{index}")
   with open(path, "wb") as f:
@@ -49,19 +51,24 @@ def _materialize(item: str, kind: str, tmpdir: str, index: int) -> str:
 
 
 def load_media(
-  req: GenerateRequest, proc: processor.VisionProcessorConfig
+  req: GenerateRequest,
+  proc: processor.VisionProcessorConfig,
+  limits: media.MediaLimits = media.DEFAULT_LIMITS,
 ) -> list[processor.ProcessedVision]:
-  """Decodes and preprocesses the request's images, then its videos."""
+  """Decodes and preprocesses the request's images, then its videos.
+
+  Each file's size is checked against `limits` from its header before it is
+  decoded; any bad or oversized item is a ProtocolError (HTTP 400).
+  """
+  items: list[tuple[processor.Kind, int, str]]
+  items = [("image", i, item) for i, item in enumerate(req.image_data)]
+  items += [("video", i, item) for i, item in enumerate(req.video_data)]
   out = []
   with tempfile.TemporaryDirectory(prefix="fluxjax-media-") as tmp:
     try:
-      for i, item in enumerate(req.image_data):
-        path = _materialize(item, "image", tmp, i)
-        out.append(processor.preprocess_image(media.load_image(path), proc))
-      for i, item in enumerate(req.video_data):
-        path = _materialize(item, "video", tmp, i)
-        frames, fps = media.load_video(path, proc)
-        out.append(processor.preprocess_video(frames, proc, fps))
+      for kind, i, item in items:
+        path = _materialize(item, kind, tmp, i)
+        out.append(media.preprocess_file(kind, path, proc, limits))
     except media.MediaError as e:
       raise ProtocolError(f"cannot load media: {e}") from e
   return out
@@ -110,6 +117,7 @@ def build_sequence(
   tokenizer: Tokenizer,
   cfg: ModelConfig,
   proc: processor.VisionProcessorConfig,
+  limits: media.MediaLimits = media.DEFAULT_LIMITS,
 ) -> SequenceInputs:
   """The request's prompt as SequenceInputs (raises ProtocolError on bad input)."""
   if req.text is not None:
@@ -129,7 +137,7 @@ def build_sequence(
       f"{order.count('video')} video placeholder(s) but the request sent "
       f"{n_img} image(s) and {n_vid} video(s)"
     )
-  vision = load_media(req, proc)
+  vision = load_media(req, proc, limits)
   images = iter([v for v in vision if v.kind == "image"])
   videos = iter([v for v in vision if v.kind == "video"])
   ordered = [next(images) if k == "image" else next(videos) for k in order]

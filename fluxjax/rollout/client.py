@@ -17,11 +17,21 @@ import aiohttp
 
 
 class RequestRejected(ValueError):
-  """HTTP 400: a malformed request (message from the server)."""
+  """HTTP 4xx (but 408 and 429): this request cannot succeed on any server of
+  the fleet (malformed, too large, over the context); the server's message."""
 
 
 class ServerUnavailable(ConnectionError):
-  """The server is down, unreachable, overloaded or failed."""
+  """The server is down, unreachable, overloaded (408, 429) or failed (5xx)."""
+
+
+def _raise_for_status(where: str, status: int, data: Any, raw: str) -> None:
+  """The client's reading of a refusal; 404 is left to the caller (an optional route)."""
+  if status in (408, 429) or status >= 500:
+    raise ServerUnavailable(f"{where}: HTTP {status}: {raw[:200]}")
+  if 400 <= status < 500 and status != 404:
+    msg = data.get("error", {}).get("message", raw) if isinstance(data, dict) else raw
+    raise RequestRejected(f"{where}: HTTP {status}: {msg}")
 
 
 @dataclasses.dataclass
@@ -140,6 +150,23 @@ _CONNECTION_ERRORS = (
   ConnectionError,
 )
 
+# Bodies above this ask "Expect: 100-continue" first: a server refusing the
+# size (413) answers before the body is sent, so the refusal reads as this
+# request's failure rather than a connection the server cut mid-upload.
+EXPECT_CONTINUE_BYTES = 1 << 20
+
+
+def _json_request(body: Any) -> dict[str, Any]:
+  """aiohttp request arguments for a JSON body."""
+  if body is None:
+    return {}
+  payload = json.dumps(body).encode()
+  return {
+    "data": payload,
+    "headers": {"Content-Type": "application/json"},
+    "expect100": len(payload) > EXPECT_CONTINUE_BYTES,
+  }
+
 
 class SGLangClient:
   """Calls one server. Shares the caller's aiohttp session when given."""
@@ -169,7 +196,9 @@ class SGLangClient:
     session = await self.session()
     timeout = self.timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
     try:
-      async with session.request(method, self.url + path, json=body, timeout=timeout) as r:
+      async with session.request(
+        method, self.url + path, timeout=timeout, **_json_request(body)
+      ) as r:
         raw = await r.text()
         status = r.status
     except _CONNECTION_ERRORS as e:
@@ -178,16 +207,14 @@ class SGLangClient:
       data = json.loads(raw) if raw else None
     except json.JSONDecodeError:
       data = raw
-    if status == 400:
-      msg = data.get("error", {}).get("message", raw) if isinstance(data, dict) else raw
-      raise RequestRejected(f"{self.url}{path}: {msg}")
-    if status >= 500:
-      raise ServerUnavailable(f"{self.url}{path}: HTTP {status}: {raw[:200]}")
+    _raise_for_status(self.url + path, status, data, raw)
     return status, data
 
   async def generate(self, body: dict) -> Completion:
     body = {**body, "stream": False}
-    _, data = await self.request("POST", "/generate", body)
+    status, data = await self.request("POST", "/generate", body)
+    if status != 200:
+      raise RequestRejected(f"{self.url}/generate: HTTP {status}")
     return Completion.from_response(data, self.url)
 
   async def generate_stream(self, body: dict) -> AsyncIterator[dict]:
@@ -195,11 +222,17 @@ class SGLangClient:
     session = await self.session()
     body = {**body, "stream": True}
     try:
-      async with session.post(self.url + "/generate", json=body, timeout=self.timeout) as r:
-        if r.status == 400:
-          raise RequestRejected(f"{self.url}/generate: {await r.text()}")
+      async with session.post(
+        self.url + "/generate", timeout=self.timeout, **_json_request(body)
+      ) as r:
         if r.status != 200:
-          raise ServerUnavailable(f"{self.url}/generate: HTTP {r.status}")
+          raw = await r.text()
+          try:
+            data = json.loads(raw)
+          except json.JSONDecodeError:
+            data = raw
+          _raise_for_status(self.url + "/generate", r.status, data, raw)
+          raise RequestRejected(f"{self.url}/generate: HTTP {r.status}")
         async for line in r.content:
           line = line.strip()
           if not line.startswith(b"data:"):

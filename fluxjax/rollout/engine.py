@@ -201,10 +201,10 @@ class Engine:
     n = len(req.prompt)
     if n == 0:
       raise ProtocolError("the prompt is empty")
-    if n >= self.capacity:
-      raise ProtocolError(
-        f"the input ({n} tokens) is longer than the model's context length ({self.capacity} tokens)"
-      )
+    # The prompt must fit; max_new_tokens is clipped to the context left, as
+    # SGLang's scheduler clips it (the HTTP server refuses an explicit one
+    # that does not fit before it gets here).
+    protocol.check_context_length(n, None, self.capacity)
     vocab = self.cfg.text.vocab_size
     if int(req.prompt.tokens_T.max()) >= vocab:
       raise ProtocolError(f"input_ids must be < vocab_size {vocab}")
@@ -288,7 +288,15 @@ class Engine:
       self.weight_version = str(weight_version)
 
   def load_weights_from_disk(self, path: str, weight_version: str) -> None:
-    """Reads an HF checkpoint folder (same architecture) and swaps it in."""
+    """Reads an HF checkpoint folder (same architecture) and swaps it in.
+
+    All or nothing: the folder is checked whole and read completely
+    (hf_io.load_hf_checkpoint) before one swap of parameters and version
+    between steps. A folder that fails (ProtocolError: another architecture;
+    hf_io.CheckpointFormatError: a file or tensor missing, truncated or
+    misshapen; OSError: unreadable) raises, and the engine serves on with the
+    weights and version it had.
+    """
     disk = config_lib.load_hf_config(path)
     if (disk.text, disk.vision) != (self.cfg.text, self.cfg.vision):
       raise ProtocolError(

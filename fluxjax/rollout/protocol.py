@@ -13,12 +13,16 @@ against a real SGLang fleet and is always tested against a real server.
   GET /health, /health_generate, /get_model_info, /model_info,
       /get_server_info, /server_info, /get_weight_version, /get_load
 
-Errors are HTTP 400 with `{"error": {"message": ...}}`.
+Errors carry `{"error": {"message": ...}}` (`error_body`): 400 for a bad
+request (malformed JSON, a wrong type, a prompt over the context), as SGLang
+answers; the server adds 404, 405, 408, 413, 500 and 503 in the same shape.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -54,7 +58,7 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
 }
 # Known keys our engine does not implement: accepted only at their defaults, so
 # a request never silently gets different sampling than it asked for.
-_UNSUPPORTED = (
+UNSUPPORTED_SAMPLING_KEYS = (
   "min_p",
   "frequency_penalty",
   "presence_penalty",
@@ -68,13 +72,25 @@ _UNSUPPORTED = (
   "structural_tag",
   "custom_params",
 )
+# Sampling keys that must be JSON booleans (SGLang's SamplingParams types).
+BOOL_SAMPLING_KEYS = (
+  "ignore_eos",
+  "skip_special_tokens",
+  "spaces_between_special_tokens",
+  "no_stop_trim",
+)
 GREEDY_EPS = 1e-6
 TOP_K_ALL = 1 << 30  # SGLang stores top_k = -1 as 1 << 30
+# Token ids are int32 on the way to the model; larger ones are refused before
+# they reach numpy (the vocabulary check follows in the engine).
+MAX_TOKEN_ID = (1 << 31) - 1
+# The engine's seeded sampler keys each slot with a uint32 seed.
+SEED_LIMIT = 1 << 32
 
 # Top-level GenerateReqInput fields (io_struct.py), in three kinds.
 #
 # Used by this server.
-_USED_FIELDS = {
+USED_FIELDS = {
   "text",
   "input_ids",
   "image_data",
@@ -127,7 +143,8 @@ IGNORED_FIELDS = frozenset(
 )
 # Ask for something this server does not do when set: accepted at their
 # default only (400 otherwise), so a request never silently gets less than it
-# asked for. A per-item list of defaults (a batch) counts as the default.
+# asked for. A per-item list of defaults (a batch) counts as the default;
+# `default_equivalents` names the values that count as a field's default.
 DEFAULT_ONLY_FIELDS: dict[str, Any] = {
   "input_embeds": None,
   "audio_data": None,
@@ -157,11 +174,63 @@ DEFAULT_ONLY_FIELDS: dict[str, Any] = {
   "images_config": None,
   "multi_item_delimiter_indices": None,
 }
-GENERATE_FIELDS = _USED_FIELDS | IGNORED_FIELDS | set(DEFAULT_ONLY_FIELDS)
+GENERATE_FIELDS = USED_FIELDS | IGNORED_FIELDS | set(DEFAULT_ONLY_FIELDS)
 
 
 class ProtocolError(ValueError):
   """A malformed request; the server answers 400 with this message."""
+
+
+def _is_int(x: Any) -> bool:
+  """A JSON integer (true and false are not numbers, as in JSON Schema)."""
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_finite_number(x: Any) -> bool:
+  """A JSON number that fits a float (NaN, infinities and 10**400 do not)."""
+  if isinstance(x, bool) or not isinstance(x, (int, float)):
+    return False
+  try:
+    return math.isfinite(float(x))
+  except OverflowError:
+    return False
+
+
+def json_equal(a: Any, b: Any) -> bool:
+  """Equality of two JSON values, their types kept apart as JSON Schema keeps
+  them (false is not 0, 1.0 is 1)."""
+  if isinstance(a, bool) != isinstance(b, bool):
+    return False
+  if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+    return a == b
+  return type(a) is type(b) and a == b
+
+
+def default_equivalents(default: Any) -> list[Any]:
+  """The values that count as a DEFAULT_ONLY field's default: the default, and
+  for a null default `{}` too (an empty object asks for nothing), for a 0
+  default null too. A list of these (one per batch item) counts as well."""
+  if default is None:
+    return [None, {}]
+  if json_equal(default, 0):
+    return [default, None]
+  return [default]
+
+
+def _is_default(value: Any, default: Any) -> bool:
+  accepted = default_equivalents(default)
+  if isinstance(value, list):
+    return all(any(json_equal(v, a) for a in accepted) for v in value)
+  return any(json_equal(value, a) for a in accepted)
+
+
+def _flag(value: Any, key: str) -> bool:
+  """A boolean field: a JSON boolean, or null for false."""
+  if value is None:
+    return False
+  if not isinstance(value, bool):
+    raise ProtocolError(f"{key} must be a boolean, got {value!r}")
+  return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,48 +267,54 @@ class SamplingParams:
         f"unknown sampling parameter(s) {unknown}; SGLang accepts {sorted(SAMPLING_DEFAULTS)}"
       )
     p = {**SAMPLING_DEFAULTS, **d}
-    for key in _UNSUPPORTED:
-      if p[key] != SAMPLING_DEFAULTS[key]:
+    for key in UNSUPPORTED_SAMPLING_KEYS:
+      if not json_equal(p[key], SAMPLING_DEFAULTS[key]):
         raise ProtocolError(
           f"sampling parameter {key!r}={p[key]!r} is not supported by "
           f"this server (only the default {SAMPLING_DEFAULTS[key]!r})"
         )
+    for key in BOOL_SAMPLING_KEYS:
+      if not isinstance(p[key], bool):
+        raise ProtocolError(f"sampling parameter {key!r} must be a boolean, got {p[key]!r}")
     max_new = p["max_new_tokens"]
-    if max_new is not None and (
-      not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 0
-    ):
+    if max_new is not None and (not _is_int(max_new) or max_new < 0):
       raise ProtocolError(f"max_new_tokens must be a non-negative int or null, got {max_new!r}")
     temperature, top_p, top_k = p["temperature"], p["top_p"], p["top_k"]
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-      raise ProtocolError(f"temperature must be >= 0, got {temperature!r}")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+    if not _is_finite_number(temperature) or temperature < 0:
+      raise ProtocolError(f"temperature must be a number >= 0, got {temperature!r}")
+    if not _is_finite_number(top_p) or not 0 < top_p <= 1:
       raise ProtocolError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not isinstance(top_k, int) or (top_k != -1 and top_k < 1):
+    if not _is_int(top_k) or (top_k != -1 and top_k < 1):
       raise ProtocolError(f"top_k must be -1 (all) or >= 1, got {top_k!r}")
     top_k = TOP_K_ALL if top_k == -1 else top_k
     if temperature < GREEDY_EPS:  # SGLang's greedy rewrite
       temperature, top_k = 1.0, 1
     stop = p["stop"]
-    stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
-    if not all(isinstance(s, str) and s for s in stop):
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
       raise ProtocolError(f"stop must be a non-empty string or a list of them, got {p['stop']!r}")
-    stop_ids = p["stop_token_ids"] or ()
-    if not all(isinstance(i, int) for i in stop_ids):
-      raise ProtocolError(f"stop_token_ids must be ints, got {stop_ids!r}")
+    stop_ids = () if p["stop_token_ids"] is None else p["stop_token_ids"]
+    if not isinstance(stop_ids, (list, tuple)) or not all(
+      _is_int(i) and 0 <= i <= MAX_TOKEN_ID for i in stop_ids
+    ):
+      raise ProtocolError(f"stop_token_ids must be a list of token ids, got {stop_ids!r}")
+    interval = p["stream_interval"]
+    if interval is not None and (not _is_int(interval) or interval < 1):
+      raise ProtocolError(f"stream_interval must be a positive int or null, got {interval!r}")
     seed = p["sampling_seed"]
-    if seed is not None and not isinstance(seed, int):
-      raise ProtocolError(f"sampling_seed must be an int, got {seed!r}")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < SEED_LIMIT):
+      raise ProtocolError(f"sampling_seed must be an int in [0, 2**32), got {seed!r}")
     bias = _logit_bias(p["logit_bias"])
     return cls(
       max_new_tokens=max_new,
       temperature=float(temperature),
       top_p=float(top_p),
       top_k=int(top_k),
-      stop=stop,
+      stop=tuple(stop),
       stop_token_ids=tuple(stop_ids),
-      ignore_eos=bool(p["ignore_eos"]),
-      skip_special_tokens=bool(p["skip_special_tokens"]),
-      no_stop_trim=bool(p["no_stop_trim"]),
+      ignore_eos=p["ignore_eos"],
+      skip_special_tokens=p["skip_special_tokens"],
+      no_stop_trim=p["no_stop_trim"],
       sampling_seed=seed,
       logit_bias=bias,
     )
@@ -253,21 +328,22 @@ def _logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
     raise ProtocolError(f"logit_bias must map token ids to floats, got {type(raw).__name__}")
   out = []
   for key, value in raw.items():
-    try:
-      token = int(key)
-    except (TypeError, ValueError):
-      raise ProtocolError(f"logit_bias key {key!r} is not a token id") from None
-    if token < 0:
-      raise ProtocolError(f"logit_bias token id {token} is negative")
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+    if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+      raise ProtocolError(f"logit_bias key {key!r} is not a token id")
+    if not _is_finite_number(value):
       raise ProtocolError(f"logit_bias[{key!r}] must be a number, got {value!r}")
-    out.append((token, float(value)))
+    out.append((int(key), float(value)))
   return tuple(sorted(out))
 
 
 @dataclasses.dataclass
 class GenerateRequest:
-  """One prompt's /generate request (a batch is several)."""
+  """One prompt's /generate request (a batch is several).
+
+  `requested_max_new_tokens` is max_new_tokens as the request gave it (None
+  when absent or null): SGLang checks only an explicit limit against the
+  context (`check_context_length`) and clips the default to what is left.
+  """
 
   rid: str
   sampling: SamplingParams
@@ -278,20 +354,13 @@ class GenerateRequest:
   return_logprob: bool = False
   return_text_in_logprobs: bool = False
   stream: bool = False
+  requested_max_new_tokens: int | None = None
 
 
 def _as_list(x) -> list:
   if x is None:
     return []
   return list(x) if isinstance(x, list) else [x]
-
-
-def _is_default(value: Any, default: Any) -> bool:
-  if isinstance(value, list) and not isinstance(default, list):
-    return all(_is_default(v, default) for v in value)
-  if default is None:
-    return value is None or value == [] or value == {}
-  return value == default or (default == 0 and value is None)
 
 
 def _per_item(body: dict, key: str, n: int, default: Any) -> list:
@@ -326,9 +395,23 @@ def _media_per_item(body: dict, key: str, n: int, batched: bool) -> list[list[st
 def _check_ids(ids: Any) -> list[int]:
   if not isinstance(ids, list) or not ids:
     raise ProtocolError("input_ids must be a non-empty list of ints")
-  if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-    raise ProtocolError("input_ids must hold non-negative ints")
+  if not all(_is_int(i) and 0 <= i <= MAX_TOKEN_ID for i in ids):
+    raise ProtocolError(f"input_ids must hold token ids (ints in [0, {MAX_TOKEN_ID}])")
   return ids
+
+
+def _rids(rid: Any, n: int, batched: bool) -> list[str]:
+  """One rid per request: given, derived from a batch's string rid, or new."""
+  if rid is None:
+    return [uuid.uuid4().hex for _ in range(n)]
+  if isinstance(rid, str) and rid:
+    return [f"{rid}_{i}" for i in range(n)] if batched else [rid]
+  if batched and isinstance(rid, list):
+    if len(rid) != n:
+      raise ProtocolError(f"rid has {len(rid)} entries for a batch of {n}")
+    if all(isinstance(r, str) and r for r in rid):
+      return rid
+  raise ProtocolError("rid must be a non-empty string, or one per batch item")
 
 
 def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
@@ -340,7 +423,8 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
   becomes `f"{rid}_{i}"`, and the answers come back in input order.
 
   Unknown fields are ignored, as SGLang's request binding ignores them;
-  `unknown_fields` names them so the server can log them.
+  `unknown_fields` names them so the server can log them. A known field of
+  the wrong JSON type is an error.
 
   Returns:
     (requests, batched).
@@ -371,19 +455,10 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
   n = len(prompts)
   if n == 0:
     raise ProtocolError("the batch is empty")
-  if body.get("stream") and batched:
+  stream = _flag(body.get("stream"), "stream")
+  if stream and batched:
     raise ProtocolError("streaming a batched /generate is not supported; stream one per prompt")
-  rid = body.get("rid")
-  if not batched:
-    rids = [rid or uuid.uuid4().hex]
-  elif rid is None:
-    rids = [uuid.uuid4().hex for _ in range(n)]
-  elif isinstance(rid, str):
-    rids = [f"{rid}_{i}" for i in range(n)]
-  else:
-    rids = _per_item(body, "rid", n, None)
-  if not all(isinstance(r, str) and r for r in rids):
-    raise ProtocolError("rid must be a string, or one string per batch item")
+  rids = _rids(body.get("rid"), n, batched)
   if len(set(rids)) != n:
     raise ProtocolError(f"duplicate rids in the batch: {sorted(rids)}")
   sampling = body.get("sampling_params")
@@ -392,23 +467,124 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
     if batched and isinstance(sampling, list)
     else [sampling] * n
   )
-  logprobs = _per_item(body, "return_logprob", n, False)
+  logprobs = [_flag(x, "return_logprob") for x in _per_item(body, "return_logprob", n, False)]
+  text_in_logprobs = _flag(body.get("return_text_in_logprobs"), "return_text_in_logprobs")
   images = _media_per_item(body, "image_data", n, batched)
   videos = _media_per_item(body, "video_data", n, batched)
+  params = [SamplingParams.from_dict(s) for s in samplings]  # each a dict or None from here
   return [
     GenerateRequest(
       rid=rids[i],
-      sampling=SamplingParams.from_dict(samplings[i]),
+      sampling=params[i],
       text=prompts[i][0],
       input_ids=prompts[i][1],
       image_data=images[i],
       video_data=videos[i],
-      return_logprob=bool(logprobs[i]),
-      return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
-      stream=bool(body.get("stream", False)),
+      return_logprob=logprobs[i],
+      return_text_in_logprobs=text_in_logprobs,
+      stream=stream,
+      requested_max_new_tokens=(samplings[i] or {}).get("max_new_tokens"),
     )
     for i in range(n)
   ], batched
+
+
+def check_context_length(
+  input_tokens: int, max_new_tokens: int | None, context_length: int
+) -> None:
+  """Refuses a prompt the context cannot hold, in SGLang's words.
+
+  As SGLang's tokenizer manager (`_validate_one_request`): a prompt of
+  `context_length` tokens or more is refused; so is an explicit
+  max_new_tokens that, added to the prompt, exceeds the context. Without one
+  (absent or null) nothing more is checked: the default 128, or "up to the
+  context", is clipped to the context that is left, as SGLang's scheduler
+  clips it.
+
+  Raises:
+    ProtocolError: with both counts and the limit.
+  """
+  if input_tokens >= context_length:
+    raise ProtocolError(
+      f"The input ({input_tokens} tokens) is longer than the model's context length "
+      f"({context_length} tokens)."
+    )
+  if max_new_tokens is not None and input_tokens + max_new_tokens > context_length:
+    raise ProtocolError(
+      "Requested token count exceeds the model's maximum context length of "
+      f"{context_length} tokens. You requested a total of {input_tokens + max_new_tokens} "
+      f"tokens: {input_tokens} tokens from the input messages and {max_new_tokens} tokens "
+      "for the completion. Please reduce the number of tokens in the input messages or the "
+      "completion to fit within the limit."
+    )
+
+
+def parse_abort(body: dict) -> tuple[str | None, bool]:
+  """(rid, abort_all) of an /abort_request body (SGLang's AbortReq)."""
+  rid = body.get("rid")
+  if rid is not None and not isinstance(rid, str):
+    raise ProtocolError(f"rid must be a string, got {rid!r}")
+  return rid, _flag(body.get("abort_all"), "abort_all")
+
+
+def parse_pause(body: dict) -> str:
+  """The mode of a /pause_generation body (default "abort", as SGLang's)."""
+  mode = body.get("mode")
+  mode = "abort" if mode is None else mode
+  check_pause_mode(mode)
+  return mode
+
+
+def parse_update_weights(body: dict) -> tuple[str, str | None, bool]:
+  """(model_path, weight_version, abort_all_requests) of an
+  /update_weights_from_disk body; flush_cache is accepted (a no-op here)."""
+  path = body.get("model_path")
+  if not isinstance(path, str):
+    raise ProtocolError("model_path (a checkpoint folder) is required")
+  if body.get("load_format") not in (None, "auto", "safetensors"):
+    raise ProtocolError(f"load_format {body['load_format']!r} is not supported")
+  version = body.get("weight_version")
+  if version is not None and not isinstance(version, str):
+    raise ProtocolError(f"weight_version must be a string, got {version!r}")
+  _flag(body.get("flush_cache"), "flush_cache")
+  return path, version, _flag(body.get("abort_all_requests"), "abort_all_requests")
+
+
+def parse_update_weight_version(body: dict) -> tuple[str, bool]:
+  """(new_version, abort_all_requests) of an /update_weight_version body."""
+  version = body.get("new_version")
+  if not isinstance(version, str):
+    raise ProtocolError(f"new_version (a string) is required, got {version!r}")
+  return version, _flag(body.get("abort_all_requests"), "abort_all_requests")
+
+
+def _refuse_constant(name: str) -> Any:
+  raise ProtocolError(f"the body is not valid JSON: {name} is not a JSON number")
+
+
+def decode_body(raw: bytes) -> dict:
+  """A request body as a JSON object; empty or `null` bodies count as {}
+  (verl sends those).
+
+  Strict JSON, as SGLang's orjson reads it: NaN and Infinity are refused, so
+  is a nesting too deep to parse and text that is not UTF-8.
+
+  Raises:
+    ProtocolError: the body is not a JSON object.
+  """
+  if not raw.strip():
+    return {}
+  try:
+    body = json.loads(raw, parse_constant=_refuse_constant)
+  except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, int digits
+    if isinstance(e, ProtocolError):
+      raise
+    raise ProtocolError(f"the body is not valid JSON: {e}") from None
+  if body is None:
+    return {}
+  if not isinstance(body, dict):
+    raise ProtocolError("the body must be a JSON object")
+  return body
 
 
 def unknown_fields(body: dict) -> list[str]:

@@ -7,7 +7,22 @@ The HTTP side is aiohttp on the main thread's event loop; the engine steps in a
 background thread and reports tokens back through `call_soon_threadsafe`.
 The port opens at once and `/health` answers 503 until the model is loaded
 and warmed up (prefill + decode compiled), as SGLang's does while loading.
-Bad requests get 400 `{"error": {"message": ...}}` and never reach the engine.
+The routes are those of openapi.ENDPOINTS, described at GET /openapi.json.
+
+Every refusal is `{"error": {"message": ...}}` (SGLang's error body) and
+never reaches the engine:
+  400  malformed JSON, a field of the wrong type or value, a prompt that
+       cannot be built, or one over the context: a prompt of --context-length
+       tokens or more, or prompt + an explicit max_new_tokens over it (SGLang's
+       check and wording; an absent or null max_new_tokens is clipped to the
+       context left, as SGLang's scheduler clips it);
+  404  an unknown path; 405 a method the path does not take;
+  408  a body not received within --body-timeout of its headers;
+  413  a body over --max-request-bytes (checked on Content-Length before
+       anything is read, and again while reading a chunked one);
+  503  the model is not loaded yet.
+A connection that sends no complete request for --idle-timeout seconds is
+closed, so stalled clients cannot pile up.
 """
 
 from __future__ import annotations
@@ -20,6 +35,7 @@ import os
 import threading
 import uuid
 
+import aiohttp
 import jax
 from aiohttp import web
 from flax import nnx
@@ -28,31 +44,21 @@ from fluxjax.models import config as config_lib
 from fluxjax.models import hf_io, processor, vlm
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import engine as engine_lib
-from fluxjax.rollout import prompt, protocol
+from fluxjax.rollout import openapi, prompt, protocol
 from fluxjax.rollout.protocol import ProtocolError
 
 log = logging.getLogger("fluxjax.rollout.server")
 VERSION = "fluxjax-0.1"
+DEFAULT_MAX_REQUEST_BYTES = 64 << 20
+# Pending connections the kernel queues before accept (capped by
+# net.core.somaxconn): a thousand clients connecting at once wait, none is
+# refused or left to retry its SYN a second later.
+LISTEN_BACKLOG = 2048
+MAX_UNKNOWN_LOGGED = 64
 
 
-def _error(message: str, status: int = 400) -> web.Response:
-  return web.json_response(protocol.error_body(message), status=status)
-
-
-async def _json_body(request: web.Request) -> dict:
-  """The JSON body; empty or `null` bodies count as {} (verl sends those)."""
-  raw = await request.read()
-  if not raw.strip():
-    return {}
-  try:
-    body = json.loads(raw)
-  except json.JSONDecodeError as e:
-    raise ProtocolError(f"the body is not valid JSON: {e}") from e
-  if body is None:
-    return {}
-  if not isinstance(body, dict):
-    raise ProtocolError("the body must be a JSON object")
-  return body
+def _error(message: str, status: int = 400, headers: dict | None = None) -> web.Response:
+  return web.json_response(protocol.error_body(message), status=status, headers=headers)
 
 
 class RolloutServer:
@@ -76,24 +82,77 @@ class RolloutServer:
     }
     # The trainer must preprocess with the same limits (pad counts must agree).
     self.proc_cfg = processor.VisionProcessorConfig(**pixels)
-    self.app = web.Application(client_max_size=256 << 20)
-    r = self.app.router
-    r.add_route("*", "/generate", self.generate)
-    r.add_post("/abort_request", self.abort_request)
-    r.add_post("/pause_generation", self.pause_generation)
-    r.add_post("/continue_generation", self.continue_generation)
-    r.add_route("*", "/flush_cache", self.flush_cache)
-    r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
-    r.add_get("/health", self.health)
-    r.add_get("/health_generate", self.health_generate)
-    for path in ("/get_model_info", "/model_info"):
-      r.add_get(path, self.model_info)
-    for path in ("/get_server_info", "/server_info"):
-      r.add_get(path, self.server_info)
-    r.add_get("/get_weight_version", self.get_weight_version)
-    r.add_post("/update_weight_version", self.update_weight_version)
-    for path in ("/get_load", "/v1/loads"):
-      r.add_get(path, self.get_load)
+    self.openapi_spec = openapi.build_spec(VERSION)
+    self.app = web.Application(
+      client_max_size=args.max_request_bytes, middlewares=[self._errors_as_json]
+    )
+    routes = [
+      (m, ep.path, getattr(self, ep.handler)) for ep in openapi.ENDPOINTS for m in ep.methods
+    ]
+    for method, path, handler in [*routes, ("GET", "/openapi.json", self.openapi_json)]:
+      self.app.router.add_route(method, path, handler, expect_handler=self._expect_continue)
+
+  # --- the HTTP layer -------------------------------------------------------------
+
+  @web.middleware
+  async def _errors_as_json(self, request: web.Request, handler) -> web.StreamResponse:
+    """Answers every refusal in SGLang's error shape (aiohttp's own 404, 405
+    and 413 are plain text), and an unexpected failure as a JSON 500."""
+    limit = self.args.max_request_bytes
+    if request.content_length is not None and request.content_length > limit:
+      return _error(_too_large(request.content_length, limit), 413)
+    try:
+      return await handler(request)
+    except ProtocolError as e:
+      return _error(str(e))
+    except web.HTTPException as e:
+      if e.status < 400:
+        raise
+      if isinstance(e, web.HTTPNotFound):
+        message = f"{request.path} is not an endpoint of this server (see GET /openapi.json)"
+      elif isinstance(e, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(e.allowed_methods))
+        message = f"{request.method} is not allowed on {request.path}; use {allowed}"
+      elif isinstance(e, web.HTTPRequestEntityTooLarge):
+        message = _too_large(None, limit)
+      else:
+        message = e.text or e.reason
+      allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+      return _error(message, e.status, allow)
+    except ConnectionError:
+      raise  # the client went away: nobody to answer
+    except Exception as e:
+      log.exception("%s %s failed", request.method, request.path)
+      return _error(f"internal error: {type(e).__name__}: {e}", 500)
+
+  async def _expect_continue(self, request: web.Request) -> web.Response | None:
+    """Answers `Expect: 100-continue`: 413 for a body over the limit before
+    the client sends a byte of it, else "go on" (aiohttp's default)."""
+    limit = self.args.max_request_bytes
+    if request.content_length is not None and request.content_length > limit:
+      return _error(_too_large(request.content_length, limit), 413)
+    if request.version != aiohttp.HttpVersion11:
+      return None
+    expect = request.headers.get("Expect", "")
+    if expect.lower() != "100-continue":
+      return _error(f"unknown Expect: {expect}", 417)
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the answer's own size starts after this line
+    return None
+
+  async def _json_body(self, request: web.Request) -> dict:
+    """The request's JSON object body, read within --body-timeout."""
+    timeout = self.args.body_timeout
+    try:
+      raw = await asyncio.wait_for(request.read(), timeout)
+    except TimeoutError:
+      raise web.HTTPRequestTimeout(
+        text=f"the request body did not arrive within {timeout:g} s (--body-timeout)"
+      ) from None
+    return protocol.decode_body(raw)
+
+  async def openapi_json(self, request: web.Request) -> web.Response:
+    return web.json_response(self.openapi_spec)
 
   # --- start-up -------------------------------------------------------------------
 
@@ -143,10 +202,7 @@ class RolloutServer:
 
   def _ready(self) -> engine_lib.Engine:
     if self.engine is None:
-      raise web.HTTPServiceUnavailable(
-        text=json.dumps(protocol.error_body(self.load_error or "the model is loading")),
-        content_type="application/json",
-      )
+      raise web.HTTPServiceUnavailable(text=self.load_error or "the model is loading")
     return self.engine
 
   def _tokenizer(self) -> Tokenizer:
@@ -161,18 +217,12 @@ class RolloutServer:
     """One prompt, or a batch (answered as a list in input order)."""
     engine = self._ready()
     loop = asyncio.get_running_loop()
-    try:
-      body = await _json_body(request)
-      reqs, batched = protocol.parse_generate(body)
-      self._log_unknown(body)
-      seqs = [
-        await loop.run_in_executor(
-          None, prompt.build_sequence, req, self._tokenizer(), engine.cfg, self.proc_cfg
-        )
-        for req in reqs
-      ]
-    except ProtocolError as e:
-      return _error(str(e))
+    body = await self._json_body(request)
+    reqs, batched = protocol.parse_generate(body)
+    self._log_unknown(body)
+    seqs = [await loop.run_in_executor(None, self._build_sequence, req, engine) for req in reqs]
+    for req, seq in zip(reqs, seqs):
+      protocol.check_context_length(len(seq), req.requested_max_new_tokens, engine.capacity)
     events: asyncio.Queue = asyncio.Queue()
 
     def on_event(_: engine_lib.EngineRequest) -> None:  # called on the engine's thread
@@ -205,10 +255,24 @@ class RolloutServer:
         if ereq.finish_reason is None:
           engine.abort(ereq.rid, message="Abort: client disconnected")
 
+  def _build_sequence(self, req: protocol.GenerateRequest, engine: engine_lib.Engine):
+    """The request's model inputs. Whatever fails in building them (a media
+    decoder's own exception included) is this request's fault, a 400: a 5xx
+    would make a fleet mark the server down and retry the request elsewhere."""
+    try:
+      return prompt.build_sequence(req, self._tokenizer(), engine.cfg, self.proc_cfg)
+    except ProtocolError:
+      raise
+    except Exception as e:
+      log.warning("request %s: cannot build its prompt", req.rid, exc_info=True)
+      raise ProtocolError(f"cannot build the prompt: {type(e).__name__}: {e}") from e
+
   def _log_unknown(self, body: dict) -> None:
-    """Logs each top-level field GenerateReqInput lacks, once (they are ignored)."""
+    """Logs each top-level field GenerateReqInput lacks, once (they are
+    ignored); after MAX_UNKNOWN_LOGGED names no more, so that clients sending
+    ever new names cannot grow the set or flood the log."""
     for key in protocol.unknown_fields(body):
-      if key not in self._unknown_logged:
+      if key not in self._unknown_logged and len(self._unknown_logged) < MAX_UNKNOWN_LOGGED:
         self._unknown_logged.add(key)
         log.warning("ignoring /generate field %r: not a field of SGLang's GenerateReqInput", key)
 
@@ -224,17 +288,24 @@ class RolloutServer:
     )
     await resp.prepare(request)
     sent = -1
-    while True:
-      await events.get()
-      while not events.empty():  # coalesce: chunks are cumulative anyway
-        events.get_nowait()
-      done = ereq.finish_reason is not None
-      if len(ereq.output_ids) != sent or done:
-        sent = len(ereq.output_ids)
-        chunk = self._response(ereq, req)
-        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-      if done:
-        break
+    try:
+      while True:
+        await events.get()
+        while not events.empty():  # coalesce: chunks are cumulative anyway
+          events.get_nowait()
+        done = ereq.finish_reason is not None
+        if len(ereq.output_ids) != sent or done:
+          sent = len(ereq.output_ids)
+          chunk = self._response(ereq, req)
+          await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        if done:
+          break
+    except ConnectionError:
+      raise
+    except Exception as e:  # the headers are out: report it in the stream, as SGLang does
+      log.exception("streaming %s failed", ereq.rid)
+      error = protocol.error_body(f"{type(e).__name__}: {e}")
+      await resp.write(f"data: {json.dumps(error)}\n\n".encode())
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
@@ -243,23 +314,15 @@ class RolloutServer:
 
   async def abort_request(self, request: web.Request) -> web.Response:
     engine = self._ready()
-    try:
-      body = await _json_body(request)
-    except ProtocolError as e:
-      return _error(str(e))
-    engine.abort(body.get("rid"), abort_all=bool(body.get("abort_all", False)))
+    rid, abort_all = protocol.parse_abort(await self._json_body(request))
+    engine.abort(rid, abort_all=abort_all)
     return web.Response(status=200)
 
   async def pause_generation(self, request: web.Request) -> web.Response:
     engine = self._ready()
-    try:
-      body = await _json_body(request)
-      mode = body.get("mode") or "abort"
-      protocol.check_pause_mode(mode)
-      self._unpaused.clear()
-      await asyncio.get_running_loop().run_in_executor(None, engine.pause, mode)
-    except ProtocolError as e:
-      return _error(str(e))
+    mode = protocol.parse_pause(await self._json_body(request))
+    self._unpaused.clear()
+    await asyncio.get_running_loop().run_in_executor(None, engine.pause, mode)
     return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
   async def continue_generation(self, request: web.Request) -> web.Response:
@@ -277,16 +340,10 @@ class RolloutServer:
   async def update_weights_from_disk(self, request: web.Request) -> web.Response:
     engine = self._ready()
     try:
-      body = await _json_body(request)
-      path = body.get("model_path")
-      if not isinstance(path, str):
-        raise ProtocolError("model_path (a checkpoint folder) is required")
-      if body.get("load_format") not in (None, "auto", "safetensors"):
-        raise ProtocolError(f"load_format {body['load_format']!r} is not supported")
-      if body.get("abort_all_requests"):
+      path, version, abort_all = protocol.parse_update_weights(await self._json_body(request))
+      if abort_all:
         engine.abort(abort_all=True, message="Abort: weight update")
-      version = body.get("weight_version")
-      version = engine.weight_version if version is None else str(version)
+      version = engine.weight_version if version is None else version
       await asyncio.get_running_loop().run_in_executor(
         None, engine.load_weights_from_disk, path, version
       )
@@ -301,10 +358,10 @@ class RolloutServer:
 
   async def update_weight_version(self, request: web.Request) -> web.Response:
     engine = self._ready()
-    body = await _json_body(request)
-    if body.get("abort_all_requests"):
+    version, abort_all = protocol.parse_update_weight_version(await self._json_body(request))
+    if abort_all:
       engine.abort(abort_all=True)
-    engine.weight_version = str(body.get("new_version", engine.weight_version))
+    engine.weight_version = version
     return web.json_response({"success": True, "message": "ok"})
 
   # --- info -----------------------------------------------------------------------
@@ -371,6 +428,11 @@ class RolloutServer:
     return web.json_response(self._ready().load())
 
 
+def _too_large(size: int | None, limit: int) -> str:
+  got = "" if size is None else f" ({size} bytes)"
+  return f"the request body{got} exceeds this server's limit of {limit} bytes (--max-request-bytes)"
+
+
 def _text_sequence(ids, cfg):
   from fluxjax.models import inputs  # local: only for warm-up/health prompts
 
@@ -392,9 +454,40 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--port", type=int, default=30000)
   p.add_argument("--seed", "--random-seed", type=int, default=0, dest="seed")
   p.add_argument("--num-slots", type=int, default=8, help="concurrent sequences")
-  p.add_argument("--context-length", type=int, default=512, help="tokens per slot")
+  p.add_argument(
+    "--context-length",
+    type=int,
+    default=512,
+    help="tokens per slot, the most one request may use: its prompt plus an explicit "
+    "max_new_tokens must fit (400 otherwise, as SGLang)",
+  )
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--weight-version", default="default")
+  p.add_argument(
+    "--max-request-bytes",
+    type=int,
+    default=DEFAULT_MAX_REQUEST_BYTES,
+    help="largest request body taken, in bytes; a larger one gets 413 (default 64 MiB: "
+    "images and videos travel base64-encoded in the JSON, 4/3 of their size, so this holds "
+    "about 48 MiB of media, a batch of full-HD frames or a short clip; aiohttp's own 1 MiB "
+    "would refuse a single photo, and SGLang's uvicorn sets no limit at all)",
+  )
+  p.add_argument(
+    "--body-timeout",
+    type=float,
+    default=60.0,
+    help="seconds a request body may take to arrive once its headers are in; a slower one "
+    "gets 408 and its connection is closed after as long again (default 60: 64 MiB at "
+    "100 Mbit/s takes about 5 s)",
+  )
+  p.add_argument(
+    "--idle-timeout",
+    type=float,
+    default=75.0,
+    help="seconds a connection may stay open without a complete request, unfinished "
+    "headers included, before it is closed (aiohttp's keep-alive timeout; default 75, "
+    "longer than the 15 s a client such as aiohttp keeps an idle connection)",
+  )
   p.add_argument("--log-level", default="warning")
   for name in ("image-min-pixels", "image-max-pixels", "video-min-pixels", "video-max-pixels"):
     p.add_argument(
@@ -408,9 +501,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
   server = RolloutServer(args)
-  runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
+  runner = web.AppRunner(
+    server.app,
+    handler_cancellation=True,
+    access_log=None,
+    keepalive_timeout=args.idle_timeout,
+    # How long the rest of a refused (413) or late (408) body is read and
+    # dropped, so the client sees the answer, before the connection closes.
+    lingering_time=args.body_timeout,
+  )
   await runner.setup()
-  await web.TCPSite(runner, args.host, args.port).start()
+  await web.TCPSite(runner, args.host, args.port, backlog=LISTEN_BACKLOG).start()
   threading.Thread(target=server.load, name="model-load", daemon=True).start()
   await asyncio.Event().wait()
 

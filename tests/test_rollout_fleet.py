@@ -6,6 +6,7 @@ server mid-batch, so it runs last.
 """
 
 import asyncio
+import os
 import time
 from collections import defaultdict
 
@@ -76,10 +77,14 @@ def random_model(seed: int) -> vlm.Qwen25VL:
 
 
 def test_publish_reaches_every_server(launched, tmp_path):
+  """Every server serves the published version; the version before it is
+  kept on disk, older ones are removed."""
   model = random_model(3)
+  (tmp_path / "v5").mkdir()  # an older publish
 
   async def go():
     async with fleet_lib.Fleet(launched.urls) as fleet:
+      await publish.publish_to_fleet(fleet, model, str(tmp_path), 6, dtype="float32")
       report = await publish.publish_to_fleet(fleet, model, str(tmp_path), 7, dtype="float32")
       versions = await fleet.refresh_versions()
       out = await fleet.generate(body([1, 2, 3]))
@@ -89,6 +94,7 @@ def test_publish_reaches_every_server(launched, tmp_path):
   print("publish phases (s):", {k: round(v, 3) for k, v in report.seconds.items()})
   assert not report.failed and all(t >= 0 for t in report.seconds.values())
   assert set(versions.values()) == {"7"} and out.weight_version == "7"
+  assert sorted(os.listdir(tmp_path)) == ["v6", "v7"]
 
 
 def test_publish_mid_round_continues_every_response_under_the_new_weights(launched, tmp_path):

@@ -8,6 +8,14 @@ published layout, sharded into several files with an index when large.
 Loading builds each parameter with `jax.make_array_from_callback`: a device
 shard is filled from the safetensors files one layer tensor at a time, so no
 host ever holds the whole model (nor, for stacked layers, a whole stack).
+
+Both directions guard against half a checkpoint. A folder is written under a
+hidden temporary name and renamed into place once every file is closed, and a
+failed write removes its temporary folder. A load first checks the whole
+folder against the model (every file present and complete, every tensor
+present with its exact shape and a float dtype) and raises
+`CheckpointFormatError` before reading any weight, so a rollout server told to
+load a damaged folder keeps the weights it serves.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import glob
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -26,7 +35,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from fluxjax.models import config as config_lib
@@ -51,6 +60,19 @@ _TWO_INPUT_AXES = ("self_attn.o_proj.kernel", "attn.proj.kernel")
 # transformers 5 in-memory prefixes -> published prefixes.
 _ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+# safetensors dtype names a parameter may be stored in.
+_FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+# A folder being written is `.tmp-<name>-<random>`; the folder it replaces is
+# moved aside to that name + `.old` for the instant of the swap.
+_TEMP_PREFIX = ".tmp-"
+_ASIDE_SUFFIX = ".old"
+# How Rust's std::io::Error, which safetensors reports, names the errno.
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+class CheckpointFormatError(ValueError):
+  """A checkpoint folder that does not hold the model whole: a file missing or
+  truncated, a tensor missing, misshapen, of a non-float dtype, or unused."""
 
 
 def canonical_hf_name(name: str) -> str:
@@ -100,8 +122,25 @@ def _ours_to_hf(x: np.ndarray, kind: str, path: str, cfg: config_lib.ModelConfig
   return x.reshape(int(np.prod(x.shape[:n_in])), -1).T
 
 
+def _hf_shape(
+  shape: tuple[int, ...], kind: str, path: str, cfg: config_lib.ModelConfig
+) -> tuple[int, ...]:
+  """The published shape of one (layer) parameter of ours: what `_ours_to_hf` makes of it."""
+  if kind != "kernel":
+    return (int(np.prod(shape)),) if path.endswith(".bias") else shape
+  if path == "visual.patch_embed.kernel":
+    v = cfg.vision
+    return (v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+  n_in = 2 if path.endswith(_TWO_INPUT_AXES) else 1
+  return (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in])))
+
+
 class _TensorIndex:
-  """Name -> file over one or several safetensors files, read lazily."""
+  """Name -> file over one or several safetensors files, read lazily.
+
+  Opening checks each file's header and that its data covers the header's
+  tensors (safetensors does), so a missing or truncated file fails here.
+  """
 
   def __init__(self, folder: str):
     index_file = os.path.join(folder, "model.safetensors.index.json")
@@ -114,7 +153,15 @@ class _TensorIndex:
       if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
       weight_map = None
-    self._handles = {f: safe_open(os.path.join(folder, f), framework="numpy") for f in files}
+    self._handles = {}
+    for file in files:
+      full = os.path.join(folder, file)
+      if not os.path.isfile(full):
+        raise CheckpointFormatError(f"{folder}: the index lists {file}, which is missing")
+      try:
+        self._handles[file] = safe_open(full, framework="numpy")
+      except SafetensorError as e:
+        raise CheckpointFormatError(f"{full}: {e}") from e
     self.where: dict[str, tuple[str, str]] = {}  # name -> (file, name in the file)
     for file, handle in self._handles.items():
       for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
@@ -122,11 +169,43 @@ class _TensorIndex:
           continue
         self.where[canonical_hf_name(name)] = (file, name)
 
+  def shape_and_dtype(self, name: str) -> tuple[tuple[int, ...], str]:
+    """(shape, safetensors dtype name) from the header, without reading the data."""
+    file, raw = self.where[name]
+    tensor = self._handles[file].get_slice(raw)
+    return tuple(tensor.get_shape()), tensor.get_dtype()
+
   def read(self, name: str) -> np.ndarray:
     if name not in self.where:
       raise KeyError(f"checkpoint has no tensor {name!r}")
     file, raw = self.where[name]
-    return self._handles[file].get_tensor(raw)
+    try:
+      return self._handles[file].get_tensor(raw)
+    except SafetensorError as e:
+      raise CheckpointFormatError(f"{file}: tensor {raw}: {e}") from e
+
+
+def _check_whole(
+  tensors: _TensorIndex, expected: Mapping[str, tuple[int, ...]], allowed: set[str], strict: bool
+) -> None:
+  """Raises CheckpointFormatError unless every expected tensor is there with
+  its exact shape and a float dtype; tensors in neither `expected` nor
+  `allowed` fail when `strict` (else they are logged)."""
+  missing = sorted(set(expected) - set(tensors.where))
+  if missing:
+    raise CheckpointFormatError(f"{len(missing)} tensors missing, e.g. {missing[:5]}")
+  for name, shape in expected.items():
+    got, dtype = tensors.shape_and_dtype(name)
+    if got != shape:
+      raise CheckpointFormatError(f"tensor {name} has shape {list(got)}, the model {list(shape)}")
+    if dtype not in _FLOAT_DTYPES:
+      raise CheckpointFormatError(f"tensor {name} has dtype {dtype}, not a float")
+  unused = sorted(set(tensors.where) - set(expected) - allowed)
+  if unused:
+    msg = f"{len(unused)} checkpoint tensors unused by the model, e.g. {unused[:5]}"
+    if strict:
+      raise CheckpointFormatError(msg)
+    log.warning(msg)
 
 
 def load_hf_checkpoint(
@@ -138,6 +217,14 @@ def load_hf_checkpoint(
 ) -> vlm.Qwen25VL:
   """Loads a Qwen2.5-VL HF checkpoint folder into our model.
 
+  The folder is checked whole before any weight is read: every file the
+  index lists present, every file's data covering its header, every tensor
+  the model needs present with its exact published shape (a transposed or
+  reshaped tensor of the right size is refused) and a float dtype. No
+  completion marker is needed for that, and folders written by others load.
+  What the check cannot see is damage inside a tensor's bytes (safetensors
+  has no checksums).
+
   Args:
     path: folder with config.json and model*.safetensors (+ index if sharded).
     cfg: the model config; read from config.json when None.
@@ -147,6 +234,10 @@ def load_hf_checkpoint(
 
   Returns:
     The model, parameters placed as requested.
+
+  Raises:
+    CheckpointFormatError: the folder does not hold this model whole.
+    FileNotFoundError: no config.json or no safetensors file.
   """
   cfg = cfg or config_lib.load_hf_config(path)
   tensors = _TensorIndex(path)
@@ -154,8 +245,8 @@ def load_hf_checkpoint(
   graphdef, abstract_state = nnx.split(abstract)
   dtype = jnp.dtype(cfg.param_dtype)
   default_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  used = set()
-  flat = []
+  expected: dict[str, tuple[int, ...]] = {}
+  plan = []
   for key, var in nnx.to_flat_state(abstract_state):
     leaf_path = ".".join(map(str, key))
     shape = tuple(var.get_value().shape)
@@ -164,7 +255,14 @@ def load_hf_checkpoint(
       raise ValueError("tied config but model has an lm_head")
     layer_shape = shape[1:] if stack else shape
     names = [template.format(i) for i in range(shape[0])] if stack else [template]
-    used.update(names)
+    hf_shape = _hf_shape(layer_shape, kind, leaf_path, cfg)
+    expected.update((name, hf_shape) for name in names)
+    plan.append((key, var, shape, stack, names, kind, layer_shape))
+  # Some exports keep the tied lm_head copy; it is the embedding.
+  allowed = {"lm_head.weight"} if cfg.text.tie_word_embeddings else set()
+  _check_whole(tensors, expected, allowed, strict)
+  flat = []
+  for key, var, shape, stack, names, kind, layer_shape in plan:
     cache: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
 
     def layer_tensor(name, kind=kind, layer_shape=layer_shape, cache=cache):
@@ -183,14 +281,6 @@ def load_hf_checkpoint(
     sharding = (shardings or {}).get(key, default_sharding)
     value = jax.make_array_from_callback(shape, sharding, fill)
     flat.append((key, var.replace(value)))
-  if cfg.text.tie_word_embeddings:
-    used.add("lm_head.weight")  # some exports keep the tied copy; it is the embedding
-  unused = sorted(set(tensors.where) - used)
-  if unused:
-    msg = f"{len(unused)} checkpoint tensors unused by the model, e.g. {unused[:5]}"
-    if strict:
-      raise ValueError(msg)
-    log.warning(msg)
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -231,12 +321,19 @@ def save_hf_checkpoint(
 ) -> str:
   """Writes the published layout: config.json, model(-0000k-of-0000n).safetensors.
 
-  The folder is written next to `path` and renamed into place, so a reader
-  (a rollout server loading new weights) never sees a half-written folder.
+  The folder is written next to `path` under a hidden temporary name
+  (`.tmp-<name>-<random>`) and renamed into place, so a reader (a rollout
+  server loading new weights) never sees a half-written folder. A write that
+  fails (a full disk) removes the temporary folder and raises OSError; `path`
+  is then as it was. A writer killed mid-write leaves the temporary folder,
+  which `remove_interrupted_writes` clears.
+
   Only process 0 writes. A model sharded across processes needs every
   process to call this (the gathers are collective); one held by process 0
   alone (the rollout engine's copy in a multi-controller run) is written by
-  process 0 by itself.
+  process 0 by itself. A failed shard write therefore does not stop process
+  0 at once: it goes on gathering with the others, writes nothing more, and
+  raises at the end.
 
   Args:
     model: the model to export.
@@ -248,6 +345,9 @@ def save_hf_checkpoint(
 
   Returns:
     The destination path.
+
+  Raises:
+    OSError: the folder could not be written (process 0).
   """
   if dtype not in _DTYPES:
     raise ValueError(f"unsupported dtype {dtype!r}; choose from {sorted(_DTYPES)}")
@@ -255,45 +355,66 @@ def save_hf_checkpoint(
   parent = os.path.dirname(os.path.abspath(path))
   os.makedirs(parent, exist_ok=True)
   tmp = (
-    tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent) if writer else None
+    tempfile.mkdtemp(prefix=_TEMP_PREFIX + os.path.basename(path) + "-", dir=parent)
+    if writer
+    else None
   )
   # Shards are written as soon as they fill, so the host holds at most one.
   shard_names: list[list[str]] = []
   current: dict[str, np.ndarray] = {}
   size = 0
+  failure: OSError | None = None
 
   def flush():
-    nonlocal current, size
-    if writer:
-      save_file(
-        current,
-        os.path.join(tmp, f"shard-{len(shard_names):05d}.safetensors"),
-        metadata={"format": "pt"},
-      )
+    nonlocal current, size, failure
+    if tmp is not None and failure is None:
+      try:
+        _write_safetensors(current, os.path.join(tmp, f"shard-{len(shard_names):05d}.safetensors"))
+      except OSError as e:
+        failure = e
     shard_names.append(list(current))
     current, size = {}, 0
 
-  for name, tensor in hf_tensors(model, dtype):
-    if current and size + tensor.nbytes > max_shard_bytes:
-      flush()
-    current[name] = tensor
-    size += tensor.nbytes
-  flush()
-  if not writer:
-    return path
-  assert tmp is not None  # the writer made it
-  _name_shards(tmp, shard_names)
-  with open(os.path.join(tmp, "config.json"), "w") as f:
-    json.dump(config_lib.to_hf_dict(model.cfg, torch_dtype=dtype), f, indent=2)
-  for name, src in (extra_files or {}).items():
-    dst = os.path.join(tmp, name)
-    if isinstance(src, bytes):
-      with open(dst, "wb") as out:
-        out.write(src)
-    else:
-      shutil.copyfile(src, dst)
-  _publish(tmp, path)
+  try:
+    for name, tensor in hf_tensors(model, dtype):
+      if current and size + tensor.nbytes > max_shard_bytes:
+        flush()
+      current[name] = tensor
+      size += tensor.nbytes
+    flush()
+    if tmp is None:
+      return path
+    if failure is not None:
+      raise failure
+    _name_shards(tmp, shard_names)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(config_lib.to_hf_dict(model.cfg, torch_dtype=dtype), f, indent=2)
+    for name, src in (extra_files or {}).items():
+      dst = os.path.join(tmp, name)
+      if isinstance(src, bytes):
+        with open(dst, "wb") as out:
+          out.write(src)
+      else:
+        shutil.copyfile(src, dst)
+    _publish(tmp, path)
+  except BaseException:
+    if tmp is not None:
+      shutil.rmtree(tmp, ignore_errors=True)
+    raise
   return path
+
+
+def _write_safetensors(tensors: dict[str, np.ndarray], file: str) -> None:
+  """`save_file`, raising OSError when the write fails (safetensors reports
+  a full disk as a SafetensorError naming the errno)."""
+  try:
+    save_file(tensors, file, metadata={"format": "pt"})
+  except SafetensorError as e:
+    found = _OS_ERROR.search(str(e))
+    if found is None:
+      raise
+    code = int(found.group(1))
+    raise OSError(code, os.strerror(code), file) from e
 
 
 def _name_shards(folder: str, shard_names: list[list[str]]) -> None:
@@ -311,11 +432,52 @@ def _name_shards(folder: str, shard_names: list[list[str]]) -> None:
 
 
 def _publish(tmp: str, path: str) -> None:
-  """Renames tmp into path; an existing folder is moved aside, then removed."""
+  """Renames tmp into path; an existing folder is moved aside, then removed.
+
+  A kill between the two renames leaves `path` missing and the old folder
+  aside under tmp + `.old`; `remove_interrupted_writes` moves it back.
+  """
   if os.path.exists(path):
-    old = tmp + ".old"
+    old = tmp + _ASIDE_SUFFIX
     os.replace(path, old)
-    os.replace(tmp, path)
+    try:
+      os.replace(tmp, path)
+    except OSError:
+      os.replace(old, path)
+      raise
     shutil.rmtree(old, ignore_errors=True)
   else:
     os.replace(tmp, path)
+
+
+def remove_interrupted_writes(parent: str) -> list[str]:
+  """Clears what `save_hf_checkpoint` calls killed mid-write left in `parent`.
+
+  Their temporary folders are removed; a folder a killed writer had moved
+  aside to replace it is moved back when its name is free (the kill fell
+  between the two renames of `_publish`), otherwise removed. Call it only
+  where no other writer is at work in `parent` (it cannot tell a live
+  writer's temporary folder from a dead one's).
+
+  Returns:
+    The names of the entries removed or moved back.
+  """
+  if not os.path.isdir(parent):
+    return []
+  cleared = []
+  for entry in sorted(os.listdir(parent)):
+    full = os.path.join(parent, entry)
+    if not entry.startswith(_TEMP_PREFIX) or not os.path.isdir(full):
+      continue
+    if entry.endswith(_ASIDE_SUFFIX):
+      # `.tmp-<name>-<random>.old`; mkdtemp's random part has no "-".
+      name = entry[len(_TEMP_PREFIX) : -len(_ASIDE_SUFFIX)].rpartition("-")[0]
+      if name and not os.path.exists(os.path.join(parent, name)):
+        os.replace(full, os.path.join(parent, name))
+        log.warning("moved %s back to %s (its replacement was interrupted)", entry, name)
+        cleared.append(entry)
+        continue
+    shutil.rmtree(full, ignore_errors=True)
+    log.info("removed %s, left by an interrupted checkpoint write", full)
+    cleared.append(entry)
+  return cleared

@@ -10,8 +10,15 @@ Items:
   data         JSON: the data iterator's state (Grain), so a resumed run
                continues with the next unseen sample.
 A killed run resumes from the latest complete checkpoint in its work
-directory; Orbax writes into a temporary folder and renames it when complete,
-so a half-written checkpoint is never picked up.
+directory. Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames
+it to `<step>` once every item is on disk, so a save killed or failed midway
+is never picked up: `latest_step` reads the committed steps from disk, and a
+new Checkpointer removes the temporary folders such saves left behind.
+
+Saves are asynchronous: a write that fails in the background (a full disk)
+surfaces as CheckpointWriteError from the next `wait`, `save` or `close`,
+whichever comes first, naming the step that was not saved. Nothing swallows
+it; the earlier checkpoints stay as they were.
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ import orbax.checkpoint as ocp
 ITEMS = ("state", "rng", "coordinator", "data")
 
 
+class CheckpointWriteError(RuntimeError):
+  """A checkpoint was not saved (its write failed); earlier ones are intact."""
+
+
 class Checkpointer:
   """Saves and restores run state under `workdir/checkpoints`."""
 
@@ -36,12 +47,22 @@ class Checkpointer:
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
     self.save_every = save_every
     options = ocp.CheckpointManagerOptions(
-      max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save
+      max_to_keep=max_to_keep,
+      create=True,
+      enable_async_checkpointing=async_save,
+      # Temporary folders of saves that were killed or failed; cleared before the first save.
+      cleanup_tmp_directories=True,
     )
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+    self._writing: int | None = None  # the step whose write may still be in the background
 
   def latest_step(self) -> int | None:
-    return self.manager.latest_step()
+    """The newest step committed on disk; one still being written, or whose
+    write failed, is not (Orbax's own list counts a save from its start)."""
+    latest = ocp.path.step.latest_step_metadata(
+      self.directory, ocp.path.step.standard_name_format()
+    )
+    return None if latest is None else latest.step
 
   def should_save(self, step: int) -> bool:
     return step % self.save_every == 0
@@ -56,16 +77,28 @@ class Checkpointer:
     *,
     force: bool = False,
   ) -> bool:
-    """Queues a save (written in the background); returns whether one was made."""
+    """Queues a save (written in the background); returns whether one was made.
+
+    Raises:
+      CheckpointWriteError: the previous save's write failed (then this one
+        is not made), or this one could not start.
+    """
     if not force and not self.should_save(step):
       return False
+    self.wait()
     args = ocp.args.Composite(
       state=ocp.args.StandardSave(state),
       rng=ocp.args.ArraySave(np.asarray(jax.random.key_data(rng))),
       coordinator=ocp.args.JsonSave(coordinator),
       data=ocp.args.JsonSave(data),
     )
-    return self.manager.save(step, args=args, force=force)
+    try:
+      saved = self.manager.save(step, args=args, force=force)
+    except Exception as e:
+      raise self._not_saved(step, e) from e
+    if saved:
+      self._writing = step
+    return saved
 
   def restore(self, abstract_state: Any, step: int | None = None):
     """(step, state, rng, coordinator, data) of `step` (default: the latest).
@@ -92,12 +125,30 @@ class Checkpointer:
     return step, out.state, rng, out.coordinator, out.data
 
   def wait(self) -> None:
-    """Blocks until background saves are on disk (call before exiting)."""
-    self.manager.wait_until_finished()
+    """Blocks until background saves are on disk (call before exiting).
+
+    Raises:
+      CheckpointWriteError: the background write failed.
+    """
+    step, self._writing = self._writing, None
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:
+      raise self._not_saved(step, e) from e
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    """Waits for the background save (raising if it failed), then closes."""
+    try:
+      self.wait()
+    finally:
+      self.manager.close()
+
+  def _not_saved(self, step: int | None, cause: Exception) -> CheckpointWriteError:
+    which = "a checkpoint" if step is None else f"checkpoint step {step}"
+    return CheckpointWriteError(
+      f"{which} was not saved ({type(cause).__name__}: {cause}); "
+      f"the latest complete checkpoint in {self.directory} is step {self.latest_step()}"
+    )
 
 
 def abstract_like(tree: Any) -> Any:

@@ -115,7 +115,8 @@ class Fleet:
     self.max_attempts = max_attempts or 2 * len(self.servers)
     self._health_task: asyncio.Task | None = None
     self.retries = 0
-    # (weight_version, model_path) of the last update; a rejoining server is refit to it.
+    # (weight_version, model_path) of the last folder written and sent to the
+    # servers; a rejoining server is refit to it.
     self.published: tuple[str, str] | None = None
     # Serializes weight updates and rejoins.
     self._control = asyncio.Lock()
@@ -134,7 +135,12 @@ class Fleet:
     return None
 
   async def publish(self, model: vlm.Qwen25VL, version: int) -> PublishReport:
-    """Writes <weights_root>/v<version>, then pause -> update -> continue everywhere."""
+    """Writes <weights_root>/v<version>, then pause -> update -> continue everywhere.
+
+    A write that fails (a full disk) is reported in `failed` with no server
+    told anything: the fleet serves on with the previous version, and
+    `published`, which rejoining servers are refit to, stays on it.
+    """
     from fluxjax.rollout import publish  # local: the checkpoint writer is JAX code
 
     return await publish.publish_to_fleet(

@@ -14,6 +14,12 @@ Remote servers (ours or SGLang) get the refit sequence slime and AReaL use:
 Each phase is timed across the fleet (the slowest server counts);
 `Fleet.update_weights` runs the sequence.
 
+A write that fails (a full disk) ends the publish before any server hears of
+it: the fleet keeps serving the previous version, whose folder is untouched,
+and the report says why. What a writer killed mid-write leaves under the root
+is cleared by the next write there (`hf_io.remove_interrupted_writes`): a root
+has one writer, the run that publishes into it.
+
 In-process engines skip the disk: `publish_in_process` swaps the arrays.
 """
 
@@ -21,16 +27,34 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
+import shutil
 import time
 from collections.abc import Mapping, Sequence
+
+import jax
 
 from fluxjax.models import hf_io, vlm
 from fluxjax.models import tokenizer as tokenizer_lib
 
+log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass
 class PublishReport:
+  """What a publish did.
+
+  Attributes:
+    version: the weight version published.
+    path: the folder the servers were told to load; None when none was (an
+      in-process publish, or a write that failed, when `failed` says why and
+      every server still serves its previous version).
+    seconds: per phase.
+    failed: what failed: servers (marked down, refit when they rejoin) or
+      the write.
+  """
+
   version: str
   path: str | None
   seconds: dict[str, float]
@@ -45,8 +69,17 @@ def write_checkpoint(
   dtype: str = "bfloat16",
   extra_files: Mapping[str, str | bytes] | None = None,
 ) -> str:
-  """Writes <root>/v<version> atomically and returns its path."""
+  """Writes <root>/v<version> atomically and returns its path.
+
+  First clears what a writer killed mid-write left under `root` (process
+  0, the one that writes).
+
+  Raises:
+    OSError: the folder could not be written; nothing under `root` changed.
+  """
   extra = {"tokenizer.json": tokenizer_lib.ASSET_PATH} if extra_files is None else extra_files
+  if jax.process_index() == 0:
+    hf_io.remove_interrupted_writes(root)
   path = os.path.join(root, f"v{version}")
   return hf_io.save_hf_checkpoint(model, path, dtype=dtype, extra_files=extra)
 
@@ -73,15 +106,46 @@ async def publish_to_fleet(
     extra_files: copied into the folder (default: the shipped tokenizer.json).
 
   Returns:
-    The report, with seconds per phase and servers that failed (marked down).
+    The report, with seconds per phase and what failed: servers (marked
+    down), or the write (then no server was told anything and `path` is None).
   """
   t = time.perf_counter()
-  path = await asyncio.get_running_loop().run_in_executor(
-    None, lambda: write_checkpoint(model, root, version, dtype=dtype, extra_files=extra_files)
-  )
+  try:
+    path = await asyncio.get_running_loop().run_in_executor(
+      None, lambda: write_checkpoint(model, root, version, dtype=dtype, extra_files=extra_files)
+    )
+  except OSError as e:
+    log.error("weight version %s not published, the fleet keeps its weights: %s", version, e)
+    return PublishReport(str(version), None, {"write": time.perf_counter() - t}, [f"write: {e}"])
   write_s = time.perf_counter() - t
+  previous = fleet.published
   seconds, failed = await fleet.update_weights(path, str(version), pause_mode=pause_mode)
+  keep = {path} | ({previous[1]} if previous is not None else set())
+  await asyncio.get_running_loop().run_in_executor(None, remove_old_versions, root, keep)
   return PublishReport(str(version), path, {"write": write_s, **seconds}, failed)
+
+
+def remove_old_versions(root: str, keep: set[str]) -> list[str]:
+  """Removes the version folders under `root` other than `keep` (paths).
+
+  A fleet needs the folder it serves, which rejoining servers are refit to,
+  and the one before it (a server may still be loading it); every older one
+  is a full copy of the model that only fills the disk. The run's history
+  is in its checkpoints.
+
+  Returns:
+    The names removed.
+  """
+  kept = {os.path.basename(os.path.normpath(p)) for p in keep}
+  removed = []
+  for entry in sorted(os.listdir(root)):
+    full = os.path.join(root, entry)
+    if entry.startswith("v") and entry not in kept and os.path.isdir(full):
+      shutil.rmtree(full, ignore_errors=True)
+      removed.append(entry)
+  if removed:
+    log.info("removed published weights %s (the fleet serves %s)", removed, sorted(kept))
+  return removed
 
 
 def publish_in_process(engines: Sequence, model: vlm.Qwen25VL, version: int | str) -> PublishReport:

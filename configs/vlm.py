@@ -64,6 +64,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       video_max_frames=8 if tiny else 768,
     )
   )
+  # Media size budgets (models/media.py MediaLimits), checked from each file's
+  # header before anything is decoded, by the loader's probe, its workers and
+  # the embedded engine: a file outside them is a counted skip
+  # (data/skipped/size).
+  c.data.limits = ml_collections.ConfigDict(
+    dict(
+      max_image_pixels=64_000_000,
+      min_side=1,
+      max_video_frames=1_000_000,
+      max_frame_pixels=36_000_000,
+      max_sampled_video_pixels=2_000_000_000,
+    )
+  )
 
   # Held-out evaluation (rl/evaluation.py): samples_per_prompt responses per
   # prompt at the training temperature give eval/accuracy with its 95%
@@ -164,6 +177,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.router_url = ""
   c.rollout.router_launch = ()
   c.rollout.launch_timeout_s = 600.0
+  # A weight publish whose write fails (a full disk) reaches no server: the
+  # fleet keeps its weights and rollout goes on, counted. This many in a row
+  # stop the run (rollout would drift ever further off-policy).
+  c.rollout.max_consecutive_failed_publishes = 3
   c.rollout.health_interval_s = 2.0
   c.rollout.num_slots = 32  # embedded engine: concurrent requests
   c.rollout.context_length = 1024  # embedded engine: prompt + response tokens
@@ -344,4 +361,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optim.b2 = 0.999
   c.optim.eps = 1e-8
   c.optim.weight_decay = 0.0
+  # A step whose loss or gradient norm is not finite applies no update and
+  # publishes nothing (counted, its samples logged); this many in a row stop
+  # the run with the last good checkpoint intact (0: never stop).
+  c.optim.max_consecutive_nonfinite = 3
   return c

@@ -123,10 +123,11 @@ class _Data:
 class _RecordingPolicy:
   """The run's policy worker, except that updates are recorded, not applied."""
 
-  def __init__(self, policy):
+  def __init__(self, policy, nonfinite=()):
     self._policy = policy
     self.added: list[int] = []  # sequences handed to the pending update
     self.updates: list[int] = []  # sequences per applied update
+    self.nonfinite = list(nonfinite)  # per update: whether the device refused it
 
   def __getattr__(self, name):
     return getattr(self._policy, name)
@@ -137,7 +138,8 @@ class _RecordingPolicy:
   def apply(self):
     self.updates.append(len(self.added))
     self.added = []
-    return {"loss": np.float32(0.0)}
+    refused = self.nonfinite.pop(0) if self.nonfinite else False
+    return {"loss": np.float32(np.nan if refused else 0.0), "nonfinite": np.float32(refused)}
 
 
 class _Rewards:
@@ -321,10 +323,75 @@ def test_dynamic_sampling_trains_only_groups_with_signal(parts):
   assert [len(r.trained) for r in results] == [3, 3, 3]  # refills kept every step full
   assert policy.updates == [12, 12, 12]  # 3 groups x 4 responses per update
   assert len(set(trained)) == 9
-  assert all(int(i[1:]) % 2 == 0 for i in trained)  # no numeric-answer prompt trained
+  # No numeric-answer prompt trained.
+  assert all(int(i[1:]) % 2 == 0 for i in trained), (trained, [r.metrics for r in results])
   filtered = [r.metrics["rollout/filtered_groups"] for r in results]
   assert sum(filtered) >= 1 and counts["rollout/filtered_groups_total"] == sum(filtered)
   # A dropped group's late speculative responses are discarded, not a fault.
   assert counts.get("faults/round_failures", 0.0) == 0.0
   # Dropped and trained samples are handed back to the loader.
   assert {f"q{u}" for u in data.released} >= set(trained)
+
+
+def test_refused_updates_publish_nothing_and_too_many_in_a_row_stop(parts, caplog):
+  """Updates the device refused (non-finite) keep the policy version and are
+  counted with their prompts logged; `optim.max_consecutive_nonfinite` in a
+  row raise."""
+  from fluxjax.models.tokenizer import Tokenizer
+  from fluxjax.parallel import train_step
+
+  config = parts[0].copy_and_resolve_references()
+  config.rl.prompts_per_step, config.rl.responses_per_prompt = 2, 2
+  config.rl.reward.fn = "constant"
+  config.optim.max_consecutive_nonfinite = 2
+  samples = [
+    meta_lib.SampleMeta(uid=i, id=f"q{i}", prompt=f"Question {i}?", answer="red") for i in range(16)
+  ]
+  backend = _Backend()
+  backend.answers = {s.id: s.answer for s in samples}
+  policy = _RecordingPolicy(parts[1], nonfinite=[False, True, False, True, True])
+  with (
+    backend_lib.LoopThread() as thread,
+    thread.running(backend),
+    rewards.RewardScheduler(1, "constant") as scheduler,
+    coordinator_lib.Coordinator(
+      config, Tokenizer.default(), policy, _Data(samples), backend, scheduler, thread=thread
+    ) as c,
+  ):
+    c.publish(new_version=False)
+    versions = []
+    for _ in range(4):
+      result = c.step()
+      versions.append(result.metrics["policy/version"])
+    assert versions == [1.0, 1.0, 2.0, 2.0]  # steps 2 and 4 were refused
+    assert [v for _, v in backend.published] == [0, 1, 2]
+    assert result.metrics["faults/nonfinite_steps_total"] == 2.0
+    assert all(i in caplog.text for i in result.trained)  # step 4's prompts
+    with pytest.raises(train_step.NonFiniteError, match="2 updates in a row"):
+      c.step()
+    assert c.get_state()[0]["nonfinite"] == 3
+
+
+def test_publishes_whose_write_failed_are_counted_and_too_many_stop(coord, parts):
+  """A publish that reached no server (its write failed) moves the version on,
+  is counted, and `rollout.max_consecutive_failed_publishes` in a row raise."""
+  c, backend = coord
+  written = backend.publish
+  outcomes = iter([False, True, False, False, False])  # whether each write succeeds
+
+  async def publish(model, version):
+    if next(outcomes):
+      return await written(model, version)
+    return PublishReport(str(version), None, {"write": 0.0}, ["write: [Errno 28] disk full"])
+
+  backend.publish = publish
+  limit = parts[0].rollout.max_consecutive_failed_publishes
+  assert limit == 3
+  c.publish()  # failed
+  c.publish()  # written: the count in a row starts again
+  c.publish()
+  c.publish()
+  assert c.version == 4 and [v for _, v in backend.published] == [2]
+  assert c.fault_counts()["faults/unwritten_publishes_total"] == 3.0
+  with pytest.raises(RuntimeError, match="3 weight publishes in a row reached no server"):
+    c.publish()

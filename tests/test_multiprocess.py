@@ -30,6 +30,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from fluxjax import config_args
+from fluxjax.parallel import train_step
+from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import loop, metrics
 from helpers import (
   ROOT,
@@ -158,11 +160,13 @@ def _kill_leader_once_a_checkpoint_is_complete(command, log_path) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_killed_and_resumed_match_one_and_resume_in_one(tmp_path, caplog):
+def test_two_processes_killed_and_resumed_match_one_and_resume_in_one(
+  tmp_path, caplog, monkeypatch
+):
   """The main job with the SFT warm-up and a KL reference, as 1 process x 8
   devices and as 2 x 4, the latter's leader killed mid-step and the job
   restarted: the same prompts, losses and parameters (within 1e-5); then the
-  2-process checkpoint resumes in one process."""
+  2-process checkpoint resumes in one process, until NaN updates stop it."""
   one, two = tmp_path / "one", tmp_path / "two"
   _one(one, total_steps=3)
   _kill_leader_once_a_checkpoint_is_complete(_two(two, total_steps=3), tmp_path / "killed.log")
@@ -215,11 +219,34 @@ def test_two_processes_killed_and_resumed_match_one_and_resume_in_one(tmp_path, 
 
   # The 2-process checkpoint resumes in one process (8 devices) and goes on:
   # no second warm-up, the reference read back from the work directory (KL to
-  # the restored policy would be ~0 at this first step).
-  with caplog.at_level(logging.INFO, logger="fluxjax"):
-    _one(two, total_steps=4)
+  # the restored policy would be ~0 at this first step). From step 5 every
+  # batch carries a NaN advantage: step 5 applies no update and publishes
+  # nothing (counted, its prompts logged), step 6 is the second in a row and
+  # stops the run; the checkpoints hold the last good policy.
+  good = coordinator_lib.Coordinator.sequences
+
+  def poisoned(self, groups):
+    seqs = good(self, groups)
+    if self.steps >= 4:
+      seqs[0].advantages_T = np.full_like(seqs[0].advantages_T, np.nan)
+    return seqs
+
+  monkeypatch.setattr(coordinator_lib.Coordinator, "sequences", poisoned)
+  with (
+    caplog.at_level(logging.INFO, logger="fluxjax"),
+    pytest.raises(train_step.NonFiniteError, match="2 updates in a row"),
+  ):
+    _one(two, total_steps=6, **{"optim.max_consecutive_nonfinite": 2})
   assert "resumed from step 3" in caplog.text
-  assert_each_prompt_trained_once(two, 4, P)
+  assert_each_prompt_trained_once(two, 5, P)  # the refused step's prompts are consumed
   recs = {r["step"]: r for r in metrics.read_metrics(str(two))}
-  assert sorted(recs) == [-3, -2, -1, 0, 1, 2, 3, 4]
+  assert sorted(recs) == [-3, -2, -1, 0, 1, 2, 3, 4, 5]
   assert recs[4]["train/kl"] > 1e-6 and recs[4]["policy/version"] == 6.0
+  assert recs[4]["train/nonfinite"] == 0.0 and recs[5]["train/nonfinite"] == 1.0
+  assert recs[5]["policy/version"] == 6.0 and recs[5]["faults/nonfinite_steps_total"] == 1.0
+  step5 = loop.read_trained(str(two))[-1]
+  assert step5["step"] == 5 and all(i in caplog.text for i in step5["ids"])
+  assert re.search(r"update 5 skipped: loss nan", caplog.text)
+  assert max(ocp.utils.checkpoint_steps(str(two / "checkpoints"))) == 5
+  p4, p5 = _params(two, 4), _params(two, 5)
+  assert all(np.array_equal(p5[k], p4[k]) for k in p4)

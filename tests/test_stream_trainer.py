@@ -113,6 +113,20 @@ def test_stream_update_equals_synchronous_update(name, sp, sync, devices):
   assert [x.sharding for x in jax.tree.leaves(trainer.state.params)] == jax.tree.leaves(
     shardings.params
   )
+  assert float(got["nonfinite"]) == 0.0
+
+  # One NaN advantage makes the loss and gradients NaN: the same programs
+  # then change nothing (parameters, optimizer state, step) and say so.
+  before = _flat(trainer.state)
+  seqs[1].advantages_T = seqs[1].advantages_T.copy()
+  seqs[1].advantages_T[-1] = np.nan
+  for part in (seqs[:2], seqs[2:3], seqs[3:]):
+    trainer.add(part)
+  refused = jax.device_get(trainer.apply())
+  assert float(refused["nonfinite"]) == 1.0 and not np.isfinite(refused["loss"])
+  after = _flat(trainer.state)
+  assert len(after) == len(before)
+  assert all(np.array_equal(a, b) for a, b in zip(after, before))
 
 
 def _single_device_logprobs(model, seqs):

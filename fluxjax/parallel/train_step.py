@@ -12,7 +12,8 @@ Metrics stay on device: the caller fetches them a step late, never blocking.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,8 @@ import optax
 from flax import nnx
 
 from fluxjax.parallel.batch import TrainBatch
+
+log = logging.getLogger(__name__)
 
 # loss_fn(logp_BT, entropy_BT, microbatch) -> (per-token loss [B, T], {name: per-token [B, T]})
 LossFn = Callable[[jax.Array, jax.Array, TrainBatch], tuple[jax.Array, dict[str, jax.Array]]]
@@ -223,18 +226,78 @@ def make_train_step(
 
 
 def apply_update(tx: optax.GradientTransformation, state: TrainState, loss, grads, sums):
-  """One optimizer update from normalized gradients; metrics are token means."""
+  """One optimizer update from normalized gradients; metrics are token means.
+
+  A step whose loss or gradient norm is not finite changes nothing: the
+  parameters, the optimizer state and the step count stay as they were, and
+  `nonfinite` is 1 in the metrics. One NaN must not reach the parameters, the
+  rollout engine or a checkpoint; the caller decides how many such steps in a
+  row end the run (`NonFiniteGuard`). The select fuses into the update's
+  elementwise pass, so a finite step costs nothing extra.
+  """
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
+  keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
   sums = dict(sums)
   tokens = jnp.maximum(sums.pop("tokens"), 1.0)
   metrics = {
     "loss": loss,
-    "grad_norm": optax.tree.norm(grads),
+    "grad_norm": grad_norm,
     "tokens": tokens,
+    "nonfinite": 1.0 - finite.astype(jnp.float32),
     **{k: v / tokens for k, v in sums.items()},
   }
-  return TrainState(params, opt_state, state.step + 1), metrics
+  new_state = TrainState(
+    keep_if_bad(params, state.params),
+    keep_if_bad(opt_state, state.opt_state),
+    state.step + finite.astype(state.step.dtype),
+  )
+  return new_state, metrics
+
+
+class NonFiniteError(RuntimeError):
+  """Too many updates in a row had a non-finite loss or gradient norm."""
+
+
+class NonFiniteGuard:
+  """Counts skipped (non-finite) updates; too many in a row stop the run.
+
+  `apply_update` already refused each such update on device; this is the
+  host's policy over them: log the batch's sample ids, count, and raise
+  `NonFiniteError` at `max_in_a_row` consecutive ones (0 = never).
+  """
+
+  def __init__(self, max_in_a_row: int, what: str = "update"):
+    self.max_in_a_row, self.what = int(max_in_a_row), what
+    self.in_a_row = 0
+    self.total = 0
+
+  def observe(self, step: int, metrics: dict[str, float], ids: Sequence[str] = ()) -> bool:
+    """Whether step's update was applied; raises after too many refused in a row."""
+    if not metrics.get("nonfinite", 0.0):
+      self.in_a_row = 0
+      return True
+    self.in_a_row += 1
+    self.total += 1
+    log.error(
+      "%s %d skipped: loss %s, grad norm %s (%d in a row); its samples: %s",
+      self.what,
+      step,
+      metrics.get("loss"),
+      metrics.get("grad_norm"),
+      self.in_a_row,
+      ", ".join(ids) or "-",
+    )
+    if self.max_in_a_row and self.in_a_row >= self.max_in_a_row:
+      raise NonFiniteError(
+        f"{self.in_a_row} {self.what}s in a row had a non-finite loss or gradient norm"
+        f" (last: step {step}); none was applied, so the parameters and the last"
+        " checkpoint are those of the last finite step. Samples of the last one:"
+        f" {', '.join(ids) or '-'}"
+      )
+    return False
 
 
 def make_stream_add(

@@ -57,6 +57,7 @@ from fluxjax.rl import producer as producer_lib
 from fluxjax.rl.worker import Policy
 from fluxjax.rollout.backend import LoopThread, RolloutBackend
 from fluxjax.rollout.client import Completion
+from fluxjax.rollout.publish import PublishReport
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,8 @@ class Coordinator:
     # Trained sample uids of the (streamed) epoch, for exactly-once on resume.
     self._consumed: set[int] = set()
     self._filtered = 0
+    self._nonfinite = train_step.NonFiniteGuard(config.optim.max_consecutive_nonfinite)
+    self._unwritten = self._unwritten_in_a_row = 0  # publishes whose write failed
     self._started = False
     # Every backend call runs on the rollout thread's loop (a fleet's HTTP
     # session belongs to one loop); rounds start only with `start()`.
@@ -322,7 +325,14 @@ class Coordinator:
     device_metrics = self._policy.apply()
     self._steps += 1
     train = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
-    t_publish = self.publish()
+    # A refused (non-finite) update left the policy as it was: nothing new to
+    # publish. Too many in a row raise here, before anything is checkpointed.
+    self._nonfinite.observe(self._steps, train, [k.sample.id for k in kept])
+    t_publish = 0.0
+    if train.get("nonfinite", 0.0) < 1.0:  # some update of the step applied
+      t_publish = self.publish()
+    else:
+      self._producer.set_version(self._version, self._steps)  # admission counts the step
     self._consumed.update(k.sample.uid for k in kept)
     self._done_with(kept)
     self._filtered += filtered
@@ -385,6 +395,8 @@ class Coordinator:
     """Counted events of the run so far (faults, skips, reward failures, the backend's)."""
     out = {k: float(v) for k, v in self._producer.counts.items()}
     out["rollout/filtered_groups_total"] = float(self._filtered)
+    out["faults/nonfinite_steps_total"] = float(self._nonfinite.total)
+    out["faults/unwritten_publishes_total"] = float(self._unwritten)
     out.update(self._rewards.metrics())
     out.update(self._rollout.metrics())
     return out
@@ -407,9 +419,29 @@ class Coordinator:
     model = nnx.merge(self.graphdef, params)
     report = self._producer.call(self._rollout.publish(model, self._version))
     if report.failed:
-      log.warning("weight update failed on %s", report.failed)
+      log.warning("weight update %d failed on %s", self._version, report.failed)
+    self._check_written(report)
     self._producer.set_version(self._version, self._steps)
     return time.perf_counter() - t
+
+  def _check_written(self, report: PublishReport) -> None:
+    """Counts publishes whose weights reached no server; too many in a row raise.
+
+    The version still moves on: servers tag each token with the version they
+    actually serve, so the staleness measures see the gap.
+    """
+    if report.path is not None or not report.failed:
+      self._unwritten_in_a_row = 0
+      return
+    self._unwritten += 1
+    self._unwritten_in_a_row += 1
+    limit = int(self._config.rollout.max_consecutive_failed_publishes)
+    if limit and self._unwritten_in_a_row >= limit:
+      raise RuntimeError(
+        f"{self._unwritten_in_a_row} weight publishes in a row reached no server"
+        f" (last, version {self._version}: {report.failed[0]}); the fleet still serves"
+        " an older policy. Free the disk under the run's weights folder and resume."
+      )
 
   def sample(
     self, samples: Sequence[meta_lib.SampleMeta], responses: int, *, greedy: bool = False
@@ -449,6 +481,7 @@ class Coordinator:
       "version": self._version,
       "steps": self._steps,
       "filtered": self._filtered,
+      "nonfinite": self._nonfinite.total,
       **snap,
     }, data
 
@@ -463,6 +496,7 @@ class Coordinator:
     self._version = int(state["version"])
     self._steps = int(state.get("steps", 0))
     self._filtered = int(state.get("filtered", 0))
+    self._nonfinite.total = int(state.get("nonfinite", 0))
     self._loader.set_state(data)
     if "batcher" in state:
       self._producer.restore(state, self._steps)

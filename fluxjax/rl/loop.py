@@ -33,6 +33,7 @@ from fluxjax.data import store as store_lib
 from fluxjax.data import workers as workers_lib
 from fluxjax.models import config as model_config
 from fluxjax.models import hf_io, processor, sharded
+from fluxjax.models import media as media_lib
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import multihost, strategies, train_step
 from fluxjax.rl import coordinator as coordinator_lib
@@ -179,12 +180,18 @@ def processor_config(config) -> processor.VisionProcessorConfig:
   return processor.VisionProcessorConfig(**config.data.vision.to_dict())
 
 
+def media_limits(config) -> media_lib.MediaLimits:
+  return media_lib.MediaLimits(**config.data.limits.to_dict())
+
+
 def media_source(config, stack: contextlib.ExitStack) -> materializer_lib.Materializer:
   """A follower's pixels: its own store, filled by its own decoders on demand."""
   store = store_lib.MetaStore()
   stack.callback(store.close)
   workers = max(1, int(config.data.num_workers))
-  pool = workers_lib.WorkerPool(workers, processor_config(config), store)
+  pool = workers_lib.WorkerPool(
+    workers, processor_config(config), store, limits=media_limits(config)
+  )
   stack.callback(pool.close)
   return materializer_lib.Materializer(store, pool)
 
@@ -210,6 +217,7 @@ def build(config, workdir: str, stack: contextlib.ExitStack) -> Built:
     proc,
     num_workers=config.data.num_workers,
     seed=config.seed,
+    limits=media_limits(config),
   )
   stack.callback(loader.close)
   worker = build_policy(
@@ -233,6 +241,7 @@ def build(config, workdir: str, stack: contextlib.ExitStack) -> Built:
     tokenizer=tokenizer,
     seed=config.seed,
     proc_cfg=proc,
+    limits=media_limits(config),
     weights_root=os.path.join(workdir, "weights"),
   )
   if launched is not None:
@@ -322,7 +331,13 @@ def _loop(config, workdir: str, built: Built, stack: contextlib.ExitStack) -> di
   stack.callback(writer.close)
   trained_log = stack.enter_context(open(os.path.join(workdir, TRAINED), "a", buffering=1))
   eval_loader = pipeline.ShadowLoader(
-    built.eval_rows, len(built.eval_rows), built.proc, num_workers=0, shuffle=False, num_epochs=1
+    built.eval_rows,
+    len(built.eval_rows),
+    built.proc,
+    num_workers=0,
+    shuffle=False,
+    num_epochs=1,
+    limits=media_limits(config),
   )
   stack.callback(eval_loader.close)
   eval_samples = eval_loader.next_batch()

@@ -43,6 +43,7 @@ from flax import nnx
 from fluxjax.data import materializer as materializer_lib
 from fluxjax.data import meta as meta_lib
 from fluxjax.data import pipeline
+from fluxjax.models import media as media_lib
 from fluxjax.models.config import ModelConfig
 from fluxjax.models.inputs import SequenceInputs
 from fluxjax.models.tokenizer import Tokenizer
@@ -262,21 +263,30 @@ def warm_up(
     proc,
     num_workers=max(1, config.data.num_workers),
     seed=config.seed + 1,
+    limits=media_lib.MediaLimits(**config.data.limits),
   )
   source = materializer_lib.Materializer(loader.store, loader.pool)
   policy = coord.policy
   policy.sft_begin(source)
   delayed = train_step.DelayedMetrics()
+  guard = train_step.NonFiniteGuard(config.optim.max_consecutive_nonfinite, "SFT step")
+  batch_ids: dict[int, list[str]] = {}  # until the step's metrics are read, a step late
   t0 = time.perf_counter()
   losses = []
 
   def record(done):
     if done is not None:
       k, m = done
+      guard.observe(k, m, batch_ids.pop(k))
       losses.append(m["loss"])
       writer.write(
         first + k,
-        {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"], "sft/tokens": m["tokens"]},
+        {
+          "sft/loss": m["loss"],
+          "sft/grad_norm": m["grad_norm"],
+          "sft/tokens": m["tokens"],
+          "sft/nonfinite": m["nonfinite"],
+        },
       )
       if k == 1 or k % 10 == 0 or k == s.steps:
         log.info("SFT step %d/%d | loss %.4g", k, s.steps, m["loss"])
@@ -284,6 +294,7 @@ def warm_up(
   try:
     for k in range(1, s.steps + 1):
       samples = loader.next_batch()
+      batch_ids[k] = [x.id for x in samples]
       metrics = policy.sft_train(sequences(samples, coord))
       loader.release(samples)  # the store's copies of this batch's media
       record(delayed.push(k, metrics))

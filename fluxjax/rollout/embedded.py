@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fluxjax.models import processor, vlm
+from fluxjax.models import media, processor, vlm
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import engine as engine_lib
 from fluxjax.rollout import prompt, protocol
@@ -37,8 +37,10 @@ class EmbeddedRollout:
     context_length: int = 512,
     seed: int = 0,
     proc_cfg: processor.VisionProcessorConfig | None = None,
+    limits: media.MediaLimits = media.DEFAULT_LIMITS,
   ):
     self.tokenizer = tokenizer
+    self.limits = limits
     self.engine = engine_lib.Engine(
       model, tokenizer, num_slots=num_slots, capacity=context_length, seed=seed
     )
@@ -55,8 +57,16 @@ class EmbeddedRollout:
         raise protocol.ProtocolError("the backend takes one prompt per request")
       req = reqs[0]
       seq = await loop.run_in_executor(
-        None, prompt.build_sequence, req, self.tokenizer, self.engine.cfg, self.proc_cfg
+        None,
+        prompt.build_sequence,
+        req,
+        self.tokenizer,
+        self.engine.cfg,
+        self.proc_cfg,
+        self.limits,
       )
+      # What the server refuses, in the same words (its context is the slots').
+      protocol.check_context_length(len(seq), req.requested_max_new_tokens, self.engine.capacity)
       done = loop.create_future()
 
       def on_event(r):

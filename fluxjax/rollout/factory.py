@@ -15,7 +15,7 @@ backend = "sglang"    a `Fleet` of servers speaking SGLang's native API:
 
 from __future__ import annotations
 
-from fluxjax.models import vlm
+from fluxjax.models import media, vlm
 from fluxjax.models.processor import VisionProcessorConfig
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import embedded, fleet, router
@@ -65,6 +65,7 @@ def make_backend(
   tokenizer: Tokenizer | None = None,
   seed: int = 0,
   proc_cfg: VisionProcessorConfig | None = None,
+  limits: media.MediaLimits = media.DEFAULT_LIMITS,
   weights_root: str | None = None,
 ) -> tuple[RolloutBackend, fleet.LaunchedServers | None]:
   """Builds the backend of a `rollout` config section.
@@ -77,6 +78,7 @@ def make_backend(
     seed: the embedded engine's sampling seed.
     proc_cfg: the embedded engine's vision processing; must equal the
       trainer's (the prompt's pad-token counts come from it).
+    limits: the embedded engine's media size budgets (the loader's).
     weights_root: where a fleet's published versions are written.
 
   Returns:
@@ -94,6 +96,7 @@ def make_backend(
       context_length=cfg.get("context_length", 512),
       seed=seed,
       proc_cfg=proc_cfg,
+      limits=limits,
     ), None
   health_s = float(cfg.get("health_interval_s", 2.0))
   router_url = cfg.get("router_url") or ""

@@ -60,7 +60,7 @@ class _Backend:
     )
     right = not sampled or seen == 1
     text = f"<answer>{self.answers[group] if right else 'wrong'}</answer>"
-    return dataclasses.replace(completion([1, 2], [-0.1, -0.2]), text=text)
+    return dataclasses.replace(completion([1, 2], [-0.1, -0.2]), rid=body["rid"], text=text)
 
   async def abort(self, rid):
     pass
@@ -304,8 +304,11 @@ def test_dynamic_sampling_trains_only_groups_with_signal(parts):
   backend = _Backend()
 
   async def distinct(body, group=None):
+    # The request's rid, as every backend answers: rewards are matched by it.
     text = f"<answer>{body['rid']}</answer>"
-    return dataclasses.replace(completion([1, 2, 3], [-0.1, -0.2, -0.3]), text=text)
+    return dataclasses.replace(
+      completion([1, 2, 3], [-0.1, -0.2, -0.3]), rid=body["rid"], text=text
+    )
 
   backend.generate = distinct
   data, policy = _Data(samples), _RecordingPolicy(parts[1])
@@ -324,7 +327,7 @@ def test_dynamic_sampling_trains_only_groups_with_signal(parts):
   assert policy.updates == [12, 12, 12]  # 3 groups x 4 responses per update
   assert len(set(trained)) == 9
   # No numeric-answer prompt trained.
-  assert all(int(i[1:]) % 2 == 0 for i in trained), (trained, [r.metrics for r in results])
+  assert all(int(i[1:]) % 2 == 0 for i in trained), trained
   filtered = [r.metrics["rollout/filtered_groups"] for r in results]
   assert sum(filtered) >= 1 and counts["rollout/filtered_groups_total"] == sum(filtered)
   # A dropped group's late speculative responses are discarded, not a fault.

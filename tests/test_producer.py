@@ -11,7 +11,7 @@ from fluxjax.data.meta import SampleMeta
 from fluxjax.rl import async_control, tail_batching
 from fluxjax.rl import producer as producer_lib
 from fluxjax.rl import rewards as rewards_lib
-from fluxjax.rollout.client import Completion
+from fluxjax.rollout.client import Completion, RequestRejected
 from helpers import TokenRollout, decode
 
 
@@ -303,3 +303,42 @@ def test_rewards_that_raise_or_are_not_finite_score_zero_and_the_producer_goes_o
   logged = [r.getMessage() for r in caplog.records if r.name == "fluxjax.rl.rewards"]
   for sample_id, why in [("s0", "reward bug"), ("s1", "non-finite"), ("s2", "non-finite")]:
     assert sum(f"'{sample_id}'" in m and why in m for m in logged) == 2, (sample_id, logged)
+
+
+class _RefusingRollout(TokenRollout):
+  """Refuses every request whose prompt holds token 9 (over the server's context)."""
+
+  async def generate(self, body, group=None):
+    if 9 in body["input_ids"]:
+      raise RequestRejected("Requested token count exceeds the model's maximum context length")
+    return await super().generate(body, group)
+
+
+def test_a_prompt_the_backend_refuses_is_a_counted_skip_and_its_place_refilled(caplog):
+  """One request no server can serve must not fail rounds until the run stops:
+  the sample is skipped (counted, logged, released) and admission lets
+  another prompt take its place."""
+  caplog.set_level(logging.WARNING, logger="fluxjax.rl.producer")
+  samples = [SampleMeta(uid=i, id=f"s{i}", prompt="p", answer="a") for i in range(3)]
+  released = []
+  producer = _producer(
+    samples,
+    _InstantRewards(),
+    2,
+    2,
+    prompt_fn=lambda sample: [1, 9] if sample.id == "s1" else [1, 2],
+    released=released,
+  )
+  producer.rollout = _RefusingRollout(tick=1e-4)
+  producer.batcher.start_epoch([])
+  producer.start()
+  try:
+    first = _kept_until_round_end(producer)
+    second = _kept_until_round_end(producer)
+  finally:
+    producer.stop()
+  assert [k.sample.id for k in first] == ["s0"] and [k.sample.id for k in second] == ["s2"]
+  assert producer.counts["data/skipped/rejected"] == 1
+  assert producer.counts.get("faults/round_failures", 0) == 0
+  assert [s.id for s in released] == ["s1"] and 1 not in producer.samples
+  assert "skipping sample s1: the rollout backend refused its request" in caplog.text

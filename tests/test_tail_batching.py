@@ -464,3 +464,42 @@ def test_next_round_continuation_races_deferred_prompts_first():
   assert plan.kind == "short" and plan.prompts == (0, 5, 6, 7, 8)
   with pytest.raises(ValueError, match="continue_in"):
     tb.TailBatcher(4, 2, 1.25, continue_in="later")
+
+
+class RejectingRollout(FakeRollout):
+  """A FakeRollout whose backend refuses every request of one prompt (400:
+  over its context), as no server of the fleet could serve it."""
+
+  def __init__(self, delay, refuses):
+    super().__init__(delay)
+    self.refuses = refuses
+
+  async def generate(self, body, group=None):
+    if body["rid"].split("-")[3] == str(self.refuses):
+      raise RequestRejected("Requested token count exceeds the model's maximum context length")
+    return await super().generate(body, group)
+
+
+@pytest.mark.parametrize("eta", [1.0, 1.5])
+def test_a_prompt_the_backend_refuses_is_dropped_and_the_round_goes_on(eta):
+  """Not a failed round (re-queued and refused again until the run stops):
+  the prompt leaves the epoch, reported as rejected; the round keeps the
+  others (a short round fills P from its spare prompts, one without spares
+  ends with P - 1) and the next round trains the rest."""
+  body = lambda p, j: {"input_ids": [1], "sampling_params": {"max_new_tokens": 2 + p}}
+  b = tb.TailBatcher(3, 2, eta, recycle=False)
+  b.start_epoch(range(6))
+  rollout = RejectingRollout(lambda b: b["sampling_params"]["max_new_tokens"] * 1e-3, refuses=1)
+
+  async def main():
+    rounds = []
+    while (r := await tb.run_round(rollout, b, body)) is not None:
+      rounds.append(r)
+    return rounds
+
+  rounds = asyncio.run(main())
+  assert rounds[0].rejected == [1] and rounds[0].stats["rejected"] == 1
+  assert 1 not in rounds[0].deferred and 1 not in rounds[0].groups
+  assert len(rounds[0].groups) == (3 if eta > 1.0 else 2)
+  assert all(r.rejected == [] for r in rounds[1:])
+  assert sorted(b.trained) == [0, 2, 3, 4, 5] and b.epoch_done

@@ -318,6 +318,16 @@ class Producer:
         self.release(skipped)
       self.batcher.extend(fresh)
 
+  def _drop_rejected(self, uids) -> None:
+    """Counts and releases prompts the backend refused (they leave the epoch)."""
+    samples = [self.samples[u] for u in uids if u in self.samples]
+    for sample in samples:
+      log.warning("skipping sample %s: the rollout backend refused its request", sample.id)
+      self.counts["data/skipped/rejected"] += 1
+      self.forget(sample.uid)
+    if samples:
+      self.release(samples)
+
   def forget(self, uid: int) -> None:
     """Drops a sample the trainer is done with (call on the rollout loop)."""
     self.samples.pop(uid, None)
@@ -388,6 +398,7 @@ class Producer:
           failures += 1
           self.counts["faults/round_failures"] += 1
           self.admission.on_cancelled(plan.keep_prompts - len(e.kept))
+          self._drop_rejected(e.rejected)
           log.warning("rollout round failed (%d in a row): %s", failures, e)
           await asyncio.gather(*pending)
           self.scores.clear()
@@ -397,6 +408,10 @@ class Producer:
           continue
         failures = 0
         assert result is not None, "a round with a plan always returns"
+        # Admission a round could not use: prompts the backend refused left
+        # it fewer than it reserved.
+        self.admission.on_cancelled(plan.keep_prompts - len(result.groups))
+        self._drop_rejected(result.rejected)
         await asyncio.gather(*pending)
         # Responses that finished but were not kept (their prompt was already
         # complete, or lost the race): a carried one is scored when it is kept.

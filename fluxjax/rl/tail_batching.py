@@ -129,6 +129,10 @@ class Round:
       p: [j for j in range(plan.responses) if (p, j) in plan.finished] for p in plan.prompts
     }
     self.kept: dict[Any, list[int]] = {}  # prompt -> response indices, in index order
+    # Prompts a backend refused (a request that cannot succeed on any server):
+    # dropped from the round and the epoch, so the round wants fewer.
+    self.rejected: list = []
+    self.target = plan.keep_prompts
     # Prompts whose responses all finished in earlier rounds are complete now.
     for p in plan.prompts:
       if len(self.got[p]) >= plan.keep_responses and len(self.kept) < plan.keep_prompts:
@@ -158,7 +162,25 @@ class Round:
       return []
     before = set(self.outstanding)
     self._keep(prompt)
-    if len(self.kept) == self.plan.keep_prompts:
+    if len(self.kept) >= self.target:
+      self.done = True
+      self.outstanding.clear()
+      return sorted(before, key=repr)
+    return sorted(before - self.outstanding, key=repr)
+
+  def reject(self, prompt: PromptId) -> list[Key]:
+    """Drops a prompt whose request the backend refused; returns the requests to abort.
+
+    The round then wants min(P, launched - rejected) prompts: with fewer
+    left it ends with what it kept.
+    """
+    if self.done or prompt in self.kept or prompt in self.rejected:
+      return []
+    self.rejected.append(prompt)
+    before = set(self.outstanding)
+    self.outstanding.difference_update((prompt, j) for j in range(self.plan.responses))
+    self.target = min(self.plan.keep_prompts, len(self.plan.prompts) - len(self.rejected))
+    if len(self.kept) >= self.target:
       self.done = True
       self.outstanding.clear()
       return sorted(before, key=repr)
@@ -167,7 +189,7 @@ class Round:
   @property
   def deferred(self) -> list:
     """Launched prompts that did not make the cut (only after `done`)."""
-    return [p for p in self.plan.prompts if p not in self.kept]
+    return [p for p in self.plan.prompts if p not in self.kept and p not in self.rejected]
 
 
 class TailBatcher:
@@ -320,10 +342,12 @@ class TailBatcher:
         if p not in launched or p in rnd.kept:
           raise RuntimeError(f"carried response {(p, j)!r} is not of a deferred prompt")
         self.carried.setdefault(p, {})[j] = c
+    for p in rnd.rejected:
+      self.carried.pop(p, None)
     self.round_index += 1
     self.trained.extend(kept)
     if partial and not rnd.done:
-      kept_set = set(kept)
+      kept_set = set(kept) | set(rnd.rejected)
       self.fresh = [p for p in self.fresh if p not in kept_set]
       self.long = [p for p in self.long if p not in kept_set]
       return kept
@@ -392,6 +416,9 @@ class RoundResult:
       the prompts completed.
     deferred: launched prompts not kept (to the long-prompt queue, or with
       continue_in="next_round" to the front of the fresh queue).
+    rejected: launched prompts a backend refused (RequestRejected on a fresh
+      request: it cannot succeed on any server); dropped from the epoch, for
+      the caller to count and release.
     stats: kind, wall_s, prompts, requests, aborted, retried, deferred,
       resumed (requests that continued a response), tokens_kept (every token
       of the kept responses), tokens_generated (decoded in this round),
@@ -407,6 +434,7 @@ class RoundResult:
   groups: dict
   deferred: list
   stats: dict
+  rejected: list = dataclasses.field(default_factory=list)
 
 
 class RoundFailed(RuntimeError):
@@ -414,11 +442,14 @@ class RoundFailed(RuntimeError):
 
   Attributes:
     kept: prompt ids kept (and handed to `on_kept`) before the failure.
+    rejected: prompt ids the backend refused before it (dropped, as in
+      `RoundResult`).
   """
 
-  def __init__(self, message: str, kept: list):
+  def __init__(self, message: str, kept: list, rejected: list | None = None):
     super().__init__(message)
     self.kept = kept
+    self.rejected = list(rejected or [])
 
 
 async def run_round(
@@ -567,6 +598,15 @@ async def run_round(
           if key in rnd.outstanding:
             restart(key, t.exception())
           continue
+        if isinstance(t.exception(), RequestRejected):
+          # A fresh request no server can serve (over its context, too
+          # large): the prompt is dropped, not retried round after round.
+          if key[0] not in rnd.rejected:
+            log.warning("prompt %s refused by the backend, dropped: %s", key[0], t.exception())
+          kept_before = len(rnd.kept)
+          await abort(rnd.reject(key[0]))
+          keep_news(kept_before)
+          continue
         whole = record(key, t.result(), body)  # RequestRejected etc. fail the round
         if whole.finish_type == "abort":
           if recycle:
@@ -623,7 +663,7 @@ async def run_round(
   carry: dict[Key, Carried] = {}
   if recycle:
     for p in plan.prompts:
-      if p in rnd.kept:
+      if p in rnd.kept or p in rnd.rejected:
         continue
       for j in range(plan.responses):
         if (p, j) in finished:
@@ -636,6 +676,7 @@ async def run_round(
       f"round {plan.epoch}/{plan.index} failed after keeping {len(kept)} of "
       f"{plan.keep_prompts} prompts: {failure!r}",
       kept,
+      rnd.rejected,
     ) from failure
 
   kept = batcher.commit(rnd, carry=carry)
@@ -653,6 +694,7 @@ async def run_round(
     "deferred": len(rnd.deferred),
     "resumed": events["resumed"],
     "restarted": events["restarted"],
+    "rejected": len(rnd.rejected),
     "tokens_kept": sum(len(c.output_ids) for g in groups.values() for c in g),
     "tokens_generated": generated,
     "tokens_resumed": tokens_resumed,
@@ -663,7 +705,7 @@ async def run_round(
   slots1 = rollout.slot_stats()
   if slots0 is not None and slots1 is not None:
     stats.update(_slot_usage(slots0, slots1, segments))
-  return RoundResult(plan, groups, rnd.deferred, stats)
+  return RoundResult(plan, groups, rnd.deferred, stats, list(rnd.rejected))
 
 
 def _slot_usage(before: SlotStats, after: SlotStats, outputs: Sequence) -> dict:

@@ -1,6 +1,7 @@
 """Probing and decoding real image and video files (fluxjax.models.media)."""
 
 import base64
+import functools
 import os
 
 import av
@@ -22,18 +23,7 @@ _FRAMES, _FPS, _H, _W = 30, 10, 64, 96
 _level = grey_level
 
 
-def _write_video(
-  path, num_frames=_FRAMES, fps=_FPS, height=_H, width=_W, container_format=None, options=None
-):
-  return write_video(
-    path,
-    num_frames=num_frames,
-    fps=fps,
-    height=height,
-    width=width,
-    container_format=container_format,
-    options=options,
-  )
+_write_video = functools.partial(write_video, num_frames=_FRAMES, fps=_FPS, height=_H, width=_W)
 
 
 def _image_array(height, width, channels=3, seed=0):

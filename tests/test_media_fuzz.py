@@ -377,23 +377,23 @@ def _fuzz(seeds, names, data, tmp_dir):
   hypothesis.event(f"{name}: {'refused' if reasons else 'decoded'}")
 
 
-@hypothesis.settings(
-  max_examples=800,
-  deadline=None,
-  derandomize=True,
-  suppress_health_check=[hypothesis.HealthCheck.too_slow],
-)
+def _bounded(examples: int) -> hypothesis.settings:
+  """A fixed number of derandomized examples (the same inputs in every CI run)."""
+  return hypothesis.settings(
+    max_examples=examples,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[hypothesis.HealthCheck.too_slow],
+  )
+
+
+@_bounded(800)
 @hypothesis.given(data=st.data())
 def test_fuzzed_images_decode_or_raise_media_error(seeds, fuzz_dir, data):
   _fuzz(seeds, list(_IMAGES), data, fuzz_dir)
 
 
-@hypothesis.settings(
-  max_examples=500,
-  deadline=None,
-  derandomize=True,
-  suppress_health_check=[hypothesis.HealthCheck.too_slow],
-)
+@_bounded(500)
 @hypothesis.given(data=st.data())
 def test_fuzzed_videos_decode_or_raise_media_error(seeds, fuzz_dir, data):
   _fuzz(seeds, list(_VIDEOS), data, fuzz_dir)

@@ -205,11 +205,11 @@ def test_recycled_responses_are_scored_whole_and_survive_a_snapshot():
   )
 
 
-def _producer(samples, rewards, P, R, *, prompt_fn, released=None, **kw):
+def _producer(samples, rewards, P, R, *, prompt_fn, released=None, rollout=None, **kw):
   """A producer over one loader batch of `samples` on the token backend."""
   batches = [samples]
   return producer_lib.Producer(
-    TokenRollout(tick=1e-4),
+    rollout or TokenRollout(tick=1e-4),
     rewards,
     tail_batching.TailBatcher(P, R, eta=1.0),
     async_control.AdmissionController(P, "sync"),
@@ -236,6 +236,16 @@ def _kept_until_round_end(producer) -> list:
     kept.append(item)
 
 
+def _rounds(producer, n: int = 1) -> list[list]:
+  """Starts a streamed epoch and returns the groups kept in each of its first n rounds."""
+  producer.batcher.start_epoch([])
+  producer.start()
+  try:
+    return [_kept_until_round_end(producer) for _ in range(n)]
+  finally:
+    producer.stop()
+
+
 def _tokenize(sample):
   if sample.prompt == "untokenizable":
     raise UnicodeEncodeError("utf-8", sample.prompt, 0, 1, "surrogates not allowed")
@@ -251,12 +261,7 @@ def test_a_prompt_that_fails_to_build_is_a_counted_logged_skip(caplog):
   ]
   released = []
   producer = _producer(samples, _InstantRewards(), 2, 2, prompt_fn=_tokenize, released=released)
-  producer.batcher.start_epoch([])
-  producer.start()
-  try:
-    kept = _kept_until_round_end(producer)
-  finally:
-    producer.stop()
+  (kept,) = _rounds(producer)
   assert sorted(k.sample.id for k in kept) == ["s0", "s2"]
   assert producer.counts["data/skipped/prompt_error"] == 1
   assert [s.id for s in released] == ["s1"]
@@ -290,12 +295,7 @@ def test_rewards_that_raise_or_are_not_finite_score_zero_and_the_producer_goes_o
   samples = [SampleMeta(uid=i, id=f"s{i}", prompt="p", answer=answers[f"s{i}"]) for i in range(4)]
   with rewards_lib.RewardScheduler(num_workers=1, fn=fault_rewards.fail_on_marked_answers) as rs:
     producer = _producer(samples, rs, 4, 2, prompt_fn=lambda sample: [1, 2, 3])
-    producer.batcher.start_epoch([])
-    producer.start()
-    try:
-      kept = _kept_until_round_end(producer)
-    finally:
-      producer.stop()
+    (kept,) = _rounds(producer)
     metrics = rs.metrics()
   rewards = {k.sample.id: k.group.rewards for k in kept}
   assert rewards == {"s0": [0.0, 0.0], "s1": [0.0, 0.0], "s2": [0.0, 0.0], "s3": [1.0, 1.0]}
@@ -328,15 +328,9 @@ def test_a_prompt_the_backend_refuses_is_a_counted_skip_and_its_place_refilled(c
     2,
     prompt_fn=lambda sample: [1, 9] if sample.id == "s1" else [1, 2],
     released=released,
+    rollout=_RefusingRollout(tick=1e-4),
   )
-  producer.rollout = _RefusingRollout(tick=1e-4)
-  producer.batcher.start_epoch([])
-  producer.start()
-  try:
-    first = _kept_until_round_end(producer)
-    second = _kept_until_round_end(producer)
-  finally:
-    producer.stop()
+  first, second = _rounds(producer, 2)
   assert [k.sample.id for k in first] == ["s0"] and [k.sample.id for k in second] == ["s2"]
   assert producer.counts["data/skipped/rejected"] == 1
   assert producer.counts.get("faults/round_failures", 0) == 0

@@ -274,11 +274,11 @@ class NonFiniteGuard:
     self.in_a_row = 0
     self.total = 0
 
-  def observe(self, step: int, metrics: dict[str, float], ids: Sequence[str] = ()) -> bool:
-    """Whether step's update was applied; raises after too many refused in a row."""
+  def observe(self, step: int, metrics: dict[str, float], ids: Sequence[str] = ()) -> None:
+    """Counts step's refusal, if any; raises after too many in a row."""
     if not metrics.get("nonfinite", 0.0):
       self.in_a_row = 0
-      return True
+      return
     self.in_a_row += 1
     self.total += 1
     log.error(
@@ -297,7 +297,6 @@ class NonFiniteGuard:
         " checkpoint are those of the last finite step. Samples of the last one:"
         f" {', '.join(ids) or '-'}"
       )
-    return False
 
 
 def make_stream_add(

@@ -162,11 +162,7 @@ class Round:
       return []
     before = set(self.outstanding)
     self._keep(prompt)
-    if len(self.kept) >= self.target:
-      self.done = True
-      self.outstanding.clear()
-      return sorted(before, key=repr)
-    return sorted(before - self.outstanding, key=repr)
+    return self._to_abort(before)
 
   def reject(self, prompt: PromptId) -> list[Key]:
     """Drops a prompt whose request the backend refused; returns the requests to abort.
@@ -180,10 +176,13 @@ class Round:
     before = set(self.outstanding)
     self.outstanding.difference_update((prompt, j) for j in range(self.plan.responses))
     self.target = min(self.plan.keep_prompts, len(self.plan.prompts) - len(self.rejected))
+    return self._to_abort(before)
+
+  def _to_abort(self, before: set[Key]) -> list[Key]:
+    """The requests outstanding `before` that no longer are; all of them once the round is full."""
     if len(self.kept) >= self.target:
       self.done = True
       self.outstanding.clear()
-      return sorted(before, key=repr)
     return sorted(before - self.outstanding, key=repr)
 
   @property

@@ -35,11 +35,11 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
-import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import runinfo  # noqa: E402  (lives next to this script)
+from fluxjax import config_args  # noqa: E402
 from fluxjax.models import config as config_lib  # noqa: E402
 from fluxjax.models import sharded  # noqa: E402
 from fluxjax.parallel import batch as batch_lib  # noqa: E402
@@ -137,9 +137,9 @@ def main() -> None:
   rows = []
   for name, sp in (("packed_dp", 1), ("ulysses", 1), ("flex_ulysses", 1)):
     cap = max(args.capacity, max(len(s) for s in seqs)) if name == "packed_dp" else args.capacity
-    scfg = ml_collections.ConfigDict(
-      {"strategy": name, "sp": sp, "capacity": cap, "capacity_buckets": (), "sync": "layer"}
-    )
+    scfg = config_args.load_config().sharding
+    scfg.update(strategy=name, sp=sp, capacity=cap, capacity_buckets=(), sync="layer")
+    scfg.balance_vision = False
     la, ga, ta = run(
       strategies.get_strategy(scfg, accel_cfg),
       accel_cfg,

@@ -4,11 +4,23 @@ r"""GRPO post-training of a Qwen2.5-VL model: the default fluxjax run.
   python -m fluxjax.train --config=configs/vlm.py:qwen25_vl_7b \
       --config.model.hf_path=/ckpt/Qwen2.5-VL-7B-Instruct
   python -m fluxjax.train --config=configs/vlm.py --config.sharding.strategy=ulysses
+  python -m fluxjax.train --config=configs/vlm.py:qwen25_vl_7b,smoke
 
 The default (`tiny`) runs on one CPU machine on embedded defaults: the tiny
 preset, the in-process JAX rollout engine and a generated synthetic dataset.
 Variants for real shapes switch model size and sharding; every field can be
 overridden on the command line as --config.section.field=value.
+
+The `smoke` modifier runs a variant end to end on a CPU in minutes: every
+setting of the variant (rollout backend and how it starts, context and
+response lengths, strategy, lag mode, tail batching, checkpoint cadence, data
+mix, dtypes, remat) is kept, except the run's sizes: the model (the variant's
+attention heads at the tiny preset's widths, models/config.py `_smoke`), the
+step counts, prompts per step, the generated dataset and the evaluation set,
+the media resolution (data.vision: the tiny variant's) and the trainer's
+tokens per device (sharding.capacity).
+A fleet variant given no servers launches `python -m fluxjax.rollout.server`
+processes serving that model (rollout.launch = ("fluxjax.rollout.server",)).
 
 Sharding strategies swap by `--config.sharding.strategy` alone on every
 variant and mesh: `sharding.sp` (the largest sequence-parallel degree) is 0 =
@@ -26,7 +38,7 @@ VARIANTS = ("tiny", "qwen25_vl_3b", "qwen25_vl_7b", "qwen25_vl_32b")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = config_args.parse_arg(arg, variant="tiny")
+  arg = config_args.parse_arg(arg, variant="tiny", smoke=False)
   if arg.variant not in VARIANTS:
     raise ValueError(f"unknown variant {arg.variant!r}; choose one of {VARIANTS}")
   c = ml_collections.ConfigDict()
@@ -52,16 +64,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.seed = 0
   c.data.num_workers = 1 if arg.variant == "tiny" else 8
   # Vision preprocessing limits, shared by the loader's workers and the rollout
-  # engine (the prompt's pad-token counts depend on them). Tiny: a few tokens
-  # per image/frame so a CPU run stays small; real shapes: Qwen2.5-VL's.
-  tiny = arg.variant == "tiny"
+  # engine (the prompt's pad-token counts depend on them). Tiny and smoke runs:
+  # a few tokens per image/frame so a CPU run stays small (a 7k-token prompt's
+  # prefill alone takes GBs with CPU attention); real shapes: Qwen2.5-VL's.
+  small_media = arg.variant == "tiny" or arg.smoke
   c.data.vision = ml_collections.ConfigDict(
     dict(
-      image_min_pixels=28 * 28 * 4 if tiny else 56 * 56,
-      image_max_pixels=112 * 112 if tiny else 28 * 28 * 1280,
-      video_min_pixels=28 * 28 * 4 if tiny else 128 * 28 * 28,
-      video_max_pixels=56 * 56 if tiny else 768 * 28 * 28,
-      video_max_frames=8 if tiny else 768,
+      image_min_pixels=28 * 28 * 4 if small_media else 56 * 56,
+      image_max_pixels=112 * 112 if small_media else 28 * 28 * 1280,
+      video_min_pixels=28 * 28 * 4 if small_media else 128 * 28 * 28,
+      video_max_pixels=56 * 56 if small_media else 768 * 28 * 28,
+      video_max_frames=8 if small_media else 768,
     )
   )
   # Media size budgets (models/media.py MediaLimits), checked from each file's
@@ -82,8 +95,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # prompt at the training temperature give eval/accuracy with its 95%
   # interval (the prompt is the unit) and pass@k; one greedy response per
   # prompt gives eval/accuracy_greedy; rows with a difficulty get a breakdown.
-  # Logged at step 0 (the RL start), every `every` RL steps and during the SFT
-  # warm-up (sft.eval_every). The first `prompts` rows of data.eval are used.
+  # Logged at step 0 (the RL start), every `every` RL steps, at the last step
+  # (the run's summary compares it with step 0) and during the SFT warm-up
+  # (sft.eval_every). The first `prompts` rows of data.eval are used; prompts
+  # over the prompt budget are skipped (eval/skipped_too_long).
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 15 if arg.variant == "tiny" else 25
   c.eval.prompts = 256
@@ -166,7 +181,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rollout = ml_collections.ConfigDict()
   c.rollout.backend = "embedded" if arg.variant == "tiny" else "sglang"
   # For sglang give one of: --config.rollout.urls='("http://h1:30000",)' or
-  # --config.rollout.launch='("python","-m","sglang.launch_server","--model-path","/ckpt")'.
+  # --config.rollout.launch='("python","-m","sglang.launch_server","--model-path","/ckpt")';
+  # launch=("fluxjax.rollout.server",) (rollout/factory.py OWN_SERVER) starts
+  # fluxjax's own server with the run's model, seed, context and pixel limits.
   c.rollout.urls = ()
   c.rollout.launch = ()
   c.rollout.num_servers = 1
@@ -183,7 +200,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.max_consecutive_failed_publishes = 3
   c.rollout.health_interval_s = 2.0
   c.rollout.num_slots = 32  # embedded engine: concurrent requests
-  c.rollout.context_length = 1024  # embedded engine: prompt + response tokens
+  # Prompt + response tokens: the embedded engine's per-slot KV cache, a
+  # fleet's server context (SGLang's --context-length). Prompts longer than
+  # context_length - rl.max_new_tokens are skipped (counted); the trainer must
+  # place a sequence this long (validated against sharding.capacity).
+  c.rollout.context_length = 256 if arg.variant == "tiny" else 8192
   # Embedded engine placement: 0 runs it on the trainer's mesh (one process)
   # or on all of process 0's devices (several processes); k > 0 runs it on
   # the first k devices of process 0, with its own copy of the weights.
@@ -361,8 +382,29 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optim.b2 = 0.999
   c.optim.eps = 1e-8
   c.optim.weight_decay = 0.0
-  # A step whose loss or gradient norm is not finite applies no update and
-  # publishes nothing (counted, its samples logged); this many in a row stop
-  # the run with the last good checkpoint intact (0: never stop).
+  # A step whose loss, gradient norm or updated parameters or optimizer state
+  # are not finite applies no update and publishes nothing (counted, its
+  # samples logged); this many in a row stop the run with the last good
+  # checkpoint intact (0: never stop). Weights that pass but give non-finite
+  # logits (a probe forward before each publish) stop the run at once.
   c.optim.max_consecutive_nonfinite = 3
+  if arg.smoke:
+    _smoke(c)
   return c
+
+
+def _smoke(c: ml_collections.ConfigDict) -> None:
+  """The `smoke` modifier (module docstring): the run's sizes only."""
+  if c.variant != "tiny":
+    c.model.preset += "_smoke"
+  c.total_steps = 2
+  c.rl.prompts_per_step = 4
+  c.data.synth_train, c.data.synth_eval = 64, 8
+  c.eval.prompts = 8
+  # Tokens per device: CPU attention is dense over a row (a 16k row's scores
+  # alone take GBs); prompts are then bounded by the trainer's longest sequence.
+  c.sharding.capacity = min(c.sharding.capacity, 2048)
+  c.sharding.patch_capacity = min(c.sharding.patch_capacity, 4096)
+  c.sft.steps, c.sft.eval_every = 4, 0
+  if c.rollout.backend == "sglang" and not (c.rollout.urls or c.rollout.router_url):
+    c.rollout.launch = c.rollout.launch or ("fluxjax.rollout.server",)

@@ -116,9 +116,9 @@ def make_strategy(
   name: str, sp: int = 1, capacity: int = 96, buckets: tuple[int, ...] = (), sync: str = "layer"
 ) -> Strategy:
   """A strategy of the tiny preset from the same config section a run reads."""
-  cfg = ml_collections.ConfigDict(
-    {"strategy": name, "sp": sp, "capacity": capacity, "capacity_buckets": buckets, "sync": sync}
-  )
+  cfg = config_args.load_config().sharding
+  cfg.update(strategy=name, sp=sp, capacity=capacity, capacity_buckets=buckets, sync=sync)
+  cfg.balance_vision = False
   return strategies.get_strategy(cfg, TINY)
 
 

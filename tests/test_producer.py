@@ -205,14 +205,16 @@ def test_recycled_responses_are_scored_whole_and_survive_a_snapshot():
   )
 
 
-def _producer(samples, rewards, P, R, *, prompt_fn, released=None, rollout=None, **kw):
+def _producer(
+  samples, rewards, P, R, *, prompt_fn, released=None, rollout=None, admission=None, **kw
+):
   """A producer over one loader batch of `samples` on the token backend."""
   batches = [samples]
   return producer_lib.Producer(
     rollout or TokenRollout(tick=1e-4),
     rewards,
     tail_batching.TailBatcher(P, R, eta=1.0),
-    async_control.AdmissionController(P, "sync"),
+    admission or async_control.AdmissionController(P, "sync"),
     next_samples=lambda: batches.pop(0) if batches else [],
     make_body=lambda sample, prompt, j: {
       "input_ids": list(prompt),
@@ -336,3 +338,32 @@ def test_a_prompt_the_backend_refuses_is_a_counted_skip_and_its_place_refilled(c
   assert producer.counts.get("faults/round_failures", 0) == 0
   assert [s.id for s in released] == ["s1"] and 1 not in producer.samples
   assert "skipping sample s1: the rollout backend refused its request" in caplog.text
+
+
+def test_a_loader_that_raises_stop_iteration_ends_the_stream():
+  """The real loader ends its last epoch with StopIteration (not []), raised
+  in an executor thread: the producer must see the end of the data, not hang."""
+  samples = [SampleMeta(uid=i, id=f"s{i}", prompt="p", answer="a") for i in range(2)]
+  batches = [samples]
+
+  def next_samples():
+    if not batches:
+      raise StopIteration
+    return batches.pop(0)
+
+  producer = _producer(
+    samples,
+    _InstantRewards(),
+    2,
+    2,
+    prompt_fn=_tokenize,
+    admission=async_control.AdmissionController(2, "fixed", fixed_lag=1),
+  )
+  producer.next_samples = next_samples
+  producer.batcher.start_epoch([])
+  producer.start()
+  try:
+    assert sorted(k.sample.id for k in _kept_until_round_end(producer)) == ["s0", "s1"]
+    assert isinstance(producer.out.get(timeout=30), StopIteration)
+  finally:
+    producer.stop()

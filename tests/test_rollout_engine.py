@@ -192,12 +192,12 @@ def test_update_params_swaps_weights(model, engine, tok):
 def test_embedded_backend_from_config_and_in_process_publish(model, tok):
   import asyncio
 
-  import ml_collections
-
+  from fluxjax import config_args
   from fluxjax.rollout import backend as backend_lib
   from fluxjax.rollout import client, factory, publish
 
-  cfg = ml_collections.ConfigDict({"backend": "embedded", "num_slots": 4, "context_length": 96})
+  cfg = config_args.load_config().rollout
+  cfg.backend, cfg.num_slots, cfg.context_length = "embedded", 4, 96
   backend, launched = factory.make_backend(cfg, model=model, tokenizer=tok)
   assert launched is None
   assert isinstance(backend, backend_lib.RolloutBackend)
@@ -235,7 +235,8 @@ def test_embedded_backend_from_config_and_in_process_publish(model, tok):
   assert slots[1].decode_steps - slots[0].decode_steps == len(before.output_ids) - 1
   assert backend.metrics() == {}
   with pytest.raises(ValueError, match="embedded or sglang"):
-    factory.make_backend(ml_collections.ConfigDict({"backend": "vllm"}))
+    cfg.backend = "vllm"
+    factory.make_backend(cfg)
 
 
 def test_continued_response_equals_the_uninterrupted_one(model, tok, tmp_path):
@@ -304,3 +305,29 @@ def test_logit_bias_bans_and_forces_tokens(model, engine):
   for bad in ({"x": 1.0}, {"-1": 1.0}, {"3": "big"}, [1, 2]):
     with pytest.raises(protocol.ProtocolError, match="logit_bias"):
       params(logit_bias=bad)
+
+
+def test_a_decode_window_reads_only_what_it_must(model):
+  """decode_step over the first `window` cache entries equals the step over
+  the whole capacity while every slot's length is inside the window, and
+  leaves the same cache (the write goes to the full cache either way)."""
+  import jax
+  import jax.numpy as jnp
+
+  from fluxjax.models import decode
+
+  cache = decode.init_cache(model, 3, 64)
+  rng = np.random.default_rng(0)
+  cache = decode.KVCache(
+    *(jnp.asarray(rng.normal(size=a.shape), a.dtype) for a in (cache.k_LSCKH, cache.v_LSCKH))
+  )
+  tokens_S = jnp.asarray([5, 9, 11], jnp.int32)
+  lengths_S = jnp.asarray([3, 15, 0], jnp.int32)
+  step = jax.jit(decode.decode_step, static_argnames="window")
+  full, full_cache = step(model, cache, tokens_S, lengths_S, lengths_S)
+  windowed, windowed_cache = step(model, cache, tokens_S, lengths_S, lengths_S, window=16)
+  np.testing.assert_allclose(np.asarray(windowed), np.asarray(full), atol=1e-5, rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(windowed_cache.k_LSCKH), np.asarray(full_cache.k_LSCKH))
+  # A window that misses a slot's keys changes its logits: the test can fail.
+  short, _ = step(model, cache, tokens_S, lengths_S, lengths_S, window=4)
+  assert not np.allclose(np.asarray(short)[1], np.asarray(full)[1], atol=1e-3)

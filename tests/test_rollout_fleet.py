@@ -11,11 +11,11 @@ import time
 from collections import defaultdict
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
 
+from fluxjax import config_args
 from fluxjax.models import config, vlm
 from fluxjax.rollout import factory, protocol, publish
 from fluxjax.rollout import fleet as fleet_lib
@@ -25,15 +25,9 @@ from helpers import generate_body as body
 
 @pytest.fixture(scope="module")
 def launched():
-  cfg = ml_collections.ConfigDict(
-    {
-      "backend": "sglang",
-      "urls": [],
-      "num_servers": 3,
-      "launch_timeout_s": 180,
-      "launch": TINY_SERVER,
-    }
-  )
+  cfg = config_args.load_config().rollout
+  cfg.backend, cfg.num_servers, cfg.launch_timeout_s = "sglang", 3, 180
+  cfg.launch = tuple(TINY_SERVER)
   # make_backend launches with the parent's environment; give the servers a
   # plain one-device CPU backend instead of the fake test mesh.
   import os

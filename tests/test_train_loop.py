@@ -1,5 +1,6 @@
 """The GRPO loop end to end on the tiny preset: runs, checkpoints, resumes."""
 
+import json
 import os
 
 import pytest
@@ -67,6 +68,13 @@ def test_adaptive_lag_with_recycling_through_the_router_trains_each_prompt_once(
   # policy can sample a vision placeholder id, which no prompt may hold bare).
   if last["rollout/restarted_total"] == 0.0:
     assert last["rollout/tokens_discarded_total"] == 0.0
+  # The run's summary: held-out accuracy at the RL start and, with eval.every
+  # 0, still at the last step; the 6 steps' samples.
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["start"]["step"] == 0 and summary["end"]["step"] == 6
+  assert summary["end"]["accuracy"] == last["eval/accuracy"]
+  assert 0.0 <= summary["start"]["accuracy"] <= 1.0
+  assert (summary["rl_steps"], summary["samples"]) == (6, 18) and summary["samples_per_s"] > 0
 
 
 def test_sampling_seeds_are_derived_per_response():

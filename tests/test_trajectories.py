@@ -39,7 +39,7 @@ def test_group_sequences_fields():
 
 def test_missing_logprobs_or_rewards_are_errors():
   prompt = inputs.sequence_from_tokens([5, 6], [], CFG)
-  with pytest.raises(ValueError, match="lacks behaviour logprobs"):
+  with pytest.raises(ValueError, match=r"lacks a finite behaviour logprob .* non-finite logits"):
     trajectories.group_sequences(
       trajectories.Group("s", prompt, [completion([1, 2], [None, -1.0])], [1.0])
     )

@@ -8,8 +8,10 @@ one object travels from the run config to every jitted function.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from fluxjax.sharding import balance
@@ -208,11 +210,45 @@ def _preset_32b() -> ModelConfig:
   )
 
 
-PRESETS = {"tiny": _preset_tiny, "3b": _preset_3b, "7b": _preset_7b, "32b": _preset_32b}
+def _smoke(base: ModelConfig) -> ModelConfig:
+  """`base`'s architecture at the tiny preset's sizes, for a smoke run on a CPU.
+
+  The attention heads, grouping and embedding tie stay `base`'s (the
+  sequence-parallel degrees a strategy may take follow from them); widths
+  (head dim 16), depths and vocabulary shrink to the tiny preset's, whose
+  token ids match the shipped synthetic tokenizer.
+  """
+  tiny = _preset_tiny()
+  t = base.text
+  hidden = 16 * t.num_heads
+  text = dataclasses.replace(
+    tiny.text,
+    hidden_size=hidden,
+    intermediate_size=2 * hidden,
+    num_heads=t.num_heads,
+    num_kv_heads=t.num_kv_heads,
+    tie_word_embeddings=t.tie_word_embeddings,
+  )
+  vision = dataclasses.replace(tiny.vision, out_hidden_size=hidden)
+  return dataclasses.replace(tiny, text=text, vision=vision)
+
+
+_FULL: dict[str, Callable[[], ModelConfig]] = {
+  "3b": _preset_3b,
+  "7b": _preset_7b,
+  "32b": _preset_32b,
+}
+SMOKE_SUFFIX = "_smoke"
+PRESETS: dict[str, Callable[[], ModelConfig]] = {
+  "tiny": _preset_tiny,
+  **_FULL,
+  **{name + SMOKE_SUFFIX: functools.partial(lambda f: _smoke(f()), f) for name, f in _FULL.items()},
+}
 
 
 def preset(name: str, **overrides) -> ModelConfig:
-  """Returns a named preset (tiny, 3b, 7b, 32b) with run-time overrides."""
+  """Returns a named preset (tiny, 3b, 7b, 32b, or a full one's `*_smoke`
+  version: see `_smoke`) with run-time overrides."""
   if name not in PRESETS:
     raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
   return PRESETS[name]().replace(**overrides)

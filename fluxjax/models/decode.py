@@ -160,6 +160,7 @@ def decode_step(
   tokens_S: jax.Array,
   lengths_S: jax.Array,
   rope_pos_S: jax.Array,
+  window: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
   """Feeds one token per slot; returns next-token logits of every slot.
 
@@ -171,11 +172,15 @@ def decode_step(
       key/value goes to this index, and it attends to indices <= it.
     rope_pos_S: int [S] M-RoPE text position of the fed token
       (length + mrope_delta).
+    window: static; attention reads only the first `window` cache entries,
+      which must hold every slot's (lengths_S < window). None = the whole
+      capacity. Decode cost then follows the longest live sequence, not the
+      capacity (the engine passes a bucket of it).
 
   Returns:
     (logits_SV fp32, cache).
   """
-  s, c = cache.num_slots, cache.capacity
+  s, c = cache.num_slots, window or cache.capacity
   x = model.model.embed(tokens_S[:, None], model.dtype)  # [S, 1, D]
   positions = jnp.broadcast_to(rope_pos_S[None, :, None], (3, s, 1))
   cos, sin = text.mrope_cos_sin(positions, model.cfg.text)
@@ -194,8 +199,8 @@ def decode_step(
     # flash kernel gains nothing at query length 1).
     out = attn_lib.xla_attention(
       q,
-      k_cache[i],
-      v_cache[i],
+      k_cache[i, :, :c],
+      v_cache[i, :, :c],
       q_segment_ids=ones_S1,
       kv_segment_ids=ones_SC,
       q_positions=q_pos_S1,

@@ -142,7 +142,7 @@ class Strategy:
 
 
 def _buckets(cfg) -> tuple[int, ...]:
-  buckets = tuple(sorted(cfg.get("capacity_buckets") or ()))
+  buckets = tuple(sorted(cfg.capacity_buckets))
   if buckets and buckets[-1] != cfg.capacity:
     raise ValueError(
       f"the largest of sharding.capacity_buckets {buckets} must equal "
@@ -152,7 +152,7 @@ def _buckets(cfg) -> tuple[int, ...]:
 
 
 def _sync(cfg) -> str:
-  mode = cfg.get("sync", "layer")
+  mode = cfg.sync
   if mode not in ("layer", "minibatch"):
     raise ValueError(f"sharding.sync must be 'layer' or 'minibatch', got {mode!r}")
   return mode
@@ -170,7 +170,7 @@ def _make(name: str, degree: int, cfg, model_cfg) -> Strategy:
     model_cfg,
     _buckets(cfg),
     _sync(cfg),
-    bool(cfg.get("balance_vision", False)),
+    bool(cfg.balance_vision),
   )
 
 
@@ -206,7 +206,7 @@ def resolve_sp(
   room = mesh_lib.sp_room(num_devices, data, fsdp)
   fits = sp_choices(model_cfg, room)
   auto = max(p for p in fits if max_auto is None or p <= max(max_auto, 1))
-  sp = cfg.get("sp", AUTO)
+  sp = cfg.sp
   if sp == AUTO:
     return auto
   if sp in fits:

@@ -12,15 +12,19 @@ Metrics stay on device: the caller fetches them a step late, never blocking.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from flax import nnx
 
+from fluxjax.models import inputs as inputs_lib
+from fluxjax.models import vlm
 from fluxjax.parallel.batch import TrainBatch
 
 log = logging.getLogger(__name__)
@@ -225,20 +229,39 @@ def make_train_step(
   )
 
 
+def all_finite(tree) -> jax.Array:
+  """Whether every floating-point element of `tree` is finite: a bool scalar.
+
+  One reduction per leaf on its own shards (an all-reduce of a bool each when
+  sharded), never a gather; integer leaves (step counts) are skipped.
+  """
+  leaves = [
+    jnp.isfinite(x).all()
+    for x in jax.tree.leaves(tree)
+    if jnp.issubdtype(jnp.result_type(x), jnp.floating)
+  ]
+  return jnp.stack(leaves).all() if leaves else jnp.bool_(True)
+
+
 def apply_update(tx: optax.GradientTransformation, state: TrainState, loss, grads, sums):
   """One optimizer update from normalized gradients; metrics are token means.
 
-  A step whose loss or gradient norm is not finite changes nothing: the
+  A step whose loss or gradient norm is not finite, or whose update leaves a
+  parameter or optimizer moment non-finite (a finite gradient times a huge
+  learning rate, a second moment that overflows), changes nothing: the
   parameters, the optimizer state and the step count stay as they were, and
-  `nonfinite` is 1 in the metrics. One NaN must not reach the parameters, the
-  rollout engine or a checkpoint; the caller decides how many such steps in a
-  row end the run (`NonFiniteGuard`). The select fuses into the update's
-  elementwise pass, so a finite step costs nothing extra.
+  `nonfinite` is 1 in the metrics (`nonfinite_state` also 1 when the update's
+  result was the cause). One NaN must not reach the parameters, the rollout
+  engine or a checkpoint; the caller decides how many such steps in a row end
+  the run (`NonFiniteGuard`). The checks are reductions on device and the
+  select fuses into the update's elementwise pass.
   """
   grad_norm = optax.tree.norm(grads)
-  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  inputs_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
+  state_finite = all_finite((params, opt_state))
+  finite = inputs_finite & state_finite
   keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
   sums = dict(sums)
   tokens = jnp.maximum(sums.pop("tokens"), 1.0)
@@ -247,6 +270,7 @@ def apply_update(tx: optax.GradientTransformation, state: TrainState, loss, grad
     "grad_norm": grad_norm,
     "tokens": tokens,
     "nonfinite": 1.0 - finite.astype(jnp.float32),
+    "nonfinite_state": (inputs_finite & ~state_finite).astype(jnp.float32),
     **{k: v / tokens for k, v in sums.items()},
   }
   new_state = TrainState(
@@ -258,7 +282,18 @@ def apply_update(tx: optax.GradientTransformation, state: TrainState, loss, grad
 
 
 class NonFiniteError(RuntimeError):
-  """Too many updates in a row had a non-finite loss or gradient norm."""
+  """The run met non-finite numbers it must not go on with.
+
+  Too many refused updates in a row (`NonFiniteGuard`), or a policy whose
+  logits are non-finite though its parameters are finite (the coordinator's
+  check before a publish, or the rollout engine's refusal).
+  """
+
+
+def _refusal_cause(metrics: dict[str, float]) -> str:
+  if metrics.get("nonfinite_state", 0.0):
+    return "its update made a parameter or optimizer moment non-finite"
+  return "non-finite loss or gradient norm"
 
 
 class NonFiniteGuard:
@@ -282,21 +317,54 @@ class NonFiniteGuard:
     self.in_a_row += 1
     self.total += 1
     log.error(
-      "%s %d skipped: loss %s, grad norm %s (%d in a row); its samples: %s",
+      "%s %d skipped: loss %s, grad norm %s (%s; %d in a row); its samples: %s",
       self.what,
       step,
       metrics.get("loss"),
       metrics.get("grad_norm"),
+      _refusal_cause(metrics),
       self.in_a_row,
       ", ".join(ids) or "-",
     )
     if self.max_in_a_row and self.in_a_row >= self.max_in_a_row:
       raise NonFiniteError(
-        f"{self.in_a_row} {self.what}s in a row had a non-finite loss or gradient norm"
-        f" (last: step {step}); none was applied, so the parameters and the last"
-        " checkpoint are those of the last finite step. Samples of the last one:"
-        f" {', '.join(ids) or '-'}"
+        f"{self.in_a_row} {self.what}s in a row were refused as non-finite"
+        f" (last: step {step}, {_refusal_cause(metrics)}); none was applied, so the"
+        " parameters and the last checkpoint are those of the last finite step."
+        f" Samples of the last one: {', '.join(ids) or '-'}"
       )
+
+
+PROBE_TOKENS = 16
+
+
+def probe_row(cfg) -> vlm.PackedInputs:
+  """A fixed text row for `logits_finite`: PROBE_TOKENS // 2 tokens, then padding.
+
+  Padded like a prompt in the rollout engine's prefill bucket or a sequence in
+  a training row: masked positions take part in the attention's matmuls, and
+  in a broken model their non-finite values reach the real tokens' logits
+  through them (0 * inf), as they do in the engine.
+  """
+  ids = np.arange(1, PROBE_TOKENS // 2 + 1) % cfg.text.vocab_size
+  seq = inputs_lib.sequence_from_tokens(ids, [], cfg)
+  return inputs_lib.pack_row([seq], cfg, token_capacity=PROBE_TOKENS)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits_finite(graphdef, params, row: vlm.PackedInputs) -> jax.Array:
+  return jnp.isfinite(nnx.merge(graphdef, params).logits(row)).all()
+
+
+def logits_finite(graphdef, params, row: vlm.PackedInputs) -> bool:
+  """Whether the policy `params` gives finite logits over `row` (see `probe_row`).
+
+  Finite parameters can still be broken: weights of 1e8 after a huge step
+  overflow the activations, and the logits are NaN. One forward of a few
+  tokens finds that before the weights are published or checkpointed. Every
+  position counts, padding included: a healthy model's are finite too.
+  """
+  return bool(_logits_finite(graphdef, params, row))
 
 
 def make_stream_add(

@@ -52,9 +52,10 @@ from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import train_step
 from fluxjax.parallel.strategies import Strategy
 from fluxjax.rl import advantages as adv_lib
-from fluxjax.rl import async_control, evaluation, rewards, tail_batching, trajectories
+from fluxjax.rl import async_control, config_rules, evaluation, rewards, tail_batching, trajectories
 from fluxjax.rl import producer as producer_lib
 from fluxjax.rl.worker import Policy
+from fluxjax.rollout import engine as engine_lib
 from fluxjax.rollout.backend import LoopThread, RolloutBackend
 from fluxjax.rollout.client import Completion
 from fluxjax.rollout.publish import PublishReport
@@ -138,13 +139,16 @@ class Coordinator:
       prompt_fn=self.prompt,
       decode=self._tokenizer.decode,
       release=loader.release,
-      max_prompt_tokens=int(config.rollout.context_length) - int(rl.max_new_tokens),
+      max_prompt_tokens=config_rules.prompt_budget(config, policy.strategy),
       thread=thread,
     )
     # Trained sample uids of the (streamed) epoch, for exactly-once on resume.
     self._consumed: set[int] = set()
     self._filtered = 0
     self._nonfinite = train_step.NonFiniteGuard(config.optim.max_consecutive_nonfinite)
+    # RL steps applied when each weight version was published, to name the step
+    # whose update made a policy non-finite.
+    self._version_steps: dict[str, int] = {}
     self._unwritten = self._unwritten_in_a_row = 0  # publishes whose write failed
     self._started = False
     # Every backend call runs on the rollout thread's loop (a fleet's HTTP
@@ -256,11 +260,15 @@ class Coordinator:
     rl = self._config.rl
     out = []
     for g in groups:
-      out.extend(
-        trajectories.group_sequences(
+      try:
+        seqs = trajectories.group_sequences(
           g, std_normalize=rl.adv_std_normalize, agg_mode=rl.loss_agg_mode, eps=rl.adv_eps
         )
-      )
+      except trajectories.MissingLogprobs as e:
+        if e.nonfinite:  # the symptom of a non-finite policy: name the step
+          raise self._nonfinite_policy(e.versions[0], str(e)) from e
+        raise
+      out.extend(seqs)
     return out
 
   def _next_item(self):
@@ -279,7 +287,7 @@ class Coordinator:
     """
     self.start()
     rl = self._config.rl
-    chunk = max(1, int(self._config.coordinator.get("stream_groups", 0)) or math.ceil(self._P / 2))
+    chunk = max(1, int(self._config.coordinator.stream_groups) or math.ceil(self._P / 2))
     refills_left = int(rl.max_refill_rounds) * self._P if rl.dynamic_sampling else 0
     t0 = time.perf_counter()
     kept: list[producer_lib.KeptGroup] = []
@@ -293,6 +301,9 @@ class Coordinator:
           break
         raise StopIteration
       if isinstance(item, BaseException):
+        version = engine_lib.nonfinite_logits_version(item)
+        if version is not None:
+          raise self._nonfinite_policy(version, "the engine refused to sample") from item
         raise RuntimeError("rollout failed") from item
       if isinstance(item, producer_lib.RoundEnd):
         rounds.append(item.stats)
@@ -409,13 +420,15 @@ class Coordinator:
     """
     from flax import nnx
 
-    self._version += int(new_version)
     # The engine gets its own buffers: the next update donates the trainer's,
     # while rollout goes on sampling from these.
     t = time.perf_counter()
     params = self._policy.stage()
     if params is None:
       raise RuntimeError("the coordinator runs on the leader, which receives the staged weights")
+    self._check_logits(params, self._version + int(new_version), new_version)
+    self._version += int(new_version)
+    self._version_steps[str(self._version)] = self._steps
     model = nnx.merge(self.graphdef, params)
     report = self._producer.call(self._rollout.publish(model, self._version))
     if report.failed:
@@ -423,6 +436,47 @@ class Coordinator:
     self._check_written(report)
     self._producer.set_version(self._version, self._steps)
     return time.perf_counter() - t
+
+  @staticmethod
+  def _broken_by(steps: int | None, version: str) -> str:
+    """Who made the policy of weight `version` non-finite (`steps`: RL steps it had)."""
+    if steps is None:
+      return f"weight version {version} is non-finite"
+    if steps:
+      return f"RL step {steps} made the policy non-finite"
+    return "the policy the RL steps start from (initial, restored or warmed-up) is non-finite"
+
+  def _check_logits(self, params, version: int, new_version: bool) -> None:
+    """Refuses to publish a policy whose logits are non-finite.
+
+    Every parameter is finite here (`apply_update` refuses the rest), but
+    finite weights can still overflow the activations (weights of 1e8 after a
+    huge step): one forward of a few tokens finds that before rollout samples
+    from the policy and before the step is checkpointed.
+    """
+    if train_step.logits_finite(self.graphdef, params, train_step.probe_row(self.cfg)):
+      return
+    unsaved = (
+      f" The run stops before checkpointing step {self._steps}: any checkpoint is of an"
+      " earlier step."
+      if new_version and self._steps
+      else ""
+    )
+    raise train_step.NonFiniteError(
+      f"{self._broken_by(self._steps, str(version))}: every parameter is finite but its"
+      f" logits are not (NaN or infinite on a {train_step.PROBE_TOKENS}-token probe)."
+      f" Weight version {version} was not published.{unsaved} Lower optim.lr or"
+      " optim.max_grad_norm."
+    )
+
+  def _nonfinite_policy(self, version: str, symptom: str) -> train_step.NonFiniteError:
+    """The error naming the step whose update gave weight `version` non-finite logits."""
+    return train_step.NonFiniteError(
+      f"{self._broken_by(self._version_steps.get(str(version)), version)}: rollout under"
+      f" weight version {version} met non-finite logits ({symptom}). Checkpoints of that"
+      " step or later, if any, hold those weights: resume from an earlier one with a lower"
+      " optim.lr or optim.max_grad_norm."
+    )
 
   def _check_written(self, report: PublishReport) -> None:
     """Counts publishes whose weights reached no server; too many in a row raise.
@@ -457,10 +511,30 @@ class Coordinator:
     """Held-out metrics of the rollout policy (rl/evaluation.py), scored by `accuracy`.
 
     `eval.samples_per_prompt` responses per prompt at the training temperature,
-    and one greedy response each when `eval.greedy`.
+    and one greedy response each when `eval.greedy`. Prompts over the
+    rollout's prompt budget are left out, counted in eval/skipped_too_long.
     """
     ev = self._config.eval
     score = rewards.get("accuracy")
+    budget = config_rules.prompt_budget(self._config, self.strategy)
+    fits = [s for s in samples if len(self.prompt(s)) <= budget]
+    skipped = len(samples) - len(fits)
+    if skipped:  # the backend would refuse them, as in training
+      log.warning(
+        "evaluation skips %d of %d held-out prompts longer than %d tokens "
+        "(config_rules.prompt_budget)",
+        skipped,
+        len(samples),
+        budget,
+      )
+    if not fits:
+      raise ValueError(
+        f"every one of the {len(samples)} held-out prompts is longer than {budget} tokens "
+        "(the rollout context or the trainer's longest sequence, less rl.max_new_tokens; "
+        "config_rules.prompt_budget); raise --config.rollout.context_length or "
+        "--config.sharding.capacity, or use shorter evaluation data"
+      )
+    samples = fits
     sampled = self.sample(samples, int(ev.samples_per_prompt))
     scores = [[score(c.text, s.answer or "") for c in cs] for s, cs in zip(samples, sampled)]
     greedy = None
@@ -468,9 +542,11 @@ class Coordinator:
       firsts = self.sample(samples, 1, greedy=True)
       greedy = [score(cs[0].text, s.answer or "") for s, cs in zip(samples, firsts)]
     log.debug("eval: %s", [(cs[0].text[:40], s.answer) for s, cs in zip(samples[:3], sampled)])
-    return evaluation.summarize(
+    out = evaluation.summarize(
       scores, [s.difficulty for s in samples], greedy, [s.task for s in samples]
     )
+    out["eval/skipped_too_long"] = float(skipped)
+    return out
 
   # -- checkpointed state ----------------------------------------------------
   def get_state(self) -> tuple[dict, dict]:

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 
 import jax
 from flax import nnx
@@ -36,9 +37,10 @@ from fluxjax.models import hf_io, processor, sharded
 from fluxjax.models import media as media_lib
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import multihost, strategies, train_step
+from fluxjax.rl import config_rules, reference, rewards, sft
 from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import metrics as metrics_lib
-from fluxjax.rl import reference, rewards, sft
+from fluxjax.rl import summary as summary_lib
 from fluxjax.rl import worker as worker_lib
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout import factory
@@ -80,7 +82,7 @@ def validate(config):
     else model_config.preset(config.model.preset, **overrides)
   )
   strategy = strategies.get_strategy(config.sharding, cfg, config.mesh)
-  ref_path = config.rl.get("ref_hf_path")
+  ref_path = config.rl.ref_hf_path
   if config.rl.kl_coef and ref_path:
     ref_cfg = model_config.load_hf_config(ref_path, **overrides)
     if (ref_cfg.text, ref_cfg.vision) != (cfg.text, cfg.vision):
@@ -94,6 +96,7 @@ def validate(config):
     raise ValueError(str(e)) from None
   factory.check_config(config.rollout)
   mesh = mesh_lib.make_mesh(config.mesh.data, config.mesh.fsdp, strategy.sp_axes())
+  config_rules.check(config, cfg, strategy, mesh.size)
   return cfg, strategy, mesh
 
 
@@ -125,7 +128,7 @@ def rollout_shardings(config, cfg, mesh):
   rollout.embedded_devices (0: all) of the leader's devices: the leader runs
   rollout alone, so its programs must not span other processes.
   """
-  k = int(config.rollout.get("embedded_devices", 0))
+  k = config.rollout.embedded_devices
   if jax.process_count() == 1 and (k == 0 or config.rollout.backend != "embedded"):
     return None
   devices = multihost.leader_devices()
@@ -237,6 +240,7 @@ def build(config, workdir: str, stack: contextlib.ExitStack) -> Built:
     engine_model = nnx.merge(worker.graphdef, policy.stage())
   rollout, launched = factory.make_backend(
     config.rollout,
+    launch=factory.launch_command(config),
     model=engine_model,
     tokenizer=tokenizer,
     seed=config.seed,
@@ -290,10 +294,12 @@ def run(config, workdir: str) -> dict:
 
   In a multi-controller run the leader runs the loop and returns its
   metrics; every other process follows it (`follow`) and returns {}.
+  A run that ends without an error ends with its summary (rl/summary.py).
   """
   if not multihost.is_leader():
     follow(config, workdir)
     return {}
+  t0 = time.time()
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
@@ -301,17 +307,27 @@ def run(config, workdir: str) -> dict:
     built = build(config, workdir, stack)
     policy = built.policy
     try:
-      last = _loop(config, workdir, built, stack)
+      last, first = _loop(config, workdir, built, stack)
     except BaseException as e:
       if isinstance(policy, worker_lib.LeaderWorker):
         policy.abort(repr(e))
       raise
     if isinstance(policy, worker_lib.LeaderWorker):
       policy.stop()
+  # After the stack closed: the records are flushed, the checkpoints complete.
+  summary_lib.report(
+    workdir,
+    metrics_lib.read_metrics(workdir),
+    read_trained(workdir),
+    wall_s=time.time() - t0,
+    resumed_from=first,
+    total_steps=config.total_steps,
+  )
   return last
 
 
-def _loop(config, workdir: str, built: Built, stack: contextlib.ExitStack) -> dict:
+def _loop(config, workdir: str, built: Built, stack: contextlib.ExitStack) -> tuple[dict, int]:
+  """Runs the steps; (the last step's metrics, the step it resumed from: 0 if fresh)."""
   coord, policy = built.coordinator, built.policy
   # Auto-resume from the work directory; the leader's view of it decides.
   restored = policy.restore(policy.latest_step())
@@ -359,6 +375,7 @@ def _loop(config, workdir: str, built: Built, stack: contextlib.ExitStack) -> di
       policy.set_reference(fresh=first == 0)
     coord.start()  # rollout runs ahead from here, within the allowed lag
   progress = metrics_lib.Progress(config.total_steps, first)  # ETA from RL steps only
+  done = first  # the last step trained
   for step in range(first + 1, config.total_steps + 1):
     try:
       result = coord.step()
@@ -366,13 +383,18 @@ def _loop(config, workdir: str, built: Built, stack: contextlib.ExitStack) -> di
       log.info("data exhausted after step %d", step - 1)
       break
     host = dict(result.metrics, **built.loader.metrics())
-    if config.eval.every and step % config.eval.every == 0:
+    # Every eval.every steps and at the last (the summary's end accuracy).
+    if step == config.total_steps or (config.eval.every and step % config.eval.every == 0):
       host.update(coord.evaluate(eval_samples))
     writer.write(step, host)
     trained_log.write(json.dumps({"step": step, "ids": result.trained}) + "\n")
     log.info(progress.line(step, host))
-    last = host
+    last, done = host, step
     if policy.should_save(step) or step == config.total_steps:
       coord_state, data_state = coord.get_state()
       policy.save(step, coord_state, data_state, force=step == config.total_steps)
-  return last
+  if done > first and "eval/accuracy" not in last:  # the data ran out between evaluations
+    held_out = coord.evaluate(eval_samples)
+    writer.write(done, held_out)
+    last = {**last, **held_out}
+  return last, first

@@ -267,10 +267,7 @@ class Producer:
       and len(self.batcher.fresh) < self.batcher.launch_prompts
       and len(self.batcher.long) < self.batcher.P
     ):
-      try:
-        batch = await loop.run_in_executor(None, self.next_samples)
-      except StopIteration:
-        batch = []
+      batch = await loop.run_in_executor(None, self._next_or_none)
       if not batch:
         self._exhausted = True
         break
@@ -304,7 +301,7 @@ class Producer:
         if n > self.max_prompt_tokens:
           # The engine would reject it; a counted skip, not a failed round.
           log.warning(
-            "skipping sample %s: prompt of %d tokens > %d (rollout context minus max_new_tokens)",
+            "skipping sample %s: prompt of %d tokens > %d (config_rules.prompt_budget)",
             sample.id,
             n,
             self.max_prompt_tokens,
@@ -317,6 +314,14 @@ class Producer:
       if skipped:
         self.release(skipped)
       self.batcher.extend(fresh)
+
+  def _next_or_none(self) -> list:
+    """The loader's next batch, [] once it is exhausted: a StopIteration
+    cannot cross an executor's future (asyncio would hang on it)."""
+    try:
+      return self.next_samples()
+    except StopIteration:
+      return []
 
   def _drop_rejected(self, uids) -> None:
     """Counts and releases prompts the backend refused (they leave the epoch)."""

@@ -39,7 +39,7 @@ def needed(config) -> bool:
 
 def source(config, workdir: str) -> tuple[str, bool]:
   """(folder the reference is read from on a resume, whether a fresh run writes it)."""
-  if config.rl.get("ref_hf_path"):
+  if config.rl.ref_hf_path:
     return config.rl.ref_hf_path, False
   if config.model.hf_path and not sft.runs(config):
     return config.model.hf_path, False
@@ -60,7 +60,7 @@ def reference_params(
     fresh: a fresh run (RL starts now) rather than a resume.
   """
   path, snapshot = source(config, workdir)
-  if fresh and not config.rl.get("ref_hf_path"):
+  if fresh and not config.rl.ref_hf_path:
     # The policy as RL begins; its own buffers (the update donates the policy's).
     params = jax.tree.map(lambda x: x.copy(), policy_params)
     if snapshot:

@@ -15,6 +15,8 @@ the per-token versions (`Completion.token_versions`) feed the staleness.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -43,6 +45,47 @@ class Group:
   answer: str | None = None
 
 
+class MissingLogprobs(ValueError):
+  """A response without a behaviour logprob for every token, and why.
+
+  Attributes:
+    nonfinite: the backend sent null where a logprob should be, which is how
+      a server writes a NaN or infinite one: the weights that sampled the
+      response have non-finite logits.
+    versions: the weight versions that sampled the tokens lacking one.
+  """
+
+  def __init__(self, message: str, *, nonfinite: bool = False, versions: Sequence[str] = ()):
+    super().__init__(message)
+    self.nonfinite, self.versions = nonfinite, list(versions)
+
+
+def missing_logprobs(key: str, completion: Completion) -> MissingLogprobs | None:
+  """Why `completion` lacks behaviour logprobs (None if it has them all)."""
+  lps, n = completion.logprobs, len(completion.output_ids)
+  where = f"group {key}: response {completion.rid}"
+  if not lps:
+    return MissingLogprobs(
+      f"{where} lacks behaviour logprobs: its request did not ask for them"
+      " (return_logprob) or the backend sent no output_token_logprobs"
+    )
+  if len(lps) != n:
+    return MissingLogprobs(f"{where} lacks behaviour logprobs: {len(lps)} for {n} tokens")
+  nulls = [i for i, lp in enumerate(lps) if lp is None or not math.isfinite(lp)]
+  if not nulls:
+    return None
+  per_token = completion.token_versions()
+  versions = sorted({per_token[i] for i in nulls})
+  return MissingLogprobs(
+    f"{where} lacks a finite behaviour logprob for {len(nulls)} of its"
+    f" {n} tokens (first at token {nulls[0]}) under weight version(s)"
+    f" {', '.join(versions)}: a null logprob is a NaN or infinite one, so those"
+    " weights have non-finite logits",
+    nonfinite=True,
+    versions=versions,
+  )
+
+
 def group_sequences(
   group: Group, *, std_normalize: bool = True, agg_mode: str = "token-mean", eps: float = 1e-6
 ) -> list[TrainSequence]:
@@ -59,13 +102,9 @@ def group_sequences(
   for completion, advantage in zip(group.completions, advantages):
     if not completion.output_ids:
       raise ValueError(f"group {group.key}: empty response {completion.rid}")
-    if any(lp is None for lp in completion.logprobs) or len(completion.logprobs) != len(
-      completion.output_ids
-    ):
-      raise ValueError(
-        f"group {group.key}: response {completion.rid} lacks behaviour "
-        "logprobs (request them with return_logprob)"
-      )
+    missing = missing_logprobs(group.key, completion)
+    if missing is not None:
+      raise missing
     seq = group.prompt.extend(completion.output_ids)
     response = np.zeros(len(seq), np.float32)
     response[prompt_len:] = 1.0

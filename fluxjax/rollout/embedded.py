@@ -49,6 +49,8 @@ class EmbeddedRollout:
     self.engine.start()
 
   async def generate(self, body: dict, group: str | None = None) -> Completion:
+    """The request's completion; raises `engine.NonFiniteLogits` if the weights
+    gave non-finite logits for it (a broken policy, not a refused request)."""
     del group  # one engine: every group shares it
     loop = asyncio.get_running_loop()
     try:
@@ -85,6 +87,8 @@ class EmbeddedRollout:
     finally:
       if ereq.finish_reason is None:
         self.engine.abort(ereq.rid)
+    if ereq.error is not None:  # the served weights gave non-finite logits
+      raise ereq.error
     body = engine_lib.response(ereq, self.tokenizer, self.engine.weight_version)
     return Completion.from_response(body, self.url)
 

@@ -5,7 +5,9 @@ waiting requests join free slots (one prefill each, its length padded to a
 bucket so that few shapes compile) and finished or aborted requests leave.
 Each step is one jitted call that decodes and samples a token for every slot,
 idle ones included, so the shapes never change. Per-slot sampling parameters
-are arrays (rollout/sampling.py).
+are arrays (rollout/sampling.py). A slot whose logits are non-finite samples
+nothing: its request finishes as an abort that names the weight version
+(`NonFiniteLogits`, which `generate` and the embedded backend raise).
 
 The engine is thread-safe: `submit`, `abort`, `pause`, `resume` and
 `update_params` may be called from any thread while `run_forever` steps in a
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -37,6 +40,45 @@ from fluxjax.rollout.protocol import ProtocolError, SamplingParams
 from fluxjax.sharding import rules
 
 log = logging.getLogger(__name__)
+
+
+class NonFiniteLogits(RuntimeError):
+  """The served weights gave non-finite logits for a request: nothing was sampled.
+
+  Attributes:
+    rid: the request.
+    weight_version: the weights that gave them.
+    token: the index of the output token that was to be sampled.
+  """
+
+  def __init__(self, rid: str, weight_version: str, token: int):
+    super().__init__(
+      f"non-finite logits from weight version {weight_version} for request {rid!r}"
+      f" (output token {token}): the engine samples nothing from them, so those"
+      " weights are unusable"
+    )
+    self.rid, self.weight_version, self.token = rid, weight_version, token
+
+
+_NONFINITE_RE = re.compile(r"non-finite logits from weight version (\S+) for request")
+
+
+def nonfinite_logits_version(exc: BaseException | None) -> str | None:
+  """The weight version a `NonFiniteLogits` in `exc`'s chain names, else None.
+
+  Over HTTP the refusal arrives as an abort whose message is the error's, so
+  an exception quoting that message counts too.
+  """
+  seen: set[int] = set()
+  while exc is not None and id(exc) not in seen:
+    seen.add(id(exc))
+    if isinstance(exc, NonFiniteLogits):
+      return exc.weight_version
+    match = _NONFINITE_RE.search(str(exc))
+    if match:
+      return match.group(1)
+    exc = exc.__cause__ or exc.__context__
+  return None
 
 
 @dataclasses.dataclass(eq=False)
@@ -66,10 +108,16 @@ class EngineRequest:
   max_new: int = 0
   slot: int = -1
   abort_message: str | None = None
+  # Set when the request was refused for non-finite logits (finished as an abort).
+  error: NonFiniteLogits | None = None
 
   @property
   def prompt_tokens(self) -> int:
     return len(self.prompt)
+
+
+# The smallest decode window; each larger one is 4x (few programs to compile).
+DECODE_WINDOW_MIN = 256
 
 
 def _buckets(capacity: int, smallest: int = 16) -> list[int]:
@@ -162,12 +210,13 @@ class Engine:
       model = nnx.merge(graphdef, state)
       logits_V, cache = decode.prefill(model, cache, slot, tokens_P, positions_3P, length, vis)
       cache = _pin(cache, cache_sharding)
+      finite = sampling.finite_rows(logits_V[None])[0]  # the model's, before any bias
       logits_V = sampling.apply_logit_bias(logits_V[None], bias[0][None], bias[1][None])[0]
       # The first output token sits at position `length` of the sequence.
       tok, lp = sampling.sample(
         logits_V[None], temp[None], top_p[None], top_k[None], seed[None], length[None]
       )
-      return tok[0], lp[0], cache
+      return tok[0], lp[0], finite, cache
 
     def decode_fn(
       state,
@@ -182,17 +231,25 @@ class Engine:
       seed_S,
       bias_ids_SK,
       bias_SK,
+      window,
     ):
       model = nnx.merge(graphdef, state)
-      logits_SV, cache = decode.decode_step(model, cache, tokens_S, lengths_S, rope_pos_S)
+      logits_SV, cache = decode.decode_step(model, cache, tokens_S, lengths_S, rope_pos_S, window)
       cache = _pin(cache, cache_sharding)
+      finite_S = sampling.finite_rows(logits_SV)
       logits_SV = sampling.apply_logit_bias(logits_SV, bias_ids_SK, bias_SK)
       tok_S, lp_S = sampling.sample(logits_SV, temp_S, top_p_S, top_k_S, seed_S, positions_S)
-      return tok_S, lp_S, cache
+      return tok_S, lp_S, finite_S, cache
+
+    def clear_fn(cache, slot):
+      cache = jax.tree.map(lambda a: a.at[:, slot].set(0), cache)
+      return _pin(cache, cache_sharding)
 
     # The cache is donated (updated in place); parameters never are.
     self._prefill = jax.jit(prefill_fn, donate_argnums=1)
-    self._decode = jax.jit(decode_fn, donate_argnums=1)
+    # One decode program per window bucket (the longest live sequence's).
+    self._decode = jax.jit(decode_fn, donate_argnums=1, static_argnames="window")
+    self._clear_slot = jax.jit(clear_fn, donate_argnums=0)
 
   # --- requests ---------------------------------------------------------------------
 
@@ -341,12 +398,20 @@ class Engine:
     return bool(self._waiting) or any(s is not None for s in self._slots)
 
   def generate(self, reqs: Sequence[EngineRequest]) -> list[EngineRequest]:
-    """Runs requests to completion on the calling thread (in-process use)."""
+    """Runs requests to completion on the calling thread (in-process use).
+
+    Raises:
+      NonFiniteLogits: the weights gave non-finite logits for a request (the
+        first such); the others ran to completion.
+    """
     for r in reqs:
       self.submit(r)
     while not all(r.done.is_set() for r in reqs):
       if not self.step():
         time.sleep(0.001)
+    refused = next((r.error for r in reqs if r.error is not None), None)
+    if refused is not None:
+      raise refused
     return list(reqs)
 
   def step(self) -> bool:
@@ -418,7 +483,7 @@ class Engine:
       )
     self._set_slot_sampling(req)
     s = req.slot
-    tok, lp, self._cache = self._prefill(
+    tok, lp, finite, self._cache = self._prefill(
       self._state,
       self._cache,
       np.int32(s),
@@ -432,11 +497,14 @@ class Engine:
       self._seed_S[s],
       (self._bias_ids_SK[s], self._bias_SK[s]),
     )
-    tok, lp = int(tok), float(lp)
+    tok, lp, finite = int(tok), float(lp), bool(finite)
     self.stats["prefill_s"] += time.perf_counter() - t0
     self._lengths_S[s] = n
     self._delta_S[s] = req.prompt.mrope_delta
-    self._append(req, tok, lp)
+    if finite:
+      self._append(req, tok, lp)
+    else:
+      self._refuse(req)
 
   def _decode_all(self, active: list[int]) -> None:
     t0 = time.perf_counter()
@@ -444,7 +512,7 @@ class Engine:
     positions_S = np.array(
       [len(r.prompt) + len(r.output_ids) if r is not None else 0 for r in self._slots], np.int32
     )
-    tok_S, lp_S, self._cache = self._decode(
+    tok_S, lp_S, finite_S, self._cache = self._decode(
       self._state,
       self._cache,
       self._tokens_S,
@@ -457,15 +525,29 @@ class Engine:
       self._seed_S,
       self._bias_ids_SK,
       self._bias_SK,
+      window=self._window(active),
     )
-    tok_S, lp_S = jax.device_get((tok_S, lp_S))
+    tok_S, lp_S, finite_S = jax.device_get((tok_S, lp_S, finite_S))
     self.stats["decode_s"] += time.perf_counter() - t0
     self.stats["decode_steps"] += 1
     for s in active:
       req = self._slots[s]
       assert req is not None, "active slots hold a request"
       self._lengths_S[s] += 1
-      self._append(req, int(tok_S[s]), float(lp_S[s]))
+      if finite_S[s]:
+        self._append(req, int(tok_S[s]), float(lp_S[s]))
+      else:
+        self._refuse(req)
+
+  def _window(self, active: list[int]) -> int:
+    """The decode window: the smallest of 256, 1024, 4096, ... (one program
+    each) above every active slot's length, at most the capacity (idle slots
+    attend to nothing that matters)."""
+    longest = int(self._lengths_S[active].max()) + 1
+    window = DECODE_WINDOW_MIN
+    while window < longest:
+      window *= 4
+    return min(window, self.capacity)
 
   def _append(self, req: EngineRequest, tok: int, lp: float) -> None:
     """Records a sampled token, then finishes the request or feeds the token on."""
@@ -484,6 +566,23 @@ class Engine:
       self._tokens_S[req.slot] = 0
       self._lengths_S[req.slot] = 0
       self._finish(req, reason)
+
+  def _refuse(self, req: EngineRequest) -> None:
+    """Finishes a request whose logits are non-finite, as an abort that says so.
+
+    Its tokens so far stay (each sampled from finite logits); `req.error`
+    holds the `NonFiniteLogits` that `generate` and the embedded backend raise.
+    """
+    req.error = NonFiniteLogits(req.rid, self.weight_version, len(req.output_ids))
+    log.error("%s", req.error)
+    # The slot's cache now holds non-finite keys and values; a later request
+    # in it would meet them at masked positions (0 * NaN) whatever its weights.
+    self._cache = self._clear_slot(self._cache, np.int32(req.slot))
+    with self._cv:
+      self._slots[req.slot] = None
+      self._tokens_S[req.slot] = 0
+      self._lengths_S[req.slot] = 0
+      self._finish(req, protocol.finish_abort(str(req.error)))
 
   def _finish_reason(self, req: EngineRequest) -> dict | None:
     """SGLang's `check_finished` order: length, then stop token, then stop string."""

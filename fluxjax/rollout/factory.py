@@ -5,8 +5,9 @@ backend = "embedded"  the JAX engine in this process (rollout/embedded.py),
 backend = "sglang"    a `Fleet` of servers speaking SGLang's native API:
                       `urls` of running servers, or `launch` (a command
                       such as ["python", "-m", "sglang.launch_server",
-                      "--model-path", M], given --port) started
-                      `num_servers` times. With `router_url` (a running
+                      "--model-path", M], given --port; `OWN_SERVER` is
+                      `python -m fluxjax.rollout.server` serving the run's
+                      model) started `num_servers` times. With `router_url` (a running
                       SGLang router) or `router_launch` (a router command,
                       given --worker-urls and --port), a `RoutedFleet`:
                       generation through the router, weight updates to
@@ -24,43 +25,54 @@ from fluxjax.rollout.backend import RolloutBackend
 BACKENDS = ("embedded", "sglang")
 
 
+# `rollout.launch = OWN_SERVER`: our server, serving the run's model (`server_command`).
+OWN_SERVER = ("fluxjax.rollout.server",)
+
+
 def check_config(cfg) -> None:
   """Raises ValueError for a rollout section that cannot start, before any
   model is built (a 7B run should not load its weights to learn this)."""
-  backend = cfg.get("backend", "embedded")
-  if backend not in BACKENDS:
-    raise ValueError(f"rollout.backend must be embedded or sglang, got {backend!r}")
-  if backend == "sglang" and not (cfg.get("urls") or cfg.get("launch") or cfg.get("router_url")):
+  if cfg.backend not in BACKENDS:
+    raise ValueError(f"rollout.backend must be embedded or sglang, got {cfg.backend!r}")
+  if cfg.backend == "sglang" and not (cfg.urls or cfg.launch or cfg.router_url):
     raise ValueError(
       "rollout.backend=sglang needs rollout.urls (running servers), "
-      "rollout.launch (a command that starts one, given --port) or "
-      "rollout.router_url (a running SGLang router)"
+      "rollout.launch (a command that starts one, given --port; "
+      f"{OWN_SERVER!r} starts fluxjax's own) or rollout.router_url (a running SGLang router)"
     )
-  if cfg.get("router_url") and cfg.get("router_launch"):
+  if cfg.router_url and cfg.router_launch:
     raise ValueError("give rollout.router_url (a running router) or router_launch, not both")
 
 
 def server_command(config) -> list[str]:
   """`python -m fluxjax.rollout.server` serving a run config's model.
 
-  The same preset, seed, slots, context and vision pixel limits as the run
-  (the trainer and the server must preprocess media alike: the prompt's pad
-  counts come from it); `launch_servers` adds --host and --port. For
-  `rollout.launch` when no SGLang is at hand.
+  The same preset, compute dtype, seed, slots, context and vision
+  preprocessing limits as the run (the trainer and the server must
+  preprocess media alike: the prompt's pad counts come from it);
+  `launch_servers` adds --host and --port. For `rollout.launch` when no
+  SGLang is at hand.
   """
-  v = config.data.vision
   cmd = ["python", "-m", "fluxjax.rollout.server"]
-  cmd += ["--preset", str(config.model.preset), "--seed", str(config.seed)]
-  cmd += ["--num-slots", str(config.rollout.num_slots)]
+  cmd += ["--preset", str(config.model.preset), "--dtype", str(config.model.dtype)]
+  cmd += ["--seed", str(config.seed), "--num-slots", str(config.rollout.num_slots)]
   cmd += ["--context-length", str(config.rollout.context_length)]
-  for key in ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels"):
-    cmd += [f"--{key.replace('_', '-')}", str(v[key])]
+  for key, value in config.data.vision.items():
+    cmd += [f"--{key.replace('_', '-')}", str(value)]
   return cmd
+
+
+def launch_command(config) -> list[str]:
+  """The server command `rollout.launch` names: `server_command` for
+  `OWN_SERVER`, else the command as given."""
+  launch = tuple(config.rollout.launch)
+  return server_command(config) if launch == OWN_SERVER else list(launch)
 
 
 def make_backend(
   cfg,
   *,
+  launch: list[str] | None = None,
   model: vlm.Qwen25VL | None = None,
   tokenizer: Tokenizer | None = None,
   seed: int = 0,
@@ -74,6 +86,8 @@ def make_backend(
     cfg: the `rollout` section (backend, num_slots, context_length, urls,
       launch, num_servers, launch_timeout_s, health_interval_s, router_url,
       router_launch).
+    launch: the fleet's server command when it has no urls (`launch_command`
+      of the run config); None = `cfg.launch` as given.
     model, tokenizer: what the embedded backend serves (the trainer's).
     seed: the embedded engine's sampling seed.
     proc_cfg: the embedded engine's vision processing; must equal the
@@ -86,37 +100,36 @@ def make_backend(
     (to stop after the backend closes), or None.
   """
   check_config(cfg)
-  if cfg.get("backend", "embedded") == "embedded":
+  if cfg.backend == "embedded":
     if model is None or tokenizer is None:
       raise ValueError("the embedded backend needs the model and tokenizer")
     return embedded.EmbeddedRollout(
       model,
       tokenizer,
-      num_slots=cfg.get("num_slots", 8),
-      context_length=cfg.get("context_length", 512),
+      num_slots=cfg.num_slots,
+      context_length=cfg.context_length,
       seed=seed,
       proc_cfg=proc_cfg,
       limits=limits,
     ), None
-  health_s = float(cfg.get("health_interval_s", 2.0))
-  router_url = cfg.get("router_url") or ""
-  if router_url:
+  health_s = float(cfg.health_interval_s)
+  if cfg.router_url:
     return router.RoutedFleet(
-      router_url, health_interval_s=health_s, weights_root=weights_root
+      cfg.router_url, health_interval_s=health_s, weights_root=weights_root
     ), None
-  urls = list(cfg.get("urls") or [])
+  urls = list(cfg.urls)
   launched = None
   if not urls:
     launched = fleet.launch_servers(
-      list(cfg.get("launch")),
-      int(cfg.get("num_servers", 1)),
-      timeout_s=float(cfg.get("launch_timeout_s", 600)),
+      list(cfg.launch) if launch is None else launch,
+      int(cfg.num_servers),
+      timeout_s=float(cfg.launch_timeout_s),
     )
     urls = launched.urls
-  if not cfg.get("router_launch"):
+  if not cfg.router_launch:
     return fleet.Fleet(urls, health_interval_s=health_s, weights_root=weights_root), launched
   try:
-    routed = router.launch_router(list(cfg.get("router_launch")), urls)
+    routed = router.launch_router(list(cfg.router_launch), urls)
   except BaseException:
     if launched is not None:
       launched.stop()

@@ -49,6 +49,15 @@ def _truncate(scaled_SV, top_p_S, top_k_S):
   return jnp.where(scaled_SV >= threshold_S[:, None], scaled_SV, _NEG_INF)
 
 
+def finite_rows(logits_SV: jax.Array) -> jax.Array:
+  """bool [S]: whether every logit of each slot is finite.
+
+  The engine samples from no other row: softmax over a NaN or an infinity is
+  NaN, and argmax picks an arbitrary token from it.
+  """
+  return jnp.isfinite(logits_SV).all(axis=-1)
+
+
 def apply_logit_bias(logits_SV: jax.Array, bias_ids_SK: jax.Array, bias_SK: jax.Array):
   """Adds each slot's (id, bias) pairs to its logits (bias 0 pairs are no-ops)."""
   rows_S1 = jnp.arange(logits_SV.shape[0])[:, None]

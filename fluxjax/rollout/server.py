@@ -75,13 +75,9 @@ class RolloutServer:
     self._unpaused = asyncio.Event()
     self._unpaused.set()
     self._unknown_logged: set[str] = set()
-    pixels = {
-      k: getattr(args, k)
-      for k in ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels")
-      if getattr(args, k) is not None
-    }
+    limits = {k: getattr(args, k) for k in VISION_LIMITS if getattr(args, k) is not None}
     # The trainer must preprocess with the same limits (pad counts must agree).
-    self.proc_cfg = processor.VisionProcessorConfig(**pixels)
+    self.proc_cfg = processor.VisionProcessorConfig(**limits)
     self.openapi_spec = openapi.build_spec(VERSION)
     self.app = web.Application(
       client_max_size=args.max_request_bytes, middlewares=[self._errors_as_json]
@@ -220,6 +216,11 @@ class RolloutServer:
     body = await self._json_body(request)
     reqs, batched = protocol.parse_generate(body)
     self._log_unknown(body)
+    for req in reqs:  # given ids (vision pads included) are refused before any media decode
+      if req.input_ids is not None:
+        protocol.check_context_length(
+          len(req.input_ids), req.requested_max_new_tokens, engine.capacity
+        )
     seqs = [await loop.run_in_executor(None, self._build_sequence, req, engine) for req in reqs]
     for req, seq in zip(reqs, seqs):
       protocol.check_context_length(len(seq), req.requested_max_new_tokens, engine.capacity)
@@ -439,6 +440,16 @@ def _text_sequence(ids, cfg):
   return inputs.sequence_from_tokens(ids, [], cfg)
 
 
+# The VisionProcessorConfig fields a flag sets (a run's data.vision section).
+VISION_LIMITS = (
+  "image_min_pixels",
+  "image_max_pixels",
+  "video_min_pixels",
+  "video_max_pixels",
+  "video_max_frames",
+)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--model-path", default=None, help="HF checkpoint folder")
@@ -489,12 +500,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     "longer than the 15 s a client such as aiohttp keeps an idle connection)",
   )
   p.add_argument("--log-level", default="warning")
-  for name in ("image-min-pixels", "image-max-pixels", "video-min-pixels", "video-max-pixels"):
+  for key in VISION_LIMITS:
     p.add_argument(
-      f"--{name}",
+      f"--{key.replace('_', '-')}",
       type=int,
       default=None,
-      help="vision resize limit (default: processor.VisionProcessorConfig's)",
+      help="vision preprocessing limit (default: processor.VisionProcessorConfig's)",
     )
   return p.parse_args(argv)
 

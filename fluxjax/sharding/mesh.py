@@ -95,16 +95,11 @@ def distributed_arguments(
   """
   if cfg is None:
     return None
-  address = cfg.get("coordinator_address") or None
-  if not (
-    address
-    or environ.get("JAX_COORDINATOR_ADDRESS")
-    or (cfg.get("auto", False) and cluster_job(environ))
-  ):
+  address = cfg.coordinator_address or None
+  if not (address or environ.get("JAX_COORDINATOR_ADDRESS") or (cfg.auto and cluster_job(environ))):
     return None
-  num_processes = cfg.get("num_processes", -1)
-  process_id = cfg.get("process_id", -1)
-  device_ids = cfg.get("local_device_ids", "")
+  num_processes, process_id = cfg.num_processes, cfg.process_id
+  device_ids = cfg.local_device_ids
   return {
     "coordinator_address": address,
     "num_processes": None if num_processes == -1 else num_processes,

@@ -1,0 +1,297 @@
+"""Non-finite numbers anywhere stop the run cleanly, naming the step that made them.
+
+* the train step refuses an update whose result is non-finite (a finite
+  gradient times a huge learning rate) exactly as one with a non-finite
+  gradient: state bitwise unchanged, sharded or not;
+* finite but huge weights (1e8) give NaN logits: the coordinator's probe
+  refuses to publish them, naming the RL step;
+* the engine samples nothing from non-finite logits and says so, and a
+  response whose logprobs are null or absent is an error naming why;
+* the main job at lr 1e8 stops with an error naming the step, before that
+  step's weights are published or checkpointed.
+"""
+
+import asyncio
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from fluxjax.models import config, inputs, vlm
+from fluxjax.models.tokenizer import Tokenizer
+from fluxjax.parallel import train_step
+from fluxjax.rl import coordinator as coordinator_lib
+from fluxjax.rl import loop, metrics, rewards, trajectories
+from fluxjax.rollout import backend as backend_lib
+from fluxjax.rollout import embedded, protocol
+from fluxjax.rollout import engine as engine_lib
+from fluxjax.rollout.publish import PublishReport
+from helpers import completion, make_strategy, tiny_run_config
+
+
+def _flat(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_an_update_that_makes_parameters_nonfinite_is_refused_under_sharding(devices):
+  mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
+  shard = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+  params = {"w": jax.device_put(jnp.ones((8, 4), jnp.float32), shard)}
+  grads = {"w": jax.device_put(jnp.full((8, 4), 10.0, jnp.float32), shard)}
+  sums = {"tokens": jnp.float32(4.0)}
+
+  def update(lr):
+    tx = optax.sgd(lr, momentum=0.9)
+    state = train_step.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+    step = jax.jit(lambda s, g: train_step.apply_update(tx, s, jnp.float32(0.5), g, sums))
+    return state, *step(state, grads)
+
+  # A finite step applies.
+  state, new, m = update(1e-3)
+  assert float(m["nonfinite"]) == 0.0 and int(new.step) == 1
+  np.testing.assert_allclose(np.asarray(new.params["w"]), 1.0 - 1e-2)
+  # 1 - 1e38 * 10 overflows to -inf though the loss and gradient are finite.
+  state, new, m = update(1e38)
+  assert np.isfinite(float(m["loss"])) and np.isfinite(float(m["grad_norm"]))
+  assert float(m["nonfinite"]) == 1.0 and float(m["nonfinite_state"]) == 1.0
+  before, after = _flat(state), _flat(new)
+  assert len(after) == len(before)
+  assert all(np.array_equal(a, b) for a, b in zip(after, before))
+  assert new.params["w"].sharding.is_equivalent_to(shard, 2)
+  # The host's guard names the cause.
+  guard = train_step.NonFiniteGuard(1)
+  with pytest.raises(train_step.NonFiniteError, match="made a parameter or optimizer moment"):
+    guard.observe(3, jax.device_get(m))
+
+
+@pytest.fixture(scope="module")
+def model():
+  return vlm.create_model(config.preset("tiny"), seed=0)
+
+
+def _huge(model):
+  """The model after one Adam step at lr 1e8: every weight about +-1e8, all finite."""
+  graphdef, state = nnx.split(model)
+  rng = np.random.default_rng(0)
+  state = jax.tree.map(lambda x: x + 1e8 * np.sign(rng.standard_normal(x.shape)), state)
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
+  return nnx.merge(graphdef, state)
+
+
+def test_finite_but_huge_weights_give_nonfinite_logits_and_the_probe_sees_it(model):
+  row = train_step.probe_row(model.cfg)
+  for m, finite in ((model, True), (_huge(model), False)):
+    graphdef, params = nnx.split(m, nnx.Param)
+    assert train_step.logits_finite(graphdef, params, row) is finite
+
+
+def _seq(cfg, n=6):
+  return inputs.sequence_from_tokens(np.arange(5, 5 + n), [], cfg)
+
+
+def test_the_engine_refuses_nonfinite_logits(model):
+  tok = Tokenizer.default()
+  # One slot: every request below runs in it, after the refused ones.
+  eng = engine_lib.Engine(model, tok, num_slots=1, capacity=64, prefill_buckets=(16, 64))
+  sp = protocol.SamplingParams.from_dict(
+    {"max_new_tokens": 20, "temperature": 1.0, "ignore_eos": True}
+  )
+  nan = jax.tree.map(lambda x: np.full(x.shape, np.nan, x.dtype), nnx.split(model)[1])
+
+  # NaN weights swapped in mid-request: the tokens before stay, the next is
+  # refused (at position 18, past the prompt's prefill bucket of 16).
+  def swap_after_twelve(req):
+    if len(req.output_ids) == 12 and req.finish_reason is None:
+      eng.update_params(nan, "v-nan")
+
+  req = engine_lib.EngineRequest("r-decode", _seq(model.cfg), sp, on_event=swap_after_twelve)
+  with pytest.raises(engine_lib.NonFiniteLogits, match="weight version v-nan") as refused:
+    eng.generate([req])
+  assert refused.value.rid == "r-decode" and refused.value.token == 12
+  assert len(req.output_ids) == 12 and np.isfinite(req.output_logprobs).all()
+  body = engine_lib.response(req, tok, eng.weight_version)
+  assert body["meta_info"]["finish_reason"]["type"] == "abort"
+  assert "non-finite logits" in body["meta_info"]["finish_reason"]["message"]
+  assert engine_lib.nonfinite_logits_version(RuntimeError(str(body))) == "v-nan"
+  # Finite weights of 1e8: the prompt's padded prefill gives NaN logits, refused.
+  eng.update_params(nnx.split(_huge(model))[1], "v-huge")
+  with pytest.raises(engine_lib.NonFiniteLogits, match="'r-prefill' \\(output token 0\\)"):
+    eng.generate([engine_lib.EngineRequest("r-prefill", _seq(model.cfg), sp)])
+  # Good weights again: the slot serves in full (no NaN left in its cache).
+  eng.update_params(nnx.split(model)[1], "v-good")
+  (ok,) = eng.generate([engine_lib.EngineRequest("r-ok", _seq(model.cfg), sp)])
+  assert ok.error is None and len(ok.output_ids) == 20
+
+
+def test_the_embedded_backend_raises_the_refusal(model):
+  tok = Tokenizer.default()
+  rollout = embedded.EmbeddedRollout(_huge(model), tok, num_slots=2, context_length=64)
+  rollout.engine.weight_version = "7"
+  body = {
+    "rid": "r1",
+    "input_ids": [5, 6, 7, 8],
+    "sampling_params": {"max_new_tokens": 4},
+    "return_logprob": True,
+  }
+  try:
+    with pytest.raises(engine_lib.NonFiniteLogits, match="weight version 7") as refused:
+      asyncio.run(rollout.generate(body))
+  finally:
+    asyncio.run(rollout.close())
+  try:
+    raise RuntimeError("rollout round failed") from refused.value
+  except RuntimeError as chained:
+    assert engine_lib.nonfinite_logits_version(chained) == "7"
+  assert engine_lib.nonfinite_logits_version(RuntimeError("an unrelated failure")) is None
+
+
+def test_a_response_without_logprobs_names_why():
+  prompt = inputs.sequence_from_tokens([5, 6], [], config.preset("tiny"))
+
+  def error(c):
+    with pytest.raises(trajectories.MissingLogprobs) as e:
+      trajectories.group_sequences(trajectories.Group("s", prompt, [c], [1.0]))
+    return e.value
+
+  nulls = error(completion([1, 2, 3], [-1.0, None, None], version="5"))
+  assert nulls.nonfinite and nulls.versions == ["5"]
+  assert "2 of its 3 tokens (first at token 1)" in str(nulls)
+  assert "weight version(s) 5" in str(nulls) and "non-finite logits" in str(nulls)
+  absent = error(completion([1, 2], []))
+  assert not absent.nonfinite and "return_logprob" in str(absent)
+  short = error(completion([1, 2], [-1.0]))
+  assert not short.nonfinite and "1 for 2 tokens" in str(short)
+
+
+class _Backend:
+  """Records the versions published to it; answers nothing."""
+
+  def __init__(self):
+    self.published: list[int] = []
+
+  async def start(self):
+    pass
+
+  async def close(self):
+    pass
+
+  async def __aenter__(self):
+    return self
+
+  async def __aexit__(self, *exc):
+    pass
+
+  async def generate(self, body, group=None):
+    raise AssertionError("nothing is generated here")
+
+  async def abort(self, rid):
+    pass
+
+  async def publish(self, model, version):
+    self.published.append(version)
+    return PublishReport(str(version), None, {}, [])
+
+  def metrics(self):
+    return {}
+
+  def slot_stats(self):
+    return None
+
+
+class _Policy:
+  """What publishing reads of the policy worker: its graph and staged weights."""
+
+  def __init__(self, model):
+    self.cfg = model.cfg
+    self.graphdef, self.params = nnx.split(model, nnx.Param)
+    self.strategy = make_strategy("packed_dp", capacity=256)
+
+  def stage(self):
+    return self.params
+
+
+class _NoData:
+  store = pool = None
+
+  def next_batch(self):
+    return []
+
+  def release(self, samples):
+    pass
+
+  def get_state(self):
+    return {}
+
+  def set_state(self, state):
+    pass
+
+
+def test_the_coordinator_publishes_no_nonfinite_policy_and_names_its_step(model):
+  cfg = tiny_run_config(8)
+  policy = _Policy(model)
+  backend = _Backend()
+  with (
+    backend_lib.LoopThread() as thread,
+    thread.running(backend),
+    rewards.RewardScheduler(1, "constant") as scheduler,
+    coordinator_lib.Coordinator(
+      cfg, Tokenizer.default(), policy, _NoData(), backend, scheduler, thread=thread
+    ) as c,
+  ):
+    c.restore({"version": 3, "steps": 4}, {})
+    c.publish(new_version=False)
+    assert backend.published == [3]
+    # A response sampled by version 3 with null logprobs: the error names step 4.
+    group = trajectories.Group(
+      "s", _seq(model.cfg, 2), [completion([1, 2], [None, -1.0], version="3")], [1.0]
+    )
+    with pytest.raises(train_step.NonFiniteError, match="RL step 4 made the policy non-finite"):
+      c.sequences([group])
+    # Weights with NaN logits are not published; the version stays.
+    policy.params = nnx.split(_huge(model), nnx.Param)[1]
+    with pytest.raises(train_step.NonFiniteError, match="RL step 4 made the policy non-finite"):
+      c.publish()
+    assert backend.published == [3] and c.version == 3
+
+
+@pytest.mark.slow
+def test_a_huge_learning_rate_stops_the_run_at_the_step_that_broke_the_policy(
+  tmp_path, monkeypatch
+):
+  """The main job at lr 1e8, max_grad_norm 1e30: the first update with a
+  gradient leaves weights of about 1e8, finite, whose logits are NaN. The run
+  stops in that step with an error naming it; its weights reach neither the
+  engine nor a checkpoint."""
+  published = []
+  publish = embedded.EmbeddedRollout.publish
+
+  async def recording_publish(self, model, version):
+    published.append(version)
+    return await publish(self, model, version)
+
+  monkeypatch.setattr(embedded.EmbeddedRollout, "publish", recording_publish)
+  c = tiny_run_config(8)
+  c.optim.lr, c.optim.max_grad_norm = 1e8, 1e30
+  c.eval.every, c.eval.greedy = 0, False
+  c.rl.prompts_per_step, c.rl.responses_per_prompt = 2, 4
+  c.data.synth_train = 16
+  c.rl.reward.fn = "fault_rewards:signal_unless_numeric"  # a gradient without SFT
+  workdir = str(tmp_path / "run")
+  with pytest.raises(train_step.NonFiniteError, match=r"RL step (\d+) made the policy") as e:
+    loop.run(c, workdir)
+  bad = int(re.search(r"RL step (\d+)", str(e.value)).group(1))
+  assert "was not published" in str(e.value)
+  # Steps before it completed (checkpoint.every = 1, the last 3 kept); nothing
+  # of it or later was recorded or checkpointed.
+  records = [json.loads(line) for line in open(os.path.join(workdir, metrics.JSONL))]
+  assert max(r["step"] for r in records) == bad - 1
+  steps = {int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit()}
+  assert steps == set(range(max(1, bad - 3), bad))
+  # Version 0 at the start and one per earlier step (each with finite logits).
+  assert published == list(range(bad))

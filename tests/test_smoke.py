@@ -1,0 +1,104 @@
+"""The `smoke` modifier of configs/vlm.py: every variant's settings, the run's sizes cut.
+
+Fast: each variant's smoke config differs from the variant only in the size
+fields the modifier names, validates on the 8-device test mesh, and a fleet
+variant launches fluxjax's own server with the run's model and limits. Slow:
+`python -m fluxjax.train --config=configs/vlm.py:tiny,smoke` end to end, as a
+user runs it, ending with its summary.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fluxjax import config_args
+from fluxjax.models import config as model_config
+from fluxjax.rl import config_rules, loop
+from fluxjax.rollout import factory, server
+from helpers import server_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = ("tiny", "qwen25_vl_3b", "qwen25_vl_7b", "qwen25_vl_32b")
+# What the modifier may change: the run's sizes (configs/vlm.py `_smoke`).
+SIZES = {
+  "model.preset",
+  "total_steps",
+  "optim.total_steps",
+  "rl.prompts_per_step",
+  "data.synth_train",
+  "data.synth_eval",
+  "eval.prompts",
+  "sft.steps",
+  "sft.eval_every",
+  "sharding.capacity",
+  "sharding.patch_capacity",
+  "rollout.launch",
+  "data.vision.image_min_pixels",
+  "data.vision.image_max_pixels",
+  "data.vision.video_min_pixels",
+  "data.vision.video_max_pixels",
+  "data.vision.video_max_frames",
+}
+
+
+def _flat(d, prefix=""):
+  out = {}
+  for key, value in d.items():
+    name = f"{prefix}{key}"
+    if hasattr(value, "items"):
+      out.update(_flat(value, name + "."))
+    else:
+      out[name] = value
+  return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_smoke_keeps_every_setting_but_the_sizes(variant, devices):
+  full = _flat(config_args.load_config(arg=variant).to_dict())
+  smoke_cfg = config_args.load_config(arg=f"{variant},smoke")
+  smoke = _flat(smoke_cfg.to_dict())
+  assert full.keys() == smoke.keys()
+  changed = {k for k in full if full[k] != smoke[k]}
+  assert changed <= SIZES, changed - SIZES
+  assert smoke_cfg.total_steps == 2
+  cfg, strategy, _ = loop.validate(smoke_cfg)
+  # The model keeps the variant's heads (the sequence-parallel degrees follow).
+  want = model_config.preset(config_args.load_config(arg=variant).model.preset).text
+  assert (cfg.text.num_heads, cfg.text.num_kv_heads) == (want.num_heads, want.num_kv_heads)
+  assert config_rules.prompt_budget(smoke_cfg, strategy) > 0
+  if smoke_cfg.rollout.backend == "sglang":
+    assert tuple(smoke_cfg.rollout.launch) == factory.OWN_SERVER
+    cmd = factory.launch_command(smoke_cfg)
+    args = server.parse_args(cmd[3:])
+    assert args.preset == smoke_cfg.model.preset and args.dtype == smoke_cfg.model.dtype
+    assert args.context_length == smoke_cfg.rollout.context_length
+    assert {k: getattr(args, k) for k in server.VISION_LIMITS} == smoke_cfg.data.vision.to_dict()
+
+
+@pytest.mark.slow
+def test_the_tiny_smoke_run_from_the_command_line(tmp_path):
+  """The README's user: the CLI on one plain CPU device, SFT warm-up, 2 RL
+  steps, evaluation at the start and the end, the summary."""
+  workdir = tmp_path / "run"
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "fluxjax.train",
+      "--config=configs/vlm.py:tiny,smoke",
+      f"--workdir={workdir}",
+    ],
+    cwd=ROOT,
+    env=server_env(),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert out.returncode == 0, out.stderr[-4000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["last_step"] == 2 and summary["faults"] == {}
+  assert summary["start"]["step"] == 0 and summary["end"]["step"] == 2
+  assert "run summary" in out.stderr and "python -m fluxjax.plot" in out.stderr

@@ -516,10 +516,27 @@ class Coordinator:
     """
     ev = self._config.eval
     score = rewards.get("accuracy")
+    samples, skipped = self._within_budget(samples)
+    sampled = self.sample(samples, int(ev.samples_per_prompt))
+    scores = [[score(c.text, s.answer or "") for c in cs] for s, cs in zip(samples, sampled)]
+    greedy = None
+    if ev.greedy:
+      firsts = self.sample(samples, 1, greedy=True)
+      greedy = [score(cs[0].text, s.answer or "") for s, cs in zip(samples, firsts)]
+    log.debug("eval: %s", [(cs[0].text[:40], s.answer) for s, cs in zip(samples[:3], sampled)])
+    out = evaluation.summarize(
+      scores, [s.difficulty for s in samples], greedy, [s.task for s in samples]
+    )
+    out["eval/skipped_too_long"] = float(skipped)
+    return out
+
+  def _within_budget(self, samples):
+    """(the held-out samples whose prompts fit the prompt budget, how many did
+    not); the backend would refuse those, as in training."""
     budget = config_rules.prompt_budget(self._config, self.strategy)
     fits = [s for s in samples if len(self.prompt(s)) <= budget]
     skipped = len(samples) - len(fits)
-    if skipped:  # the backend would refuse them, as in training
+    if skipped:
       log.warning(
         "evaluation skips %d of %d held-out prompts longer than %d tokens "
         "(config_rules.prompt_budget)",
@@ -534,19 +551,7 @@ class Coordinator:
         "config_rules.prompt_budget); raise --config.rollout.context_length or "
         "--config.sharding.capacity, or use shorter evaluation data"
       )
-    samples = fits
-    sampled = self.sample(samples, int(ev.samples_per_prompt))
-    scores = [[score(c.text, s.answer or "") for c in cs] for s, cs in zip(samples, sampled)]
-    greedy = None
-    if ev.greedy:
-      firsts = self.sample(samples, 1, greedy=True)
-      greedy = [score(cs[0].text, s.answer or "") for s, cs in zip(samples, firsts)]
-    log.debug("eval: %s", [(cs[0].text[:40], s.answer) for s, cs in zip(samples[:3], sampled)])
-    out = evaluation.summarize(
-      scores, [s.difficulty for s in samples], greedy, [s.task for s in samples]
-    )
-    out["eval/skipped_too_long"] = float(skipped)
-    return out
+    return fits, skipped
 
   # -- checkpointed state ----------------------------------------------------
   def get_state(self) -> tuple[dict, dict]:

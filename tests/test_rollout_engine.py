@@ -307,6 +307,40 @@ def test_logit_bias_bans_and_forces_tokens(model, engine):
       params(logit_bias=bad)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_cache_keeps_each_write_exactly_and_writes_in_place(dtype):
+  """Tokens and prompts written to the cache read back as the values cast to
+  the compute dtype, other entries untouched; a bf16 decode step compiles
+  with no conversion of the whole cache (XLA:CPU's bf16 writes made one per
+  layer and step)."""
+  import jax
+  import jax.numpy as jnp
+
+  from fluxjax.models import decode
+
+  m = vlm.create_model(config.preset("tiny", dtype=dtype), seed=0)
+  cache = decode.init_cache(m, 3, 32)
+  rng = np.random.default_rng(0)
+  k_SKH, v_SKH = (jnp.asarray(rng.normal(size=(3, 2, 16)), jnp.float32) for _ in range(2))
+  lengths_S = jnp.asarray([0, 5, 31])
+  cache = cache.write_tokens(1, lengths_S, k_SKH, v_SKH)
+  k_1PKH = jnp.asarray(rng.normal(size=(1, 4, 2, 16)), jnp.float32)
+  cache = cache.write_prompt(0, 2, k_1PKH, k_1PKH)
+  keys, values = cache.keys(1, 32), cache.values(1, 32)
+  assert keys.dtype == jnp.dtype(dtype)
+  for s, n in enumerate([0, 5, 31]):
+    np.testing.assert_array_equal(keys[s, n], k_SKH[s].astype(dtype))
+    np.testing.assert_array_equal(values[s, n], v_SKH[s].astype(dtype))
+  assert int((keys != 0).any(axis=(2, 3)).sum()) == 3  # nothing else written in layer 1
+  np.testing.assert_array_equal(cache.keys(0, 32)[2, :4], k_1PKH[0].astype(dtype))
+  assert not bool(cache.keys(0, 32)[:2].any())
+
+  step = jax.jit(decode.decode_step, static_argnames="window", donate_argnums=1)
+  hlo = step.lower(m, cache, lengths_S, lengths_S, lengths_S, window=16).compile().as_text()
+  whole = ",".join(map(str, decode.cache_shape(m, 3, 32)))
+  assert not [line for line in hlo.splitlines() if f"f32[{whole}]" in line]
+
+
 def test_a_decode_window_reads_only_what_it_must(model):
   """decode_step over the first `window` cache entries equals the step over
   the whole capacity while every slot's length is inside the window, and
@@ -318,8 +352,8 @@ def test_a_decode_window_reads_only_what_it_must(model):
 
   cache = decode.init_cache(model, 3, 64)
   rng = np.random.default_rng(0)
-  cache = decode.KVCache(
-    *(jnp.asarray(rng.normal(size=a.shape), a.dtype) for a in (cache.k_LSCKH, cache.v_LSCKH))
+  cache = decode.KVCache.from_values(
+    *(jnp.asarray(rng.normal(size=a.shape), cache.dtype) for a in (cache.k_LSCKH, cache.v_LSCKH))
   )
   tokens_S = jnp.asarray([5, 9, 11], jnp.int32)
   lengths_S = jnp.asarray([3, 15, 0], jnp.int32)

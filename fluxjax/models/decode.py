@@ -32,14 +32,28 @@ from fluxjax.models import attention as attn_lib
 from fluxjax.models import layers, text, vlm
 from fluxjax.models.vision import VisionInputs
 
+_UINT_OF_WIDTH = {2: jnp.uint16, 4: jnp.uint32}
 
-@jax.tree_util.register_dataclass
+
 @dataclasses.dataclass
 class KVCache:
-  """Keys and values of every slot, all layers stacked: [L, S, C, K, H]."""
+  """Keys and values of every slot, all layers stacked: [L, S, C, K, H].
+
+  The arrays hold the bits of `dtype` (an unsigned integer of its width);
+  `keys`/`values` view what a step reads as `dtype`. XLA:CPU has no bf16
+  scatter or dynamic-update-slice: on a bf16 array it converts the whole
+  cache to f32 and back around every write, each layer of each decode step
+  (9x the step time at 8k tokens x 32 slots). On the bits, writes are in
+  place on every backend.
+  """
 
   k_LSCKH: jax.Array
   v_LSCKH: jax.Array
+  dtype: jnp.dtype
+
+  @classmethod
+  def from_values(cls, k_LSCKH: jax.Array, v_LSCKH: jax.Array) -> KVCache:
+    return cls(_bits(k_LSCKH), _bits(v_LSCKH), k_LSCKH.dtype)
 
   @property
   def num_slots(self) -> int:
@@ -48,6 +62,35 @@ class KVCache:
   @property
   def capacity(self) -> int:
     return self.k_LSCKH.shape[2]
+
+  def keys(self, layer: jax.Array, window: int) -> jax.Array:
+    """[S, window, K, H] keys of `layer`."""
+    return jax.lax.bitcast_convert_type(self.k_LSCKH[layer, :, :window], self.dtype)
+
+  def values(self, layer: jax.Array, window: int) -> jax.Array:
+    """[S, window, K, H] values of `layer`."""
+    return jax.lax.bitcast_convert_type(self.v_LSCKH[layer, :, :window], self.dtype)
+
+  def write_tokens(self, layer, lengths_S, k_SKH, v_SKH) -> KVCache:
+    """One key/value per slot, at index lengths_S[s] of slot s."""
+    index = (layer, jnp.arange(self.num_slots), lengths_S)
+    k = self.k_LSCKH.at[index].set(_bits(k_SKH.astype(self.dtype)))
+    v = self.v_LSCKH.at[index].set(_bits(v_SKH.astype(self.dtype)))
+    return KVCache(k, v, self.dtype)
+
+  def write_prompt(self, layer, slot, k_1PKH, v_1PKH) -> KVCache:
+    """A prompt's keys/values into `slot` from index 0."""
+    start = (layer, slot, 0, 0, 0)
+    k = jax.lax.dynamic_update_slice(self.k_LSCKH, _bits(k_1PKH.astype(self.dtype))[None], start)
+    v = jax.lax.dynamic_update_slice(self.v_LSCKH, _bits(v_1PKH.astype(self.dtype))[None], start)
+    return KVCache(k, v, self.dtype)
+
+
+jax.tree_util.register_dataclass(KVCache, data_fields=["k_LSCKH", "v_LSCKH"], meta_fields=["dtype"])
+
+
+def _bits(x: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x, _UINT_OF_WIDTH[x.dtype.itemsize])
 
 
 def cache_shape(model: vlm.Qwen25VL, num_slots: int, capacity: int) -> tuple[int, ...]:
@@ -60,9 +103,9 @@ def init_cache(
 ) -> KVCache:
   """An empty cache in the model's compute dtype, placed by `sharding` if given."""
   shape = cache_shape(model, num_slots, capacity)
-  return KVCache(
-    jnp.zeros(shape, model.dtype, device=sharding), jnp.zeros(shape, model.dtype, device=sharding)
-  )
+  bits = _UINT_OF_WIDTH[jnp.dtype(model.dtype).itemsize]
+  k, v = (jnp.zeros(shape, bits, device=sharding) for _ in range(2))
+  return KVCache(k, v, jnp.dtype(model.dtype))
 
 
 def _scan_decoder(model: vlm.Qwen25VL, carry, body):
@@ -128,7 +171,7 @@ def prefill(
   backend = model.cfg.attention_backend
 
   def body(layer, i, carry):
-    x, k_cache, v_cache = carry
+    x, cache = carry
     q, k, v = _qkv(layer, layer.input_layernorm(x), cos, sin)
     out = attn_lib.attention(
       q,
@@ -143,15 +186,12 @@ def prefill(
     )
     x = x + layer.self_attn.o_proj(out)
     x = x + layer.mlp(layer.post_attention_layernorm(x))
-    start = (i, slot, 0, 0, 0)
-    k_cache = jax.lax.dynamic_update_slice(k_cache, k[None].astype(k_cache.dtype), start)
-    v_cache = jax.lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), start)
-    return x, k_cache, v_cache
+    return x, cache.write_prompt(i, slot, k, v)
 
-  x, k_cache, v_cache = _scan_decoder(model, (x, cache.k_LSCKH, cache.v_LSCKH), body)
+  x, cache = _scan_decoder(model, (x, cache), body)
   h = model.model.norm(x)[0]  # [P, D]
   last_1D = jax.lax.dynamic_slice_in_dim(h, length - 1, 1, axis=0)
-  return _head_logits(model, last_1D)[0], KVCache(k_cache, v_cache)
+  return _head_logits(model, last_1D)[0], cache
 
 
 def decode_step(
@@ -188,19 +228,17 @@ def decode_step(
   ones_SC = jnp.ones((s, c), jnp.int32)
   kv_pos_SC = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32)[None], (s, c))
   q_pos_S1 = lengths_S[:, None].astype(jnp.int32)
-  rows = jnp.arange(s)
 
   def body(layer, i, carry):
-    x, k_cache, v_cache = carry
+    x, cache = carry
     q, k, v = _qkv(layer, layer.input_layernorm(x), cos, sin)
-    k_cache = k_cache.at[i, rows, lengths_S].set(k[:, 0].astype(k_cache.dtype))
-    v_cache = v_cache.at[i, rows, lengths_S].set(v[:, 0].astype(v_cache.dtype))
+    cache = cache.write_tokens(i, lengths_S, k[:, 0], v[:, 0])
     # One query per slot: the reference attention is the right tool (a
     # flash kernel gains nothing at query length 1).
     out = attn_lib.xla_attention(
       q,
-      k_cache[i, :, :c],
-      v_cache[i, :, :c],
+      cache.keys(i, c),
+      cache.values(i, c),
       q_segment_ids=ones_S1,
       kv_segment_ids=ones_SC,
       q_positions=q_pos_S1,
@@ -209,8 +247,8 @@ def decode_step(
     )
     x = x + layer.self_attn.o_proj(out)
     x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return x, k_cache, v_cache
+    return x, cache
 
-  x, k_cache, v_cache = _scan_decoder(model, (x, cache.k_LSCKH, cache.v_LSCKH), body)
+  x, cache = _scan_decoder(model, (x, cache), body)
   h = model.model.norm(x)[:, 0]  # [S, D]
-  return _head_logits(model, h), KVCache(k_cache, v_cache)
+  return _head_logits(model, h), cache

@@ -400,7 +400,7 @@ def _smoke(c: ml_collections.ConfigDict) -> None:
   c.total_steps = 2
   c.rl.prompts_per_step = 4
   c.data.synth_train, c.data.synth_eval = 64, 8
-  c.eval.prompts = 8
+  c.eval.prompts = 4
   # Tokens per device: CPU attention is dense over a row (a 16k row's scores
   # alone take GBs); prompts are then bounded by the trainer's longest sequence.
   c.sharding.capacity = min(c.sharding.capacity, 2048)

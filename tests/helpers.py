@@ -146,11 +146,20 @@ def generate_body(ids, max_new: int = 4, seed: int | None = None) -> dict:
   return {"input_ids": [int(i) for i in ids], "sampling_params": sp, "return_logprob": True}
 
 
+def xla_flags(devices: int | None) -> str:
+  """The suite's XLA_FLAGS with `devices` fake CPU devices (None: the plain one)."""
+  flags = [f for f in os.environ["XLA_FLAGS"].split() if not f.startswith(_DEVICE_COUNT)]
+  return " ".join(flags + ([f"{_DEVICE_COUNT}={devices}"] if devices else []))
+
+
+_DEVICE_COUNT = "--xla_force_host_platform_device_count"
+
+
 def server_env() -> dict[str, str]:
   """Environment of a server subprocess: one plain CPU device, not the fake mesh."""
   env = dict(os.environ)
   env["JAX_PLATFORMS"] = "cpu"
-  env["XLA_FLAGS"] = ""
+  env["XLA_FLAGS"] = xla_flags(devices=None)
   env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
   return env
 

@@ -13,6 +13,7 @@ from fluxjax.models import config as config_lib
 from fluxjax.models import sharded, vlm
 from fluxjax.sharding import axes, rules
 from fluxjax.sharding import mesh as mesh_lib
+from helpers import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,7 +101,7 @@ def test_sharded_init_compiles_once_for_every_seed(devices):
 
 
 def _train(*overrides):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(devices=8), JAX_PLATFORMS="cpu")
   return subprocess.run(
     [sys.executable, "-m", "fluxjax.train", "--config=configs/vlm.py", *overrides],
     cwd=ROOT,

@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+from helpers import xla_flags
+
 nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")
 
@@ -43,7 +45,7 @@ def test_mesh_notebook_executes(tmp_path):
 def test_grpo_notebook_executes(tmp_path, monkeypatch):
   # Its kernel inherits this environment: the notebook's own 2-device mesh,
   # not the suite's 8 fake devices.
-  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+  monkeypatch.setenv("XLA_FLAGS", xla_flags(devices=2))
   # Every cell runs as written; the sizes are cut to a third (suite time).
   outputs = execute(
     "grpo.ipynb",

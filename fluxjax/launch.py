@@ -50,11 +50,19 @@ from collections.abc import Callable, Mapping, Sequence
 
 DISTRIBUTED_FLAG = "--config.distributed."
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
 # XLA:CPU sizes its thread pool to max(CPUs, devices); with several processes of
 # fake devices on a few cores a collective can wait forever for a thread. tsl
 # reads NPROC as the CPU count (docs/testing.md).
 CPU_THREADS = 24
 POLL_S = 0.2
+
+
+def with_cpu_devices(xla_flags: str, devices: int | None) -> str:
+  """`xla_flags` with `devices` fake CPU devices (None: the device count flag removed)."""
+  flags = [f for f in xla_flags.split() if not f.startswith(DEVICE_COUNT_FLAG)]
+  return " ".join(flags + ([f"{DEVICE_COUNT_FLAG}={devices}"] if devices else []))
 
 
 def _say(message: str) -> None:
@@ -84,8 +92,7 @@ def child_env(
   if cpu_devices > 0:
     env["JAX_PLATFORMS"] = "cpu"
     env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] = "gloo"
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
-    env["XLA_FLAGS"] = " ".join(flags + [f"{DEVICE_COUNT_FLAG}={cpu_devices}"])
+    env["XLA_FLAGS"] = with_cpu_devices(env.get("XLA_FLAGS", ""), cpu_devices)
     env.pop("JAX_NUM_CPU_DEVICES", None)  # it would override the XLA flag
     env.setdefault("NPROC", str(max(CPU_THREADS, 2 * cpu_devices)))
   if gpus_per_process > 0:

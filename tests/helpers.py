@@ -11,7 +11,9 @@ run_launcher, process_alive                 python -m fluxjax.launch, stopped
                                             with its processes on a timeout;
                                             whether a pid still runs;
 TokenRollout, decode                        a backend whose tokens are a
-    function of their position (partial rollouts).
+    function of their position (partial rollouts);
+PublishRecorder                             a backend that records what is
+                                            published to it, generates nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import sys
 
 import ml_collections
 
-from fluxjax import config_args
+from fluxjax import config_args, launch
 from fluxjax.data import pipeline, readers
 from fluxjax.models import config as config_lib
 from fluxjax.models import processor
@@ -34,6 +36,7 @@ from fluxjax.parallel.batch import TrainSequence
 from fluxjax.parallel.strategies import Strategy
 from fluxjax.rl import loop
 from fluxjax.rollout.client import Completion
+from fluxjax.rollout.publish import PublishReport
 
 TINY = config_lib.preset("tiny")
 PATCHES = 128  # patch buffer of the mixed batches below
@@ -148,11 +151,7 @@ def generate_body(ids, max_new: int = 4, seed: int | None = None) -> dict:
 
 def xla_flags(devices: int | None) -> str:
   """The suite's XLA_FLAGS with `devices` fake CPU devices (None: the plain one)."""
-  flags = [f for f in os.environ["XLA_FLAGS"].split() if not f.startswith(_DEVICE_COUNT)]
-  return " ".join(flags + ([f"{_DEVICE_COUNT}={devices}"] if devices else []))
-
-
-_DEVICE_COUNT = "--xla_force_host_platform_device_count"
+  return launch.with_cpu_devices(os.environ["XLA_FLAGS"], devices)
 
 
 def server_env() -> dict[str, str]:
@@ -213,6 +212,44 @@ def completion(ids: list[int], logprobs: list[float | None], version: str = "3")
 def decode(ids, skip_special_tokens=True):
   """A stand-in tokenizer's decode for the fake backends' ids."""
   return " ".join(map(str, ids))
+
+
+class PublishRecorder:
+  """A rollout backend that records each (model, version) published to it.
+
+  It generates nothing; a test that needs answers overrides `generate`.
+  """
+
+  def __init__(self):
+    self.published: list[tuple[object, int]] = []
+
+  async def start(self):
+    pass
+
+  async def close(self):
+    pass
+
+  async def __aenter__(self):
+    return self
+
+  async def __aexit__(self, *exc):
+    pass
+
+  async def generate(self, body, group=None):
+    raise AssertionError("nothing is generated here")
+
+  async def abort(self, rid):
+    pass
+
+  async def publish(self, model, version):
+    self.published.append((model, version))
+    return PublishReport(str(version), None, {"swap": 0.0}, [])
+
+  def metrics(self):
+    return {}
+
+  def slot_stats(self):
+    return None
 
 
 class TokenRollout:

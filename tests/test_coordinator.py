@@ -26,30 +26,18 @@ from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import loop, rewards, trajectories
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout.publish import PublishReport
-from helpers import completion
+from helpers import PublishRecorder, completion
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class _Backend:
-  """A rollout backend that records what it was handed."""
+class _Backend(PublishRecorder):
+  """A rollout backend that records what it was handed and answers evaluation."""
 
   def __init__(self):
-    self.published: list[tuple[object, int]] = []
+    super().__init__()
     self.requests: list[tuple[str, dict]] = []
     self.answers: dict[str, str] = {}
-
-  async def start(self):
-    pass
-
-  async def close(self):
-    pass
-
-  async def __aenter__(self):
-    return self
-
-  async def __aexit__(self, *exc):
-    pass
 
   async def generate(self, body, group=None):
     """Evaluation requests: greedy ones are right, the first sampled one per prompt too."""
@@ -62,18 +50,8 @@ class _Backend:
     text = f"<answer>{self.answers[group] if right else 'wrong'}</answer>"
     return dataclasses.replace(completion([1, 2], [-0.1, -0.2]), rid=body["rid"], text=text)
 
-  async def abort(self, rid):
-    pass
-
-  async def publish(self, model, version):
-    self.published.append((model, version))
-    return PublishReport(str(version), None, {"swap": 0.0}, [])
-
   def metrics(self):
     return {"fake/publishes": float(len(self.published))}
-
-  def slot_stats(self):
-    return None
 
 
 class _EmptyLoader:

@@ -31,8 +31,7 @@ from fluxjax.rl import loop, metrics, rewards, trajectories
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout import embedded, protocol
 from fluxjax.rollout import engine as engine_lib
-from fluxjax.rollout.publish import PublishReport
-from helpers import completion, make_strategy, tiny_run_config
+from helpers import PublishRecorder, completion, make_strategy, tiny_run_config
 
 
 def _flat(tree):
@@ -169,41 +168,6 @@ def test_a_response_without_logprobs_names_why():
   assert not short.nonfinite and "1 for 2 tokens" in str(short)
 
 
-class _Backend:
-  """Records the versions published to it; answers nothing."""
-
-  def __init__(self):
-    self.published: list[int] = []
-
-  async def start(self):
-    pass
-
-  async def close(self):
-    pass
-
-  async def __aenter__(self):
-    return self
-
-  async def __aexit__(self, *exc):
-    pass
-
-  async def generate(self, body, group=None):
-    raise AssertionError("nothing is generated here")
-
-  async def abort(self, rid):
-    pass
-
-  async def publish(self, model, version):
-    self.published.append(version)
-    return PublishReport(str(version), None, {}, [])
-
-  def metrics(self):
-    return {}
-
-  def slot_stats(self):
-    return None
-
-
 class _Policy:
   """What publishing reads of the policy worker: its graph and staged weights."""
 
@@ -235,7 +199,7 @@ class _NoData:
 def test_the_coordinator_publishes_no_nonfinite_policy_and_names_its_step(model):
   cfg = tiny_run_config(8)
   policy = _Policy(model)
-  backend = _Backend()
+  backend = PublishRecorder()
   with (
     backend_lib.LoopThread() as thread,
     thread.running(backend),
@@ -246,7 +210,7 @@ def test_the_coordinator_publishes_no_nonfinite_policy_and_names_its_step(model)
   ):
     c.restore({"version": 3, "steps": 4}, {})
     c.publish(new_version=False)
-    assert backend.published == [3]
+    assert [v for _, v in backend.published] == [3]
     # A response sampled by version 3 with null logprobs: the error names step 4.
     group = trajectories.Group(
       "s", _seq(model.cfg, 2), [completion([1, 2], [None, -1.0], version="3")], [1.0]
@@ -257,7 +221,7 @@ def test_the_coordinator_publishes_no_nonfinite_policy_and_names_its_step(model)
     policy.params = nnx.split(_huge(model), nnx.Param)[1]
     with pytest.raises(train_step.NonFiniteError, match="RL step 4 made the policy non-finite"):
       c.publish()
-    assert backend.published == [3] and c.version == 3
+    assert [v for _, v in backend.published] == [3] and c.version == 3
 
 
 @pytest.mark.slow

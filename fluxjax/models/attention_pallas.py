@@ -142,43 +142,17 @@ class _Static:
 # --- block tables (XLA side) -------------------------------------------------------
 
 
-def _block_ranges(seg_BT: jax.Array, pos_BT: jax.Array, block: int):
-  """Per block: (any real token, seg min, seg max, pos min, pos max), each [B, T/block].
-
-  Padding tokens (segment 0) are left out of every range.
-  """
-  b, t = seg_BT.shape
-  seg = seg_BT.reshape(b, t // block, block)
-  pos = pos_BT.reshape(b, t // block, block)
-  real = seg != 0
-  big = jnp.iinfo(jnp.int32).max
-  small = jnp.iinfo(jnp.int32).min
-  return (
-    real.any(-1),
-    jnp.where(real, seg, big).min(-1),
-    jnp.where(real, seg, small).max(-1),
-    jnp.where(real, pos, big).min(-1),
-    jnp.where(real, pos, small).max(-1),
-  )
-
-
 def _visit_table(rows, cols, causal: bool, rows_are_queries: bool) -> jax.Array:
   """int32 [B, R, 1 + C]: per row block, the count of column blocks that may hold a
   visible pair, then their indices (ascending), then the others.
 
-  `rows` / `cols` are `_block_ranges` of the blocks one program holds and of
+  `rows` / `cols` are `attention_xla.block_ranges` of the blocks one program holds and of
   the blocks it streams.
   """
-  r_any, r_smin, r_smax, r_pmin, r_pmax = (x[:, :, None] for x in rows)
-  c_any, c_smin, c_smax, c_pmin, c_pmax = (x[:, None, :] for x in cols)
-  visit = r_any & c_any & (r_smin <= c_smax) & (c_smin <= r_smax)
-  if causal:
-    # Some key position must be <= some query position. If the smallest key
-    # position exceeds the largest query position, no pair qualifies.
-    if rows_are_queries:
-      visit &= c_pmin <= r_pmax
-    else:
-      visit &= r_pmin <= c_pmax
+  r = tuple(x[:, :, None] for x in rows)
+  c = tuple(x[:, None, :] for x in cols)
+  may_see = attention_xla.blocks_may_see
+  visit = may_see(r, c, causal) if rows_are_queries else may_see(c, r, causal)
   count = visit.sum(-1, dtype=jnp.int32)
   order = jnp.argsort(~visit, axis=-1, stable=True).astype(jnp.int32)
   return jnp.concatenate([count[..., None], order], axis=-1)
@@ -375,8 +349,8 @@ def _forward(st: _Static, q, k, v, q_seg, k_seg, q_pos, k_pos):
   groups = n // kv_heads
   bq, bk = st.blocks.fwd_q, st.blocks.fwd_k
   table = _visit_table(
-    _block_ranges(q_seg, q_pos, bq),
-    _block_ranges(k_seg, k_pos, bk),
+    attention_xla.block_ranges(q_seg, q_pos, bq),
+    attention_xla.block_ranges(k_seg, k_pos, bk),
     st.causal,
     rows_are_queries=True,
   )
@@ -415,8 +389,8 @@ def _backward(st: _Static, q, k, v, out, lse, do, q_seg, k_seg, q_pos, k_pos):
 
   bq, bk = st.blocks.dq_q, st.blocks.dq_k
   table = _visit_table(
-    _block_ranges(q_seg, q_pos, bq),
-    _block_ranges(k_seg, k_pos, bk),
+    attention_xla.block_ranges(q_seg, q_pos, bq),
+    attention_xla.block_ranges(k_seg, k_pos, bk),
     st.causal,
     rows_are_queries=True,
   )
@@ -448,8 +422,8 @@ def _backward(st: _Static, q, k, v, out, lse, do, q_seg, k_seg, q_pos, k_pos):
 
   bq, bk = st.blocks.dkv_q, st.blocks.dkv_k
   table = _visit_table(
-    _block_ranges(k_seg, k_pos, bk),
-    _block_ranges(q_seg, q_pos, bq),
+    attention_xla.block_ranges(k_seg, k_pos, bk),
+    attention_xla.block_ranges(q_seg, q_pos, bq),
     st.causal,
     rows_are_queries=False,
   )

@@ -34,6 +34,40 @@ def segment_mask(
   return mask
 
 
+def block_ranges(seg_BT: jax.Array, pos_BT: jax.Array, block: int):
+  """Per block of `block` tokens: (any real token, segment id min, max, position
+  min, max), each [B, T / block]; padding (segment 0) is left out of every range.
+  """
+  b, t = seg_BT.shape
+  seg = seg_BT.reshape(b, t // block, block)
+  pos = pos_BT.reshape(b, t // block, block)
+  real = seg != 0
+  big = jnp.iinfo(jnp.int32).max
+  small = jnp.iinfo(jnp.int32).min
+  return (
+    real.any(-1),
+    jnp.where(real, seg, big).min(-1),
+    jnp.where(real, seg, small).max(-1),
+    jnp.where(real, pos, big).min(-1),
+    jnp.where(real, pos, small).max(-1),
+  )
+
+
+def blocks_may_see(q_ranges, kv_ranges, causal: bool) -> jax.Array:
+  """Whether a query block may see a key block (`block_ranges`, broadcast).
+
+  Their segment ranges must overlap and, when causal, the smallest key position
+  must not exceed the largest query position. Conservative (a pair it keeps may
+  be fully masked); exact for contiguously packed sequences.
+  """
+  q_any, q_smin, q_smax, _, q_pmax = q_ranges
+  k_any, k_smin, k_smax, k_pmin, _ = kv_ranges
+  ok = q_any & k_any & (q_smin <= k_smax) & (k_smin <= q_smax)
+  if causal:
+    ok &= k_pmin <= q_pmax
+  return ok
+
+
 def xla_attention(
   q_BTNH: jax.Array,
   k_BSKH: jax.Array,

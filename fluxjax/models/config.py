@@ -90,7 +90,7 @@ class ModelConfig:
   # Run-time choices.
   dtype: str = "float32"  # compute dtype; "bfloat16" on GPU
   param_dtype: str = "float32"
-  attention_backend: str = "xla"  # see fluxjax/models/attention.py: xla, pallas_gpu, cudnn, ...
+  attention_backend: str = "auto"  # fluxjax/models/attention.py: auto, xla, xla_blocked, cudnn, ...
   remat: bool = False  # rematerialize each scanned layer in the backward pass
   logprob_vocab_chunk: int = 8192  # vocabulary chunk for target-token logprobs
   # Where text positions resume after a vision span (models/rope_index.py):

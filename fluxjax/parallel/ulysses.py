@@ -94,7 +94,7 @@ def make_attention_fn(
   mesh: jax.sharding.Mesh,
   sp_axes: Sequence[str],
   batch_axes: Sequence[str],
-  backend: str = "xla",
+  backend: str = "auto",
   inside_shard_map: bool = False,
 ):
   """An `attention_fn` for the text decoder (see models/text.py) doing Ulysses.
@@ -138,7 +138,7 @@ def make_flex_attention_fn(
   layout: Sequence[tuple[int, int, int]],
   sp_axes: Sequence[str],
   batch_axes: Sequence[str],
-  backend: str = "xla",
+  backend: str = "auto",
   inside_shard_map: bool = False,
 ):
   """Attention over a buffer cut into per-degree sections (FlexUlysses).

@@ -120,9 +120,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.tokenizer_path = ""  # "" = the shipped synthetic tokenizer (tiny) or hf_path's
   c.model.dtype = "float32" if arg.variant == "tiny" else "bfloat16"
   c.model.param_dtype = "float32"
-  # models/attention.py: "auto" (blockwise XLA on CPUs, which skips the masked
-  # blocks of packed rows; the XLA reference elsewhere), "xla", "xla_blocked",
-  # or a GPU kernel ("cudnn", "pallas_gpu", "tokamax_gpu").
+  # models/attention.py: "auto" (on CPUs blockwise XLA for long rows, which
+  # skips the masked blocks of packed rows; else the XLA reference), "xla",
+  # "xla_blocked", or a GPU kernel ("cudnn", "pallas_gpu", "tokamax_gpu").
   c.model.attention_backend = "auto"
   c.model.remat = arg.variant != "tiny"  # activations of 28+ layers do not fit otherwise
   c.model.logprob_vocab_chunk = 128 if arg.variant == "tiny" else 8192

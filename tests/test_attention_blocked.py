@@ -89,12 +89,14 @@ def test_skipped_pairs_hold_no_visible_key():
       assert run.mean() < 0.35, run.mean()
 
 
-def test_auto_is_the_blocked_backend_on_cpus():
+def test_auto_picks_blocked_for_long_rows_on_cpus():
+  long_keys = attn_lib.AUTO_DENSE_MAX_KEYS + 1
+  assert attn_lib.default_backend(long_keys, "cpu") == "xla_blocked"
+  assert attn_lib.default_backend(attn_lib.AUTO_DENSE_MAX_KEYS, "cpu") == "xla"
+  assert attn_lib.default_backend(long_keys, "gpu") == "xla"
   rng = np.random.default_rng(7)
-  kw = self_batch(rng, 1, 64)
-  q, k, v, _ = qkv(rng, 1, 64, 64, 2, 1, 8)
-  assert attn_lib.default_backend("cpu") == "xla_blocked"
-  assert attn_lib.default_backend("gpu") == "xla"
+  kw = self_batch(rng, 1, long_keys)
+  q, k, v, _ = qkv(rng, 1, long_keys, long_keys, 2, 1, 8)
   out = attn_lib.attention(q, k, v, backend="auto", causal=True, **kw)
   want = ab.blocked_attention(q, k, v, causal=True, **kw)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(want))

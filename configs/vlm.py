@@ -401,9 +401,12 @@ def _smoke(c: ml_collections.ConfigDict) -> None:
   if c.variant != "tiny":
     c.model.preset += "_smoke"
   c.total_steps = 2
-  c.rl.prompts_per_step = 4
+  # Two prompts: their 8 responses each fit the 32 decode slots of one round,
+  # with tail batching's extra prompt; a random-weight model answers at
+  # length, so every prompt is up to max_new_tokens of CPU decoding.
+  c.rl.prompts_per_step = 2
   c.data.synth_train, c.data.synth_eval = 64, 8
-  c.eval.prompts = 4
+  c.eval.prompts = 2
   # Tokens per device: CPU attention is dense over a row (a 16k row's scores
   # alone take GBs); prompts are then bounded by the trainer's longest sequence.
   c.sharding.capacity = min(c.sharding.capacity, 2048)

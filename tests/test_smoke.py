@@ -3,11 +3,14 @@
 Fast: each variant's smoke config differs from the variant only in the size
 fields the modifier names, validates on the 8-device test mesh, and a fleet
 variant launches fluxjax's own server with the run's model and limits. Slow:
-`python -m fluxjax.train --config=configs/vlm.py:tiny,smoke` end to end, as a
-user runs it, ending with its summary.
+`python -m fluxjax.train --config=configs/vlm.py:VARIANT,smoke` for every
+variant end to end, as a user runs it on one CPU device, ending with its
+summary: tiny with its SFT warm-up on the embedded engine, the real-shape
+variants through the `python -m fluxjax.rollout.server` process they launch.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -16,7 +19,7 @@ import pytest
 
 from fluxjax import config_args
 from fluxjax.models import config as model_config
-from fluxjax.rl import config_rules, loop
+from fluxjax.rl import config_rules, loop, metrics
 from fluxjax.rollout import factory, server
 from helpers import server_env
 
@@ -79,26 +82,36 @@ def test_smoke_keeps_every_setting_but_the_sizes(variant, devices):
 
 
 @pytest.mark.slow
-def test_the_tiny_smoke_run_from_the_command_line(tmp_path):
-  """The README's user: the CLI on one plain CPU device, SFT warm-up, 2 RL
-  steps, evaluation at the start and the end, the summary."""
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_smoke_run_from_the_command_line(variant, tmp_path):
+  """The README's user: the CLI on one plain CPU device, 2 RL steps on the
+  variant's own rollout path, evaluation at the start and the end, the summary."""
   workdir = tmp_path / "run"
   out = subprocess.run(
     [
       sys.executable,
       "-m",
       "fluxjax.train",
-      "--config=configs/vlm.py:tiny,smoke",
+      f"--config=configs/vlm.py:{variant},smoke",
       f"--workdir={workdir}",
     ],
     cwd=ROOT,
     env=server_env(),
     capture_output=True,
     text=True,
-    timeout=600,
+    timeout=900,
   )
   assert out.returncode == 0, out.stderr[-4000:]
   summary = json.loads((workdir / "summary.json").read_text())
   assert summary["last_step"] == 2 and summary["faults"] == {}
   assert summary["start"]["step"] == 0 and summary["end"]["step"] == 2
   assert "run summary" in out.stderr and "python -m fluxjax.plot" in out.stderr
+  steps = [r for r in metrics.read_metrics(str(workdir)) if "train/loss" in r]
+  assert [r["step"] for r in steps] == [1, 2]
+  assert all(math.isfinite(r["train/loss"]) and r["train/sequences"] > 0 for r in steps)
+  cfg = config_args.load_config(arg=f"{variant},smoke")
+  if cfg.rollout.backend == "sglang":  # served by the launched server, weights published
+    assert all(r["fleet/servers"] == 1 and r["fleet/servers_down"] == 0 for r in steps)
+    assert steps[-1]["policy/version"] == 2
+  else:
+    assert summary["warm_up"] is not None, "tiny warms up with SFT before RL"

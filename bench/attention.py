@@ -5,6 +5,7 @@ r"""Packed-segment attention on a GPU: the xla reference vs the GPU backends.
   python bench/attention.py --tokens 4096 --mixtures image_heavy --reps 5
   python bench/attention.py --variants            # also alternative tiles at 16k
   python bench/attention.py --json PATH           # also write the figures, command, commit
+  python bench/attention.py --backends xla,xla_blocked --tokens 2048  # on a CPU
 
 One packed row (B = 1) of T tokens per case, filled with sequence lengths
 drawn from a mixture of bench/mixtures.py (first fit in draw order, a drawn
@@ -57,6 +58,7 @@ import mixtures  # noqa: E402  (lives next to this script)
 import runinfo  # noqa: E402
 from fluxjax.models import attention as attn_lib  # noqa: E402
 from fluxjax.models import attention_pallas as ap  # noqa: E402
+from fluxjax.models import attention_xla  # noqa: E402
 from fluxjax.models import config as model_config  # noqa: E402
 from fluxjax.sharding import balance  # noqa: E402
 
@@ -96,7 +98,8 @@ def kernel_flops(blocks: ap.BlockSizes, seg, pos) -> float:
     (True, blocks.dq_q, blocks.dq_k, 3),
     (False, blocks.dkv_q, blocks.dkv_k, 4),
   ):
-    q_ranges, k_ranges = ap._block_ranges(seg, pos, bq), ap._block_ranges(seg, pos, bk)
+    q_ranges = attention_xla.block_ranges(seg, pos, bq)
+    k_ranges = attention_xla.block_ranges(seg, pos, bk)
     table = (
       ap._visit_table(q_ranges, k_ranges, True, True)
       if rows_q
@@ -292,8 +295,9 @@ def main() -> None:
     f"device: {dev.device_kind} ({dev.platform}); jax {jax.__version__}; "
     f"{HEADS}/{KV_HEADS} heads, head dim {HEAD_DIM}, bf16, causal, B=1"
   )
-  if dev.platform == "cpu" and not args.interpret:
-    raise SystemExit("no accelerator: the Triton kernels run on a GPU only")
+  gpu_only = {"pallas_gpu", "cudnn", "tokamax_gpu"} & set(args.backends.split(","))
+  if dev.platform == "cpu" and gpu_only and not args.interpret:
+    raise SystemExit(f"no accelerator: {sorted(gpu_only)} run on a GPU only")
   blocks = ap.default_block_sizes(HEAD_DIM, 2)
   print(f"default tiles: {blocks}")
   shape1 = dataclasses.replace(model_config.preset("7b").cost_shape(), num_layers=1)

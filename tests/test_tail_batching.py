@@ -215,8 +215,9 @@ def test_run_round_against_fake_rollout():
     assert all(
       len(g) == 2 and all(c.finish_type == "length" for c in g) for g in res.groups.values()
     )
-    # The short round ends long before prompt 3's 600 ms.
-    assert res.stats["wall_s"] < 0.4 and res.stats["max_kept_len"] <= 10
+    # The short round ends before prompt 3's 600 ms responses could finish
+    # (about 0.1 s alone; a loaded 2-core machine has taken 0.48 s).
+    assert res.stats["wall_s"] < 0.6 and res.stats["max_kept_len"] <= 10
     assert res.stats["aborted"] == len(rollout.aborts) > 0
     rest = []
     while (r := await tb.run_round(rollout, b, body)) is not None:

@@ -98,10 +98,7 @@ def _visible(q_ids, kv_ids, causal: bool) -> jax.Array:
 
 def _scores(q_BKGQH, k_BKCH, q_ids, kv_ids, causal: bool):
   """(fp32 scaled scores, masked entries at _NEG_INF; the mask), [B, K, G, Q, C]."""
-  q_seg, q_pos, k_seg, k_pos = q_ids[0], q_ids[1], kv_ids[0], kv_ids[1]
-  mask = (q_seg[:, :, None] == k_seg[:, None, :]) & (q_seg[:, :, None] != 0)
-  if causal:
-    mask &= k_pos[:, None, :] <= q_pos[:, :, None]
+  mask = attention_xla.segment_mask(q_ids[0], kv_ids[0], q_ids[1], kv_ids[1], causal)
   mask = mask[:, None, None]
   s = jnp.einsum("bkgqh,bkch->bkgqc", q_BKGQH, k_BKCH, preferred_element_type=jnp.float32)
   return jnp.where(mask, s * q_BKGQH.shape[-1] ** -0.5, _NEG_INF), mask

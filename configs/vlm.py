@@ -196,6 +196,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # servers, e.g. ("python","-m","sglang_router.launch_router","--policy","cache_aware").
   c.rollout.router_url = ""
   c.rollout.router_launch = ()
+  # How long launched servers and a router (until it lists a worker) may take to come up.
   c.rollout.launch_timeout_s = 600.0
   # A weight publish whose write fails (a full disk) reaches no server: the
   # fleet keeps its weights and rollout goes on, counted. This many in a row

@@ -112,10 +112,13 @@ def make_backend(
       proc_cfg=proc_cfg,
       limits=limits,
     ), None
-  health_s = float(cfg.health_interval_s)
+  health_s, launch_s = float(cfg.health_interval_s), float(cfg.launch_timeout_s)
   if cfg.router_url:
     return router.RoutedFleet(
-      cfg.router_url, health_interval_s=health_s, weights_root=weights_root
+      cfg.router_url,
+      workers_timeout_s=launch_s,
+      health_interval_s=health_s,
+      weights_root=weights_root,
     ), None
   urls = list(cfg.urls)
   launched = None
@@ -123,13 +126,13 @@ def make_backend(
     launched = fleet.launch_servers(
       list(cfg.launch) if launch is None else launch,
       int(cfg.num_servers),
-      timeout_s=float(cfg.launch_timeout_s),
+      timeout_s=launch_s,
     )
     urls = launched.urls
   if not cfg.router_launch:
     return fleet.Fleet(urls, health_interval_s=health_s, weights_root=weights_root), launched
   try:
-    routed = router.launch_router(list(cfg.router_launch), urls)
+    routed = router.launch_router(list(cfg.router_launch), urls, timeout_s=launch_s)
   except BaseException:
     if launched is not None:
       launched.stop()
@@ -138,5 +141,8 @@ def make_backend(
     launched = fleet.LaunchedServers([], [], [])
   launched.router = routed
   return router.RoutedFleet(
-    routed.urls[0], health_interval_s=health_s, weights_root=weights_root
+    routed.urls[0],
+    workers_timeout_s=launch_s,
+    health_interval_s=health_s,
+    weights_root=weights_root,
   ), launched

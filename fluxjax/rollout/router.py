@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Sequence
 
 from fluxjax.rollout.client import Completion, RequestRejected, ServerUnavailable, SGLangClient
@@ -42,6 +43,9 @@ class RoutedFleet(Fleet):
       mid-request fails it with a 5xx; the retry, from scratch under a new
       rid, goes wherever the router then places it, with a growing pause
       (0.1 s doubling up to 2 s) so its health check can drop the worker.
+    workers_timeout_s: how long `start` waits for the router to list a
+      worker (a router adds the workers it was started with only after their
+      first health check).
     other arguments: as `Fleet`.
   """
 
@@ -54,6 +58,7 @@ class RoutedFleet(Fleet):
     max_attempts: int = 12,
     weights_root: str | None = None,
     weights_dtype: str = "bfloat16",
+    workers_timeout_s: float = 60.0,
   ):
     super().__init__(
       [],
@@ -65,13 +70,18 @@ class RoutedFleet(Fleet):
     )
     self.router = SGLangClient(router_url, timeout_s=request_timeout_s)
     self._attempt_rid: dict[str, str] = {}  # rid -> rid of its current attempt
+    self.workers_timeout_s = workers_timeout_s
 
   async def start(self) -> None:
     await super().start()
     self.router._session, self.router._own_session = self._session, False
-    await self.refresh_workers()
-    if not self.servers:
-      raise NoServerAvailable(f"the router at {self.router.url} has no workers")
+    deadline = time.monotonic() + self.workers_timeout_s
+    while not await self.refresh_workers():
+      if time.monotonic() > deadline:
+        raise NoServerAvailable(
+          f"the router at {self.router.url} listed no workers within {self.workers_timeout_s:g} s"
+        )
+      await asyncio.sleep(0.2)
 
   async def refresh_workers(self) -> list[str]:
     """Reads the router's worker list; new workers join, removed ones leave."""

@@ -326,14 +326,14 @@ def test_the_cache_keeps_each_write_exactly_and_writes_in_place(dtype):
   cache = cache.write_tokens(1, lengths_S, k_SKH, v_SKH)
   k_1PKH = jnp.asarray(rng.normal(size=(1, 4, 2, 16)), jnp.float32)
   cache = cache.write_prompt(0, 2, k_1PKH, k_1PKH)
-  keys, values = cache.keys(1, 32), cache.values(1, 32)
+  keys, values = cache.keys(1, 3, 32), cache.values(1, 3, 32)
   assert keys.dtype == jnp.dtype(dtype)
   for s, n in enumerate([0, 5, 31]):
     np.testing.assert_array_equal(keys[s, n], k_SKH[s].astype(dtype))
     np.testing.assert_array_equal(values[s, n], v_SKH[s].astype(dtype))
   assert int((keys != 0).any(axis=(2, 3)).sum()) == 3  # nothing else written in layer 1
-  np.testing.assert_array_equal(cache.keys(0, 32)[2, :4], k_1PKH[0].astype(dtype))
-  assert not bool(cache.keys(0, 32)[:2].any())
+  np.testing.assert_array_equal(cache.keys(0, 3, 32)[2, :4], k_1PKH[0].astype(dtype))
+  assert not bool(cache.keys(0, 2, 32).any())
 
   step = jax.jit(decode.decode_step, static_argnames="window", donate_argnums=1)
   hlo = step.lower(m, cache, lengths_S, lengths_S, lengths_S, window=16).compile().as_text()
@@ -365,3 +365,32 @@ def test_a_decode_window_reads_only_what_it_must(model):
   # A window that misses a slot's keys changes its logits: the test can fail.
   short, _ = step(model, cache, tokens_S, lengths_S, lengths_S, window=4)
   assert not np.allclose(np.asarray(short)[1], np.asarray(full)[1], atol=1e-3)
+
+
+def test_a_decode_step_over_the_first_slots_leaves_the_others_alone(model):
+  """decode_step fed the first S slots' tokens gives their rows of the step
+  over every slot and writes nothing into the slots past S."""
+  import jax
+  import jax.numpy as jnp
+
+  from fluxjax.models import decode
+
+  cache = decode.init_cache(model, 4, 32)
+  rng = np.random.default_rng(1)
+  cache = decode.KVCache.from_values(
+    *(jnp.asarray(rng.normal(size=a.shape), cache.dtype) for a in (cache.k_LSCKH, cache.v_LSCKH))
+  )
+  tokens_S = jnp.asarray([5, 9, 11, 7], jnp.int32)
+  lengths_S = jnp.asarray([3, 15, 0, 20], jnp.int32)
+  step = jax.jit(decode.decode_step)
+  full, full_cache = step(model, cache, tokens_S, lengths_S, lengths_S)
+  first, first_cache = step(model, cache, tokens_S[:2], lengths_S[:2], lengths_S[:2])
+  assert first.shape[0] == 2
+  np.testing.assert_allclose(np.asarray(first), np.asarray(full)[:2], atol=1e-5, rtol=1e-5)
+  for got, whole, before in [
+    (first_cache.k_LSCKH, full_cache.k_LSCKH, cache.k_LSCKH),
+    (first_cache.v_LSCKH, full_cache.v_LSCKH, cache.v_LSCKH),
+  ]:
+    np.testing.assert_array_equal(np.asarray(got)[:, :2], np.asarray(whole)[:, :2])
+    np.testing.assert_array_equal(np.asarray(got)[:, 2:], np.asarray(before)[:, 2:])
+    assert not np.array_equal(np.asarray(whole)[:, 2:], np.asarray(before)[:, 2:])

@@ -3,8 +3,9 @@
 The rollout engine keeps one cache for a fixed number of slots; each slot holds
 one request. Prefill runs a prompt (padded to a bucket length) through the
 decoder, writes its keys/values into the slot and returns the logits of the
-last prompt token. A decode step feeds one token per slot, writes its key/value
-at the slot's current length and returns the next-token logits of every slot.
+last prompt token. A decode step feeds one token to each of the first S slots,
+writes its key/value at the slot's current length and returns their next-token
+logits; it reads only the first `window` cache entries of those slots.
 
 Everything is built from the model's own submodules (embedding, vision tower,
 the stacked decoder layers, final norm, LM head), so numbers match the
@@ -63,17 +64,17 @@ class KVCache:
   def capacity(self) -> int:
     return self.k_LSCKH.shape[2]
 
-  def keys(self, layer: jax.Array, window: int) -> jax.Array:
-    """[S, window, K, H] keys of `layer`."""
-    return jax.lax.bitcast_convert_type(self.k_LSCKH[layer, :, :window], self.dtype)
+  def keys(self, layer: jax.Array, slots: int, window: int) -> jax.Array:
+    """[slots, window, K, H] keys of `layer`'s first `slots` slots."""
+    return jax.lax.bitcast_convert_type(self.k_LSCKH[layer, :slots, :window], self.dtype)
 
-  def values(self, layer: jax.Array, window: int) -> jax.Array:
-    """[S, window, K, H] values of `layer`."""
-    return jax.lax.bitcast_convert_type(self.v_LSCKH[layer, :, :window], self.dtype)
+  def values(self, layer: jax.Array, slots: int, window: int) -> jax.Array:
+    """[slots, window, K, H] values of `layer`'s first `slots` slots."""
+    return jax.lax.bitcast_convert_type(self.v_LSCKH[layer, :slots, :window], self.dtype)
 
   def write_tokens(self, layer, lengths_S, k_SKH, v_SKH) -> KVCache:
-    """One key/value per slot, at index lengths_S[s] of slot s."""
-    index = (layer, jnp.arange(self.num_slots), lengths_S)
+    """One key/value for each of the first S slots, at index lengths_S[s] of slot s."""
+    index = (layer, jnp.arange(lengths_S.shape[0]), lengths_S)
     k = self.k_LSCKH.at[index].set(_bits(k_SKH.astype(self.dtype)))
     v = self.v_LSCKH.at[index].set(_bits(v_SKH.astype(self.dtype)))
     return KVCache(k, v, self.dtype)
@@ -202,12 +203,14 @@ def decode_step(
   rope_pos_S: jax.Array,
   window: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
-  """Feeds one token per slot; returns next-token logits of every slot.
+  """Feeds one token to each of the first S slots; returns their next-token logits.
 
   Args:
     model: the model.
     cache: the cache.
-    tokens_S: int [S] the token each slot feeds (anything for idle slots).
+    tokens_S: int [S] the token each of the cache's first S slots feeds
+      (anything for idle slots); the slots past S are left alone, so decode
+      cost follows the highest live slot, not the cache's slot count.
     lengths_S: int [S] tokens already cached per slot: the new token's
       key/value goes to this index, and it attends to indices <= it.
     rope_pos_S: int [S] M-RoPE text position of the fed token
@@ -220,7 +223,7 @@ def decode_step(
   Returns:
     (logits_SV fp32, cache).
   """
-  s, c = cache.num_slots, window or cache.capacity
+  s, c = tokens_S.shape[0], window or cache.capacity
   x = model.model.embed(tokens_S[:, None], model.dtype)  # [S, 1, D]
   positions = jnp.broadcast_to(rope_pos_S[None, :, None], (3, s, 1))
   cos, sin = text.mrope_cos_sin(positions, model.cfg.text)
@@ -237,8 +240,8 @@ def decode_step(
     # flash kernel gains nothing at query length 1).
     out = attn_lib.xla_attention(
       q,
-      cache.keys(i, c),
-      cache.values(i, c),
+      cache.keys(i, s, c),
+      cache.values(i, s, c),
       q_segment_ids=ones_S1,
       kv_segment_ids=ones_SC,
       q_positions=q_pos_S1,

@@ -3,8 +3,10 @@
 A fixed number of slots share one KV cache (models/decode.py). Between steps,
 waiting requests join free slots (one prefill each, its length padded to a
 bucket so that few shapes compile) and finished or aborted requests leave.
-Each step is one jitted call that decodes and samples a token for every slot,
-idle ones included, so the shapes never change. Per-slot sampling parameters
+Each step is one jitted call that decodes and samples a token for every slot
+up to the highest busy one, idle ones among them included: the slot count and
+the cache entries read come in a few buckets (one compiled program each), so
+decode cost follows the live load, not the engine's size. Per-slot sampling parameters
 are arrays (rollout/sampling.py). A slot whose logits are non-finite samples
 nothing: its request finishes as an abort that names the weight version
 (`NonFiniteLogits`, which `generate` and the embedded backend raise).
@@ -116,7 +118,9 @@ class EngineRequest:
     return len(self.prompt)
 
 
-# The smallest decode window; each larger one is 4x (few programs to compile).
+# Decode buckets (one program each): slots in powers of 2 from the smallest,
+# cache entries read (the window) in powers of 2 from the smallest.
+DECODE_SLOTS_MIN = 8
 DECODE_WINDOW_MIN = 256
 
 
@@ -179,6 +183,11 @@ class Engine:
     self._graphdef, self._state = nnx.split(model)
     cache_sharding = _cache_sharding(self._state, decode.cache_shape(model, num_slots, capacity))
     self._cache = decode.init_cache(model, num_slots, capacity, cache_sharding)
+    # A prefix of the slots is every device's only while the slot axis is whole.
+    spec = cache_sharding.spec if cache_sharding is not None else ()
+    slots_split = len(spec) > 1 and spec[1] is not None
+    self._slot_buckets = [num_slots] if slots_split else _buckets(num_slots, DECODE_SLOTS_MIN)
+    self._windows = _buckets(capacity, DECODE_WINDOW_MIN)
     self._rng = np.random.default_rng(seed)
     self.eos_ids = frozenset({self.cfg.eos_token_id, *tokenizer.eos_ids})
     # Host-side slot state.
@@ -233,6 +242,7 @@ class Engine:
       bias_SK,
       window,
     ):
+      # The arrays cover the first S slots (a bucket); the cache all of them.
       model = nnx.merge(graphdef, state)
       logits_SV, cache = decode.decode_step(model, cache, tokens_S, lengths_S, rope_pos_S, window)
       cache = _pin(cache, cache_sharding)
@@ -247,7 +257,7 @@ class Engine:
 
     # The cache is donated (updated in place); parameters never are.
     self._prefill = jax.jit(prefill_fn, donate_argnums=1)
-    # One decode program per window bucket (the longest live sequence's).
+    # One decode program per slot bucket and window (shapes and `window`).
     self._decode = jax.jit(decode_fn, donate_argnums=1, static_argnames="window")
     self._clear_slot = jax.jit(clear_fn, donate_argnums=0)
 
@@ -508,23 +518,25 @@ class Engine:
 
   def _decode_all(self, active: list[int]) -> None:
     t0 = time.perf_counter()
+    n = next(b for b in self._slot_buckets if b > max(active))
     # Each slot samples the token at position prompt + output so far.
     positions_S = np.array(
-      [len(r.prompt) + len(r.output_ids) if r is not None else 0 for r in self._slots], np.int32
+      [len(r.prompt) + len(r.output_ids) if r is not None else 0 for r in self._slots[:n]],
+      np.int32,
     )
     tok_S, lp_S, finite_S, self._cache = self._decode(
       self._state,
       self._cache,
-      self._tokens_S,
-      self._lengths_S,
-      self._lengths_S + self._delta_S,
+      self._tokens_S[:n],
+      self._lengths_S[:n],
+      self._lengths_S[:n] + self._delta_S[:n],
       positions_S,
-      self._temperature_S,
-      self._top_p_S,
-      self._top_k_S,
-      self._seed_S,
-      self._bias_ids_SK,
-      self._bias_SK,
+      self._temperature_S[:n],
+      self._top_p_S[:n],
+      self._top_k_S[:n],
+      self._seed_S[:n],
+      self._bias_ids_SK[:n],
+      self._bias_SK[:n],
       window=self._window(active),
     )
     tok_S, lp_S, finite_S = jax.device_get((tok_S, lp_S, finite_S))
@@ -540,14 +552,10 @@ class Engine:
         self._refuse(req)
 
   def _window(self, active: list[int]) -> int:
-    """The decode window: the smallest of 256, 1024, 4096, ... (one program
-    each) above every active slot's length, at most the capacity (idle slots
-    attend to nothing that matters)."""
+    """The decode window: the smallest bucket above every active slot's length
+    (idle slots attend to nothing that matters)."""
     longest = int(self._lengths_S[active].max()) + 1
-    window = DECODE_WINDOW_MIN
-    while window < longest:
-      window *= 4
-    return min(window, self.capacity)
+    return next(w for w in self._windows if w >= longest)
 
   def _append(self, req: EngineRequest, tok: int, lp: float) -> None:
     """Records a sampled token, then finishes the request or feeds the token on."""

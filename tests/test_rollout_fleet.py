@@ -70,6 +70,19 @@ def random_model(seed: int) -> vlm.Qwen25VL:
   return nnx.merge(graphdef, state)
 
 
+def test_launched_servers_get_glibc_malloc_on_huge_pages(launched):
+  """Each launched process runs with fleet_lib.MALLOC_TUNABLES; a setting the
+  caller made is kept and a hugetlb choice of its own is not overridden."""
+  for proc in launched.procs:
+    with open(f"/proc/{proc.pid}/environ", "rb") as f:
+      environ = f.read().split(b"\0")
+    assert f"GLIBC_TUNABLES={fleet_lib.MALLOC_TUNABLES}".encode() in environ
+  env = fleet_lib.server_process_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+  assert env["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{fleet_lib.MALLOC_TUNABLES}"
+  own = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+  assert fleet_lib.server_process_env(own) == own
+
+
 def test_publish_reaches_every_server(launched, tmp_path):
   """Every server serves the published version; the version before it is
   kept on disk, older ones are removed."""

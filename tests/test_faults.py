@@ -86,22 +86,28 @@ def test_server_killed_mid_round(tmp_path):
     c.rollout.health_interval_s = 600.0
     workdir = tmp_path / "run"
 
+    def load():
+      try:
+        with urllib.request.urlopen(servers.urls[0] + "/get_load", timeout=5) as resp:
+          return json.load(resp)
+      except OSError:
+        return {"num_running_reqs": 0, "num_tokens": 0}
+
     def kill_mid_round_after_first_step():
-      # After step 1, kill the server the moment it holds requests, so the death
-      # is met by requests in flight rather than by the next weight update.
-      load_url = servers.urls[0] + "/get_load"
+      # After step 1, kill the server while it decodes, so the death is met by
+      # requests in flight rather than by the next weight update. Decoding: its
+      # running requests grew between two readings (a request the client has
+      # already aborted at a round's end leaves at the next step, and a paused
+      # server's tokens do not grow).
       while servers.procs[0].poll() is None:
         recs = metrics.read_metrics(str(workdir)) if os.path.exists(workdir / metrics.JSONL) else []
         if any(r["step"] >= 1 for r in recs):
-          try:
-            with urllib.request.urlopen(load_url, timeout=5) as resp:
-              busy = json.load(resp)["num_reqs"] > 0
-          except OSError:
-            busy = False
-          if busy:
+          before = load()
+          time.sleep(0.02)
+          after = load()
+          if before["num_running_reqs"] and after["num_tokens"] > before["num_tokens"]:
             servers.procs[0].kill()
             return
-          time.sleep(0.01)
         else:
           time.sleep(0.2)
 

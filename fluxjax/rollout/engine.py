@@ -139,7 +139,7 @@ def _patch_bucket(n: int, unit: int) -> int:
   return b
 
 
-def _cache_sharding(state: nnx.State, shape) -> jax.sharding.Sharding | None:
+def _cache_sharding(state: nnx.State, shape) -> jax.sharding.NamedSharding | None:
   """The KV cache's layout on the parameters' mesh; None for a one-device model."""
   for leaf in jax.tree.leaves(state):
     sharding = leaf.sharding if isinstance(leaf, jax.Array) else None
@@ -184,7 +184,7 @@ class Engine:
     cache_sharding = _cache_sharding(self._state, decode.cache_shape(model, num_slots, capacity))
     self._cache = decode.init_cache(model, num_slots, capacity, cache_sharding)
     # A prefix of the slots is every device's only while the slot axis is whole.
-    spec = cache_sharding.spec if cache_sharding is not None else ()
+    spec = tuple(cache_sharding.spec) if cache_sharding is not None else ()
     slots_split = len(spec) > 1 and spec[1] is not None
     self._slot_buckets = [num_slots] if slots_split else _buckets(num_slots, DECODE_SLOTS_MIN)
     self._windows = _buckets(capacity, DECODE_WINDOW_MIN)

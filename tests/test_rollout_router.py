@@ -99,6 +99,25 @@ def test_a_publish_reaches_every_worker_and_generation_reports_it(routed, tmp_pa
   assert {o.weight_version for o in outs} == {"5"}
 
 
+def test_a_router_that_lists_no_worker_is_waited_for_then_named():
+  """A router adds the workers it was started with only once they answer; the
+  fleet waits `workers_timeout_s` for one, then names the router and the wait."""
+  port = fleet_lib.free_port("127.0.0.1")  # nothing listens there
+  router = router_lib.launch_router(ROUTER, [f"http://127.0.0.1:{port}"])
+  try:
+
+    async def go():
+      async with router_lib.RoutedFleet(router.urls[0], workers_timeout_s=2.0):
+        pass
+
+    started = time.monotonic()
+    with pytest.raises(fleet_lib.NoServerAvailable, match="listed no workers within 2 s"):
+      asyncio.run(go())
+    assert time.monotonic() - started >= 2.0
+  finally:
+    router.stop()
+
+
 def test_a_worker_killed_mid_round_loses_no_request(routed):
   """Requests in flight on the killed worker are retried; each completes,
   whole, on a live worker, and the fleet sees the worker down."""
@@ -129,22 +148,3 @@ def test_a_worker_killed_mid_round_loses_no_request(routed):
   assert pending > 0 and metrics["fleet/servers_down"] == 1.0, metrics
   for out in outs:
     assert out.finish_type == "length" and len(out.output_ids) == max_new, out
-
-
-def test_a_router_that_lists_no_worker_is_waited_for_then_named():
-  """A router adds the workers it was started with only once they answer; the
-  fleet waits `workers_timeout_s` for one, then names the router and the wait."""
-  port = fleet_lib.free_port("127.0.0.1")  # nothing listens there
-  router = router_lib.launch_router(ROUTER, [f"http://127.0.0.1:{port}"])
-  try:
-
-    async def go():
-      async with router_lib.RoutedFleet(router.urls[0], workers_timeout_s=2.0):
-        pass
-
-    started = time.monotonic()
-    with pytest.raises(fleet_lib.NoServerAvailable, match="listed no workers within 2 s"):
-      asyncio.run(go())
-    assert time.monotonic() - started >= 2.0
-  finally:
-    router.stop()

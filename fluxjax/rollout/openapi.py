@@ -356,7 +356,8 @@ _WEIGHT_VERSION = {
 }
 
 
-def _endpoints() -> tuple[Endpoint, ...]:
+def _generation_endpoints() -> tuple[Endpoint, ...]:
+  """/generate and the scheduling controls around it."""
   generate_ok = {
     "description": "the answer (a list in input order for a batch), or its SSE stream",
     "content": {
@@ -372,41 +373,6 @@ def _endpoints() -> tuple[Endpoint, ...]:
     },
   }
   status_ok = _json("done", _ref("StatusMessage"))
-  info = (
-    [
-      Endpoint(
-        p,
-        ("GET",),
-        "model_info",
-        "the served model",
-        None,
-        {"200": _json("model", _MODEL_INFO), **_errors(*_LOADED)},
-      )
-      for p in ("/get_model_info", "/model_info")
-    ]
-    + [
-      Endpoint(
-        p,
-        ("GET",),
-        "server_info",
-        "the server's limits and state",
-        None,
-        {"200": _json("server", _SERVER_INFO), **_errors(*_LOADED)},
-      )
-      for p in ("/get_server_info", "/server_info")
-    ]
-    + [
-      Endpoint(
-        p,
-        ("GET",),
-        "get_load",
-        "requests running and waiting",
-        None,
-        {"200": _json("load", _LOAD), **_errors(*_LOADED)},
-      )
-      for p in ("/get_load", "/v1/loads")
-    ]
-  )
   return (
     Endpoint(
       "/generate",
@@ -459,6 +425,12 @@ def _endpoints() -> tuple[Endpoint, ...]:
         **_errors(*_LOADED),
       },
     ),
+  )
+
+
+def _weight_endpoints() -> tuple[Endpoint, ...]:
+  """Loading, renaming and reading the served weights."""
+  return (
     Endpoint(
       "/update_weights_from_disk",
       ("POST",),
@@ -509,6 +481,23 @@ def _endpoints() -> tuple[Endpoint, ...]:
       None,
       {"200": _json("version", _WEIGHT_VERSION), **_errors(*_LOADED)},
     ),
+  )
+
+
+def _status_endpoints() -> tuple[Endpoint, ...]:
+  """Health probes and the GET-only state reads (each under both its names)."""
+  reads = [
+    (("/get_model_info", "/model_info"), "model_info", "the served model", "model", _MODEL_INFO),
+    (
+      ("/get_server_info", "/server_info"),
+      "server_info",
+      "the server's limits and state",
+      "server",
+      _SERVER_INFO,
+    ),
+    (("/get_load", "/v1/loads"), "get_load", "requests running and waiting", "load", _LOAD),
+  ]
+  return (
     Endpoint(
       "/health",
       ("GET",),
@@ -525,8 +514,18 @@ def _endpoints() -> tuple[Endpoint, ...]:
       None,
       {**_EMPTY_OK, **_errors(*_LOADED)},
     ),
-    *info,
+    *(
+      Endpoint(
+        path, ("GET",), name, summary, None, {"200": _json(what, schema), **_errors(*_LOADED)}
+      )
+      for paths, name, summary, what, schema in reads
+      for path in paths
+    ),
   )
+
+
+def _endpoints() -> tuple[Endpoint, ...]:
+  return _generation_endpoints() + _weight_endpoints() + _status_endpoints()
 
 
 ENDPOINTS: tuple[Endpoint, ...] = _endpoints()

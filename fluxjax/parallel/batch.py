@@ -240,6 +240,88 @@ def media_placement(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig)
   return out
 
 
+def _row_streams(row, seqs: Sequence[TrainSequence]) -> dict[str, np.ndarray]:
+  """A row's sequences end to end, one array per buffer (positions [3, n])."""
+  stream: dict[str, list[np.ndarray]] = {
+    k: [] for k in ("tok", "pos", "seg", "spos", "tgt", "mask", "adv", "old", "ref", "prox")
+  }
+  for j, s in enumerate(row.seqs):
+    seq = seqs[s]
+    t = seq.inputs.tokens_T
+    n = len(t)
+    stream["tok"].append(t)
+    stream["pos"].append(seq.inputs.positions_3T)
+    stream["seg"].append(np.full(n, j + 1, np.int32))
+    stream["spos"].append(np.arange(n, dtype=np.int32))
+    stream["tgt"].append(_shifted(t))
+    stream["mask"].append(_shifted(seq.loss_mask_T.astype(np.float32)))
+    stream["adv"].append(_shifted(seq.advantages_T.astype(np.float32)))
+    stream["old"].append(_shifted(seq.old_logprobs_T.astype(np.float32)))
+    ref = seq.ref_logprobs_T if seq.ref_logprobs_T is not None else np.zeros(n, np.float32)
+    stream["ref"].append(_shifted(ref.astype(np.float32)))
+    prox = seq.prox_logprobs_T if seq.prox_logprobs_T is not None else seq.old_logprobs_T
+    stream["prox"].append(_shifted(prox.astype(np.float32)))
+  return {k: np.concatenate(v, axis=-1) for k, v in stream.items()}
+
+
+def _fill_row(text: dict[str, np.ndarray], positions, m: int, plan: Plan, row, seqs) -> None:
+  """Writes a row's token buffers: its stream padded to degree x section
+  capacity, one section-wide slice per device of the row."""
+  cap, sec = plan.section(row)
+  width = row.degree * cap
+  streams = _row_streams(row, seqs)
+  pad = width - streams["tok"].shape[-1]
+  if pad < 0:
+    raise ValueError(
+      f"row on devices {row.devices} holds {streams['tok'].shape[-1]} tokens > {width}"
+    )
+  for name, arr in streams.items():
+    arr = np.concatenate([arr, np.zeros(arr.shape[:-1] + (pad,), arr.dtype)], axis=-1)
+    for k, d in enumerate(row.devices):
+      piece = arr[..., k * cap : (k + 1) * cap]
+      if name == "pos":
+        positions[m, :, d, sec : sec + cap] = piece
+      else:
+        text[name][m, d, sec : sec + cap] = piece
+
+
+def _fill_vision(
+  bufs, m: int, assigned, cfg: ModelConfig, patch_capacity: int, patch_source, devices
+):
+  """Microbatch m's vision buffers: each unit is encoded where
+  `vision_assignment` put it; merged embeddings are then gathered to wherever
+  their tokens sit (`vision_index`)."""
+  patches, frame_ids, window_ids, hw, vision_index = bufs
+  vcfg = cfg.vision
+  merged_cap = patch_capacity // vcfg.merge_unit
+  units, routes = assigned
+  frame_base = {}
+  for d, us in units.items():
+    n_patches = sum(u.num_patches for u in us)
+    if n_patches > patch_capacity:
+      raise ValueError(
+        f"device {d} microbatch {m}: {n_patches} patches exceed the patch capacity {patch_capacity}"
+      )
+    if devices is None or d in devices:
+      pieces = []
+      for u in us:
+        per_frame = u.num_patches // (u.hi - u.lo)
+        pieces.append(np.asarray(patch_source(u.item))[u.lo * per_frame : u.hi * per_frame])
+      vis = vision_lib.make_vision_inputs(pieces, [u.grid_thw for u in us], vcfg, patch_capacity)
+      patches[m, d], frame_ids[m, d] = vis.patches_BNP[0], vis.frame_ids_BN[0]
+      window_ids[m, d], hw[m, d] = vis.window_ids_BN[0], vis.hw_BN2[0]
+    o = 0
+    for u in us:
+      per_frame = u.num_patches // (u.hi - u.lo) // vcfg.merge_unit
+      for f in range(u.lo, u.hi):  # where frame f's merged embeddings start
+        frame_base[(id(u.item), f)] = d * merged_cap + o + (f - u.lo) * per_frame
+      o += u.num_patches // vcfg.merge_unit
+  for item, slots in routes:
+    per_frame = processor.num_patches(item.grid_thw) // int(item.grid_thw[0]) // vcfg.merge_unit
+    for k, (d, i) in enumerate(slots):
+      vision_index[m, d, i] = frame_base[(id(item), k // per_frame)] + k % per_frame
+
+
 def materialize(
   plan: Plan,
   seqs: Sequence[TrainSequence],
@@ -277,7 +359,6 @@ def materialize(
   assignment = vision_assignment(plan, seqs, cfg, balance_vision)
   if not isinstance(patch_capacity, int):
     patch_capacity = _patch_bucket(assignment, cfg, patch_capacity)
-  merged_cap = patch_capacity // vcfg.merge_unit
   shape = (m_count, d_count, cap)
   tokens = np.zeros(shape, np.int32)
   positions = np.zeros((m_count, 3, d_count, cap), np.int32)
@@ -292,93 +373,23 @@ def materialize(
   window_ids = np.zeros((m_count, d_count, patch_capacity), np.int32)
   hw = np.zeros((m_count, d_count, patch_capacity, 2), np.int32)
 
+  text = {
+    "tok": tokens,
+    "seg": segment_ids,
+    "spos": segment_pos,
+    "tgt": targets,
+    "mask": loss_mask,
+    "adv": adv,
+    "old": old_lp,
+    "ref": ref_lp,
+    "prox": prox_lp,
+  }
+  vision_bufs = (patches, frame_ids, window_ids, hw, vision_index)
   for m, rows in enumerate(plan.microbatches):
     for row in rows:
-      if not row.seqs:  # an empty row: its buffers stay zero (segment id 0 = padding)
-        continue
-      cap, sec = plan.section(row)
-      width = row.degree * cap
-      stream: dict[str, list[np.ndarray]] = {
-        k: [] for k in ("tok", "pos", "seg", "spos", "tgt", "mask", "adv", "old", "ref", "prox")
-      }
-      offset = 0
-      for j, s in enumerate(row.seqs):
-        seq = seqs[s]
-        t = seq.inputs.tokens_T
-        n = len(t)
-        stream["tok"].append(t)
-        stream["pos"].append(seq.inputs.positions_3T)
-        stream["seg"].append(np.full(n, j + 1, np.int32))
-        stream["spos"].append(np.arange(n, dtype=np.int32))
-        stream["tgt"].append(_shifted(t))
-        stream["mask"].append(_shifted(seq.loss_mask_T.astype(np.float32)))
-        stream["adv"].append(_shifted(seq.advantages_T.astype(np.float32)))
-        stream["old"].append(_shifted(seq.old_logprobs_T.astype(np.float32)))
-        ref = seq.ref_logprobs_T if seq.ref_logprobs_T is not None else np.zeros(n, np.float32)
-        stream["ref"].append(_shifted(ref.astype(np.float32)))
-        prox = seq.prox_logprobs_T if seq.prox_logprobs_T is not None else seq.old_logprobs_T
-        stream["prox"].append(_shifted(prox.astype(np.float32)))
-        offset += n
-      pad = width - offset
-      if pad < 0:
-        raise ValueError(f"row on devices {row.devices} holds {offset} tokens > {width}")
-
-      def put(name, dst, fill_dims=()):
-        filler = np.zeros(fill_dims + (pad,), stream[name][0].dtype)
-        arr = np.concatenate(stream[name] + [filler], axis=-1)
-        for k, d in enumerate(row.devices):
-          dst(d, arr[..., k * cap : (k + 1) * cap])
-
-      def setter(buf, cap=cap, sec=sec):
-        def f(d, x):
-          buf[m, d, sec : sec + cap] = x
-
-        return f
-
-      put("tok", setter(tokens))
-      put("seg", setter(segment_ids))
-      put("spos", setter(segment_pos))
-      put("tgt", setter(targets))
-      put("mask", setter(loss_mask))
-      put("adv", setter(adv))
-      put("old", setter(old_lp))
-      put("ref", setter(ref_lp))
-      put("prox", setter(prox_lp))
-
-      def set_pos(d, x, cap=cap, sec=sec):
-        positions[m, :, d, sec : sec + cap] = x
-
-      put("pos", set_pos, fill_dims=(3,))
-
-    # Vision: each unit is encoded where vision_assignment put it; merged
-    # embeddings are then gathered to wherever their tokens sit.
-    units, routes = assignment[m]
-    frame_base = {}
-    for d, us in units.items():
-      n_patches = sum(u.num_patches for u in us)
-      if n_patches > patch_capacity:
-        raise ValueError(
-          f"device {d} microbatch {m}: {n_patches} patches exceed the patch "
-          f"capacity {patch_capacity}"
-        )
-      if devices is None or d in devices:
-        pieces = []
-        for u in us:
-          per_frame = u.num_patches // (u.hi - u.lo)
-          pieces.append(np.asarray(patch_source(u.item))[u.lo * per_frame : u.hi * per_frame])
-        vis = vision_lib.make_vision_inputs(pieces, [u.grid_thw for u in us], vcfg, patch_capacity)
-        patches[m, d], frame_ids[m, d] = vis.patches_BNP[0], vis.frame_ids_BN[0]
-        window_ids[m, d], hw[m, d] = vis.window_ids_BN[0], vis.hw_BN2[0]
-      o = 0
-      for u in us:
-        per_frame = u.num_patches // (u.hi - u.lo) // vcfg.merge_unit
-        for f in range(u.lo, u.hi):  # where frame f's merged embeddings start
-          frame_base[(id(u.item), f)] = d * merged_cap + o + (f - u.lo) * per_frame
-        o += u.num_patches // vcfg.merge_unit
-    for item, slots in routes:
-      per_frame = processor.num_patches(item.grid_thw) // int(item.grid_thw[0]) // vcfg.merge_unit
-      for k, (d, i) in enumerate(slots):
-        vision_index[m, d, i] = frame_base[(id(item), k // per_frame)] + k % per_frame
+      if row.seqs:  # an empty row's buffers stay zero (segment id 0 = padding)
+        _fill_row(text, positions, m, plan, row, seqs)
+    _fill_vision(vision_bufs, m, assignment[m], cfg, patch_capacity, patch_source, devices)
 
   inputs = vlm.PackedInputs(
     tokens,

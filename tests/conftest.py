@@ -12,10 +12,14 @@ import tempfile
 # LLVM's -O1 for XLA:CPU: compiling is most of the suite's time, and -O1
 # halves it (the tiny model's init: 3.6 -> 1.8 s) while its programs run no
 # slower than at the default -O2 (a 10-step learning run: 79 s against 95 s).
-# Subprocesses the tests start inherit it.
+# XLA:CPU's MLIR fusion emitters compile loop fusions slower than the
+# elemental emitter they replace, and their programs run no faster here
+# (tests/test_strategy_swap.py 58 -> 45 s; a 32b-smoke decode step 38 -> 35
+# ms). Subprocesses the tests start inherit both.
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "")
-  + " --xla_backend_optimization_level=1 --xla_force_host_platform_device_count=8"
+  + " --xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
+  + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 # XLA:CPU sizes its Eigen pool to max(CPUs, devices), i.e. 8 threads for the

@@ -232,15 +232,18 @@ def make_train_step(
 def all_finite(tree) -> jax.Array:
   """Whether every floating-point element of `tree` is finite: a bool scalar.
 
-  One reduction per leaf on its own shards (an all-reduce of a bool each when
-  sharded), never a gather; integer leaves (step counts) are skipped.
+  One sum of `x * 0` per leaf on its own shards (an all-reduce of a scalar
+  each when sharded), never a gather; integer leaves (step counts) are
+  skipped. Every finite element adds 0, any inf or NaN makes the sum NaN.
+  (`isfinite(x).all()` compiles slower on XLA:CPU; `max(abs(x))` misses a
+  NaN there, its vectorized max does not propagate it.)
   """
-  leaves = [
-    jnp.isfinite(x).all()
+  sums = [
+    jnp.sum(x * 0, dtype=jnp.float32)
     for x in jax.tree.leaves(tree)
     if jnp.issubdtype(jnp.result_type(x), jnp.floating)
   ]
-  return jnp.stack(leaves).all() if leaves else jnp.bool_(True)
+  return jnp.isfinite(jnp.stack(sums).sum()) if sums else jnp.bool_(True)
 
 
 def apply_update(tx: optax.GradientTransformation, state: TrainState, loss, grads, sums):
@@ -253,8 +256,9 @@ def apply_update(tx: optax.GradientTransformation, state: TrainState, loss, grad
   `nonfinite` is 1 in the metrics (`nonfinite_state` also 1 when the update's
   result was the cause). One NaN must not reach the parameters, the rollout
   engine or a checkpoint; the caller decides how many such steps in a row end
-  the run (`NonFiniteGuard`). The checks are reductions on device and the
-  select fuses into the update's elementwise pass.
+  the run (`NonFiniteGuard`). The checks are reductions on device; a
+  conditional then returns the new or the old state (an elementwise select
+  over the whole state compiles 2-3x slower on XLA:CPU).
   """
   grad_norm = optax.tree.norm(grads)
   inputs_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -262,7 +266,9 @@ def apply_update(tx: optax.GradientTransformation, state: TrainState, loss, grad
   params = optax.apply_updates(state.params, updates)
   state_finite = all_finite((params, opt_state))
   finite = inputs_finite & state_finite
-  keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+  params, opt_state = jax.lax.cond(
+    finite, lambda: (params, opt_state), lambda: (state.params, state.opt_state)
+  )
   sums = dict(sums)
   tokens = jnp.maximum(sums.pop("tokens"), 1.0)
   metrics = {
@@ -273,11 +279,7 @@ def apply_update(tx: optax.GradientTransformation, state: TrainState, loss, grad
     "nonfinite_state": (inputs_finite & ~state_finite).astype(jnp.float32),
     **{k: v / tokens for k, v in sums.items()},
   }
-  new_state = TrainState(
-    keep_if_bad(params, state.params),
-    keep_if_bad(opt_state, state.opt_state),
-    state.step + finite.astype(state.step.dtype),
-  )
+  new_state = TrainState(params, opt_state, state.step + finite.astype(state.step.dtype))
   return new_state, metrics
 
 

@@ -402,12 +402,14 @@ def _smoke(c: ml_collections.ConfigDict) -> None:
   if c.variant != "tiny":
     c.model.preset += "_smoke"
   c.total_steps = 2
-  # Two prompts: their 8 responses each fit the 32 decode slots of one round,
-  # with tail batching's extra prompt; a random-weight model answers at
-  # length, so every prompt is up to max_new_tokens of CPU decoding.
-  c.rl.prompts_per_step = 2
+  # A random-weight model answers at length, so every response is
+  # max_new_tokens of CPU decoding, and a decode step costs what its busiest
+  # slot bucket (8, 16, 32) does. One prompt: its 8 responses and tail
+  # batching's extra prompt fill 16 slots; an evaluation's 2 prompts x (2
+  # sampled + greedy) fill 8.
+  c.rl.prompts_per_step = 1
   c.data.synth_train, c.data.synth_eval = 64, 8
-  c.eval.prompts = 2
+  c.eval.prompts, c.eval.samples_per_prompt = 2, 2
   # Tokens per device: a CPU trains one 2048-token row of the 7b smoke model
   # in 1.5 s, and longer rows cost more; prompts are then bounded by the
   # trainer's longest sequence.

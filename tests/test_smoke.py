@@ -35,6 +35,7 @@ SIZES = {
   "data.synth_train",
   "data.synth_eval",
   "eval.prompts",
+  "eval.samples_per_prompt",
   "sft.steps",
   "sft.eval_every",
   "sharding.capacity",

@@ -101,3 +101,29 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 _TREE = pytest.StashKey[set[str] | None]()
+
+
+# --- the two workers end together ------------------------------------------------------
+
+# xdist hands each worker a whole module at a time, in collection order
+# (`--no-loadscope-reorder` in pyproject.toml; its default orders modules by
+# test count). The modules that take a minute or more go first, longest first,
+# so the last module a worker takes is a short one (docs/testing.md has the
+# times).
+_LONGEST_FIRST = (
+  "test_smoke.py",
+  "test_multiprocess.py",
+  "test_grpo_learning.py",
+  "test_notebook.py",
+  "test_stream_trainer.py",
+  "test_strategies.py",
+  "test_faults.py",
+  "test_train_loop.py",
+  "test_strategy_swap.py",
+  "test_sft.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

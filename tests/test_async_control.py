@@ -351,6 +351,18 @@ def test_sync_and_fixed_modes():
     ac.AdmissionController(4, "adaptive")
 
 
+def test_no_rollout_starts_for_a_batch_past_the_last_step():
+  adm = ac.AdmissionController(4, "fixed", fixed_lag=2, total_steps=3)
+  assert adm.capacity(0) == 12  # 3 batches ahead, the run's last 3
+  adm.on_started(12)
+  assert adm.capacity(1) == 0 and adm.capacity(2) == 0  # lag 2 would allow 16, 20
+  adm.on_cancelled(3)  # an aborted round's rollouts are re-run
+  assert adm.capacity(2) == 3
+  uncapped = ac.AdmissionController(4, "fixed", fixed_lag=2)
+  uncapped.on_started(12)
+  assert uncapped.capacity(1) == 4
+
+
 def test_adaptive_admission_throttles_and_starts_balanced():
   adm = ac.AdmissionController.from_config(LAG, 4)
   assert adm.allowed_lag == round(0.5 * LAG.max_lag)  # the design starts at ratio 0.5

@@ -380,13 +380,15 @@ class AdmissionController:
   before the step that consumes it. A fractional lag lets that fraction of the
   next batch start before the update: the mean version gap is the lag. A
   rollout that was aborted and will be re-run is given back with
-  `on_cancelled`.
+  `on_cancelled`. A run of `total_steps` starts no rollout for a batch past
+  its last step: at most total_steps * batch_size ever start.
 
   Args:
     batch_size: prompts per training step.
     mode: "sync", "fixed" or "adaptive".
     fixed_lag: the lag in fixed mode.
     controller: the async controller (adaptive mode).
+    total_steps: the run's last step (None: no end).
   """
 
   def __init__(
@@ -396,6 +398,7 @@ class AdmissionController:
     *,
     fixed_lag: int | None = None,
     controller: AsyncController | None = None,
+    total_steps: int | None = None,
   ):
     if mode not in MODES:
       raise ValueError(f"coordinator.lag.mode must be one of {MODES}, got {mode!r}")
@@ -406,6 +409,7 @@ class AdmissionController:
     if mode == "adaptive" and controller is None:
       raise ValueError("adaptive mode needs an AsyncController")
     self.batch_size, self.mode = batch_size, mode
+    self.total_steps = total_steps
     self.fixed_lag = fixed_lag
     self.controller = controller
     self.started = 0
@@ -418,13 +422,14 @@ class AdmissionController:
     self._sync_until: int | None = None
 
   @classmethod
-  def from_config(cls, c, batch_size: int) -> AdmissionController:
+  def from_config(cls, c, batch_size: int, total_steps: int | None = None) -> AdmissionController:
     """From a `coordinator.lag` ConfigDict; every field must be set, in every mode."""
     return cls(
       batch_size,
       c.mode,
       fixed_lag=int(c.fixed_lag),
       controller=AsyncController(AdaptiveConfig.from_config(c)),
+      total_steps=total_steps,
     )
 
   @property
@@ -445,7 +450,10 @@ class AdmissionController:
 
   def capacity(self, current_step: int) -> int:
     """How many rollouts may start after `current_step` updates (never negative)."""
-    limit = math.floor((current_step + self.allowed_lag + 1) * self.batch_size + 1e-9)
+    steps = current_step + self.allowed_lag + 1
+    if self.total_steps is not None:
+      steps = min(steps, self.total_steps)
+    limit = math.floor(steps * self.batch_size + 1e-9)
     self._granted = max(self._granted, limit)
     return max(0, limit - self.started)
 

@@ -127,7 +127,9 @@ class Coordinator:
       continue_in=str(tail.continue_in),
     )
     batcher.start_epoch([])  # a streamed epoch: topped up from the loader
-    admission = async_control.AdmissionController.from_config(config.coordinator.lag, self._P)
+    admission = async_control.AdmissionController.from_config(
+      config.coordinator.lag, self._P, total_steps=int(config.total_steps)
+    )
     self._staleness_metric = async_control.StalenessMetric.from_config(config.coordinator.lag)
     self._producer = producer_lib.Producer(
       rollout,

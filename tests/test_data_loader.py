@@ -344,13 +344,13 @@ def test_no_segment_outlives_the_loader(data):
   _, rows = data
   if not os.path.isdir("/dev/shm"):
     pytest.skip("no /dev/shm to inspect")
-  # Python names its segments psm_*; sem.* are the queues' semaphores.
-  segments = lambda: {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
-  before = segments()
   with pipeline.ShadowLoader(rows, 4, CFG, num_workers=2, num_epochs=1) as loader:
     loader.next_batch()  # leave consumed and prefetched items behind
-  after = segments() - before
-  assert not after, after
+    prefix = loader.pool.segment_prefix
+    # Its workers' segments, not another process's (the other xdist worker).
+    ours = lambda: {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+    assert ours(), "the workers made no named segment to check"
+  assert not ours(), ours()
 
 
 def test_a_dataset_with_no_usable_sample_is_an_error(tmp_path):

@@ -19,6 +19,7 @@ and an item is evicted (its segment unlinked) once it has been consumed.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import threading
 import time
 from multiprocessing import shared_memory
@@ -28,9 +29,20 @@ import numpy as np
 PENDING, READY, FAILED = "pending", "ready", "failed"
 
 
-def write_shared(array: np.ndarray) -> str:
-  """Copies an array into a new shared-memory segment; returns its name."""
-  shm = shared_memory.SharedMemory(create=True, size=max(1, array.nbytes))
+def segment_prefix() -> str:
+  """A new prefix for one pool's segment names: `fluxjax_<8 hex>_`.
+
+  A segment left in /dev/shm by a killed run then says whose it was.
+  """
+  return f"fluxjax_{secrets.token_hex(4)}_"
+
+
+def write_shared(array: np.ndarray, prefix: str) -> str:
+  """Copies an array into a new shared-memory segment named `prefix` + 12
+  hex digits; returns its name."""
+  shm = shared_memory.SharedMemory(
+    name=prefix + secrets.token_hex(6), create=True, size=max(1, array.nbytes)
+  )
   try:
     np.ndarray(array.shape, array.dtype, buffer=shm.buf)[...] = array
     return shm.name

@@ -48,6 +48,7 @@ def _worker_main(
   transport: str,
   parent_pid: int | None = None,
   limits: media_lib.MediaLimits = media_lib.DEFAULT_LIMITS,
+  segment_prefix: str = "fluxjax_",
 ) -> None:
   """Worker loop: (media_id, kind, path) in, ("ok"|"failed", ...) out.
 
@@ -77,7 +78,7 @@ def _worker_main(
     slot = array = None
     if transport == "shm":
       try:
-        slot = store_lib.write_shared(pv.patches)
+        slot = store_lib.write_shared(pv.patches, segment_prefix)
       except OSError as e:
         # Not the file's fault: no shared-memory segment could be made (too
         # many open, or /dev/shm refused it). The item fails, counted like a
@@ -110,6 +111,10 @@ class WorkerPool:
     queue_size: bound of each worker's task queue.
     transport: "shm" (shared-memory slots) or "pickle" (arrays via queue).
     limits: size budgets every decode enforces from the file's header.
+
+  Attributes:
+    segment_prefix: the start of every shared-memory segment name the
+      pool's workers make (`store.segment_prefix`).
   """
 
   def __init__(
@@ -128,6 +133,7 @@ class WorkerPool:
     self.cfg, self.store, self.transport, self.limits = cfg, store, transport, limits
     self.patch_dim = 3 * cfg.temporal_patch_size * cfg.patch_size**2
     self._ctx = mp.get_context("spawn")
+    self.segment_prefix = store_lib.segment_prefix()
     self._queue_size = queue_size
     self._results = self._ctx.Queue()
     self._tasks: list[queues.Queue] = [self._ctx.Queue(queue_size) for _ in range(num_workers)]
@@ -162,6 +168,7 @@ class WorkerPool:
         self.transport,
         os.getpid(),
         self.limits,
+        self.segment_prefix,
       ),
     )
     proc.start()

@@ -105,6 +105,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.samples_per_prompt = 4
   c.eval.greedy = True
 
+  # Every `every` RL steps and at the last; also at step 0 after an SFT
+  # warm-up, so that a resumed run never repeats it.
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 5 if arg.variant == "tiny" else 25
 

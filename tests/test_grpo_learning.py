@@ -1,20 +1,23 @@
 """GRPO raises held-out accuracy on the image task, and only with the right sign.
 
 Two main jobs (`python -m fluxjax.train` on the colour task, one CPU device
-each, side by side) start from the same post-SFT policy: the warm-up
-is seeded, so both reach the same step-0 evaluation, which is asserted. One
-is rewarded with `accuracy`, the other with `accuracy_reversed` (1 -
-accuracy). GRPO's advantages are (r - mean) / std within a group, so the
-second run's advantages are exactly the first's with the sign flipped.
-Accuracy is sampled at the training temperature on held-out prompts
-(rl/evaluation.py). The first run must gain and the second must lose, each by
-more than the 95% interval of the difference; a sign or weighting error
-anywhere between the reward and the update (advantages, loss, importance
-weights, the stream update, publishing) fails one of them.
+each) start from the same post-SFT policy: the first runs the warm-up, which
+checkpoints the RL start as step 0, and the second resumes from a copy of that
+checkpoint (so it must not warm up again). One is rewarded with `accuracy`,
+the other with `accuracy_reversed` (1 - accuracy). GRPO's advantages are
+(r - mean) / std within a group, so the second run's advantages are exactly
+the first's with the sign flipped. Accuracy is sampled at the training
+temperature on held-out prompts (rl/evaluation.py). The first run must gain
+and the second must lose, each by more than the 95% interval of the
+difference; a sign or weighting error anywhere between the reward and the
+update (advantages, loss, importance weights, the stream update, publishing)
+fails one of them.
 """
 
 import math
+import shutil
 import subprocess
+import time
 
 import pytest
 
@@ -49,35 +52,51 @@ def command(workdir, reward: str) -> list[str]:
   return train_command(workdir, overrides)
 
 
+def _start(workdir, reward: str, log_path):
+  log = open(log_path, "w")
+  proc = subprocess.Popen(
+    command(workdir, reward), cwd=ROOT, env=server_env(), stdout=log, stderr=subprocess.STDOUT
+  )
+  return proc, log
+
+
+def _wait_for_checkpoint(workdir, proc, log_path, timeout=600):
+  """Waits until checkpoint 0 (the RL start) is complete: renamed into place."""
+  done = workdir / "checkpoints" / "0"
+  deadline = time.time() + timeout
+  while not done.exists():
+    assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
+    time.sleep(0.5)
+  return done
+
+
 @pytest.mark.slow
 def test_grpo_raises_held_out_accuracy_and_a_flipped_sign_lowers_it(tmp_path):
-  runs = {}
-  for reward in RL_STEPS:
-    workdir = tmp_path / reward
-    log = open(tmp_path / f"{reward}.log", "w")
-    proc = subprocess.Popen(
-      command(workdir, reward), cwd=ROOT, env=server_env(), stdout=log, stderr=subprocess.STDOUT
-    )
-    runs[reward] = (workdir, proc, log)
-  evals = {}
+  first, flipped = tmp_path / "accuracy", tmp_path / "accuracy_reversed"
+  logs = {name: tmp_path / f"{name}.log" for name in RL_STEPS}
+  runs = {"accuracy": _start(first, "accuracy", logs["accuracy"])}
   try:
-    for reward, (workdir, proc, _) in runs.items():
-      assert proc.wait(timeout=900) == 0, (tmp_path / f"{reward}.log").read_text()[-3000:]
+    start_ckpt = _wait_for_checkpoint(first, runs["accuracy"][0], logs["accuracy"])
+    shutil.copytree(start_ckpt, flipped / "checkpoints" / "0")
+    runs["accuracy_reversed"] = _start(flipped, "accuracy_reversed", logs["accuracy_reversed"])
+    evals = {}
+    for reward, (proc, _) in runs.items():
+      assert proc.wait(timeout=900) == 0, logs[reward].read_text()[-3000:]
+      workdir = tmp_path / reward
       evals[reward] = {
         r["step"]: r for r in metrics.read_metrics(str(workdir)) if "eval/accuracy" in r
       }
   finally:  # a failed run must not leave the other one running
-    for _, proc, log in runs.values():
+    for proc, log in runs.values():
       proc.kill()
       proc.wait()
       log.close()
+  # The second run started from the first one's RL start, without a warm-up.
+  flipped_log = logs["accuracy_reversed"].read_text()
+  assert "resumed from step 0" in flipped_log and "SFT warm-up" not in flipped_log
   start = evals["accuracy"][0]
   end = evals["accuracy"][RL_STEPS["accuracy"]]
-  flipped_start = evals["accuracy_reversed"][0]
   flipped_end = evals["accuracy_reversed"][RL_STEPS["accuracy_reversed"]]
-
-  # The same post-SFT policy: the warm-up and the step-0 evaluation are seeded.
-  assert flipped_start["eval/accuracy"] == start["eval/accuracy"]
   assert start["eval/accuracy"] <= 0.55, start  # headroom left for GRPO
 
   def ci(a, b):  # the 95% half-interval of a difference of two evaluations

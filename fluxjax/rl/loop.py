@@ -358,9 +358,10 @@ def _loop(config, workdir: str, built: Built, stack: contextlib.ExitStack) -> tu
   stack.callback(eval_loader.close)
   eval_samples = eval_loader.next_batch()
   last = {}
-  if first == 0:
+  if restored is None:
     # Warm-up for GRPO (none without RL steps); logged at steps -sft.steps..0.
-    if sft.runs(config):
+    warm_up = sft.runs(config)
+    if warm_up:
       sft.warm_up(
         coord,
         config,
@@ -370,6 +371,8 @@ def _loop(config, workdir: str, built: Built, stack: contextlib.ExitStack) -> tu
         lambda: coord.evaluate(eval_samples),
       )
     writer.write(0, coord.evaluate(eval_samples))
+    if warm_up:  # checkpoint 0, the RL start: a resumed run never repeats the warm-up
+      policy.save(0, *coord.get_state(), force=True)
   if first < config.total_steps:
     if reference.needed(config):
       policy.set_reference(fresh=first == 0)

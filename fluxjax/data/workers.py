@@ -48,7 +48,8 @@ def _worker_main(
   transport: str,
   parent_pid: int | None = None,
   limits: media_lib.MediaLimits = media_lib.DEFAULT_LIMITS,
-  segment_prefix: str = "fluxjax_",
+  *,
+  segment_prefix: str,
 ) -> None:
   """Worker loop: (media_id, kind, path) in, ("ok"|"failed", ...) out.
 
@@ -168,8 +169,8 @@ class WorkerPool:
         self.transport,
         os.getpid(),
         self.limits,
-        self.segment_prefix,
       ),
+      kwargs={"segment_prefix": self.segment_prefix},
     )
     proc.start()
     return proc

@@ -48,7 +48,11 @@ PANELS = (
   ),
   Panel("accuracy_by_difficulty", "held-out accuracy by difficulty", (), also=("eval/accuracy/",)),
   Panel("accuracy_by_task", "held-out accuracy by task", (), also=("eval/task/",)),
-  Panel("response_length", "response length (tokens)", ("rollout/response_len_mean",)),
+  Panel(
+    "response_length",
+    "response length (tokens)",
+    ("rollout/response_len_p50", "rollout/response_len_mean", "rollout/response_len_p99"),
+  ),
   Panel("staleness", "staleness", ("async/staleness", "async/version_gap_mean")),
   Panel("throughput", "tokens / s", ("perf/tokens_per_s",)),
   Panel("sft_loss", "SFT warm-up loss", ("sft/loss",)),

@@ -314,6 +314,53 @@ def test_dynamic_sampling_trains_only_groups_with_signal(parts):
   assert {f"q{u}" for u in data.released} >= set(trained)
 
 
+def test_a_step_records_the_percentiles_of_its_response_lengths(parts):
+  """`rollout/response_len_{mean,p50,p99,max}` are over every trained
+  response: lengths 1..8 within each group, and one 60-token response, whose
+  tail moves p99 and the max but not the median."""
+  from fluxjax.models.tokenizer import Tokenizer
+
+  config = parts[0].copy_and_resolve_references()
+  config.rl.prompts_per_step, config.rl.responses_per_prompt = 2, 8
+  config.rollout.tail_batching.eta = 1.0  # every launched response is trained
+  samples = [
+    meta_lib.SampleMeta(uid=i, id=f"q{i}", prompt=f"Q{i}?", answer="red") for i in range(8)
+  ]
+  backend, lengths = _Backend(), {}  # group (the sample's uid) -> response lengths
+
+  async def varied(body, group=None):
+    n = 60 if not lengths else sum(map(len, lengths.values())) % 8 + 1
+    lengths.setdefault(group, []).append(n)
+    text = f"<answer>{body['rid']}</answer>"
+    return dataclasses.replace(completion([1] * n, [-0.1] * n), rid=body["rid"], text=text)
+
+  backend.generate = varied
+  with (
+    backend_lib.LoopThread() as thread,
+    thread.running(backend),
+    rewards.RewardScheduler(1, "fault_rewards:signal_unless_numeric") as scheduler,
+    coordinator_lib.Coordinator(
+      config,
+      Tokenizer.default(),
+      _RecordingPolicy(parts[1]),
+      _Data(samples),
+      backend,
+      scheduler,
+      thread=thread,
+    ) as c,
+  ):
+    result = c.step()
+  m = result.metrics
+  # The next step's rounds may have started; only this step's groups count.
+  trained = [n for uid, ns in lengths.items() if f"q{uid}" in result.trained for n in ns]
+  assert len(trained) == 16 and sorted(trained)[-2:] == [8, 60]
+  assert m["rollout/response_len_mean"] == pytest.approx(np.mean(trained))
+  assert m["rollout/response_len_p50"] == pytest.approx(np.median(trained))
+  assert m["rollout/response_len_p99"] == pytest.approx(np.percentile(trained, 99))
+  assert m["rollout/response_len_p50"] < 8 < m["rollout/response_len_p99"] < 60
+  assert m["rollout/response_len_max"] == 60
+
+
 def test_refused_updates_publish_nothing_and_too_many_in_a_row_stop(parts, caplog):
   """Updates the device refused (non-finite) keep the policy version and are
   counted with their prompts logged; `optim.max_consecutive_nonfinite` in a

@@ -81,6 +81,17 @@ class StepResult:
   trained: list[str]  # sample ids trained this step, in order
 
 
+def response_length_metrics(lengths: Sequence[int]) -> dict[str, float]:
+  """The step's response lengths in tokens: mean, median, 99th percentile, max."""
+  p50, p99 = np.percentile(lengths, [50, 99])
+  return {
+    "rollout/response_len_mean": float(np.mean(lengths)),
+    "rollout/response_len_p50": float(p50),
+    "rollout/response_len_p99": float(p99),
+    "rollout/response_len_max": float(np.max(lengths)),
+  }
+
+
 class Coordinator:
   """Owns the per-step flow; the run loop (rl/loop.py) owns the schedule.
 
@@ -363,8 +374,7 @@ class Coordinator:
     host = {
       "rollout/reward_mean": float(np.mean(all_rewards)),
       "rollout/accuracy": float(np.mean([r >= 1.0 for r in all_rewards])),
-      "rollout/response_len_mean": float(np.mean(lengths)),
-      "rollout/response_len_max": float(np.max(lengths)),
+      **response_length_metrics(lengths),
       "rollout/wait_seconds": t_rollout,
       "rollout/rounds": float(len(rounds)),
       "rollout/filtered_groups": float(filtered),

@@ -28,9 +28,16 @@ from collections.abc import Callable
 import jax
 
 from fluxjax.models.attention_blocked import blocked_attention
-from fluxjax.models.attention_xla import segment_mask, xla_attention
+from fluxjax.models.attention_xla import decode_attention, segment_mask, xla_attention
 
-__all__ = ["attention", "default_backend", "register_backend", "segment_mask", "xla_attention"]
+__all__ = [
+  "attention",
+  "decode_attention",
+  "default_backend",
+  "register_backend",
+  "segment_mask",
+  "xla_attention",
+]
 
 _BACKENDS: dict[str, Callable] = {"xla": xla_attention, "xla_blocked": blocked_attention}
 

@@ -19,6 +19,9 @@ sections, given by the caller.
 
 Shapes: L layers, S slots, C cache capacity (tokens per slot), K kv heads,
 H head dim, N query heads, D width, V vocabulary, P prefill bucket length.
+The cache is kv-head-major, [L, S, K, C, H] (FlashInfer's HND): a decode
+step's two products then batch over (slot, kv head) without transposing
+what it reads.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ _UINT_OF_WIDTH = {2: jnp.uint16, 4: jnp.uint32}
 
 @dataclasses.dataclass
 class KVCache:
-  """Keys and values of every slot, all layers stacked: [L, S, C, K, H].
+  """Keys and values of every slot, all layers stacked: [L, S, K, C, H].
 
   The arrays hold the bits of `dtype` (an unsigned integer of its width);
   `keys`/`values` view what a step reads as `dtype`. XLA:CPU has no bf16
@@ -48,46 +51,51 @@ class KVCache:
   place on every backend.
   """
 
-  k_LSCKH: jax.Array
-  v_LSCKH: jax.Array
+  k_LSKCH: jax.Array
+  v_LSKCH: jax.Array
   dtype: jnp.dtype
 
   @classmethod
-  def from_values(cls, k_LSCKH: jax.Array, v_LSCKH: jax.Array) -> KVCache:
-    return cls(_bits(k_LSCKH), _bits(v_LSCKH), k_LSCKH.dtype)
+  def from_values(cls, k_LSKCH: jax.Array, v_LSKCH: jax.Array) -> KVCache:
+    return cls(_bits(k_LSKCH), _bits(v_LSKCH), k_LSKCH.dtype)
 
   @property
   def num_slots(self) -> int:
-    return self.k_LSCKH.shape[1]
+    return self.k_LSKCH.shape[1]
 
   @property
   def capacity(self) -> int:
-    return self.k_LSCKH.shape[2]
+    return self.k_LSKCH.shape[3]
 
   def keys(self, layer: jax.Array, slots: int, window: int) -> jax.Array:
-    """[slots, window, K, H] keys of `layer`'s first `slots` slots."""
-    return jax.lax.bitcast_convert_type(self.k_LSCKH[layer, :slots, :window], self.dtype)
+    """[slots, K, window, H] keys of `layer`'s first `slots` slots."""
+    return jax.lax.bitcast_convert_type(self.k_LSKCH[layer, :slots, :, :window], self.dtype)
 
   def values(self, layer: jax.Array, slots: int, window: int) -> jax.Array:
-    """[slots, window, K, H] values of `layer`'s first `slots` slots."""
-    return jax.lax.bitcast_convert_type(self.v_LSCKH[layer, :slots, :window], self.dtype)
+    """[slots, K, window, H] values of `layer`'s first `slots` slots."""
+    return jax.lax.bitcast_convert_type(self.v_LSKCH[layer, :slots, :, :window], self.dtype)
 
   def write_tokens(self, layer, lengths_S, k_SKH, v_SKH) -> KVCache:
     """One key/value for each of the first S slots, at index lengths_S[s] of slot s."""
-    index = (layer, jnp.arange(lengths_S.shape[0]), lengths_S)
-    k = self.k_LSCKH.at[index].set(_bits(k_SKH.astype(self.dtype)))
-    v = self.v_LSCKH.at[index].set(_bits(v_SKH.astype(self.dtype)))
+    # Advanced indices apart: the indexed [S, K, H] block leads with the slots.
+    index = (layer, jnp.arange(lengths_S.shape[0]), slice(None), lengths_S)
+    k = self.k_LSKCH.at[index].set(_bits(k_SKH.astype(self.dtype)))
+    v = self.v_LSKCH.at[index].set(_bits(v_SKH.astype(self.dtype)))
     return KVCache(k, v, self.dtype)
 
   def write_prompt(self, layer, slot, k_1PKH, v_1PKH) -> KVCache:
     """A prompt's keys/values into `slot` from index 0."""
     start = (layer, slot, 0, 0, 0)
-    k = jax.lax.dynamic_update_slice(self.k_LSCKH, _bits(k_1PKH.astype(self.dtype))[None], start)
-    v = jax.lax.dynamic_update_slice(self.v_LSCKH, _bits(v_1PKH.astype(self.dtype))[None], start)
+
+    def block(x_1PKH):  # [1, 1, K, P, H] bits
+      return _bits(x_1PKH.astype(self.dtype).transpose(0, 2, 1, 3))[None]
+
+    k = jax.lax.dynamic_update_slice(self.k_LSKCH, block(k_1PKH), start)
+    v = jax.lax.dynamic_update_slice(self.v_LSKCH, block(v_1PKH), start)
     return KVCache(k, v, self.dtype)
 
 
-jax.tree_util.register_dataclass(KVCache, data_fields=["k_LSCKH", "v_LSCKH"], meta_fields=["dtype"])
+jax.tree_util.register_dataclass(KVCache, data_fields=["k_LSKCH", "v_LSKCH"], meta_fields=["dtype"])
 
 
 def _bits(x: jax.Array) -> jax.Array:
@@ -96,7 +104,7 @@ def _bits(x: jax.Array) -> jax.Array:
 
 def cache_shape(model: vlm.Qwen25VL, num_slots: int, capacity: int) -> tuple[int, ...]:
   t = model.cfg.text
-  return (t.num_layers, num_slots, capacity, t.num_kv_heads, t.head_dim)
+  return (t.num_layers, num_slots, t.num_kv_heads, capacity, t.head_dim)
 
 
 def init_cache(
@@ -227,27 +235,13 @@ def decode_step(
   x = model.model.embed(tokens_S[:, None], model.dtype)  # [S, 1, D]
   positions = jnp.broadcast_to(rope_pos_S[None, :, None], (3, s, 1))
   cos, sin = text.mrope_cos_sin(positions, model.cfg.text)
-  ones_S1 = jnp.ones((s, 1), jnp.int32)
-  ones_SC = jnp.ones((s, c), jnp.int32)
-  kv_pos_SC = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32)[None], (s, c))
-  q_pos_S1 = lengths_S[:, None].astype(jnp.int32)
 
   def body(layer, i, carry):
     x, cache = carry
     q, k, v = _qkv(layer, layer.input_layernorm(x), cos, sin)
     cache = cache.write_tokens(i, lengths_S, k[:, 0], v[:, 0])
-    # One query per slot: the reference attention is the right tool (a
-    # flash kernel gains nothing at query length 1).
-    out = attn_lib.xla_attention(
-      q,
-      cache.keys(i, s, c),
-      cache.values(i, s, c),
-      q_segment_ids=ones_S1,
-      kv_segment_ids=ones_SC,
-      q_positions=q_pos_S1,
-      kv_positions=kv_pos_SC,
-      causal=True,
-    )
+    # One query per slot: a flash kernel gains nothing at query length 1.
+    out = attn_lib.decode_attention(q[:, 0], cache.keys(i, s, c), cache.values(i, s, c), lengths_S)
     x = x + layer.self_attn.o_proj(out)
     x = x + layer.mlp(layer.post_attention_layernorm(x))
     return x, cache

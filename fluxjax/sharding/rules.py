@@ -66,10 +66,10 @@ def partition_spec(
   return P(*spec)
 
 
-# The rollout engine's KV cache [layers, slots, capacity, kv heads, head dim]:
+# The rollout engine's KV cache [layers, slots, kv heads, capacity, head dim]:
 # slots over the batch axes where they divide (no reduction is split), else
 # the heads, else the head dim over the parameter axes.
-KV_CACHE_AXES = (axes.LAYERS, axes.ACT_BATCH, None, axes.KV_HEADS, axes.HEAD_DIM)
+KV_CACHE_AXES = (axes.LAYERS, axes.ACT_BATCH, axes.KV_HEADS, None, axes.HEAD_DIM)
 
 
 def kv_cache_sharding(shape: Sequence[int], mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:

@@ -256,6 +256,12 @@ def test_evaluate_samples_at_the_training_temperature_and_summarizes(coord, part
   assert out[f"eval/pass@{k}"] == 1.0 and out["eval/accuracy_greedy"] == 1.0
   assert out["eval/accuracy/easy"] == out["eval/accuracy/hard"] == pytest.approx(1 / k)
   assert out["eval/prompts"] == 3 and out["eval/samples"] == 3 * k
+  # Every request stops at EOS and at the vision markup ids.
+  tok = c.tokenizer
+  for _, b in backend.requests:
+    stops = set(b["sampling_params"]["stop_token_ids"])
+    assert stops == {*tok.eos_ids, tok.image_pad_id, tok.video_pad_id, tok.vision_start_id,
+                     tok.vision_end_id, tok.vision_pad_id}  # fmt: skip
 
 
 def test_dynamic_sampling_trains_only_groups_with_signal(parts):

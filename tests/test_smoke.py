@@ -12,7 +12,6 @@ variants through the `python -m fluxjax.rollout.server` process they launch.
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 
@@ -108,14 +107,9 @@ def test_the_smoke_run_from_the_command_line(variant, tmp_path):
   assert summary["last_step"] == 2
   assert summary["start"]["step"] == 0 and summary["end"]["step"] == 2
   assert "run summary" in out.stderr and "python -m fluxjax.plot" in out.stderr
-  # Random weights sample media pads; a server refuses to continue such a
-  # partial response, which is then generated again (counted). No other fault.
-  faults = summary["faults"]
-  assert set(faults) <= {"rollout/restarted_total", "rollout/tokens_discarded_total"}, faults
-  refused = re.findall(r"continuation of .* refused \((.*)\)", (workdir / "train.log").read_text())
-  # (a round still in flight when the run ends logs refusals no step counts)
-  assert len(refused) >= faults.get("rollout/restarted_total", 0)
-  assert all("placeholder" in why for why in refused), refused
+  # Random weights sample vision pad ids; a response ends at one
+  # (Tokenizer.response_stop_ids), so nothing is refused or discarded.
+  assert summary["faults"] == {}, summary["faults"]
   steps = [r for r in metrics.read_metrics(str(workdir)) if "train/loss" in r]
   assert [r["step"] for r in steps] == [1, 2]
   assert all(math.isfinite(r["train/loss"]) and r["train/sequences"] > 0 for r in steps)

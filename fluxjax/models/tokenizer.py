@@ -172,6 +172,29 @@ class Tokenizer:
     return (self.im_end_id, self.endoftext_id)
 
   @property
+  def vision_ids(self) -> tuple[int, ...]:
+    """The vision markup: span delimiters and the pads media expand into."""
+    return (
+      self.vision_start_id,
+      self.vision_end_id,
+      self.vision_pad_id,
+      self.image_pad_id,
+      self.video_pad_id,
+    )
+
+  @property
+  def response_stop_ids(self) -> tuple[int, ...]:
+    """Where a rollout response ends: EOS, or any vision markup id.
+
+    A response cannot hold media, and a partial response holding a pad id
+    can never be continued (no server takes a prompt whose placeholders have
+    no media), so sampling one ends the response there; it is trained like
+    an EOS. A trained policy does not sample them; a random one does, about
+    once in a hundred tokens of the tiny vocabulary.
+    """
+    return (*self.eos_ids, *self.vision_ids)
+
+  @property
   def pad_id(self) -> int:
     """Qwen pads with <|endoftext|>."""
     return self.endoftext_id

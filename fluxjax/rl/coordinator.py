@@ -232,7 +232,7 @@ class Coordinator:
     params = {
       "max_new_tokens": int(rl.max_new_tokens),
       "temperature": 0.0 if greedy else float(rl.temperature),
-      "stop_token_ids": list(self._tokenizer.eos_ids),
+      "stop_token_ids": list(self._tokenizer.response_stop_ids),
     }
     if self._config.rollout.seeded:
       params["sampling_seed"] = sampling_seed(int(self._config.seed), sample.uid, index)

@@ -563,8 +563,10 @@ async def run_round(
   def restart(key: Key, why: BaseException | None) -> None:
     """A continuation the backend refused: the response starts again from scratch.
 
-    It happens when the partial tokens cannot be a prompt (a vision
-    placeholder id sampled without its media); those tokens are discarded.
+    It happens when the partial tokens cannot be a prompt (a vision pad id
+    without its media: requests stop at vision ids, Tokenizer.response_stop_ids,
+    so only a backend that ignores stop_token_ids gets there); those tokens
+    are discarded.
     """
     prefix = so_far.pop(key)
     earlier = len(prefix.output_ids) - new_tokens.pop(key, 0)

@@ -368,6 +368,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # mix 80 left 0.37 and a smaller gain, 300 left no headroom (bench/README.md).
   c.sft.steps = 60
   c.sft.batch_size = 32
+  # The difficulty labels the warm-up teaches; training rows with another
+  # label are left to RL, rows without one are always taught. () = all.
+  c.sft.levels = ()
   c.sft.lr = 2e-3
   c.sft.warmup_steps = 10
   c.sft.end_lr_frac = 0.1

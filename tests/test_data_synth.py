@@ -137,6 +137,7 @@ def test_readers_accept_rl_rows_in_jsonl_and_parquet(tmp_path):
     "source": "geo3k",
     "task": "",
     "difficulty": "",
+    "solution": "",
   }
   assert b["id"] == "x" and b["videos"] == ["/abs/v.mp4"]
   assert b["answer"] == "red" and b["prompt"] == "Which colour?"

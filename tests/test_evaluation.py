@@ -45,3 +45,11 @@ def test_greedy_and_difficulty_breakdown():
     evaluation.summarize([[1, 0], [1]])
   with pytest.raises(ValueError, match="3 greedy scores for 4 prompts"):
     evaluation.summarize(scores, greedy=[1, 0, 0])
+
+
+def test_length_bands_of_the_reference_response():
+  bands = [evaluation.length_band(n) for n in (1, 16, 17, 32, 33, 48, 49, 300)]
+  assert bands == ["00-16", "00-16", "17-32", "17-32", "33-48", "33-48", "49+", "49+"]
+  scores = [[1, 1], [0, 1], [0, 0]]
+  out = evaluation.summarize(scores, bands=["00-16", "00-16", "49+"])
+  assert out["eval/band/00-16"] == 0.75 and out["eval/band/49+"] == 0.0

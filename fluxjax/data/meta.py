@@ -128,6 +128,8 @@ class SampleMeta:
     error: why the sample cannot be used (probing failed), else None.
     difficulty: the row's difficulty label ("" = none), for evaluation.
     task: the row's task name ("" = none), for evaluation.
+    solution: the reference reasoning before the answer ("" = none), which
+      the SFT warm-up teaches.
   """
 
   uid: int
@@ -139,6 +141,7 @@ class SampleMeta:
   error: str | None = None
   difficulty: str = ""
   task: str = ""
+  solution: str = ""
 
   def messages(self) -> list[dict]:
     """Chat messages for `fluxjax.models.inputs.sequence_from_chat`."""
@@ -242,6 +245,7 @@ class ToMeta:
       source=row.get("source", ""),
       difficulty=row.get("difficulty", ""),
       task=row.get("task", ""),
+      solution=row.get("solution", ""),
     )
     items: list[tuple[processor.Kind, str]] = [("image", p) for p in row.get("images", ())]
     items += [("video", p) for p in row.get("videos", ())]

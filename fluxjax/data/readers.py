@@ -52,7 +52,8 @@ def _paths(value: Any, base_dir: str) -> list[str]:
 
 
 def normalize_row(raw: dict, index: int, base_dir: str) -> dict:
-  """One raw dataset row -> {id, prompt, answer, images, videos, source, task, difficulty}.
+  """One raw dataset row -> {id, prompt, answer, images, videos, source, task,
+  difficulty, solution}.
 
   Args:
     raw: the row as stored.
@@ -74,6 +75,8 @@ def normalize_row(raw: dict, index: int, base_dir: str) -> dict:
     "source": str(raw.get("source", raw.get("data_source", ""))),
     "task": str(raw.get("task", "")),  # the reward function's hint
     "difficulty": str(raw.get("difficulty", "")),  # evaluation breaks accuracy down by it
+    # The reference reasoning before the answer (the SFT warm-up's <think> span).
+    "solution": str(raw.get("solution") or ""),
   }
 
 

@@ -46,7 +46,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import fractions
+import hashlib
 import json
+import logging
 import os
 import time
 
@@ -56,9 +58,11 @@ import PIL.Image
 import PIL.ImageDraw
 import PIL.ImageFont
 
-from fluxjax.data import distributions, visual_tasks
+from fluxjax.data import cot_tasks, distributions, visual_tasks
 from fluxjax.data.drawing import BACKGROUND, draw_shape
 from fluxjax.models.tokenizer import COLORS, SHAPES
+
+log = logging.getLogger(__name__)
 
 MIXES = {
   "image_heavy": (5, 2, 1),
@@ -73,7 +77,11 @@ MIXES = {
   # The shapes tasks with two reasoning tasks (bench/README.md: with the tiny
   # preset GRPO lifts only the shapes tasks of it).
   "mixed": {"colour": 1, "shape_count": 1, "count_colour": 1, "colour_changes": 1},
-  # The tiny preset's default RL task: the shapes colour task, counting by a
+  # Tasks whose worked solution grows with the instance
+  # (fluxjax/data/cot_tasks.py): a scan of an image before a count, the
+  # segments of a clip before a count of changes, column addition in text.
+  "reasoning_cot": {task: 1 for task in cot_tasks.TASKS},
+  # The shapes colour task, counting by a
   # named colour (an image) and the colour at the end of a clip (a video).
   # GRPO lifts both colour tasks from the pixels in minutes on a CPU; on the
   # count it learns only the answer prior (bench/README.md).
@@ -219,7 +227,7 @@ def shape_count_image(rng: np.random.Generator, size: int):
 
 SHAPES_TASKS = {"colour": colour_image, "shape_count": shape_count_image}
 # Every small-picture task is a mix of its own too (`--config.data.mix=colour`).
-MIXES.update({task: {task: 1} for task in (*SHAPES_TASKS, *visual_tasks.TASKS)})
+MIXES.update({task: {task: 1} for task in (*SHAPES_TASKS, *visual_tasks.TASKS, *cot_tasks.TASKS)})
 
 
 def _segments(rng: np.random.Generator, num_frames: int):
@@ -353,14 +361,13 @@ def make_shapes_sample(
 
 
 def make_reasoning_sample(
-  i: int, task: str, rng: np.random.Generator, out_dir: str, prefix: str
+  i: int, sample: visual_tasks.Sample, out_dir: str, prefix: str, source: str = "reasoning"
 ) -> dict:
-  """One sample of the `reasoning` mix: a PNG, or an MP4 at VIDEO_FPS."""
+  """The manifest row of a drawn task sample, its PNG or MP4 (VIDEO_FPS) written."""
   sid = f"{prefix}-{i:06d}"
-  sample = visual_tasks.draw(rng, task)
   row = {
     "id": sid,
-    "source": "reasoning",
+    "source": source,
     "images": [],
     "videos": [],
     "prompt": sample.question,
@@ -368,12 +375,13 @@ def make_reasoning_sample(
     "task": sample.task,
     "difficulty": sample.difficulty,
   }
+  if sample.solution is not None:
+    row["solution"] = sample.solution
   if sample.image is not None:
     rel = os.path.join("media", f"{sid}.png")
     sample.image.save(os.path.join(out_dir, rel))
     row["images"] = [rel]
-  else:
-    assert sample.frames is not None, "a task draws an image or frames"
+  elif sample.frames is not None:
     frames = sample.frames
     rel = os.path.join("media", f"{sid}.mp4")
     f, h, w, _ = frames.shape
@@ -382,7 +390,63 @@ def make_reasoning_sample(
   return row
 
 
-def generate(out_dir: str, mix: str, n: int, seed: int, cfg: SynthConfig = SynthConfig()) -> str:
+def content_key(row: dict, out_dir: str) -> str:
+  """What makes two items the same: prompt, answer and media bytes (a hash)."""
+  h = hashlib.sha256(json.dumps([row["prompt"], row.get("answer")]).encode())
+  for rel in [*row.get("images", ()), *row.get("videos", ())]:
+    with open(os.path.join(out_dir, rel), "rb") as f:
+      h.update(f.read())
+  return h.hexdigest()
+
+
+def content_keys(manifest: str) -> frozenset[str]:
+  """The content keys of a written manifest's rows (computed where a row has none)."""
+  out_dir = os.path.dirname(manifest)
+  with open(manifest) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  return frozenset(row.get("content") or content_key(row, out_dir) for row in rows)
+
+
+def _task_row(
+  i: int, task: str, seed: int, out_dir: str, cfg: SynthConfig, prefix: str, decks
+) -> dict:
+  """Row i of a task-weighted mix; its own generator, so rows do not depend on
+  how many draws earlier rows made (the CoT answer decks aside)."""
+  child = np.random.default_rng([seed, i])
+  if task in cot_tasks.TASKS:
+    level = str(child.choice(visual_tasks.LEVELS, p=cot_tasks.LEVEL_P))
+    sample = cot_tasks.draw(child, task, level, decks.deal(task, level))
+    return make_reasoning_sample(i, sample, out_dir, prefix, source="reasoning_cot")
+  if task in visual_tasks.TASKS:
+    return make_reasoning_sample(i, visual_tasks.draw(child, task), out_dir, prefix)
+  return make_shapes_sample(i, task, child, out_dir, cfg, prefix)
+
+
+def _row(i: int, mix: str, rng, seed: int, out_dir: str, cfg: SynthConfig, decks) -> dict:
+  weights = MIXES[mix]
+  prefix = f"{mix}-s{seed}"
+  if isinstance(weights, dict):  # task weights (the small-picture mixes)
+    tasks = sorted(weights)
+    p = np.asarray([weights[t] for t in tasks], np.float64)
+    task = tasks[rng.choice(len(tasks), p=p / p.sum())]
+    return _task_row(i, task, seed, out_dir, cfg, prefix, decks)
+  if weights is None:
+    source = None
+  else:
+    p = np.asarray(weights, np.float64)
+    source = SOURCES[rng.choice(3, p=p / p.sum())]
+  # One child generator per sample, as in _task_row.
+  return make_sample(i, source, np.random.default_rng([seed, i]), out_dir, cfg, prefix)
+
+
+def generate(
+  out_dir: str,
+  mix: str,
+  n: int,
+  seed: int,
+  cfg: SynthConfig = SynthConfig(),
+  exclude: frozenset[str] = frozenset(),
+) -> str:
   """Writes n samples of a mix under out_dir; returns the manifest's path.
 
   Args:
@@ -391,39 +455,38 @@ def generate(out_dir: str, mix: str, n: int, seed: int, cfg: SynthConfig = Synth
     n: number of samples.
     seed: generator seed; the same seed writes the same dataset.
     cfg: size knobs.
+    exclude: content keys (`content_key`) no row may have, e.g. the training
+      set's for a held-out set: such a draw is dropped (its media removed,
+      counted in the log) and the next one taken, until n rows are written.
 
   Returns:
-    Path of out_dir/manifest.jsonl (one JSON row per sample).
+    Path of out_dir/manifest.jsonl (one JSON row per sample, with its
+    `content` key).
   """
   if mix not in MIXES:
     raise ValueError(f"mix must be one of {sorted(MIXES)}, got {mix!r}")
   os.makedirs(os.path.join(out_dir, "media"), exist_ok=True)
   rng = np.random.default_rng(seed)
-  weights = MIXES[mix]
+  # The answer decks draw from a stream of their own (rows use [seed, i]).
+  decks = cot_tasks.AnswerDecks(np.random.default_rng([seed, 1 << 32]))
   manifest = os.path.join(out_dir, "manifest.jsonl")
+  written, dropped, i = 0, 0, 0
   with open(manifest, "w") as f:
-    for i in range(n):
-      if isinstance(weights, dict):  # task weights (the small-picture mixes)
-        tasks = sorted(weights)
-        p = np.asarray([weights[t] for t in tasks], np.float64)
-        task = tasks[rng.choice(len(tasks), p=p / p.sum())]
-        child = np.random.default_rng([seed, i])
-        if task in visual_tasks.TASKS:
-          row = make_reasoning_sample(i, task, child, out_dir, f"{mix}-s{seed}")
-        else:
-          row = make_shapes_sample(i, task, child, out_dir, cfg, f"{mix}-s{seed}")
-        f.write(json.dumps(row) + "\n")
+    while written < n:
+      row = _row(i, mix, rng, seed, out_dir, cfg, decks)
+      i += 1
+      row["content"] = content_key(row, out_dir)
+      if row["content"] in exclude:
+        dropped += 1
+        for rel in [*row["images"], *row["videos"]]:
+          os.remove(os.path.join(out_dir, rel))
+        if dropped > 10 * n + 100:
+          raise ValueError(f"{mix}: {dropped} draws all repeat excluded items")
         continue
-      if weights is None:
-        source = None
-      else:
-        p = np.asarray(weights, np.float64)
-        source = SOURCES[rng.choice(3, p=p / p.sum())]
-      # One child generator per sample: a row does not depend on how many
-      # random draws earlier rows made beyond their own index.
-      child = np.random.default_rng([seed, i])
-      row = make_sample(i, source, child, out_dir, cfg, f"{mix}-s{seed}")
       f.write(json.dumps(row) + "\n")
+      written += 1
+  if dropped:
+    log.info("%s: dropped %d draws identical to excluded items", out_dir, dropped)
   return manifest
 
 

@@ -64,6 +64,8 @@ class Sample:
     answer: the reference answer.
     image: the picture (image tasks), else None.
     frames: uint8 [F, H, W, 3] (video tasks), else None.
+    solution: the worked steps before the answer (data/cot_tasks.py), or
+      None where the answer is given directly.
   """
 
   task: str
@@ -72,9 +74,10 @@ class Sample:
   answer: str
   image: PIL.Image.Image | None = None
   frames: np.ndarray | None = None
+  solution: str | None = None
 
 
-def _canvas(size: int = IMAGE_SIZE) -> tuple[PIL.Image.Image, PIL.ImageDraw.ImageDraw]:
+def canvas(size: int = IMAGE_SIZE) -> tuple[PIL.Image.Image, PIL.ImageDraw.ImageDraw]:
   image = PIL.Image.new("RGB", (size, size), BACKGROUND)
   return image, PIL.ImageDraw.Draw(image)
 
@@ -83,14 +86,14 @@ def _colours(rng: np.random.Generator, k: int) -> list[str]:
   return [str(c) for c in rng.permutation(COLORS)[:k]]
 
 
-def _centre(col: int, row: int) -> tuple[float, float]:
+def centre(col: int, row: int) -> tuple[float, float]:
   """The pixel centre of a grid cell."""
   return (col + 0.5) * CELL, (row + 0.5) * CELL
 
 
 def _cells(rng: np.random.Generator, k: int) -> list[tuple[float, float]]:
   """Centres of k distinct cells of the GRID x GRID grid, in random order."""
-  return [_centre(c % GRID, c // GRID) for c in rng.permutation(GRID**2)[:k]]
+  return [centre(c % GRID, c // GRID) for c in rng.permutation(GRID**2)[:k]]
 
 
 def count_colour(rng: np.random.Generator, level: str) -> Sample:
@@ -98,7 +101,7 @@ def count_colour(rng: np.random.Generator, level: str) -> Sample:
   target, *others = _colours(rng, 4)
   count = int(rng.integers(1, min(3, total - 1) + 1))
   colours = [target] * count + [str(rng.choice(others)) for _ in range(total - count)]
-  image, draw = _canvas()
+  image, draw = canvas()
   for c, (cx, cy) in zip(colours, _cells(rng, total)):
     draw_shape(draw, str(rng.choice(SHAPES)), c, cx, cy, 0.36 * CELL)
   return Sample(
@@ -119,12 +122,12 @@ def left_of(rng: np.random.Generator, level: str) -> Sample:
   first_is_left = bool(rng.random() < 0.5)
   col1, col2 = (left, left + gap) if first_is_left else (left + gap, left)
   rows = rng.permutation(GRID)
-  image, draw = _canvas()
+  image, draw = canvas()
   # The two named shapes in rows of their own; distractors share a third.
   placed = [(c1, col1, rows[0]), (c2, col2, rows[1])]
   placed += [(c, col, rows[2]) for c, col in zip(rest, rng.permutation(GRID))]
   for c, col, row in placed:
-    draw_shape(draw, str(rng.choice(SHAPES)), c, *_centre(col, row), 0.36 * CELL)
+    draw_shape(draw, str(rng.choice(SHAPES)), c, *centre(col, row), 0.36 * CELL)
   return Sample(
     "left_of",
     level,
@@ -139,7 +142,7 @@ def bigger(rng: np.random.Generator, level: str) -> Sample:
   c1, c2 = _colours(rng, 2)
   large = 0.45 * CELL
   sizes = [large, large / ratio] if rng.random() < 0.5 else [large / ratio, large]
-  image, draw = _canvas()
+  image, draw = canvas()
   shape = str(rng.choice(SHAPES))  # one shape for both: size alone differs
   for c, r, (cx, cy) in zip((c1, c2), sizes, _cells(rng, 2)):
     draw_shape(draw, shape, c, cx, cy, r)
@@ -171,27 +174,30 @@ def digit_sum(rng: np.random.Generator, level: str) -> Sample:
   )
 
 
-def _changing_clip(rng: np.random.Generator, changes: int) -> tuple[list[str], np.ndarray]:
+def changing_clip(
+  rng: np.random.Generator, changes: int, num_frames: int = VIDEO_FRAMES
+) -> tuple[list[str], np.ndarray]:
   """One shape whose colour changes `changes` times: (colours in order, frames)."""
   # Segments start at frame 0 and at `changes` distinct later even frames, so
   # a change never falls inside a temporal patch (2 frames).
-  starts = [0, *sorted(int(f) for f in rng.choice(np.arange(2, VIDEO_FRAMES, 2), changes, False))]
+  later = rng.choice(np.arange(2, num_frames, 2), changes, False)
+  starts = [0, *sorted(int(f) for f in later)]
   colours: list[str] = []
   for _ in starts:  # consecutive segments differ, so every boundary is a change
     colours.append(str(rng.choice([c for c in COLORS if not colours or c != colours[-1]])))
   shape = str(rng.choice(SHAPES))
   pictures = []
   for c in colours:
-    image, draw = _canvas(VIDEO_SIZE)
+    image, draw = canvas(VIDEO_SIZE)
     draw_shape(draw, shape, c, VIDEO_SIZE / 2, VIDEO_SIZE / 2, 0.35 * VIDEO_SIZE)
     pictures.append(np.asarray(image))
-  segment = np.searchsorted(np.asarray(starts), np.arange(VIDEO_FRAMES), side="right") - 1
+  segment = np.searchsorted(np.asarray(starts), np.arange(num_frames), side="right") - 1
   return colours, np.stack([pictures[s] for s in segment])
 
 
 def colour_changes(rng: np.random.Generator, level: str) -> Sample:
   changes = {"easy": 1, "medium": 2, "hard": 3}[level]
-  _, frames = _changing_clip(rng, changes)
+  _, frames = changing_clip(rng, changes)
   return Sample(
     "colour_changes",
     level,
@@ -205,7 +211,7 @@ def colour_of_shape(rng: np.random.Generator, level: str) -> Sample:
   k = {"easy": 1, "medium": 2, "hard": 3}[level]
   colours = _colours(rng, k)
   kinds = [str(x) for x in rng.permutation(SHAPES)[:k]]
-  image, draw = _canvas()
+  image, draw = canvas()
   for c, kind, (cx, cy) in zip(colours, kinds, _cells(rng, k)):
     draw_shape(draw, kind, c, cx, cy, 0.42 * CELL)
   return Sample(
@@ -218,7 +224,7 @@ def colour_of_shape(rng: np.random.Generator, level: str) -> Sample:
 
 
 def last_colour(rng: np.random.Generator, level: str) -> Sample:
-  colours, frames = _changing_clip(rng, {"easy": 1, "medium": 2, "hard": 3}[level])
+  colours, frames = changing_clip(rng, {"easy": 1, "medium": 2, "hard": 3}[level])
   return Sample(
     "last_colour",
     level,

@@ -52,7 +52,15 @@ from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import train_step
 from fluxjax.parallel.strategies import Strategy
 from fluxjax.rl import advantages as adv_lib
-from fluxjax.rl import async_control, config_rules, evaluation, rewards, tail_batching, trajectories
+from fluxjax.rl import (
+  async_control,
+  config_rules,
+  evaluation,
+  rewards,
+  sft,
+  tail_batching,
+  trajectories,
+)
 from fluxjax.rl import producer as producer_lib
 from fluxjax.rl.worker import Policy
 from fluxjax.rollout import engine as engine_lib
@@ -536,8 +544,12 @@ class Coordinator:
       firsts = self.sample(samples, 1, greedy=True)
       greedy = [score(cs[0].text, s.answer or "") for s, cs in zip(samples, firsts)]
     log.debug("eval: %s", [(cs[0].text[:40], s.answer) for s, cs in zip(samples[:3], sampled)])
+    bands = [
+      evaluation.length_band(len(sft.answer_ids(self._tokenizer, s.answer or "", s.solution)))
+      for s in samples
+    ]
     out = evaluation.summarize(
-      scores, [s.difficulty for s in samples], greedy, [s.task for s in samples]
+      scores, [s.difficulty for s in samples], greedy, [s.task for s in samples], bands
     )
     out["eval/skipped_too_long"] = float(skipped)
     return out

@@ -11,6 +11,9 @@ asked, one greedy response; `summarize` turns their scores into metrics:
   eval/pass@k            unbiased pass@k (Chen et al. 2021) with k = samples
   eval/accuracy/<d>      eval/accuracy of the prompts of difficulty d
   eval/task/<t>          eval/accuracy of the prompts of task t
+  eval/band/<b>          eval/accuracy of the prompts whose reference response
+                         (reasoning and answer) is in length band b (tokens,
+                         `length_band`)
   eval/prompts, eval/samples
 
 Scores are the `accuracy` reward: 1 for a correct answer, else 0.
@@ -24,6 +27,18 @@ from collections.abc import Sequence
 import numpy as np
 
 Z95 = 1.959964  # two-sided 95% normal quantile
+# Upper ends (tokens) of the reference-response length bands; longer is the last band.
+LENGTH_BANDS = (16, 32, 48)
+
+
+def length_band(tokens: int) -> str:
+  """The band label of a reference response of `tokens` tokens: "00-16" ... "49+"."""
+  lo = 0
+  for hi in LENGTH_BANDS:
+    if tokens <= hi:
+      return f"{lo:02d}-{hi}"
+    lo = hi + 1
+  return f"{lo}+"
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -50,6 +65,7 @@ def summarize(
   difficulties: Sequence[str] | None = None,
   greedy: Sequence[float] | None = None,
   tasks: Sequence[str] | None = None,
+  bands: Sequence[str] | None = None,
 ) -> dict[str, float]:
   """Metrics of one evaluation (see the module docstring).
 
@@ -59,6 +75,7 @@ def summarize(
       without one are left out of the breakdown.
     greedy: per prompt, the score of its greedy response, or None.
     tasks: per prompt, its task name ("" = none), for a per-task breakdown.
+    bands: per prompt, its reference length band ("" = none).
   """
   if not scores:
     raise ValueError("nothing was evaluated")
@@ -79,7 +96,11 @@ def summarize(
     if len(greedy) != len(scores):
       raise ValueError(f"{len(greedy)} greedy scores for {len(scores)} prompts")
     out["eval/accuracy_greedy"] = float(np.mean(greedy))
-  for prefix, labels in (("eval/accuracy/", difficulties), ("eval/task/", tasks)):
+  for prefix, labels in (
+    ("eval/accuracy/", difficulties),
+    ("eval/task/", tasks),
+    ("eval/band/", bands),
+  ):
     if labels is None:
       continue
     if len(labels) != len(scores):

@@ -55,13 +55,15 @@ def dataset_paths(config, workdir: str) -> tuple[str, str]:
   if d.train:
     return d.train, d.eval or d.train
   root = os.path.join(workdir, "data")
-  paths = []
+  paths: list[str] = []
   for split, n, seed in (("train", d.synth_train, d.seed), ("eval", d.synth_eval, d.seed + 1)):
     out = os.path.join(root, split)
     manifest = os.path.join(out, "manifest.jsonl")
     if not os.path.exists(manifest):
       log.info("generating %d synthetic %s samples (%s) into %s", n, split, d.mix, out)
-      synth.generate(out, d.mix, n, seed)
+      # The held-out set shares no item with the training set.
+      exclude = synth.content_keys(paths[0]) if paths else frozenset()
+      synth.generate(out, d.mix, n, seed, exclude=exclude)
     paths.append(manifest)
   return paths[0], paths[1]
 

@@ -42,7 +42,7 @@ from flax import nnx
 
 from fluxjax.data import materializer as materializer_lib
 from fluxjax.data import meta as meta_lib
-from fluxjax.data import pipeline
+from fluxjax.data import pipeline, readers
 from fluxjax.models import media as media_lib
 from fluxjax.models.config import ModelConfig
 from fluxjax.models.inputs import SequenceInputs
@@ -56,14 +56,16 @@ from fluxjax.sharding.plan import Plan
 log = logging.getLogger(__name__)
 
 
-def response_text(answer: str) -> str:
-  """The response that `accuracy_with_format` gives 1.0 for this answer."""
-  return f"<answer>{answer}</answer>"
+def response_text(answer: str, solution: str = "") -> str:
+  """The response that `accuracy_with_format` gives 1.0 for this answer: the
+  reference reasoning in <think></think> first where the sample has one."""
+  think = f"<think>{solution}</think>" if solution else ""
+  return f"{think}<answer>{answer}</answer>"
 
 
-def answer_ids(tokenizer: Tokenizer, answer: str) -> list[int]:
+def answer_ids(tokenizer: Tokenizer, answer: str, solution: str = "") -> list[int]:
   """Token ids of the target response, ending with the end-of-turn token."""
-  return tokenizer.encode(response_text(answer)) + [tokenizer.im_end_id]
+  return tokenizer.encode(response_text(answer, solution)) + [tokenizer.im_end_id]
 
 
 def sft_sequence(prompt: SequenceInputs, answer: Sequence[int]) -> batch_lib.TrainSequence:
@@ -163,9 +165,27 @@ class WarmUpOps(Protocol):
 def sequences(
   samples: Sequence[meta_lib.SampleMeta], rollout: Rollout
 ) -> list[batch_lib.TrainSequence]:
-  """The warm-up sequences of `samples`: each prompt as rollout sees it, then its answer."""
+  """The warm-up sequences of `samples`: each prompt as rollout sees it, then its
+  reference response (reasoning and answer)."""
   tok = rollout.tokenizer
-  return [sft_sequence(rollout.prompt(s), answer_ids(tok, s.answer or "")) for s in samples]
+  return [
+    sft_sequence(rollout.prompt(s), answer_ids(tok, s.answer or "", s.solution)) for s in samples
+  ]
+
+
+def warm_up_rows(rows: Sequence[dict], levels: Sequence[str]) -> list[dict]:
+  """The training rows the warm-up teaches: those whose difficulty is in
+  `levels` (all when empty); rows without a difficulty label always.
+
+  Raises:
+    ValueError: if no row is left.
+  """
+  kept = [r for r in rows if not levels or not r.get("difficulty") or r["difficulty"] in levels]
+  if not kept:
+    raise ValueError(
+      f"no training row has a difficulty in sft.levels={tuple(levels)}; change --config.sft.levels"
+    )
+  return kept
 
 
 class Trainer:
@@ -248,9 +268,10 @@ def warm_up(
   summary = evaluate()
   writer.write(first, summary)
   log.info(
-    "SFT warm-up: %d steps of %d samples, lr %g; accuracy before %.3f",
+    "SFT warm-up: %d steps of %d samples (levels %s), lr %g; accuracy before %.3f",
     s.steps,
     s.batch_size,
+    ", ".join(s.levels) or "all",
     s.lr,
     summary["eval/accuracy"],
   )
@@ -258,7 +279,7 @@ def warm_up(
   # releasing warm-up media from the RL loader's store would evict the RL
   # batches that loader has already prefetched (the same files).
   loader = pipeline.ShadowLoader(
-    train_path,
+    warm_up_rows(readers.read_rows(train_path), s.levels),
     s.batch_size,
     proc,
     num_workers=max(1, config.data.num_workers),

@@ -1,0 +1,201 @@
+"""Tasks with a worked solution whose length grows with the instance.
+
+The `reasoning_cot` mix of fluxjax/data/synth.py. Each sample carries its
+reference chain of thought (`Sample.solution`), written before the answer as
+`<think>{solution}</think><answer>{answer}</answer>` (rl/sft.response_text):
+the SFT warm-up teaches it on the easy level, and RL has the longer levels
+to learn.
+
+  scan_count    (image) how many shapes of a named colour: the solution lists
+                the colour of every shape in reading order, each shape of the
+                named colour tagged with its running count ("blue red1 green
+                red2"); easy 1-3 shapes, medium 4-8, hard 9-16 (up to the
+                whole 4 x 4 grid).
+  count_changes (video) how many times one shape changes colour: the
+                solution lists the colour of each segment, each one after the
+                first tagged with the running count of changes ("red blue1
+                red2"); easy 1-2 changes, medium 3-4, hard 5-7.
+  add_columns   (text, no pixels: the control that learning here needs no
+                vision) the sum of two numbers of d digits: the solution adds
+                column by column from the right, carries written
+                ("7+5=12 3+4+1=8"); easy d = 1, medium 2-3, hard 4-6.
+
+Answer priors are balanced at every level: the caller picks the answer from
+the level's answers (`answers`) and the instance is built around it (the
+count of the named colour, the number of changes; for sums of two or more
+digits, a draw uniform over the level's range of sums). `AnswerDecks` deals
+the answers of each (task, level) from shuffled decks, so each answer holds
+floor(n/k) or ceil(n/k) of a level's n items.
+
+Image cells and video frames follow visual_tasks.py: one shape per
+CELL = 28 px cell (one merged vision token), colour changes between
+temporal patches (2 frames); a clip has CHANGE_FRAMES frames.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from fluxjax.data import visual_tasks
+from fluxjax.data.drawing import draw_shape
+from fluxjax.data.visual_tasks import CELL, GRID, INSTRUCTION, Sample
+from fluxjax.models.tokenizer import COLORS, SHAPES
+
+# Inclusive ranges per level.
+SCAN_SHAPES = {"easy": (1, 3), "medium": (4, 8), "hard": (9, GRID * GRID)}
+SCAN_COUNTS = {"easy": (1, 3), "medium": (1, 4), "hard": (1, 6)}
+CHANGES = {"easy": (1, 2), "medium": (3, 4), "hard": (5, 7)}
+ADD_DIGITS = {"easy": (1, 1), "medium": (2, 3), "hard": (4, 6)}
+CHANGE_FRAMES = 16  # 8 temporal patches: up to 7 changes
+# How often each level is drawn (visual_tasks.LEVELS order).
+LEVEL_P = (1 / 3, 1 / 3, 1 / 3)
+# A level's answers are dealt from a deck when there are at most this many;
+# past it (sums of 2+ digits) a uniform draw leaves no answer a visible share.
+_DECK_MAX = 64
+
+
+def _uniform(rng: np.random.Generator, bounds: tuple[int, int]) -> int:
+  return int(rng.integers(bounds[0], bounds[1] + 1))
+
+
+def tally(items: list[str], counted: list[bool]) -> str:
+  """The items in order, each counted one tagged with its running count."""
+  out, n = [], 0
+  for item, count in zip(items, counted):
+    n += count
+    out.append(f"{item}{n}" if count else item)
+  return " ".join(out)
+
+
+def _dealt(answer: int | None, task: str) -> int:
+  if answer is None:
+    raise ValueError(f"{task} builds around a dealt answer")
+  return answer
+
+
+def scan_count(rng: np.random.Generator, level: str, answer: int | None) -> Sample:
+  count = _dealt(answer, "scan_count")
+  lo, hi = SCAN_SHAPES[level]
+  total = _uniform(rng, (max(lo, count), hi))
+  target, *others = (str(c) for c in rng.permutation(COLORS))
+  colours = [target] * count + [str(rng.choice(others)) for _ in range(total - count)]
+  colours = [colours[k] for k in rng.permutation(total)]
+  cells = np.sort(rng.permutation(GRID * GRID)[:total])  # reading order
+  image, draw = visual_tasks.canvas()
+  for c, cell in zip(colours, cells):
+    cx, cy = visual_tasks.centre(int(cell) % GRID, int(cell) // GRID)
+    draw_shape(draw, str(rng.choice(SHAPES)), c, cx, cy, 0.36 * CELL)
+  return Sample(
+    "scan_count",
+    level,
+    f"How many {target} shapes are in the image?" + INSTRUCTION,
+    str(count),
+    image=image,
+    solution=tally(colours, [c == target for c in colours]),
+  )
+
+
+def count_changes(rng: np.random.Generator, level: str, answer: int | None) -> Sample:
+  changes = _dealt(answer, "count_changes")
+  colours, frames = visual_tasks.changing_clip(rng, changes, CHANGE_FRAMES)
+  return Sample(
+    "count_changes",
+    level,
+    "How many times does the shape change colour in the video?" + INSTRUCTION,
+    str(changes),
+    frames=frames,
+    solution=tally(colours, [k > 0 for k in range(len(colours))]),
+  )
+
+
+def _sum_range(digits: int) -> tuple[int, int]:
+  """The sums of two numbers of `digits` digits (0-9 for one digit)."""
+  lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+  return 2 * lo, 2 * hi
+
+
+def _addends(rng: np.random.Generator, digits: int, total: int) -> tuple[int, int]:
+  """Two numbers of `digits` digits adding up to `total`."""
+  lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+  a = int(rng.integers(max(lo, total - hi), min(hi, total - lo) + 1))
+  return a, total - a
+
+
+def column_steps(a: int, b: int) -> str:
+  """Column addition from the right: "7+5=12 3+4+1=8"."""
+  steps, carry = [], 0
+  for x, y in zip(reversed(str(a)), reversed(str(b))):
+    s = int(x) + int(y) + carry
+    steps.append(f"{x}+{y}" + ("+1" if carry else "") + f"={s}")
+    carry = s // 10
+  return " ".join(steps)
+
+
+def add_columns(rng: np.random.Generator, level: str, answer: int | None) -> Sample:
+  """`answer` is the sum where the level's sums are dealt; else it is drawn here."""
+  digits = _uniform(rng, ADD_DIGITS[level])
+  total = answer if answer is not None else _uniform(rng, _sum_range(digits))
+  a, b = _addends(rng, digits, total)
+  return Sample(
+    "add_columns",
+    level,
+    f"What is {a} + {b}?" + INSTRUCTION,
+    str(total),
+    solution=column_steps(a, b),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """A task: its answers per level (None: too many to deal) and its builder."""
+
+  answers: Callable[[str], list[int] | None]
+  build: Callable[[np.random.Generator, str, int | None], Sample]
+
+
+def _range(bounds: tuple[int, int]) -> list[int]:
+  return list(range(bounds[0], bounds[1] + 1))
+
+
+def _add_answers(level: str) -> list[int] | None:
+  lo, hi = ADD_DIGITS[level]
+  ranges = [_sum_range(d) for d in range(lo, hi + 1)]
+  if sum(b - a + 1 for a, b in ranges) > _DECK_MAX:
+    return None
+  return sorted({s for r in ranges for s in _range(r)})
+
+
+TASKS: dict[str, Task] = {
+  "scan_count": Task(lambda level: _range(SCAN_COUNTS[level]), scan_count),
+  "count_changes": Task(lambda level: _range(CHANGES[level]), count_changes),
+  "add_columns": Task(_add_answers, add_columns),
+}
+
+
+class AnswerDecks:
+  """Deals each (task, level)'s answers from shuffled decks (module docstring)."""
+
+  def __init__(self, rng: np.random.Generator):
+    self._rng = rng
+    self._decks: dict[tuple[str, str], list[int]] = {}
+
+  def deal(self, task: str, level: str) -> int | None:
+    answers = TASKS[task].answers(level)
+    if answers is None:
+      return None
+    deck = self._decks.setdefault((task, level), [])
+    if not deck:
+      deck.extend(int(a) for a in self._rng.permutation(answers))
+    return deck.pop()
+
+
+def draw(rng: np.random.Generator, task: str, level: str, answer: int | None) -> Sample:
+  """One sample of `task` at `level` whose answer is `answer` (if dealt)."""
+  if task not in TASKS:
+    raise ValueError(f"unknown task {task!r}; choose one of {sorted(TASKS)}")
+  if level not in visual_tasks.LEVELS:
+    raise ValueError(f"unknown difficulty {level!r}; choose one of {visual_tasks.LEVELS}")
+  return TASKS[task].build(rng, level, answer)

@@ -1,0 +1,143 @@
+"""The CoT tasks: solutions read back from the pixels and decoded videos, balanced
+answers at every level, held-out items disjoint from training by content."""
+
+import collections
+import itertools
+import json
+import re
+
+import av
+import numpy as np
+import pytest
+from scipy import ndimage
+
+from fluxjax.data import cot_tasks, drawing, readers, synth, visual_tasks
+from fluxjax.data.meta import ToMeta
+from fluxjax.models import processor
+from fluxjax.rl import rewards, sft
+
+NAMES = list(drawing.RGB)
+PALETTE = np.asarray(list(drawing.RGB.values()), np.float64)
+
+
+def _colour_at(pixels, y, x):
+  patch = pixels[y - 1 : y + 2, x - 1 : x + 2].reshape(-1, 3).mean(0)
+  return NAMES[int(np.abs(PALETTE - patch).sum(1).argmin())]
+
+
+def _untag(solution):
+  """The listed colours and the running counts of a tally ("blue red1 red2")."""
+  items = [re.fullmatch(r"([a-z]+)(\d*)", w).groups() for w in solution.split()]
+  return [c for c, _ in items], [int(n) for _, n in items if n]
+
+
+@pytest.mark.parametrize("level", visual_tasks.LEVELS)
+def test_a_scan_lists_the_shapes_in_reading_order_and_counts_the_named_colour(level):
+  rng = np.random.default_rng(0)
+  lo, hi = cot_tasks.SCAN_SHAPES[level]
+  for _ in range(20):
+    count = int(rng.integers(1, cot_tasks.SCAN_COUNTS[level][1] + 1))
+    s = cot_tasks.draw(rng, "scan_count", level, count)
+    pixels = np.asarray(s.image)
+    occupied = (pixels != drawing.BACKGROUND).any(-1)
+    cell = visual_tasks.CELL
+    seen = []
+    for row, col in itertools.product(range(visual_tasks.GRID), repeat=2):
+      y, x = (row * cell + cell // 2, col * cell + cell // 2)
+      if occupied[row * cell : (row + 1) * cell, col * cell : (col + 1) * cell].any():
+        seen.append(_colour_at(pixels, y, x))
+    colours, counts = _untag(s.solution)
+    assert colours == seen and lo <= len(seen) <= hi
+    target = s.question.split()[2]
+    assert counts == list(range(1, count + 1)) and s.answer == str(count)
+    assert sum(c == target for c in seen) == count
+    assert ndimage.label(occupied)[1] == len(seen)  # one shape per cell
+
+
+def test_a_clip_lists_its_segments_and_counts_the_changes(tmp_path):
+  rng = np.random.default_rng(1)
+  for level in visual_tasks.LEVELS:
+    for changes in cot_tasks.TASKS["count_changes"].answers(level):
+      s = cot_tasks.draw(rng, "count_changes", level, changes)
+      path = str(tmp_path / f"{level}{changes}.mp4")
+      f, h, w, _ = s.frames.shape
+      synth.write_video(path, lambda i, fr=s.frames: fr[i], f, h, w, visual_tasks.VIDEO_FPS)
+      with av.open(path) as container:
+        frames = [x.to_ndarray(format="rgb24") for x in container.decode(video=0)]
+      assert len(frames) == cot_tasks.CHANGE_FRAMES
+      seen = [_colour_at(fr, h // 2, w // 2) for fr in frames]
+      assert all(seen[i] == seen[i + 1] for i in range(0, len(seen), 2))  # per temporal patch
+      segments = [c for c, _ in itertools.groupby(seen)]
+      colours, counts = _untag(s.solution)
+      assert colours == segments and counts == list(range(1, changes + 1))
+      assert s.answer == str(changes) == str(len(segments) - 1)
+
+
+def test_column_addition_carries_and_sums():
+  assert cot_tasks.column_steps(37, 45) == "7+5=12 3+4+1=8"
+  assert cot_tasks.column_steps(5, 4) == "5+4=9"
+  rng = np.random.default_rng(2)
+  for level in visual_tasks.LEVELS:
+    lo, hi = cot_tasks.ADD_DIGITS[level]
+    for _ in range(30):
+      s = cot_tasks.draw(rng, "add_columns", level, None)
+      a, b = (int(x) for x in re.findall(r"\d+", s.question))
+      assert int(s.answer) == a + b and lo <= len(str(max(a, b))) <= hi
+      assert len(str(a)) == len(str(b))
+      # The written columns give the sum's digits from the right, the last carry first.
+      sums = [int(step.split("=")[1]) for step in s.solution.split()]
+      digits = [x % 10 for x in sums] + ([1] if sums[-1] >= 10 else [])
+      assert "".join(map(str, reversed(digits))) == s.answer
+
+
+def test_every_level_deals_its_answers_evenly(tmp_path):
+  manifest = synth.generate(str(tmp_path), "reasoning_cot", 240, seed=4)
+  with open(manifest) as f:
+    rows = [json.loads(line) for line in f]
+  by_level = collections.defaultdict(collections.Counter)
+  for r in rows:
+    by_level[(r["task"], r["difficulty"])][r["answer"]] += 1
+  assert {t for t, _ in by_level} == set(cot_tasks.TASKS)
+  for (task, level), counts in by_level.items():
+    answers = cot_tasks.TASKS[task].answers(level)
+    if answers is None:  # sums of 2+ digits: drawn, no answer repeats much
+      assert max(counts.values()) <= 2, (task, level, counts)
+      continue
+    n, k = sum(counts.values()), len(answers)
+    assert set(counts) <= {str(a) for a in answers}
+    assert all(n // k <= counts[str(a)] <= -(-n // k) for a in answers), (task, level, counts)
+
+
+def test_rows_carry_their_solution_which_the_warm_up_teaches(tmp_path):
+  manifest = synth.generate(str(tmp_path), "reasoning_cot", 30, seed=5)
+  rows = readers.read_rows(manifest)
+  builder = ToMeta(processor.VisionProcessorConfig(video_max_frames=cot_tasks.CHANGE_FRAMES))
+  metas = [builder(i, r) for i, r in enumerate(rows)]
+  assert all(m.error is None and m.solution for m in metas)
+  for m in metas:
+    target = sft.response_text(m.answer, m.solution)
+    assert target == f"<think>{m.solution}</think><answer>{m.answer}</answer>"
+    assert rewards.accuracy_with_format(target, m.answer) == 1.0
+  easy = sft.warm_up_rows(rows, ("easy",))
+  assert easy and {r["difficulty"] for r in easy} == {"easy"}
+  with pytest.raises(ValueError, match="sft.levels"):
+    sft.warm_up_rows(rows, ("impossible",))
+  # The same seed writes the same dataset.
+  again = synth.generate(str(tmp_path / "again"), "reasoning_cot", 30, seed=5)
+  assert synth.content_keys(again) == synth.content_keys(manifest)
+
+
+def test_a_held_out_set_shares_no_item_with_training(tmp_path):
+  # One-digit sums have 100 distinct questions: a second set of 120 repeats many.
+  train = synth.generate(str(tmp_path / "train"), "add_columns", 150, seed=0)
+  keys = synth.content_keys(train)
+  again = synth.generate(str(tmp_path / "plain"), "add_columns", 120, seed=1)
+  assert synth.content_keys(again) & keys, "the test needs repeats to remove"
+  held_out = synth.generate(str(tmp_path / "eval"), "add_columns", 120, seed=1, exclude=keys)
+  assert sum(1 for _ in open(held_out)) == 120
+  assert not synth.content_keys(held_out) & keys
+  # Identical images or clips repeat as identical bytes (the key hashes the files).
+  shapes = synth.generate(str(tmp_path / "s1"), "scan_count", 6, seed=7)
+  assert synth.content_keys(shapes) == synth.content_keys(
+    synth.generate(str(tmp_path / "s2"), "scan_count", 6, seed=7)
+  )

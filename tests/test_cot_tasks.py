@@ -120,7 +120,7 @@ def test_rows_carry_their_solution_which_the_warm_up_teaches(tmp_path):
     assert rewards.accuracy_with_format(target, m.answer) == 1.0
   easy = sft.warm_up_rows(rows, ("easy",))
   assert easy and {r["difficulty"] for r in easy} == {"easy"}
-  with pytest.raises(ValueError, match="sft.levels"):
+  with pytest.raises(ValueError, match=r"sft\.levels"):
     sft.warm_up_rows(rows, ("impossible",))
   # The same seed writes the same dataset.
   again = synth.generate(str(tmp_path / "again"), "reasoning_cot", 30, seed=5)

@@ -93,7 +93,9 @@ def test_auto_picks_blocked_for_long_rows_on_cpus():
   long_keys = attn_lib.AUTO_DENSE_MAX_KEYS + 1
   assert attn_lib.default_backend(long_keys, "cpu") == "xla_blocked"
   assert attn_lib.default_backend(attn_lib.AUTO_DENSE_MAX_KEYS, "cpu") == "xla"
-  assert attn_lib.default_backend(long_keys, "gpu") == "xla"
+  assert attn_lib.default_backend(long_keys, "gpu") == "pallas_gpu"
+  assert attn_lib.default_backend(16, "gpu") == "pallas_gpu"
+  assert attn_lib.default_backend(long_keys, "tpu") == "xla"
   rng = np.random.default_rng(7)
   kw = self_batch(rng, 1, long_keys)
   q, k, v, _ = qkv(rng, 1, long_keys, long_keys, 2, 1, 8)

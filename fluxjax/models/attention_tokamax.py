@@ -18,7 +18,13 @@ from fluxjax.models import attention_layout as layout_lib
 
 @functools.cache
 def _kernel():
+  from absl import flags
   from tokamax._src.ops.attention import base, pallas_mosaic_gpu
+
+  # tokamax reads absl flags; outside absl.app.run they would be parsed from
+  # the program's own command line and refuse its options.
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
 
   return base, pallas_mosaic_gpu.PallasMosaicGpuFlashAttention()
 

@@ -1,0 +1,212 @@
+r"""Train-step model FLOPs utilization: forward, backward and AdamW on one device.
+
+  python bench/mfu.py                               # 7b shapes, 8 decoder layers
+  python bench/mfu.py --layers 8 --remat both --attention cudnn
+  python bench/mfu.py --preset tiny --rows 2 --row-tokens 512 --seq-tokens 256  # CPU smoke
+  python bench/mfu.py --json PATH
+
+The trainer's own path on a one-device mesh: FSDP rules, the packed_dp plan,
+the materialized batch, the strategy's accumulation over microbatches and the
+optimizer update (`train_step.make_train_step`), fp32 parameters and bf16
+compute. The batch is --rows rows of --row-tokens tokens, each filled with
+sequences of --seq-tokens tokens that open with an image of --image-side^2
+patches (a quarter of them as merged tokens in the text).
+
+Model FLOPs (MaxText's convention: matmuls only, x3 for forward + backward,
+no rematerialization counted):
+  text      per token 2 x (D(N+2K)h + NhD + 3DF) per layer, plus the LM head
+            2DV; attention 4 N h per visible query-key pair (causal: s(s+1)/2
+            pairs per sequence of s tokens)
+  vision    per patch 2 x patch dim x Dv (the embedding) and 2 x (4 Dv^2 +
+            3 Dv Fv) per block; attention 4 Dv per
+            pair over the image (full blocks) or its windows; the merger
+            2 x (16 Dv^2 + 4 Dv D) per merged token
+MFU = model FLOPs / step time / peak, with the peak the dense bf16 rate of the
+device's datasheet (H100/H200 SXM 989 TFLOP/s); --peak overrides it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import runinfo  # noqa: E402  (lives next to this script)
+from fluxjax import config_args  # noqa: E402
+from fluxjax.models import config as config_lib  # noqa: E402
+from fluxjax.models import sharded  # noqa: E402
+from fluxjax.parallel import batch as batch_lib  # noqa: E402
+from fluxjax.parallel import random_batch, strategies, train_step  # noqa: E402
+from fluxjax.sharding import mesh as mesh_lib  # noqa: E402
+
+DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12, "B200": 2250e12}
+
+
+def datasheet_peak(device_kind: str) -> float | None:
+  return next((v for k, v in DATASHEET_BF16.items() if k in device_kind), None)
+
+
+def text_flops(cfg: config_lib.ModelConfig, lengths) -> float:
+  """Training FLOPs of the decoder and LM head over sequences of `lengths` tokens."""
+  t = cfg.text
+  d, n, k, h, f = t.hidden_size, t.num_heads, t.num_kv_heads, t.head_dim, t.intermediate_size
+  per_token = (
+    t.num_layers * 2 * (d * (n + 2 * k) * h + n * h * d + 3 * d * f) + 2 * d * t.vocab_size
+  )
+  pairs = sum(s * (s + 1) // 2 for s in lengths)
+  return 3.0 * (per_token * sum(lengths) + t.num_layers * 4 * n * h * pairs)
+
+
+def vision_flops(cfg: config_lib.ModelConfig, side: int, images: int) -> float:
+  """Training FLOPs of the vision tower over `images` images of side x side patches."""
+  v = cfg.vision
+  dv, fv, patches = v.hidden_size, v.intermediate_size, side * side
+  window = min(side, v.window_merged_units * v.spatial_merge_size)
+  windows = (side // window) ** 2
+  full = len(v.fullatt_block_indexes)
+  attn_pairs = full * patches**2 + (v.depth - full) * windows * window**4
+  per_image = (
+    patches * 2 * v.patch_dim * dv
+    + v.depth * patches * 2 * (4 * dv * dv + 3 * dv * fv)
+    + 4 * dv * attn_pairs
+    + patches // v.merge_unit * 2 * (16 * dv * dv + 4 * dv * v.out_hidden_size)
+  )
+  return 3.0 * per_image * images
+
+
+def make_batch(cfg, args):
+  """Sequences that fill --rows rows: an image, then random text."""
+  rng = np.random.default_rng(0)
+  image_tokens = args.image_side**2 // cfg.vision.merge_unit
+  n_text = args.seq_tokens - image_tokens - 6
+  per_row = args.row_tokens // args.seq_tokens
+  media = (("image", (1, args.image_side, args.image_side)),)
+  return [
+    random_batch.random_sequence(cfg, rng, n_text, media, advantage_range=(-1.0, 1.5))
+    for _ in range(args.rows * per_row)
+  ]
+
+
+def build(cfg, args, device):
+  """(compiled step, train state, placed batch, sequences, compile seconds, memory)."""
+  mesh = mesh_lib.make_mesh(devices=[device])
+  seqs = make_batch(cfg, args)
+  scfg = config_args.load_config().sharding
+  scfg.update(strategy="packed_dp", capacity=args.row_tokens, capacity_buckets=())
+  strategy = strategies.get_strategy(scfg, cfg)
+  plan = strategy.plan([len(s) for s in seqs], mesh.size)
+  patches = args.image_side**2 * (args.row_tokens // args.seq_tokens)
+  host = batch_lib.materialize(plan, seqs, cfg, patches)
+  tx = train_step.make_optimizer(config_args.load_config().optim)
+  model = sharded.create_sharded_model(cfg, mesh, log_table=False, max_replicated_bytes=1 << 40)
+  graphdef, state, shardings = train_step.create_train_state(model, tx, mesh)
+  with jax.set_mesh(mesh):
+    batch = batch_lib.to_device(host, mesh)
+    accumulate = strategy.accumulate_fn(
+      mesh, plan, graphdef, shardings.params, train_step.policy_gradient_loss
+    )
+    step = train_step.make_train_step(
+      graphdef, tx, state_shardings=shardings, accumulate_fn=accumulate
+    )
+    t = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+  return compiled, state, batch, seqs, time.perf_counter() - t, compiled.memory_analysis()
+
+
+def run(cfg, args, device, remat: bool) -> dict:
+  """Compiles and times the train step; returns its figures."""
+  cfg = cfg.replace(remat=remat)
+  compiled, state, batch, seqs, compile_s, mem = build(cfg, args, device)
+  state, _ = jax.block_until_ready(compiled(state, batch))
+  times = []
+  for _ in range(args.reps):
+    t = time.perf_counter()
+    state, metrics = jax.block_until_ready(compiled(state, batch))
+    times.append(time.perf_counter() - t)
+  lengths = [len(s) for s in seqs]
+  flops = text_flops(cfg, lengths) + vision_flops(cfg, args.image_side, len(seqs))
+  step_s = statistics.median(times)
+  return {
+    "remat": remat,
+    "sequences": len(seqs),
+    "tokens": sum(lengths),
+    "microbatches": batch.num_microbatches,
+    "compile_s": compile_s,
+    "step_ms": step_s * 1e3,
+    "step_ms_all": [x * 1e3 for x in times],
+    "model_tflop": flops / 1e12,
+    "tflops_per_s": flops / step_s / 1e12,
+    "tokens_per_s": sum(lengths) / step_s,
+    "temp_gb": mem.temp_size_in_bytes / 1e9 if mem else None,
+    "loss_finite": bool(np.isfinite(float(metrics["loss"]))),
+  }
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--preset", default="7b")
+  p.add_argument("--layers", type=int, default=8, help="decoder layers (the 7b model has 28)")
+  p.add_argument("--rows", type=int, default=4, help="rows (microbatches) per step")
+  p.add_argument("--row-tokens", type=int, default=8192)
+  p.add_argument("--seq-tokens", type=int, default=2048)
+  p.add_argument("--image-side", type=int, default=32, help="image side in patches")
+  p.add_argument("--remat", default="both", choices=("both", "on", "off"))
+  p.add_argument("--attention", default="auto", help="attention backend (models/attention.py)")
+  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--peak", type=float, default=None, help="peak FLOP/s; default: datasheet")
+  p.add_argument("--json", metavar="PATH", help="also write the figures (command, machine, commit)")
+  args = p.parse_args()
+  device = jax.devices()[0]
+  base = config_lib.preset(args.preset)
+  cfg = base.replace(
+    text=dataclasses.replace(base.text, num_layers=args.layers),
+    dtype="bfloat16",
+    param_dtype="float32",
+    attention_backend=args.attention,
+  )
+  peak = args.peak or datasheet_peak(device.device_kind)
+  print(f"python {' '.join(sys.argv)}")
+  print(
+    f"device: {device.device_kind} ({device.platform}); jax {jax.__version__}; preset "
+    f"{args.preset} with {args.layers} decoder layers; bf16 compute, fp32 parameters; "
+    f"peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s"
+  )
+  print("| remat | tokens | microbatches | compile s | step ms | model TFLOP | TFLOP/s | MFU |")
+  print("|---|---|---|---|---|---|---|---|")
+  rows = []
+  for remat in {"both": (False, True), "on": (True,), "off": (False,)}[args.remat]:
+    try:
+      r = run(cfg, args, device, remat)
+    except Exception as e:  # out of memory for one policy still reports the other
+      r = {"remat": remat, "status": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+      print(f"| {remat} | {r['status']} |", flush=True)
+      rows.append(r)
+      continue
+    r["mfu"] = r["tflops_per_s"] * 1e12 / peak if peak else None
+    mfu = f"{r['mfu']:.1%}" if peak else "-"
+    print(
+      f"| {remat} | {r['tokens']} | {r['microbatches']} | {r['compile_s']:.0f} | "
+      f"{r['step_ms']:.1f} | {r['model_tflop']:.1f} | {r['tflops_per_s']:.0f} | {mfu} |",
+      flush=True,
+    )
+    rows.append(r)
+  if args.json:
+    runinfo.write(
+      args.json,
+      "mfu.py",
+      {"args": vars(args), "device_kind": device.device_kind, "peak_flops": peak, "rows": rows},
+    )
+
+
+if __name__ == "__main__":
+  main()

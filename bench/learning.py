@@ -19,6 +19,12 @@ Runs:
   reversed  rl.reward.fn = accuracy_reversed (1 - accuracy): accuracy must fall.
   zeroed    rl.reward.fn = constant: every GRPO advantage is 0, so the policy
             gets no signal and accuracy must stay flat within the interval.
+  blind     data.blind: the same questions with pixel-free media (flat grey
+            images and frames), in training and evaluation.
+  random_reward  rl.reward.fn = random (a fair coin per response).
+  format_only    rl.reward.fn = format (the answer's correctness unrewarded).
+  sharpen   no RL step: the RL-start model evaluated at temperature 0.5 and
+            greedily (what sharpening the warm-up's policy alone gives).
   lr        the default with optim.lr set to each of --lrs (the sweep that
             chose the default).
   sweep     the default with one setting changed per run (--sweep KEY=V1,V2:
@@ -73,6 +79,12 @@ CONTROLS = {
   "default": {},
   "reversed": {"rl.reward.fn": "accuracy_reversed"},
   "zeroed": {"rl.reward.fn": "constant"},
+  "blind": {"data.blind": True},
+  "random_reward": {"rl.reward.fn": "random"},
+  "format_only": {"rl.reward.fn": "format"},
+  # The RL-start model decoded at a lower temperature (and greedily): what
+  # sharpening alone gives, without any RL step.
+  "sharpen": {"total_steps": 0, "rl.temperature": 0.5},
 }
 
 
@@ -155,10 +167,12 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument(
-    "--runs", default="default,reversed,zeroed", help="default,reversed,zeroed,lr,sweep,parity"
+    "--runs",
+    default="default,reversed,zeroed",
+    help=f"comma list of {','.join(CONTROLS)},lr,sweep,parity",
   )
   p.add_argument("--seeds", default="0,1,2", help="seeds of the default run")
-  p.add_argument("--control-seeds", default="0", help="seeds of the reversed/zeroed runs")
+  p.add_argument("--control-seeds", default="0", help="seeds of the control runs")
   p.add_argument("--lrs", default="1e-4,3e-4,1e-3", help="optim.lr values of the lr sweep")
   p.add_argument(
     "--sweep",
@@ -222,6 +236,7 @@ def main() -> None:
     if servers is not None:
       servers.stop()
   print_table(results)
+  print_means(results)
   if "parity" in args.runs.split(","):
     print_parity(results)
 
@@ -254,6 +269,40 @@ def print_table(results: list) -> None:
     )
 
 
+def t_interval(values: list[float]) -> float:
+  """Half-width of the 95% Student t interval of the mean (nan for one value)."""
+  n = len(values)
+  if n < 2:
+    return float("nan")
+  return T95.get(n - 1, 1.96) * statistics.stdev(values) / math.sqrt(n)
+
+
+def print_means(results: list) -> None:
+  """Per run over its seeds: mean accuracy and gain with t-intervals over seeds,
+  beside the mean of the runs' own evaluation intervals."""
+  print(
+    "\n| run | seeds | sampled at RL start | sampled at end | gain, 95% t over seeds | "
+    "mean eval interval | greedy at end | greedy gain, 95% t |"
+  )
+  print("|---|---|---|---|---|---|---|---|")
+  for name in dict.fromkeys(r["name"] for r in results):
+    rows = [r for r in results if r["name"] == name]
+    start = [r["start"]["accuracy"] for r in rows]
+    end = [r["end"]["accuracy"] for r in rows]
+    gain = [r["gain"] for r in rows]
+    greedy = [(r["start"]["greedy"], r["end"]["greedy"]) for r in rows]
+    has_greedy = all(g is not None for pair in greedy for g in pair)
+    g_end = [e for _, e in greedy] if has_greedy else []
+    g_gain = [e - s for s, e in greedy] if has_greedy else []
+    fmt = lambda v: f"{statistics.fmean(v):.3f}" if v else "-"
+    print(
+      f"| {name} | {len(rows)} | {fmt(start)} | {fmt(end)} | "
+      f"{statistics.fmean(gain):+.3f} +- {t_interval(gain):.3f} | "
+      f"{statistics.fmean(r['gain_ci95'] for r in rows):.3f} | {fmt(g_end)} | "
+      + (f"{statistics.fmean(g_gain):+.3f} +- {t_interval(g_gain):.3f} |" if g_gain else "- |")
+    )
+
+
 def print_parity(results: list) -> None:
   """Each mode against sync, paired by seed (same data, prompts and warm-up)."""
   by = {(r["name"], r["seed"]): r for r in results}
@@ -270,8 +319,7 @@ def print_parity(results: list) -> None:
     acc = [r["end"]["accuracy"] for r, _ in rows]
     diff = [r["end"]["accuracy"] - b["end"]["accuracy"] for r, b in rows]
     speed = [r["samples_per_s"] / b["samples_per_s"] for r, b in rows]
-    n = len(rows)
-    half = T95.get(n - 1, 1.96) * statistics.stdev(diff) / math.sqrt(n) if n > 1 else float("nan")
+    half = t_interval(diff)
     minutes = statistics.fmean(r["seconds"] for r, _ in rows) / 60
     print(
       f"| {mode} | {statistics.fmean(acc):.3f} | {statistics.fmean(diff):+.3f} +- {half:.3f} | "

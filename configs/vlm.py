@@ -62,6 +62,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.synth_train = 1024 if arg.variant == "tiny" else 256
   c.data.synth_eval = 256
   c.data.seed = 0
+  # The blind control (bench/learning.py): the same rows with every image and
+  # video frame a flat grey of the same size, for training and evaluation.
+  c.data.blind = False
   c.data.num_workers = 1 if arg.variant == "tiny" else 8
   # Vision preprocessing limits, shared by the loader's workers and the rollout
   # engine (the prompt's pad-token counts depend on them). Tiny and smoke runs:

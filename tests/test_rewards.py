@@ -142,6 +142,15 @@ def test_controls_reverse_or_remove_the_signal():
   assert const("<answer>12</answer>", "12") == const("junk", "12") == 0.0
 
 
+def test_random_reward_is_a_fair_coin_blind_to_correctness():
+  coin = rewards.get("random")
+  right = [coin("<answer>12</answer>", "12") for _ in range(2000)]
+  wrong = [coin("<answer>11</answer>", "12") for _ in range(2000)]
+  assert set(right) | set(wrong) == {0.0, 1.0}
+  # Binomial(2000, 0.5): standard deviation 0.011 of the mean; 0.05 is 4.5 sigma.
+  assert abs(sum(right) / 2000 - 0.5) < 0.05 and abs(sum(wrong) / 2000 - 0.5) < 0.05
+
+
 # --- the scheduler -----------------------------------------------------------
 
 

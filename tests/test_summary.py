@@ -30,7 +30,14 @@ def _records():
     {
       "step": 0,
       "time": 93.0,
-      **_eval(0.25, 0.1, 0.5, eval__task__count=0.2, eval__accuracy__easy=0.4),
+      **_eval(
+        0.25,
+        0.1,
+        0.5,
+        eval__task__count=0.2,
+        eval__accuracy__easy=0.4,
+        **{"eval__band__17-32": 0.1},
+      ),
     },
     step(
       1,
@@ -58,7 +65,13 @@ def _records():
         "rollout/filtered_groups_total": 3.0,
       },
       **_eval(
-        0.5, 0.12, 0.75, eval__task__count=0.4, eval__task__colour=0.6, eval__accuracy__easy=0.7
+        0.5,
+        0.12,
+        0.75,
+        eval__task__count=0.4,
+        eval__task__colour=0.6,
+        eval__accuracy__easy=0.7,
+        **{"eval__band__17-32": 0.35},
       ),
     ),
   ]
@@ -99,6 +112,7 @@ def test_per_task_and_per_difficulty_rows():
   # A task evaluated at the end only: no start, no change.
   assert "  task colour        - -> 0.600" in lines
   assert "  difficulty easy    0.400 -> 0.700  (+0.300)" in lines
+  assert "  length band 17-32  0.100 -> 0.350  (+0.250)" in lines
   assert _summary().end.by_task == {"colour": 0.6, "count": 0.4}
 
 

@@ -60,6 +60,7 @@ import PIL.ImageFont
 
 from fluxjax.data import cot_tasks, distributions, visual_tasks
 from fluxjax.data.drawing import BACKGROUND, draw_shape
+from fluxjax.models import media as media_lib
 from fluxjax.models.tokenizer import COLORS, SHAPES
 
 log = logging.getLogger(__name__)
@@ -388,6 +389,38 @@ def make_reasoning_sample(
     write_video(os.path.join(out_dir, rel), lambda k: frames[k], f, h, w, visual_tasks.VIDEO_FPS)
     row["videos"] = [rel]
   return row
+
+
+def _inside(out_dir: str, rel: str) -> str:
+  """`out_dir`/`rel` with its folder made; a path that leaves `out_dir` is refused."""
+  path = os.path.normpath(os.path.join(out_dir, rel))
+  if os.path.isabs(rel) or not path.startswith(os.path.normpath(out_dir) + os.sep):
+    raise ValueError(f"media path {rel!r} is not relative to its manifest's folder")
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  return path
+
+
+def blind_copy(manifest: str, out_dir: str) -> str:
+  """The same rows with pixel-free media: every image and video frame a flat
+  grey of the same size (videos keep frame count and rate). Returns the copy's
+  manifest path. The control that a task's gain needs the pixels."""
+  src = os.path.dirname(manifest)
+  with open(manifest) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  for row in rows:
+    for rel in row.get("images", ()):
+      path = _inside(out_dir, rel)
+      h, w = media_lib.probe_image(os.path.join(src, rel))
+      PIL.Image.new("RGB", (w, h), BACKGROUND).save(path)
+    for rel in row.get("videos", ()):
+      path = _inside(out_dir, rel)
+      info = media_lib.probe_video(os.path.join(src, rel))
+      grey = np.full((info.height, info.width, 3), BACKGROUND, np.uint8)
+      write_video(path, lambda _, g=grey: g, info.num_frames, info.height, info.width, info.fps)
+  out = os.path.join(out_dir, "manifest.jsonl")
+  with open(out, "w") as f:
+    f.writelines(json.dumps(row) + "\n" for row in rows)
+  return out
 
 
 def content_key(row: dict, out_dir: str) -> str:

@@ -50,10 +50,24 @@ log = logging.getLogger(__name__)
 
 
 def dataset_paths(config, workdir: str) -> tuple[str, str]:
-  """(train, eval) manifests: configured files, or synthetic ones made once."""
+  """(train, eval) manifests: configured files, or synthetic ones made once;
+  with `data.blind`, copies of them whose media carry no pixels."""
   d = config.data
-  if d.train:
-    return d.train, d.eval or d.train
+  paths = (d.train, d.eval or d.train) if d.train else _synthetic_paths(d, workdir)
+  if not d.blind:
+    return paths
+  blind = []
+  for split, manifest in zip(("train", "eval"), paths):
+    out = os.path.join(workdir, "data_blind", split)
+    if not os.path.exists(os.path.join(out, "manifest.jsonl")):
+      log.info("writing a pixel-free copy of %s into %s", manifest, out)
+      synth.blind_copy(manifest, out)
+    blind.append(os.path.join(out, "manifest.jsonl"))
+  return blind[0], blind[1]
+
+
+def _synthetic_paths(d, workdir: str) -> tuple[str, str]:
+  """(train, eval) manifests of the synthetic mix, generated once per workdir."""
   root = os.path.join(workdir, "data")
   paths: list[str] = []
   for split, n, seed in (("train", d.synth_train, d.seed), ("eval", d.synth_eval, d.seed + 1)):

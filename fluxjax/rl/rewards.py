@@ -18,6 +18,9 @@ single number or word", and its corpus answers as "<answer>x</answer>",
                         x</answer>` and nothing else.
   accuracy_with_format  0.9 * accuracy + 0.1 * format (R1-style shaping).
 
+Controls (bench/learning.py): accuracy_reversed (1 - accuracy), random (a
+fair coin per call, independent of the response) and constant (0).
+
 `extract_answer` takes, in order: the last <answer>...</answer>, the last
 "answer is x" / "Answer: x", else the last number (numeric reference) or
 the last word.
@@ -53,6 +56,7 @@ import logging
 import math
 import multiprocessing
 import multiprocessing.connection
+import random
 import re
 import threading
 import time
@@ -202,6 +206,15 @@ def accuracy_with_format(response: str, answer: str) -> float:
 def accuracy_reversed(response: str, answer: str) -> float:
   """1 - accuracy: a policy trained on it must get worse at the task."""
   return 1.0 - accuracy(response, answer)
+
+
+@register("random")
+def random_reward(response: str, answer: str) -> float:
+  """1 or 0 by a fair coin, independent of the response: GRPO then gets
+  advantages of full size that carry no information about the task, so any
+  gain it shows is not learning from the reward."""
+  del response, answer
+  return float(random.random() < 0.5)
 
 
 @register("constant")

@@ -73,7 +73,8 @@ class Evaluation:
     greedy: eval/accuracy_greedy, or None.
     pass_at: {"pass@k": value}.
     prompts, samples: how much was evaluated.
-    by_task, by_difficulty: eval/task/<t> and eval/accuracy/<d>.
+    by_task, by_difficulty, by_band: eval/task/<t>, eval/accuracy/<d> and
+      eval/band/<b> (the reference response's length band).
   """
 
   step: int
@@ -85,6 +86,7 @@ class Evaluation:
   samples: int
   by_task: dict[str, float]
   by_difficulty: dict[str, float]
+  by_band: dict[str, float]
 
   @classmethod
   def of(cls, record: Mapping) -> Evaluation | None:
@@ -107,6 +109,7 @@ class Evaluation:
       samples=int(_number(record.get("eval/samples")) or 0),
       by_task=starting("eval/task/"),
       by_difficulty=starting("eval/accuracy/"),
+      by_band=starting("eval/band/"),
     )
 
 
@@ -197,6 +200,7 @@ class Summary:
       ("", lambda e: e.pass_at),
       ("task ", lambda e: e.by_task),
       ("difficulty ", lambda e: e.by_difficulty),
+      ("length band ", lambda e: e.by_band),
     ):
       was, now = (part(e) if e is not None else {} for e in (start, end))
       out.extend(_row(label + k, was.get(k), now.get(k)) for k in sorted(was.keys() | now.keys()))

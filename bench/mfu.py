@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any, NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -56,15 +57,19 @@ def datasheet_peak(device_kind: str) -> float | None:
   return next((v for k, v in DATASHEET_BF16.items() if k in device_kind), None)
 
 
+def decoder_matmul_weights(t: config_lib.TextConfig) -> int:
+  """Matmul weights a token passes through: every decoder layer's (q, k, v, o,
+  gate, up, down) and the LM head; the embedding is a lookup."""
+  d, n, k, h, f = t.hidden_size, t.num_heads, t.num_kv_heads, t.head_dim, t.intermediate_size
+  return t.num_layers * (d * (n + 2 * k) * h + n * h * d + 3 * d * f) + d * t.vocab_size
+
+
 def text_flops(cfg: config_lib.ModelConfig, lengths) -> float:
   """Training FLOPs of the decoder and LM head over sequences of `lengths` tokens."""
   t = cfg.text
-  d, n, k, h, f = t.hidden_size, t.num_heads, t.num_kv_heads, t.head_dim, t.intermediate_size
-  per_token = (
-    t.num_layers * 2 * (d * (n + 2 * k) * h + n * h * d + 3 * d * f) + 2 * d * t.vocab_size
-  )
   pairs = sum(s * (s + 1) // 2 for s in lengths)
-  return 3.0 * (per_token * sum(lengths) + t.num_layers * 4 * n * h * pairs)
+  attention = t.num_layers * 4 * t.num_heads * t.head_dim * pairs
+  return 3.0 * (2 * decoder_matmul_weights(t) * sum(lengths) + attention)
 
 
 def vision_flops(cfg: config_lib.ModelConfig, side: int, images: int) -> float:
@@ -97,8 +102,20 @@ def make_batch(cfg, args):
   ]
 
 
-def build(cfg, args, device):
-  """(compiled step, train state, placed batch, sequences, compile seconds, memory)."""
+class Built(NamedTuple):
+  """A compiled train step with what it runs on."""
+
+  step: Any  # the compiled step: (state, batch) -> (state, metrics), state donated
+  state: train_step.TrainState
+  batch: batch_lib.TrainBatch
+  graphdef: Any
+  seqs: list
+  compile_s: float
+  memory: Any  # XLA's memory analysis of the step
+
+
+def build(cfg, args, device) -> Built:
+  """The trainer's step for `make_batch`'s batch on a one-device mesh, compiled."""
   mesh = mesh_lib.make_mesh(devices=[device])
   seqs = make_batch(cfg, args)
   scfg = config_args.load_config().sharding
@@ -120,13 +137,15 @@ def build(cfg, args, device):
     )
     t = time.perf_counter()
     compiled = step.lower(state, batch).compile()
-  return compiled, state, batch, seqs, time.perf_counter() - t, compiled.memory_analysis()
+  compile_s = time.perf_counter() - t
+  return Built(compiled, state, batch, graphdef, seqs, compile_s, compiled.memory_analysis())
 
 
 def run(cfg, args, device, remat: bool) -> dict:
   """Compiles and times the train step; returns its figures."""
   cfg = cfg.replace(remat=remat)
-  compiled, state, batch, seqs, compile_s, mem = build(cfg, args, device)
+  built = build(cfg, args, device)
+  compiled, state, batch, seqs, mem = built.step, built.state, built.batch, built.seqs, built.memory
   state, _ = jax.block_until_ready(compiled(state, batch))
   times = []
   for _ in range(args.reps):
@@ -141,7 +160,7 @@ def run(cfg, args, device, remat: bool) -> dict:
     "sequences": len(seqs),
     "tokens": sum(lengths),
     "microbatches": batch.num_microbatches,
-    "compile_s": compile_s,
+    "compile_s": built.compile_s,
     "step_ms": step_s * 1e3,
     "step_ms_all": [x * 1e3 for x in times],
     "model_tflop": flops / 1e12,

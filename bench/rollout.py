@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import jax.numpy as jnp
+import mfu  # (lives next to this script)
 import numpy as np
 from flax import nnx
 
@@ -181,13 +182,11 @@ def main():
     assert agree == args.new_tokens, f"engine and loop disagree from token {agree}"
 
   t = cfg.text
-  itemsize = np.dtype(jnp.dtype(args.dtype)).itemsize
+  itemsize = jnp.dtype(args.dtype).itemsize
   kv_per_token = 2 * t.num_layers * t.num_kv_heads * t.head_dim * itemsize
   # What one decode step reads: the decoder layers and the LM head (the
   # vision tower and the embedding rows are not touched).
-  d, h, f = t.hidden_size, t.head_dim, t.intermediate_size
-  layer = d * (t.num_heads + 2 * t.num_kv_heads) * h + t.num_heads * h * d + 3 * d * f
-  param_bytes = (t.num_layers * layer + t.vocab_size * d) * itemsize
+  param_bytes = mfu.decoder_matmul_weights(t) * itemsize
   dev = jax.devices()[0]
   bandwidth = args.bandwidth or next(
     (v for k, v in BANDWIDTH.items() if k in dev.device_kind), None
@@ -213,10 +212,13 @@ def main():
     "| mode | concurrent requests | generated tokens/s | vs loop | bandwidth bound | of bound |"
   )
   print("|---|---|---|---|---|---|")
-  fmt = lambda x, c: f"{x:,.0f} | {c / x:.0%}" if x else "- | -"
-  print(f"| loop (one at a time) | 1 | {loop_tps:,.0f} | 1.00x | {fmt(bound(1), loop_tps)} |")
+
+  def of_bound(c, tps):  # the bound's cell and the share of it reached
+    return f"{bound(c):,.0f} | {tps / bound(c):.0%}" if bandwidth else "- | -"
+
+  print(f"| loop (one at a time) | 1 | {loop_tps:,.0f} | 1.00x | {of_bound(1, loop_tps)} |")
   for c, tps in rows:
-    print(f"| engine | {c} | {tps:,.0f} | {tps / loop_tps:.2f}x | {fmt(bound(c), tps)} |")
+    print(f"| engine | {c} | {tps:,.0f} | {tps / loop_tps:.2f}x | {of_bound(c, tps)} |")
   if prefill_tps:
     print(f"prefill: {levels[-1]} x {args.prefill_len} tokens, {prefill_tps:,.0f} tokens/s")
   if args.json:

@@ -80,9 +80,10 @@ def main() -> None:
   device = jax.devices()[0]
   base = config_lib.preset(args.preset)
   cfg = base.replace(dtype="bfloat16" if device.platform == "gpu" else "float32")
-  compiled, state0, batch, _, _, _ = mfu.build(cfg, batch_args, device)
+  built = mfu.build(cfg, batch_args, device)
+  compiled, state0, batch = built.step, built.state, built.batch
   start = jax.device_get(state0)
-  model = nnx.merge(compiled_graphdef(cfg, device), start.params)
+  model = nnx.merge(built.graphdef, start.params)
   engine = engine_lib.Engine(model, Tokenizer.default(), num_slots=args.requests, capacity=96)
   rng = np.random.default_rng(0)
   seqs = [
@@ -127,15 +128,6 @@ def main() -> None:
     runinfo.write(args.json, "threads.py", {"args": vars(args), **figures})
   if hung or figures["params_max_rel_diff"] > 1e-5 or not figures["tokens_equal"]:
     raise SystemExit("the two threads changed a result or hung")
-
-
-def compiled_graphdef(cfg, device):
-  """The model's graph definition (the engine needs a whole module)."""
-  from fluxjax.models import sharded
-  from fluxjax.sharding import mesh as mesh_lib
-
-  mesh = mesh_lib.make_mesh(devices=[device])
-  return nnx.split(sharded.create_sharded_model(cfg, mesh, log_table=False), nnx.Param)[0]
 
 
 if __name__ == "__main__":

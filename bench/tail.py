@@ -70,6 +70,7 @@ import numpy as np
 import runinfo
 from fluxjax.models import config, vlm
 from fluxjax.models.tokenizer import Tokenizer
+from fluxjax.rl import round_driver as rd
 from fluxjax.rl import tail_batching as tb
 from fluxjax.rollout.embedded import EmbeddedRollout
 
@@ -142,7 +143,7 @@ async def tail_epoch(rollout, prompts, P, R, eta, recycle, continue_in, make_bod
   rows = []
   tag = f"eta{eta}{'r' if recycle else 'd'}{continue_in[0]}"
   while (
-    res := await tb.run_round(
+    res := await rd.run_round(
       rollout, b, make_body, rid_prefix=tag, decode=rollout.tokenizer.decode
     )
   ) is not None:

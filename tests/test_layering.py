@@ -1,4 +1,5 @@
-"""The package layering: imports only go down, and no module imports itself back.
+"""The package layering: imports only go down, and no module imports itself back;
+and every function short enough to read at once (MAX_FUNCTION_LINES).
 
   train, plot, logs, config   entry points
   rl                          the loop, coordinator, algorithms, checkpoints, metrics
@@ -112,6 +113,20 @@ def test_imports_only_go_down():
       if dep == "fluxjax" or (dep_group != group and dep_rank >= rank):
         back.append(f"{mod} -> {dep}")
   assert not back, "imports against the layering:\n" + "\n".join(back)
+
+
+MAX_FUNCTION_LINES = 120
+
+
+def test_no_function_is_longer_than_the_limit():
+  long = []
+  for path in sorted(PACKAGE.rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        lines = node.end_lineno - node.lineno + 1
+        if lines > MAX_FUNCTION_LINES:
+          long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
+  assert not long, f"functions over {MAX_FUNCTION_LINES} lines, split them:\n" + "\n".join(long)
 
 
 def test_no_import_cycles():

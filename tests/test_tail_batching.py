@@ -8,6 +8,7 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
+from fluxjax.rl import round_driver as rd
 from fluxjax.rl import tail_batching as tb
 from fluxjax.rollout.backend import SlotStats
 from fluxjax.rollout.client import Completion, RequestRejected
@@ -209,7 +210,7 @@ def test_run_round_against_fake_rollout():
   b.start_epoch(range(6))
 
   async def main():
-    res = await tb.run_round(rollout, b, body)
+    res = await rd.run_round(rollout, b, body)
     assert res.plan.kind == "short" and (len(res.plan.prompts), res.plan.responses) == (5, 3)
     assert sorted(res.groups) == [0, 1, 2] and b.long == [3, 4]
     assert all(
@@ -220,7 +221,7 @@ def test_run_round_against_fake_rollout():
     assert res.stats["wall_s"] < 0.6 and res.stats["max_kept_len"] <= 10
     assert res.stats["aborted"] == len(rollout.aborts) > 0
     rest = []
-    while (r := await tb.run_round(rollout, b, body)) is not None:
+    while (r := await rd.run_round(rollout, b, body)) is not None:
       rest.append(r)
     return rest
 
@@ -251,14 +252,14 @@ def test_round_slot_statistics_come_from_the_backends_counters():
   fast = lambda b: 1e-3
   b = tb.TailBatcher(2, 2, 1.0)  # no speculation: every response is kept
   b.start_epoch(range(2))
-  res = asyncio.run(tb.run_round(SlotRollout(fast, num_slots=8), b, body, decode=decode))
+  res = asyncio.run(rd.run_round(SlotRollout(fast, num_slots=8), b, body, decode=decode))
   # 2 x 3 + 2 x 4 tokens = 14 decode steps; each response's first token is
   # the prefill's, so 2 x 2 + 2 x 3 = 10 busy slot-steps of 14 x 8.
   assert res.stats["decode_steps"] == 14
   assert res.stats["slot_idle_fraction"] == pytest.approx(1.0 - 10 / (14 * 8))
   b = tb.TailBatcher(2, 2, 1.0)
   b.start_epoch(range(2))
-  res = asyncio.run(tb.run_round(FakeRollout(fast), b, body, decode=decode))
+  res = asyncio.run(rd.run_round(FakeRollout(fast), b, body, decode=decode))
   assert "decode_steps" not in res.stats and "slot_idle_fraction" not in res.stats
 
 
@@ -290,8 +291,8 @@ def test_failed_round_keeps_what_it_finished_and_requeues_the_rest():
   streamed = []
 
   async def main():
-    with pytest.raises(tb.RoundFailed) as err:
-      await tb.run_round(
+    with pytest.raises(rd.RoundFailed) as err:
+      await rd.run_round(
         FailingRollout(fast, dies_on=2),
         b,
         body,
@@ -301,7 +302,7 @@ def test_failed_round_keeps_what_it_finished_and_requeues_the_rest():
     assert sorted(err.value.kept) == [0, 1]
     assert b.fresh == [2, 3] and sorted(b.trained) == [0, 1]
     b.extend([4, 5])
-    while await tb.run_round(
+    while await rd.run_round(
       FakeRollout(fast),
       b,
       body,
@@ -328,7 +329,7 @@ def test_recycling_continues_aborted_responses_and_discards_nothing():
   b = tb.TailBatcher(3, 2, 1.5)  # recycling: 5 prompts x 2 responses
   b.start_epoch(range(6))
 
-  short = asyncio.run(tb.run_round(rollout, b, body, version="1", decode=decode))
+  short = asyncio.run(rd.run_round(rollout, b, body, version="1", decode=decode))
   assert (len(short.plan.prompts), short.plan.responses) == (5, 2)
   assert sorted(short.groups) == [0, 1, 2] and b.long == [3, 4]
   assert short.stats["tokens_discarded"] == 0 and short.stats["tokens_carried"] > 0
@@ -344,7 +345,7 @@ def test_recycling_continues_aborted_responses_and_discards_nothing():
   assert resumed.carried == b.carried
 
   sent = len(rollout.bodies)
-  rest = asyncio.run(tb.run_round(rollout, resumed, body, version="2", decode=decode))
+  rest = asyncio.run(rd.run_round(rollout, resumed, body, version="2", decode=decode))
   assert rest.plan.kind == "long" and sorted(rest.groups) == [3, 4, 5]
   assert rest.stats["resumed"] == 4 and rest.stats["tokens_resumed"] == carried_tokens
   assert rest.stats["tokens_discarded"] == 0
@@ -375,7 +376,7 @@ def test_discarded_work_without_recycling_and_deterministic_ties():
   }
   b = tb.TailBatcher(3, 2, 1.5, recycle=False)
   b.start_epoch(range(6))
-  res = asyncio.run(tb.run_round(TokenRollout(), b, body, decode=decode))
+  res = asyncio.run(rd.run_round(TokenRollout(), b, body, decode=decode))
   assert res.stats["tokens_discarded"] > 0 and not b.carried
   # Equal-length responses finish in the same loop turns: the kept order is
   # the request order, run after run.
@@ -383,7 +384,7 @@ def test_discarded_work_without_recycling_and_deterministic_ties():
   for _ in range(3):
     b = tb.TailBatcher(3, 2, 1.5)
     b.start_epoch(range(6))
-    res = asyncio.run(tb.run_round(TokenRollout(tick=0.0), b, body, decode=decode))
+    res = asyncio.run(rd.run_round(TokenRollout(tick=0.0), b, body, decode=decode))
     orders.append(list(res.groups))
   assert orders == [[0, 1, 2]] * 3
 
@@ -407,10 +408,10 @@ def test_a_refused_continuation_is_generated_again_and_counted():
   b = tb.TailBatcher(3, 1, 1.5)
   b.start_epoch(range(4))
   rollout = RefusingRollout()
-  short = asyncio.run(tb.run_round(rollout, b, body, decode=decode))
+  short = asyncio.run(rd.run_round(rollout, b, body, decode=decode))
   carried = short.stats["tokens_carried"]
   assert b.long == [3] and carried > 0
-  rest = asyncio.run(tb.run_round(rollout, b, body, decode=decode))
+  rest = asyncio.run(rd.run_round(rollout, b, body, decode=decode))
   (c,) = rest.groups[3]
   assert c.output_ids == [pos % 97 for pos in range(3, 203)]  # whole, from scratch
   assert rest.stats["restarted"] == 1 and rest.stats["tokens_discarded"] == carried
@@ -442,9 +443,9 @@ def test_backend_pauses_are_continued_not_counted_as_failures(recycle):
   }
   b = tb.TailBatcher(2, 1, 1.0, recycle=recycle)
   b.start_epoch(range(2))
-  run = tb.run_round(PausingRollout(every=6), b, body, decode=decode, max_retries=2)
+  run = rd.run_round(PausingRollout(every=6), b, body, decode=decode, max_retries=2)
   if not recycle:  # every attempt restarts from scratch and is paused again
-    with pytest.raises(tb.RoundFailed, match="without progress"):
+    with pytest.raises(rd.RoundFailed, match="without progress"):
       asyncio.run(run)
     return
   res = asyncio.run(run)
@@ -494,7 +495,7 @@ def test_a_prompt_the_backend_refuses_is_dropped_and_the_round_goes_on(eta):
 
   async def main():
     rounds = []
-    while (r := await tb.run_round(rollout, b, body)) is not None:
+    while (r := await rd.run_round(rollout, b, body)) is not None:
       rounds.append(r)
     return rounds
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fluxjax.data import meta as meta_lib
-from fluxjax.rl import async_control, tail_batching, trajectories
+from fluxjax.rl import async_control, round_driver, tail_batching, trajectories
 from fluxjax.rollout.backend import LoopThread, Sampler
 from fluxjax.rollout.client import Completion
 
@@ -389,7 +389,7 @@ class Producer:
           self._score(uid, completion)
 
         try:
-          result = await tail_batching.run_round(
+          result = await round_driver.run_round(
             self.rollout,
             self.batcher,
             body,
@@ -399,7 +399,7 @@ class Producer:
             version=str(launch_version),
             decode=self.decode,
           )
-        except tail_batching.RoundFailed as e:
+        except round_driver.RoundFailed as e:
           failures += 1
           self.counts["faults/round_failures"] += 1
           self.admission.on_cancelled(plan.keep_prompts - len(e.kept))

@@ -203,10 +203,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.router_launch = ()
   # How long launched servers and a router (until it lists a worker) may take to come up.
   c.rollout.launch_timeout_s = 600.0
-  # A weight publish whose write fails (a full disk) reaches no server: the
-  # fleet keeps its weights and rollout goes on, counted. This many in a row
-  # stop the run (rollout would drift ever further off-policy).
-  c.rollout.max_consecutive_failed_publishes = 3
   c.rollout.health_interval_s = 2.0
   c.rollout.num_slots = 32  # embedded engine: concurrent requests
   # Prompt + response tokens: the embedded engine's per-slot KV cache, a
@@ -358,6 +354,29 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
   )
 
+  # Fault policy (fluxjax/faults.py): each failure below is counted
+  # (faults/<name>_total, checkpointed) and this many in a row stop the run
+  # with an error that names the cause; 0 = never stop.
+  c.faults = ml_collections.ConfigDict()
+  # Updates refused as non-finite (loss, gradient norm, or the updated
+  # parameters or optimizer state), the SFT warm-up's included: none is
+  # applied or published, so the checkpoints hold the last good policy.
+  # Weights that pass but give non-finite logits (a probe forward before each
+  # publish) stop the run at once.
+  c.faults.nonfinite_steps = 3
+  # Weight publishes whose write failed (a full disk) and reached no server:
+  # the fleet keeps its weights and rollout goes on, ever further off-policy.
+  c.faults.unwritten_publishes = 3
+  # Rollout rounds a backend error stopped (their kept prompts are trained,
+  # the rest queued again; a backoff of 2^n s, at most 30, between them).
+  c.faults.failed_rounds = 5
+  # Samples whose prompt could not be built (each skipped): that many in a
+  # row is a broken tokenizer or chat template, not bad samples.
+  c.faults.prompt_errors = 100
+  # Per response, not per run: backend aborts without progress (a pause, an
+  # engine error) re-launched before its round fails (a failed round).
+  c.faults.request_retries = 2
+
   # Supervised warm-up (rl/sft.py), once before the first GRPO step of a fresh
   # run: train prompts with their reference answers as "<answer>x</answer>".
   # A random-init model never produces that format, so GRPO alone gets reward
@@ -374,6 +393,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # The difficulty labels the warm-up teaches; training rows with another
   # label are left to RL, rows without one are always taught. () = all.
   c.sft.levels = ()
+  # The share of warm-up samples whose reference response shows its reasoning
+  # (<think>solution</think> before the answer); the others answer directly,
+  # so RL can find out where reasoning pays.
+  c.sft.chain_fraction = 1.0
   c.sft.lr = 2e-3
   c.sft.warmup_steps = 10
   c.sft.end_lr_frac = 0.1
@@ -394,12 +417,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optim.b2 = 0.999
   c.optim.eps = 1e-8
   c.optim.weight_decay = 0.0
-  # A step whose loss, gradient norm or updated parameters or optimizer state
-  # are not finite applies no update and publishes nothing (counted, its
-  # samples logged); this many in a row stop the run with the last good
-  # checkpoint intact (0: never stop). Weights that pass but give non-finite
-  # logits (a probe forward before each publish) stop the run at once.
-  c.optim.max_consecutive_nonfinite = 3
   if arg.smoke:
     _smoke(c)
   return c

@@ -315,7 +315,7 @@ def test_dynamic_sampling_trains_only_groups_with_signal(parts):
   filtered = [r.metrics["rollout/filtered_groups"] for r in results]
   assert sum(filtered) >= 1 and counts["rollout/filtered_groups_total"] == sum(filtered)
   # A dropped group's late speculative responses are discarded, not a fault.
-  assert counts.get("faults/round_failures", 0.0) == 0.0
+  assert counts["faults/failed_rounds_total"] == 0.0
   # Dropped and trained samples are handed back to the loader.
   assert {f"q{u}" for u in data.released} >= set(trained)
 
@@ -369,7 +369,7 @@ def test_a_step_records_the_percentiles_of_its_response_lengths(parts):
 
 def test_refused_updates_publish_nothing_and_too_many_in_a_row_stop(parts, caplog):
   """Updates the device refused (non-finite) keep the policy version and are
-  counted with their prompts logged; `optim.max_consecutive_nonfinite` in a
+  counted with their prompts logged; `faults.nonfinite_steps` in a
   row raise."""
   from fluxjax.models.tokenizer import Tokenizer
   from fluxjax.parallel import train_step
@@ -377,7 +377,7 @@ def test_refused_updates_publish_nothing_and_too_many_in_a_row_stop(parts, caplo
   config = parts[0].copy_and_resolve_references()
   config.rl.prompts_per_step, config.rl.responses_per_prompt = 2, 2
   config.rl.reward.fn = "constant"
-  config.optim.max_consecutive_nonfinite = 2
+  config.faults.nonfinite_steps = 2
   samples = [
     meta_lib.SampleMeta(uid=i, id=f"q{i}", prompt=f"Question {i}?", answer="red") for i in range(16)
   ]
@@ -403,12 +403,12 @@ def test_refused_updates_publish_nothing_and_too_many_in_a_row_stop(parts, caplo
     assert all(i in caplog.text for i in result.trained)  # step 4's prompts
     with pytest.raises(train_step.NonFiniteError, match="2 updates in a row"):
       c.step()
-    assert c.get_state()[0]["nonfinite"] == 3
+    assert c.get_state()[0]["faults"]["nonfinite_steps"] == 3
 
 
 def test_publishes_whose_write_failed_are_counted_and_too_many_stop(coord, parts):
   """A publish that reached no server (its write failed) moves the version on,
-  is counted, and `rollout.max_consecutive_failed_publishes` in a row raise."""
+  is counted, and `faults.unwritten_publishes` in a row raise."""
   c, backend = coord
   written = backend.publish
   outcomes = iter([False, True, False, False, False])  # whether each write succeeds
@@ -419,7 +419,7 @@ def test_publishes_whose_write_failed_are_counted_and_too_many_stop(coord, parts
     return PublishReport(str(version), None, {"write": 0.0}, ["write: [Errno 28] disk full"])
 
   backend.publish = publish
-  limit = parts[0].rollout.max_consecutive_failed_publishes
+  limit = parts[0].faults.unwritten_publishes
   assert limit == 3
   c.publish()  # failed
   c.publish()  # written: the count in a row starts again
@@ -427,5 +427,7 @@ def test_publishes_whose_write_failed_are_counted_and_too_many_stop(coord, parts
   c.publish()
   assert c.version == 4 and [v for _, v in backend.published] == [2]
   assert c.fault_counts()["faults/unwritten_publishes_total"] == 3.0
+  # Every fault total is in the checkpointed state, so a resumed run goes on counting.
+  assert c.get_state()[0]["faults"]["unwritten_publishes"] == 3
   with pytest.raises(RuntimeError, match="3 weight publishes in a row reached no server"):
     c.publish()

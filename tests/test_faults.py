@@ -8,7 +8,7 @@
   (`data/skipped/prompt_too_long`), never sent to the engine;
 * a rollout server killed mid-round (real server processes on loopback): the
   fleet marks it down and retries on the other (`fleet/servers_down`,
-  `fleet/retries` or `faults/round_failures`).
+  `fleet/retries` or `faults/failed_rounds_total`).
 """
 
 import json
@@ -119,6 +119,6 @@ def test_server_killed_mid_round(tmp_path):
   assert servers.procs[0].poll() is not None, "the server was never killed"
   assert last["policy/version"] == 3.0
   assert last["fleet/servers_down"] == 1.0
-  assert last["fleet/retries"] + last.get("faults/round_failures", 0.0) >= 1
+  assert last["fleet/retries"] + last["faults/failed_rounds_total"] >= 1
   trained = [i for r in loop.read_trained(str(workdir)) for i in r["ids"]]
   assert len(trained) == 9 and len(set(trained)) == 9

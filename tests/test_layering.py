@@ -7,6 +7,7 @@ and every function short enough to read at once (MAX_FUNCTION_LINES).
   parallel                    batch packing, strategies, Ulysses, sync, the train step
   models                      the Qwen2.5-VL family
   sharding                    mesh, axes, rules, plans, planners, cost model
+  faults                      the fault policy (counted failures, limits in a row)
 
 Every import counts: module level or inside a function, `import x`,
 `from x import y` and relative forms, and `importlib.import_module("...")`
@@ -38,6 +39,7 @@ LAYERS = {
   "fluxjax.parallel": (3, "parallel"),
   "fluxjax.models": (2, "models"),
   "fluxjax.sharding": (1, "sharding"),
+  "fluxjax.faults": (0, "base"),
 }
 
 

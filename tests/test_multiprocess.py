@@ -236,7 +236,7 @@ def test_two_processes_killed_and_resumed_match_one_and_resume_in_one(
     caplog.at_level(logging.INFO, logger="fluxjax"),
     pytest.raises(train_step.NonFiniteError, match="2 updates in a row"),
   ):
-    _one(two, total_steps=6, **{"optim.max_consecutive_nonfinite": 2})
+    _one(two, total_steps=6, **{"faults.nonfinite_steps": 2})
   assert "resumed from step 3" in caplog.text
   assert_each_prompt_trained_once(two, 5, P)  # the refused step's prompts are consumed
   recs = {r["step"]: r for r in metrics.read_metrics(str(two))}

@@ -23,6 +23,7 @@ import optax
 import pytest
 from flax import nnx
 
+from fluxjax import faults
 from fluxjax.models import config, inputs, vlm
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import train_step
@@ -64,7 +65,7 @@ def test_an_update_that_makes_parameters_nonfinite_is_refused_under_sharding(dev
   assert all(np.array_equal(a, b) for a, b in zip(after, before))
   assert new.params["w"].sharding.is_equivalent_to(shard, 2)
   # The host's guard names the cause.
-  guard = train_step.NonFiniteGuard(1)
+  guard = train_step.NonFiniteGuard(faults.Streak("nonfinite_steps", limit=1))
   with pytest.raises(train_step.NonFiniteError, match="made a parameter or optimizer moment"):
     guard.observe(3, jax.device_get(m))
 

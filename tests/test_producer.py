@@ -7,12 +7,24 @@ import logging
 import time
 
 import fault_rewards
+from fluxjax import config_args
+from fluxjax import faults as faults_lib
 from fluxjax.data.meta import SampleMeta
 from fluxjax.rl import async_control, tail_batching
 from fluxjax.rl import producer as producer_lib
 from fluxjax.rl import rewards as rewards_lib
 from fluxjax.rollout.client import Completion, RequestRejected
 from helpers import TokenRollout, decode
+
+FAULTS = config_args.load_config().faults
+
+
+def _faults(**limits) -> dict:
+  """The Producer's fault arguments: the config's limits, some overridden."""
+  return {
+    "faults": faults_lib.Faults({**FAULTS, **limits}),
+    "request_retries": FAULTS.request_retries,
+  }
 
 
 @dataclasses.dataclass
@@ -108,6 +120,7 @@ def test_a_late_speculative_response_of_a_forgotten_prompt_does_not_fail_the_rou
     prompt_fn=lambda sample: [1, 2, 3],
     decode=decode,
     max_prompt_tokens=16,
+    **_faults(),
   )
   producer.batcher.start_epoch([])
   producer.start()
@@ -133,7 +146,7 @@ def test_a_late_speculative_response_of_a_forgotten_prompt_does_not_fail_the_rou
     assert rollout.late_done.is_set()
   finally:
     producer.stop()
-  assert producer.counts["faults/round_failures"] == 0
+  assert producer.failed_rounds.total == 0
   # The late response was not scored: its prompt had been forgotten.
   assert rewards.submitted.count("s0") == R
 
@@ -160,6 +173,7 @@ def test_recycled_responses_are_scored_whole_and_survive_a_snapshot():
       prompt_fn=lambda sample: [1, 2, 3],
       decode=decode,
       max_prompt_tokens=16,
+      **_faults(),
     )
 
   def drain(producer):
@@ -206,7 +220,7 @@ def test_recycled_responses_are_scored_whole_and_survive_a_snapshot():
 
 
 def _producer(
-  samples, rewards, P, R, *, prompt_fn, released=None, rollout=None, admission=None, **kw
+  samples, rewards, P, R, *, prompt_fn, released=None, rollout=None, admission=None, **limits
 ):
   """A producer over one loader batch of `samples` on the token backend."""
   batches = [samples]
@@ -224,7 +238,7 @@ def _producer(
     decode=decode,
     max_prompt_tokens=16,
     release=(released.extend if released is not None else lambda samples: None),
-    **kw,
+    **_faults(**limits),
   )
 
 
@@ -265,7 +279,7 @@ def test_a_prompt_that_fails_to_build_is_a_counted_logged_skip(caplog):
   producer = _producer(samples, _InstantRewards(), 2, 2, prompt_fn=_tokenize, released=released)
   (kept,) = _rounds(producer)
   assert sorted(k.sample.id for k in kept) == ["s0", "s2"]
-  assert producer.counts["data/skipped/prompt_error"] == 1
+  assert producer.prompt_errors.total == 1
   assert [s.id for s in released] == ["s1"]
   assert 1 not in producer.samples and 1 not in producer.prompts
   assert any(
@@ -277,9 +291,7 @@ def test_a_prompt_that_fails_to_build_is_a_counted_logged_skip(caplog):
 def test_prompts_failing_in_a_row_stop_the_run():
   """A tokenizer that fails on everything is a bug, not a dataset of bad samples."""
   samples = [SampleMeta(uid=i, id=f"s{i}", prompt="untokenizable", answer="a") for i in range(4)]
-  producer = _producer(
-    samples, _InstantRewards(), 2, 2, prompt_fn=_tokenize, max_prompt_errors_in_a_row=3
-  )
+  producer = _producer(samples, _InstantRewards(), 2, 2, prompt_fn=_tokenize, prompt_errors=3)
   producer.batcher.start_epoch([])
   producer.start()
   try:
@@ -288,7 +300,7 @@ def test_prompts_failing_in_a_row_stop_the_run():
     producer.stop()
   assert isinstance(error, RuntimeError), error
   assert "3 prompts in a row failed to build" in str(error) and "s2" in str(error)
-  assert producer.counts["data/skipped/prompt_error"] == 3
+  assert producer.prompt_errors.total == 3
 
 
 def test_rewards_that_raise_or_are_not_finite_score_zero_and_the_producer_goes_on(caplog):
@@ -335,7 +347,7 @@ def test_a_prompt_the_backend_refuses_is_a_counted_skip_and_its_place_refilled(c
   first, second = _rounds(producer, 2)
   assert [k.sample.id for k in first] == ["s0"] and [k.sample.id for k in second] == ["s2"]
   assert producer.counts["data/skipped/rejected"] == 1
-  assert producer.counts.get("faults/round_failures", 0) == 0
+  assert producer.failed_rounds.total == 0
   assert [s.id for s in released] == ["s1"] and 1 not in producer.samples
   assert "skipping sample s1: the rollout backend refused its request" in caplog.text
 

@@ -44,7 +44,7 @@ def _records():
       2.0,
       **{
         "data/skipped": 0.0,
-        "faults/round_failures": 1.0,
+        "faults/failed_rounds_total": 1.0,
         "fleet/servers_down": 1.0,
         "reward/timeout": 0.0,
         "rollout/filtered_groups": 2.0,
@@ -58,7 +58,7 @@ def _records():
       **{
         "data/skipped": 0.0,
         "data/skipped/corrupt": 1.0,
-        "faults/round_failures": 1.0,
+        "faults/failed_rounds_total": 1.0,
         "fleet/servers_down": 0.0,
         "reward/timeout": 0.0,
         "rollout/filtered_groups": 1.0,
@@ -123,12 +123,12 @@ def test_only_non_zero_fault_counters_each_by_its_kind():
   # beside them and non-finite values are left out.
   assert s.faults == {
     "data/skipped/corrupt": 1.0,
-    "faults/round_failures": 1.0,
+    "faults/failed_rounds_total": 1.0,
     "fleet/servers_down": 1.0,
     "rollout/filtered_groups_total": 3.0,
     "sft/nonfinite": 1.0,
   }
-  assert "faults and skips: data/skipped/corrupt 1, faults/round_failures 1," in "\n".join(
+  assert "faults and skips: data/skipped/corrupt 1, faults/failed_rounds_total 1," in "\n".join(
     s.lines()
   )
   clean = [{k: v for k, v in r.items() if k in ("step", "reward/timeout")} for r in _records()]

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import grain
 
+from fluxjax import faults as faults_lib
 from fluxjax.data import meta as meta_lib
 from fluxjax.data import readers
 from fluxjax.data import store as store_lib
@@ -148,7 +149,8 @@ class ShadowLoader:
       rows = readers.read_rows(rows)
     self.batch_size = batch_size
     self.num_rows = len(rows)
-    self._skips_in_a_row = 0
+    # Skips in a row: a whole pass over the rows without a usable sample stops.
+    self._skips = faults_lib.Streak("skipped_samples", limit=self.num_rows)
     self.cfg = cfg
     self.decode_timeout_s = decode_timeout_s
     self.lookahead = max(lookahead or 2 * batch_size, batch_size)
@@ -250,15 +252,13 @@ class ShadowLoader:
       self._committed = slot.state_after
       if reason is not None:
         self._skip(sample, reason)
-        self._skips_in_a_row += 1
-        if self._skips_in_a_row >= self.num_rows:
-          # With repeating epochs this would otherwise loop forever.
+        if self._skips.fail():  # with repeating epochs this would loop forever
           raise RuntimeError(
             f"no usable sample in a whole pass over the {self.num_rows} rows "
             f"(skips by kind: {dict(self.skip_reasons)}; last: {reason})"
           )
         continue
-      self._skips_in_a_row = 0
+      self._skips.ok()
       batch.append(sample)
     self.last_wait_s = waited
     self.wait_s += waited

@@ -23,6 +23,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from fluxjax import faults as faults_lib
 from fluxjax.models import inputs as inputs_lib
 from fluxjax.models import vlm
 from fluxjax.parallel.batch import TrainBatch
@@ -302,22 +303,20 @@ class NonFiniteGuard:
   """Counts skipped (non-finite) updates; too many in a row stop the run.
 
   `apply_update` already refused each such update on device; this is the
-  host's policy over them: log the batch's sample ids, count, and raise
-  `NonFiniteError` at `max_in_a_row` consecutive ones (0 = never).
+  host's policy over them: log the batch's sample ids, count them on
+  `streak` (fluxjax/faults.py), and raise `NonFiniteError` when its limit
+  of refusals in a row is reached.
   """
 
-  def __init__(self, max_in_a_row: int, what: str = "update"):
-    self.max_in_a_row, self.what = int(max_in_a_row), what
-    self.in_a_row = 0
-    self.total = 0
+  def __init__(self, streak: faults_lib.Streak, what: str = "update"):
+    self.streak, self.what = streak, what
 
   def observe(self, step: int, metrics: dict[str, float], ids: Sequence[str] = ()) -> None:
     """Counts step's refusal, if any; raises after too many in a row."""
     if not metrics.get("nonfinite", 0.0):
-      self.in_a_row = 0
+      self.streak.ok()
       return
-    self.in_a_row += 1
-    self.total += 1
+    stop = self.streak.fail()
     log.error(
       "%s %d skipped: loss %s, grad norm %s (%s; %d in a row); its samples: %s",
       self.what,
@@ -325,12 +324,12 @@ class NonFiniteGuard:
       metrics.get("loss"),
       metrics.get("grad_norm"),
       _refusal_cause(metrics),
-      self.in_a_row,
+      self.streak.in_a_row,
       ", ".join(ids) or "-",
     )
-    if self.max_in_a_row and self.in_a_row >= self.max_in_a_row:
+    if stop:
       raise NonFiniteError(
-        f"{self.in_a_row} {self.what}s in a row were refused as non-finite"
+        f"{self.streak.in_a_row} {self.what}s in a row were refused as non-finite"
         f" (last: step {step}, {_refusal_cause(metrics)}); none was applied, so the"
         " parameters and the last checkpoint are those of the last finite step."
         f" Samples of the last one: {', '.join(ids) or '-'}"

@@ -38,6 +38,7 @@ def check(config, model_cfg: ModelConfig, strategy: Strategy, num_devices: int) 
   _check_lengths(config, model_cfg, strategy)
   _check_group(config)
   _check_lag(config)
+  _check_faults(config)
   _warn_idle_devices(config, strategy, num_devices)
 
 
@@ -99,6 +100,15 @@ def _check_lag(config) -> None:
     async_control.StalenessMetric.from_config(lag)
   except ValueError as e:
     raise ValueError(f"{e}; set the --config.coordinator.lag.* flags it names") from None
+
+
+def _check_faults(config) -> None:
+  for name, limit in config.faults.items():
+    if not isinstance(limit, int) or limit < 0:
+      raise ValueError(
+        f"faults.{name}={limit!r}: a count of failures; set --config.faults.{name} "
+        "to 0 or more (fluxjax/faults.py; configs/vlm.py says what each counts)"
+      )
 
 
 def _warn_idle_devices(config, strategy: Strategy, num_devices: int) -> None:

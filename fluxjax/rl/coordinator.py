@@ -44,6 +44,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from fluxjax import faults as faults_lib
 from fluxjax.data import meta as meta_lib
 from fluxjax.models import inputs
 from fluxjax.models.config import ModelConfig
@@ -135,6 +136,8 @@ class Coordinator:
     self._rewards = reward_scheduler
     self._version = 0  # weight version published to rollout
     self._steps = 0  # RL updates applied
+    # Every counted fault of the run (fluxjax/faults.py), checkpointed together.
+    self.faults = faults_lib.Faults(config.faults)
     rl = config.rl
     self._P, self._R = int(rl.prompts_per_step), int(rl.responses_per_prompt)
     tail = config.rollout.tail_batching
@@ -161,16 +164,18 @@ class Coordinator:
       decode=self._tokenizer.decode,
       release=loader.release,
       max_prompt_tokens=config_rules.prompt_budget(config, policy.strategy),
+      faults=self.faults,
+      request_retries=int(config.faults.request_retries),
       thread=thread,
     )
     # Trained sample uids of the (streamed) epoch, for exactly-once on resume.
     self._consumed: set[int] = set()
     self._filtered = 0
-    self._nonfinite = train_step.NonFiniteGuard(config.optim.max_consecutive_nonfinite)
+    self._nonfinite = train_step.NonFiniteGuard(self.faults.streak("nonfinite_steps"))
     # RL steps applied when each weight version was published, to name the step
     # whose update made a policy non-finite.
     self._version_steps: dict[str, int] = {}
-    self._unwritten = self._unwritten_in_a_row = 0  # publishes whose write failed
+    self._unwritten = self.faults.streak("unwritten_publishes")  # reached no server
     self._started = False
     # Every backend call runs on the rollout thread's loop (a fleet's HTTP
     # session belongs to one loop); rounds start only with `start()`.
@@ -426,8 +431,7 @@ class Coordinator:
     """Counted events of the run so far (faults, skips, reward failures, the backend's)."""
     out = {k: float(v) for k, v in self._producer.counts.items()}
     out["rollout/filtered_groups_total"] = float(self._filtered)
-    out["faults/nonfinite_steps_total"] = float(self._nonfinite.total)
-    out["faults/unwritten_publishes_total"] = float(self._unwritten)
+    out.update(self.faults.totals())
     out.update(self._rewards.metrics())
     out.update(self._rollout.metrics())
     return out
@@ -505,14 +509,11 @@ class Coordinator:
     actually serve, so the staleness measures see the gap.
     """
     if report.path is not None or not report.failed:
-      self._unwritten_in_a_row = 0
+      self._unwritten.ok()
       return
-    self._unwritten += 1
-    self._unwritten_in_a_row += 1
-    limit = int(self._config.rollout.max_consecutive_failed_publishes)
-    if limit and self._unwritten_in_a_row >= limit:
+    if self._unwritten.fail():
       raise RuntimeError(
-        f"{self._unwritten_in_a_row} weight publishes in a row reached no server"
+        f"{self._unwritten.in_a_row} weight publishes in a row reached no server"
         f" (last, version {self._version}: {report.failed[0]}); the fleet still serves"
         " an older policy. Free the disk under the run's weights folder and resume."
       )
@@ -586,7 +587,7 @@ class Coordinator:
       "version": self._version,
       "steps": self._steps,
       "filtered": self._filtered,
-      "nonfinite": self._nonfinite.total,
+      "faults": self.faults.get_state(),
       **snap,
     }, data
 
@@ -601,7 +602,7 @@ class Coordinator:
     self._version = int(state["version"])
     self._steps = int(state.get("steps", 0))
     self._filtered = int(state.get("filtered", 0))
-    self._nonfinite.total = int(state.get("nonfinite", 0))
+    self.faults.set_state(state.get("faults", {}))
     self._loader.set_state(data)
     if "batcher" in state:
       self._producer.restore(state, self._steps)

@@ -30,6 +30,7 @@ import queue
 from collections.abc import Callable
 from typing import Any
 
+from fluxjax import faults as faults_lib
 from fluxjax.data import meta as meta_lib
 from fluxjax.rl import async_control, round_driver, tail_batching, trajectories
 from fluxjax.rollout.backend import LoopThread, Sampler
@@ -76,10 +77,12 @@ class Producer:
       of a response continued from a partial one (recycling).
     max_prompt_tokens: longer prompts are skipped (counted).
     release: called with samples the producer drops (skips), to free media.
-    max_round_failures: consecutive failed rounds before the run stops.
-    max_prompt_errors_in_a_row: consecutive samples whose prompt_fn raised
-      (each a counted skip) before the run stops: that many in a row is a
-      broken tokenizer or template, not bad samples.
+    faults: the run's fault streaks: `failed_rounds` (rounds a backend error
+      stopped) and `prompt_errors` (samples whose prompt_fn raised, each a
+      skip: that many in a row is a broken tokenizer or template, not bad
+      samples); their limits stop the run.
+    request_retries: backend aborts of one response without progress that are
+      re-launched before its round fails (`run_round`'s max_retries).
     thread: the rollout thread's loop, shared with the backend's other
       callers; None = a loop of its own, stopped by `stop`.
   """
@@ -97,8 +100,8 @@ class Producer:
     decode: Callable[..., str],
     max_prompt_tokens: int,
     release=lambda samples: None,
-    max_round_failures: int = 5,
-    max_prompt_errors_in_a_row: int = 100,
+    faults: faults_lib.Faults,
+    request_retries: int,
     thread: LoopThread | None = None,
   ):
     self.rollout = rollout
@@ -112,9 +115,9 @@ class Producer:
     self.prompt_fn = prompt_fn
     self.max_prompt_tokens = max_prompt_tokens
     self.release = release
-    self.max_round_failures = max_round_failures
-    self.max_prompt_errors_in_a_row = max_prompt_errors_in_a_row
-    self._prompt_errors_in_a_row = 0
+    self.failed_rounds = faults.streak("failed_rounds")
+    self.prompt_errors = faults.streak("prompt_errors")
+    self.request_retries = request_retries
     self.samples: dict[int, meta_lib.SampleMeta] = {}
     self.prompts: dict[int, Any] = {}
     self.out: queue.Queue = queue.Queue()
@@ -279,7 +282,7 @@ class Producer:
         except Exception as e:
           # Whatever the chat template or tokenizer raises on this sample's
           # prompt is the sample's fault: a counted skip, not a stopped run.
-          self._prompt_errors_in_a_row += 1
+          stop = self.prompt_errors.fail()
           log.warning(
             "skipping sample %s (uid %d): cannot build its prompt: %s: %s",
             sample.id,
@@ -287,17 +290,16 @@ class Producer:
             type(e).__name__,
             e,
           )
-          self.counts["data/skipped/prompt_error"] += 1
           skipped.append(sample)
           self.forget(sample.uid)
-          if self._prompt_errors_in_a_row >= self.max_prompt_errors_in_a_row:
+          if stop:
             self.release(skipped)
             raise RuntimeError(
-              f"{self._prompt_errors_in_a_row} prompts in a row failed to build"
+              f"{self.prompt_errors.in_a_row} prompts in a row failed to build"
               f" (last: sample {sample.id}: {type(e).__name__}: {e})"
             ) from e
           continue
-        self._prompt_errors_in_a_row = 0
+        self.prompt_errors.ok()
         if n > self.max_prompt_tokens:
           # The engine would reject it; a counted skip, not a failed round.
           log.warning(
@@ -359,7 +361,6 @@ class Producer:
     return self.admission.capacity(self.step)
 
   async def _produce(self) -> None:
-    failures = 0
     data_lock = self._data_lock
     assert data_lock is not None, "made on the loop by start_loop"
     try:
@@ -398,20 +399,20 @@ class Producer:
             plan=plan,
             version=str(launch_version),
             decode=self.decode,
+            max_retries=self.request_retries,
           )
         except round_driver.RoundFailed as e:
-          failures += 1
-          self.counts["faults/round_failures"] += 1
+          stop = self.failed_rounds.fail()
           self.admission.on_cancelled(plan.keep_prompts - len(e.kept))
           self._drop_rejected(e.rejected)
-          log.warning("rollout round failed (%d in a row): %s", failures, e)
+          log.warning("rollout round failed (%d in a row): %s", self.failed_rounds.in_a_row, e)
           await asyncio.gather(*pending)
           self.scores.clear()
-          if failures >= self.max_round_failures:
+          if stop:
             raise
-          await asyncio.sleep(min(2.0**failures, 30.0))
+          await asyncio.sleep(min(2.0**self.failed_rounds.in_a_row, 30.0))
           continue
-        failures = 0
+        self.failed_rounds.ok()
         assert result is not None, "a round with a plan always returns"
         # Admission a round could not use: prompts the backend refused left
         # it fewer than it reserved.

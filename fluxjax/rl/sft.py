@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -40,6 +41,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from fluxjax import faults as faults_lib
 from fluxjax.data import materializer as materializer_lib
 from fluxjax.data import meta as meta_lib
 from fluxjax.data import pipeline, readers
@@ -141,6 +143,11 @@ class Rollout(Protocol):
   @property
   def policy(self) -> WarmUpOps: ...
 
+  @property
+  def faults(self) -> faults_lib.Faults:
+    """The run's fault streaks (the warm-up's refused steps count as the run's)."""
+    ...
+
   def prompt(self, sample: meta_lib.SampleMeta) -> SequenceInputs:
     """The sample's prompt, as rollout sees it."""
     ...
@@ -162,14 +169,24 @@ class WarmUpOps(Protocol):
   def sft_end(self) -> None: ...
 
 
+def shows_reasoning(sample_id: str, chain_fraction: float) -> bool:
+  """Whether the warm-up's reference response for this sample carries its
+  reasoning: a stable draw per sample id, true for `chain_fraction` of them."""
+  return zlib.crc32(sample_id.encode()) / 2**32 < chain_fraction
+
+
 def sequences(
-  samples: Sequence[meta_lib.SampleMeta], rollout: Rollout
+  samples: Sequence[meta_lib.SampleMeta], rollout: Rollout, chain_fraction: float = 1.0
 ) -> list[batch_lib.TrainSequence]:
   """The warm-up sequences of `samples`: each prompt as rollout sees it, then its
-  reference response (reasoning and answer)."""
+  reference response (reasoning, for `chain_fraction` of the samples, and answer)."""
   tok = rollout.tokenizer
   return [
-    sft_sequence(rollout.prompt(s), answer_ids(tok, s.answer or "", s.solution)) for s in samples
+    sft_sequence(
+      rollout.prompt(s),
+      answer_ids(tok, s.answer or "", s.solution if shows_reasoning(s.id, chain_fraction) else ""),
+    )
+    for s in samples
   ]
 
 
@@ -290,7 +307,7 @@ def warm_up(
   policy = coord.policy
   policy.sft_begin(source)
   delayed = train_step.DelayedMetrics()
-  guard = train_step.NonFiniteGuard(config.optim.max_consecutive_nonfinite, "SFT step")
+  guard = train_step.NonFiniteGuard(coord.faults.streak("nonfinite_steps"), "SFT step")
   batch_ids: dict[int, list[str]] = {}  # until the step's metrics are read, a step late
   t0 = time.perf_counter()
   losses = []
@@ -316,7 +333,7 @@ def warm_up(
     for k in range(1, s.steps + 1):
       samples = loader.next_batch()
       batch_ids[k] = [x.id for x in samples]
-      metrics = policy.sft_train(sequences(samples, coord))
+      metrics = policy.sft_train(sequences(samples, coord, s.chain_fraction))
       loader.release(samples)  # the store's copies of this batch's media
       record(delayed.push(k, metrics))
       if s.eval_every and k % s.eval_every == 0 and k < s.steps:

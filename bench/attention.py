@@ -60,7 +60,7 @@ from fluxjax.models import attention as attn_lib  # noqa: E402
 from fluxjax.models import attention_pallas as ap  # noqa: E402
 from fluxjax.models import attention_xla  # noqa: E402
 from fluxjax.models import config as model_config  # noqa: E402
-from fluxjax.sharding import balance  # noqa: E402
+from fluxjax.planning import balance  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
 PEAK_FLOPS, PEAK_BYTES = 798e12, 3.0e12  # H100 readings of KINDS.md

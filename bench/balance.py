@@ -6,7 +6,7 @@ Usage (from the repository root):
 
 For each mixture of bench/mixtures.py and each device count, the same batch is
 planned by packed_dp, ulysses sp=2/4/8 and flex_ulysses p_max=8
-(fluxjax.sharding.planners) and each plan is scored under the Qwen2.5-VL-7B
+(fluxjax.planning.planners) and each plan is scored under the Qwen2.5-VL-7B
 cost model (bf16):
 
   refused     sequences longer than the strategy's row (degree x capacity):
@@ -42,8 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mixtures
 import runinfo
 from fluxjax.models import config as model_config
-from fluxjax.sharding import balance, planners
-from fluxjax.sharding import plan as plan_lib
+from fluxjax.planning import balance, planners
+from fluxjax.planning import plan as plan_lib
 
 # (name, degree); flex_ulysses' degree is its p_max. Its degrees are priced like
 # fixed sp=8's (query heads padded to a multiple of the degree).

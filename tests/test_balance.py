@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fluxjax.models import config
-from fluxjax.sharding import balance
+from fluxjax.planning import balance
 
 TINY = balance.CostShape(
   num_layers=2, hidden=8, num_heads=4, num_kv_heads=2, head_dim=2, intermediate=16, vocab=32

@@ -22,7 +22,7 @@ from fluxjax.models import config as config_lib
 from fluxjax.models import inputs, processor
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import batch as batch_lib
-from fluxjax.sharding import planners
+from fluxjax.planning import planners
 from helpers import lying_png, process_alive
 
 CFG = processor.VisionProcessorConfig(

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fluxjax.models import config
-from fluxjax.sharding import flex_planner, planners
+from fluxjax.planning import flex_planner, planners
 
 lengths = st.lists(st.integers(1, 5000), min_size=1, max_size=40)
 devices = st.sampled_from([1, 2, 4, 8, 16])

@@ -6,7 +6,7 @@ and every function short enough to read at once (MAX_FUNCTION_LINES).
   data | rollout              peers: neither imports the other
   parallel                    batch packing, strategies, Ulysses, sync, the train step
   models                      the Qwen2.5-VL family
-  sharding                    mesh, axes, rules, plans, planners, cost model
+  sharding | planning          peers: mesh, axes, rules (JAX) | plans, planners, cost model (numpy)
   faults                      the fault policy (counted failures, limits in a row)
 
 Every import counts: module level or inside a function, `import x`,
@@ -39,6 +39,7 @@ LAYERS = {
   "fluxjax.parallel": (3, "parallel"),
   "fluxjax.models": (2, "models"),
   "fluxjax.sharding": (1, "sharding"),
+  "fluxjax.planning": (1, "planning"),
   "fluxjax.faults": (0, "base"),
 }
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fluxjax.models import config
-from fluxjax.sharding import balance, planners
+from fluxjax.planning import balance, planners
 
 CAP = 4096
 SHAPE = config.preset("7b").cost_shape()

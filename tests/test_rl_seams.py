@@ -17,7 +17,7 @@ import pytest
 
 from fluxjax.models import inputs
 from fluxjax.parallel import batch as batch_lib
-from fluxjax.rl import layout_steps
+from fluxjax.parallel import layout_steps
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout import fleet as fleet_lib
 from fluxjax.sharding import mesh as mesh_lib

@@ -22,8 +22,8 @@ from fluxjax.models import inputs, sharded, vlm
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import train_step
+from fluxjax.parallel.stream_trainer import StreamTrainer
 from fluxjax.rl import losses, trajectories
-from fluxjax.rl.stream_trainer import StreamTrainer
 from fluxjax.rollout import engine as engine_lib
 from fluxjax.rollout import protocol
 from fluxjax.sharding import mesh as mesh_lib

@@ -27,18 +27,6 @@ import numpy as np
 from fluxjax.data import store as store_lib
 
 
-def local_device_indices(mesh) -> set[int]:
-  """Plan device indices (rows of the batch's device axis) on this process.
-
-  The batch's device axis is sharded over every mesh axis in order, so plan
-  device d is `mesh.devices.flat[d]`.
-  """
-  import jax  # Only callers with a mesh need JAX here.
-
-  me = jax.process_index()
-  return {d for d, dev in enumerate(mesh.devices.flat) if dev.process_index == me}
-
-
 class Materializer:
   """Reads patches of MediaRefs from a MetaStore, synchronously or ahead.
 
@@ -105,7 +93,7 @@ class Materializer:
 
     Args:
       placement: `batch.media_placement(plan, seqs, cfg)` of the next step.
-      devices: this process's plan devices (`local_device_indices(mesh)`);
+      devices: this process's plan devices (`sharding.mesh.local_device_indices`);
         None means all (one host).
     """
     if self._thread is not None:

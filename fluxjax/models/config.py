@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from fluxjax.sharding import balance
+from fluxjax.planning import balance
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,8 +24,8 @@ from fluxjax.models import processor, vlm
 from fluxjax.models import vision as vision_lib
 from fluxjax.models.config import ModelConfig
 from fluxjax.models.inputs import SequenceInputs
+from fluxjax.planning.plan import Plan, capacity_bucket
 from fluxjax.sharding import mesh as mesh_lib
-from fluxjax.sharding.plan import Plan, capacity_bucket
 
 P = jax.sharding.PartitionSpec
 
@@ -347,7 +347,7 @@ def materialize(
       token sits.
     devices: the plan devices whose vision buffers are filled (None: all).
       A process of a multi-controller run passes its own
-      (`materializer.local_device_indices`): only those rows reach its
+      (`sharding.mesh.local_device_indices`): only those rows reach its
       devices, so it reads no other process's pixels. Token rows are
       filled for every device (metadata the controller already holds).
   """

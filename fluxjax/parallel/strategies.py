@@ -26,10 +26,10 @@ import ml_collections
 from fluxjax.models.config import ModelConfig
 from fluxjax.parallel import sync as sync_lib
 from fluxjax.parallel import train_step, ulysses
+from fluxjax.planning import plan as plan_lib
+from fluxjax.planning import planners
+from fluxjax.planning.plan import Plan
 from fluxjax.sharding import mesh as mesh_lib
-from fluxjax.sharding import plan as plan_lib
-from fluxjax.sharding import planners
-from fluxjax.sharding.plan import Plan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@
     -> producer thread (rl/producer.py): tail-batched rounds on the rollout
        backend, admitted within the allowed lag, each response scored in the
        reward pool as it finishes, each kept group queued when complete
-    -> stream trainer (rl/stream_trainer.py): GRPO sequences of finished
+    -> stream trainer (parallel/stream_trainer.py): GRPO sequences of finished
        groups planned (lengths only), materialized and accumulated while
        rollout continues; one update when the batch is complete
     -> weights published to the rollout backend (in process or the fleet);

@@ -11,7 +11,7 @@ It uses the RL path end to end: `TrainSequence`s (the prompt from
 `sequence_from_chat`, exactly as the coordinator builds it, extended with the
 answer tokens; loss mask and advantage 1 on the answer tokens only) planned by
 the run's strategy, materialized with pixels from a worker store, and one
-jitted step per plan layout (rl/layout_steps.py) from `strategy.accumulate_fn`
+jitted step per plan layout (parallel/layout_steps.py) from `strategy.accumulate_fn`
 with a token NLL.
 
 Optimizer: the warm-up has its own AdamW (`config.sft`: lr, warmup, cosine to
@@ -51,9 +51,9 @@ from fluxjax.models.inputs import SequenceInputs
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import train_step
+from fluxjax.parallel.layout_steps import LayoutSteps
 from fluxjax.parallel.strategies import Strategy
-from fluxjax.rl.layout_steps import LayoutSteps
-from fluxjax.sharding.plan import Plan
+from fluxjax.planning.plan import Plan
 
 log = logging.getLogger(__name__)
 

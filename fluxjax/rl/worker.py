@@ -44,9 +44,9 @@ from fluxjax.models.config import ModelConfig
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import multihost, train_step
 from fluxjax.parallel.strategies import Strategy
+from fluxjax.parallel.stream_trainer import StreamTrainer
 from fluxjax.rl import checkpoint as checkpoint_lib
 from fluxjax.rl import losses, reference, sft
-from fluxjax.rl.stream_trainer import StreamTrainer
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,1 @@
-"""Mesh, logical-axis rules, plans, planners and the balance cost model."""
+"""The mesh, the logical axis names and the rules that map them onto it."""

@@ -223,3 +223,13 @@ def batch_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
 def param_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
   """The axes parameters are sharded over: everything but `data`."""
   return tuple(a for a in mesh.axis_names if a != DATA)
+
+
+def local_device_indices(mesh: jax.sharding.Mesh) -> set[int]:
+  """Plan device indices (rows of the batch's device axis) on this process.
+
+  The batch's device axis is sharded over every mesh axis in order, so plan
+  device d is `mesh.devices.flat[d]`.
+  """
+  me = jax.process_index()
+  return {d for d, dev in enumerate(mesh.devices.flat) if dev.process_index == me}

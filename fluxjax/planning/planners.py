@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fluxjax.sharding import balance, flex_planner
-from fluxjax.sharding.plan import Plan, Row, capacity_bucket
+from fluxjax.planning import balance, flex_planner
+from fluxjax.planning.plan import Plan, Row, capacity_bucket
 
 
 def _check_lengths(lengths: Sequence[int]) -> tuple[int, ...]:

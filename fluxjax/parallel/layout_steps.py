@@ -18,11 +18,11 @@ from typing import Generic, TypeVar
 
 import jax
 
-from fluxjax.data import materializer as materializer_lib
 from fluxjax.models.config import ModelConfig
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel.strategies import Strategy
-from fluxjax.sharding.plan import Plan
+from fluxjax.planning.plan import Plan
+from fluxjax.sharding import mesh as mesh_lib
 
 # Patches per device per microbatch, 256 ... 65536 in powers of 2 (as token
 # capacities). On the XLA path every vision attention block (window or full)
@@ -87,7 +87,7 @@ class LayoutSteps(Generic[StepT]):
     self.patch_source = patch_source
     # A process of a multi-controller run fills only its own devices' vision
     # rows (to_device places only those).
-    self._devices = materializer_lib.local_device_indices(mesh) if jax.process_count() > 1 else None
+    self._devices = mesh_lib.local_device_indices(mesh) if jax.process_count() > 1 else None
     self._compile = compile
     self._steps: dict[Hashable, StepT] = {}
 

@@ -14,7 +14,7 @@ With a reference model (`ref_params` or `set_reference`, for the KL term),
 each part's reference logprobs are computed in the same program as its
 gradients, by the reference's forward over the part's own layout: they never
 leave the devices. Planning, materializing, placing and the compiled `add` of
-each plan layout are `LayoutSteps`' (rl/layout_steps.py), shared with the SFT
+each plan layout are `LayoutSteps`' (parallel/layout_steps.py), shared with the SFT
 warm-up.
 """
 
@@ -28,9 +28,9 @@ import optax
 from fluxjax.models.config import ModelConfig
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import train_step
+from fluxjax.parallel.layout_steps import PATCH_BUCKETS, LayoutSteps
 from fluxjax.parallel.strategies import Strategy
-from fluxjax.rl.layout_steps import PATCH_BUCKETS, LayoutSteps
-from fluxjax.sharding.plan import Plan
+from fluxjax.planning.plan import Plan
 
 
 class StreamTrainer:

@@ -292,7 +292,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # and are refilled, for up to max_refill_rounds rounds before training anyway.
   c.rl.dynamic_sampling = False
   c.rl.max_refill_rounds = 3
-  # Rewards (rl/rewards.py RewardScheduler): the function ("module:fn" for
+  # Rewards (rl/reward_pool.py RewardScheduler): the function ("module:fn" for
   # your own, veRL's custom_reward_function), worker processes, and Flexes'
   # adaptive timeout T = min(max(t_min, anchor_factor * T_anchor), t_max)
   # seconds; a reward >= correct_threshold counts as correct.

@@ -4,7 +4,7 @@ import hashlib
 import os
 import time
 
-from fluxjax.rl import rewards
+from fluxjax.rl import reward_fns
 
 
 def hang_once(response: str, answer: str) -> float:
@@ -16,7 +16,7 @@ def hang_once(response: str, answer: str) -> float:
   try:
     fd = os.open(os.environ["FLUXJAX_HANG_FLAG"], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
   except FileExistsError:
-    return rewards.get("accuracy_with_format")(response, answer)
+    return reward_fns.get("accuracy_with_format")(response, answer)
   os.close(fd)
   time.sleep(3600)
   return 0.0

@@ -23,7 +23,7 @@ from fluxjax.data import meta as meta_lib
 from fluxjax.data import store as store_lib
 from fluxjax.models import inputs
 from fluxjax.rl import coordinator as coordinator_lib
-from fluxjax.rl import loop, rewards, trajectories
+from fluxjax.rl import loop, reward_pool, trajectories
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout.publish import PublishReport
 from helpers import PublishRecorder, completion
@@ -299,7 +299,7 @@ def test_dynamic_sampling_trains_only_groups_with_signal(parts):
   with (
     backend_lib.LoopThread() as thread,
     thread.running(backend),
-    rewards.RewardScheduler(1, "fault_rewards:signal_unless_numeric") as scheduler,
+    reward_pool.RewardScheduler(1, "fault_rewards:signal_unless_numeric") as scheduler,
     coordinator_lib.Coordinator(
       config, Tokenizer.default(), policy, data, backend, scheduler, thread=thread
     ) as c,
@@ -344,7 +344,7 @@ def test_a_step_records_the_percentiles_of_its_response_lengths(parts):
   with (
     backend_lib.LoopThread() as thread,
     thread.running(backend),
-    rewards.RewardScheduler(1, "fault_rewards:signal_unless_numeric") as scheduler,
+    reward_pool.RewardScheduler(1, "fault_rewards:signal_unless_numeric") as scheduler,
     coordinator_lib.Coordinator(
       config,
       Tokenizer.default(),
@@ -387,7 +387,7 @@ def test_refused_updates_publish_nothing_and_too_many_in_a_row_stop(parts, caplo
   with (
     backend_lib.LoopThread() as thread,
     thread.running(backend),
-    rewards.RewardScheduler(1, "constant") as scheduler,
+    reward_pool.RewardScheduler(1, "constant") as scheduler,
     coordinator_lib.Coordinator(
       config, Tokenizer.default(), policy, _Data(samples), backend, scheduler, thread=thread
     ) as c,

@@ -15,7 +15,7 @@ from scipy import ndimage
 from fluxjax.data import cot_tasks, drawing, readers, synth, visual_tasks
 from fluxjax.data.meta import ToMeta
 from fluxjax.models import processor
-from fluxjax.rl import rewards, sft
+from fluxjax.rl import reward_fns, sft
 
 NAMES = list(drawing.RGB)
 PALETTE = np.asarray(list(drawing.RGB.values()), np.float64)
@@ -118,7 +118,7 @@ def test_rows_carry_their_solution_which_the_warm_up_teaches(tmp_path):
   for m in metas:
     target = sft.response_text(m.answer, m.solution)
     assert target == f"<think>{m.solution}</think><answer>{m.answer}</answer>"
-    assert rewards.accuracy_with_format(target, m.answer) == 1.0
+    assert reward_fns.accuracy_with_format(target, m.answer) == 1.0
   easy = sft.warm_up_rows(rows, ("easy",))
   assert easy and {r["difficulty"] for r in easy} == {"easy"}
   with pytest.raises(ValueError, match=r"sft\.levels"):

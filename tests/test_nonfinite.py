@@ -28,7 +28,7 @@ from fluxjax.models import config, inputs, vlm
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import train_step
 from fluxjax.rl import coordinator as coordinator_lib
-from fluxjax.rl import loop, metrics, rewards, trajectories
+from fluxjax.rl import loop, metrics, reward_pool, trajectories
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout import embedded, protocol
 from fluxjax.rollout import engine as engine_lib
@@ -204,7 +204,7 @@ def test_the_coordinator_publishes_no_nonfinite_policy_and_names_its_step(model)
   with (
     backend_lib.LoopThread() as thread,
     thread.running(backend),
-    rewards.RewardScheduler(1, "constant") as scheduler,
+    reward_pool.RewardScheduler(1, "constant") as scheduler,
     coordinator_lib.Coordinator(
       cfg, Tokenizer.default(), policy, _NoData(), backend, scheduler, thread=thread
     ) as c,

@@ -10,9 +10,8 @@ import fault_rewards
 from fluxjax import config_args
 from fluxjax import faults as faults_lib
 from fluxjax.data.meta import SampleMeta
-from fluxjax.rl import async_control, tail_batching
+from fluxjax.rl import async_control, reward_pool, tail_batching
 from fluxjax.rl import producer as producer_lib
-from fluxjax.rl import rewards as rewards_lib
 from fluxjax.rollout.client import Completion, RequestRejected
 from helpers import TokenRollout, decode
 
@@ -304,17 +303,17 @@ def test_prompts_failing_in_a_row_stop_the_run():
 
 
 def test_rewards_that_raise_or_are_not_finite_score_zero_and_the_producer_goes_on(caplog):
-  caplog.set_level(logging.WARNING, logger="fluxjax.rl.rewards")
+  caplog.set_level(logging.WARNING, logger="fluxjax.rl.reward_pool")
   answers = {"s0": "raise", "s1": "nan", "s2": "inf", "s3": "1"}
   samples = [SampleMeta(uid=i, id=f"s{i}", prompt="p", answer=answers[f"s{i}"]) for i in range(4)]
-  with rewards_lib.RewardScheduler(num_workers=1, fn=fault_rewards.fail_on_marked_answers) as rs:
+  with reward_pool.RewardScheduler(num_workers=1, fn=fault_rewards.fail_on_marked_answers) as rs:
     producer = _producer(samples, rs, 4, 2, prompt_fn=lambda sample: [1, 2, 3])
     (kept,) = _rounds(producer)
     metrics = rs.metrics()
   rewards = {k.sample.id: k.group.rewards for k in kept}
   assert rewards == {"s0": [0.0, 0.0], "s1": [0.0, 0.0], "s2": [0.0, 0.0], "s3": [1.0, 1.0]}
   assert metrics["reward/error"] == 6 and metrics["reward/ok"] == 2
-  logged = [r.getMessage() for r in caplog.records if r.name == "fluxjax.rl.rewards"]
+  logged = [r.getMessage() for r in caplog.records if r.name == "fluxjax.rl.reward_pool"]
   for sample_id, why in [("s0", "reward bug"), ("s1", "non-finite"), ("s2", "non-finite")]:
     assert sum(f"'{sample_id}'" in m and why in m for m in logged) == 2, (sample_id, logged)
 

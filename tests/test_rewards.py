@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from fluxjax.rl import rewards
+from fluxjax.rl import reward_fns, reward_pool
 
 # --- reward functions run inside the workers -------------------------------
 
@@ -65,7 +65,7 @@ def not_a_float(response, answer):
   ],
 )
 def test_extract_answer(response, want):
-  assert rewards.extract_answer(response) == want
+  assert reward_fns.extract_answer(response) == want
 
 
 @pytest.mark.parametrize(
@@ -81,7 +81,7 @@ def test_extract_answer(response, want):
   ],
 )
 def test_exact(response, answer, want):
-  assert rewards.get("exact")(response, answer) == want
+  assert reward_fns.get("exact")(response, answer) == want
 
 
 @pytest.mark.parametrize(
@@ -99,12 +99,12 @@ def test_exact(response, answer, want):
   ],
 )
 def test_numeric(response, answer, want):
-  assert rewards.get("numeric")(response, answer) == want
+  assert reward_fns.get("numeric")(response, answer) == want
 
 
 def test_numeric_tolerance_override():
-  assert rewards.numeric_answer("<answer>10.4</answer>", "10", abs_tol=0.5) == 1.0
-  assert rewards.numeric_answer("<answer>10.6</answer>", "10", abs_tol=0.5) == 0.0
+  assert reward_fns.numeric_answer("<answer>10.4</answer>", "10", abs_tol=0.5) == 1.0
+  assert reward_fns.numeric_answer("<answer>10.6</answer>", "10", abs_tol=0.5) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -120,30 +120,30 @@ def test_numeric_tolerance_override():
   ],
 )
 def test_format(response, want):
-  assert rewards.get("format")(response, "7") == want
+  assert reward_fns.get("format")(response, "7") == want
 
 
 def test_accuracy_dispatch_and_combined():
-  assert rewards.get("accuracy")("<answer>12.0</answer>", "12") == 1.0  # numeric reference
-  assert rewards.get("accuracy")("<answer>yellow</answer>", "yellow") == 1.0
-  combined = rewards.get("accuracy_with_format")
+  assert reward_fns.get("accuracy")("<answer>12.0</answer>", "12") == 1.0  # numeric reference
+  assert reward_fns.get("accuracy")("<answer>yellow</answer>", "yellow") == 1.0
+  combined = reward_fns.get("accuracy_with_format")
   assert combined("<answer>12</answer>", "12") == pytest.approx(1.0)  # 0.9 + 0.1
   assert combined("The answer is 12.", "12") == pytest.approx(0.9)  # 0.9 + 0
   assert combined("<answer>11</answer>", "12") == pytest.approx(0.1)  # 0 + 0.1
   with pytest.raises(KeyError):
-    rewards.get("no-such-reward")
+    reward_fns.get("no-such-reward")
 
 
 def test_controls_reverse_or_remove_the_signal():
-  reversed_ = rewards.get("accuracy_reversed")
+  reversed_ = reward_fns.get("accuracy_reversed")
   assert reversed_("<answer>12</answer>", "12") == 0.0
   assert reversed_("<answer>11</answer>", "12") == 1.0
-  const = rewards.get("constant")
+  const = reward_fns.get("constant")
   assert const("<answer>12</answer>", "12") == const("junk", "12") == 0.0
 
 
 def test_random_reward_is_a_fair_coin_blind_to_correctness():
-  coin = rewards.get("random")
+  coin = reward_fns.get("random")
   right = [coin("<answer>12</answer>", "12") for _ in range(2000)]
   wrong = [coin("<answer>11</answer>", "12") for _ in range(2000)]
   assert set(right) | set(wrong) == {0.0, 1.0}
@@ -164,7 +164,7 @@ def make_scheduler():
 
   def make(**kw):
     kw.setdefault("num_workers", 2)
-    made.append(rewards.RewardScheduler(**kw))
+    made.append(reward_pool.RewardScheduler(**kw))
     return made[-1]
 
   yield make
@@ -220,7 +220,7 @@ def test_crash_gives_zero_and_counted_error(make_scheduler):
 
 
 def test_a_reward_that_is_not_a_finite_number_is_a_counted_logged_error(make_scheduler, caplog):
-  caplog.set_level(logging.WARNING, logger="fluxjax.rl.rewards")
+  caplog.set_level(logging.WARNING, logger="fluxjax.rl.reward_pool")
   rs = make_scheduler(t_min=0.2, t_max=5.0)
   bad = [
     rs.submit(text, "", fn=not_a_number, key=f"sample-{text}") for text in ("nan", "inf", "-inf")
@@ -237,7 +237,7 @@ def test_a_reward_that_is_not_a_finite_number_is_a_counted_logged_error(make_sch
   assert "TypeError" in results[3].error
   m = rs.metrics()
   assert m["reward/error"] == 5 and m["reward/ok"] == 0 and m["reward/worker_restarts"] == 0
-  logged = [r.getMessage() for r in caplog.records if r.name == "fluxjax.rl.rewards"]
+  logged = [r.getMessage() for r in caplog.records if r.name == "fluxjax.rl.reward_pool"]
   for key, why in [
     ("sample-nan", "non-finite reward nan"),
     ("sample-inf", "non-finite reward inf"),
@@ -301,7 +301,7 @@ def test_production_defaults_and_shutdown():
   cfg = config_args.load_config().rl.reward
   assert (cfg.t_min, cfg.t_max, cfg.anchor_factor) == (2.0, 30.0, 1.5)
   cfg.num_workers = 1
-  with rewards.RewardScheduler.from_config(cfg) as rs:
+  with reward_pool.RewardScheduler.from_config(cfg) as rs:
     assert rs.timeout_for() == 30.0
     assert rs.submit("<answer>7</answer>", "7").result(timeout=20).reward == pytest.approx(1.0)
     assert rs.timeout_for() == 2.0  # 1.5 * (microseconds) -> t_min
@@ -311,4 +311,4 @@ def test_production_defaults_and_shutdown():
   assert not _reward_children()
   with pytest.raises(RuntimeError):
     rs.submit("x", "x")
-  assert math.isnan(rewards.RewardResult(0, "ok", 0, math.nan).timeout)
+  assert math.isnan(reward_pool.RewardResult(0, "ok", 0, math.nan).timeout)

@@ -16,7 +16,7 @@ from fluxjax.data import drawing
 from fluxjax.models import inputs, processor, sharded
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import train_step
-from fluxjax.rl import loop, rewards, sft
+from fluxjax.rl import loop, reward_fns, sft
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -123,7 +123,7 @@ def test_targets_are_the_formatted_answer_with_eos(setup):
     # What the rollout engine would return for these tokens earns full reward.
     text = tok.decode(answer, skip_special_tokens=True)
     assert text == f"<answer>{colour}</answer>"
-    assert rewards.accuracy_with_format(text, colour) == 1.0
+    assert reward_fns.accuracy_with_format(text, colour) == 1.0
     # The answer continues the prompt's M-RoPE positions.
     last = seq.inputs.positions_3T[:, prompt_len - 1].max()
     assert seq.inputs.positions_3T[0, prompt_len] == last + 1

@@ -57,13 +57,14 @@ from fluxjax.rl import (
   async_control,
   config_rules,
   evaluation,
-  rewards,
+  reward_fns,
+  reward_pool,
   sft,
   tail_batching,
   trajectories,
 )
 from fluxjax.rl import producer as producer_lib
-from fluxjax.rl.worker import Policy
+from fluxjax.rl.policy import Policy
 from fluxjax.rollout import engine as engine_lib
 from fluxjax.rollout.backend import LoopThread, RolloutBackend
 from fluxjax.rollout.client import Completion
@@ -124,7 +125,7 @@ class Coordinator:
     policy: Policy,
     loader,
     rollout: RolloutBackend,
-    reward_scheduler: rewards.RewardScheduler,
+    reward_scheduler: reward_pool.RewardScheduler,
     *,
     thread: LoopThread,
   ):
@@ -536,7 +537,7 @@ class Coordinator:
     rollout's prompt budget are left out, counted in eval/skipped_too_long.
     """
     ev = self._config.eval
-    score = rewards.get("accuracy")
+    score = reward_fns.get("accuracy")
     samples, skipped = self._within_budget(samples)
     sampled = self.sample(samples, int(ev.samples_per_prompt))
     scores = [[score(c.text, s.answer or "") for c in cs] for s, cs in zip(samples, sampled)]

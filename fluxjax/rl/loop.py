@@ -37,7 +37,7 @@ from fluxjax.models import hf_io, processor, sharded
 from fluxjax.models import media as media_lib
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import multihost, strategies, train_step
-from fluxjax.rl import config_rules, reference, rewards, sft
+from fluxjax.rl import config_rules, reference, reward_fns, reward_pool, sft
 from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import metrics as metrics_lib
 from fluxjax.rl import summary as summary_lib
@@ -107,7 +107,7 @@ def validate(config):
         "policy; the KL term compares the two models token by token"
       )
   try:
-    rewards.get(config.rl.reward.fn)
+    reward_fns.get(config.rl.reward.fn)
   except KeyError as e:
     raise ValueError(str(e)) from None
   factory.check_config(config.rollout)
@@ -268,7 +268,7 @@ def build(config, workdir: str, stack: contextlib.ExitStack) -> Built:
     stack.callback(launched.stop)
   stack.enter_context(thread.running(rollout))
   reward = config.rl.reward
-  scheduler = rewards.RewardScheduler(
+  scheduler = reward_pool.RewardScheduler(
     reward.num_workers,
     reward.fn,
     t_min=reward.t_min,

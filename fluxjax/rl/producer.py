@@ -17,7 +17,7 @@ counted; the next round picks them up. A sample whose prompt cannot be
 built (the chat template or tokenizer raises) and a prompt too long for the
 rollout context are counted, logged skips before anything is sent. A reward
 call that raises, hangs or returns a non-finite value scores 0 and is
-counted by the reward scheduler (rl/rewards.py).
+counted by the reward scheduler (rl/reward_pool.py).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class Producer:
 
   Args:
     rollout: the backend (started; every call runs on `thread`).
-    reward_scheduler: rl/rewards.RewardScheduler.
+    reward_scheduler: rl/reward_pool.RewardScheduler.
     batcher: the tail batcher (P prompts, R responses, eta).
     admission: the admission controller (batch size P prompts).
     next_samples: () -> the loader's next batch of SampleMeta ([] or

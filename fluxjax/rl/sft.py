@@ -3,7 +3,7 @@
 A randomly initialized model never emits `<answer>x</answer>`, so every GRPO
 reward is 0 and every advantage is 0: RL has no signal. The warm-up trains on
 train-set prompts with their reference answers as the response, formatted the
-way `rewards.accuracy_with_format` scores full marks
+way `reward_fns.accuracy_with_format` scores full marks
 (`<answer>{answer}</answer>` followed by `<|im_end|>`, the token that ends a
 Qwen assistant turn and a stop token of the rollout engine).
 
@@ -46,14 +46,13 @@ from fluxjax.data import materializer as materializer_lib
 from fluxjax.data import meta as meta_lib
 from fluxjax.data import pipeline, readers
 from fluxjax.models import media as media_lib
-from fluxjax.models.config import ModelConfig
 from fluxjax.models.inputs import SequenceInputs
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import train_step
 from fluxjax.parallel.layout_steps import LayoutSteps
-from fluxjax.parallel.strategies import Strategy
 from fluxjax.planning.plan import Plan
+from fluxjax.rl import policy as policy_lib
 
 log = logging.getLogger(__name__)
 
@@ -104,36 +103,6 @@ def optimizer_config(config):
   return optim
 
 
-class PolicyView(Protocol):
-  """The run's policy as its trainers read it: model, mesh, strategy, train state."""
-
-  @property
-  def cfg(self) -> ModelConfig: ...
-
-  @property
-  def mesh(self) -> jax.sharding.Mesh: ...
-
-  @property
-  def strategy(self) -> Strategy: ...
-
-  @property
-  def graphdef(self) -> nnx.GraphDef: ...
-
-  @property
-  def state(self) -> train_step.TrainState: ...
-
-
-class Policy(PolicyView, Protocol):
-  """What the warm-up's trainer reads from the run's policy, and how it hands weights back.
-
-  The run's `PolicyWorker` (rl/worker.py) is one.
-  """
-
-  def load_params(self, params: nnx.State) -> None:
-    """Makes `params` the policy's parameters (optimizer state and step kept)."""
-    ...
-
-
 class Rollout(Protocol):
   """What the warm-up needs from the run's coordinator: prompts, publishing, the worker."""
 
@@ -141,7 +110,7 @@ class Rollout(Protocol):
   def tokenizer(self) -> Tokenizer: ...
 
   @property
-  def policy(self) -> WarmUpOps: ...
+  def policy(self) -> policy_lib.WarmUpOps: ...
 
   @property
   def faults(self) -> faults_lib.Faults:
@@ -155,18 +124,6 @@ class Rollout(Protocol):
   def publish(self, new_version: bool = True) -> float:
     """Hands the current parameters to rollout as a policy version."""
     ...
-
-
-class WarmUpOps(Protocol):
-  """The warm-up's ops on the run's policy worker (every process runs them)."""
-
-  def sft_begin(self, patch_source: Callable | None = None) -> None: ...
-
-  def sft_train(self, seqs: Sequence[batch_lib.TrainSequence]) -> dict: ...
-
-  def sft_finish(self, copy: bool = False) -> None: ...
-
-  def sft_end(self) -> None: ...
 
 
 def shows_reasoning(sample_id: str, chain_fraction: float) -> bool:
@@ -215,7 +172,7 @@ class Trainer:
       media were decoded into).
   """
 
-  def __init__(self, policy: Policy, config, patch_source: Callable | None = None):
+  def __init__(self, policy: policy_lib.PolicyState, config, patch_source: Callable | None = None):
     self.policy = policy
     self.tx = train_step.make_optimizer(optimizer_config(config))
     # A copy: the step donates its state, and the run's parameters must stay

@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import jax
 from flax import nnx
@@ -64,19 +63,6 @@ class Restored:
   step: int
   coordinator: dict
   data: dict
-
-
-class Policy(sft.PolicyView, sft.WarmUpOps, Protocol):
-  """The policy as the coordinator and the warm-up drive it (a PolicyWorker or a LeaderWorker)."""
-
-  @property
-  def state_shardings(self) -> train_step.TrainState: ...
-
-  def add(self, seqs: Sequence[batch_lib.TrainSequence]) -> None: ...
-
-  def apply(self) -> dict: ...
-
-  def stage(self) -> nnx.State | None: ...
 
 
 class PolicyWorker:

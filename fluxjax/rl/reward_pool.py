@@ -1,32 +1,7 @@
-"""Reward functions and the asynchronous reward scheduler (Flexes section 4.3).
+"""The asynchronous reward scheduler (Flexes section 4.3).
 
-Registry. A reward function is `fn(response: str, answer: str) -> float` in
-[0, 1], registered by name (`register`, `get`, `REWARDS`). It must be a module-
-level function (or a functools.partial of one): it is pickled into spawned
-worker processes. Built in, matching the synthetic tasks (fluxjax/data/synth.py
-answers are an integer or a colour/shape word; the system prompts of
-models/tokenizer.py ask for "the final answer inside <answer></answer>" or "a
-single number or word", and its corpus answers as "<answer>x</answer>",
-"Answer: x", "The answer is x." or a bare "x"):
-
-  exact                 extracted answer == reference, case- and
-                        punctuation-insensitive.
-  numeric               both parse as numbers and |x - y| <= abs_tol +
-                        rel_tol * |y| (defaults 1e-6, 1e-6).
-  accuracy              numeric when the reference is a number, else exact.
-  format                1 iff the response is `[<think>...</think>] <answer>
-                        x</answer>` and nothing else.
-  accuracy_with_format  0.9 * accuracy + 0.1 * format (R1-style shaping).
-
-Controls (bench/learning.py): accuracy_reversed (1 - accuracy), random (a
-fair coin per call, independent of the response) and constant (0).
-
-`extract_answer` takes, in order: the last <answer>...</answer>, the last
-"answer is x" / "Answer: x", else the last number (numeric reference) or
-the last word.
-
-Scheduler. `RewardScheduler` runs reward calls in a pool of spawned worker
-processes as responses arrive: `submit` returns a Future of a
+`RewardScheduler` runs reward calls (rl/reward_fns.py, by name or function)
+in a pool of spawned worker processes as responses arrive: `submit` returns a Future of a
 `RewardResult`, `poll` drains the results finished since the last poll, and
 `gather` waits. Each call gets the Flexes adaptive timeout
 
@@ -51,178 +26,19 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import importlib
 import logging
 import math
 import multiprocessing
 import multiprocessing.connection
-import random
-import re
 import threading
 import time
 import traceback
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Hashable, Iterable
 from typing import Any
 
+from fluxjax.rl.reward_fns import RewardFn, get
+
 log = logging.getLogger(__name__)
-
-RewardFn = Callable[[str, str], float]
-REWARDS: dict[str, RewardFn] = {}
-
-
-def register(name: str):
-  """Decorator adding a reward function to REWARDS under `name`."""
-
-  def wrap(fn):
-    if name in REWARDS:
-      raise ValueError(f"reward {name!r} is already registered")
-    REWARDS[name] = fn
-    return fn
-
-  return wrap
-
-
-def get(name_or_fn: str | RewardFn) -> RewardFn:
-  """A reward function: a registered name, "package.module:function", or a callable.
-
-  The import path is how a user plugs in their own reward without editing
-  fluxjax (veRL's custom_reward_function): `--config.rl.reward.fn=my.mod:score`.
-  The module must be importable by the spawned reward workers.
-  """
-  if callable(name_or_fn):
-    return name_or_fn
-  if ":" in name_or_fn:
-    module_name, _, attr = name_or_fn.partition(":")
-    try:
-      fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-      raise KeyError(f"cannot load reward {name_or_fn!r}: {e}") from None
-    if not callable(fn):
-      raise KeyError(f"reward {name_or_fn!r} is not callable")
-    return fn
-  try:
-    return REWARDS[name_or_fn]
-  except KeyError:
-    raise KeyError(f"unknown reward {name_or_fn!r}; known: {sorted(REWARDS)}") from None
-
-
-# ---------------------------------------------------------------------------
-# Answer extraction and the registry.
-
-_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.S | re.I)
-_PHRASE_RE = re.compile(r"answer(?:\s+is|\s*:)\s*([^\n<]*)", re.I)
-_NUMBER_RE = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")
-_WORD_RE = re.compile(r"[A-Za-z]+")
-# One optional think block (no nested or repeated tags), then one answer.
-_FORMAT_RE = re.compile(
-  r"\s*(?:<think>(?:(?!</?think>).)*</think>\s*)?<answer>([^<]*)</answer>\s*", re.S
-)
-
-
-def extract_answer(response: str) -> str:
-  """The answer part of a response (see the module docstring for the order)."""
-  tags = _TAG_RE.findall(response)
-  if tags:
-    return tags[-1].strip()
-  phrases = _PHRASE_RE.findall(response)
-  if phrases and phrases[-1].strip():
-    return phrases[-1].strip()
-  return response.strip()
-
-
-def normalize(text: str) -> str:
-  """Lower case, outer whitespace, quotes and trailing punctuation removed."""
-  text = text.strip().lower()
-  text = re.sub(r"\s+", " ", text)
-  return text.strip(" .,;:!?\"'`$()[]{}")
-
-
-def parse_number(text: str) -> float | None:
-  """The last number in text (thousands commas allowed), or None."""
-  found = _NUMBER_RE.findall(text)
-  if not found:
-    return None
-  try:
-    return float(found[-1].replace(",", ""))
-  except ValueError:
-    return None
-
-
-def _is_number(text: str) -> bool:
-  return re.fullmatch(r"\s*" + _NUMBER_RE.pattern + r"\s*", text) is not None
-
-
-@register("exact")
-def exact_answer(response: str, answer: str) -> float:
-  """1 if the extracted answer equals the reference (normalized), else 0."""
-  got = normalize(extract_answer(response))
-  want = normalize(answer)
-  if got == want:
-    return 1.0
-  # A bare or phrased answer may carry words around it ("It is red."): accept
-  # when its last word is the reference, for single-word references.
-  words = _WORD_RE.findall(got)
-  return float(bool(words) and " " not in want and words[-1] == want)
-
-
-@register("numeric")
-def numeric_answer(
-  response: str, answer: str, *, abs_tol: float = 1e-6, rel_tol: float = 1e-6
-) -> float:
-  """1 if the last number of the extracted answer is within tolerance."""
-  want = parse_number(answer)
-  got = parse_number(extract_answer(response))
-  if want is None or got is None or not math.isfinite(got):
-    return 0.0
-  return float(abs(got - want) <= abs_tol + rel_tol * abs(want))
-
-
-@register("accuracy")
-def accuracy(response: str, answer: str) -> float:
-  """numeric for numeric references, exact otherwise."""
-  if _is_number(answer):
-    return numeric_answer(response, answer)
-  return exact_answer(response, answer)
-
-
-@register("format")
-def format_reward(response: str, answer: str) -> float:
-  """1 iff the response is `[<think>...</think>] <answer>x</answer>` only."""
-  del answer  # the format does not depend on the reference
-  m = _FORMAT_RE.fullmatch(response)
-  return float(m is not None and m.group(1).strip() != "")
-
-
-@register("accuracy_with_format")
-def accuracy_with_format(response: str, answer: str) -> float:
-  """0.9 * accuracy + 0.1 * format: correctness dominates, format is shaping."""
-  return 0.9 * accuracy(response, answer) + 0.1 * format_reward(response, answer)
-
-
-# Controls for showing that training follows the reward (bench/learning.py).
-
-
-@register("accuracy_reversed")
-def accuracy_reversed(response: str, answer: str) -> float:
-  """1 - accuracy: a policy trained on it must get worse at the task."""
-  return 1.0 - accuracy(response, answer)
-
-
-@register("random")
-def random_reward(response: str, answer: str) -> float:
-  """1 or 0 by a fair coin, independent of the response: GRPO then gets
-  advantages of full size that carry no information about the task, so any
-  gain it shows is not learning from the reward."""
-  del response, answer
-  return float(random.random() < 0.5)
-
-
-@register("constant")
-def constant(response: str, answer: str) -> float:
-  """0 for every response: GRPO advantages are all zero, the policy gets no signal."""
-  del response, answer
-  return 0.0
-
 
 # ---------------------------------------------------------------------------
 # Worker processes.
@@ -578,21 +394,3 @@ class RewardScheduler:
             self._wake_r.recv_bytes()
         else:
           self._on_message(conns[c])
-
-
-__all__ = [
-  "REWARDS",
-  "RewardFn",
-  "RewardResult",
-  "RewardScheduler",
-  "accuracy",
-  "accuracy_with_format",
-  "exact_answer",
-  "extract_answer",
-  "format_reward",
-  "get",
-  "normalize",
-  "numeric_answer",
-  "parse_number",
-  "register",
-]

@@ -6,6 +6,8 @@ strategies go through planner -> materializer -> FSDP-sharded params -> the
 jitted accumulation. Batches mix text, images and a video.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -207,6 +209,27 @@ def test_train_step_shards_state_and_compiles_once_per_bucket(devices):
   for g, p in zip(jax.tree.leaves(grads), param_specs):
     assert g.sharding.is_equivalent_to(p, g.ndim), (g.sharding.spec, p.spec)
   assert all(np.isfinite(float(x)) for x in losses)
+
+
+class _HalfUlysses(strategies.Ulysses):
+  """A strategy of one's own in one class: Ulysses over half the degree asked for."""
+
+  name = "half_ulysses"
+
+  def _plan(self, lengths, num_devices, buckets):
+    halved = dataclasses.replace(self, sp=max(self.sp // 2, 1))
+    return strategies.Ulysses._plan(halved, lengths, num_devices, buckets)
+
+
+def test_a_strategy_of_ones_own_is_a_class_named_by_module_and_class():
+  s = make_strategy(f"{__name__}:_HalfUlysses", 4)
+  assert type(s) is _HalfUlysses and s.sp_axes() == (("sp", 4),)
+  assert {r.degree for rows in s.plan([40, 50, 60], 8).microbatches for r in rows} == {2}
+  assert set(strategies.STRATEGIES) == {"packed_dp", "ulysses", "flex_ulysses"}
+  with pytest.raises(ValueError, match="is not a Strategy subclass"):
+    make_strategy("fluxjax.parallel.strategies:resolve_sp", 4)
+  with pytest.raises(ValueError, match="a name of its own"):
+    strategies.register(_HalfUlysses.__mro__[1])  # "ulysses" is taken
 
 
 def test_delayed_metrics_return_the_previous_step():

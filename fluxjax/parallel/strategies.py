@@ -18,7 +18,9 @@ the host's fast interconnect. A strategy swap is then the one flag
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import jax
 import ml_collections
@@ -34,7 +36,14 @@ from fluxjax.sharding import mesh as mesh_lib
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-  name: str
+  """A sharding strategy: the mesh's sequence-parallel axes, the plan of a
+  batch, and the text attention; FSDP, the packed batch and the step are
+  shared. Subclasses set `name`, write `_plan` (host numpy, lengths only)
+  and override `sp_axes` or `attention_fn` where they differ; `register`
+  makes `--config.sharding.strategy=NAME` find them."""
+
+  name: ClassVar[str] = ""
+  uses_sp: ClassVar[bool] = True  # False: every sequence stays whole on one device
   sp: int  # largest degree: ulysses' fixed one, flex_ulysses' p_max; 1 = none
   capacity: int  # tokens per device per microbatch (the largest bucket)
   model_cfg: ModelConfig
@@ -43,46 +52,31 @@ class Strategy:
   balance_vision: bool = False  # spread images/frames over devices by patch count
 
   def sp_axes(self) -> tuple[tuple[str, int], ...]:
-    if self.name == "flex_ulysses":
-      return ulysses.binary_axes(self.sp)
     return ((mesh_lib.SP, self.sp),)
 
   def plan(self, lengths: Sequence[int], num_devices: int) -> Plan:
     """The strategy's plan, with capacities and microbatch count bucketed."""
     buckets = self.buckets or plan_lib.default_buckets(self.capacity)
-    shape = self.model_cfg.cost_shape()
-    if self.name == "packed_dp" and self.sync == "minibatch":
-      plan = planners.plan_packed_dp_lb_mini(lengths, num_devices, self.capacity, shape)
-    elif self.name == "packed_dp":
-      plan = planners.plan_packed_dp(lengths, num_devices, self.capacity, shape)
-    elif self.name == "ulysses":
-      plan = planners.plan_ulysses(lengths, num_devices, self.sp, self.capacity, shape)
-    elif self.name == "flex_ulysses":
-      plan = planners.plan_flex_ulysses(lengths, num_devices, self.sp, self.capacity, buckets)
-    else:
-      raise ValueError(f"strategy {self.name!r} has no planner")
-    return plan_lib.bucketed(plan, buckets)
+    return plan_lib.bucketed(self._plan(lengths, num_devices, buckets), buckets)
+
+  def _plan(self, lengths: Sequence[int], num_devices: int, buckets: tuple[int, ...]) -> Plan:
+    raise NotImplementedError(f"strategy {self.name!r} has no planner")
 
   def attention_fn(
     self, mesh: jax.sharding.Mesh, plan: Plan | None = None, inside_shard_map: bool = False
   ) -> Callable | None:
     """The text attention for this strategy; None = the row-local default.
 
-    flex_ulysses needs the plan: its buffer sections are part of the shapes.
     `inside_shard_map`: for code already running per device (minibatch sync).
     """
-    backend = self.model_cfg.attention_backend
-    if self.name == "flex_ulysses":
-      if plan is None:
-        raise ValueError("flex_ulysses attention depends on the plan's levels")
-      names = tuple(name for name, _ in self.sp_axes())
-      return ulysses.make_flex_attention_fn(
-        mesh, plan.level_layout(), names, mesh_lib.batch_axes(mesh), backend, inside_shard_map
-      )
     if self.sp == 1:
       return None
     return ulysses.make_attention_fn(
-      mesh, (mesh_lib.SP,), mesh_lib.batch_axes(mesh), backend, inside_shard_map
+      mesh,
+      (mesh_lib.SP,),
+      mesh_lib.batch_axes(mesh),
+      self.model_cfg.attention_backend,
+      inside_shard_map,
     )
 
   def accumulate_fn(
@@ -141,6 +135,90 @@ class Strategy:
     )
 
 
+# The strategies `sharding.strategy` names, by name (`register`); a strategy of
+# your own is a module with a registered subclass, named "module:Class".
+STRATEGIES: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+  """Class decorator: makes `cls` the strategy `sharding.strategy=cls.name` picks."""
+  if not cls.name or cls.name in STRATEGIES:
+    raise ValueError(f"a strategy needs a name of its own, got {cls.name!r}")
+  STRATEGIES[cls.name] = cls
+  return cls
+
+
+@register
+class PackedDP(Strategy):
+  """veRL-like: sequences packed whole into each device's rows (sp ignored);
+  with minibatch sync, LB-Mini's balance over each device's microbatches."""
+
+  name = "packed_dp"
+  uses_sp = False
+
+  def _plan(self, lengths, num_devices, buckets):
+    shape = self.model_cfg.cost_shape()
+    if self.sync == "minibatch":
+      return planners.plan_packed_dp_lb_mini(lengths, num_devices, self.capacity, shape)
+    return planners.plan_packed_dp(lengths, num_devices, self.capacity, shape)
+
+
+@register
+class Ulysses(Strategy):
+  """Every sequence split over exactly sp devices (all-to-all attention)."""
+
+  name = "ulysses"
+
+  def _plan(self, lengths, num_devices, buckets):
+    shape = self.model_cfg.cost_shape()
+    return planners.plan_ulysses(lengths, num_devices, self.sp, self.capacity, shape)
+
+
+@register
+class FlexUlysses(Strategy):
+  """FlexRL: each sequence split only as far as its length needs, up to sp,
+  over nested binary axes; the attention depends on the plan's levels."""
+
+  name = "flex_ulysses"
+
+  def sp_axes(self) -> tuple[tuple[str, int], ...]:
+    return ulysses.binary_axes(self.sp)
+
+  def _plan(self, lengths, num_devices, buckets):
+    return planners.plan_flex_ulysses(lengths, num_devices, self.sp, self.capacity, buckets)
+
+  def attention_fn(
+    self, mesh: jax.sharding.Mesh, plan: Plan | None = None, inside_shard_map: bool = False
+  ) -> Callable | None:
+    if plan is None:
+      raise ValueError("flex_ulysses attention depends on the plan's levels")
+    names = tuple(name for name, _ in self.sp_axes())
+    return ulysses.make_flex_attention_fn(
+      mesh,
+      plan.level_layout(),
+      names,
+      mesh_lib.batch_axes(mesh),
+      self.model_cfg.attention_backend,
+      inside_shard_map,
+    )
+
+
+def strategy_class(name: str) -> type[Strategy]:
+  """The registered strategy `name`, or "module:Class" (imported, then registered)."""
+  if ":" in name:
+    module, _, attr = name.partition(":")
+    cls = getattr(importlib.import_module(module), attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+      raise ValueError(f"sharding.strategy={name!r} is not a Strategy subclass")
+    return cls
+  if name not in STRATEGIES:
+    raise ValueError(
+      f"unknown sharding.strategy {name!r}; choose one of {sorted(STRATEGIES)} "
+      "or give module:Class of your own Strategy"
+    )
+  return STRATEGIES[name]
+
+
 def _buckets(cfg) -> tuple[int, ...]:
   buckets = tuple(sorted(cfg.capacity_buckets))
   if buckets and buckets[-1] != cfg.capacity:
@@ -161,10 +239,9 @@ def _sync(cfg) -> str:
 AUTO = 0  # sharding.sp = 0: the largest degree that fits
 
 
-def _make(name: str, degree: int, cfg, model_cfg) -> Strategy:
+def _make(cls: type[Strategy], degree: int, cfg, model_cfg) -> Strategy:
   """The fields every strategy reads the same way from the sharding section."""
-  return Strategy(
-    name,
+  return cls(
     degree,
     cfg.capacity,
     model_cfg,
@@ -224,10 +301,6 @@ def resolve_sp(
   )
 
 
-# The names `sharding.strategy` accepts; Strategy's methods dispatch on them.
-STRATEGIES = ("packed_dp", "ulysses", "flex_ulysses")
-
-
 def get_strategy(
   cfg: ml_collections.ConfigDict,
   model_cfg: ModelConfig,
@@ -244,20 +317,16 @@ def get_strategy(
     num_devices: devices of the mesh; None = jax.device_count(). Auto sp is
       capped at jax.local_device_count() either way.
   """
-  if cfg.strategy not in STRATEGIES:
-    raise ValueError(
-      f"unknown sharding.strategy {cfg.strategy!r}; choose one of {sorted(STRATEGIES)}"
-    )
+  cls = strategy_class(cfg.strategy)
   if "p_max" in cfg:
     raise ValueError(
       "sharding.p_max is not a setting: flex_ulysses' largest degree is "
       "sharding.sp (e.g. --config.sharding.sp=8; 0 = auto)"
     )
   num_devices = jax.device_count() if num_devices is None else num_devices
-  # packed_dp keeps every sequence whole on one device: sp does not apply.
   degree = (
-    1
-    if cfg.strategy == "packed_dp"
-    else resolve_sp(cfg, model_cfg, num_devices, mesh_cfg, jax.local_device_count())
+    resolve_sp(cfg, model_cfg, num_devices, mesh_cfg, jax.local_device_count())
+    if cls.uses_sp
+    else 1
   )
-  return _make(cfg.strategy, degree, cfg, model_cfg)
+  return _make(cls, degree, cfg, model_cfg)

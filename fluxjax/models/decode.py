@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fluxjax.models import attention as attn_lib
-from fluxjax.models import layers, text, vlm
+from fluxjax.models import text, vlm
 from fluxjax.models.vision import VisionInputs
 
 _UINT_OF_WIDTH = {2: jnp.uint16, 4: jnp.uint32}
@@ -134,13 +134,6 @@ def _scan_decoder(model: vlm.Qwen25VL, carry, body):
   return carry
 
 
-def _qkv(layer, h, cos, sin):
-  attn = layer.self_attn
-  q = layers.apply_rotary(attn.q_proj(h), cos, sin)
-  k = layers.apply_rotary(attn.k_proj(h), cos, sin)
-  return q, k, attn.v_proj(h)
-
-
 def _head_logits(model: vlm.Qwen25VL, h_ND: jax.Array) -> jax.Array:
   """fp32 logits, computed as `Qwen25VL.logits` does."""
   return jnp.einsum(
@@ -181,21 +174,22 @@ def prefill(
 
   def body(layer, i, carry):
     x, cache = carry
-    q, k, v = _qkv(layer, layer.input_layernorm(x), cos, sin)
-    out = attn_lib.attention(
-      q,
-      k,
-      v,
-      backend=backend,
-      q_segment_ids=seg_1P,
-      kv_segment_ids=seg_1P,
-      q_positions=pos_1P,
-      kv_positions=pos_1P,
-      causal=True,
-    )
-    x = x + layer.self_attn.o_proj(out)
-    x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return x, cache.write_prompt(i, slot, k, v)
+
+    def attend(q, k, v):
+      out = attn_lib.attention(
+        q,
+        k,
+        v,
+        backend=backend,
+        q_segment_ids=seg_1P,
+        kv_segment_ids=seg_1P,
+        q_positions=pos_1P,
+        kv_positions=pos_1P,
+        causal=True,
+      )
+      return out, cache.write_prompt(i, slot, k, v)
+
+    return layer.block(x, cos, sin, attend)
 
   x, cache = _scan_decoder(model, (x, cache), body)
   h = model.model.norm(x)[0]  # [P, D]
@@ -238,13 +232,14 @@ def decode_step(
 
   def body(layer, i, carry):
     x, cache = carry
-    q, k, v = _qkv(layer, layer.input_layernorm(x), cos, sin)
-    cache = cache.write_tokens(i, lengths_S, k[:, 0], v[:, 0])
-    # One query per slot: a flash kernel gains nothing at query length 1.
-    out = attn_lib.decode_attention(q[:, 0], cache.keys(i, s, c), cache.values(i, s, c), lengths_S)
-    x = x + layer.self_attn.o_proj(out)
-    x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return x, cache
+
+    def attend(q, k, v):
+      written = cache.write_tokens(i, lengths_S, k[:, 0], v[:, 0])
+      # One query per slot: a flash kernel gains nothing at query length 1.
+      keys, values = written.keys(i, s, c), written.values(i, s, c)
+      return attn_lib.decode_attention(q[:, 0], keys, values, lengths_S), written
+
+    return layer.block(x, cos, sin, attend)
 
   x, cache = _scan_decoder(model, (x, cache), body)
   h = model.model.norm(x)[:, 0]  # [S, D]

@@ -12,6 +12,7 @@ positions. A sharding strategy may swap the attention core by passing
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,21 +66,11 @@ class SelfAttention(nnx.Module):
       (n, h), d, (axes.Q_HEADS, axes.HEAD_DIM), (axes.EMBED,), use_bias=False, rngs=rngs
     )
 
-  def __call__(self, x_BTD, cos, sin, segment_ids_BT, segment_pos_BT, attention_fn):
+  def qkv(self, x_BTD, cos, sin):
+    """(q, k, v) of x, queries and keys rotated (M-RoPE)."""
     q = layers.apply_rotary(self.q_proj(x_BTD), cos, sin)
     k = layers.apply_rotary(self.k_proj(x_BTD), cos, sin)
-    v = self.v_proj(x_BTD)
-    out = attention_fn(
-      q,
-      k,
-      v,
-      q_segment_ids=segment_ids_BT,
-      kv_segment_ids=segment_ids_BT,
-      q_positions=segment_pos_BT,
-      kv_positions=segment_pos_BT,
-      causal=True,
-    )
-    return self.o_proj(out)
+    return q, k, self.v_proj(x_BTD)
 
 
 class DecoderLayer(nnx.Module):
@@ -95,11 +86,33 @@ class DecoderLayer(nnx.Module):
       cfg.hidden_size, cfg.intermediate_size, axes.EMBED, axes.MLP, use_bias=False, rngs=rngs
     )
 
+  def block(self, x, cos, sin, attend: Callable) -> tuple[jax.Array, Any]:
+    """The residual block, for training, prefill and decode alike.
+
+    `attend(q, k, v) -> (attention output, aux)` is the caller's: packed
+    rows with segment masks in training; the KV cache in prefill and decode,
+    whose updated cache is the aux. Returns (x, aux).
+    """
+    q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+    out, aux = attend(q, k, v)
+    x = x + self.self_attn.o_proj(out)
+    return x + self.mlp(self.post_attention_layernorm(x)), aux
+
   def __call__(self, x, cos, sin, segment_ids, segment_pos, attention_fn):
-    x = x + self.self_attn(
-      self.input_layernorm(x), cos, sin, segment_ids, segment_pos, attention_fn
-    )
-    return x + self.mlp(self.post_attention_layernorm(x))
+    def attend(q, k, v):
+      out = attention_fn(
+        q,
+        k,
+        v,
+        q_segment_ids=segment_ids,
+        kv_segment_ids=segment_ids,
+        q_positions=segment_pos,
+        kv_positions=segment_pos,
+        causal=True,
+      )
+      return out, None
+
+    return self.block(x, cos, sin, attend)[0]
 
 
 class TextDecoder(nnx.Module):

@@ -34,18 +34,79 @@ import ml_collections
 
 from fluxjax import config_args
 
-VARIANTS = ("tiny", "qwen25_vl_3b", "qwen25_vl_7b", "qwen25_vl_32b")
+# What the variants set differently; every other default is shared. `tiny`
+# runs on one CPU machine (the tiny preset, the embedded engine, synthetic
+# data, an SFT warm-up); the real shapes run on GPU hosts with an SGLang
+# fleet and differ from each other only in the model preset. Each field's
+# comment at its use below says why it has these values.
+_CPU = dict(
+  total_steps=150,
+  mix="reasoning_tiny",
+  synth_train=1024,
+  data_workers=1,
+  small_media=True,
+  eval_every=15,
+  checkpoint_every=5,
+  dtype="float32",
+  remat=False,
+  logprob_vocab_chunk=128,
+  strategy="packed_dp",
+  capacity=256,
+  patch_capacity=4096,
+  balance_vision=False,
+  backend="embedded",
+  context_length=256,
+  prompts_per_step=16,
+  max_new_tokens=16,
+  lag_mode="sync",
+  sft=True,
+  lr=3e-4,
+  warmup_steps=0,
+  end_lr_frac=1.0,
+)
+_GPU_FLEET = dict(
+  total_steps=500,
+  mix="image_heavy",
+  synth_train=256,
+  data_workers=8,
+  small_media=False,
+  eval_every=25,
+  checkpoint_every=25,
+  dtype="bfloat16",
+  remat=True,
+  logprob_vocab_chunk=8192,
+  strategy="flex_ulysses",
+  capacity=16384,
+  patch_capacity=16384,
+  balance_vision=True,
+  backend="sglang",
+  context_length=8192,
+  prompts_per_step=64,
+  max_new_tokens=1024,
+  lag_mode="adaptive",
+  sft=False,
+  lr=1e-5,
+  warmup_steps=10,
+  end_lr_frac=0.1,
+)
+VARIANTS = {
+  "tiny": dict(_CPU, preset="tiny"),
+  "qwen25_vl_3b": dict(_GPU_FLEET, preset="3b"),
+  "qwen25_vl_7b": dict(_GPU_FLEET, preset="7b"),
+  "qwen25_vl_32b": dict(_GPU_FLEET, preset="32b"),
+}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   arg = config_args.parse_arg(arg, variant="tiny", smoke=False)
   if arg.variant not in VARIANTS:
-    raise ValueError(f"unknown variant {arg.variant!r}; choose one of {VARIANTS}")
+    raise ValueError(f"unknown variant {arg.variant!r}; choose one of {tuple(VARIANTS)}")
+  v = ml_collections.ConfigDict(VARIANTS[arg.variant])
   c = ml_collections.ConfigDict()
   c.variant = arg.variant
   c.seed = 0
   # A reference: the learning-rate schedule (optim.total_steps) follows overrides.
-  c.total_steps = ml_collections.FieldReference(150 if arg.variant == "tiny" else 500)
+  c.total_steps = ml_collections.FieldReference(v.total_steps)
 
   # Data: JSONL/Parquet files, or (train empty) a synthetic dataset generated
   # into WORKDIR/data on first use.
@@ -58,19 +119,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # (an image) and a shape's colour at the end of a clip (a video); a
   # 524k-parameter model learns both colour tasks from the pixels in minutes
   # on a CPU, the count only to its answer prior (bench/README.md).
-  c.data.mix = "reasoning_tiny" if arg.variant == "tiny" else "image_heavy"
-  c.data.synth_train = 1024 if arg.variant == "tiny" else 256
+  c.data.mix = v.mix
+  c.data.synth_train = v.synth_train
   c.data.synth_eval = 256
   c.data.seed = 0
   # The blind control (bench/learning.py): the same rows with every image and
   # video frame a flat grey of the same size, for training and evaluation.
   c.data.blind = False
-  c.data.num_workers = 1 if arg.variant == "tiny" else 8
+  c.data.num_workers = v.data_workers
   # Vision preprocessing limits, shared by the loader's workers and the rollout
   # engine (the prompt's pad-token counts depend on them). Tiny and smoke runs:
   # a few tokens per image/frame so a CPU run stays small (a 7k-token prompt's
   # prefill alone takes GBs with CPU attention); real shapes: Qwen2.5-VL's.
-  small_media = arg.variant == "tiny" or arg.smoke
+  small_media = v.small_media or arg.smoke
   c.data.vision = ml_collections.ConfigDict(
     dict(
       image_min_pixels=28 * 28 * 4 if small_media else 56 * 56,
@@ -103,7 +164,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # (sft.eval_every). The first `prompts` rows of data.eval are used; prompts
   # over the prompt budget are skipped (eval/skipped_too_long).
   c.eval = ml_collections.ConfigDict()
-  c.eval.every = 15 if arg.variant == "tiny" else 25
+  c.eval.every = v.eval_every
   c.eval.prompts = 256
   c.eval.samples_per_prompt = 4
   c.eval.greedy = True
@@ -111,26 +172,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Every `every` RL steps and at the last; also at step 0 after an SFT
   # warm-up, so that a resumed run never repeats it.
   c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.every = 5 if arg.variant == "tiny" else 25
+  c.checkpoint.every = v.checkpoint_every
 
   # Model: a preset with random weights, or an HF checkpoint folder (which wins).
   c.model = ml_collections.ConfigDict()
-  c.model.preset = {
-    "tiny": "tiny",
-    "qwen25_vl_3b": "3b",
-    "qwen25_vl_7b": "7b",
-    "qwen25_vl_32b": "32b",
-  }[arg.variant]
+  c.model.preset = v.preset
   c.model.hf_path = ""
   c.model.tokenizer_path = ""  # "" = the shipped synthetic tokenizer (tiny) or hf_path's
-  c.model.dtype = "float32" if arg.variant == "tiny" else "bfloat16"
+  c.model.dtype = v.dtype
   c.model.param_dtype = "float32"
   # models/attention.py: "auto" (on CPUs blockwise XLA for long rows, which
   # skips the masked blocks of packed rows; else the XLA reference), "xla",
   # "xla_blocked", or a GPU kernel ("cudnn", "pallas_gpu", "tokamax_gpu").
   c.model.attention_backend = "auto"
-  c.model.remat = arg.variant != "tiny"  # activations of 28+ layers do not fit otherwise
-  c.model.logprob_vocab_chunk = 128 if arg.variant == "tiny" else 8192
+  c.model.remat = v.remat  # activations of 28+ layers do not fit otherwise
+  c.model.logprob_vocab_chunk = v.logprob_vocab_chunk
   # Trainer and rollout server must build M-RoPE positions the same way; SGLang
   # starts text after a vision span at max(position)+1 (see models/rope_index.py).
   c.model.mrope_text_after_vision = "max_plus_one"
@@ -159,7 +215,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # devices), flex_ulysses (FlexRL: each sequence split only as far as its
   # length needs, up to sp).
   c.sharding = ml_collections.ConfigDict()
-  c.sharding.strategy = "packed_dp" if arg.variant == "tiny" else "flex_ulysses"
+  c.sharding.strategy = v.strategy
   # The largest sequence-parallel degree: ulysses' fixed degree, flex_ulysses'
   # p_max; packed_dp ignores it. A power of two dividing the query heads (and
   # the kv heads, or divided by them) and the devices left after mesh.data and
@@ -169,17 +225,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Tokens/device/microbatch. Tiny: 256 (~4 sequences of the default task and
   # their 256 patches); on a CPU a row's attention cost grows with its length
   # (the tiny model's train step: 0.036 s at 256 keys, 0.20 s at 1024).
-  c.sharding.capacity = 256 if arg.variant == "tiny" else 16384
+  c.sharding.capacity = v.capacity
   # Static buffer sizes the step compiles for (largest = capacity); () = powers of 2.
   c.sharding.capacity_buckets = ()
-  c.sharding.patch_capacity = 4096 if arg.variant == "tiny" else 16384
+  c.sharding.patch_capacity = v.patch_capacity
   # "layer": FSDP gathers/reduces per layer (LB-Micro for packed_dp); "minibatch":
   # ODC's relaxation: gather once, each device runs its own microbatches,
   # reduce-scatter once (LB-Mini for packed_dp).
   c.sharding.sync = "layer"
   # Spread images and video frames over devices by patch count (vision tower
   # balancing); embeddings are gathered back to their tokens.
-  c.sharding.balance_vision = arg.variant != "tiny"
+  c.sharding.balance_vision = v.balance_vision
   # Refuse to start if a parameter larger than this would sit whole on every device.
   c.sharding.max_replicated_bytes = 1 << 20
 
@@ -187,7 +243,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # native HTTP API (a list of URLs, or a launch command started num_servers
   # times on free ports; the server must accept --port).
   c.rollout = ml_collections.ConfigDict()
-  c.rollout.backend = "embedded" if arg.variant == "tiny" else "sglang"
+  c.rollout.backend = v.backend
   # For sglang give one of: --config.rollout.urls='("http://h1:30000",)' or
   # --config.rollout.launch='("python","-m","sglang.launch_server","--model-path","/ckpt")';
   # launch=("fluxjax.rollout.server",) (rollout/factory.py OWN_SERVER) starts
@@ -209,7 +265,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # fleet's server context (SGLang's --context-length). Prompts longer than
   # context_length - rl.max_new_tokens are skipped (counted); the trainer must
   # place a sequence this long (validated against sharding.capacity).
-  c.rollout.context_length = 256 if arg.variant == "tiny" else 8192
+  c.rollout.context_length = v.context_length
   # Embedded engine placement: 0 runs it on the trainer's mesh (one process)
   # or on all of process 0's devices (several processes); k > 0 runs it on
   # the first k devices of process 0, with its own copy of the weights.
@@ -242,9 +298,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl = ml_collections.ConfigDict()
   # Tiny: 16 prompts x 8 responses gained the most per minute of the sweep
   # (bench/README.md): 16 responses gain more per step, 1.7x the wall time.
-  c.rl.prompts_per_step = 16 if arg.variant == "tiny" else 64
+  c.rl.prompts_per_step = v.prompts_per_step
   c.rl.responses_per_prompt = 8
-  c.rl.max_new_tokens = 16 if arg.variant == "tiny" else 1024
+  c.rl.max_new_tokens = v.max_new_tokens
   c.rl.temperature = 1.0
   # PPO clip around pi_prox: the ratio stays in [1 - clip_low, 1 + clip_high].
   # clip_high above clip_low is DAPO's clip-higher: low-probability tokens can
@@ -329,7 +385,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # open, is max_lag, and max_step is not in the design.
   c.coordinator.lag = ml_collections.ConfigDict(
     dict(
-      mode="sync" if arg.variant == "tiny" else "adaptive",
+      mode=v.lag_mode,
       fixed_lag=1,
       min_lag=0,
       max_lag=4,
@@ -384,7 +440,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # optimizer state starts fresh after it. Off for real checkpoints, and not
   # run when total_steps is 0 (build, evaluate, stop).
   c.sft = ml_collections.ConfigDict()
-  c.sft.enabled = arg.variant == "tiny"
+  c.sft.enabled = v.sft
   # Tiny: 60 steps teach the format and part of the task, leaving held-out
   # accuracy near 0.17 sampled (0.37 greedy) for GRPO to raise; on the shapes
   # mix 80 left 0.37 and a smaller gain, 300 left no headroom (bench/README.md).
@@ -408,10 +464,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # bench/README.md: 1e-3 knocked held-out accuracy down first and ended
   # lower, 1e-4 gained half as much); a warmup that starts at 0 and a cosine
   # spent most of a short run's lr budget idle.
-  c.optim.lr = 1e-5 if arg.variant != "tiny" else 3e-4
-  c.optim.warmup_steps = 0 if arg.variant == "tiny" else 10
+  c.optim.lr = v.lr
+  c.optim.warmup_steps = v.warmup_steps
   c.optim.total_steps = c.get_ref("total_steps")
-  c.optim.end_lr_frac = 1.0 if arg.variant == "tiny" else 0.1
+  c.optim.end_lr_frac = v.end_lr_frac
   c.optim.max_grad_norm = 1.0
   c.optim.b1 = 0.9
   c.optim.b2 = 0.999

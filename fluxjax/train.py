@@ -39,13 +39,13 @@ def main(argv):
   if process:
     logs.configure(process_index=process)
   try:
-    loop.validate(config)
+    validated = loop.validate(config)
   except ValueError as e:  # a configuration mistake: say what, not where
     sys.exit(f"fluxjax.train: bad configuration: {e}")
   log_file = logs.add_file(_WORKDIR.value, process)
   logging.getLogger("fluxjax.train").info("full log: %s", log_file)
   with multihost.fail_fast():
-    loop.run(config, _WORKDIR.value)
+    loop.run(config, _WORKDIR.value, validated)
 
 
 if __name__ == "__main__":

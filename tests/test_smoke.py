@@ -107,6 +107,8 @@ def test_the_smoke_run_from_the_command_line(variant, tmp_path):
   assert summary["last_step"] == 2
   assert summary["start"]["step"] == 0 and summary["end"]["step"] == 2
   assert "run summary" in out.stderr and "python -m fluxjax.plot" in out.stderr
+  # The config is validated once per start (its rules log what they limit).
+  assert out.stderr.count("prompts are limited to") <= 1, out.stderr[-4000:]
   # Random weights sample vision pad ids; a response ends at one
   # (Tokenizer.response_stop_ids), so nothing is refused or discarded.
   assert summary["faults"] == {}, summary["faults"]

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import time
+from typing import NamedTuple
 
 import jax
 from flax import nnx
@@ -82,7 +83,15 @@ def _synthetic_paths(d, workdir: str) -> tuple[str, str]:
   return paths[0], paths[1]
 
 
-def validate(config):
+class Validated(NamedTuple):
+  """What `validate` derives from a run's config (each entry point runs it once)."""
+
+  cfg: model_config.ModelConfig
+  strategy: strategies.Strategy
+  mesh: jax.sharding.Mesh
+
+
+def validate(config) -> Validated:
   """(model config, strategy, mesh) of a run; ValueError says what is wrong."""
   overrides = dict(
     dtype=config.model.dtype,
@@ -113,7 +122,7 @@ def validate(config):
   factory.check_config(config.rollout)
   mesh = mesh_lib.make_mesh(config.mesh.data, config.mesh.fsdp, strategy.sp_axes())
   config_rules.check(config, cfg, strategy, mesh.size)
-  return cfg, strategy, mesh
+  return Validated(cfg, strategy, mesh)
 
 
 @dataclasses.dataclass
@@ -160,13 +169,19 @@ def rollout_shardings(config, cfg, mesh):
 
 
 def build_policy(
-  config, workdir: str, stack: contextlib.ExitStack, patch_source, *, owns_media: bool
+  config,
+  workdir: str,
+  stack: contextlib.ExitStack,
+  patch_source,
+  *,
+  owns_media: bool,
+  validated: Validated | None = None,
 ) -> worker_lib.PolicyWorker:
   """This process's policy worker: the model created sharded, its train state, the checkpointer.
 
   Every process of a run calls it (the initialization programs are global).
   """
-  cfg, strategy, mesh = validate(config)
+  cfg, strategy, mesh = validated or validate(config)
   log.info("strategy %s (sp=%d) on mesh %s", strategy.name, strategy.sp, dict(mesh.shape))
   max_replicated = config.sharding.max_replicated_bytes
   if config.model.hf_path:
@@ -215,7 +230,9 @@ def media_source(config, stack: contextlib.ExitStack) -> materializer_lib.Materi
   return materializer_lib.Materializer(store, pool)
 
 
-def build(config, workdir: str, stack: contextlib.ExitStack) -> Built:
+def build(
+  config, workdir: str, stack: contextlib.ExitStack, validated: Validated | None = None
+) -> Built:
   """Everything the leader runs, created sharded; `stack` closes it in reverse order.
 
   In a multi-controller run every other process runs `follow` meanwhile.
@@ -245,6 +262,7 @@ def build(config, workdir: str, stack: contextlib.ExitStack) -> Built:
     stack,
     materializer_lib.Materializer(loader.store, loader.pool),
     owns_media=False,
+    validated=validated,
   )
   policy: worker_lib.PolicyWorker | worker_lib.LeaderWorker = worker
   if jax.process_count() > 1:
@@ -286,10 +304,12 @@ def build(config, workdir: str, stack: contextlib.ExitStack) -> Built:
   return Built(coord, policy, loader, eval_rows, proc)
 
 
-def follow(config, workdir: str) -> int:
+def follow(config, workdir: str, validated: Validated | None = None) -> int:
   """A follower's run (process k > 0): the leader's ops until it stops; returns ops run."""
   with contextlib.ExitStack() as stack:
-    policy = build_policy(config, workdir, stack, media_source(config, stack), owns_media=True)
+    policy = build_policy(
+      config, workdir, stack, media_source(config, stack), owns_media=True, validated=validated
+    )
     return worker_lib.serve(policy, multihost.Channel())
 
 
@@ -305,22 +325,25 @@ def read_trained(workdir: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def run(config, workdir: str) -> dict:
+def run(config, workdir: str, validated: Validated | None = None) -> dict:
   """The GRPO loop with auto-resume; returns the last metrics written.
 
   In a multi-controller run the leader runs the loop and returns its
   metrics; every other process follows it (`follow`) and returns {}.
+  `validated`: what `validate(config)` returned, if the caller ran it
+  already (the CLI does, to exit on a bad setting before anything is
+  written); else it runs here.
   A run that ends without an error ends with its summary (rl/summary.py).
   """
   if not multihost.is_leader():
-    follow(config, workdir)
+    follow(config, workdir, validated)
     return {}
   t0 = time.time()
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
   with contextlib.ExitStack() as stack:
-    built = build(config, workdir, stack)
+    built = build(config, workdir, stack, validated)
     policy = built.policy
     try:
       last, first = _loop(config, workdir, built, stack)

@@ -130,6 +130,7 @@ _LONGEST_FIRST = (
   "test_train_loop.py",
   "test_strategy_swap.py",
   "test_sft.py",
+  "test_preemption.py",
 )
 
 

@@ -123,10 +123,14 @@ def fail_fast() -> Iterator[None]:
   process, and the others may be waiting in a collective (or for an op) for
   this one: a plain exit would hang them all. Exiting now lets the launcher
   (or the cluster scheduler) see the failure and stop the others. The error
-  is logged first; one process re-raises as usual.
+  is logged first; one process re-raises as usual. A SystemExit is a
+  deliberate exit (a preemption's 143, after the others were stopped) and
+  leaves as usual.
   """
   try:
     yield
+  except SystemExit:
+    raise
   except BaseException:
     if jax.process_count() == 1:
       raise

@@ -41,6 +41,7 @@ from fluxjax.parallel import multihost, strategies, train_step
 from fluxjax.rl import config_rules, reference, reward_fns, reward_pool, sft
 from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import metrics as metrics_lib
+from fluxjax.rl import preemption as preemption_lib
 from fluxjax.rl import summary as summary_lib
 from fluxjax.rl import worker as worker_lib
 from fluxjax.rollout import backend as backend_lib
@@ -310,6 +311,7 @@ def follow(config, workdir: str, validated: Validated | None = None) -> int:
     policy = build_policy(
       config, workdir, stack, media_source(config, stack), owns_media=True, validated=validated
     )
+    stack.enter_context(preemption_lib.Preemption(leader=False))
     return worker_lib.serve(policy, multihost.Channel())
 
 
@@ -333,7 +335,8 @@ def run(config, workdir: str, validated: Validated | None = None) -> dict:
   `validated`: what `validate(config)` returned, if the caller ran it
   already (the CLI does, to exit on a bad setting before anything is
   written); else it runs here.
-  A run that ends without an error ends with its summary (rl/summary.py).
+  A run that ends without an error ends with its summary (rl/summary.py);
+  one stopped by SIGTERM then raises `Preempted` (rl/preemption.py).
   """
   if not multihost.is_leader():
     follow(config, workdir, validated)
@@ -345,8 +348,9 @@ def run(config, workdir: str, validated: Validated | None = None) -> dict:
   with contextlib.ExitStack() as stack:
     built = build(config, workdir, stack, validated)
     policy = built.policy
+    preemption = stack.enter_context(preemption_lib.Preemption(leader=True))
     try:
-      last, first = _loop(config, workdir, built, stack)
+      last, first = _loop(config, workdir, built, stack, preemption)
     except BaseException as e:
       if isinstance(policy, worker_lib.LeaderWorker):
         policy.abort(repr(e))
@@ -362,10 +366,18 @@ def run(config, workdir: str, validated: Validated | None = None) -> dict:
     resumed_from=first,
     total_steps=config.total_steps,
   )
+  if preemption.stopped_at is not None:
+    raise preemption_lib.Preempted(preemption.stopped_at)
   return last
 
 
-def _loop(config, workdir: str, built: Built, stack: contextlib.ExitStack) -> tuple[dict, int]:
+def _loop(
+  config,
+  workdir: str,
+  built: Built,
+  stack: contextlib.ExitStack,
+  preemption: preemption_lib.Preemption,
+) -> tuple[dict, int]:
   """Runs the steps; (the last step's metrics, the step it resumed from: 0 if fresh)."""
   coord, policy = built.coordinator, built.policy
   # Auto-resume from the work directory; the leader's view of it decides.
@@ -432,9 +444,14 @@ def _loop(config, workdir: str, built: Built, stack: contextlib.ExitStack) -> tu
     trained_log.write(json.dumps({"step": step, "ids": result.trained}) + "\n")
     log.info(progress.line(step, host))
     last, done = host, step
-    if policy.should_save(step) or step == config.total_steps:
+    stop = preemption.requested and step < config.total_steps
+    if policy.should_save(step) or step == config.total_steps or stop:
       coord_state, data_state = coord.get_state()
-      policy.save(step, coord_state, data_state, force=step == config.total_steps)
+      policy.save(step, coord_state, data_state, force=step == config.total_steps or stop)
+    if stop:
+      preemption.stopped_at = step
+      log.warning("preempted: stopped after step %d, checkpointed; the same command resumes", step)
+      break
   if done > first and "eval/accuracy" not in last:  # the data ran out between evaluations
     held_out = coord.evaluate(eval_samples)
     writer.write(done, held_out)

@@ -1,0 +1,49 @@
+"""SIGTERM (a scheduler's preemption) mid-run: the step in progress finishes and
+is checkpointed, the run exits with 128 + SIGTERM, and the same command
+resumes it with each prompt trained once (fluxjax/rl/preemption.py)."""
+
+import os
+import signal
+
+import orbax.checkpoint as ocp
+import pytest
+
+from fluxjax.rl import coordinator as coordinator_lib
+from fluxjax.rl import loop, preemption
+from helpers import assert_each_prompt_trained_once, tiny_run_config
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_the_step_in_progress_and_the_run_resumes(tmp_path, monkeypatch):
+  config = tiny_run_config(5)
+  config.data.synth_train = 16  # one epoch: no prompt comes twice in 5 steps
+  config.checkpoint.every = 100  # only the preemption and the last step save
+  config.rollout.tail_batching.eta = 1.0  # a step's prompts follow the loader's order
+  step = coordinator_lib.Coordinator.step
+
+  def step_then_sigterm(self):
+    result = step(self)
+    if self.steps == 2:  # the signal lands while step 2's records are written
+      os.kill(os.getpid(), signal.SIGTERM)
+    return result
+
+  monkeypatch.setattr(coordinator_lib.Coordinator, "step", step_then_sigterm)
+  with pytest.raises(preemption.Preempted) as stopped:
+    loop.run(config, str(tmp_path))
+  assert stopped.value.step == 2 and stopped.value.code == 128 + signal.SIGTERM
+  assert ocp.utils.checkpoint_steps(str(tmp_path / "checkpoints")) == [2]
+  assert_each_prompt_trained_once(tmp_path, 2, config.rl.prompts_per_step)
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is restored
+
+  monkeypatch.setattr(coordinator_lib.Coordinator, "step", step)
+  last = loop.run(config, str(tmp_path))
+  assert last["policy/version"] == 5.0
+  assert_each_prompt_trained_once(tmp_path, 5, config.rl.prompts_per_step)
+
+
+def test_a_follower_only_logs_sigterm_and_outside_the_main_thread_nothing_changes(caplog):
+  with preemption.Preemption(leader=False) as p:
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert p.requested  # the process is still here
+  assert "the leader checkpoints and stops this process" in caplog.text
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -8,6 +8,11 @@ starts N local processes, each running
     --config.distributed.coordinator_address=127.0.0.1:PORT \\
     --config.distributed.num_processes=N --config.distributed.process_id=i
 
+Several nodes (torchrun's convention): run the same command on each node with
+--num_nodes M --node_rank R --coordinator_address HOST:PORT (node 0's host, a
+port free there); node R's processes are R*N .. R*N+N-1 of M*N, and process 0,
+on node 0, runs the coordinator service.
+
 The launcher owns the --config.distributed.* flags and refuses them after `--`.
 Options:
   --processes N         how many processes (required, >= 1).
@@ -19,7 +24,12 @@ Options:
                         devices on a small machine, see docs/testing.md).
   --gpus_per_process G  0: leave the devices alone. G > 0: process i uses local
                         GPUs i*G .. (i+1)*G-1 (JAX_LOCAL_DEVICE_IDS).
-  --port P              the coordinator's port on 127.0.0.1; 0 picks a free one.
+  --port P              the coordinator's port on 127.0.0.1; 0 picks a free one
+                        (one node, without --coordinator_address).
+  --num_nodes M         nodes of the run, each running this launcher (1).
+  --node_rank R         this node's index, 0 .. M-1 (0).
+  --coordinator_address HOST:PORT
+                        process 0's coordinator service; required when M > 1.
   --grace_s S           seconds between SIGTERM and SIGKILL when stopping (10).
   --module M            the module each process runs (fluxjax.train).
 
@@ -83,7 +93,7 @@ def child_env(
 
   Args:
     environ: the launcher's environment.
-    process_id: the process's index, 0-based.
+    process_id: the process's index on this node, 0-based (its GPUs follow it).
     cpu_devices: fake CPU devices per process; 0 leaves the platform alone.
     gpus_per_process: local GPUs per process; 0 leaves the devices alone.
       CUDA_VISIBLE_DEVICES is kept, so the ids index the GPUs it shows.
@@ -234,6 +244,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     "--gpus_per_process", type=int, default=0, help="local GPUs per process; 0 = devices as is"
   )
   parser.add_argument("--port", type=int, default=0, help="coordinator port; 0 = a free one")
+  parser.add_argument("--num_nodes", type=int, default=1, help="nodes, each running a launcher")
+  parser.add_argument("--node_rank", type=int, default=0, help="this node's index, 0-based")
+  parser.add_argument(
+    "--coordinator_address", default="", help="HOST:PORT of process 0 (node 0); M > 1 needs it"
+  )
   parser.add_argument(
     "--grace_s", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL"
   )
@@ -246,6 +261,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
       parser.error(f"--{name}={getattr(args, name)}: must not be negative")
   if not 0 <= args.port < 65536:
     parser.error(f"--port={args.port}: not a port number (0 = pick a free one)")
+  if args.num_nodes < 1 or not 0 <= args.node_rank < args.num_nodes:
+    parser.error(
+      f"--num_nodes={args.num_nodes} --node_rank={args.node_rank}: need num_nodes >= 1 and "
+      "0 <= node_rank < num_nodes"
+    )
+  if args.num_nodes > 1 and not args.coordinator_address:
+    parser.error("--num_nodes > 1 needs --coordinator_address=HOST:PORT (node 0's host)")
+  if args.coordinator_address and args.port:
+    parser.error("give --coordinator_address=HOST:PORT or --port, not both")
+  if args.coordinator_address and not args.coordinator_address.rpartition(":")[2].isdigit():
+    parser.error(f"--coordinator_address={args.coordinator_address!r}: expected HOST:PORT")
   owned = [a for a in train_args if a.startswith(DISTRIBUTED_FLAG)]
   if owned:
     parser.error(
@@ -259,7 +285,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the launcher on `argv` (sys.argv[1:] when None) and returns its exit code."""
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  address = f"127.0.0.1:{args.port or free_port()}"
+  address = args.coordinator_address or f"127.0.0.1:{args.port or free_port()}"
+  total = args.num_nodes * args.processes
   received: list[int] = []
   previous = {
     signum: signal.signal(signum, lambda s, _frame: received.append(s))
@@ -268,14 +295,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   children: list[subprocess.Popen] = []
   try:
     for i in range(args.processes):
+      process_id = args.node_rank * args.processes + i
       children.append(
         subprocess.Popen(
-          child_args(args.module, args.train_args, address, args.processes, i),
+          child_args(args.module, args.train_args, address, total, process_id),
           env=child_env(os.environ, i, args.cpu_devices, args.gpus_per_process),
           start_new_session=True,
         )
       )
-      _say(f"process {i} pid {children[-1].pid}")
+      _say(f"process {process_id} pid {children[-1].pid}")
     return supervise(children, args.grace_s, lambda: received[0] if received else None)
   except BaseException:
     stop(children, signal.SIGTERM, args.grace_s)

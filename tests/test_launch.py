@@ -144,7 +144,18 @@ def test_the_launcher_owns_the_distributed_flags(capsys):
   assert "--config.distributed.process_id=0" in err and "the launcher sets" in err
 
 
-@pytest.mark.parametrize("argv", [[], ["--processes=0"], ["--processes=2", "--cpu_devices=-1"]])
+@pytest.mark.parametrize(
+  "argv",
+  [
+    [],
+    ["--processes=0"],
+    ["--processes=2", "--cpu_devices=-1"],
+    ["--processes=1", "--num_nodes=2"],  # no coordinator address
+    ["--processes=1", "--num_nodes=2", "--node_rank=2", "--coordinator_address=h:1"],
+    ["--processes=1", "--coordinator_address=h:1", "--port=5"],
+    ["--processes=1", "--num_nodes=2", "--coordinator_address=h"],  # no port
+  ],
+)
 def test_bad_options_exit_2(argv, capsys):
   with pytest.raises(SystemExit) as exit_info:
     launch.main(argv)
@@ -274,3 +285,32 @@ def test_two_processes_run_one_jax_distributed_program(child_module):
   assert "ops=small:2,big:1" in lines, out.stdout
   assert "gathered=" + ",".join(map(str, range(16))) in lines, out.stdout
   assert sorted(_pids(out.stderr)) == [0, 1]
+
+
+def test_two_nodes_of_one_process_each_run_one_jax_distributed_program(child_module):
+  """torchrun's convention: a launcher per node, --num_nodes, --node_rank and
+  node 0's --coordinator_address; node 1's process is process 1 of 2."""
+  address = f"127.0.0.1:{launch.free_port()}"
+  nodes = [
+    subprocess.Popen(
+      [sys.executable, "-m", "fluxjax.launch", "--processes=1", "--cpu_devices=2"]
+      + ["--num_nodes=2", f"--node_rank={rank}", f"--coordinator_address={address}"]
+      + ["--module=launch_child", "--", "jax", "jax"],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for rank in (1, 0)
+  ]
+  try:
+    outs = [node.communicate(timeout=180) for node in nodes]
+  finally:
+    for node in nodes:
+      if node.poll() is None:
+        node.send_signal(signal.SIGTERM)
+        node.communicate(timeout=60)
+  assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outs]
+  lines = "".join(out for out, _ in outs).splitlines()
+  assert f"sum={float(sum(range(16)))}" in lines, lines
+  assert "gathered=" + ",".join(map(str, range(16))) in lines, lines
+  assert [sorted(_pids(err)) for _, err in outs] == [[1], [0]]

@@ -121,3 +121,17 @@ def test_the_smoke_run_from_the_command_line(variant, tmp_path):
     assert steps[-1]["policy/version"] == 2
   else:
     assert summary["warm_up"] is not None, "tiny warms up with SFT before RL"
+
+
+def test_a_launch_command_of_ones_own_gets_the_runs_preprocessing():
+  """`rollout.launch` naming fluxjax's server with options of its own: the
+  vision limits it leaves out are the run's (the trainer and the server must
+  count a prompt's pad tokens alike); another server's command is left as is."""
+  cfg = config_args.load_config(arg="qwen25_vl_3b,smoke")
+  own = ("python", "-m", "fluxjax.rollout.server", "--preset", cfg.model.preset)
+  cfg.rollout.launch = (*own, "--video-max-frames=4")
+  args = server.parse_args(factory.launch_command(cfg)[3:])
+  want = {**cfg.data.vision.to_dict(), "video_max_frames": 4}
+  assert {k: getattr(args, k) for k in server.VISION_LIMITS} == want
+  cfg.rollout.launch = ("python", "-m", "sglang.launch_server", "--model-path", "/m")
+  assert factory.launch_command(cfg) == list(cfg.rollout.launch)

@@ -57,16 +57,34 @@ def server_command(config) -> list[str]:
   cmd += ["--preset", str(config.model.preset), "--dtype", str(config.model.dtype)]
   cmd += ["--seed", str(config.seed), "--num-slots", str(config.rollout.num_slots)]
   cmd += ["--context-length", str(config.rollout.context_length)]
+  return cmd + _preprocessing_flags(config)
+
+
+def _preprocessing_flags(config) -> list[str]:
+  """The run's vision preprocessing limits as `fluxjax.rollout.server` flags."""
+  flags = []
   for key, value in config.data.vision.items():
-    cmd += [f"--{key.replace('_', '-')}", str(value)]
-  return cmd
+    flags += [f"--{key.replace('_', '-')}", str(value)]
+  return flags
 
 
 def launch_command(config) -> list[str]:
   """The server command `rollout.launch` names: `server_command` for
-  `OWN_SERVER`, else the command as given."""
-  launch = tuple(config.rollout.launch)
-  return server_command(config) if launch == OWN_SERVER else list(launch)
+  `OWN_SERVER`; a command of its own that runs `fluxjax.rollout.server`
+  gets the run's vision preprocessing limits it does not set itself (the
+  trainer and the server must preprocess media alike); any other command
+  as given."""
+  launch = list(config.rollout.launch)
+  if tuple(launch) == OWN_SERVER:
+    return server_command(config)
+  if OWN_SERVER[0] not in launch:
+    return launch
+  given = {arg.split("=", 1)[0] for arg in launch if arg.startswith("--")}
+  flags = _preprocessing_flags(config)
+  for flag, value in zip(flags[::2], flags[1::2]):
+    if flag not in given:
+      launch += [flag, value]
+  return launch
 
 
 def make_backend(

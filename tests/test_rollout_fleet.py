@@ -176,6 +176,27 @@ def test_a_server_that_missed_a_publish_is_refit_when_it_rejoins(launched, tmp_p
   assert back and set(versions.values()) == {"9"}, versions
 
 
+def test_a_server_that_preprocesses_otherwise_is_refused_on_start(launched):
+  """The servers report their vision limits; a fleet given the trainer's refuses
+  a mismatch on start, naming the server flag, and accepts equal ones."""
+
+  async def limits():
+    async with fleet_lib.Fleet(launched.urls[:1]) as fleet:
+      return (await fleet.servers[0].client.server_info())["vision_limits"]
+
+  async def start(vision):
+    async with fleet_lib.Fleet(launched.urls[:1], vision_limits=vision):
+      pass
+
+  theirs = asyncio.run(limits())
+  assert theirs["video_max_frames"] > 0
+  asyncio.run(start(theirs))
+  other = {**theirs, "video_max_frames": theirs["video_max_frames"] + 1}
+  with pytest.raises(ValueError, match="--video-max-frames") as refused:
+    asyncio.run(start(other))
+  assert "pad-token counts" in str(refused.value)
+
+
 def test_killed_server_mid_batch_every_request_completes(launched):
   rng = np.random.default_rng(1)
   n = 24

@@ -16,6 +16,8 @@ backend = "sglang"    a `Fleet` of servers speaking SGLang's native API:
 
 from __future__ import annotations
 
+import dataclasses
+
 from fluxjax.models import media, vlm
 from fluxjax.models.processor import VisionProcessorConfig
 from fluxjax.models.tokenizer import Tokenizer
@@ -148,7 +150,11 @@ def make_backend(
     )
     urls = launched.urls
   if not cfg.router_launch:
-    return fleet.Fleet(urls, health_interval_s=health_s, weights_root=weights_root), launched
+    vision = dataclasses.asdict(proc_cfg) if proc_cfg is not None else None
+    backend = fleet.Fleet(
+      urls, health_interval_s=health_s, weights_root=weights_root, vision_limits=vision
+    )
+    return backend, launched
   try:
     routed = router.launch_router(list(cfg.router_launch), urls, timeout_s=launch_s)
   except BaseException:

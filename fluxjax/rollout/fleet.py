@@ -103,8 +103,12 @@ class Fleet:
     max_attempts: int | None = None,
     weights_root: str | None = None,
     weights_dtype: str = "bfloat16",
+    vision_limits: Mapping[str, int] | None = None,
   ):
     self._session: aiohttp.ClientSession | None = None
+    # The trainer's media preprocessing; a server that reports other limits is
+    # refused on start (its prompts' pad-token counts would differ).
+    self.vision_limits = dict(vision_limits or {})
     self.weights_root = weights_root or os.path.join(tempfile.gettempdir(), "fluxjax_weights")
     self.weights_dtype = weights_dtype
     self.request_timeout_s = request_timeout_s
@@ -165,7 +169,37 @@ class Fleet:
     self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     for s in self.servers:
       s.client._session, s.client._own_session = self._session, False
+    if self.vision_limits:
+      try:
+        await asyncio.gather(*(self._check_preprocessing(s) for s in self.servers))
+      except BaseException:
+        await self._session.close()
+        raise
     self._health_task = asyncio.create_task(self._health_loop())
+
+  async def _check_preprocessing(self, server: ServerState) -> None:
+    """Refuses a server that preprocesses media otherwise than the trainer.
+
+    fluxjax's server reports its limits in /get_server_info; SGLang's does
+    not (it reads them from the checkpoint's preprocessor_config.json), and
+    an unreachable server is left to the health checks.
+    """
+    try:
+      theirs = (await server.client.server_info()).get("vision_limits") or {}
+    except (ServerUnavailable, RequestRejected) as e:
+      log.warning("rollout server %s: preprocessing not checked (%s)", server.url, e)
+      return
+    differ = {
+      k: v for k, v in theirs.items() if k in self.vision_limits and self.vision_limits[k] != v
+    }
+    if differ:
+      flags = " ".join(f"--{k.replace('_', '-')} {self.vision_limits[k]}" for k in differ)
+      have = ", ".join(f"{k}={v} (trainer {self.vision_limits[k]})" for k, v in differ.items())
+      raise ValueError(
+        f"rollout server {server.url} preprocesses media with {have}: its prompts' pad-token "
+        f"counts would differ from the trainer's. Start it with {flags}, or set "
+        "--config.data.vision.* to its values"
+      )
 
   async def close(self) -> None:
     if self._health_task is not None:

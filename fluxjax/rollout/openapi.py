@@ -339,6 +339,11 @@ _SERVER_INFO = {
     "max_total_num_tokens": {"type": "integer"},
     "weight_version": {"type": "string"},
     "version": {"type": "string"},
+    "vision_limits": {
+      "type": "object",
+      "description": "fluxjax's server only: its media preprocessing limits",
+      "additionalProperties": {"type": "integer"},
+    },
   },
 }
 _LOAD = {

@@ -419,6 +419,8 @@ class RolloutServer:
         "dtype": a.dtype,
         "port": a.port,
         "host": a.host,
+        # fluxjax's own: how it preprocesses media (a fleet checks it on start).
+        "vision_limits": {k: getattr(self.proc_cfg, k) for k in VISION_LIMITS},
       }
     )
 

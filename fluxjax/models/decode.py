@@ -27,6 +27,7 @@ what it reads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -170,23 +171,13 @@ def prefill(
   cos, sin = text.mrope_cos_sin(positions_3P[:, None], model.cfg.text)
   seg_1P = (jnp.arange(p) < length).astype(jnp.int32)[None]
   pos_1P = jnp.arange(p, dtype=jnp.int32)[None]
-  backend = model.cfg.attention_backend
+  attention_fn = functools.partial(attn_lib.attention, backend=model.cfg.attention_backend)
 
   def body(layer, i, carry):
     x, cache = carry
 
     def attend(q, k, v):
-      out = attn_lib.attention(
-        q,
-        k,
-        v,
-        backend=backend,
-        q_segment_ids=seg_1P,
-        kv_segment_ids=seg_1P,
-        q_positions=pos_1P,
-        kv_positions=pos_1P,
-        causal=True,
-      )
+      out = text.packed_self_attention(attention_fn, q, k, v, seg_1P, pos_1P)
       return out, cache.write_prompt(i, slot, k, v)
 
     return layer.block(x, cos, sin, attend)

@@ -48,6 +48,21 @@ def mrope_cos_sin(positions_3BT: jax.Array, cfg: TextConfig):
   return jnp.cos(emb), jnp.sin(emb)
 
 
+def packed_self_attention(attention_fn: Callable, q, k, v, segment_ids, positions):
+  """Causal attention of a packed row on itself: tokens attend within their
+  segment (a sequence), by position; training and the engine's prefill."""
+  return attention_fn(
+    q,
+    k,
+    v,
+    q_segment_ids=segment_ids,
+    kv_segment_ids=segment_ids,
+    q_positions=positions,
+    kv_positions=positions,
+    causal=True,
+  )
+
+
 class SelfAttention(nnx.Module):
   """GQA self-attention with q/k/v biases and no output bias."""
 
@@ -100,17 +115,7 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x, cos, sin, segment_ids, segment_pos, attention_fn):
     def attend(q, k, v):
-      out = attention_fn(
-        q,
-        k,
-        v,
-        q_segment_ids=segment_ids,
-        kv_segment_ids=segment_ids,
-        q_positions=segment_pos,
-        kv_positions=segment_pos,
-        causal=True,
-      )
-      return out, None
+      return packed_self_attention(attention_fn, q, k, v, segment_ids, segment_pos), None
 
     return self.block(x, cos, sin, attend)[0]
 

@@ -21,7 +21,7 @@ import dataclasses
 from fluxjax.models import media, vlm
 from fluxjax.models.processor import VisionProcessorConfig
 from fluxjax.models.tokenizer import Tokenizer
-from fluxjax.rollout import embedded, fleet, router
+from fluxjax.rollout import embedded, fleet, protocol, router
 from fluxjax.rollout.backend import RolloutBackend
 
 BACKENDS = ("embedded", "sglang")
@@ -59,15 +59,14 @@ def server_command(config) -> list[str]:
   cmd += ["--preset", str(config.model.preset), "--dtype", str(config.model.dtype)]
   cmd += ["--seed", str(config.seed), "--num-slots", str(config.rollout.num_slots)]
   cmd += ["--context-length", str(config.rollout.context_length)]
-  return cmd + _preprocessing_flags(config)
+  for flag, value in _preprocessing_flags(config).items():
+    cmd += [flag, value]
+  return cmd
 
 
-def _preprocessing_flags(config) -> list[str]:
+def _preprocessing_flags(config) -> dict[str, str]:
   """The run's vision preprocessing limits as `fluxjax.rollout.server` flags."""
-  flags = []
-  for key, value in config.data.vision.items():
-    flags += [f"--{key.replace('_', '-')}", str(value)]
-  return flags
+  return {protocol.server_flag(key): str(value) for key, value in config.data.vision.items()}
 
 
 def launch_command(config) -> list[str]:
@@ -82,8 +81,7 @@ def launch_command(config) -> list[str]:
   if OWN_SERVER[0] not in launch:
     return launch
   given = {arg.split("=", 1)[0] for arg in launch if arg.startswith("--")}
-  flags = _preprocessing_flags(config)
-  for flag, value in zip(flags[::2], flags[1::2]):
+  for flag, value in _preprocessing_flags(config).items():
     if flag not in given:
       launch += [flag, value]
   return launch

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Self
 
 import aiohttp
 
+from fluxjax.rollout import protocol
 from fluxjax.rollout.backend import SlotStats
 from fluxjax.rollout.client import Completion, RequestRejected, ServerUnavailable, SGLangClient
 
@@ -193,7 +194,7 @@ class Fleet:
       k: v for k, v in theirs.items() if k in self.vision_limits and self.vision_limits[k] != v
     }
     if differ:
-      flags = " ".join(f"--{k.replace('_', '-')} {self.vision_limits[k]}" for k in differ)
+      flags = " ".join(f"{protocol.server_flag(k)} {self.vision_limits[k]}" for k in differ)
       have = ", ".join(f"{k}={v} (trainer {self.vision_limits[k]})" for k, v in differ.items())
       raise ValueError(
         f"rollout server {server.url} preprocesses media with {have}: its prompts' pad-token "

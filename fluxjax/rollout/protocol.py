@@ -712,3 +712,8 @@ def generate_request_body(
   if video_data:
     body["video_data"] = list(video_data)
   return body
+
+
+def server_flag(key: str) -> str:
+  """The `fluxjax.rollout.server` flag of a vision limit (a `data.vision` key)."""
+  return "--" + key.replace("_", "-")

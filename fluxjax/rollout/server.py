@@ -504,7 +504,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--log-level", default="warning")
   for key in VISION_LIMITS:
     p.add_argument(
-      f"--{key.replace('_', '-')}",
+      protocol.server_flag(key),
       type=int,
       default=None,
       help="vision preprocessing limit (default: processor.VisionProcessorConfig's)",

@@ -11,7 +11,7 @@ and that tail is what tail batching takes out of short rounds.
 
 Model: the tiny preset with random weights (fluxjax.models.config.preset("tiny")),
 served by EmbeddedRollout (the engine in a background thread, driven through
-the same `generate(body, group)` / `abort(rid)` interface as the fleet).
+the same `generate(request, group)` / `abort(rid)` interface as the fleet).
 
 Response lengths. Random weights have no natural stopping point, so every
 request is sent with ignore_eos=True and max_new_tokens = L, which fixes its
@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import os
 import platform
@@ -72,6 +73,7 @@ from fluxjax.models import config, vlm
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rl import round_driver as rd
 from fluxjax.rl import tail_batching as tb
+from fluxjax.rollout import protocol
 from fluxjax.rollout.embedded import EmbeddedRollout
 
 # (name, eta, recycle, continue_in): the default (recycling, long rounds),
@@ -98,7 +100,7 @@ class Lengths:
     return int(min(self.cap, max(1, round(math.exp(x)))))
 
 
-async def baseline_epoch(rollout, prompts, P, R, make_body):
+async def baseline_epoch(rollout, prompts, P, R, make_request):
   """Plain synchronous rounds: P prompts x R responses, wait for the slowest."""
   eng = rollout.engine
   rows = []
@@ -108,7 +110,7 @@ async def baseline_epoch(rollout, prompts, P, R, make_body):
     t0 = time.perf_counter()
     outs = await asyncio.gather(
       *(
-        rollout.generate({**make_body(p, j), "rid": f"base-{p}-{j}"}, str(p))
+        rollout.generate(dataclasses.replace(make_request(p, j), rid=f"base-{p}-{j}"), str(p))
         for p in chunk
         for j in range(R)
       )
@@ -131,7 +133,7 @@ async def baseline_epoch(rollout, prompts, P, R, make_body):
   return rows
 
 
-async def tail_epoch(rollout, prompts, P, R, eta, recycle, continue_in, make_body, lengths):
+async def tail_epoch(rollout, prompts, P, R, eta, recycle, continue_in, make_request, lengths):
   """One epoch of tail-batched rounds; per round the stats plus the length bias.
 
   Length bias: the kept responses' mean length over the mean drawn length of
@@ -144,7 +146,7 @@ async def tail_epoch(rollout, prompts, P, R, eta, recycle, continue_in, make_bod
   tag = f"eta{eta}{'r' if recycle else 'd'}{continue_in[0]}"
   while (
     res := await rd.run_round(
-      rollout, b, make_body, rid_prefix=tag, decode=rollout.tokenizer.decode
+      rollout, b, make_request, rid_prefix=tag, decode=rollout.tokenizer.decode
     )
   ) is not None:
     s = res.stats
@@ -230,17 +232,17 @@ def main():
   # the workload keeps them out, with SGLang's logit_bias.
   no_placeholders = {str(cfg.image_token_id): -100.0, str(cfg.video_token_id): -100.0}
 
-  def body_maker(seed):
+  def request_maker(seed):
     prompt_ids, lengths = workloads[seed]
-    return lambda p, j: {
-      "input_ids": prompt_ids[p],
-      "sampling_params": {
+    return lambda p, j: protocol.GenerateRequest.of(
+      prompt_ids[p],
+      {
         "max_new_tokens": lengths(p, j),
         "ignore_eos": True,
         "temperature": 1.0,
         "logit_bias": no_placeholders,
       },
-    }
+    )
 
   all_l = np.array(
     [workloads[s][1](p, j) for s in seeds for p in range(args.prompts) for j in range(8)]
@@ -256,10 +258,9 @@ def main():
     for bucket in rollout.engine.buckets:
       n = min(bucket, rollout.engine.capacity - 2)
       await rollout.generate(
-        {
-          "input_ids": (first * (n // len(first) + 1))[:n],
-          "sampling_params": {"max_new_tokens": 2, "ignore_eos": True},
-        },
+        protocol.GenerateRequest.of(
+          (first * (n // len(first) + 1))[:n], {"max_new_tokens": 2, "ignore_eos": True}
+        ),
         None,
       )
     prompts = list(range(args.prompts))
@@ -273,12 +274,12 @@ def main():
       out.setdefault(name, []).append((rows, engine))
 
     for seed in seeds:  # configurations alternate within a seed: same machine state
-      make_body = body_maker(seed)
-      await timed("baseline", baseline_epoch(rollout, prompts, args.P, args.R, make_body))
+      make_request = request_maker(seed)
+      await timed("baseline", baseline_epoch(rollout, prompts, args.P, args.R, make_request))
       lengths = workloads[seed][1]
       for name, eta, recycle, continue_in in CONFIGS:
         epoch = tail_epoch(
-          rollout, prompts, args.P, args.R, eta, recycle, continue_in, make_body, lengths
+          rollout, prompts, args.P, args.R, eta, recycle, continue_in, make_request, lengths
         )
         await timed(name, epoch)
     await rollout.close()

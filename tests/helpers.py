@@ -3,27 +3,34 @@
 TINY, PATCHES, mixed_batch, make_strategy   strategy-level tests on the
     tiny preset (tests/test_strategies.py and the trainers built on it);
 SERVER_CONTEXT, TINY_SERVER, server_env,    rollout server processes and
-    generate_body                           the requests they get;
+    generate_request, generate_body         the requests they get (typed,
+                                            and as the HTTP body);
 tiny_run_config                             the GRPO loop, cut to seconds;
 ROOT, train_command,                        the main job as a subprocess,
     assert_each_prompt_trained_once             and what a resumed run trained;
 run_launcher, process_alive                 python -m fluxjax.launch, stopped
                                             with its processes on a timeout;
                                             whether a pid still runs;
-TokenRollout, decode                        a backend whose tokens are a
-    function of their position (partial rollouts);
-PublishRecorder                             a backend that records what is
-                                            published to it, generates nothing.
+ScriptedRollout, Act, decode, rid_key,      the test kit's one fake rollout
+    completion                              backend: a script says per request
+                                            how it ends (length, stop, its own
+                                            pause, abort ignored, refusal,
+                                            failure) and when; tokens are a
+                                            function of their position, so a
+                                            continued response equals the
+                                            uninterrupted one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 
 import ml_collections
 
@@ -35,7 +42,9 @@ from fluxjax.parallel import random_batch, strategies
 from fluxjax.parallel.batch import TrainSequence
 from fluxjax.parallel.strategies import Strategy
 from fluxjax.rl import loop
-from fluxjax.rollout.client import Completion
+from fluxjax.rollout.backend import SlotStats
+from fluxjax.rollout.client import RequestRejected
+from fluxjax.rollout.protocol import Completion, GenerateRequest
 from fluxjax.rollout.publish import PublishReport
 
 TINY = config_lib.preset("tiny")
@@ -141,12 +150,17 @@ TINY_SERVER = [
 ]
 
 
-def generate_body(ids, max_new: int = 4, seed: int | None = None) -> dict:
-  """A /generate body for `ids`: temperature 1, exactly `max_new` tokens, logprobs."""
+def generate_request(ids, max_new: int = 4, seed: int | None = None) -> GenerateRequest:
+  """A request for `ids`: temperature 1, exactly `max_new` tokens, logprobs."""
   sp = {"max_new_tokens": max_new, "temperature": 1.0, "ignore_eos": True}
   if seed is not None:
     sp["sampling_seed"] = seed
-  return {"input_ids": [int(i) for i in ids], "sampling_params": sp, "return_logprob": True}
+  return GenerateRequest.of(ids, sp)
+
+
+def generate_body(ids, max_new: int = 4, seed: int | None = None) -> dict:
+  """`generate_request` as the JSON body a client sends."""
+  return generate_request(ids, max_new, seed).to_body()
 
 
 def xla_flags(devices: int | None) -> str:
@@ -210,7 +224,6 @@ def completion(ids: list[int], logprobs: list[float | None], version: str = "3")
     prompt_tokens=None,
     weight_version=version,
     server="embedded",
-    meta_info={},
   )
 
 
@@ -219,81 +232,149 @@ def decode(ids, skip_special_tokens=True):
   return " ".join(map(str, ids))
 
 
-class PublishRecorder:
-  """A rollout backend that records each (model, version) published to it.
+def rid_key(rid: str) -> tuple[str, str]:
+  """(prompt, response index) of a tail-batched request id
+  (`{prefix}-{epoch}-{round}-{prompt}-{index}-{try}`)."""
+  prompt, index = rid.split("-")[3:5]
+  return prompt, index
 
-  It generates nothing; a test that needs answers overrides `generate`.
+
+@dataclasses.dataclass(frozen=True)
+class Act:
+  """What `ScriptedRollout` does with one request.
+
+  Attributes:
+    tokens: the response's length (None: the request's max_new_tokens).
+    seconds: how long it decodes (None: `tokens` ticks).
+    finish: how it ends: "length", "stop" (an EOS, its last token), or
+      "abort" (the backend's own abort, as a pause for a weight update).
+    abortable: False ignores `abort(rid)`: the request finished as its abort
+      went out.
+    refuse: answer 400 at once with this message (`RequestRejected`).
+    fail: raise this after `seconds` (the backend went away).
   """
 
-  def __init__(self):
+  tokens: int | None = None
+  seconds: float | None = None
+  finish: str = "length"
+  abortable: bool = True
+  refuse: str | None = None
+  fail: Exception | None = None
+
+
+OVER_CONTEXT = "Requested token count exceeds the model's maximum context length"
+
+
+class ScriptedRollout:
+  """The test kit's rollout backend (a whole `backend.RolloutBackend`).
+
+  `script(request, group) -> Act` decides each request (default: `Act()`, the full
+  max_new_tokens). The token at sequence position n is n % 97 with logprob
+  -n / 1000, so a response continued from prompt + its partial tokens equals
+  the uninterrupted one; an abort returns the tokens decoded so far (one per
+  `tick` seconds). Like an SGLang server it reports no per-token versions;
+  its `weight_version` is the last version published to it ("0" before).
+
+  Args:
+    script: (request, group) -> Act; group is the caller's affinity key
+      (the tail batcher's prompt id, the coordinator's sample id).
+    tick: seconds per token.
+    num_slots: report slot counters (one decode step per output token), as
+      the embedded engine does; None reports none, as a fleet.
+    text: (request, group, output ids) -> the response text (default
+      `decode` of the ids).
+
+  Attributes:
+    requests: (group, request) of every request, in arrival order.
+    aborts: every aborted rid.
+    returned: the rid of every response returned, in order.
+    published: (model, version) of every publish.
+  """
+
+  def __init__(
+    self,
+    script: Callable[[GenerateRequest, str | None], Act] | None = None,
+    *,
+    tick: float = 1e-3,
+    num_slots: int | None = None,
+    text: Callable[[GenerateRequest, str | None, list[int]], str] | None = None,
+  ):
+    self.script = script or (lambda request, group: Act())
+    self.tick, self.num_slots = tick, num_slots
+    self.text = text or (lambda request, group, ids: decode(ids))
+    self.requests: list[tuple[str | None, GenerateRequest]] = []
+    self.aborts: list[str] = []
+    self.returned: list[str] = []
     self.published: list[tuple[object, int]] = []
+    self.decode_steps = 0
+    self.version = "0"
+    self._events: dict[str, asyncio.Event] = {}
 
-  async def start(self):
-    pass
+  async def generate(self, request: GenerateRequest, group: str | None = None) -> Completion:
+    self.requests.append((group, request))
+    act = self.script(request, group)
+    if act.refuse is not None:
+      raise RequestRejected(act.refuse)
+    limit = request.sampling.max_new_tokens or 128
+    n = limit if act.tokens is None else min(act.tokens, limit)
+    seconds = n * self.tick if act.seconds is None else act.seconds
+    if act.fail is not None:
+      await asyncio.sleep(seconds)
+      raise act.fail
+    aborted = self._events[request.rid] = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    t0, start = loop.time(), len(request.input_ids or ())
+    try:
+      await asyncio.wait_for(aborted.wait() if act.abortable else asyncio.Event().wait(), seconds)
+      elapsed = int((loop.time() - t0) / self.tick) if self.tick else 0
+      n, reason = min(n - 1, elapsed), {"type": "abort", "message": "Abort"}
+    except TimeoutError:
+      reason = {
+        "length": {"type": "length", "length": n},
+        "stop": {"type": "stop", "matched": (start + n - 1) % 97},
+        "abort": {"type": "abort", "message": "Abort: generation paused"},
+      }[act.finish]
+    ids = [pos % 97 for pos in range(start, start + n)]
+    self.decode_steps += n
+    self.returned.append(request.rid)
+    return Completion(
+      rid=request.rid,
+      text=self.text(request, group, ids),
+      output_ids=ids,
+      logprobs=[-pos / 1000 for pos in range(start, start + n)],
+      finish_reason=reason,
+      prompt_tokens=start,
+      weight_version=self.version,
+      server="scripted",
+    )
 
-  async def close(self):
-    pass
+  async def abort(self, rid: str) -> None:
+    self.aborts.append(rid)
+    if rid in self._events:
+      self._events[rid].set()
 
-  async def __aenter__(self):
-    return self
+  def slot_stats(self) -> SlotStats | None:
+    return None if self.num_slots is None else SlotStats(self.decode_steps, self.num_slots)
 
-  async def __aexit__(self, *exc):
-    pass
-
-  async def generate(self, body, group=None):
-    raise AssertionError("nothing is generated here")
-
-  async def abort(self, rid):
-    pass
-
-  async def publish(self, model, version):
+  async def publish(self, model, version: int) -> PublishReport:
     self.published.append((model, version))
+    self.version = str(version)
     return PublishReport(str(version), None, {"swap": 0.0}, [])
 
-  def metrics(self):
-    return {}
+  def metrics(self) -> dict[str, float]:
+    return {"scripted/publishes": float(len(self.published))}
 
-  def slot_stats(self):
-    return None
+  async def start(self) -> None:
+    pass
 
+  async def close(self) -> None:
+    pass
 
-class TokenRollout:
-  """Decodes one token per `tick` seconds; an abort returns the tokens so far.
+  async def __aenter__(self) -> ScriptedRollout:
+    return self
 
-  The token at sequence position n is n % 97 with logprob -n / 1000, so a
-  response continued from prompt + its partial tokens equals the
-  uninterrupted one. Like an SGLang server it reports no per-token versions.
-  """
-
-  def __init__(self, tick=1e-3):
-    self.tick = tick
-    self.events: dict[str, asyncio.Event] = {}
-    self.bodies: list[dict] = []
-
-  async def generate(self, body, group=None):
-    self.bodies.append(body)
-    rid, start = body["rid"], len(body["input_ids"])
-    limit = body["sampling_params"]["max_new_tokens"]
-    ev = self.events[rid] = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    try:
-      await asyncio.wait_for(ev.wait(), limit * self.tick)
-      n = min(limit - 1, int((loop.time() - t0) / self.tick))
-      reason = {"type": "abort", "message": "Abort"}
-    except TimeoutError:
-      n, reason = limit, {"type": "length", "length": limit}
-    ids = [pos % 97 for pos in range(start, start + n)]
-    lps = [-pos / 1000 for pos in range(start, start + n)]
-    meta = {"output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}
-    return Completion(rid, decode(ids), ids, lps, reason, start, "?", "fake", meta)
-
-  async def abort(self, rid):
-    if rid in self.events:
-      self.events[rid].set()
-
-  def slot_stats(self):
-    return None
+  async def __aexit__(self, *exc: object) -> None:
+    pass
 
 
 def video_codec() -> str:

@@ -10,7 +10,6 @@ parts.
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import os
 
 import jax
@@ -26,32 +25,32 @@ from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import loop, reward_pool, trajectories
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout.publish import PublishReport
-from helpers import PublishRecorder, completion
+from helpers import Act, ScriptedRollout, completion
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class _Backend(PublishRecorder):
-  """A rollout backend that records what it was handed and answers evaluation."""
+def _evaluation_text(backend: ScriptedRollout, answers: dict[str, str]):
+  """Evaluation answers: every greedy one right, and the first sampled one per
+  prompt (the group is the sample id; `answers` maps it to the right answer)."""
 
-  def __init__(self):
-    super().__init__()
-    self.requests: list[tuple[str, dict]] = []
-    self.answers: dict[str, str] = {}
+  def text(request, group, ids):
+    sampled = [r for g, r in backend.requests if g == group and not r.sampling.greedy]
+    right = request.sampling.greedy or sampled[0] is request
+    return f"<answer>{answers[group] if right else 'wrong'}</answer>"
 
-  async def generate(self, body, group=None):
-    """Evaluation requests: greedy ones are right, the first sampled one per prompt too."""
-    self.requests.append((group, body))
-    sampled = body["sampling_params"]["temperature"] > 0
-    seen = sum(
-      1 for g, b in self.requests if g == group and b["sampling_params"]["temperature"] > 0
-    )
-    right = not sampled or seen == 1
-    text = f"<answer>{self.answers[group] if right else 'wrong'}</answer>"
-    return dataclasses.replace(completion([1, 2], [-0.1, -0.2]), rid=body["rid"], text=text)
+  return text
 
-  def metrics(self):
-    return {"fake/publishes": float(len(self.published))}
+
+def _backend(tokens: int = 2, text=None) -> ScriptedRollout:
+  """Responses of `tokens` tokens; `text` as ScriptedRollout's."""
+  return ScriptedRollout(lambda request, group: Act(tokens=tokens), tick=0.0, text=text)
+
+
+def _rid_text(request, group, ids) -> str:
+  """The request's rid as the answer, as every backend answers: rewards are
+  matched by it."""
+  return f"<answer>{request.rid}</answer>"
 
 
 class _EmptyLoader:
@@ -150,7 +149,7 @@ def coord(parts):
   config, policy = parts
   from fluxjax.models.tokenizer import Tokenizer
 
-  backend = _Backend()
+  backend = _backend()
   assert isinstance(backend, backend_lib.RolloutBackend)
   with (
     backend_lib.LoopThread() as thread,
@@ -193,7 +192,7 @@ def test_publish_hands_the_backend_a_copy_and_counts_versions(coord):
   # Its own buffers: the next update donates the trainer's.
   pointer = lambda x: x.addressable_shards[0].data.unsafe_buffer_pointer()
   assert all(pointer(h) != pointer(o) for h, o in zip(handed, own) if h.size)
-  assert c.fault_counts()["fake/publishes"] == 2.0
+  assert c.fault_counts()["scripted/publishes"] == 2.0
 
 
 def test_load_params_replaces_the_parameters_only(coord, parts):
@@ -245,11 +244,13 @@ def test_evaluate_samples_at_the_training_temperature_and_summarizes(coord, part
     meta_lib.SampleMeta(uid=i, id=f"q{i}", prompt=f"Question {i}?", answer=a, difficulty=d)
     for i, (a, d) in enumerate([("red", "easy"), ("blue", "easy"), ("3", "hard")])
   ]
-  backend.answers = {s.id: s.answer for s in samples}
+  backend.text = _evaluation_text(backend, {s.id: s.answer for s in samples})
   out = c.evaluate(samples)
   k = config.eval.samples_per_prompt
-  temps = [b["sampling_params"]["temperature"] for _, b in backend.requests]
-  assert temps.count(config.rl.temperature) == 3 * k and temps.count(0.0) == 3
+  greedy = [r.sampling.greedy for _, r in backend.requests]
+  temps = [r.sampling.temperature for _, r in backend.requests if not r.sampling.greedy]
+  assert greedy.count(False) == 3 * k and greedy.count(True) == 3
+  assert temps == [config.rl.temperature] * 3 * k
   # One right of k sampled per prompt; every greedy answer right.
   assert out["eval/accuracy"] == pytest.approx(1 / k)
   assert out["eval/accuracy_ci95"] == 0.0  # no spread over prompts
@@ -258,8 +259,8 @@ def test_evaluate_samples_at_the_training_temperature_and_summarizes(coord, part
   assert out["eval/prompts"] == 3 and out["eval/samples"] == 3 * k
   # Every request stops at EOS and at the vision markup ids.
   tok = c.tokenizer
-  for _, b in backend.requests:
-    stops = set(b["sampling_params"]["stop_token_ids"])
+  for _, r in backend.requests:
+    stops = set(r.sampling.stop_token_ids)
     assert stops == {*tok.eos_ids, tok.image_pad_id, tok.video_pad_id, tok.vision_start_id,
                      tok.vision_end_id, tok.vision_pad_id}  # fmt: skip
 
@@ -285,16 +286,7 @@ def test_dynamic_sampling_trains_only_groups_with_signal(parts):
     )
     for i in range(64)
   ]
-  backend = _Backend()
-
-  async def distinct(body, group=None):
-    # The request's rid, as every backend answers: rewards are matched by it.
-    text = f"<answer>{body['rid']}</answer>"
-    return dataclasses.replace(
-      completion([1, 2, 3], [-0.1, -0.2, -0.3]), rid=body["rid"], text=text
-    )
-
-  backend.generate = distinct
+  backend = _backend(tokens=3, text=_rid_text)
   data, policy = _Data(samples), _RecordingPolicy(parts[1])
   with (
     backend_lib.LoopThread() as thread,
@@ -329,18 +321,18 @@ def test_a_step_records_the_percentiles_of_its_response_lengths(parts):
   config = parts[0].copy_and_resolve_references()
   config.rl.prompts_per_step, config.rl.responses_per_prompt = 2, 8
   config.rollout.tail_batching.eta = 1.0  # every launched response is trained
+  config.rl.max_new_tokens = 60
   samples = [
     meta_lib.SampleMeta(uid=i, id=f"q{i}", prompt=f"Q{i}?", answer="red") for i in range(8)
   ]
-  backend, lengths = _Backend(), {}  # group (the sample's uid) -> response lengths
+  lengths = {}  # group (the sample's uid) -> response lengths
 
-  async def varied(body, group=None):
+  def varied(request, group):
     n = 60 if not lengths else sum(map(len, lengths.values())) % 8 + 1
     lengths.setdefault(group, []).append(n)
-    text = f"<answer>{body['rid']}</answer>"
-    return dataclasses.replace(completion([1] * n, [-0.1] * n), rid=body["rid"], text=text)
+    return Act(tokens=n)
 
-  backend.generate = varied
+  backend = ScriptedRollout(varied, tick=0.0, text=_rid_text)
   with (
     backend_lib.LoopThread() as thread,
     thread.running(backend),
@@ -381,8 +373,8 @@ def test_refused_updates_publish_nothing_and_too_many_in_a_row_stop(parts, caplo
   samples = [
     meta_lib.SampleMeta(uid=i, id=f"q{i}", prompt=f"Question {i}?", answer="red") for i in range(16)
   ]
-  backend = _Backend()
-  backend.answers = {s.id: s.answer for s in samples}
+  backend = _backend()
+  backend.text = _evaluation_text(backend, {s.id: s.answer for s in samples})
   policy = _RecordingPolicy(parts[1], nonfinite=[False, True, False, True, True])
   with (
     backend_lib.LoopThread() as thread,

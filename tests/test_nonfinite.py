@@ -32,7 +32,8 @@ from fluxjax.rl import loop, metrics, reward_pool, trajectories
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout import embedded, protocol
 from fluxjax.rollout import engine as engine_lib
-from helpers import PublishRecorder, completion, make_strategy, tiny_run_config
+from fluxjax.rollout.protocol import GenerateRequest
+from helpers import ScriptedRollout, completion, make_strategy, tiny_run_config
 
 
 def _flat(tree):
@@ -115,10 +116,9 @@ def test_the_engine_refuses_nonfinite_logits(model):
     eng.generate([req])
   assert refused.value.rid == "r-decode" and refused.value.token == 12
   assert len(req.output_ids) == 12 and np.isfinite(req.output_logprobs).all()
-  body = engine_lib.response(req, tok, eng.weight_version)
-  assert body["meta_info"]["finish_reason"]["type"] == "abort"
-  assert "non-finite logits" in body["meta_info"]["finish_reason"]["message"]
-  assert engine_lib.nonfinite_logits_version(RuntimeError(str(body))) == "v-nan"
+  out = engine_lib.response(req, tok, eng.weight_version)
+  assert out.finish_type == "abort" and "non-finite logits" in out.finish_reason["message"]
+  assert engine_lib.nonfinite_logits_version(RuntimeError(out.finish_reason["message"])) == "v-nan"
   # Finite weights of 1e8: the prompt's padded prefill gives NaN logits, refused.
   eng.update_params(nnx.split(_huge(model))[1], "v-huge")
   with pytest.raises(engine_lib.NonFiniteLogits, match="'r-prefill' \\(output token 0\\)"):
@@ -133,15 +133,10 @@ def test_the_embedded_backend_raises_the_refusal(model):
   tok = Tokenizer.default()
   rollout = embedded.EmbeddedRollout(_huge(model), tok, num_slots=2, context_length=64)
   rollout.engine.weight_version = "7"
-  body = {
-    "rid": "r1",
-    "input_ids": [5, 6, 7, 8],
-    "sampling_params": {"max_new_tokens": 4},
-    "return_logprob": True,
-  }
+  request = GenerateRequest.of([5, 6, 7, 8], {"max_new_tokens": 4}, rid="r1")
   try:
     with pytest.raises(engine_lib.NonFiniteLogits, match="weight version 7") as refused:
-      asyncio.run(rollout.generate(body))
+      asyncio.run(rollout.generate(request))
   finally:
     asyncio.run(rollout.close())
   try:
@@ -200,7 +195,7 @@ class _NoData:
 def test_the_coordinator_publishes_no_nonfinite_policy_and_names_its_step(model):
   cfg = tiny_run_config(8)
   policy = _Policy(model)
-  backend = PublishRecorder()
+  backend = ScriptedRollout()
   with (
     backend_lib.LoopThread() as thread,
     thread.running(backend),

@@ -1,6 +1,5 @@
 """The rollout producer: rounds in a thread, each kept group scored and handed over."""
 
-import asyncio
 import concurrent.futures
 import dataclasses
 import logging
@@ -12,8 +11,8 @@ from fluxjax import faults as faults_lib
 from fluxjax.data.meta import SampleMeta
 from fluxjax.rl import async_control, reward_pool, tail_batching
 from fluxjax.rl import producer as producer_lib
-from fluxjax.rollout.client import Completion, RequestRejected
-from helpers import TokenRollout, decode
+from fluxjax.rollout.protocol import GenerateRequest
+from helpers import OVER_CONTEXT, Act, ScriptedRollout, decode, rid_key
 
 FAULTS = config_args.load_config().faults
 
@@ -44,54 +43,25 @@ class _InstantRewards:
     return future
 
 
-class _LateSpeculation:
+def late_speculation(late: tuple[str, str], late_s: float, slow_s: float) -> ScriptedRollout:
   """Prompt 0 answers at once, the others after `slow_s`; one of prompt 0's
   speculative responses finishes at `late_s` and ignores its abort.
 
   That is the backend race a real engine has: the request finished in the
   same instant the abort was sent, so it comes back as a completion, not an
   abort, after its prompt was already kept, while the round still runs.
+  Response j's text is j + 1 characters long.
   """
 
-  def __init__(self, late: tuple[str, str], late_s: float, slow_s: float):
-    self.late, self.late_s, self.slow_s = late, late_s, slow_s
-    self.events: dict[str, asyncio.Event] = {}
-    self.late_done = asyncio.Event()
+  def script(request, group):
+    key = rid_key(request.rid)
+    if key == late:
+      return Act(seconds=late_s, abortable=False)
+    return Act(seconds=0.01 if key[0] == "0" else slow_s)
 
-  async def generate(self, body, group=None):
-    rid = body["rid"]  # tb-{epoch}-{round}-{prompt}-{index}-{try}
-    prompt, index = rid.split("-")[3:5]
-    n = body["sampling_params"]["max_new_tokens"]
-    finished = Completion(
-      rid,
-      "x" * (1 + int(index)),
-      [7] * n,
-      [0.0] * n,
-      {"type": "length", "length": n},
-      3,
-      "0",
-      "fake",
-      {},
-    )
-    if (prompt, index) == self.late:
-      await asyncio.sleep(self.late_s)
-      self.late_done.set()
-      return finished
-    ev = self.events[rid] = asyncio.Event()
-    try:
-      await asyncio.wait_for(ev.wait(), 0.01 if prompt == "0" else self.slow_s)
-    except TimeoutError:
-      return finished
-    return Completion(
-      rid, "", [7], [0.0], {"type": "abort", "message": "Abort"}, 3, "0", "fake", {}
-    )
-
-  async def abort(self, rid):
-    if rid in self.events:
-      self.events[rid].set()
-
-  def slot_stats(self):
-    return None
+  return ScriptedRollout(
+    script, text=lambda request, group, ids: "x" * (1 + int(rid_key(request.rid)[1]))
+  )
 
 
 def test_a_late_speculative_response_of_a_forgotten_prompt_does_not_fail_the_round():
@@ -103,7 +73,7 @@ def test_a_late_speculative_response_of_a_forgotten_prompt_does_not_fail_the_rou
   batches = [samples]
   # 3 prompts x 3 responses launched, 2 x 2 kept: prompt 0 is kept at once,
   # its late third response lands while prompts 1 and 2 still decode.
-  rollout = _LateSpeculation(("0", "2"), late_s=0.5, slow_s=1.5)
+  rollout = late_speculation(("0", "2"), late_s=0.5, slow_s=1.5)
   rewards = _InstantRewards()
   producer = producer_lib.Producer(
     rollout,
@@ -112,10 +82,7 @@ def test_a_late_speculative_response_of_a_forgotten_prompt_does_not_fail_the_rou
     tail_batching.TailBatcher(P, R, eta=1.5, recycle=False),
     async_control.AdmissionController(P, "sync"),
     next_samples=lambda: batches.pop(0) if batches else [],
-    make_body=lambda sample, prompt, j: {
-      "input_ids": [1, 2, 3],
-      "sampling_params": {"max_new_tokens": 4},
-    },
+    make_request=lambda sample, prompt, j: GenerateRequest.of([1, 2, 3], {"max_new_tokens": 4}),
     prompt_fn=lambda sample: [1, 2, 3],
     decode=decode,
     max_prompt_tokens=16,
@@ -140,9 +107,10 @@ def test_a_late_speculative_response_of_a_forgotten_prompt_does_not_fail_the_rou
     end = producer.out.get(timeout=30)
     assert isinstance(end, producer_lib.RoundEnd), end
     deadline = time.monotonic() + 10
-    while not rollout.late_done.is_set() and time.monotonic() < deadline:
+    late_back = lambda: any(rid_key(rid) == ("0", "2") for rid in rollout.returned)
+    while not late_back() and time.monotonic() < deadline:
       time.sleep(0.05)
-    assert rollout.late_done.is_set()
+    assert late_back()
   finally:
     producer.stop()
   assert producer.failed_rounds.total == 0
@@ -165,10 +133,9 @@ def test_recycled_responses_are_scored_whole_and_survive_a_snapshot():
       tail_batching.TailBatcher(P, R, eta=1.5),
       async_control.AdmissionController(P, "sync"),
       next_samples=lambda: batches.pop(0) if batches else [],
-      make_body=lambda sample, prompt, j: {
-        "input_ids": [1, 2, 3],
-        "sampling_params": {"max_new_tokens": lengths[sample.uid]},
-      },
+      make_request=lambda sample, prompt, j: GenerateRequest.of(
+        [1, 2, 3], {"max_new_tokens": lengths[sample.uid]}
+      ),
       prompt_fn=lambda sample: [1, 2, 3],
       decode=decode,
       max_prompt_tokens=16,
@@ -184,7 +151,7 @@ def test_recycled_responses_are_scored_whole_and_survive_a_snapshot():
         return got, item.stats
       got.append(item)
 
-  first = make([samples], TokenRollout(tick=2e-3), _InstantRewards())
+  first = make([samples], ScriptedRollout(tick=2e-3), _InstantRewards())
   first.batcher.start_epoch([])
   first.start()
   try:
@@ -198,7 +165,7 @@ def test_recycled_responses_are_scored_whole_and_survive_a_snapshot():
   assert sorted(carried) == [(2, 0), (2, 1)] and all(0 < n < 200 for n in carried.values())
   assert snap["batcher"]["long"] == [2] and "2" in snap["samples"]
 
-  rollout, rewards = TokenRollout(tick=1e-4), _InstantRewards()
+  rollout, rewards = ScriptedRollout(tick=1e-4), _InstantRewards()
   second = make([], rollout, rewards)
   second.restore(snap, step=1)
   second.start()
@@ -210,11 +177,11 @@ def test_recycled_responses_are_scored_whole_and_survive_a_snapshot():
   assert kept.sample.uid == 2 and stats["resumed"] == 2 and stats["tokens_discarded"] == 0
   for j, c in enumerate(kept.group.completions):
     assert c.output_ids == [pos % 97 for pos in range(3, 203)]
-    assert c.meta_info["segments"] == 2
+    assert c.segments == 2
     # Scored on the whole response, not on the continuation's text alone.
     assert kept.group.rewards[j] == float(len(decode(c.output_ids)))
   assert all(
-    len(b["input_ids"]) == 3 + carried[(2, int(b["rid"].split("-")[4]))] for b in rollout.bodies
+    len(r.input_ids) == 3 + carried[(2, int(rid_key(r.rid)[1]))] for _, r in rollout.requests
   )
 
 
@@ -224,15 +191,12 @@ def _producer(
   """A producer over one loader batch of `samples` on the token backend."""
   batches = [samples]
   return producer_lib.Producer(
-    rollout or TokenRollout(tick=1e-4),
+    rollout or ScriptedRollout(tick=1e-4),
     rewards,
     tail_batching.TailBatcher(P, R, eta=1.0),
     admission or async_control.AdmissionController(P, "sync"),
     next_samples=lambda: batches.pop(0) if batches else [],
-    make_body=lambda sample, prompt, j: {
-      "input_ids": list(prompt),
-      "sampling_params": {"max_new_tokens": 4},
-    },
+    make_request=lambda sample, prompt, j: GenerateRequest.of(prompt, {"max_new_tokens": 4}),
     prompt_fn=prompt_fn,
     decode=decode,
     max_prompt_tokens=16,
@@ -318,15 +282,6 @@ def test_rewards_that_raise_or_are_not_finite_score_zero_and_the_producer_goes_o
     assert sum(f"'{sample_id}'" in m and why in m for m in logged) == 2, (sample_id, logged)
 
 
-class _RefusingRollout(TokenRollout):
-  """Refuses every request whose prompt holds token 9 (over the server's context)."""
-
-  async def generate(self, body, group=None):
-    if 9 in body["input_ids"]:
-      raise RequestRejected("Requested token count exceeds the model's maximum context length")
-    return await super().generate(body, group)
-
-
 def test_a_prompt_the_backend_refuses_is_a_counted_skip_and_its_place_refilled(caplog):
   """One request no server can serve must not fail rounds until the run stops:
   the sample is skipped (counted, logged, released) and admission lets
@@ -341,7 +296,10 @@ def test_a_prompt_the_backend_refuses_is_a_counted_skip_and_its_place_refilled(c
     2,
     prompt_fn=lambda sample: [1, 9] if sample.id == "s1" else [1, 2],
     released=released,
-    rollout=_RefusingRollout(tick=1e-4),
+    # Refuses every request whose prompt holds token 9 (over the server's context).
+    rollout=ScriptedRollout(
+      lambda r, g: Act(refuse=OVER_CONTEXT) if 9 in r.input_ids else Act(), tick=1e-4
+    ),
   )
   first, second = _rounds(producer, 2)
   assert [k.sample.id for k in first] == ["s0"] and [k.sample.id for k in second] == ["s2"]

@@ -46,7 +46,7 @@ def test_a_backend_without_slot_stats_is_not_one():
   """The protocol has teeth: a sampler missing a method does not pass."""
 
   class GenerateOnly:
-    async def generate(self, body, group=None):
+    async def generate(self, request, group=None):
       raise NotImplementedError
 
     async def abort(self, rid):
@@ -78,7 +78,7 @@ class _RecordingBackend:
   async def __aexit__(self, *exc):
     await self.close()
 
-  async def generate(self, body, group=None):
+  async def generate(self, request, group=None):
     raise NotImplementedError
 
   async def abort(self, rid):

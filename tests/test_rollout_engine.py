@@ -182,9 +182,7 @@ def test_update_params_swaps_weights(model, engine, tok):
   try:
     after = run(engine, [seq], sp, "w1")[0]
     assert after.output_ids == reference_greedy(other, seq, 5) != before
-    assert (
-      engine_lib.response(after, tok, engine.weight_version)["meta_info"]["weight_version"] == "v1"
-    )
+    assert engine_lib.response(after, tok, engine.weight_version).weight_version == "v1"
   finally:
     engine.update_params(model, "default")
 
@@ -194,7 +192,7 @@ def test_embedded_backend_from_config_and_in_process_publish(model, tok):
 
   from fluxjax import config_args
   from fluxjax.rollout import backend as backend_lib
-  from fluxjax.rollout import client, factory, publish
+  from fluxjax.rollout import factory, publish
 
   cfg = config_args.load_config().rollout
   cfg.backend, cfg.num_slots, cfg.context_length = "embedded", 4, 96
@@ -202,11 +200,7 @@ def test_embedded_backend_from_config_and_in_process_publish(model, tok):
   assert launched is None
   assert isinstance(backend, backend_lib.RolloutBackend)
   ids = [int(i) for i in text_seq(model.cfg, 8, 9).tokens_T]
-  body = {
-    "input_ids": ids,
-    "return_logprob": True,
-    "sampling_params": {"max_new_tokens": 4, "temperature": 0},
-  }
+  body = protocol.GenerateRequest.of(ids, {"max_new_tokens": 4, "temperature": 0})
 
   async def go():
     async with backend:
@@ -215,8 +209,8 @@ def test_embedded_backend_from_config_and_in_process_publish(model, tok):
       slots1 = backend.slot_stats()
       report = publish.publish_in_process([backend], vlm.create_model(model.cfg, seed=2), 5)
       after = await backend.generate(body)
-      with pytest.raises(client.RequestRejected, match="unknown sampling"):
-        await backend.generate({"input_ids": ids, "sampling_params": {"seed": 1}})
+      with pytest.raises(protocol.ProtocolError, match="unknown sampling"):
+        protocol.GenerateRequest.of(ids, {"seed": 1})  # refused where it is built
       # The protocol's publish: the original weights back, as version 6.
       restored = await backend.publish(model, 6)
       again = await backend.generate(body)
@@ -240,7 +234,7 @@ def test_embedded_backend_from_config_and_in_process_publish(model, tok):
 
 
 def test_continued_response_equals_the_uninterrupted_one(model, tok, tmp_path):
-  """A partial rollout resumed from prompt + its tokens (protocol.continue_body)
+  """A partial rollout resumed from prompt + its tokens (GenerateRequest.continued)
   on an image + text prompt draws the seeded tokens the uninterrupted request
   draws: sampling is keyed by sequence position, and the continuation's
   M-RoPE positions after the image equal the decode loop's."""
@@ -260,10 +254,10 @@ def test_continued_response_equals_the_uninterrupted_one(model, tok, tmp_path):
   assert seq.mrope_delta != 0
 
   def body(max_new):
-    return protocol.generate_request_body(
+    return protocol.GenerateRequest.of(
       seq.tokens_T.tolist(),
+      {"max_new_tokens": max_new, "sampling_seed": 11, "ignore_eos": True},
       image_data=[path],
-      sampling_params={"max_new_tokens": max_new, "sampling_seed": 11, "ignore_eos": True},
     )
 
   backend = EmbeddedRollout(model, tok, num_slots=4, context_length=192, proc_cfg=pcfg)
@@ -272,7 +266,7 @@ def test_continued_response_equals_the_uninterrupted_one(model, tok, tmp_path):
     async with backend:
       whole = await backend.generate(body(12))
       head = await backend.generate(body(5))
-      tail = await backend.generate(protocol.continue_body(body(12), head.output_ids))
+      tail = await backend.generate(body(12).continued(head.output_ids))
       return whole, head, tail
 
   whole, head, tail = asyncio.run(go())
@@ -282,7 +276,7 @@ def test_continued_response_equals_the_uninterrupted_one(model, tok, tmp_path):
   np.testing.assert_allclose(joined.logprobs, whole.logprobs, atol=LOGPROB_TOL, rtol=0)
   assert joined.text == whole.text and joined.prompt_tokens == len(seq)
   with pytest.raises(ValueError, match="already reaches"):
-    protocol.continue_body(body(5), head.output_ids)
+    body(5).continued(head.output_ids)
 
 
 def test_logit_bias_bans_and_forces_tokens(model, engine):

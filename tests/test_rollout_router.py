@@ -17,8 +17,9 @@ from flax import nnx
 from fluxjax.models import config, vlm
 from fluxjax.rollout import fleet as fleet_lib
 from fluxjax.rollout import router as router_lib
+from fluxjax.rollout.protocol import GenerateRequest
 from helpers import TINY_SERVER, server_env
-from helpers import generate_body as body
+from helpers import generate_request as body
 
 # A dead worker is dropped after one failed check a second apart.
 ROUTER = [
@@ -64,7 +65,7 @@ def test_single_and_batched_generate_through_the_router(routed):
 
   async def go():
     async with router_lib.RoutedFleet(routed.router.urls[0]) as fleet:
-      singles = [await fleet.generate({"input_ids": p, "sampling_params": greedy}) for p in prompts]
+      singles = [await fleet.generate(GenerateRequest.of(p, greedy)) for p in prompts]
       batch = {"input_ids": prompts, "sampling_params": greedy, "rid": "batch"}
       _, answers = await fleet.router.request("POST", "/generate", batch)
       return singles, answers

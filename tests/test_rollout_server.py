@@ -23,6 +23,7 @@ from fluxjax.models import tokenizer as tokenizer_lib
 from fluxjax.rollout import client as client_lib
 from fluxjax.rollout import fleet as fleet_lib
 from fluxjax.rollout import protocol, publish
+from fluxjax.rollout.protocol import GenerateRequest
 from helpers import SERVER_CONTEXT, server_env
 
 CONTEXT = SERVER_CONTEXT
@@ -193,30 +194,28 @@ def test_text_prompt_and_streaming(url, tok):
   async def stream():
     c = client_lib.SGLangClient(url)
     try:
-      return [chunk async for chunk in c.generate_stream(body)]
+      (request,), _ = protocol.parse_generate(body)
+      return [chunk async for chunk in c.generate_stream(request)]
     finally:
       await c.close()
 
   chunks = asyncio.run(stream())
-  assert chunks[-1]["output_ids"] == whole["output_ids"]
-  assert chunks[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
-  assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
-  lengths = [len(c["output_ids"]) for c in chunks]
+  assert chunks[-1].output_ids == whole["output_ids"]
+  assert chunks[-1].finish_reason == whole["meta_info"]["finish_reason"]
+  assert all(c.finish_reason is None for c in chunks[:-1])
+  lengths = [len(c.output_ids) for c in chunks]
   assert lengths == sorted(lengths)  # cumulative
 
 
 def test_abort_running_request_returns_partial_tokens(url):
   async def go():
     c = client_lib.SGLangClient(url)
-    body = {
-      "input_ids": prompt_ids(5, 2),
-      "rid": "to-abort",
-      "return_logprob": True,
-      "sampling_params": {"max_new_tokens": 200, "temperature": 1.0},
-    }
+    request = GenerateRequest.of(
+      prompt_ids(5, 2), {"max_new_tokens": 200, "temperature": 1.0}, rid="to-abort"
+    )
     chunks = []
     try:
-      async for chunk in c.generate_stream(body):
+      async for chunk in c.generate_stream(request):
         chunks.append(chunk)
         if len(chunks) == 2:
           await c.abort("to-abort")
@@ -225,10 +224,9 @@ def test_abort_running_request_returns_partial_tokens(url):
     return chunks
 
   final = asyncio.run(go())[-1]
-  reason = final["meta_info"]["finish_reason"]
-  assert reason["type"] == "abort", reason
-  assert 0 < len(final["output_ids"]) < 200
-  assert len(final["meta_info"]["output_token_logprobs"]) == len(final["output_ids"])
+  assert final.finish_type == "abort", final.finish_reason
+  assert 0 < len(final.output_ids) < 200
+  assert len(final.logprobs) == len(final.output_ids)
 
 
 @pytest.fixture(scope="module")
@@ -334,7 +332,7 @@ def test_pause_holds_new_requests_outside_the_engine_until_continue(url, mode):
     c = client_lib.SGLangClient(url)
     try:
       await c.pause(mode)
-      task = asyncio.create_task(c.generate({"input_ids": [3, 4, 5], "sampling_params": GREEDY}))
+      task = asyncio.create_task(c.generate(GenerateRequest.of([3, 4, 5], GREEDY)))
       await asyncio.sleep(0.5)
       held = not task.done()
       await c.flush_cache(retries=1)  # raises ServerUnavailable if the request were queued

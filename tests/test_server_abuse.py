@@ -13,6 +13,7 @@ the slow-client checks are quick.
 """
 
 import asyncio
+import dataclasses
 import json
 import resource
 import urllib.error
@@ -29,7 +30,7 @@ from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import client as client_lib
 from fluxjax.rollout import fleet as fleet_lib
 from fluxjax.rollout import openapi, protocol, server
-from helpers import SERVER_CONTEXT, TINY_SERVER, generate_body, server_env
+from helpers import SERVER_CONTEXT, TINY_SERVER, generate_body, generate_request, server_env
 
 CONTEXT = SERVER_CONTEXT
 LIMIT = server.DEFAULT_MAX_REQUEST_BYTES
@@ -295,11 +296,12 @@ def test_fleet_takes_a_context_overflow_as_that_request_s_failure(url):
   async def go():
     async with fleet_lib.Fleet([url]) as fleet:
       with pytest.raises(client_lib.RequestRejected, match="exceeds the model's maximum context"):
-        await fleet.generate(generate_body(prompt_ids(CONTEXT - 2), max_new=3))
+        await fleet.generate(generate_request(prompt_ids(CONTEXT - 2), max_new=3))
       with pytest.raises(client_lib.RequestRejected, match="HTTP 413"):
         # A long string: json.dumps of it does not hold the loop for seconds.
-        await fleet.generate({**generate_body([1, 2], max_new=2), "text": "x" * LIMIT})
-      served = await fleet.generate(generate_body([1, 2], max_new=2))
+        request = generate_request([1, 2], max_new=2)
+        await fleet.generate(dataclasses.replace(request, text="x" * LIMIT))
+      served = await fleet.generate(generate_request([1, 2], max_new=2))
       return fleet.metrics(), served
 
   metrics, served = asyncio.run(go())

@@ -10,9 +10,13 @@ from hypothesis import strategies as st
 
 from fluxjax.rl import round_driver as rd
 from fluxjax.rl import tail_batching as tb
-from fluxjax.rollout.backend import SlotStats
-from fluxjax.rollout.client import Completion, RequestRejected
-from helpers import TokenRollout, decode
+from fluxjax.rollout.protocol import GenerateRequest
+from helpers import OVER_CONTEXT, Act, ScriptedRollout, decode, rid_key
+
+
+def request(prompt: list[int], max_new: int, **sampling) -> GenerateRequest:
+  """A request of `max_new` tokens exactly (no EOS)."""
+  return GenerateRequest.of(prompt, {"max_new_tokens": max_new, "ignore_eos": True, **sampling})
 
 
 def simulate_round(rnd: tb.Round, finish_time) -> dict:
@@ -168,49 +172,18 @@ def test_commit_rejects_stale_round():
     b.commit(rnd)
 
 
-class FakeRollout:
-  """Completion after `delay(body)` seconds of 'decoding'; abort returns early."""
-
-  def __init__(self, delay):
-    self.delay = delay
-    self.events: dict[str, asyncio.Event] = {}
-    self.aborts = []
-
-  async def generate(self, body, group=None):
-    rid = body["rid"]
-    ev = self.events[rid] = asyncio.Event()
-    n = body["sampling_params"]["max_new_tokens"]
-    try:
-      await asyncio.wait_for(ev.wait(), self.delay(body))
-      reason, n = {"type": "abort", "message": "Abort"}, 1
-    except TimeoutError:
-      reason = {"type": "length", "length": n}
-    return Completion(rid, "", [7] * n, [0.0] * n, reason, 3, "0", "fake", {})
-
-  async def abort(self, rid):
-    self.aborts.append(rid)
-    if rid in self.events:
-      self.events[rid].set()
-
-  def slot_stats(self):
-    return None  # like a fleet: no slot counters
-
-
 def test_run_round_against_fake_rollout():
   # Prompt 3 is slow for every response; response 2 of each prompt is slow too.
   def length(p, j):
     return 600 if p == 3 else 90 if j == 2 else 5 + p + j
 
-  rollout = FakeRollout(lambda b: b["sampling_params"]["max_new_tokens"] * 1e-3)
-  body = lambda p, j: {
-    "input_ids": [1, 2, 3],
-    "sampling_params": {"max_new_tokens": length(p, j), "ignore_eos": True},
-  }
+  rollout = ScriptedRollout()
+  make = lambda p, j: request([1, 2, 3], length(p, j))
   b = tb.TailBatcher(3, 2, 1.5, recycle=False)  # launches 5 prompts x 3 responses
   b.start_epoch(range(6))
 
   async def main():
-    res = await rd.run_round(rollout, b, body)
+    res = await rd.run_round(rollout, b, make)
     assert res.plan.kind == "short" and (len(res.plan.prompts), res.plan.responses) == (5, 3)
     assert sorted(res.groups) == [0, 1, 2] and b.long == [3, 4]
     assert all(
@@ -221,7 +194,7 @@ def test_run_round_against_fake_rollout():
     assert res.stats["wall_s"] < 0.6 and res.stats["max_kept_len"] <= 10
     assert res.stats["aborted"] == len(rollout.aborts) > 0
     rest = []
-    while (r := await rd.run_round(rollout, b, body)) is not None:
+    while (r := await rd.run_round(rollout, b, make)) is not None:
       rest.append(r)
     return rest
 
@@ -231,71 +204,44 @@ def test_run_round_against_fake_rollout():
   assert sorted(b.trained) == list(range(6)) and b.epoch_done
 
 
-class SlotRollout(FakeRollout):
-  """A FakeRollout with an engine's slot counters: one decode step per output token."""
-
-  def __init__(self, delay, num_slots):
-    super().__init__(delay)
-    self.decode_steps, self.num_slots = 0, num_slots
-
-  async def generate(self, body, group=None):
-    out = await super().generate(body, group)
-    self.decode_steps += len(out.output_ids)
-    return out
-
-  def slot_stats(self):
-    return SlotStats(self.decode_steps, self.num_slots)
-
-
 def test_round_slot_statistics_come_from_the_backends_counters():
-  body = lambda p, j: {"input_ids": [1], "sampling_params": {"max_new_tokens": 3 + p}}
-  fast = lambda b: 1e-3
+  make = lambda p, j: request([1], 3 + p)
   b = tb.TailBatcher(2, 2, 1.0)  # no speculation: every response is kept
   b.start_epoch(range(2))
-  res = asyncio.run(rd.run_round(SlotRollout(fast, num_slots=8), b, body, decode=decode))
+  res = asyncio.run(rd.run_round(ScriptedRollout(num_slots=8), b, make, decode=decode))
   # 2 x 3 + 2 x 4 tokens = 14 decode steps; each response's first token is
   # the prefill's, so 2 x 2 + 2 x 3 = 10 busy slot-steps of 14 x 8.
   assert res.stats["decode_steps"] == 14
   assert res.stats["slot_idle_fraction"] == pytest.approx(1.0 - 10 / (14 * 8))
   b = tb.TailBatcher(2, 2, 1.0)
   b.start_epoch(range(2))
-  res = asyncio.run(rd.run_round(FakeRollout(fast), b, body, decode=decode))
+  res = asyncio.run(rd.run_round(ScriptedRollout(), b, make, decode=decode))
   assert "decode_steps" not in res.stats and "slot_idle_fraction" not in res.stats
-
-
-class FailingRollout(FakeRollout):
-  """A FakeRollout whose backend dies (raises) on one prompt's first response."""
-
-  def __init__(self, delay, dies_on):
-    super().__init__(delay)
-    self.dies_on = dies_on
-
-  async def generate(self, body, group=None):
-    if body["rid"].split("-")[3] == str(self.dies_on):
-      await asyncio.sleep(0.05)
-      raise ConnectionError("server went away")
-    return await super().generate(body, group)
 
 
 def test_failed_round_keeps_what_it_finished_and_requeues_the_rest():
   """A round stopped by a backend error: kept prompts stay trained (they were
   handed out through on_kept), the others go back to the queue front, and a
   streamed epoch (extend) then trains every prompt exactly once."""
-  fast = lambda b: 1e-3
   b = tb.TailBatcher(3, 2, 1.0)
   b.start_epoch([])
   b.extend(range(4))
   with pytest.raises(ValueError, match="twice"):
     b.extend([2])
-  body = lambda p, j: {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}}
+  make = lambda p, j: request([1], 2)
+  dies_on_2 = lambda r, g: (
+    Act(seconds=0.05, fail=ConnectionError("server went away"))
+    if rid_key(r.rid)[0] == "2"
+    else Act()
+  )
   streamed = []
 
   async def main():
     with pytest.raises(rd.RoundFailed) as err:
       await rd.run_round(
-        FailingRollout(fast, dies_on=2),
+        ScriptedRollout(dies_on_2),
         b,
-        body,
+        make,
         on_kept=lambda p, comps: streamed.append((p, len(comps))),
         decode=decode,
       )
@@ -303,9 +249,9 @@ def test_failed_round_keeps_what_it_finished_and_requeues_the_rest():
     assert b.fresh == [2, 3] and sorted(b.trained) == [0, 1]
     b.extend([4, 5])
     while await rd.run_round(
-      FakeRollout(fast),
+      ScriptedRollout(),
       b,
-      body,
+      make,
       on_kept=lambda p, comps: streamed.append((p, len(comps))),
       decode=decode,
     ):
@@ -321,15 +267,12 @@ def test_recycling_continues_aborted_responses_and_discards_nothing():
   prompt = [1, 2, 3]
   lengths = {3: 300, 4: 250}
   length = lambda p, j: lengths.get(p, 5 + p + j)
-  body = lambda p, j: {
-    "input_ids": list(prompt),
-    "sampling_params": {"max_new_tokens": length(p, j), "ignore_eos": True},
-  }
-  rollout = TokenRollout()
+  make = lambda p, j: request(prompt, length(p, j))
+  rollout = ScriptedRollout()
   b = tb.TailBatcher(3, 2, 1.5)  # recycling: 5 prompts x 2 responses
   b.start_epoch(range(6))
 
-  short = asyncio.run(rd.run_round(rollout, b, body, version="1", decode=decode))
+  short = asyncio.run(rd.run_round(rollout, b, make, version="1", decode=decode))
   assert (len(short.plan.prompts), short.plan.responses) == (5, 2)
   assert sorted(short.groups) == [0, 1, 2] and b.long == [3, 4]
   assert short.stats["tokens_discarded"] == 0 and short.stats["tokens_carried"] > 0
@@ -344,8 +287,8 @@ def test_recycling_continues_aborted_responses_and_discards_nothing():
   resumed.set_state(json.loads(json.dumps(b.get_state())))
   assert resumed.carried == b.carried
 
-  sent = len(rollout.bodies)
-  rest = asyncio.run(rd.run_round(rollout, resumed, body, version="2", decode=decode))
+  sent = len(rollout.requests)
+  rest = asyncio.run(rd.run_round(rollout, resumed, make, version="2", decode=decode))
   assert rest.plan.kind == "long" and sorted(rest.groups) == [3, 4, 5]
   assert rest.stats["resumed"] == 4 and rest.stats["tokens_resumed"] == carried_tokens
   assert rest.stats["tokens_discarded"] == 0
@@ -359,24 +302,21 @@ def test_recycling_continues_aborted_responses_and_discards_nothing():
       assert c.logprobs == [-pos / 1000 for pos in positions]
       assert c.text == decode(c.output_ids) and c.prompt_tokens == len(prompt)
       # Each token keeps the version of the round that sampled it.
-      assert c.token_versions() == ["1"] * m + ["2"] * (n - m)
-      assert c.meta_info["segments"] == 2
-  continued = [x for x in rollout.bodies[sent:] if len(x["input_ids"]) > len(prompt)]
+      assert c.versions() == ["1"] * m + ["2"] * (n - m)
+      assert c.segments == 2
+  continued = [x for _, x in rollout.requests[sent:] if len(x.input_ids) > len(prompt)]
   assert len(continued) == 4
   for x in continued:
-    m = len(x["input_ids"]) - len(prompt)
-    assert x["sampling_params"]["max_new_tokens"] == lengths[int(x["rid"].split("-")[3])] - m
+    m = len(x.input_ids) - len(prompt)
+    assert x.sampling.max_new_tokens == lengths[int(rid_key(x.rid)[0])] - m
   assert sorted(resumed.trained) == list(range(6)) and not resumed.carried
 
 
 def test_discarded_work_without_recycling_and_deterministic_ties():
-  body = lambda p, j: {
-    "input_ids": [1],
-    "sampling_params": {"max_new_tokens": 300 if p == 3 else 5, "ignore_eos": True},
-  }
+  make = lambda p, j: request([1], 300 if p == 3 else 5)
   b = tb.TailBatcher(3, 2, 1.5, recycle=False)
   b.start_epoch(range(6))
-  res = asyncio.run(rd.run_round(TokenRollout(), b, body, decode=decode))
+  res = asyncio.run(rd.run_round(ScriptedRollout(), b, make, decode=decode))
   assert res.stats["tokens_discarded"] > 0 and not b.carried
   # Equal-length responses finish in the same loop turns: the kept order is
   # the request order, run after run.
@@ -384,73 +324,55 @@ def test_discarded_work_without_recycling_and_deterministic_ties():
   for _ in range(3):
     b = tb.TailBatcher(3, 2, 1.5)
     b.start_epoch(range(6))
-    res = asyncio.run(rd.run_round(TokenRollout(tick=0.0), b, body, decode=decode))
+    res = asyncio.run(rd.run_round(ScriptedRollout(tick=0.0), b, make, decode=decode))
     orders.append(list(res.groups))
   assert orders == [[0, 1, 2]] * 3
 
 
-class RefusingRollout(TokenRollout):
-  """Refuses any continuation, as a server does when the partial tokens hold a
-  vision placeholder that no media backs."""
-
-  async def generate(self, body, group=None):
-    if len(body["input_ids"]) > 3:
-      self.bodies.append(body)
-      raise RequestRejected("the prompt has 1 image placeholder(s) but the request sent 0")
-    return await super().generate(body, group)
-
-
 def test_a_refused_continuation_is_generated_again_and_counted():
-  body = lambda p, j: {
-    "input_ids": [1, 2, 3],
-    "sampling_params": {"max_new_tokens": 200 if p == 3 else 5, "ignore_eos": True},
-  }
+  """A server refuses a continuation whose partial tokens hold a vision
+  placeholder no media backs: the response is generated again from scratch."""
+  make = lambda p, j: request([1, 2, 3], 200 if p == 3 else 5)
   b = tb.TailBatcher(3, 1, 1.5)
   b.start_epoch(range(4))
-  rollout = RefusingRollout()
-  short = asyncio.run(rd.run_round(rollout, b, body, decode=decode))
+  rollout = ScriptedRollout(
+    lambda r, g: (
+      Act(refuse="the prompt has 1 image placeholder(s) but the request sent 0")
+      if len(r.input_ids) > 3
+      else Act()
+    )
+  )
+  short = asyncio.run(rd.run_round(rollout, b, make, decode=decode))
   carried = short.stats["tokens_carried"]
   assert b.long == [3] and carried > 0
-  rest = asyncio.run(rd.run_round(rollout, b, body, decode=decode))
+  rest = asyncio.run(rd.run_round(rollout, b, make, decode=decode))
   (c,) = rest.groups[3]
   assert c.output_ids == [pos % 97 for pos in range(3, 203)]  # whole, from scratch
   assert rest.stats["restarted"] == 1 and rest.stats["tokens_discarded"] == carried
 
 
-class PausingRollout(TokenRollout):
-  """Aborts each request on its own after `every` tokens, like a fleet whose
-  weight update pauses (mode abort) the requests in flight."""
-
-  def __init__(self, every):
-    super().__init__(tick=1e-4)
-    self.every = every
-
-  async def generate(self, body, group=None):
-    limit = body["sampling_params"]["max_new_tokens"]
-    if limit <= self.every:
-      return await super().generate(body, group)
-    short = {**body, "sampling_params": {**body["sampling_params"], "max_new_tokens": self.every}}
-    out = await super().generate(short, group)
-    out.finish_reason = {"type": "abort", "message": "Abort: generation paused"}
-    return out
+def pauses_every(tokens: int):
+  """A script that aborts each request on its own after `tokens` tokens, like
+  a fleet whose weight update pauses (mode abort) the requests in flight."""
+  return lambda r, g: (
+    Act(tokens=tokens, finish="abort") if r.sampling.max_new_tokens > tokens else Act()
+  )
 
 
 @pytest.mark.parametrize("recycle", [True, False])
 def test_backend_pauses_are_continued_not_counted_as_failures(recycle):
-  body = lambda p, j: {
-    "input_ids": [1, 2, 3],
-    "sampling_params": {"max_new_tokens": 20, "ignore_eos": True},
-  }
+  make = lambda p, j: request([1, 2, 3], 20)
   b = tb.TailBatcher(2, 1, 1.0, recycle=recycle)
   b.start_epoch(range(2))
-  run = rd.run_round(PausingRollout(every=6), b, body, decode=decode, max_retries=2)
+  rollout = ScriptedRollout(pauses_every(6), tick=1e-4)
+  run = rd.run_round(rollout, b, make, decode=decode, max_retries=2)
   if not recycle:  # every attempt restarts from scratch and is paused again
     with pytest.raises(rd.RoundFailed, match="without progress"):
       asyncio.run(run)
     return
   res = asyncio.run(run)
   for (c,) in res.groups.values():  # 4 pieces of 6, 6, 6 and 2 tokens
-    assert c.output_ids == [pos % 97 for pos in range(3, 23)] and c.meta_info["segments"] == 4
+    assert c.output_ids == [pos % 97 for pos in range(3, 23)] and c.segments == 4
   assert res.stats["tokens_discarded"] == 0 and res.stats["resumed"] == 6
 
 
@@ -468,34 +390,22 @@ def test_next_round_continuation_races_deferred_prompts_first():
     tb.TailBatcher(4, 2, 1.25, continue_in="later")
 
 
-class RejectingRollout(FakeRollout):
-  """A FakeRollout whose backend refuses every request of one prompt (400:
-  over its context), as no server of the fleet could serve it."""
-
-  def __init__(self, delay, refuses):
-    super().__init__(delay)
-    self.refuses = refuses
-
-  async def generate(self, body, group=None):
-    if body["rid"].split("-")[3] == str(self.refuses):
-      raise RequestRejected("Requested token count exceeds the model's maximum context length")
-    return await super().generate(body, group)
-
-
 @pytest.mark.parametrize("eta", [1.0, 1.5])
 def test_a_prompt_the_backend_refuses_is_dropped_and_the_round_goes_on(eta):
   """Not a failed round (re-queued and refused again until the run stops):
   the prompt leaves the epoch, reported as rejected; the round keeps the
   others (a short round fills P from its spare prompts, one without spares
   ends with P - 1) and the next round trains the rest."""
-  body = lambda p, j: {"input_ids": [1], "sampling_params": {"max_new_tokens": 2 + p}}
+  make = lambda p, j: request([1], 2 + p)
   b = tb.TailBatcher(3, 2, eta, recycle=False)
   b.start_epoch(range(6))
-  rollout = RejectingRollout(lambda b: b["sampling_params"]["max_new_tokens"] * 1e-3, refuses=1)
+  rollout = ScriptedRollout(
+    lambda r, g: Act(refuse=OVER_CONTEXT) if rid_key(r.rid)[0] == "1" else Act()
+  )
 
   async def main():
     rounds = []
-    while (r := await rd.run_round(rollout, b, body)) is not None:
+    while (r := await rd.run_round(rollout, b, make)) is not None:
       rounds.append(r)
     return rounds
 

@@ -60,9 +60,9 @@ def test_a_continued_response_keeps_each_tokens_behaviour_logprob_and_version():
   head = completion([7, 8], [-0.1, -0.2], version="3").pinned(None)
   tail = completion([9, 10, 11], [-0.3, -0.4, -0.5], version="5").pinned(None)
   whole = head.continued_by(tail, "text")
-  assert whole.token_versions() == ["3", "3", "5", "5", "5"]
+  assert whole.versions() == ["3", "3", "5", "5", "5"]
   group = trajectories.Group("k", prompt, [whole, completion([7], [-1.0])], [1.0, 0.0])
   seq = trajectories.group_sequences(group)[0]
   np.testing.assert_allclose(seq.old_logprobs_T[5:], [-0.1, -0.2, -0.3, -0.4, -0.5])
-  gaps = async_control.version_gap([int(v) for v in whole.token_versions()], 6)
+  gaps = async_control.version_gap([int(v) for v in whole.versions()], 6)
   assert gaps == {"mean": (3 + 3 + 1 + 1 + 1) / 5, "max": 3.0}

@@ -38,7 +38,6 @@ import logging
 import math
 import queue
 import time
-import uuid
 from collections.abc import Sequence
 
 import jax
@@ -67,7 +66,7 @@ from fluxjax.rl import producer as producer_lib
 from fluxjax.rl.policy import Policy
 from fluxjax.rollout import engine as engine_lib
 from fluxjax.rollout.backend import LoopThread, RolloutBackend
-from fluxjax.rollout.client import Completion
+from fluxjax.rollout.protocol import Completion, GenerateRequest
 from fluxjax.rollout.publish import PublishReport
 
 log = logging.getLogger(__name__)
@@ -160,7 +159,7 @@ class Coordinator:
       batcher,
       admission,
       next_samples=loader.next_batch,
-      make_body=lambda sample, prompt, j: self.request(sample, prompt, index=j),
+      make_request=lambda sample, prompt, j: self.request(sample, prompt, index=j),
       prompt_fn=self.prompt,
       decode=self._tokenizer.decode,
       release=loader.release,
@@ -240,8 +239,8 @@ class Coordinator:
     *,
     index: int = 0,
     greedy: bool = False,
-  ) -> dict:
-    """The /generate body for response `index` of `sample`."""
+  ) -> GenerateRequest:
+    """The request for response `index` of `sample`."""
     rl = self._config.rl
     params = {
       "max_new_tokens": int(rl.max_new_tokens),
@@ -250,14 +249,12 @@ class Coordinator:
     }
     if self._config.rollout.seeded:
       params["sampling_seed"] = sampling_seed(int(self._config.seed), sample.uid, index)
-    return {
-      "rid": uuid.uuid4().hex,
-      "input_ids": prompt.tokens_T.tolist(),
-      "image_data": [m.path for m in sample.media if m.kind == "image"] or None,
-      "video_data": [m.path for m in sample.media if m.kind == "video"] or None,
-      "sampling_params": params,
-      "return_logprob": True,
-    }
+    return GenerateRequest.of(
+      prompt.tokens_T.tolist(),
+      params,
+      image_data=[m.path for m in sample.media if m.kind == "image"],
+      video_data=[m.path for m in sample.media if m.kind == "video"],
+    )
 
   async def _responses(
     self, samples: Sequence[meta_lib.SampleMeta], responses: int, *, greedy: bool = False
@@ -420,7 +417,7 @@ class Coordinator:
       async_control.parse_version(v)
       for k in kept
       for c in k.group.completions
-      for v in c.token_versions(default=str(k.launch_version))
+      for v in c.versions(default=str(k.launch_version))
     ]
     return async_control.version_gap(np.asarray(tags), self._version)
 

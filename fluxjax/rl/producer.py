@@ -34,7 +34,7 @@ from fluxjax import faults as faults_lib
 from fluxjax.data import meta as meta_lib
 from fluxjax.rl import async_control, round_driver, tail_batching, trajectories
 from fluxjax.rollout.backend import LoopThread, Sampler
-from fluxjax.rollout.client import Completion
+from fluxjax.rollout.protocol import Completion, GenerateRequest
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Producer:
     admission: the admission controller (batch size P prompts).
     next_samples: () -> the loader's next batch of SampleMeta ([] or
       StopIteration at the end of the data).
-    make_body: (sample, prompt inputs, response index) -> /generate body.
+    make_request: (sample, prompt inputs, response index) -> its request.
     prompt_fn: sample -> its prompt SequenceInputs.
     decode: the tokenizer's `decode(ids, skip_special_tokens=...)`: the text
       of a response continued from a partial one (recycling).
@@ -95,7 +95,7 @@ class Producer:
     admission: async_control.AdmissionController,
     *,
     next_samples,
-    make_body,
+    make_request,
     prompt_fn,
     decode: Callable[..., str],
     max_prompt_tokens: int,
@@ -111,7 +111,7 @@ class Producer:
     self.batcher = batcher
     self.admission = admission
     self.next_samples = next_samples
-    self.make_body = make_body
+    self.make_request = make_request
     self.prompt_fn = prompt_fn
     self.max_prompt_tokens = max_prompt_tokens
     self.release = release
@@ -381,9 +381,9 @@ class Producer:
         def on_kept(uid, completions, launch_version=launch_version, pending=pending):
           pending.append(asyncio.ensure_future(self._deliver(uid, completions, launch_version)))
 
-        def body(uid: tail_batching.PromptId, j: int) -> dict:
+        def request(uid: tail_batching.PromptId, j: int) -> GenerateRequest:
           assert isinstance(uid, int), "the producer's prompt ids are sample uids"
-          return self.make_body(self.samples[uid], self._prompt(uid), j)
+          return self.make_request(self.samples[uid], self._prompt(uid), j)
 
         def on_finished(uid: tail_batching.PromptId, completion: Completion) -> None:
           assert isinstance(uid, int), "the producer's prompt ids are sample uids"
@@ -393,7 +393,7 @@ class Producer:
           result = await round_driver.run_round(
             self.rollout,
             self.batcher,
-            body,
+            request,
             on_kept=on_kept,
             on_finished=on_finished,
             plan=plan,

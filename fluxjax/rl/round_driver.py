@@ -2,7 +2,7 @@
 
 `run_round` plans a round with the pure scheduler (rl/tail_batching.py
 `TailBatcher`, `Round`), launches its requests on a `backend.Sampler`
-(`generate(body, group)`, `abort(rid)`, and `slot_stats()` where the backend
+(`generate(request, group)`, `abort(rid)`, and `slot_stats()` where the backend
 has slot counters), feeds each finished request to the `Round`, aborts what
 the round no longer needs, and commits the round to the batcher: whole on
 success, its kept prompts only on failure (the rest is queued again, with
@@ -25,7 +25,8 @@ from collections.abc import Callable, Sequence
 from fluxjax.rl.tail_batching import Carried, Key, PromptId, Round, RoundPlan, TailBatcher
 from fluxjax.rollout import protocol
 from fluxjax.rollout.backend import Sampler, SlotStats
-from fluxjax.rollout.client import Completion, RequestRejected
+from fluxjax.rollout.client import RequestRejected
+from fluxjax.rollout.protocol import Completion, GenerateRequest
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class RoundFailed(RuntimeError):
 async def run_round(
   rollout: Sampler,
   batcher: TailBatcher,
-  make_body: Callable[[PromptId, int], dict],
+  make_request: Callable[[PromptId, int], GenerateRequest],
   *,
   rid_prefix: str = "tb",
   max_retries: int = 2,
@@ -96,9 +97,9 @@ async def run_round(
     rollout: the backend (`EmbeddedRollout`, `Fleet`, or what wraps one).
     batcher: the scheduler; committed only if the round succeeds, so a failed
       round loses no prompt.
-    make_body: (prompt id, response index) -> SGLang /generate body (with
-      input_ids when recycling); `rid` is set here, and a continued response
-      gets `protocol.continue_body` of it.
+    make_request: (prompt id, response index) -> its request (by input_ids
+      when recycling); `rid` is set here, and a continued response gets the
+      request's `continued` form.
     rid_prefix: request ids are `{prefix}-{epoch}-{round}-{prompt}-{index}-{try}`.
     max_retries: re-launches of a response that the backend aborted on its own
       (pause, engine error) before the round fails; with recycling, an abort
@@ -133,7 +134,7 @@ async def run_round(
     rollout,
     batcher,
     plan,
-    make_body,
+    make_request,
     rid_prefix=rid_prefix,
     max_retries=max_retries,
     abort_grace_s=abort_grace_s,
@@ -151,7 +152,7 @@ class RoundDriver:
   Every response of the round has a key (prompt id, response index). A
   response is in at most one of `finished` (whole) and `so_far` (unfinished:
   carried in, or aborted here, when recycling); `tasks` maps each request in
-  flight to its key, rid and body.
+  flight to its key, rid and request.
   """
 
   def __init__(
@@ -159,7 +160,7 @@ class RoundDriver:
     rollout: Sampler,
     batcher: TailBatcher,
     plan: RoundPlan,
-    make_body: Callable[[PromptId, int], dict],
+    make_request: Callable[[PromptId, int], GenerateRequest],
     *,
     rid_prefix: str,
     max_retries: int,
@@ -169,14 +170,15 @@ class RoundDriver:
     version: str | None,
     decode: Callable[..., str] | None,
   ):
-    self.rollout, self.batcher, self.plan, self.make_body = rollout, batcher, plan, make_body
+    self.rollout, self.batcher, self.plan = rollout, batcher, plan
+    self.make_request = make_request
     self.rid_prefix, self.max_retries, self.abort_grace_s = rid_prefix, max_retries, abort_grace_s
     self.on_kept, self.on_finished = on_kept, on_finished
     self.version, self.decode = version, decode
     self.recycle = batcher.recycle
     self.rnd = Round(plan)
     self.order = {k: i for i, k in enumerate(plan.keys())}
-    self.tasks: dict[asyncio.Task, tuple[Key, str, dict]] = {}
+    self.tasks: dict[asyncio.Task, tuple[Key, str, GenerateRequest]] = {}
     self.tries: dict[Key, int] = {}
     self.finished: dict[Key, Completion] = {}
     self.so_far: dict[Key, Completion] = {}
@@ -236,15 +238,15 @@ class RoundDriver:
     n = self.tries.get(key, 0)
     self.tries[key] = n + 1
     rid = f"{self.rid_prefix}-{self.plan.epoch}-{self.plan.index}-{key[0]}-{key[1]}-{n}"
-    body = {**self.make_body(*key), "rid": rid}
+    request = dataclasses.replace(self.make_request(*key), rid=rid)
     prefix = self.so_far.get(key)
     if prefix is not None and prefix.output_ids:
-      body = protocol.continue_body(body, prefix.output_ids)
+      request = request.continued(prefix.output_ids)
       self.events["resumed"] += 1
-    task = asyncio.ensure_future(self.rollout.generate(body, str(key[0])))
-    self.tasks[task] = (key, rid, body)
+    task = asyncio.ensure_future(self.rollout.generate(request, str(key[0])))
+    self.tasks[task] = (key, rid, request)
 
-  def _record(self, key: Key, out: Completion, body: dict) -> Completion:
+  def _record(self, key: Key, out: Completion, request: GenerateRequest) -> Completion:
     """The whole response so far, from this request's output."""
     self.segments.append(out)
     out = out.pinned(self.version)
@@ -254,9 +256,8 @@ class RoundDriver:
       return out
     assert self.decode is not None, "checked by run_round"
     self.new_tokens[key] = self.new_tokens.get(key, 0) + len(out.output_ids)
-    sampling = protocol.SamplingParams.from_dict(body.get("sampling_params"))
     ids = prefix.output_ids + out.output_ids
-    text = protocol.output_text(ids, out.finish_reason, sampling, self.decode)
+    text = protocol.output_text(ids, out.finish_reason, request.sampling, self.decode)
     return prefix.continued_by(out, text)
 
   async def _abort(self, keys: list[Key]) -> None:
@@ -274,7 +275,7 @@ class RoundDriver:
   # --- one finished request ---------------------------------------------------------
 
   async def _on_done(self, t: asyncio.Task) -> None:
-    key, rid, body = self.tasks.pop(t)
+    key, rid, request = self.tasks.pop(t)
     error = t.exception()
     if isinstance(error, RequestRejected):
       prefix = self.so_far.get(key)
@@ -284,7 +285,7 @@ class RoundDriver:
       else:
         await self._reject(key, error)
       return
-    whole = self._record(key, t.result(), body)  # other errors fail the round
+    whole = self._record(key, t.result(), request)  # other errors fail the round
     if whole.finish_type == "abort":
       self._on_aborted(key, rid, whole)
       return
@@ -356,9 +357,9 @@ class RoundDriver:
     _, pending = await asyncio.wait(list(self.tasks), timeout=self.abort_grace_s)
     for t in pending:
       t.cancel()
-    for t, (key, _, body) in sorted(self.tasks.items(), key=lambda kv: self.order[kv[1][0]]):
+    for t, (key, _, request) in sorted(self.tasks.items(), key=lambda kv: self.order[kv[1][0]]):
       if t.done() and not t.cancelled() and t.exception() is None:
-        whole = self._record(key, t.result(), body)
+        whole = self._record(key, t.result(), request)
         if self.recycle:
           if whole.finish_type == "abort":
             self.so_far[key] = whole

@@ -9,7 +9,7 @@ advantage on every response token, and the behaviour logprobs aligned with
 the tokens they score. A response continued across rounds (a partial
 rollout) carries each token's own behaviour logprob, so the importance
 weight of every token is taken against the policy version that sampled it;
-the per-token versions (`Completion.token_versions`) feed the staleness.
+the per-token versions (`Completion.versions`) feed the staleness.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 from fluxjax.models.inputs import SequenceInputs
 from fluxjax.parallel.batch import TrainSequence
 from fluxjax.rl import advantages as adv_lib
-from fluxjax.rollout.client import Completion
+from fluxjax.rollout.protocol import Completion
 
 
 @dataclasses.dataclass
@@ -74,7 +74,7 @@ def missing_logprobs(key: str, completion: Completion) -> MissingLogprobs | None
   nulls = [i for i, lp in enumerate(lps) if lp is None or not math.isfinite(lp)]
   if not nulls:
     return None
-  per_token = completion.token_versions()
+  per_token = completion.versions()
   versions = sorted({per_token[i] for i in nulls})
   return MissingLogprobs(
     f"{where} lacks a finite behaviour logprob for {len(nulls)} of its"

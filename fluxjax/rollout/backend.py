@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
-from fluxjax.rollout.client import Completion
+from fluxjax.rollout.protocol import Completion, GenerateRequest
 
 if TYPE_CHECKING:  # the model code is JAX: the fleet client does not load it to type this
   from fluxjax.models import vlm
@@ -54,8 +54,8 @@ class SlotStats:
 class Sampler(Protocol):
   """What a tail-batched round needs from a backend."""
 
-  async def generate(self, body: dict, group: str | None = None) -> Completion:
-    """Runs one SGLang /generate body to its end (or its abort).
+  async def generate(self, request: GenerateRequest, group: str | None = None) -> Completion:
+    """Runs one request to its end (or its abort).
 
     `group` keys prompt affinity (a GRPO group shares a server's prefix
     cache); None lets the backend derive it from the prompt.

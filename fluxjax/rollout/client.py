@@ -8,12 +8,13 @@ Errors are split by what the caller should do about them:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+
+from fluxjax.rollout.protocol import Completion, GenerateRequest
 
 
 class RequestRejected(ValueError):
@@ -32,115 +33,6 @@ def _raise_for_status(where: str, status: int, data: Any, raw: str) -> None:
   if 400 <= status < 500 and status != 404:
     msg = data.get("error", {}).get("message", raw) if isinstance(data, dict) else raw
     raise RequestRejected(f"{where}: HTTP {status}: {msg}")
-
-
-@dataclasses.dataclass
-class Completion:
-  """One finished (or aborted) response, parsed from the SGLang response body.
-
-  Attributes:
-    rid: the request id.
-    text: decoded output (stop string/token trimmed as the server does).
-    output_ids: generated ids, the matched EOS included.
-    logprobs: behaviour logprob per output id (None where the server sent null).
-    finish_reason: SGLang's dict: {"type": "stop"|"length"|"abort", ...}.
-    prompt_tokens: expanded prompt length.
-    weight_version: the server's weight version when the response was built.
-    server: URL of the server that produced it.
-    meta_info: the full meta_info dict.
-  """
-
-  rid: str
-  text: str
-  output_ids: list[int]
-  logprobs: list[float | None]
-  finish_reason: dict
-  prompt_tokens: int | None
-  weight_version: str
-  server: str
-  meta_info: dict
-
-  @property
-  def finish_type(self) -> str:
-    return self.finish_reason["type"]
-
-  def token_versions(self, default: str | None = None) -> list[str]:
-    """The weight version that sampled each output token.
-
-    fluxjax's servers report it per token; an SGLang server reports only the
-    version at the end, so every token gets `default` (the caller's version
-    at launch: the oldest that can have sampled it) or, failing that, the
-    final version.
-    """
-    per_token = self.meta_info.get("output_token_weight_versions")
-    if per_token is not None and len(per_token) == len(self.output_ids):
-      return [str(v) for v in per_token]
-    return [str(self.weight_version if default is None else default)] * len(self.output_ids)
-
-  def pinned(self, default: str | None) -> Completion:
-    """This completion with every token's version written out.
-
-    A response may be paused and continued by later requests; each piece
-    keeps the versions of its own tokens (`token_versions(default)` with the
-    version its request was launched under).
-    """
-    meta = {**self.meta_info, "output_token_weight_versions": self.token_versions(default)}
-    return dataclasses.replace(self, meta_info=meta)
-
-  def continued_by(self, rest: Completion, text: str) -> Completion:
-    """This paused response followed by `rest`, its continuation.
-
-    Tokens, behaviour logprobs and per-token versions are concatenated (both
-    pieces pinned first); the finish reason, rid, server and final version are
-    the continuation's, `prompt_tokens` stays the original prompt's.
-
-    Args:
-      rest: the completion of the request that resumed this one from prompt
-        + these tokens (pinned).
-      text: the whole response's text (decoded once: a character may straddle
-        the pause).
-    """
-    meta = {
-      **rest.meta_info,
-      "prompt_tokens": self.prompt_tokens,
-      "completion_tokens": len(self.output_ids) + len(rest.output_ids),
-      "output_token_weight_versions": self.token_versions() + rest.token_versions(),
-      "output_token_logprobs": list(self.meta_info.get("output_token_logprobs") or [])
-      + list(rest.meta_info.get("output_token_logprobs") or []),
-      "segments": int(self.meta_info.get("segments", 1)) + int(rest.meta_info.get("segments", 1)),
-    }
-    return dataclasses.replace(
-      rest,
-      text=text,
-      output_ids=self.output_ids + rest.output_ids,
-      logprobs=self.logprobs + rest.logprobs,
-      prompt_tokens=self.prompt_tokens,
-      meta_info=meta,
-    )
-
-  def to_dict(self) -> dict:
-    """A JSON-able dict (checkpointed partial responses); `from_dict` reads it."""
-    return dataclasses.asdict(self)
-
-  @classmethod
-  def from_dict(cls, d: dict) -> Completion:
-    return cls(**d)
-
-  @classmethod
-  def from_response(cls, body: dict, server: str) -> Completion:
-    meta = body["meta_info"]
-    lps = meta.get("output_token_logprobs") or []
-    return cls(
-      rid=meta["id"],
-      text=body.get("text", ""),
-      output_ids=list(body["output_ids"]),
-      logprobs=[x[0] for x in lps],
-      finish_reason=meta["finish_reason"],
-      prompt_tokens=meta.get("prompt_tokens"),
-      weight_version=str(meta.get("weight_version")),
-      server=server,
-      meta_info=meta,
-    )
 
 
 _CONNECTION_ERRORS = (
@@ -210,17 +102,20 @@ class SGLangClient:
     _raise_for_status(self.url + path, status, data, raw)
     return status, data
 
-  async def generate(self, body: dict) -> Completion:
-    body = {**body, "stream": False}
-    status, data = await self.request("POST", "/generate", body)
+  async def generate(self, request: GenerateRequest) -> Completion:
+    status, data = await self.request("POST", "/generate", {**request.to_body(), "stream": False})
     if status != 200:
       raise RequestRejected(f"{self.url}/generate: HTTP {status}")
-    return Completion.from_response(data, self.url)
+    return Completion.from_body(data, self.url)
 
-  async def generate_stream(self, body: dict) -> AsyncIterator[dict]:
-    """Yields SGLang's cumulative SSE chunks (the last has a finish_reason)."""
+  async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[Completion]:
+    """Yields SGLang's cumulative SSE chunks (the last has a finish_reason).
+
+    Raises:
+      ServerUnavailable: the server reported an error mid-stream.
+    """
     session = await self.session()
-    body = {**body, "stream": True}
+    body = {**request.to_body(), "stream": True}
     try:
       async with session.post(
         self.url + "/generate", timeout=self.timeout, **_json_request(body)
@@ -240,7 +135,10 @@ class SGLangClient:
           payload = line[5:].strip()
           if payload == b"[DONE]":
             return
-          yield json.loads(payload)
+          chunk = json.loads(payload)
+          if "error" in chunk:
+            raise ServerUnavailable(f"{self.url}/generate: {chunk['error'].get('message')}")
+          yield Completion.from_body(chunk, self.url)
     except _CONNECTION_ERRORS as e:
       raise ServerUnavailable(f"{self.url}/generate: {type(e).__name__}: {e}") from e
 

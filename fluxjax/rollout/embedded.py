@@ -1,8 +1,8 @@
 """The in-process rollout backend: the engine in a thread, the fleet's interface.
 
-`EmbeddedRollout` implements `backend.RolloutBackend`: `generate(body, group)`
-takes the same SGLang /generate body as `Fleet.generate` and returns the same
-`Completion`, so the coordinator does not care which backend runs. Weight
+`EmbeddedRollout` implements `backend.RolloutBackend`: `generate(request,
+group)` takes the same typed request as `Fleet.generate` and returns the same
+`Completion` (no JSON on the way), so the coordinator does not care which backend runs. Weight
 updates hand arrays over directly (`publish`, `update_params`), with no disk
 round trip, and the engine's slot counters feed tail batching's statistics.
 """
@@ -17,7 +17,8 @@ from fluxjax.rollout import engine as engine_lib
 from fluxjax.rollout import prompt, protocol
 from fluxjax.rollout import publish as publish_lib
 from fluxjax.rollout.backend import SlotStats
-from fluxjax.rollout.client import Completion, RequestRejected
+from fluxjax.rollout.client import RequestRejected
+from fluxjax.rollout.protocol import Completion, GenerateRequest
 
 
 class EmbeddedRollout:
@@ -48,27 +49,25 @@ class EmbeddedRollout:
     self.proc_cfg = proc_cfg or processor.VisionProcessorConfig()
     self.engine.start()
 
-  async def generate(self, body: dict, group: str | None = None) -> Completion:
+  async def generate(self, request: GenerateRequest, group: str | None = None) -> Completion:
     """The request's completion; raises `engine.NonFiniteLogits` if the weights
     gave non-finite logits for it (a broken policy, not a refused request)."""
     del group  # one engine: every group shares it
     loop = asyncio.get_running_loop()
     try:
-      reqs, batched = protocol.parse_generate(body)
-      if batched:
-        raise protocol.ProtocolError("the backend takes one prompt per request")
-      req = reqs[0]
       seq = await loop.run_in_executor(
         None,
         prompt.build_sequence,
-        req,
+        request,
         self.tokenizer,
         self.engine.cfg,
         self.proc_cfg,
         self.limits,
       )
       # What the server refuses, in the same words (its context is the slots').
-      protocol.check_context_length(len(seq), req.requested_max_new_tokens, self.engine.capacity)
+      protocol.check_context_length(
+        len(seq), request.requested_max_new_tokens, self.engine.capacity
+      )
       done = loop.create_future()
 
       def on_event(r):
@@ -77,7 +76,11 @@ class EmbeddedRollout:
 
       ereq = self.engine.submit(
         engine_lib.EngineRequest(
-          req.rid, seq, req.sampling, return_logprob=req.return_logprob, on_event=on_event
+          request.rid,
+          seq,
+          request.sampling,
+          return_logprob=request.return_logprob,
+          on_event=on_event,
         )
       )
     except protocol.ProtocolError as e:
@@ -89,8 +92,7 @@ class EmbeddedRollout:
         self.engine.abort(ereq.rid)
     if ereq.error is not None:  # the served weights gave non-finite logits
       raise ereq.error
-    body = engine_lib.response(ereq, self.tokenizer, self.engine.weight_version)
-    return Completion.from_response(body, self.url)
+    return engine_lib.response(ereq, self.tokenizer, self.engine.weight_version, self.url)
 
   async def abort(self, rid: str) -> None:
     self.engine.abort(rid)

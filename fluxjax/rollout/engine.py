@@ -27,7 +27,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -629,37 +628,24 @@ def output_text(req: EngineRequest, tokenizer: Tokenizer) -> str:
 
 
 def response(
-  req: EngineRequest,
-  tokenizer: Tokenizer,
-  weight_version: str,
-  return_text_in_logprobs: bool = False,
-) -> dict:
-  """The /generate response body (also each streamed chunk, cumulative)."""
-  done = req.finish_reason is not None
-  text = req.finished_text if done else output_text(req, tokenizer)
-  meta: dict[str, Any] = {
-    "id": req.rid,
-    "finish_reason": req.finish_reason,
-    "prompt_tokens": req.prompt_tokens,
-    "weight_version": weight_version,
-    "total_retractions": 0,
-    "completion_tokens": len(req.output_ids),
-    "cached_tokens": 0,
-    # fluxjax extension (SGLang sends only weight_version): per-token versions.
-    "output_token_weight_versions": list(req.output_versions),
-  }
-  if req.return_logprob:
-    meta["input_token_logprobs"] = []
+  req: EngineRequest, tokenizer: Tokenizer, weight_version: str, server: str = ""
+) -> protocol.Completion:
+  """The request's completion so far (final once it has a finish reason)."""
+  text = req.finished_text
+  if text is None:  # still running (a streamed chunk)
+    text = output_text(req, tokenizer)
+  logprobs = (
     # orjson writes NaN/Inf as null; so do we.
-    meta["output_token_logprobs"] = [
-      [
-        lp if np.isfinite(lp) else None,
-        t,
-        tokenizer.decode([t]) if return_text_in_logprobs else None,
-      ]
-      for lp, t in zip(req.output_logprobs, req.output_ids)
-    ]
-  if done:
-    meta["e2e_latency"] = time.time() - req.created
-    meta["response_sent_to_client_ts"] = time.time()
-  return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+    [lp if np.isfinite(lp) else None for lp in req.output_logprobs] if req.return_logprob else []
+  )
+  return protocol.Completion(
+    rid=req.rid,
+    text=text,
+    output_ids=list(req.output_ids),
+    logprobs=logprobs,
+    finish_reason=req.finish_reason,
+    prompt_tokens=req.prompt_tokens,
+    weight_version=weight_version,
+    token_versions=list(req.output_versions),
+    server=server,
+  )

@@ -41,7 +41,8 @@ import aiohttp
 
 from fluxjax.rollout import protocol
 from fluxjax.rollout.backend import SlotStats
-from fluxjax.rollout.client import Completion, RequestRejected, ServerUnavailable, SGLangClient
+from fluxjax.rollout.client import RequestRejected, ServerUnavailable, SGLangClient
+from fluxjax.rollout.protocol import Completion, GenerateRequest
 
 if TYPE_CHECKING:  # JAX model code: loaded by `publish` only
   from fluxjax.models import vlm
@@ -64,17 +65,16 @@ class ServerState:
     return self.client.url
 
 
-def _cost(body: dict) -> int:
-  prompt = len(body.get("input_ids") or ()) or len(body.get("text") or "") // 4 + 1
-  max_new = (body.get("sampling_params") or {}).get("max_new_tokens", 128) or 128
-  return prompt + max_new
+def _cost(request: GenerateRequest) -> int:
+  prompt = len(request.input_ids or ()) or len(request.text or "") // 4 + 1
+  return prompt + (request.sampling.max_new_tokens or protocol.SAMPLING_DEFAULTS["max_new_tokens"])
 
 
-def prompt_key(body: dict) -> str:
+def prompt_key(request: GenerateRequest) -> str:
   """Default group key: the prompt ids/text and its media."""
   h = hashlib.sha1()
-  for k in ("input_ids", "text", "image_data", "video_data"):
-    h.update(json.dumps(body.get(k), sort_keys=True).encode())
+  for part in (request.input_ids, request.text, request.image_data, request.video_data):
+    h.update(json.dumps(part).encode())
   return h.hexdigest()
 
 
@@ -234,17 +234,16 @@ class Fleet:
     for g in [g for g, s in self.affinity.items() if s is server]:
       del self.affinity[g]
 
-  async def generate(self, body: dict, group: str | None = None) -> Completion:
+  async def generate(self, request: GenerateRequest, group: str | None = None) -> Completion:
     """Runs one request to completion, retrying on other servers if one fails.
 
     Raises:
       RequestRejected: the request is malformed (no retry).
       NoServerAvailable: every attempt failed.
     """
-    group = group or prompt_key(body)
-    rid = body.get("rid") or os.urandom(16).hex()
-    body = {**body, "rid": rid}
-    cost = _cost(body)
+    group = group or prompt_key(request)
+    rid = request.rid
+    cost = _cost(request)
     tried: set = set()
     last: Exception | None = None
     for attempt in range(self.max_attempts):
@@ -253,7 +252,7 @@ class Fleet:
       server.inflight.add(rid)
       self.where[rid] = server
       try:
-        out = await server.client.generate(body)
+        out = await server.client.generate(request)
         server.weight_version = out.weight_version
         server.completed += 1
         return out
@@ -271,18 +270,18 @@ class Fleet:
     raise NoServerAvailable(f"request {rid} failed on every server: {last}")
 
   async def generate_many(
-    self, bodies: Sequence[dict], groups: Sequence[str | None] | None = None
+    self, requests: Sequence[GenerateRequest], groups: Sequence[str | None] | None = None
   ) -> AsyncIterator[tuple[int, Completion | Exception]]:
     """Yields (index, completion or error) as each request finishes."""
-    groups = groups or [None] * len(bodies)
+    groups = groups or [None] * len(requests)
 
     async def one(i):
       try:
-        return i, await self.generate(bodies[i], groups[i])
+        return i, await self.generate(requests[i], groups[i])
       except (RequestRejected, ServerUnavailable) as e:
         return i, e
 
-    tasks = [asyncio.create_task(one(i)) for i in range(len(bodies))]
+    tasks = [asyncio.create_task(one(i)) for i in range(len(requests))]
     try:
       for fut in asyncio.as_completed(tasks):
         yield await fut

@@ -3,7 +3,7 @@
 Our client and our server both speak exactly this, so the client works
 against a real SGLang fleet and is always tested against a real server.
 
-  POST /generate             GenerateRequest -> response dict (or SSE chunks)
+  POST /generate             GenerateRequest -> Completion (or SSE chunks of it)
   POST /abort_request        {"rid": str, "abort_all": bool}
   POST /pause_generation     {"mode": "abort" | "in_place" | "retract"}
   POST /continue_generation  {}
@@ -319,6 +319,28 @@ class SamplingParams:
       logit_bias=bias,
     )
 
+  def to_dict(self) -> dict[str, Any]:
+    """SGLang's sampling_params for these values (`from_dict` reads it back
+    to equal parameters): the fields at their defaults are left out."""
+    d: dict[str, Any] = {
+      "max_new_tokens": self.max_new_tokens,
+      "temperature": self.temperature,
+      "top_p": self.top_p,
+      "top_k": -1 if self.top_k == TOP_K_ALL else self.top_k,
+    }
+    if self.stop:
+      d["stop"] = list(self.stop)
+    if self.stop_token_ids:
+      d["stop_token_ids"] = list(self.stop_token_ids)
+    for key in BOOL_SAMPLING_KEYS:
+      if key != "spaces_between_special_tokens" and getattr(self, key) != SAMPLING_DEFAULTS[key]:
+        d[key] = getattr(self, key)
+    if self.sampling_seed is not None:
+      d["sampling_seed"] = self.sampling_seed
+    if self.logit_bias:
+      d["logit_bias"] = {str(i): b for i, b in self.logit_bias}
+    return d
+
 
 def _logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
   """SGLang's logit_bias {str(token_id): bias} as sorted (id, bias) pairs."""
@@ -336,9 +358,11 @@ def _logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
   return tuple(sorted(out))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class GenerateRequest:
-  """One prompt's /generate request (a batch is several).
+  """One prompt's /generate request (a batch is several): what the RL side
+  builds (`of`), the server parses (`parse_generate`) and the client sends
+  (`to_body`).
 
   `requested_max_new_tokens` is max_new_tokens as the request gave it (None
   when absent or null): SGLang checks only an explicit limit against the
@@ -355,6 +379,234 @@ class GenerateRequest:
   return_text_in_logprobs: bool = False
   stream: bool = False
   requested_max_new_tokens: int | None = None
+
+  @classmethod
+  def of(
+    cls,
+    input_ids: Sequence[int],
+    sampling: dict[str, Any] | SamplingParams,
+    *,
+    rid: str | None = None,
+    image_data: Sequence[str] = (),
+    video_data: Sequence[str] = (),
+    return_logprob: bool = True,
+  ) -> GenerateRequest:
+    """A token-id request as RL clients send it (slime's and AReaL's shape).
+
+    Args:
+      input_ids: the prompt, chat template and media pads expanded.
+      sampling: SGLang's sampling_params (validated and normalized here, as
+        the server would) or parameters already validated.
+      rid: the request id; None draws one.
+      image_data, video_data: media paths, URLs or data URIs.
+      return_logprob: report the behaviour logprob of every output token.
+
+    Raises:
+      ProtocolError: the ids or the sampling parameters are invalid.
+    """
+    if isinstance(sampling, SamplingParams):
+      params, requested = sampling, sampling.max_new_tokens
+    else:
+      params, requested = SamplingParams.from_dict(sampling), sampling.get("max_new_tokens")
+    return cls(
+      rid=rid or uuid.uuid4().hex,
+      sampling=params,
+      input_ids=_check_ids([int(i) for i in input_ids]),
+      image_data=list(image_data),
+      video_data=list(video_data),
+      return_logprob=return_logprob,
+      requested_max_new_tokens=requested,
+    )
+
+  def to_body(self) -> dict[str, Any]:
+    """The JSON body that `parse_generate` reads back to this request."""
+    params = self.sampling.to_dict()
+    if self.requested_max_new_tokens is None and self.sampling.max_new_tokens is not None:
+      del params["max_new_tokens"]  # absent: the server's default and its clipping
+    body: dict[str, Any] = {
+      "rid": self.rid,
+      "sampling_params": params,
+      "return_logprob": self.return_logprob,
+      "stream": self.stream,
+    }
+    if self.text is not None:
+      body["text"] = self.text
+    if self.input_ids is not None:
+      body["input_ids"] = list(self.input_ids)
+    if self.image_data:
+      body["image_data"] = list(self.image_data)
+    if self.video_data:
+      body["video_data"] = list(self.video_data)
+    if self.return_text_in_logprobs:
+      body["return_text_in_logprobs"] = True
+    return body
+
+  def continued(self, output_ids: Sequence[int]) -> GenerateRequest:
+    """The request that resumes this one's response after `output_ids`.
+
+    A partial rollout: the prompt becomes prompt + the tokens generated so
+    far and max_new_tokens shrinks by as many, so the response ends where the
+    uninterrupted one would. A seeded request keeps its seed: sampling is
+    keyed by the token's position in the sequence (SGLang's and our engine's
+    seeded sampler), so under the same weights the continuation draws the
+    tokens the uninterrupted request would have drawn. Stop strings are
+    matched on the continuation's own text only; a stop string that straddles
+    the pause is not seen.
+
+    Raises:
+      ValueError: the request has no input_ids (a text prompt cannot be
+        extended token-exactly), or `output_ids` already reach max_new_tokens.
+    """
+    if self.input_ids is None:
+      raise ValueError("only an input_ids request can be continued from its partial output")
+    n, limit = len(output_ids), self.sampling.max_new_tokens
+    sampling, requested = self.sampling, self.requested_max_new_tokens
+    if limit is not None:
+      if n >= limit:
+        raise ValueError(f"the partial output ({n} tokens) already reaches max_new_tokens {limit}")
+      sampling = dataclasses.replace(sampling, max_new_tokens=limit - n)
+      requested = limit - n
+    return dataclasses.replace(
+      self,
+      input_ids=list(self.input_ids) + [int(i) for i in output_ids],
+      sampling=sampling,
+      requested_max_new_tokens=requested,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+  """One response as /generate answers it: finished, aborted, or (a streamed
+  chunk) still running.
+
+  Attributes:
+    rid: the request id.
+    text: decoded output (stop string/token trimmed as the server does).
+    output_ids: generated ids, the matched EOS included.
+    logprobs: behaviour logprob per output id (None where the server sent
+      null); empty unless the request asked for them.
+    finish_reason: SGLang's dict, {"type": "stop"|"length"|"abort", ...};
+      None while running.
+    prompt_tokens: expanded prompt length.
+    weight_version: the server's weight version when the response was built.
+    token_versions: the weight version that sampled each output token, where
+      the server reports it (fluxjax's servers; SGLang reports only
+      `weight_version`).
+    segments: requests this response was generated in (a paused response
+      continued by later requests has several).
+    server: URL of the server that produced it.
+  """
+
+  rid: str
+  text: str
+  output_ids: list[int]
+  logprobs: list[float | None]
+  finish_reason: dict | None
+  prompt_tokens: int | None
+  weight_version: str
+  token_versions: list[str] | None = None
+  segments: int = 1
+  server: str = ""
+
+  @property
+  def finish_type(self) -> str | None:
+    return None if self.finish_reason is None else self.finish_reason["type"]
+
+  def versions(self, default: str | None = None) -> list[str]:
+    """The weight version that sampled each output token: the reported ones,
+    else every token gets `default` (the caller's version at launch: the
+    oldest that can have sampled it) or, failing that, the final version."""
+    if self.token_versions is not None:
+      return list(self.token_versions)
+    return [str(self.weight_version if default is None else default)] * len(self.output_ids)
+
+  def pinned(self, default: str | None) -> Completion:
+    """This completion with every token's version written out.
+
+    A response may be paused and continued by later requests; each piece
+    keeps the versions of its own tokens (`versions(default)` with the
+    version its request was launched under).
+    """
+    return dataclasses.replace(self, token_versions=self.versions(default))
+
+  def continued_by(self, rest: Completion, text: str) -> Completion:
+    """This paused response followed by `rest`, its continuation.
+
+    Tokens, behaviour logprobs and per-token versions are concatenated (both
+    pieces pinned first); the finish reason, rid, server and final version are
+    the continuation's, `prompt_tokens` stays the original prompt's.
+
+    Args:
+      rest: the completion of the request that resumed this one from prompt
+        + these tokens (pinned).
+      text: the whole response's text (decoded once: a character may straddle
+        the pause).
+    """
+    return dataclasses.replace(
+      rest,
+      text=text,
+      output_ids=self.output_ids + rest.output_ids,
+      logprobs=self.logprobs + rest.logprobs,
+      prompt_tokens=self.prompt_tokens,
+      token_versions=self.versions() + rest.versions(),
+      segments=self.segments + rest.segments,
+    )
+
+  def to_dict(self) -> dict[str, Any]:
+    """A JSON-able dict (checkpointed partial responses); `from_dict` reads it."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> Completion:
+    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+      raise ValueError(f"a saved response with fields {unknown} this fluxjax does not know")
+    return cls(**d)
+
+  def to_body(self, return_logprob: bool, token_text: Callable[[int], str] | None = None) -> dict:
+    """The /generate answer; `token_text` adds each output token's text to
+    its logprob entry (return_text_in_logprobs)."""
+    meta: dict[str, Any] = {
+      "id": self.rid,
+      "finish_reason": self.finish_reason,
+      "prompt_tokens": self.prompt_tokens,
+      "weight_version": self.weight_version,
+      "total_retractions": 0,
+      "completion_tokens": len(self.output_ids),
+      "cached_tokens": 0,
+    }
+    if self.token_versions is not None:  # fluxjax's extension
+      meta["output_token_weight_versions"] = list(self.token_versions)
+    if self.segments != 1:
+      meta["segments"] = self.segments
+    if return_logprob:
+      meta["input_token_logprobs"] = []
+      meta["output_token_logprobs"] = [
+        [lp, t, None if token_text is None else token_text(t)]
+        for lp, t in zip(self.logprobs, self.output_ids)
+      ]
+    return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+
+  @classmethod
+  def from_body(cls, body: dict, server: str) -> Completion:
+    """A /generate answer from `server`, SGLang's or ours."""
+    meta = body["meta_info"]
+    ids = list(body["output_ids"])
+    versions = meta.get("output_token_weight_versions")
+    return cls(
+      rid=meta["id"],
+      text=body.get("text", ""),
+      output_ids=ids,
+      logprobs=[x[0] for x in meta.get("output_token_logprobs") or []],
+      finish_reason=meta["finish_reason"],
+      prompt_tokens=meta.get("prompt_tokens"),
+      weight_version=str(meta.get("weight_version")),
+      token_versions=None
+      if versions is None or len(versions) != len(ids)
+      else [str(v) for v in versions],
+      segments=int(meta.get("segments", 1)),
+      server=server,
+    )
 
 
 def _as_list(x) -> list:
@@ -648,70 +900,8 @@ def output_text(
   return text
 
 
-def continue_body(body: dict, output_ids: Sequence[int]) -> dict:
-  """The /generate body that resumes `body`'s response after `output_ids`.
-
-  A partial rollout: the prompt becomes prompt + the tokens generated so far
-  and max_new_tokens shrinks by as many, so the response ends where the
-  uninterrupted one would. A seeded request keeps its seed: sampling is keyed
-  by the token's position in the sequence (SGLang's and our engine's seeded
-  sampler), so under the same weights the continuation draws the tokens the
-  uninterrupted request would have drawn. Stop strings are matched on the
-  continuation's own text only; a stop string that straddles the pause is not
-  seen.
-
-  Raises:
-    ValueError: the body has no input_ids (a text prompt cannot be extended
-      token-exactly), or `output_ids` already reach max_new_tokens.
-  """
-  if body.get("input_ids") is None:
-    raise ValueError("only an input_ids request can be continued from its partial output")
-  params = dict(body.get("sampling_params") or {})
-  n = len(output_ids)
-  limit = params.get("max_new_tokens", SAMPLING_DEFAULTS["max_new_tokens"])
-  if limit is not None:
-    if n >= int(limit):
-      raise ValueError(f"the partial output ({n} tokens) already reaches max_new_tokens {limit}")
-    params["max_new_tokens"] = int(limit) - n
-  return {
-    **body,
-    "input_ids": [int(i) for i in body["input_ids"]] + [int(i) for i in output_ids],
-    "sampling_params": params,
-  }
-
-
 def error_body(message: str) -> dict:
   return {"error": {"message": message}}
-
-
-def generate_request_body(
-  input_ids: list[int] | None = None,
-  *,
-  text: str | None = None,
-  sampling_params: dict | None = None,
-  rid: str | None = None,
-  image_data: list[str] | None = None,
-  video_data: list[str] | None = None,
-  return_logprob: bool = True,
-  stream: bool = False,
-) -> dict:
-  """A /generate body as RL clients send it (slime / AReaL shape)."""
-  body: dict[str, Any] = {
-    "sampling_params": dict(sampling_params or {}),
-    "return_logprob": return_logprob,
-    "stream": stream,
-  }
-  if text is not None:
-    body["text"] = text
-  if input_ids is not None:
-    body["input_ids"] = [int(i) for i in input_ids]
-  if rid is not None:
-    body["rid"] = rid
-  if image_data:
-    body["image_data"] = list(image_data)
-  if video_data:
-    body["video_data"] = list(video_data)
-  return body
 
 
 def server_flag(key: str) -> str:

@@ -17,12 +17,12 @@ abort_all, health, rejoin refits and metrics work on the workers; only
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import os
 import time
 from collections.abc import Sequence
 
-from fluxjax.rollout.client import Completion, RequestRejected, ServerUnavailable, SGLangClient
+from fluxjax.rollout.client import RequestRejected, ServerUnavailable, SGLangClient
 from fluxjax.rollout.fleet import (
   Fleet,
   LaunchedServers,
@@ -30,6 +30,7 @@ from fluxjax.rollout.fleet import (
   free_port,
   launch_servers,
 )
+from fluxjax.rollout.protocol import Completion, GenerateRequest
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class RoutedFleet(Fleet):
     self.servers = [known.get(u) or self._server_state(u) for u in urls]
     return urls
 
-  async def generate(self, body: dict, group: str | None = None) -> Completion:
+  async def generate(self, request: GenerateRequest, group: str | None = None) -> Completion:
     """Runs one request through the router, retrying on 5xx and lost connections.
 
     `group` is not sent: the router's policy places requests.
@@ -104,7 +105,7 @@ class RoutedFleet(Fleet):
       NoServerAvailable: every attempt failed.
     """
     del group
-    rid = body.get("rid") or os.urandom(16).hex()
+    rid = request.rid
     last: Exception | None = None
     try:
       for attempt in range(self.max_attempts):
@@ -113,7 +114,7 @@ class RoutedFleet(Fleet):
         current = rid if attempt == 0 else f"{rid}-retry{attempt}"
         self._attempt_rid[rid] = current
         try:
-          return await self.router.generate({**body, "rid": current})
+          return await self.router.generate(dataclasses.replace(request, rid=current))
         except ServerUnavailable as e:
           last = e
           self.retries += 1

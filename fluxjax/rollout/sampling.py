@@ -19,7 +19,7 @@ Randomness: the key of the token sampled at position n of the sequence
 (prompt included) is fold_in(key(seed), n), as SGLang's seeded sampler hashes
 (seed, position). So a request with a given `sampling_seed` produces the same
 tokens whatever else is batched with it, and a paused response continued from
-prompt + its partial tokens (rollout/protocol.py `continue_body`) draws what
+prompt + its partial tokens (`GenerateRequest.continued`, rollout/protocol.py) draws what
 the uninterrupted one would have.
 
 Shapes: S slots, V vocabulary.

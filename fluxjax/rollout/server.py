@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
 
 import aiohttp
@@ -278,9 +279,15 @@ class RolloutServer:
         log.warning("ignoring /generate field %r: not a field of SGLang's GenerateReqInput", key)
 
   def _response(self, ereq, req) -> dict:
-    return engine_lib.response(
-      ereq, self._tokenizer(), self._ready().weight_version, req.return_text_in_logprobs
-    )
+    """The /generate answer (also each streamed chunk, cumulative)."""
+    tokenizer = self._tokenizer()
+    out = engine_lib.response(ereq, tokenizer, self._ready().weight_version)
+    token_text = (lambda t: tokenizer.decode([t])) if req.return_text_in_logprobs else None
+    body = out.to_body(req.return_logprob, token_text)
+    if out.finish_reason is not None:
+      now = time.time()
+      body["meta_info"].update(e2e_latency=now - ereq.created, response_sent_to_client_ts=now)
+    return body
 
   async def _stream(self, request, ereq, events, req) -> web.StreamResponse:
     """SSE: cumulative chunks `data: {...}\\n\\n`, then `data: [DONE]`."""

@@ -56,6 +56,18 @@ def devices():
   return devs
 
 
+@pytest.fixture(scope="session")
+def tiny_model():
+  """The tiny preset at seed 0, unsharded, built once per test process.
+
+  Shared: a test that changes weights works on its own copy
+  (`vlm.create_model` with another seed, or `nnx.clone`).
+  """
+  from fluxjax.models import config, vlm  # pylint: disable=import-outside-toplevel
+
+  return vlm.create_model(config.preset("tiny"), seed=0)
+
+
 # --- nothing written into the repository tree ----------------------------------------
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

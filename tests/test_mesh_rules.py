@@ -73,10 +73,10 @@ def test_partition_spec_skips_indivisible_dims(devices):
   assert rules.partition_spec((axes.EMBED,), (12,), r, mesh) == jax.sharding.PartitionSpec(None)
 
 
-def test_sharded_init_places_shards_without_a_whole_copy(devices):
+def test_sharded_init_places_shards_without_a_whole_copy(devices, tiny_model):
   mesh = mesh_lib.make_mesh(sp_axes=(("sp", 2),))
   model = sharded.create_sharded_model(config_lib.preset("tiny"), mesh, seed=0, log_table=False)
-  reference = vlm.create_model(config_lib.preset("tiny"), seed=0)
+  reference = tiny_model
   want = dict(nnx.to_flat_state(nnx.state(reference, nnx.Param)))
   for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     value = var.get_value()

@@ -24,7 +24,7 @@ import pytest
 from flax import nnx
 
 from fluxjax import faults
-from fluxjax.models import config, inputs, vlm
+from fluxjax.models import config, inputs
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import train_step
 from fluxjax.rl import coordinator as coordinator_lib
@@ -72,8 +72,8 @@ def test_an_update_that_makes_parameters_nonfinite_is_refused_under_sharding(dev
 
 
 @pytest.fixture(scope="module")
-def model():
-  return vlm.create_model(config.preset("tiny"), seed=0)
+def model(tiny_model):
+  return tiny_model
 
 
 def _huge(model):

@@ -19,8 +19,8 @@ LOGPROB_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def model():
-  return vlm.create_model(config.preset("tiny"), seed=0)
+def model(tiny_model):
+  return tiny_model
 
 
 @pytest.fixture(scope="module")

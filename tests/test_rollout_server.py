@@ -52,11 +52,10 @@ def http(url, path, body=None, method=None):
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-  model = vlm.create_model(config.preset("tiny"), seed=0)
+def ckpt(tmp_path_factory, tiny_model):
   path = str(tmp_path_factory.mktemp("rollout") / "v0")
   hf_io.save_hf_checkpoint(
-    model, path, dtype="float32", extra_files={"tokenizer.json": tokenizer_lib.ASSET_PATH}
+    tiny_model, path, dtype="float32", extra_files={"tokenizer.json": tokenizer_lib.ASSET_PATH}
   )
   return path
 

@@ -29,18 +29,23 @@ def main(argv):
   import jax
 
   from fluxjax import logs
+  from fluxjax import settings as settings_lib
   from fluxjax.parallel import multihost
   from fluxjax.rl import loop
   from fluxjax.sharding import mesh as mesh_lib
 
   logs.configure()
-  mesh_lib.maybe_initialize_distributed(config.distributed)
+  try:
+    settings = settings_lib.Settings.of(config)
+  except ValueError as e:  # a configuration mistake: say what, not where
+    sys.exit(f"fluxjax.train: bad configuration: {e}")
+  mesh_lib.maybe_initialize_distributed(settings.distributed)
   process = jax.process_index()
   if process:
     logs.configure(process_index=process)
   try:
-    validated = loop.validate(config)
-  except ValueError as e:  # a configuration mistake: say what, not where
+    validated = loop.validate(settings)
+  except ValueError as e:
     sys.exit(f"fluxjax.train: bad configuration: {e}")
   log_file = logs.add_file(_WORKDIR.value, process)
   logging.getLogger("fluxjax.train").info("full log: %s", log_file)

@@ -1,6 +1,7 @@
 """configs/vlm.py: every variant parses without JAX, and every variant x
 strategy builds a strategy and mesh from `sharding.strategy` alone."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -9,9 +10,11 @@ import ml_collections
 import pytest
 
 from fluxjax import config_args
+from fluxjax import settings as settings_lib
 from fluxjax.models import config as model_config
 from fluxjax.parallel import strategies
 from fluxjax.rl import loop
+from fluxjax.settings import Settings
 from fluxjax.sharding import mesh as mesh_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,9 +46,11 @@ def test_every_variant_parses_without_importing_jax():
   code = (
     "import sys\n"
     "from fluxjax import config_args\n"
+    "from fluxjax.settings import Settings\n"
     f"for v in {VARIANTS!r}:\n"
     "  c = config_args.load_config('configs/vlm.py', v)\n"
     "  assert c.variant == v and c.rl.reward.fn and c.sharding.sp == 0\n"
+    "  Settings.of(c)\n"
     "bad = sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.'))\n"
     "assert not bad, bad\n"
   )
@@ -65,7 +70,7 @@ def test_every_variant_parses_without_importing_jax():
 def test_one_flag_swaps_the_strategy(variant, strategy, devices):
   c = _config(variant)
   c.sharding.strategy = strategy
-  _, got, mesh = loop.validate(c)
+  _, got, mesh, _ = loop.validate(c)
   assert got.name == strategy
   assert got.sp == (1 if strategy == "packed_dp" else AUTO_SP[variant])
   assert mesh.size == len(devices)
@@ -161,3 +166,30 @@ def test_flex_ulysses_on_one_device_has_no_sequence_axes(devices):
   assert got.sp == 1 and dict(mesh.shape) == {"data": 1, "fsdp": 1}
   plan = got.plan([40, 90, 7], mesh.size)
   plan.validate()
+
+
+@pytest.mark.parametrize("arg", [*VARIANTS, *(f"{v},smoke" for v in VARIANTS)])
+def test_every_variant_reads_into_typed_settings(arg):
+  """configs/vlm.py and fluxjax/settings.py declare the same fields: every
+  variant and modifier reads into frozen sections, resolved references
+  included (optim.total_steps follows total_steps)."""
+  c = config_args.load_config(arg=arg)
+  c.total_steps = 7
+  s = Settings.of(c)
+  assert s.optim.total_steps == 7 and s.variant == arg.split(",")[0]
+  assert isinstance(s.rollout.launch, tuple) and isinstance(s.rl.reward, settings_lib.Reward)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    s.rl.max_new_tokens = 1  # type: ignore[misc]
+  assert Settings.of(s) is s
+
+
+def test_a_field_the_sections_do_not_declare_names_its_flag():
+  c = config_args.load_config()
+  with c.unlocked():
+    c.rl.max_new_token = 8  # misspelt
+  with pytest.raises(ValueError, match=r"--config\.rl\.max_new_token: no such setting"):
+    Settings.of(c)
+  c = config_args.load_config()
+  del c.rollout.tail_batching["eta"]
+  with pytest.raises(ValueError, match=r"config\.rollout\.tail_batching\.eta missing"):
+    Settings.of(c)

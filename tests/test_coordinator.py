@@ -10,6 +10,7 @@ parts.
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
 
 import jax
@@ -25,6 +26,7 @@ from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import loop, reward_pool, trajectories
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout.publish import PublishReport
+from fluxjax.settings import Settings
 from helpers import Act, ScriptedRollout, completion
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,7 +157,13 @@ def coord(parts):
     backend_lib.LoopThread() as thread,
     thread.running(backend),
     coordinator_lib.Coordinator(
-      config, Tokenizer.default(), policy, _EmptyLoader(), backend, _Rewards(), thread=thread
+      Settings.of(config),
+      Tokenizer.default(),
+      policy,
+      _EmptyLoader(),
+      backend,
+      _Rewards(),
+      thread=thread,
     ) as c,
   ):
     yield c, backend
@@ -219,19 +227,25 @@ def test_restore_before_start_only(coord):
     c.restore({"version": 4}, {})
 
 
-def test_sequences_honour_the_advantage_settings(coord, parts):
-  c, _ = coord
-  rl = parts[0].rl  # the run config the coordinator was given; read at each call
-  prompt = inputs.sequence_from_tokens([5, 6, 7, 8], [], c.cfg)
-  group = trajectories.Group(
-    "s1", prompt, [completion([10, 11], [-0.5, -1.0]), completion([12], [-2.0])], [1.0, 0.0]
-  )
-  default_eps = rl.adv_eps
-  try:
-    rl.adv_eps = 1.0
+def test_sequences_honour_the_advantage_settings(parts):
+  from fluxjax.models.tokenizer import Tokenizer
+
+  config, policy = parts
+  settings = Settings.of(config)
+  settings = dataclasses.replace(settings, rl=dataclasses.replace(settings.rl, adv_eps=1.0))
+  backend = _backend()
+  with (
+    backend_lib.LoopThread() as thread,
+    thread.running(backend),
+    coordinator_lib.Coordinator(
+      settings, Tokenizer.default(), policy, _EmptyLoader(), backend, _Rewards(), thread=thread
+    ) as c,
+  ):
+    prompt = inputs.sequence_from_tokens([5, 6, 7, 8], [], c.cfg)
+    group = trajectories.Group(
+      "s1", prompt, [completion([10, 11], [-0.5, -1.0]), completion([12], [-2.0])], [1.0, 0.0]
+    )
     a, b = c.sequences([group])
-  finally:
-    rl.adv_eps = default_eps
   # rewards (1, 0): centred +-0.5 over the unbiased std 0.7071 plus eps 1.0
   np.testing.assert_allclose(a.advantages_T[4:], 0.5 / (0.5**0.5 + 1.0), rtol=1e-5)
   np.testing.assert_allclose(b.advantages_T[4:], -0.5 / (0.5**0.5 + 1.0), rtol=1e-5)
@@ -293,7 +307,7 @@ def test_dynamic_sampling_trains_only_groups_with_signal(parts):
     thread.running(backend),
     reward_pool.RewardScheduler(1, "fault_rewards:signal_unless_numeric") as scheduler,
     coordinator_lib.Coordinator(
-      config, Tokenizer.default(), policy, data, backend, scheduler, thread=thread
+      Settings.of(config), Tokenizer.default(), policy, data, backend, scheduler, thread=thread
     ) as c,
   ):
     results = [c.step() for _ in range(3)]
@@ -338,7 +352,7 @@ def test_a_step_records_the_percentiles_of_its_response_lengths(parts):
     thread.running(backend),
     reward_pool.RewardScheduler(1, "fault_rewards:signal_unless_numeric") as scheduler,
     coordinator_lib.Coordinator(
-      config,
+      Settings.of(config),
       Tokenizer.default(),
       _RecordingPolicy(parts[1]),
       _Data(samples),
@@ -381,7 +395,13 @@ def test_refused_updates_publish_nothing_and_too_many_in_a_row_stop(parts, caplo
     thread.running(backend),
     reward_pool.RewardScheduler(1, "constant") as scheduler,
     coordinator_lib.Coordinator(
-      config, Tokenizer.default(), policy, _Data(samples), backend, scheduler, thread=thread
+      Settings.of(config),
+      Tokenizer.default(),
+      policy,
+      _Data(samples),
+      backend,
+      scheduler,
+      thread=thread,
     ) as c,
   ):
     c.publish(new_version=False)

@@ -177,7 +177,7 @@ def test_a_blind_run_trains_and_evaluates_on_the_pixel_free_copies(tmp_path):
 
   config = config_args.load_config()
   config.data.update(mix="scan_count", synth_train=4, synth_eval=2, blind=True)
-  paths = loop.dataset_paths(config, str(tmp_path))
+  paths = loop.dataset_paths(config.data, str(tmp_path))
   for split, path in zip(("train", "eval"), paths):
     assert path == str(tmp_path / "data_blind" / split / "manifest.jsonl")
     assert open(path).read() == open(tmp_path / "data" / split / "manifest.jsonl").read()

@@ -4,6 +4,7 @@ import pytest
 
 from fluxjax import config_args, faults
 from fluxjax.rl import config_rules
+from fluxjax.settings import Settings
 
 
 def test_a_streak_stops_at_its_limit_in_a_row_and_counts_every_failure():
@@ -37,4 +38,4 @@ def test_a_negative_limit_is_refused_with_its_flag():
   config = config_args.load_config()
   config.faults.failed_rounds = -1
   with pytest.raises(ValueError, match=r"--config\.faults\.failed_rounds"):
-    config_rules._check_faults(config)
+    config_rules._check_faults(Settings.of(config))

@@ -7,7 +7,7 @@ and every function short enough to read at once (MAX_FUNCTION_LINES).
   parallel                    batch packing, strategies, Ulysses, sync, the train step
   models                      the Qwen2.5-VL family
   sharding | planning          peers: mesh, axes, rules (JAX) | plans, planners, cost model (numpy)
-  faults                      the fault policy (counted failures, limits in a row)
+  faults | settings           the fault policy; the run's typed config sections
 
 Every import counts: module level or inside a function, `import x`,
 `from x import y` and relative forms, and `importlib.import_module("...")`
@@ -41,6 +41,7 @@ LAYERS = {
   "fluxjax.sharding": (1, "sharding"),
   "fluxjax.planning": (1, "planning"),
   "fluxjax.faults": (0, "base"),
+  "fluxjax.settings": (0, "base"),
 }
 
 

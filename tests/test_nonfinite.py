@@ -33,6 +33,7 @@ from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout import embedded, protocol
 from fluxjax.rollout import engine as engine_lib
 from fluxjax.rollout.protocol import GenerateRequest
+from fluxjax.settings import Settings
 from helpers import ScriptedRollout, completion, make_strategy, tiny_run_config
 
 
@@ -201,7 +202,7 @@ def test_the_coordinator_publishes_no_nonfinite_policy_and_names_its_step(model)
     thread.running(backend),
     reward_pool.RewardScheduler(1, "constant") as scheduler,
     coordinator_lib.Coordinator(
-      cfg, Tokenizer.default(), policy, _NoData(), backend, scheduler, thread=thread
+      Settings.of(cfg), Tokenizer.default(), policy, _NoData(), backend, scheduler, thread=thread
     ) as c,
   ):
     c.restore({"version": 3, "steps": 4}, {})

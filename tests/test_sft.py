@@ -17,6 +17,7 @@ from fluxjax.models import inputs, processor, sharded
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import train_step
 from fluxjax.rl import loop, reward_fns, sft
+from fluxjax.settings import Settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,12 +60,12 @@ def setup(devices):
   del devices  # the fake 8-device mesh: the warm-up runs sharded, as RL does
   config = _config()
   config.sft.lr, config.sft.warmup_steps, config.sft.steps = 1e-2, 0, 5
-  cfg, strategy, mesh = loop.validate(config)
+  cfg, strategy, mesh, settings = loop.validate(config)
   model = sharded.create_sharded_model(cfg, mesh, seed=0)
   tx = train_step.make_optimizer(config.optim)
   graphdef, state, _ = train_step.create_train_state(model, tx, mesh)
   tokenizer = Tokenizer.default()
-  proc = loop.processor_config(config)
+  proc = loop.processor_config(settings.data.vision)
   coord = _Policy(cfg, tokenizer, mesh, strategy, graphdef, state)
   seqs, answers = [], []
   for colour, question in (
@@ -133,7 +134,8 @@ def test_loss_is_the_nll_of_answer_tokens_and_steps_lower_it(setup):
   config, coord, seqs, answers = setup
   expected = _numpy_nll(coord, seqs, answers)
   all_tokens = _numpy_nll(coord, seqs, answers, answer_only=False)
-  trainer = sft.Trainer(coord, config)  # patches from the sequences themselves
+  s = Settings.of(config)
+  trainer = sft.Trainer(coord, sft.optimizer_config(s.optim, s.sft))  # patches: the sequences'
   _, host = trainer.batch(seqs)
   # Sharded over the fake mesh: 8 devices, sequences placed by the strategy.
   assert host.targets.shape[1] == coord.mesh.size
@@ -157,7 +159,7 @@ def test_loss_is_the_nll_of_answer_tokens_and_steps_lower_it(setup):
 
 def test_optimizer_config_is_the_warm_ups_own(setup):
   config, *_ = setup
-  optim = sft.optimizer_config(config)
+  optim = sft.optimizer_config(Settings.of(config).optim, Settings.of(config).sft)
   assert (optim.lr, optim.total_steps) == (config.sft.lr, config.sft.steps)
   assert config.optim.lr != optim.lr  # the RL optimizer's settings are not changed
   assert optim.max_grad_norm == config.optim.max_grad_norm

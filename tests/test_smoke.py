@@ -21,6 +21,7 @@ from fluxjax import config_args
 from fluxjax.models import config as model_config
 from fluxjax.rl import config_rules, loop, metrics
 from fluxjax.rollout import factory, server
+from fluxjax.settings import Settings
 from helpers import server_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,14 +69,14 @@ def test_smoke_keeps_every_setting_but_the_sizes(variant, devices):
   changed = {k for k in full if full[k] != smoke[k]}
   assert changed <= SIZES, changed - SIZES
   assert smoke_cfg.total_steps == 2
-  cfg, strategy, _ = loop.validate(smoke_cfg)
+  cfg, strategy, _, settings = loop.validate(smoke_cfg)
   # The model keeps the variant's heads (the sequence-parallel degrees follow).
   want = model_config.preset(config_args.load_config(arg=variant).model.preset).text
   assert (cfg.text.num_heads, cfg.text.num_kv_heads) == (want.num_heads, want.num_kv_heads)
-  assert config_rules.prompt_budget(smoke_cfg, strategy) > 0
+  assert config_rules.prompt_budget(settings, strategy) > 0
   if smoke_cfg.rollout.backend == "sglang":
     assert tuple(smoke_cfg.rollout.launch) == factory.OWN_SERVER
-    cmd = factory.launch_command(smoke_cfg)
+    cmd = factory.launch_command(settings)
     args = server.parse_args(cmd[3:])
     assert args.preset == smoke_cfg.model.preset and args.dtype == smoke_cfg.model.dtype
     assert args.context_length == smoke_cfg.rollout.context_length
@@ -130,8 +131,8 @@ def test_a_launch_command_of_ones_own_gets_the_runs_preprocessing():
   cfg = config_args.load_config(arg="qwen25_vl_3b,smoke")
   own = ("python", "-m", "fluxjax.rollout.server", "--preset", cfg.model.preset)
   cfg.rollout.launch = (*own, "--video-max-frames=4")
-  args = server.parse_args(factory.launch_command(cfg)[3:])
+  args = server.parse_args(factory.launch_command(Settings.of(cfg))[3:])
   want = {**cfg.data.vision.to_dict(), "video_max_frames": 4}
   assert {k: getattr(args, k) for k in server.VISION_LIMITS} == want
   cfg.rollout.launch = ("python", "-m", "sglang.launch_server", "--model-path", "/m")
-  assert factory.launch_command(cfg) == list(cfg.rollout.launch)
+  assert factory.launch_command(Settings.of(cfg)) == list(cfg.rollout.launch)

@@ -7,6 +7,7 @@ import pytest
 
 from fluxjax.rl import coordinator, loop, metrics
 from fluxjax.rollout import factory
+from fluxjax.settings import Settings
 from helpers import server_env, tiny_run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +47,7 @@ def test_adaptive_lag_with_recycling_through_the_router_trains_each_prompt_once(
   lag.mode, lag.sync_interval = "adaptive", 3
   c.rollout.backend, c.rollout.num_servers = "sglang", 2
   c.rollout.num_slots = 4
-  c.rollout.launch = tuple(factory.server_command(c))
+  c.rollout.launch = tuple(factory.server_command(Settings.of(c)))
   c.rollout.router_launch = ("python", "-m", "sglang_router.launch_router", "--log-level", "warn")
   # The servers inherit this environment: one plain CPU device each.
   for key, value in server_env().items():

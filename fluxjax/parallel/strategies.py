@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import jax
-import ml_collections
 
+from fluxjax import settings as settings_lib
 from fluxjax.models.config import ModelConfig
 from fluxjax.parallel import sync as sync_lib
 from fluxjax.parallel import train_step, ulysses
@@ -261,10 +261,10 @@ def sp_choices(model_cfg: ModelConfig, room: int) -> tuple[int, ...]:
 
 
 def resolve_sp(
-  cfg: ml_collections.ConfigDict,
+  cfg: settings_lib.Sharding,
   model_cfg: ModelConfig,
   num_devices: int,
-  mesh_cfg: ml_collections.ConfigDict | None = None,
+  mesh_cfg: settings_lib.Mesh | None = None,
   max_auto: int | None = None,
 ) -> int:
   """The sequence-parallel degree `cfg.sp` asks for on this mesh (module docstring).
@@ -302,9 +302,9 @@ def resolve_sp(
 
 
 def get_strategy(
-  cfg: ml_collections.ConfigDict,
+  cfg: settings_lib.Sharding,
   model_cfg: ModelConfig,
-  mesh_cfg: ml_collections.ConfigDict | None = None,
+  mesh_cfg: settings_lib.Mesh | None = None,
   num_devices: int | None = None,
 ) -> Strategy:
   """The strategy named by `cfg.strategy` (a `sharding` config section).
@@ -318,7 +318,7 @@ def get_strategy(
       capped at jax.local_device_count() either way.
   """
   cls = strategy_class(cfg.strategy)
-  if "p_max" in cfg:
+  if hasattr(cfg, "p_max"):  # a programmatic section (Settings.of refuses it too)
     raise ValueError(
       "sharding.p_max is not a setting: flex_ulysses' largest degree is "
       "sharding.sp (e.g. --config.sharding.sp=8; 0 = auto)"

@@ -18,12 +18,12 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from flax import nnx
 
 from fluxjax import faults as faults_lib
+from fluxjax import settings as settings_lib
 from fluxjax.models import inputs as inputs_lib
 from fluxjax.models import vlm
 from fluxjax.parallel.batch import TrainBatch
@@ -48,7 +48,7 @@ class TrainState:
   step: jax.Array
 
 
-def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def make_optimizer(cfg: settings_lib.Optim) -> optax.GradientTransformation:
   """AdamW with global-norm clipping and warmup + cosine decay."""
   schedule = optax.warmup_cosine_decay_schedule(
     init_value=0.0,

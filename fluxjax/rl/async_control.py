@@ -87,6 +87,8 @@ import math
 
 import numpy as np
 
+from fluxjax import settings as settings_lib
+
 # --- per-token version tags ---------------------------------------------------------
 
 
@@ -151,9 +153,9 @@ class StalenessMetric:
       )
 
   @classmethod
-  def from_config(cls, c) -> StalenessMetric:
-    """From a `coordinator.lag` ConfigDict; every field must be set."""
-    return cls(**{f.name: float(c[f.name]) for f in dataclasses.fields(cls)})
+  def from_config(cls, c: settings_lib.Lag) -> StalenessMetric:
+    """From the `coordinator.lag` section."""
+    return cls(**{f.name: float(getattr(c, f.name)) for f in dataclasses.fields(cls)})
 
 
 def staleness(
@@ -268,8 +270,8 @@ class AdaptiveConfig:
       raise ValueError("coordinator.lag needs 0 <= ema_decay < 1 and sync_interval >= 0")
 
   @classmethod
-  def from_config(cls, c) -> AdaptiveConfig:
-    """From a `coordinator.lag` ConfigDict; every field must be set."""
+  def from_config(cls, c: settings_lib.Lag) -> AdaptiveConfig:
+    """From the `coordinator.lag` section."""
     return cls(
       target_staleness=float(c.target_staleness),
       tolerance=float(c.tolerance),
@@ -422,8 +424,10 @@ class AdmissionController:
     self._sync_until: int | None = None
 
   @classmethod
-  def from_config(cls, c, batch_size: int, total_steps: int | None = None) -> AdmissionController:
-    """From a `coordinator.lag` ConfigDict; every field must be set, in every mode."""
+  def from_config(
+    cls, c: settings_lib.Lag, batch_size: int, total_steps: int | None = None
+  ) -> AdmissionController:
+    """From the `coordinator.lag` section (every field is read, in every mode)."""
     return cls(
       batch_size,
       c.mode,

@@ -1,4 +1,4 @@
-"""Rules across a run config's sections, checked before anything is built.
+"""Rules across a run's settings sections, checked before anything is built.
 
 A rule that one section cannot check alone (the response budget against the
 context and against the longest sequence the trainer can place, the lag
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from fluxjax import settings as settings_lib
 from fluxjax.models.config import ModelConfig
 from fluxjax.parallel.strategies import Strategy
 from fluxjax.rl import async_control
@@ -25,25 +26,29 @@ def longest_sequence(strategy: Strategy) -> int:
   return strategy.capacity * strategy.sp
 
 
-def prompt_budget(config, strategy: Strategy) -> int:
+def prompt_budget(settings: settings_lib.Settings, strategy: Strategy) -> int:
   """Tokens a prompt may take: the shorter of the rollout context and the
   trainer's longest sequence, less the response budget. Longer prompts are
   skipped (counted) before rollout."""
-  longest = min(int(config.rollout.context_length), longest_sequence(strategy))
-  return longest - int(config.rl.max_new_tokens)
+  longest = min(int(settings.rollout.context_length), longest_sequence(strategy))
+  return longest - int(settings.rl.max_new_tokens)
 
 
-def check(config, model_cfg: ModelConfig, strategy: Strategy, num_devices: int) -> None:
+def check(
+  settings: settings_lib.Settings, model_cfg: ModelConfig, strategy: Strategy, num_devices: int
+) -> None:
   """Raises ValueError for the first broken rule; warns of idle devices."""
-  _check_lengths(config, model_cfg, strategy)
-  _check_group(config)
-  _check_lag(config)
-  _check_faults(config)
-  _warn_idle_devices(config, strategy, num_devices)
+  _check_lengths(settings, model_cfg, strategy)
+  _check_group(settings)
+  _check_lag(settings)
+  _check_faults(settings)
+  _warn_idle_devices(settings, strategy, num_devices)
 
 
-def _check_lengths(config, model_cfg: ModelConfig, strategy: Strategy) -> None:
-  context, new = int(config.rollout.context_length), int(config.rl.max_new_tokens)
+def _check_lengths(
+  settings: settings_lib.Settings, model_cfg: ModelConfig, strategy: Strategy
+) -> None:
+  context, new = int(settings.rollout.context_length), int(settings.rl.max_new_tokens)
   longest = longest_sequence(strategy)
   if new < 1:
     raise ValueError(f"rl.max_new_tokens={new}: set --config.rl.max_new_tokens to at least 1")
@@ -65,17 +70,17 @@ def _check_lengths(config, model_cfg: ModelConfig, strategy: Strategy) -> None:
       "--config.rl.max_new_tokens"
     )
   if longest < context:
-    log.info("prompts are limited to %d tokens by %s", prompt_budget(config, strategy), trainer)
+    log.info("prompts are limited to %d tokens by %s", prompt_budget(settings, strategy), trainer)
   positions = model_cfg.text.max_position_embeddings
-  if config.rollout.backend == "embedded" and context > positions:
+  if settings.rollout.backend == "embedded" and context > positions:
     raise ValueError(
       f"rollout.context_length={context} exceeds the model's {positions} positions; "
       f"set --config.rollout.context_length to at most {positions}"
     )
 
 
-def _check_group(config) -> None:
-  rl = config.rl
+def _check_group(settings: settings_lib.Settings) -> None:
+  rl = settings.rl
   if rl.prompts_per_step < 1:
     raise ValueError(f"rl.prompts_per_step={rl.prompts_per_step}: set it to at least 1")
   if rl.responses_per_prompt < 2:
@@ -84,7 +89,7 @@ def _check_group(config) -> None:
       "relative to the prompt's group, and a group of one has none; set "
       "--config.rl.responses_per_prompt to at least 2"
     )
-  eta = config.rollout.tail_batching.eta
+  eta = settings.rollout.tail_batching.eta
   if eta < 1:
     raise ValueError(
       f"rollout.tail_batching.eta={eta}: a round launches eta x the prompts it "
@@ -92,18 +97,18 @@ def _check_group(config) -> None:
     )
 
 
-def _check_lag(config) -> None:
+def _check_lag(settings: settings_lib.Settings) -> None:
   """The lag section's own rules (async_control), whatever the mode."""
-  lag = config.coordinator.lag
+  lag = settings.coordinator.lag
   try:
-    async_control.AdmissionController.from_config(lag, int(config.rl.prompts_per_step))
+    async_control.AdmissionController.from_config(lag, int(settings.rl.prompts_per_step))
     async_control.StalenessMetric.from_config(lag)
   except ValueError as e:
     raise ValueError(f"{e}; set the --config.coordinator.lag.* flags it names") from None
 
 
-def _check_faults(config) -> None:
-  for name, limit in config.faults.items():
+def _check_faults(settings: settings_lib.Settings) -> None:
+  for name, limit in settings.faults.limits().items():
     if not isinstance(limit, int) or limit < 0:
       raise ValueError(
         f"faults.{name}={limit!r}: a count of failures; set --config.faults.{name} "
@@ -111,8 +116,10 @@ def _check_faults(config) -> None:
       )
 
 
-def _warn_idle_devices(config, strategy: Strategy, num_devices: int) -> None:
-  sequences = config.rl.prompts_per_step * config.rl.responses_per_prompt
+def _warn_idle_devices(
+  settings: settings_lib.Settings, strategy: Strategy, num_devices: int
+) -> None:
+  sequences = settings.rl.prompts_per_step * settings.rl.responses_per_prompt
   rows = num_devices // strategy.sp
   if sequences < rows:
     log.warning(

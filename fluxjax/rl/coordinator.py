@@ -44,6 +44,7 @@ import jax
 import numpy as np
 
 from fluxjax import faults as faults_lib
+from fluxjax import settings as settings_lib
 from fluxjax.data import meta as meta_lib
 from fluxjax.models import inputs
 from fluxjax.models.config import ModelConfig
@@ -107,7 +108,7 @@ class Coordinator:
   A context manager: leaving it stops rollout (`close`).
 
   Args:
-    config: the run config.
+    settings: the run's settings.
     tokenizer: the run's tokenizer (prompts, stop tokens).
     policy: the policy worker (rl/worker.py): the train state and the
       programs that change it.
@@ -119,7 +120,7 @@ class Coordinator:
 
   def __init__(
     self,
-    config,
+    settings: settings_lib.Settings,
     tokenizer: Tokenizer,
     policy: Policy,
     loader,
@@ -128,7 +129,7 @@ class Coordinator:
     *,
     thread: LoopThread,
   ):
-    self._config = config
+    self._settings = settings
     self._tokenizer = tokenizer
     self._policy = policy
     self._loader = loader
@@ -137,10 +138,10 @@ class Coordinator:
     self._version = 0  # weight version published to rollout
     self._steps = 0  # RL updates applied
     # Every counted fault of the run (fluxjax/faults.py), checkpointed together.
-    self.faults = faults_lib.Faults(config.faults)
-    rl = config.rl
+    self.faults = faults_lib.Faults(settings.faults.limits())
+    rl = settings.rl
     self._P, self._R = int(rl.prompts_per_step), int(rl.responses_per_prompt)
-    tail = config.rollout.tail_batching
+    tail = settings.rollout.tail_batching
     batcher = tail_batching.TailBatcher(
       self._P,
       self._R,
@@ -150,9 +151,9 @@ class Coordinator:
     )
     batcher.start_epoch([])  # a streamed epoch: topped up from the loader
     admission = async_control.AdmissionController.from_config(
-      config.coordinator.lag, self._P, total_steps=int(config.total_steps)
+      settings.coordinator.lag, self._P, total_steps=int(settings.total_steps)
     )
-    self._staleness_metric = async_control.StalenessMetric.from_config(config.coordinator.lag)
+    self._staleness_metric = async_control.StalenessMetric.from_config(settings.coordinator.lag)
     self._producer = producer_lib.Producer(
       rollout,
       reward_scheduler,
@@ -163,9 +164,9 @@ class Coordinator:
       prompt_fn=self.prompt,
       decode=self._tokenizer.decode,
       release=loader.release,
-      max_prompt_tokens=config_rules.prompt_budget(config, policy.strategy),
+      max_prompt_tokens=config_rules.prompt_budget(settings, policy.strategy),
       faults=self.faults,
-      request_retries=int(config.faults.request_retries),
+      request_retries=int(settings.faults.request_retries),
       thread=thread,
     )
     # Trained sample uids of the (streamed) epoch, for exactly-once on resume.
@@ -241,14 +242,14 @@ class Coordinator:
     greedy: bool = False,
   ) -> GenerateRequest:
     """The request for response `index` of `sample`."""
-    rl = self._config.rl
+    rl = self._settings.rl
     params = {
       "max_new_tokens": int(rl.max_new_tokens),
       "temperature": 0.0 if greedy else float(rl.temperature),
       "stop_token_ids": list(self._tokenizer.response_stop_ids),
     }
-    if self._config.rollout.seeded:
-      params["sampling_seed"] = sampling_seed(int(self._config.seed), sample.uid, index)
+    if self._settings.rollout.seeded:
+      params["sampling_seed"] = sampling_seed(int(self._settings.seed), sample.uid, index)
     return GenerateRequest.of(
       prompt.tokens_T.tolist(),
       params,
@@ -281,7 +282,7 @@ class Coordinator:
 
   # -- training --------------------------------------------------------------
   def sequences(self, groups: Sequence[trajectories.Group]) -> list[batch_lib.TrainSequence]:
-    rl = self._config.rl
+    rl = self._settings.rl
     out = []
     for g in groups:
       try:
@@ -310,8 +311,8 @@ class Coordinator:
       StopIteration: the data is exhausted and nothing is left to train.
     """
     self.start()
-    rl = self._config.rl
-    chunk = max(1, int(self._config.coordinator.stream_groups) or math.ceil(self._P / 2))
+    rl = self._settings.rl
+    chunk = max(1, int(self._settings.coordinator.stream_groups) or math.ceil(self._P / 2))
     refills_left = int(rl.max_refill_rounds) * self._P if rl.dynamic_sampling else 0
     t0 = time.perf_counter()
     kept: list[producer_lib.KeptGroup] = []
@@ -533,7 +534,7 @@ class Coordinator:
     and one greedy response each when `eval.greedy`. Prompts over the
     rollout's prompt budget are left out, counted in eval/skipped_too_long.
     """
-    ev = self._config.eval
+    ev = self._settings.eval
     score = reward_fns.get("accuracy")
     samples, skipped = self._within_budget(samples)
     sampled = self.sample(samples, int(ev.samples_per_prompt))
@@ -556,7 +557,7 @@ class Coordinator:
   def _within_budget(self, samples):
     """(the held-out samples whose prompts fit the prompt budget, how many did
     not); the backend would refuse those, as in training."""
-    budget = config_rules.prompt_budget(self._config, self.strategy)
+    budget = config_rules.prompt_budget(self._settings, self.strategy)
     fits = [s for s in samples if len(self.prompt(s)) <= budget]
     skipped = len(samples) - len(fits)
     if skipped:

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import jax
 from flax import nnx
 
+from fluxjax import settings as settings_lib
 from fluxjax.data import materializer as materializer_lib
 from fluxjax.data import pipeline, readers, synth
 from fluxjax.data import store as store_lib
@@ -51,10 +52,10 @@ from fluxjax.sharding import mesh as mesh_lib
 log = logging.getLogger(__name__)
 
 
-def dataset_paths(config, workdir: str) -> tuple[str, str]:
-  """(train, eval) manifests: configured files, or synthetic ones made once;
-  with `data.blind`, copies of them whose media carry no pixels."""
-  d = config.data
+def dataset_paths(d: settings_lib.Data, workdir: str) -> tuple[str, str]:
+  """(train, eval) manifests of the `data` section: configured files, or
+  synthetic ones made once; with `data.blind`, copies of them whose media
+  carry no pixels."""
   paths = (d.train, d.eval or d.train) if d.train else _synthetic_paths(d, workdir)
   if not d.blind:
     return paths
@@ -68,7 +69,7 @@ def dataset_paths(config, workdir: str) -> tuple[str, str]:
   return blind[0], blind[1]
 
 
-def _synthetic_paths(d, workdir: str) -> tuple[str, str]:
+def _synthetic_paths(d: settings_lib.Data, workdir: str) -> tuple[str, str]:
   """(train, eval) manifests of the synthetic mix, generated once per workdir."""
   root = os.path.join(workdir, "data")
   paths: list[str] = []
@@ -90,26 +91,29 @@ class Validated(NamedTuple):
   cfg: model_config.ModelConfig
   strategy: strategies.Strategy
   mesh: jax.sharding.Mesh
+  settings: settings_lib.Settings
 
 
-def validate(config) -> Validated:
-  """(model config, strategy, mesh) of a run; ValueError says what is wrong."""
+def validate(settings) -> Validated:
+  """(model settings, strategy, mesh, typed settings) of a run's ConfigDict;
+  ValueError says what is wrong."""
+  settings = settings_lib.Settings.of(settings)
   overrides = dict(
-    dtype=config.model.dtype,
-    param_dtype=config.model.param_dtype,
-    attention_backend=config.model.attention_backend,
-    remat=config.model.remat,
-    logprob_vocab_chunk=config.model.logprob_vocab_chunk,
-    mrope_text_after_vision=config.model.mrope_text_after_vision,
+    dtype=settings.model.dtype,
+    param_dtype=settings.model.param_dtype,
+    attention_backend=settings.model.attention_backend,
+    remat=settings.model.remat,
+    logprob_vocab_chunk=settings.model.logprob_vocab_chunk,
+    mrope_text_after_vision=settings.model.mrope_text_after_vision,
   )
   cfg = (
-    model_config.load_hf_config(config.model.hf_path, **overrides)
-    if config.model.hf_path
-    else model_config.preset(config.model.preset, **overrides)
+    model_config.load_hf_config(settings.model.hf_path, **overrides)
+    if settings.model.hf_path
+    else model_config.preset(settings.model.preset, **overrides)
   )
-  strategy = strategies.get_strategy(config.sharding, cfg, config.mesh)
-  ref_path = config.rl.ref_hf_path
-  if config.rl.kl_coef and ref_path:
+  strategy = strategies.get_strategy(settings.sharding, cfg, settings.mesh)
+  ref_path = settings.rl.ref_hf_path
+  if settings.rl.kl_coef and ref_path:
     ref_cfg = model_config.load_hf_config(ref_path, **overrides)
     if (ref_cfg.text, ref_cfg.vision) != (cfg.text, cfg.vision):
       raise ValueError(
@@ -117,13 +121,13 @@ def validate(config) -> Validated:
         "policy; the KL term compares the two models token by token"
       )
   try:
-    reward_fns.get(config.rl.reward.fn)
+    reward_fns.get(settings.rl.reward.fn)
   except KeyError as e:
     raise ValueError(str(e)) from None
-  factory.check_config(config.rollout)
-  mesh = mesh_lib.make_mesh(config.mesh.data, config.mesh.fsdp, strategy.sp_axes())
-  config_rules.check(config, cfg, strategy, mesh.size)
-  return Validated(cfg, strategy, mesh)
+  factory.check_config(settings.rollout)
+  mesh = mesh_lib.make_mesh(settings.mesh.data, settings.mesh.fsdp, strategy.sp_axes())
+  config_rules.check(settings, cfg, strategy, mesh.size)
+  return Validated(cfg, strategy, mesh, settings)
 
 
 @dataclasses.dataclass
@@ -136,7 +140,8 @@ class Built:
       multi-controller run).
     loader: the training data (the coordinator's).
     eval_rows: held-out rows for evaluation.
-    proc: the vision processor config.
+    proc: the vision processor settings.
+    settings: the run's typed settings.
   """
 
   coordinator: coordinator_lib.Coordinator
@@ -144,9 +149,10 @@ class Built:
   loader: pipeline.ShadowLoader
   eval_rows: list[dict]
   proc: processor.VisionProcessorConfig
+  settings: settings_lib.Settings
 
 
-def rollout_shardings(config, cfg, mesh):
+def rollout_shardings(settings: settings_lib.Settings, cfg, mesh):
   """Where the embedded engine's copy of the weights goes (`PolicyWorker.stage`).
 
   None keeps it on the training mesh (one process, rollout.embedded_devices
@@ -154,18 +160,18 @@ def rollout_shardings(config, cfg, mesh):
   rollout.embedded_devices (0: all) of the leader's devices: the leader runs
   rollout alone, so its programs must not span other processes.
   """
-  k = config.rollout.embedded_devices
-  if jax.process_count() == 1 and (k == 0 or config.rollout.backend != "embedded"):
+  k = settings.rollout.embedded_devices
+  if jax.process_count() == 1 and (k == 0 or settings.rollout.backend != "embedded"):
     return None
   devices = multihost.leader_devices()
   if k > len(devices):
     raise ValueError(
       f"rollout.embedded_devices={k} but process 0 has {len(devices)} devices; "
-      f"set --config.rollout.embedded_devices to at most {len(devices)} (0: all)"
+      f"set --settings.rollout.embedded_devices to at most {len(devices)} (0: all)"
     )
   local = mesh_lib.make_mesh(1, -1, devices=devices[: k or None])
   return sharded.model_shardings(
-    cfg, local, max_replicated_bytes=config.sharding.max_replicated_bytes, log_table=False
+    cfg, local, max_replicated_bytes=settings.sharding.max_replicated_bytes, log_table=False
   )
 
 
@@ -182,20 +188,20 @@ def build_policy(
 
   Every process of a run calls it (the initialization programs are global).
   """
-  cfg, strategy, mesh = validated or validate(config)
+  cfg, strategy, mesh, settings = validated or validate(config)
   log.info("strategy %s (sp=%d) on mesh %s", strategy.name, strategy.sp, dict(mesh.shape))
-  max_replicated = config.sharding.max_replicated_bytes
-  if config.model.hf_path:
+  max_replicated = settings.sharding.max_replicated_bytes
+  if settings.model.hf_path:
     shardings = sharded.model_shardings(cfg, mesh, max_replicated_bytes=max_replicated)
-    model = hf_io.load_hf_checkpoint(config.model.hf_path, cfg, shardings=shardings)
+    model = hf_io.load_hf_checkpoint(settings.model.hf_path, cfg, shardings=shardings)
   else:
     model = sharded.create_sharded_model(
-      cfg, mesh, seed=config.seed, max_replicated_bytes=max_replicated
+      cfg, mesh, seed=settings.seed, max_replicated_bytes=max_replicated
     )
-  tx = train_step.make_optimizer(config.optim)
+  tx = train_step.make_optimizer(settings.optim)
   graphdef, state, state_shardings = train_step.create_train_state(model, tx, mesh)
   policy = worker_lib.PolicyWorker(
-    config,
+    settings,
     workdir,
     cfg=cfg,
     mesh=mesh,
@@ -206,26 +212,31 @@ def build_policy(
     tx=tx,
     patch_source=patch_source,
     owns_media=owns_media,
-    rollout_shardings=rollout_shardings(config, cfg, mesh),
+    rollout_shardings=rollout_shardings(settings, cfg, mesh),
   )
   return stack.enter_context(policy)
 
 
-def processor_config(config) -> processor.VisionProcessorConfig:
-  return processor.VisionProcessorConfig(**config.data.vision.to_dict())
+def processor_config(vision: settings_lib.Vision) -> processor.VisionProcessorConfig:
+  return processor.VisionProcessorConfig(**dataclasses.asdict(vision))
 
 
-def media_limits(config) -> media_lib.MediaLimits:
-  return media_lib.MediaLimits(**config.data.limits.to_dict())
+def media_limits(limits: settings_lib.Limits) -> media_lib.MediaLimits:
+  return media_lib.MediaLimits(**dataclasses.asdict(limits))
 
 
-def media_source(config, stack: contextlib.ExitStack) -> materializer_lib.Materializer:
+def media_source(
+  settings: settings_lib.Settings, stack: contextlib.ExitStack
+) -> materializer_lib.Materializer:
   """A follower's pixels: its own store, filled by its own decoders on demand."""
   store = store_lib.MetaStore()
   stack.callback(store.close)
-  workers = max(1, int(config.data.num_workers))
+  workers = max(1, int(settings.data.num_workers))
   pool = workers_lib.WorkerPool(
-    workers, processor_config(config), store, limits=media_limits(config)
+    workers,
+    processor_config(settings.data.vision),
+    store,
+    limits=media_limits(settings.data.limits),
   )
   stack.callback(pool.close)
   return materializer_lib.Materializer(store, pool)
@@ -241,24 +252,26 @@ def build(
   rollout backend (on the rollout thread's loop), any launched servers, the
   loop, the policy worker (checkpoints finish), the loader.
   """
+  validated = validated or validate(config)
+  settings = validated.settings
   tokenizer = (
-    Tokenizer.from_file(config.model.tokenizer_path)
-    if config.model.tokenizer_path
+    Tokenizer.from_file(settings.model.tokenizer_path)
+    if settings.model.tokenizer_path
     else Tokenizer.default()
   )
-  train_path, eval_path = dataset_paths(config, workdir)
-  proc = processor_config(config)
+  train_path, eval_path = dataset_paths(settings.data, workdir)
+  proc = processor_config(settings.data.vision)
   loader = pipeline.ShadowLoader(
     train_path,
-    config.rl.prompts_per_step,
+    settings.rl.prompts_per_step,
     proc,
-    num_workers=config.data.num_workers,
-    seed=config.seed,
-    limits=media_limits(config),
+    num_workers=settings.data.num_workers,
+    seed=settings.seed,
+    limits=media_limits(settings.data.limits),
   )
   stack.callback(loader.close)
   worker = build_policy(
-    config,
+    settings,
     workdir,
     stack,
     materializer_lib.Materializer(loader.store, loader.pool),
@@ -271,46 +284,38 @@ def build(
   # Every backend call runs on this loop: a fleet's HTTP session belongs to it.
   thread = stack.enter_context(backend_lib.LoopThread("rollout"))
   engine_model = None
-  if config.rollout.backend == "embedded":  # the engine's own copy of the weights
+  if settings.rollout.backend == "embedded":  # the engine's own copy of the weights
     engine_model = nnx.merge(worker.graphdef, policy.stage())
   rollout, launched = factory.make_backend(
-    config.rollout,
-    launch=factory.launch_command(config),
+    settings.rollout,
+    launch=factory.launch_command(settings),
     model=engine_model,
     tokenizer=tokenizer,
-    seed=config.seed,
+    seed=settings.seed,
     proc_cfg=proc,
-    limits=media_limits(config),
+    limits=media_limits(settings.data.limits),
     weights_root=os.path.join(workdir, "weights"),
   )
   if launched is not None:
     stack.callback(launched.stop)
   stack.enter_context(thread.running(rollout))
-  reward = config.rl.reward
-  scheduler = reward_pool.RewardScheduler(
-    reward.num_workers,
-    reward.fn,
-    t_min=reward.t_min,
-    t_max=reward.t_max,
-    anchor_factor=reward.anchor_factor,
-    correct_threshold=reward.correct_threshold,
-  )
+  scheduler = reward_pool.RewardScheduler.from_config(settings.rl.reward)
   stack.callback(scheduler.shutdown)
   coord = stack.enter_context(
     coordinator_lib.Coordinator(
-      config, tokenizer, policy, loader, rollout, scheduler, thread=thread
+      settings, tokenizer, policy, loader, rollout, scheduler, thread=thread
     )
   )
-  eval_rows = readers.read_rows(eval_path)[: config.eval.prompts]
-  return Built(coord, policy, loader, eval_rows, proc)
+  eval_rows = readers.read_rows(eval_path)[: settings.eval.prompts]
+  return Built(coord, policy, loader, eval_rows, proc, settings)
 
 
 def follow(config, workdir: str, validated: Validated | None = None) -> int:
   """A follower's run (process k > 0): the leader's ops until it stops; returns ops run."""
+  validated = validated or validate(config)
   with contextlib.ExitStack() as stack:
-    policy = build_policy(
-      config, workdir, stack, media_source(config, stack), owns_media=True, validated=validated
-    )
+    media = media_source(validated.settings, stack)
+    policy = build_policy(config, workdir, stack, media, owns_media=True, validated=validated)
     stack.enter_context(preemption_lib.Preemption(leader=False))
     return worker_lib.serve(policy, multihost.Channel())
 
@@ -338,6 +343,7 @@ def run(config, workdir: str, validated: Validated | None = None) -> dict:
   A run that ends without an error ends with its summary (rl/summary.py);
   one stopped by SIGTERM then raises `Preempted` (rl/preemption.py).
   """
+  validated = validated or validate(config)
   if not multihost.is_leader():
     follow(config, workdir, validated)
     return {}
@@ -350,7 +356,7 @@ def run(config, workdir: str, validated: Validated | None = None) -> dict:
     policy = built.policy
     preemption = stack.enter_context(preemption_lib.Preemption(leader=True))
     try:
-      last, first = _loop(config, workdir, built, stack, preemption)
+      last, first = _loop(validated.settings, workdir, built, stack, preemption)
     except BaseException as e:
       if isinstance(policy, worker_lib.LeaderWorker):
         policy.abort(repr(e))
@@ -364,7 +370,7 @@ def run(config, workdir: str, validated: Validated | None = None) -> dict:
     read_trained(workdir),
     wall_s=time.time() - t0,
     resumed_from=first,
-    total_steps=config.total_steps,
+    total_steps=validated.settings.total_steps,
   )
   if preemption.stopped_at is not None:
     raise preemption_lib.Preempted(preemption.stopped_at)
@@ -372,7 +378,7 @@ def run(config, workdir: str, validated: Validated | None = None) -> dict:
 
 
 def _loop(
-  config,
+  settings: settings_lib.Settings,
   workdir: str,
   built: Built,
   stack: contextlib.ExitStack,
@@ -404,19 +410,19 @@ def _loop(
     num_workers=0,
     shuffle=False,
     num_epochs=1,
-    limits=media_limits(config),
+    limits=media_limits(settings.data.limits),
   )
   stack.callback(eval_loader.close)
   eval_samples = eval_loader.next_batch()
   last = {}
   if restored is None:
     # Warm-up for GRPO (none without RL steps); logged at steps -sft.steps..0.
-    warm_up = sft.runs(config)
+    warm_up = sft.runs(settings.sft, settings.total_steps)
     if warm_up:
       sft.warm_up(
         coord,
-        config,
-        dataset_paths(config, workdir)[0],
+        settings,
+        dataset_paths(settings.data, workdir)[0],
         built.proc,
         writer,
         lambda: coord.evaluate(eval_samples),
@@ -424,13 +430,13 @@ def _loop(
     writer.write(0, coord.evaluate(eval_samples))
     if warm_up:  # checkpoint 0, the RL start: a resumed run never repeats the warm-up
       policy.save(0, *coord.get_state(), force=True)
-  if first < config.total_steps:
-    if reference.needed(config):
+  if first < settings.total_steps:
+    if reference.needed(settings.rl):
       policy.set_reference(fresh=first == 0)
     coord.start()  # rollout runs ahead from here, within the allowed lag
-  progress = metrics_lib.Progress(config.total_steps, first)  # ETA from RL steps only
+  progress = metrics_lib.Progress(settings.total_steps, first)  # ETA from RL steps only
   done = first  # the last step trained
-  for step in range(first + 1, config.total_steps + 1):
+  for step in range(first + 1, settings.total_steps + 1):
     try:
       result = coord.step()
     except StopIteration:
@@ -438,16 +444,16 @@ def _loop(
       break
     host = dict(result.metrics, **built.loader.metrics())
     # Every eval.every steps and at the last (the summary's end accuracy).
-    if step == config.total_steps or (config.eval.every and step % config.eval.every == 0):
+    if step == settings.total_steps or (settings.eval.every and step % settings.eval.every == 0):
       host.update(coord.evaluate(eval_samples))
     writer.write(step, host)
     trained_log.write(json.dumps({"step": step, "ids": result.trained}) + "\n")
     log.info(progress.line(step, host))
     last, done = host, step
-    stop = preemption.requested and step < config.total_steps
-    if policy.should_save(step) or step == config.total_steps or stop:
+    stop = preemption.requested and step < settings.total_steps
+    if policy.should_save(step) or step == settings.total_steps or stop:
       coord_state, data_state = coord.get_state()
-      policy.save(step, coord_state, data_state, force=step == config.total_steps or stop)
+      policy.save(step, coord_state, data_state, force=step == settings.total_steps or stop)
     if stop:
       preemption.stopped_at = step
       log.warning("preempted: stopped after step %d, checkpointed; the same command resumes", step)

@@ -55,9 +55,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from jax.typing import ArrayLike
 
+from fluxjax import settings as settings_lib
 from fluxjax.parallel.batch import TrainBatch
 from fluxjax.parallel.train_step import LossFn
 
@@ -99,7 +99,7 @@ def importance_weights(
   return w, over.astype(w.dtype)
 
 
-def make_loss_fn(cfg: ml_collections.ConfigDict) -> LossFn:
+def make_loss_fn(cfg: settings_lib.RL) -> LossFn:
   """The PPO-clip / GRPO token loss for the train step (module docstring).
 
   Args:

@@ -25,6 +25,7 @@ import os
 import jax
 from flax import nnx
 
+from fluxjax import settings as settings_lib
 from fluxjax.models import hf_io
 from fluxjax.rl import sft
 
@@ -33,34 +34,41 @@ log = logging.getLogger(__name__)
 REFERENCE_DIR = "reference"
 
 
-def needed(config) -> bool:
-  return bool(config.rl.kl_coef)
+def needed(rl: settings_lib.RL) -> bool:
+  return bool(rl.kl_coef)
 
 
-def source(config, workdir: str) -> tuple[str, bool]:
+def source(settings: settings_lib.Settings, workdir: str) -> tuple[str, bool]:
   """(folder the reference is read from on a resume, whether a fresh run writes it)."""
-  if config.rl.ref_hf_path:
-    return config.rl.ref_hf_path, False
-  if config.model.hf_path and not sft.runs(config):
-    return config.model.hf_path, False
+  if settings.rl.ref_hf_path:
+    return settings.rl.ref_hf_path, False
+  if settings.model.hf_path and not sft.runs(settings.sft, settings.total_steps):
+    return settings.model.hf_path, False
   return os.path.join(workdir, REFERENCE_DIR), True
 
 
 def reference_params(
-  config, workdir: str, model_cfg, graphdef, policy_params, param_shardings, *, fresh: bool
+  settings: settings_lib.Settings,
+  workdir: str,
+  model_cfg,
+  graphdef,
+  policy_params,
+  param_shardings,
+  *,
+  fresh: bool,
 ):
   """The reference's parameters, placed like the policy's.
 
   Args:
-    config: the run config (rl.ref_hf_path, model.hf_path, sft).
+    settings: the run's settings (rl.ref_hf_path, model.hf_path, sft).
     workdir: the run's work directory.
     model_cfg: the policy's model config (a reference must share it).
     graphdef, policy_params: the policy as RL begins (used on a fresh run).
     param_shardings: the policy parameters' shardings.
     fresh: a fresh run (RL starts now) rather than a resume.
   """
-  path, snapshot = source(config, workdir)
-  if fresh and not config.rl.ref_hf_path:
+  path, snapshot = source(settings, workdir)
+  if fresh and not settings.rl.ref_hf_path:
     # The policy as RL begins; its own buffers (the update donates the policy's).
     params = jax.tree.map(lambda x: x.copy(), policy_params)
     if snapshot:

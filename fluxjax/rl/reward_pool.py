@@ -36,6 +36,7 @@ import traceback
 from collections.abc import Hashable, Iterable
 from typing import Any
 
+from fluxjax import settings as settings_lib
 from fluxjax.rl.reward_fns import RewardFn, get
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,7 @@ class RewardScheduler:
     self._thread.start()
 
   @classmethod
-  def from_config(cls, cfg) -> RewardScheduler:
+  def from_config(cls, cfg: settings_lib.Reward) -> RewardScheduler:
     """From the `rl.reward` section of the run config (configs/vlm.py)."""
     return cls(
       num_workers=cfg.num_workers,

@@ -14,7 +14,7 @@ the run's strategy, materialized with pixels from a worker store, and one
 jitted step per plan layout (parallel/layout_steps.py) from `strategy.accumulate_fn`
 with a token NLL.
 
-Optimizer: the warm-up has its own AdamW (`config.sft`: lr, warmup, cosine to
+Optimizer: the warm-up has its own AdamW (`sft` section: lr, warmup, cosine to
 `end_lr_frac`) and its own moments. Afterwards the RL train state gets the
 warmed-up parameters with its optimizer state untouched, i.e. still fresh:
 SFT moments are scaled to NLL gradients, which are orders of magnitude larger
@@ -22,7 +22,7 @@ and point elsewhere than policy gradients, and the RL warmup/cosine schedule
 counts its own steps, so it starts at RL step 1 rather than part-way through.
 
 Metrics: the warm-up occupies steps -S..0 of the run's metrics (S =
-`config.sft.steps`): held-out accuracy before it at step -S, `sft/loss` of SFT
+`sft.steps`): held-out accuracy before it at step -S, `sft/loss` of SFT
 step k at step k - S, held-out accuracy every `sft.eval_every` SFT steps (each
 snapshot is published to the rollout engine as a policy version), and the
 loop's own evaluation at step 0 is the accuracy after it, where GRPO starts.
@@ -31,6 +31,7 @@ loop's own evaluation at step 0 is the accuracy after it, where GRPO starts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import zlib
@@ -42,6 +43,7 @@ import numpy as np
 from flax import nnx
 
 from fluxjax import faults as faults_lib
+from fluxjax import settings as settings_lib
 from fluxjax.data import materializer as materializer_lib
 from fluxjax.data import meta as meta_lib
 from fluxjax.data import pipeline, readers
@@ -88,19 +90,21 @@ def nll_loss(logp, entropy, mb: batch_lib.TrainBatch):
   return -logp, {"entropy": entropy}
 
 
-def runs(config) -> bool:
+def runs(s: settings_lib.SFT, total_steps: int) -> bool:
   """Whether a fresh run warms up (enabled, with steps, and RL steps to warm up for)."""
-  return bool(config.sft.enabled and config.sft.steps and config.total_steps > 0)
+  return bool(s.enabled and s.steps and total_steps > 0)
 
 
-def optimizer_config(config):
-  """config.optim with the warm-up's lr and schedule (clipping, betas shared)."""
-  optim = config.optim.copy_and_resolve_references()
-  s = config.sft
-  optim.lr, optim.warmup_steps = s.lr, s.warmup_steps
-  optim.total_steps, optim.end_lr_frac = s.steps, s.end_lr_frac
-  optim.weight_decay = 0.0
-  return optim
+def optimizer_config(optim: settings_lib.Optim, s: settings_lib.SFT) -> settings_lib.Optim:
+  """The RL `optim` with the warm-up's lr and schedule (clipping, betas shared)."""
+  return dataclasses.replace(
+    optim,
+    lr=s.lr,
+    warmup_steps=s.warmup_steps,
+    total_steps=s.steps,
+    end_lr_frac=s.end_lr_frac,
+    weight_decay=0.0,
+  )
 
 
 class Rollout(Protocol):
@@ -167,14 +171,19 @@ class Trainer:
 
   Args:
     policy: the run's policy worker; not modified until `finish`.
-    config: the run config (its `optim` and `sft` sections).
+    optim: the warm-up's optimizer settings (`optimizer_config`).
     patch_source: MediaRef -> patches (a Materializer over the store the
       media were decoded into).
   """
 
-  def __init__(self, policy: policy_lib.PolicyState, config, patch_source: Callable | None = None):
+  def __init__(
+    self,
+    policy: policy_lib.PolicyState,
+    optim: settings_lib.Optim,
+    patch_source: Callable | None = None,
+  ):
     self.policy = policy
-    self.tx = train_step.make_optimizer(optimizer_config(config))
+    self.tx = train_step.make_optimizer(optim)
     # A copy: the step donates its state, and the run's parameters must stay
     # valid (the rollout engine may hold them) until `finish` replaces them.
     params = jax.tree.map(lambda x: x.copy(), policy.state.params)
@@ -218,7 +227,7 @@ class Trainer:
 
 def warm_up(
   coord: Rollout,
-  config,
+  settings: settings_lib.Settings,
   train_path: str,
   proc,
   writer,
@@ -230,14 +239,14 @@ def warm_up(
     coord: the run's Coordinator; its policy worker trains (every process
       runs the warm-up's ops) and its rollout engine gets the warmed-up
       weights (a new policy version).
-    config: the run config.
+    settings: the run's settings.
     train_path: the training manifest (the warm-up samples its prompts).
     proc: the vision processor config.
     writer: the run's MetricWriter.
     evaluate: held-out metrics of the rollout engine's current policy
       (`Coordinator.evaluate`).
   """
-  s = config.sft
+  s = settings.sft
   first = -int(s.steps)
   summary = evaluate()
   writer.write(first, summary)
@@ -256,9 +265,9 @@ def warm_up(
     warm_up_rows(readers.read_rows(train_path), s.levels),
     s.batch_size,
     proc,
-    num_workers=max(1, config.data.num_workers),
-    seed=config.seed + 1,
-    limits=media_lib.MediaLimits(**config.data.limits),
+    num_workers=max(1, settings.data.num_workers),
+    seed=settings.seed + 1,
+    limits=media_lib.MediaLimits(**dataclasses.asdict(settings.data.limits)),
   )
   source = materializer_lib.Materializer(loader.store, loader.pool)
   policy = coord.policy

@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 import jax
 from flax import nnx
 
+from fluxjax import settings as settings_lib
 from fluxjax.data import materializer as materializer_lib
 from fluxjax.models.config import ModelConfig
 from fluxjax.parallel import batch as batch_lib
@@ -69,7 +70,7 @@ class PolicyWorker:
   """One process's part of the policy (see the module docstring).
 
   Args:
-    config: the run config.
+    settings: the run's settings.
     workdir: the run's work directory (checkpoints, the reference snapshot).
     cfg: the model configuration.
     mesh: the training mesh (global).
@@ -88,7 +89,7 @@ class PolicyWorker:
 
   def __init__(
     self,
-    config,
+    settings: settings_lib.Settings,
     workdir: str,
     *,
     cfg: ModelConfig,
@@ -102,7 +103,7 @@ class PolicyWorker:
     owns_media: bool = False,
     rollout_shardings=None,
   ):
-    self.config = config
+    self.settings = settings
     self.workdir = workdir
     self._cfg = cfg
     self._mesh = mesh
@@ -126,13 +127,13 @@ class PolicyWorker:
       state,
       state_shardings,
       tx,
-      losses.make_loss_fn(config.rl),
+      losses.make_loss_fn(settings.rl),
       patch_source=self._read_patches,
-      temperature=float(config.rl.temperature),
-      updates_per_batch=int(config.rl.updates_per_batch),
+      temperature=float(settings.rl.temperature),
+      updates_per_batch=int(settings.rl.updates_per_batch),
     )
-    self.ckpt = checkpoint_lib.Checkpointer(workdir, save_every=int(config.checkpoint.every))
-    self.rng = jax.random.key(int(config.seed))
+    self.ckpt = checkpoint_lib.Checkpointer(workdir, save_every=int(settings.checkpoint.every))
+    self.rng = jax.random.key(int(settings.seed))
     self._sft: sft.Trainer | None = None
 
   # -- read-only views -------------------------------------------------------
@@ -230,7 +231,7 @@ class PolicyWorker:
     """Loads (or, on a fresh run, copies) the KL term's reference model."""
     self._trainer.set_reference(
       reference.reference_params(
-        self.config,
+        self.settings,
         self.workdir,
         self._cfg,
         self._graphdef,
@@ -242,7 +243,8 @@ class PolicyWorker:
 
   def sft_begin(self, patch_source: Callable | None = None) -> None:
     """Starts the warm-up's trainer (pixels from `patch_source`, default this worker's)."""
-    self._sft = sft.Trainer(self, self.config, patch_source or self._read_patches)
+    optim = sft.optimizer_config(self.settings.optim, self.settings.sft)
+    self._sft = sft.Trainer(self, optim, patch_source or self._read_patches)
 
   def sft_train(self, seqs: Sequence[batch_lib.TrainSequence]) -> dict:
     """One warm-up step; returns its device metrics."""

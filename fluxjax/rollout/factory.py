@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from fluxjax import settings as settings_lib
 from fluxjax.models import media, vlm
 from fluxjax.models.processor import VisionProcessorConfig
 from fluxjax.models.tokenizer import Tokenizer
@@ -46,7 +47,7 @@ def check_config(cfg) -> None:
     raise ValueError("give rollout.router_url (a running router) or router_launch, not both")
 
 
-def server_command(config) -> list[str]:
+def server_command(settings: settings_lib.Settings) -> list[str]:
   """`python -m fluxjax.rollout.server` serving a run config's model.
 
   The same preset, compute dtype, seed, slots, context and vision
@@ -56,39 +57,39 @@ def server_command(config) -> list[str]:
   SGLang is at hand.
   """
   cmd = ["python", "-m", "fluxjax.rollout.server"]
-  cmd += ["--preset", str(config.model.preset), "--dtype", str(config.model.dtype)]
-  cmd += ["--seed", str(config.seed), "--num-slots", str(config.rollout.num_slots)]
-  cmd += ["--context-length", str(config.rollout.context_length)]
-  for flag, value in _preprocessing_flags(config).items():
+  cmd += ["--preset", str(settings.model.preset), "--dtype", str(settings.model.dtype)]
+  cmd += ["--seed", str(settings.seed), "--num-slots", str(settings.rollout.num_slots)]
+  cmd += ["--context-length", str(settings.rollout.context_length)]
+  for flag, value in _preprocessing_flags(settings.data.vision).items():
     cmd += [flag, value]
   return cmd
 
 
-def _preprocessing_flags(config) -> dict[str, str]:
+def _preprocessing_flags(vision: settings_lib.Vision) -> dict[str, str]:
   """The run's vision preprocessing limits as `fluxjax.rollout.server` flags."""
-  return {protocol.server_flag(key): str(value) for key, value in config.data.vision.items()}
+  return {protocol.server_flag(k): str(v) for k, v in dataclasses.asdict(vision).items()}
 
 
-def launch_command(config) -> list[str]:
+def launch_command(settings: settings_lib.Settings) -> list[str]:
   """The server command `rollout.launch` names: `server_command` for
   `OWN_SERVER`; a command of its own that runs `fluxjax.rollout.server`
   gets the run's vision preprocessing limits it does not set itself (the
   trainer and the server must preprocess media alike); any other command
   as given."""
-  launch = list(config.rollout.launch)
+  launch = list(settings.rollout.launch)
   if tuple(launch) == OWN_SERVER:
-    return server_command(config)
+    return server_command(settings)
   if OWN_SERVER[0] not in launch:
     return launch
   given = {arg.split("=", 1)[0] for arg in launch if arg.startswith("--")}
-  for flag, value in _preprocessing_flags(config).items():
+  for flag, value in _preprocessing_flags(settings.data.vision).items():
     if flag not in given:
       launch += [flag, value]
   return launch
 
 
 def make_backend(
-  cfg,
+  cfg: settings_lib.Rollout,
   *,
   launch: list[str] | None = None,
   model: vlm.Qwen25VL | None = None,

@@ -29,7 +29,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import ml_collections
+
+from fluxjax import settings as settings_lib
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def cluster_job(environ: Mapping[str, str]) -> str | None:
 
 
 def distributed_arguments(
-  cfg: ml_collections.ConfigDict | None, environ: Mapping[str, str]
+  cfg: settings_lib.Distributed | None, environ: Mapping[str, str]
 ) -> dict[str, Any] | None:
   """The jax.distributed.initialize arguments for this run, or None for a
   single-process run.
@@ -109,7 +110,7 @@ def distributed_arguments(
 
 
 def maybe_initialize_distributed(
-  cfg: ml_collections.ConfigDict | None, environ: Mapping[str, str] | None = None
+  cfg: settings_lib.Distributed | None, environ: Mapping[str, str] | None = None
 ) -> None:
   """Starts jax.distributed when this process is one of a multi-process run
   (see `distributed_arguments`); a single-process run is left alone.

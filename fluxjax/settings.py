@@ -1,0 +1,291 @@
+"""A run's configuration as typed, frozen sections.
+
+configs/vlm.py is the one source of every default and says what each field
+means; this module holds each section's shape once, with no defaults, and
+`Settings.of(config)` reads a resolved ConfigDict into it: a field the config
+lacks or a key no section declares is an error naming the flag. Library code
+receives the sections it needs (`settings.rl`, `settings.rollout`, ...);
+only the entry points and the run's composition root see the whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+  every: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Lag:
+  mode: str
+  fixed_lag: int
+  min_lag: int
+  max_lag: int
+  sync_interval: int
+  target_staleness: float
+  tolerance: float
+  hard_bound: float
+  ema_decay: float
+  kp: float
+  ki: float
+  kd: float
+  max_step: float
+  initial_ratio: float
+  min_async_ratio: float
+  max_async_ratio: float
+  gap_weight: float
+  kl_weight: float
+  iw_weight: float
+  max_version_gap: float
+  kl_normalizer: float
+  iw_normalizer: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Coordinator:
+  lag: Lag
+  stream_groups: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  max_image_pixels: int
+  max_frame_pixels: int
+  max_video_frames: int
+  max_sampled_video_pixels: int
+  min_side: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Vision:
+  image_min_pixels: int
+  image_max_pixels: int
+  video_min_pixels: int
+  video_max_pixels: int
+  video_max_frames: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+  train: str
+  eval: str
+  mix: str
+  synth_train: int
+  synth_eval: int
+  seed: int
+  num_workers: int
+  blind: bool
+  limits: Limits
+  vision: Vision
+
+
+@dataclasses.dataclass(frozen=True)
+class Distributed:
+  auto: bool
+  coordinator_address: str
+  num_processes: int
+  process_id: int
+  local_device_ids: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Eval:
+  every: int
+  prompts: int
+  samples_per_prompt: int
+  greedy: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Faults:
+  nonfinite_steps: int
+  unwritten_publishes: int
+  failed_rounds: int
+  prompt_errors: int
+  request_retries: int
+
+  def limits(self) -> dict[str, int]:
+    """Every fault's limit in a row, by name (faults.Faults takes them)."""
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+  data: int
+  fsdp: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  preset: str
+  hf_path: str
+  tokenizer_path: str
+  dtype: str
+  param_dtype: str
+  attention_backend: str
+  remat: bool
+  logprob_vocab_chunk: int
+  mrope_text_after_vision: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Optim:
+  lr: float
+  warmup_steps: int
+  total_steps: int
+  end_lr_frac: float
+  max_grad_norm: float
+  b1: float
+  b2: float
+  eps: float
+  weight_decay: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Reward:
+  fn: str
+  num_workers: int
+  t_min: float
+  t_max: float
+  anchor_factor: float
+  correct_threshold: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RL:
+  prompts_per_step: int
+  responses_per_prompt: int
+  max_new_tokens: int
+  temperature: float
+  updates_per_batch: int
+  adv_std_normalize: bool
+  adv_eps: float
+  loss_agg_mode: str
+  clip_low: float
+  clip_high: float
+  clip_c: float
+  is_mode: str
+  is_cap: float
+  prox: str
+  kl_coef: float
+  kl_estimator: str
+  kl_clamp: float
+  ref_hf_path: str
+  entropy_coef: float
+  dynamic_sampling: bool
+  max_refill_rounds: int
+  reward: Reward
+
+
+@dataclasses.dataclass(frozen=True)
+class TailBatching:
+  eta: float
+  recycle: bool
+  continue_in: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+  backend: str
+  urls: tuple[str, ...]
+  router_url: str
+  launch: tuple[str, ...]
+  router_launch: tuple[str, ...]
+  num_servers: int
+  launch_timeout_s: float
+  health_interval_s: float
+  num_slots: int
+  context_length: int
+  embedded_devices: int
+  seeded: bool
+  tail_batching: TailBatching
+
+
+@dataclasses.dataclass(frozen=True)
+class SFT:
+  enabled: bool
+  steps: int
+  batch_size: int
+  levels: tuple[str, ...]
+  chain_fraction: float
+  lr: float
+  warmup_steps: int
+  end_lr_frac: float
+  eval_every: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+  strategy: str
+  sp: int
+  sync: str
+  capacity: int
+  capacity_buckets: tuple[int, ...]
+  patch_capacity: int
+  balance_vision: bool
+  max_replicated_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """The whole run (configs/vlm.py): each section typed, frozen."""
+
+  variant: str
+  seed: int
+  total_steps: int
+  data: Data
+  eval: Eval
+  checkpoint: Checkpoint
+  model: Model
+  mesh: Mesh
+  distributed: Distributed
+  sharding: Sharding
+  rollout: Rollout
+  rl: RL
+  coordinator: Coordinator
+  faults: Faults
+  sft: SFT
+  optim: Optim
+
+  @classmethod
+  def of(cls, config: Mapping[str, Any] | Settings) -> Settings:
+    """The run's settings from its (resolved) ConfigDict; settings as they are.
+
+    Raises:
+      ValueError: the config lacks a field, or holds a key no section
+        declares (a misspelt override), named as its flag.
+    """
+    if isinstance(config, Settings):
+      return config
+    return section(cls, config)
+
+
+def section(cls: type[T], values: Mapping[str, Any], where: str = "") -> T:
+  """`cls` (a section above) from a mapping with exactly its fields."""
+  hints = typing.get_type_hints(cls)
+  names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]  # cls is a section
+  unknown = sorted(set(values.keys()) - set(names))
+  if unknown:
+    flags = ", ".join(f"--config.{where}{k}" for k in unknown)
+    raise ValueError(f"{flags}: no such setting (fluxjax/settings.py lists them)")
+  missing = [n for n in names if n not in values]
+  if missing:
+    flags = ", ".join(f"config.{where}{k}" for k in missing)
+    raise ValueError(f"{flags} missing from the config (configs/vlm.py sets every field)")
+  out = {}
+  for name in names:
+    kind, value = hints[name], values[name]
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+      value = section(kind, value, f"{where}{name}.")
+    elif typing.get_origin(kind) is tuple:
+      value = tuple(value)
+    out[name] = value
+  return cls(**out)

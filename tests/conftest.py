@@ -57,6 +57,24 @@ def devices():
 
 
 @pytest.fixture(scope="session")
+def mesh_for(devices):
+  """strategy -> the fake 8-device mesh with the strategy's sequence axes
+  (`mesh.make_mesh`'s default data and fsdp), one per set of axes."""
+  from fluxjax.sharding import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+
+  del devices  # asserts the fake mesh
+  meshes = {}
+
+  def get(strategy):
+    axes = tuple(strategy.sp_axes())
+    if axes not in meshes:
+      meshes[axes] = mesh_lib.make_mesh(sp_axes=axes)
+    return meshes[axes]
+
+  return get
+
+
+@pytest.fixture(scope="session")
 def tiny_model():
   """The tiny preset at seed 0, unsharded, built once per test process.
 

@@ -20,7 +20,6 @@ from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import layout_steps
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout import fleet as fleet_lib
-from fluxjax.sharding import mesh as mesh_lib
 from helpers import TINY as CFG
 from helpers import make_strategy
 
@@ -128,10 +127,10 @@ def _seqs(lengths, seed=0):
   return out
 
 
-def test_layout_steps_compile_once_per_layout(devices):
+def test_layout_steps_compile_once_per_layout(devices, mesh_for):
   del devices
   strategy = make_strategy("packed_dp", capacity=128)
-  mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
+  mesh = mesh_for(strategy)
   compiled = []
 
   def compile_step(plan, batch):

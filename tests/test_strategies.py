@@ -158,9 +158,9 @@ def test_config_switches_strategy_and_rejects_bad_ones():
 
 
 @pytest.mark.slow
-def test_train_step_shards_state_and_compiles_once_per_bucket(devices):
+def test_train_step_shards_state_and_compiles_once_per_bucket(devices, mesh_for):
   strategy = make_strategy("ulysses", 2)
-  mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
+  mesh = mesh_for(strategy)
   model = sharded.create_sharded_model(CFG, mesh, seed=0, log_table=False)
   opt = adamw_config()
   tx = train_step.make_optimizer(opt)

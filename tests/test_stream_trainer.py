@@ -26,7 +26,6 @@ from fluxjax.parallel.stream_trainer import StreamTrainer
 from fluxjax.rl import losses, trajectories
 from fluxjax.rollout import engine as engine_lib
 from fluxjax.rollout import protocol
-from fluxjax.sharding import mesh as mesh_lib
 from helpers import PATCHES, completion, make_strategy, mixed_batch
 from helpers import TINY as CFG
 
@@ -78,9 +77,9 @@ def _synchronous_step(strategy, mesh, tx, loss_fn, seqs):
   "name,sp,sync",
   [("packed_dp", 1, "layer"), pytest.param("ulysses", 2, "minibatch", marks=pytest.mark.slow)],
 )
-def test_stream_update_equals_synchronous_update(name, sp, sync, devices):
+def test_stream_update_equals_synchronous_update(name, sp, sync, devices, mesh_for):
   strategy = make_strategy(name, sp, capacity=128, sync=sync)
-  mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
+  mesh = mesh_for(strategy)
   tx = SGD
   loss_fn = losses.make_loss_fn(config_args.load_config().rl)
   seqs = mixed_batch(seed=5)
@@ -150,7 +149,9 @@ def _single_device_logprobs(model, seqs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,sp,sync", [("ulysses", 2, "minibatch")])
-def test_stream_reference_kl_equals_update_with_single_device_reference(name, sp, sync, devices):
+def test_stream_reference_kl_equals_update_with_single_device_reference(
+  name, sp, sync, devices, mesh_for
+):
   """The reference forward inside `add` gives the KL update of host-computed logprobs.
 
   The reference is another model (seed 1); its logprobs are computed once per
@@ -160,7 +161,7 @@ def test_stream_reference_kl_equals_update_with_single_device_reference(name, sp
   (the strategy equality tests' bound).
   """
   strategy = make_strategy(name, sp, capacity=128, sync=sync)
-  mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
+  mesh = mesh_for(strategy)
   tx = SGD
   rl = config_args.load_config().rl
   rl.kl_coef, rl.kl_estimator = 0.5, "k3"
@@ -201,9 +202,9 @@ def test_stream_reference_kl_equals_update_with_single_device_reference(name, sp
     assert err < 1e-5, f"relative gradient error {err:.2e}"
 
 
-def test_apply_without_parts_is_an_error(devices):
+def test_apply_without_parts_is_an_error(devices, mesh_for):
   strategy = make_strategy("packed_dp", capacity=128)
-  mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
+  mesh = mesh_for(strategy)
   tx = train_step.make_optimizer(OPT)
   graphdef, state, shardings = _fresh_state(mesh, tx)
   trainer = StreamTrainer(
@@ -215,7 +216,9 @@ def test_apply_without_parts_is_an_error(devices):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.7])
-def test_on_policy_importance_weights_are_one_at_the_sampling_temperature(temperature, devices):
+def test_on_policy_importance_weights_are_one_at_the_sampling_temperature(
+  temperature, devices, mesh_for
+):
   """Responses the engine samples at T, trained by the stream trainer at T: pi / mu = 1.
 
   The engine reports log softmax(logits / T); the trainer must score the same
@@ -223,7 +226,7 @@ def test_on_policy_importance_weights_are_one_at_the_sampling_temperature(temper
   T = 0.7: at T = 1 a missing or doubled temperature would go unseen.
   """
   strategy = make_strategy("packed_dp", capacity=128)
-  mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
+  mesh = mesh_for(strategy)
   # The same parameters on one device serve the engine.
   engine = engine_lib.Engine(
     vlm.create_model(CFG, seed=4), Tokenizer.default(), num_slots=4, capacity=64, seed=0
@@ -273,7 +276,7 @@ def test_on_policy_importance_weights_are_one_at_the_sampling_temperature(temper
 
 
 @pytest.mark.slow
-def test_several_updates_per_batch_clip_around_the_first_policy(devices):
+def test_several_updates_per_batch_clip_around_the_first_policy(devices, mesh_for):
   """PPO epochs: later updates pass over the stored parts, clipped around pi_prox.
 
   With one update the ratio is 1 and nothing is clipped; with three the
@@ -282,7 +285,7 @@ def test_several_updates_per_batch_clip_around_the_first_policy(devices):
   w = pi_prox / mu, averaged over the updates, equals the one-update value.
   """
   strategy = make_strategy("packed_dp", capacity=128)
-  mesh = mesh_lib.make_mesh(sp_axes=strategy.sp_axes())
+  mesh = mesh_for(strategy)
   seqs = mixed_batch(seed=5)
   for s in seqs:
     s.old_logprobs_T = np.full(len(s), -6.2, np.float32)

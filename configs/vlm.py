@@ -58,6 +58,7 @@ _CPU = dict(
   context_length=256,
   prompts_per_step=16,
   max_new_tokens=16,
+  weight_group_backend="gloo",
   lag_mode="sync",
   sft=True,
   lr=3e-4,
@@ -83,6 +84,7 @@ _GPU_FLEET = dict(
   context_length=8192,
   prompts_per_step=64,
   max_new_tokens=1024,
+  weight_group_backend="nccl",
   lag_mode="adaptive",
   sft=False,
   lr=1e-5,
@@ -275,6 +277,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # a run on the embedded engine repeats. SGLang honours the seed with
   # --enable-deterministic-inference (as slime's deterministic mode does).
   c.rollout.seeded = True
+  # How a fleet gets new weights (rollout/publish.py): "disk" writes a
+  # versioned HF folder that every server loads (SGLang's
+  # update_weights_from_disk; needs a filesystem the servers share with the
+  # trainer); "distributed" broadcasts bf16 tensors from the trainer to every
+  # server over a torch.distributed group (update_weights_from_distributed;
+  # needs torch: pip install 'fluxjax[weight-sync]'). The group's backend
+  # (gloo on CPUs, nccl between GPUs), the address servers reach the trainer
+  # at ("" = loopback when every server is local, else this host's name), and
+  # how long a rendezvous or a broadcast may wait.
+  c.rollout.weight_sync = "disk"
+  c.rollout.weight_group_backend = v.weight_group_backend
+  c.rollout.weight_group_address = ""
+  c.rollout.weight_group_timeout_s = 600.0
 
   # Tail batching (Flexes): a short round launches eta*P prompts and keeps the
   # first P to finish; the others wait for a long round. 1.0 disables it.

@@ -206,6 +206,10 @@ class Rollout:
   context_length: int
   embedded_devices: int
   seeded: bool
+  weight_sync: str
+  weight_group_backend: str
+  weight_group_address: str
+  weight_group_timeout_s: float
   tail_batching: TailBatching
 
 

@@ -434,9 +434,11 @@ def test_a_thousand_connections_at_once_lose_no_accepted_request(url, fd_limit):
 api_schema = schemathesis.openapi.from_dict(openapi.build_spec(server.VERSION))
 api_schema.config.generation.update(max_examples=25, deterministic=True, database="none")
 api_schema.config.phases.update(phases=["examples", "fuzzing"])
-# Pausing holds every later /generate until /continue_generation: fuzzed, it
-# would stall the run (test_rollout_server.py covers pause and continue).
-fuzzed = api_schema.exclude(path="/pause_generation")
+# Pausing holds every later /generate until /continue_generation, and joining
+# a weight update group waits for its members until the group's timeout:
+# fuzzed, each would stall the run (test_rollout_server.py covers pause and
+# continue, test_weight_sync.py the group).
+fuzzed = api_schema.exclude(path="/pause_generation").exclude(path="/init_weights_update_group")
 
 
 @fuzzed.parametrize()

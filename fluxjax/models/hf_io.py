@@ -284,6 +284,72 @@ def load_hf_checkpoint(
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def _param_leaves(cfg: config_lib.ModelConfig):
+  """(state key, leaf path, stack or None, HF name template, kind, shape) of
+  every parameter, in the order `hf_tensors` yields them."""
+  abstract = nnx.state(vlm.abstract_model(cfg), nnx.Param)
+  for key, var in nnx.to_flat_state(abstract):
+    leaf_path = ".".join(map(str, key))
+    stack, template, kind = _leaf_rule(leaf_path)
+    yield key, leaf_path, stack, template, kind, tuple(var.get_value().shape)
+
+
+def hf_layout(cfg: config_lib.ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+  """(HF name, published shape) of every tensor `hf_tensors` yields, in its order."""
+  out: list[tuple[str, tuple[int, ...]]] = []
+  for _, leaf_path, stack, template, kind, shape in _param_leaves(cfg):
+    layer_shape = shape[1:] if stack else shape
+    hf_shape = _hf_shape(layer_shape, kind, leaf_path, cfg)
+    names = [template.format(i) for i in range(shape[0])] if stack else [template]
+    out.extend((name, hf_shape) for name in names)
+  return out
+
+
+def with_hf_tensors(state: nnx.State, cfg: config_lib.ModelConfig, named) -> nnx.State:
+  """`state` (a model's) with the parameters the (HF name, tensor) pairs give
+  replaced, each placed like the array it replaces; the others are kept.
+
+  A stacked parameter is copied to the host once, however many of its layers
+  arrive. The tensors are read as they come (a receiver's stream).
+
+  Raises:
+    CheckpointFormatError: a name the model does not have, or a tensor of
+      another shape than the published one.
+  """
+  targets = {}
+  for key, leaf_path, stack, template, kind, shape in _param_leaves(cfg):
+    layer_shape = shape[1:] if stack else shape
+    hf_shape = _hf_shape(layer_shape, kind, leaf_path, cfg)
+    for i in range(shape[0]) if stack else [None]:
+      name = template.format(i) if stack else template
+      targets[name] = (key, i, kind, layer_shape, hf_shape)
+  current = dict(nnx.to_flat_state(state))
+  host: dict[tuple, np.ndarray] = {}
+  for raw, w in named:
+    name = canonical_hf_name(raw)
+    if name not in targets:
+      raise CheckpointFormatError(f"tensor {raw} is not a parameter of the served model")
+    key, i, kind, layer_shape, hf_shape = targets[name]
+    if tuple(w.shape) != hf_shape:
+      raise CheckpointFormatError(
+        f"tensor {raw} has shape {list(w.shape)}, the model {list(hf_shape)}"
+      )
+    leaf = host.get(key)
+    if leaf is None:
+      leaf = host[key] = np.array(jax.device_get(current[key].get_value()))
+    value = _hf_to_ours(np.asarray(w), kind, layer_shape).astype(leaf.dtype)
+    if i is None:
+      leaf[...] = value
+    else:
+      leaf[i] = value
+  flat = []
+  for key, var in current.items():
+    if key in host:
+      var = var.replace(jax.device_put(host[key], var.get_value().sharding))
+    flat.append((key, var))
+  return nnx.from_flat_state(flat)
+
+
 def _to_host(x: jax.Array) -> np.ndarray:
   """The whole array on this host; a collective when other processes hold shards of it."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:

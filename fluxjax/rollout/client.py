@@ -14,7 +14,12 @@ from typing import Any
 
 import aiohttp
 
-from fluxjax.rollout.protocol import Completion, GenerateRequest
+from fluxjax.rollout.protocol import (
+  Completion,
+  DistributedUpdate,
+  GenerateRequest,
+  InitWeightsGroup,
+)
 
 
 class RequestRejected(ValueError):
@@ -178,6 +183,23 @@ class SGLangClient:
     if not data.get("success"):
       raise RequestRejected(f"{self.url}: {data.get('message')}")
     return data
+
+  async def _weights_call(self, path: str, body: dict, timeout_s: float | None = None) -> dict:
+    _, data = await self.request("POST", path, body, timeout_s=timeout_s)
+    if not isinstance(data, dict) or not data.get("success"):
+      raise RequestRejected(f"{self.url}{path}: {data}")
+    return data
+
+  async def init_weights_update_group(self, req: InitWeightsGroup, timeout_s: float) -> dict:
+    """Joins the server to the trainer's group; returns once every member joined."""
+    return await self._weights_call("/init_weights_update_group", req.to_body(), timeout_s)
+
+  async def update_weights_from_distributed(self, req: DistributedUpdate, timeout_s: float) -> dict:
+    """Announces the tensors the trainer broadcasts next; returns once they are served."""
+    return await self._weights_call("/update_weights_from_distributed", req.to_body(), timeout_s)
+
+  async def destroy_weights_update_group(self, group_name: str) -> dict:
+    return await self._weights_call("/destroy_weights_update_group", {"group_name": group_name})
 
   async def health(self, timeout_s: float = 5.0) -> bool:
     try:

@@ -353,6 +353,18 @@ class Engine:
       self._state = state
       self.weight_version = str(weight_version)
 
+  def load_hf_tensors(self, named, weight_version: str) -> None:
+    """Swaps in the parameters that (HF name, tensor) pairs give, read as they
+    arrive (a distributed weight update's stream), the others kept.
+
+    All or nothing: every tensor is read and checked before one swap of
+    parameters and version between steps; a bad one raises
+    hf_io.CheckpointFormatError and the engine serves on unchanged.
+    """
+    with self._step_lock:
+      state = self._state
+    self.update_params(hf_io.with_hf_tensors(state, self.cfg, named), weight_version)
+
   def load_weights_from_disk(self, path: str, weight_version: str) -> None:
     """Reads an HF checkpoint folder (same architecture) and swaps it in.
 

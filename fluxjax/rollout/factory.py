@@ -17,6 +17,7 @@ backend = "sglang"    a `Fleet` of servers speaking SGLang's native API:
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from fluxjax import settings as settings_lib
 from fluxjax.models import media, vlm
@@ -45,6 +46,16 @@ def check_config(cfg) -> None:
     )
   if cfg.router_url and cfg.router_launch:
     raise ValueError("give rollout.router_url (a running router) or router_launch, not both")
+  if cfg.weight_sync not in fleet.WEIGHT_SYNCS:
+    raise ValueError(
+      f"rollout.weight_sync={cfg.weight_sync!r}: set --config.rollout.weight_sync to one of "
+      f"{fleet.WEIGHT_SYNCS}"
+    )
+  if cfg.weight_group_backend not in protocol.WEIGHT_GROUP_BACKENDS:
+    raise ValueError(
+      f"rollout.weight_group_backend={cfg.weight_group_backend!r}: set "
+      f"--config.rollout.weight_group_backend to one of {protocol.WEIGHT_GROUP_BACKENDS}"
+    )
 
 
 def server_command(settings: settings_lib.Settings) -> list[str]:
@@ -132,12 +143,16 @@ def make_backend(
       limits=limits,
     ), None
   health_s, launch_s = float(cfg.health_interval_s), float(cfg.launch_timeout_s)
+  sync: dict[str, Any] = dict(
+    weights_root=weights_root,
+    weight_sync=str(cfg.weight_sync),
+    weight_group_backend=str(cfg.weight_group_backend),
+    weight_group_address=str(cfg.weight_group_address),
+    weight_group_timeout_s=float(cfg.weight_group_timeout_s),
+  )
   if cfg.router_url:
     return router.RoutedFleet(
-      cfg.router_url,
-      workers_timeout_s=launch_s,
-      health_interval_s=health_s,
-      weights_root=weights_root,
+      cfg.router_url, workers_timeout_s=launch_s, health_interval_s=health_s, **sync
     ), None
   urls = list(cfg.urls)
   launched = None
@@ -150,9 +165,7 @@ def make_backend(
     urls = launched.urls
   if not cfg.router_launch:
     vision = dataclasses.asdict(proc_cfg) if proc_cfg is not None else None
-    backend = fleet.Fleet(
-      urls, health_interval_s=health_s, weights_root=weights_root, vision_limits=vision
-    )
+    backend = fleet.Fleet(urls, health_interval_s=health_s, vision_limits=vision, **sync)
     return backend, launched
   try:
     routed = router.launch_router(list(cfg.router_launch), urls, timeout_s=launch_s)
@@ -164,8 +177,5 @@ def make_backend(
     launched = fleet.LaunchedServers([], [], [])
   launched.router = routed
   return router.RoutedFleet(
-    routed.urls[0],
-    workers_timeout_s=launch_s,
-    health_interval_s=health_s,
-    weights_root=weights_root,
+    routed.urls[0], workers_timeout_s=launch_s, health_interval_s=health_s, **sync
   ), launched

@@ -78,6 +78,11 @@ def prompt_key(request: GenerateRequest) -> str:
   return h.hexdigest()
 
 
+# How weights reach the servers: a versioned folder each loads, or bf16
+# tensors broadcast over a torch.distributed group (rollout/weight_group.py).
+WEIGHT_SYNCS = ("disk", "distributed")
+
+
 class NoServerAvailable(ServerUnavailable):
   """Every server is down."""
 
@@ -105,6 +110,10 @@ class Fleet:
     weights_root: str | None = None,
     weights_dtype: str = "bfloat16",
     vision_limits: Mapping[str, int] | None = None,
+    weight_sync: str = "disk",
+    weight_group_backend: str = "gloo",
+    weight_group_address: str = "",
+    weight_group_timeout_s: float = 600.0,
   ):
     self._session: aiohttp.ClientSession | None = None
     # The trainer's media preprocessing; a server that reports other limits is
@@ -112,6 +121,13 @@ class Fleet:
     self.vision_limits = dict(vision_limits or {})
     self.weights_root = weights_root or os.path.join(tempfile.gettempdir(), "fluxjax_weights")
     self.weights_dtype = weights_dtype
+    if weight_sync not in WEIGHT_SYNCS:
+      raise ValueError(f"weight_sync {weight_sync!r}: choose one of {WEIGHT_SYNCS}")
+    self.weight_sync = weight_sync
+    self.weight_group_backend = weight_group_backend
+    self.weight_group_address = weight_group_address
+    self.weight_group_timeout_s = weight_group_timeout_s
+    self.weight_group = None  # publish.WeightGroup: the trainer's side, once made
     self.request_timeout_s = request_timeout_s
     self.servers = [self._server_state(u) for u in urls]
     self.affinity: dict[str, ServerState] = {}
@@ -140,7 +156,9 @@ class Fleet:
     return None
 
   async def publish(self, model: vlm.Qwen25VL, version: int) -> PublishReport:
-    """Writes <weights_root>/v<version>, then pause -> update -> continue everywhere.
+    """Writes <weights_root>/v<version>, then pause -> update -> continue
+    everywhere; with `weight_sync` "distributed", broadcasts the tensors to
+    every server instead (publish.publish_distributed).
 
     A write that fails (a full disk) is reported in `failed` with no server
     told anything: the fleet serves on with the previous version, and
@@ -148,6 +166,8 @@ class Fleet:
     """
     from fluxjax.rollout import publish  # local: the checkpoint writer is JAX code
 
+    if self.weight_sync == "distributed":
+      return await publish.publish_distributed(self, model, version)
     return await publish.publish_to_fleet(
       self, model, self.weights_root, version, dtype=self.weights_dtype
     )
@@ -203,6 +223,9 @@ class Fleet:
       )
 
   async def close(self) -> None:
+    if self.weight_group is not None:
+      self.weight_group.close()
+      self.weight_group = None
     if self._health_task is not None:
       self._health_task.cancel()
       try:
@@ -299,6 +322,23 @@ class Fleet:
 
   # --- fleet-wide control ------------------------------------------------------------
 
+  async def broadcast_each(self, fns, servers: Sequence[ServerState]) -> list:
+    """`broadcast` with a call of its own per server (`fns[i]` on `servers[i]`)."""
+    calls = dict(zip(servers, fns, strict=True))
+    return await self.broadcast_to(calls)
+
+  async def broadcast_to(self, calls) -> list:
+    """Runs each {server: fn(client)} concurrently; failures as in `broadcast`."""
+
+    async def run(s, fn):
+      try:
+        return await fn(s.client)
+      except (ServerUnavailable, RequestRejected) as e:
+        self._mark_down(s, str(e))
+        return e
+
+    return await asyncio.gather(*(run(s, fn) for s, fn in calls.items()))
+
   async def broadcast(self, fn, servers: Sequence[ServerState] | None = None) -> list:
     """Runs `fn(client)` concurrently on `servers` (default: the healthy ones).
 
@@ -306,15 +346,7 @@ class Fleet:
     (RequestRejected), is marked down; the exception is its result.
     """
     servers = [s for s in self.servers if s.healthy] if servers is None else servers
-
-    async def run(s):
-      try:
-        return await fn(s.client)
-      except (ServerUnavailable, RequestRejected) as e:
-        self._mark_down(s, str(e))
-        return e
-
-    return await asyncio.gather(*(run(s) for s in servers))
+    return await self.broadcast_to(dict.fromkeys(servers, fn))
 
   async def update_weights(
     self, path: str, version: str, *, pause_mode: str = "abort"
@@ -331,25 +363,43 @@ class Fleet:
     """
     async with self._control:
       self.published = (version, path)
-      return await self._refit([s for s in self.servers if s.healthy], path, version, pause_mode)
+      return await self._refit(
+        [s for s in self.servers if s.healthy], version, pause_mode, self._from_disk(path, version)
+      )
+
+  def _from_disk(self, path: str, version: str):
+    return lambda targets: self.broadcast(
+      lambda c: c.update_weights_from_disk(path, version), targets
+    )
+
+  async def update_weights_with(
+    self, update, version: str, *, pause_mode: str = "abort"
+  ) -> tuple[dict[str, float], list[str]]:
+    """`update_weights` with another update phase: `update(servers)` returns one
+    result (or exception) per server; a collective one (a broadcast to every
+    server at once) takes them all together. Rejoining servers get the next
+    update (nothing on disk to refit them from)."""
+    async with self._control:
+      self.published = None
+      return await self._refit([s for s in self.servers if s.healthy], version, pause_mode, update)
 
   async def _refit(
-    self, servers: Sequence[ServerState], path: str, version: str, pause_mode: str
+    self, servers: Sequence[ServerState], version: str, pause_mode: str, update
   ) -> tuple[dict[str, float], list[str]]:
     """The update sequence on `servers`; a phase runs on those that passed the
     ones before it, and continue on all of them. Call under `_control`."""
     seconds: dict[str, float] = {}
     failed: dict[ServerState, str] = {}
     phases = (
-      ("pause", lambda c: c.pause(pause_mode)),
-      ("flush", lambda c: c.flush_cache()),
-      ("update", lambda c: c.update_weights_from_disk(path, version)),
-      ("resume", lambda c: c.resume()),
+      ("pause", lambda targets: self.broadcast(lambda c: c.pause(pause_mode), targets)),
+      ("flush", lambda targets: self.broadcast(lambda c: c.flush_cache(), targets)),
+      ("update", update),
+      ("resume", lambda targets: self.broadcast(lambda c: c.resume(), targets)),
     )
     for name, fn in phases:
       t = time.perf_counter()
       targets = servers if name == "resume" else [s for s in servers if s not in failed]
-      for s, r in zip(targets, await self.broadcast(fn, targets)):
+      for s, r in zip(targets, await fn(targets)):
         if isinstance(r, Exception):
           failed.setdefault(s, str(r))
       seconds[name] = time.perf_counter() - t
@@ -372,7 +422,7 @@ class Fleet:
         results = await self.broadcast(lambda c: c.resume(), [server])
         failed = [str(r) for r in results if isinstance(r, Exception)]
       else:
-        _, failed = await self._refit([server], path, version, "abort")
+        _, failed = await self._refit([server], version, "abort", self._from_disk(path, version))
         if not failed:
           log.info("rollout server %s refit to weight version %s", server.url, version)
     if failed:

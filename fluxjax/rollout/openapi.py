@@ -433,6 +433,16 @@ def _generation_endpoints() -> tuple[Endpoint, ...]:
   )
 
 
+def _weights_result(done: str, refused: str) -> dict[str, dict[str, Any]]:
+  """The answers of a weight-changing endpoint: SGLang's {success, message}
+  with 200 when done, 400 when refused (the served weights unchanged)."""
+  return {
+    "200": _json(done, _ref("UpdateWeightsResult")),
+    "400": _json(refused, _ref("UpdateWeightsResult")),
+    **_errors("408", *_LOADED),
+  }
+
+
 def _weight_endpoints() -> tuple[Endpoint, ...]:
   """Loading, renaming and reading the served weights."""
   return (
@@ -452,11 +462,7 @@ def _weight_endpoints() -> tuple[Endpoint, ...]:
           "weight_version": {"type": ["string", "null"]},
         },
       },
-      {
-        "200": _json("loaded", _ref("UpdateWeightsResult")),
-        "400": _json("not loaded; the served weights are unchanged", _ref("UpdateWeightsResult")),
-        **_errors("408", *_LOADED),
-      },
+      _weights_result("loaded", "not loaded; the served weights are unchanged"),
       body_required=True,
     ),
     Endpoint(
@@ -485,6 +491,70 @@ def _weight_endpoints() -> tuple[Endpoint, ...]:
       "the served weight version",
       None,
       {"200": _json("version", _WEIGHT_VERSION), **_errors(*_LOADED)},
+    ),
+  )
+
+
+def _weight_group_endpoints() -> tuple[Endpoint, ...]:
+  """SGLang's distributed weight update: the tensors follow over torch.distributed."""
+  return (
+    Endpoint(
+      "/init_weights_update_group",
+      ("POST",),
+      "init_weights_update_group",
+      "join the trainer's weight update group (torch.distributed; waits for every member)",
+      {
+        "type": "object",
+        "required": ["master_address", "master_port", "rank_offset", "world_size", "group_name"],
+        "properties": {
+          "master_address": {"type": "string", "minLength": 1},
+          "master_port": {"type": "integer", "minimum": 1, "maximum": 65535},
+          "rank_offset": {"type": "integer", "minimum": 1},
+          "world_size": {"type": "integer", "minimum": 2},
+          "group_name": {"type": "string", "minLength": 1},
+          "backend": {"enum": list(protocol.WEIGHT_GROUP_BACKENDS)},
+        },
+      },
+      _weights_result("joined", "not joined"),
+      body_required=True,
+    ),
+    Endpoint(
+      "/update_weights_from_distributed",
+      ("POST",),
+      "update_weights_from_distributed",
+      "receive the named tensors the trainer then broadcasts, and serve them",
+      {
+        "type": "object",
+        "required": ["names", "dtypes", "shapes", "group_name"],
+        "properties": {
+          "names": {"type": "array", "items": {"type": "string", "minLength": 1}},
+          "dtypes": {"type": "array", "items": {"enum": list(protocol.WEIGHT_DTYPES)}},
+          "shapes": {
+            "type": "array",
+            "items": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+          },
+          "group_name": {"type": "string", "minLength": 1},
+          "weight_version": {"type": ["string", "null"]},
+          "flush_cache": _NULLABLE_FLAG,
+          "abort_all_requests": _NULLABLE_FLAG,
+          "load_format": {"type": "null"},
+        },
+      },
+      _weights_result("loaded", "not loaded; the served weights are unchanged"),
+      body_required=True,
+    ),
+    Endpoint(
+      "/destroy_weights_update_group",
+      ("POST",),
+      "destroy_weights_update_group",
+      "leave a weight update group",
+      {
+        "type": "object",
+        "required": ["group_name"],
+        "properties": {"group_name": {"type": "string", "minLength": 1}},
+      },
+      _weights_result("left", "no such group"),
+      body_required=True,
     ),
   )
 
@@ -530,7 +600,9 @@ def _status_endpoints() -> tuple[Endpoint, ...]:
 
 
 def _endpoints() -> tuple[Endpoint, ...]:
-  return _generation_endpoints() + _weight_endpoints() + _status_endpoints()
+  return (
+    _generation_endpoints() + _weight_endpoints() + _weight_group_endpoints() + _status_endpoints()
+  )
 
 
 ENDPOINTS: tuple[Endpoint, ...] = _endpoints()

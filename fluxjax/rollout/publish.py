@@ -30,13 +30,17 @@ import dataclasses
 import logging
 import os
 import shutil
+import socket
 import time
+import urllib.parse
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 
 from fluxjax.models import hf_io, vlm
 from fluxjax.models import tokenizer as tokenizer_lib
+from fluxjax.rollout import protocol, weight_group
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +57,14 @@ class PublishReport:
     seconds: per phase.
     failed: what failed: servers (marked down, refit when they rejoin) or
       the write.
+    sent_bytes: bytes the trainer broadcast (the distributed transport).
   """
 
   version: str
   path: str | None
   seconds: dict[str, float]
   failed: list[str]
+  sent_bytes: int = 0
 
 
 def write_checkpoint(
@@ -123,6 +129,125 @@ async def publish_to_fleet(
   keep = {path} | ({previous[1]} if previous is not None else set())
   await asyncio.get_running_loop().run_in_executor(None, remove_old_versions, root, keep)
   return PublishReport(str(version), path, {"write": write_s, **seconds}, failed)
+
+
+GROUP_NAME = "fluxjax_weights"
+
+
+@dataclasses.dataclass
+class WeightGroup:
+  """The trainer's side of a distributed update group (rank 0) and the
+  servers in it, in rank order (server i is rank i + 1)."""
+
+  group: Any
+  urls: tuple[str, ...]
+
+  def close(self) -> None:
+    weight_group.destroy_group(self.group)
+
+
+def _group_address(fleet) -> str:
+  """Where the servers reach the trainer: the configured address, loopback
+  when every server is on this host, else this host's name."""
+  if fleet.weight_group_address:
+    return fleet.weight_group_address
+  hosts = {urllib.parse.urlsplit(s.client.url).hostname for s in fleet.servers}
+  if hosts <= {"127.0.0.1", "localhost"}:
+    return "127.0.0.1"
+  return socket.getfqdn()
+
+
+def _free_port(address: str) -> int:
+  with socket.socket() as sock:
+    sock.bind((address, 0))
+    return sock.getsockname()[1]
+
+
+async def _join(fleet, servers) -> list:
+  """Makes the update group of `servers` (the trainer's old one is closed):
+  every server's /init_weights_update_group and the trainer's own rendezvous
+  at once, as they wait for each other. One result per server."""
+  if fleet.weight_group is not None:
+    fleet.weight_group.close()
+    fleet.weight_group = None
+  address = _group_address(fleet)
+  port, world = _free_port(address), len(servers) + 1
+  timeout = fleet.weight_group_timeout_s
+  bodies = [
+    protocol.InitWeightsGroup(address, port, i + 1, world, GROUP_NAME, fleet.weight_group_backend)
+    for i in range(len(servers))
+  ]
+  mine = asyncio.get_running_loop().run_in_executor(
+    None,
+    weight_group.init_group,
+    fleet.weight_group_backend,
+    address,
+    port,
+    world,
+    0,
+    GROUP_NAME,
+    timeout,
+  )
+  results = await fleet.broadcast_each(
+    [lambda c, b=b: c.init_weights_update_group(b, timeout) for b in bodies], servers
+  )
+  try:
+    group = await mine  # a server that never joined times the rendezvous out here
+  except (RuntimeError, OSError) as e:  # torch's DistStoreError is a RuntimeError
+    log.error("the weight update group was not made: %s", e)
+    return [r if isinstance(r, Exception) else e for r in results]
+  if all(not isinstance(r, Exception) for r in results):
+    fleet.weight_group = WeightGroup(group, tuple(s.client.url for s in servers))
+  else:
+    weight_group.destroy_group(group)
+  return results
+
+
+async def publish_distributed(fleet, model: vlm.Qwen25VL, version: int | str) -> PublishReport:
+  """pause -> flush -> broadcast -> continue: the servers receive bf16 tensors
+  from this process over the update group (made on first use, and again when
+  the healthy servers change), one layer tensor at a time, with no disk.
+
+  Returns:
+    The report: seconds per phase, failed servers (marked down; a rejoining
+    server takes part in the next publish), and the bytes broadcast.
+  """
+  layout = hf_io.hf_layout(model.cfg)
+  update = protocol.DistributedUpdate(
+    names=tuple(n for n, _ in layout),
+    dtypes=("bfloat16",) * len(layout),
+    shapes=tuple(shape for _, shape in layout),
+    group_name=GROUP_NAME,
+    weight_version=str(version),
+  )
+  sent = 0
+  join_s = 0.0
+
+  async def broadcast(servers):
+    nonlocal sent, join_s
+    t = time.perf_counter()
+    urls = tuple(s.client.url for s in servers)
+    if fleet.weight_group is None or fleet.weight_group.urls != urls:
+      joined = await _join(fleet, servers)
+      if fleet.weight_group is None:
+        join_s = time.perf_counter() - t
+        return [r if isinstance(r, Exception) else RuntimeError("group not made") for r in joined]
+    join_s = time.perf_counter() - t
+    group, timeout = fleet.weight_group.group, fleet.weight_group_timeout_s
+    tensors = (x for _, x in hf_io.hf_tensors(model, "bfloat16"))
+    mine = asyncio.get_running_loop().run_in_executor(None, weight_group.send, group, tensors)
+    results = await fleet.broadcast(
+      lambda c: c.update_weights_from_distributed(update, timeout), servers
+    )
+    sent = await mine
+    if any(isinstance(r, Exception) for r in results):  # the group may be broken: make it anew
+      fleet.weight_group.close()
+      fleet.weight_group = None
+    return results
+
+  seconds, failed = await fleet.update_weights_with(broadcast, str(version))
+  seconds["join"] = join_s
+  return PublishReport(str(version), None, seconds, failed, sent_bytes=sent)
 
 
 def remove_old_versions(root: str, keep: set[str]) -> list[str]:

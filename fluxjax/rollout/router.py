@@ -60,6 +60,7 @@ class RoutedFleet(Fleet):
     weights_root: str | None = None,
     weights_dtype: str = "bfloat16",
     workers_timeout_s: float = 60.0,
+    **weight_sync,
   ):
     super().__init__(
       [],
@@ -68,6 +69,7 @@ class RoutedFleet(Fleet):
       max_attempts=max_attempts,
       weights_root=weights_root,
       weights_dtype=weights_dtype,
+      **weight_sync,
     )
     self.router = SGLangClient(router_url, timeout_s=request_timeout_s)
     self._attempt_rid: dict[str, str] = {}  # rid -> rid of its current attempt

@@ -45,7 +45,7 @@ from fluxjax.models import config as config_lib
 from fluxjax.models import hf_io, processor, vlm
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import engine as engine_lib
-from fluxjax.rollout import openapi, prompt, protocol
+from fluxjax.rollout import openapi, prompt, protocol, weight_group
 from fluxjax.rollout.protocol import ProtocolError
 
 log = logging.getLogger("fluxjax.rollout.server")
@@ -62,6 +62,22 @@ def _error(message: str, status: int = 400, headers: dict | None = None) -> web.
   return web.json_response(protocol.error_body(message), status=status, headers=headers)
 
 
+def _update_result(success: bool, message: str) -> web.Response:
+  """A weight endpoint's answer, SGLang's shape (400 when it failed)."""
+  return web.json_response({"success": success, "message": message}, status=200 if success else 400)
+
+
+def _load_draining(engine: engine_lib.Engine, named, tensors, version: str) -> None:
+  """engine.load_hf_tensors(named); on a refusal the rest of the broadcast is
+  still received (every member of the group must take part) before it raises."""
+  try:
+    engine.load_hf_tensors(named, version)
+  except (ValueError, KeyError):
+    for _ in tensors:
+      pass
+    raise
+
+
 class RolloutServer:
   """Routes and state of one server process."""
 
@@ -76,6 +92,7 @@ class RolloutServer:
     self._unpaused = asyncio.Event()
     self._unpaused.set()
     self._unknown_logged: set[str] = set()
+    self._weight_groups: dict[str, object] = {}  # group name -> torch process group
     limits = {k: getattr(args, k) for k in VISION_LIMITS if getattr(args, k) is not None}
     # The trainer must preprocess with the same limits (pad counts must agree).
     self.proc_cfg = processor.VisionProcessorConfig(**limits)
@@ -364,6 +381,63 @@ class RolloutServer:
       {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
     )
 
+  async def init_weights_update_group(self, request: web.Request) -> web.Response:
+    """Joins the trainer's group (rank `rank_offset`: one rank per server);
+    answers once every member has joined, or the rendezvous timed out."""
+    self._ready()
+    try:
+      req = protocol.parse_init_weights_group(await self._json_body(request))
+      old = self._weight_groups.pop(req.group_name, None)
+      if old is not None:  # a restarted trainer makes its group anew
+        log.warning("weight update group %r replaced by a new one", req.group_name)
+        weight_group.destroy_group(old)
+      group = await asyncio.get_running_loop().run_in_executor(
+        None,
+        weight_group.init_group,
+        req.backend,
+        req.master_address,
+        req.master_port,
+        req.world_size,
+        req.rank_offset,
+        req.group_name,
+        self.args.weight_group_timeout,
+      )
+    except (ProtocolError, ImportError, RuntimeError, ValueError, OSError) as e:
+      return _update_result(False, f"Failed to initialize custom process group: {e}.")
+    self._weight_groups[req.group_name] = group
+    return _update_result(True, "Succeeded to initialize custom process group.")
+
+  async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+    """Receives the tensors the trainer broadcasts and swaps them in, all or
+    nothing; a bad name or shape is refused after its tensors were received
+    (the broadcast must complete for every member of the group)."""
+    engine = self._ready()
+    try:
+      req = protocol.parse_distributed_update(await self._json_body(request))
+      group = self._weight_groups.get(req.group_name)
+      if group is None:
+        raise ProtocolError(f"no weight update group {req.group_name!r}; init it first")
+      if req.abort_all_requests:
+        engine.abort(abort_all=True, message="Abort: weight update")
+      version = engine.weight_version if req.weight_version is None else req.weight_version
+      tensors = weight_group.receive(group, req.dtypes, req.shapes)
+      named = zip(req.names, tensors, strict=True)
+      await asyncio.get_running_loop().run_in_executor(
+        None, _load_draining, engine, named, tensors, version
+      )
+    except (ProtocolError, ValueError, KeyError, RuntimeError) as e:
+      return _update_result(False, f"Failed to update weights: {e}")
+    return _update_result(True, "Succeeded to update parameter online.")
+
+  async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+    self._ready()
+    name = protocol.parse_group_name(await self._json_body(request))
+    group = self._weight_groups.pop(name, None)
+    if group is None:
+      return _update_result(False, "The group to be destroyed does not exist.")
+    weight_group.destroy_group(group)
+    return _update_result(True, "Succeeded to destroy custom process group.")
+
   async def update_weight_version(self, request: web.Request) -> web.Response:
     engine = self._ready()
     version, abort_all = protocol.parse_update_weight_version(await self._json_body(request))
@@ -507,6 +581,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="seconds a connection may stay open without a complete request, unfinished "
     "headers included, before it is closed (aiohttp's keep-alive timeout; default 75, "
     "longer than the 15 s a client such as aiohttp keeps an idle connection)",
+  )
+  p.add_argument(
+    "--weight-group-timeout",
+    type=float,
+    default=600.0,
+    help="seconds a weight update group waits for its members to join, and a broadcast "
+    "for its tensors (/init_weights_update_group, /update_weights_from_distributed)",
   )
   p.add_argument("--log-level", default="warning")
   for key in VISION_LIMITS:

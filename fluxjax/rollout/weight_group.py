@@ -1,0 +1,119 @@
+"""The torch.distributed side of SGLang's distributed weight update (sglang_api.md 4.2).
+
+The trainer is rank 0 of a process group of its own; server i's ranks follow
+from its `rank_offset`. Per update the HTTP call carries names, dtypes and
+shapes only, and the trainer then broadcasts each tensor, in the same order,
+from rank 0. Both sides make the group as SGLang's `init_custom_process_group`
+does (a TCP rendezvous at `tcp://master_address:master_port`, a store
+prefixed by the group name, a group apart from any default one), so our
+trainer talks to SGLang's servers and our server to SGLang-style trainers.
+NCCL on GPUs, gloo on CPUs.
+
+torch joins only here, imported when a group is made (`pip install
+fluxjax[weight-sync]`); bf16 crosses as its bits (numpy has no bf16 of its
+own: ml_dtypes' is viewed as uint16 and back).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+# dtype names as SGLang sends them (torch's, without the `torch.` prefix).
+NUMPY_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+
+
+def _torch():
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+    import torch.distributed  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ImportError(
+      "the distributed weight update needs torch: pip install 'fluxjax[weight-sync]' "
+      "(a CPU build: pip install torch==2.13.0 first), or use rollout.weight_sync=disk"
+    ) from e
+  return torch
+
+
+def init_group(
+  backend: str,
+  master_address: str,
+  master_port: int,
+  world_size: int,
+  rank: int,
+  group_name: str,
+  timeout_s: float,
+) -> Any:
+  """This process's member of the update group (blocks until all have joined).
+
+  Raises:
+    RuntimeError: the rendezvous timed out or failed (torch's error).
+  """
+  torch = _torch()
+  c10d = torch.distributed.distributed_c10d
+  timeout = datetime.timedelta(seconds=timeout_s)
+  store, rank, world_size = next(
+    c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+  )
+  store.set_timeout(timeout)
+  store = c10d.PrefixStore(group_name, store)
+  group, _ = c10d._new_process_group_helper(  # pylint: disable=protected-access
+    world_size,
+    rank,
+    [],
+    c10d.Backend(backend),
+    store,
+    group_name=group_name,
+    timeout=timeout,
+  )
+  c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # pylint: disable=protected-access
+  return group
+
+
+def destroy_group(group: Any) -> None:
+  _torch().distributed.destroy_process_group(group)
+
+
+def _as_torch(x: np.ndarray):
+  torch = _torch()
+  x = np.ascontiguousarray(x)
+  if x.dtype == ml_dtypes.bfloat16:
+    return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
+  return torch.from_numpy(x)
+
+
+def _as_numpy(t) -> np.ndarray:
+  torch = _torch()
+  if t.dtype == torch.bfloat16:
+    return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+  return t.numpy()
+
+
+def send(group: Any, tensors: Iterable[np.ndarray], device: str = "cpu") -> int:
+  """Broadcasts each tensor from rank 0, in order; returns the bytes sent.
+
+  One tensor is in flight at a time, so the sender holds one more tensor than
+  it already had.
+  """
+  torch = _torch()
+  sent = 0
+  for x in tensors:
+    t = _as_torch(x).to(device)
+    torch.distributed.broadcast(t, src=0, group=group)
+    sent += x.nbytes
+  return sent
+
+
+def receive(
+  group: Any, dtypes: Sequence[str], shapes: Sequence[Sequence[int]], device: str = "cpu"
+) -> Iterator[np.ndarray]:
+  """Receives the tensors rank 0 broadcasts, in order, as numpy arrays."""
+  torch = _torch()
+  for dtype, shape in zip(dtypes, shapes):
+    t = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=device)
+    torch.distributed.broadcast(t, src=0, group=group)
+    yield _as_numpy(t.cpu())

@@ -1,0 +1,131 @@
+"""The distributed weight update end to end: this process is rank 0 of a gloo
+group, two real server processes on loopback receive bf16 tensors over it
+(SGLang's init_weights_update_group + update_weights_from_distributed)."""
+
+import asyncio
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from fluxjax.models import config, hf_io, vlm
+from fluxjax.rollout import fleet as fleet_lib
+from fluxjax.rollout import protocol, publish, weight_group
+from helpers import TINY_SERVER, server_env
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def servers():
+  cmd = [*TINY_SERVER, "--weight-group-timeout", "60"]
+  launched = fleet_lib.launch_servers(cmd, 2, env=server_env(), timeout_s=300)
+  yield launched
+  launched.stop()
+
+
+def random_model(seed: int) -> vlm.Qwen25VL:
+  graphdef, state = nnx.split(vlm.abstract_model(config.preset("tiny")))
+  rng = np.random.default_rng(seed)
+  state = jax.tree.map(lambda x: np.asarray(0.05 * rng.standard_normal(x.shape), x.dtype), state)
+  return nnx.merge(graphdef, state)
+
+
+PROMPTS = [[1, 2, 3, 4], [7, 8, 9], [40, 41, 42, 43, 44]]
+
+
+async def _greedy(fleet) -> list[list[list[int]]]:
+  """Each server's greedy tokens for PROMPTS."""
+  out = []
+  for s in fleet.servers:
+    got = []
+    for p in PROMPTS:
+      c = await s.client.generate(
+        protocol.GenerateRequest.of(p, {"max_new_tokens": 6, "temperature": 0.0})
+      )
+      got.append(c.output_ids)
+    out.append(got)
+  return out
+
+
+def test_a_distributed_publish_serves_what_the_disk_path_serves(servers, tmp_path):
+  """Both transports give the servers the same bf16 weights: greedy tokens
+  agree on every server. The group is made once and reused; a second model
+  moves every server to it."""
+  first, second = random_model(3), random_model(4)
+  layout = hf_io.hf_layout(first.cfg)
+  bf16_bytes = sum(2 * int(np.prod(shape)) for _, shape in layout)
+
+  async def go():
+    async with fleet_lib.Fleet(
+      servers.urls, weights_root=str(tmp_path), weight_sync="distributed", weight_group_timeout_s=60
+    ) as fleet:
+      report = await fleet.publish(first, 5)
+      group = fleet.weight_group
+      versions = await fleet.refresh_versions()
+      by_broadcast = await _greedy(fleet)
+      again = await fleet.publish(second, 6)
+      reused = fleet.weight_group is group
+      moved = await _greedy(fleet)
+      # The same first model through the disk path, in bf16.
+      disk = await publish.publish_to_fleet(fleet, first, str(tmp_path), 7, dtype="bfloat16")
+      by_disk = await _greedy(fleet)
+      return report, versions, by_broadcast, again, reused, moved, disk, by_disk
+
+  report, versions, by_broadcast, again, reused, moved, disk, by_disk = asyncio.run(go())
+  assert not report.failed and not again.failed and not disk.failed, (report, again, disk)
+  assert set(versions.values()) == {"5"} and report.path is None
+  assert report.sent_bytes == again.sent_bytes == bf16_bytes
+  assert {"pause", "flush", "update", "resume", "join"} <= set(report.seconds)
+  assert reused  # the same servers: no new rendezvous
+  assert by_broadcast[0] == by_broadcast[1] == by_disk[0] == by_disk[1]
+  assert moved[0] == moved[1] != by_broadcast[0]
+
+
+def test_an_update_the_server_cannot_use_is_refused_after_its_tensors_arrived(servers):
+  """A name the model lacks: the server still receives the broadcast (every
+  member must), answers 400, keeps its weights, and the group stays usable."""
+  model = random_model(5)
+
+  async def go():
+    async with fleet_lib.Fleet(
+      servers.urls[:1], weight_sync="distributed", weight_group_timeout_s=60
+    ) as fleet:
+      await fleet.publish(model, 8)
+      before = await _greedy(fleet)
+      bad = protocol.DistributedUpdate(
+        ("model.layers.0.no_such.weight",), ("float32",), ((3,),), publish.GROUP_NAME, "9"
+      )
+      client = fleet.servers[0].client
+      sending = asyncio.get_running_loop().run_in_executor(
+        None, weight_group.send, fleet.weight_group.group, [np.ones(3, np.float32)]
+      )
+      with pytest.raises(Exception, match="not a parameter of the served model"):
+        await client.update_weights_from_distributed(bad, 60)
+      await sending
+      version = await client.weight_version()
+      after = await _greedy(fleet)
+      report = await fleet.publish(model, 10)
+      return before, version, after, report, await client.weight_version()
+
+  before, version, after, report, final = asyncio.run(go())
+  assert version == "8" and after == before
+  assert not report.failed and final == "10"
+
+
+def test_a_malformed_group_request_is_refused_before_any_rendezvous(servers):
+  client_url = servers.urls[0]
+
+  async def go():
+    async with fleet_lib.Fleet([client_url]) as fleet:
+      client = fleet.servers[0].client
+      bad = protocol.InitWeightsGroup("127.0.0.1", 1, 3, 2, "g", "gloo")  # rank >= world
+      with pytest.raises(Exception, match="rank_offset"):
+        await client.init_weights_update_group(bad, 10)
+      with pytest.raises(Exception, match="no weight update group"):
+        await client.update_weights_from_distributed(
+          protocol.DistributedUpdate(("x",), ("float32",), ((1,),), "missing"), 10
+        )
+
+  asyncio.run(go())

@@ -420,7 +420,7 @@ class RolloutServer:
       if req.abort_all_requests:
         engine.abort(abort_all=True, message="Abort: weight update")
       version = engine.weight_version if req.weight_version is None else req.weight_version
-      tensors = weight_group.receive(group, req.dtypes, req.shapes)
+      tensors = weight_group.prefetched(weight_group.receive(group, req.dtypes, req.shapes))
       named = zip(req.names, tensors, strict=True)
       await asyncio.get_running_loop().run_in_executor(
         None, _load_draining, engine, named, tensors, version

@@ -17,11 +17,15 @@ own: ml_dtypes' is viewed as uint16 and back).
 from __future__ import annotations
 
 import datetime
+import queue
+import threading
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import ml_dtypes
 import numpy as np
+
+T = TypeVar("T")
 
 # dtype names as SGLang sends them (torch's, without the `torch.` prefix).
 NUMPY_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
@@ -93,15 +97,37 @@ def _as_numpy(t) -> np.ndarray:
   return t.numpy()
 
 
+def prefetched(items: Iterable[T], depth: int = 1) -> Iterator[T]:
+  """`items`, produced by a thread of its own up to `depth` ahead: the sender
+  converts the next tensor while one is on the wire, the receiver receives
+  the next while one is converted. An error in the producer is raised here."""
+  done = object()
+  q: queue.Queue = queue.Queue(maxsize=depth)
+
+  def produce():
+    try:
+      for x in items:
+        q.put(x)
+      q.put(done)
+    except BaseException as e:  # handed to the consumer
+      q.put(e)
+
+  threading.Thread(target=produce, name="weight-prefetch", daemon=True).start()
+  while (x := q.get()) is not done:
+    if isinstance(x, BaseException):
+      raise x
+    yield x
+
+
 def send(group: Any, tensors: Iterable[np.ndarray], device: str = "cpu") -> int:
   """Broadcasts each tensor from rank 0, in order; returns the bytes sent.
 
-  One tensor is in flight at a time, so the sender holds one more tensor than
-  it already had.
+  One tensor is on the wire while the next is made (`prefetched`), so the
+  sender holds at most two more tensors than it already had.
   """
   torch = _torch()
   sent = 0
-  for x in tensors:
+  for x in prefetched(tensors):
     t = _as_torch(x).to(device)
     torch.distributed.broadcast(t, src=0, group=group)
     sent += x.nbytes

@@ -16,7 +16,8 @@ transport of rollout/publish.py:
 Per transport: seconds the trainer is blocked (the publish call), seconds the
 servers are paused (pause through update), bytes written to disk, bytes the
 trainer broadcast, and the peak RSS growth of the trainer and of each server
-during the publishes (VmHWM after clearing it). Ratios are distributed / disk.
+over its RSS before the transport's first publish (VmHWM after clearing it;
+torch's import counts for the distributed one). Disk runs first. Ratios are distributed / disk.
 In-process swapping (the embedded engine) moves no bytes and is not run here.
 
 Then the cost model: what each transport costs a Qwen2.5-VL-7B or 32B trainer
@@ -104,14 +105,15 @@ def _folder_bytes(path: str) -> int:
 
 async def _publishes(fleet, model, transport: str, repeats: int, pids: list[int]) -> dict:
   """One untimed publish (it makes the distributed group and imports torch),
-  then `repeats` measured ones."""
+  then `repeats` timed ones; the peak RSS growth covers all of them (over
+  the RSS before the first: what was allocated once and kept counts)."""
   fleet.weight_sync = transport
-  warm = await fleet.publish(model, 99)
-  if warm.failed:
-    raise RuntimeError(f"{transport} publish failed: {warm.failed}")
   rss0 = {p: _peak_and_now(p)[1] for p in ["self", *pids]}
   for p in rss0:
     _clear_peak(p)
+  warm = await fleet.publish(model, 99)
+  if warm.failed:
+    raise RuntimeError(f"{transport} publish failed: {warm.failed}")
   rows = []
   for i in range(repeats):
     t = time.perf_counter()

@@ -76,10 +76,12 @@ def model_config(size: str) -> config.ModelConfig:
 
 
 def random_model(cfg: config.ModelConfig, seed: int) -> vlm.Qwen25VL:
+  """Random weights held as device arrays, as a trainer's are."""
   graphdef, state = nnx.split(vlm.abstract_model(cfg))
   rng = np.random.default_rng(seed)
   state = jax.tree.map(
-    lambda x: (0.02 * rng.standard_normal(x.shape, np.float32)).astype(x.dtype), state
+    lambda x: jax.device_put((0.02 * rng.standard_normal(x.shape, np.float32)).astype(x.dtype)),
+    state,
   )
   return nnx.merge(graphdef, state)
 

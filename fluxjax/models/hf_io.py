@@ -360,21 +360,20 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 def hf_tensors(model: vlm.Qwen25VL, dtype: str = "bfloat16"):
-  """Yields (HF name, numpy tensor) one layer tensor at a time."""
+  """Yields (HF name, numpy tensor) one layer tensor at a time, in `dtype`."""
   cfg = model.cfg
   np_dtype = _DTYPES[dtype]
   for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     leaf_path = ".".join(map(str, key))
     stack, template, kind = _leaf_rule(leaf_path)
     value = var.get_value()
-    layers = (
-      [(template.format(i), value[i]) for i in range(value.shape[0])]
-      if stack
-      else [(template, value)]
-    )
-    for name, x in layers:
+    for i in range(value.shape[0]) if stack else [None]:
+      x = value if i is None else value[i]
+      # Cast and laid out where the array lives (a device, for a trainer's),
+      # then to the host: one layer tensor at a time, in the published dtype.
+      x = _ours_to_hf(x.astype(np_dtype), kind, leaf_path, cfg)
       # Contiguous: safetensors writes the buffer as laid out, ignoring strides.
-      yield name, np.ascontiguousarray(_ours_to_hf(_to_host(x), kind, leaf_path, cfg), np_dtype)
+      yield template.format(i) if stack else template, np.ascontiguousarray(_to_host(x))
 
 
 def save_hf_checkpoint(

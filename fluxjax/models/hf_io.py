@@ -43,6 +43,9 @@ from fluxjax.models import vlm
 
 log = logging.getLogger(__name__)
 
+# A tensor on the host or on a device: the layout changes run on either.
+Array = np.ndarray | jax.Array
+
 # Stacked module prefixes: ours -> HF (layer index inserted after the prefix).
 _STACKS = {"model.layers": "model.layers", "visual.blocks": "visual.blocks"}
 # Our leaf names that differ from HF's (after the layer prefix is handled).
@@ -101,7 +104,7 @@ def _leaf_rule(path: str):
   return None, path, kind
 
 
-def _hf_to_ours(w: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:
+def _hf_to_ours(w: Array, kind: str, shape: tuple[int, ...]) -> Array:
   """HF tensor -> our layout. HF kernels are [out, in...]; ours [in..., out...]."""
   if kind == "kernel":
     w = w.reshape(w.shape[0], -1).T
@@ -110,7 +113,7 @@ def _hf_to_ours(w: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:
   return w.reshape(shape)
 
 
-def _ours_to_hf(x: np.ndarray, kind: str, path: str, cfg: config_lib.ModelConfig) -> np.ndarray:
+def _ours_to_hf(x: Array, kind: str, path: str, cfg: config_lib.ModelConfig) -> Array:
   if kind != "kernel":
     return x.reshape(-1) if path.endswith(".bias") else x
   if path == "visual.patch_embed.kernel":
@@ -309,8 +312,9 @@ def with_hf_tensors(state: nnx.State, cfg: config_lib.ModelConfig, named) -> nnx
   """`state` (a model's) with the parameters the (HF name, tensor) pairs give
   replaced, each placed like the array it replaces; the others are kept.
 
-  A stacked parameter is copied to the host once, however many of its layers
-  arrive. The tensors are read as they come (a receiver's stream).
+  The tensors are read as they come (a receiver's stream) into a host buffer
+  per parameter; layers of a stacked parameter that did not come are copied
+  from the one it replaces.
 
   Raises:
     CheckpointFormatError: a name the model does not have, or a tensor of
@@ -324,7 +328,7 @@ def with_hf_tensors(state: nnx.State, cfg: config_lib.ModelConfig, named) -> nnx
       name = template.format(i) if stack else template
       targets[name] = (key, i, kind, layer_shape, hf_shape)
   current = dict(nnx.to_flat_state(state))
-  host: dict[tuple, np.ndarray] = {}
+  host: dict[tuple, tuple[np.ndarray, set]] = {}
   for raw, w in named:
     name = canonical_hf_name(raw)
     if name not in targets:
@@ -334,23 +338,28 @@ def with_hf_tensors(state: nnx.State, cfg: config_lib.ModelConfig, named) -> nnx
       raise CheckpointFormatError(
         f"tensor {raw} has shape {list(w.shape)}, the model {list(hf_shape)}"
       )
-    leaf = host.get(key)
-    if leaf is None:
-      leaf = host[key] = np.array(jax.device_get(current[key].get_value()))
-    value = _hf_to_ours(np.asarray(w), kind, layer_shape).astype(leaf.dtype)
+    old = current[key].get_value()
+    buffer, filled = host.setdefault(key, (np.empty(old.shape, old.dtype), set()))
+    value = _hf_to_ours(np.asarray(w), kind, layer_shape)
     if i is None:
-      leaf[...] = value
+      buffer[...] = value
     else:
-      leaf[i] = value
+      buffer[i] = value
+    filled.add(i)
   flat = []
   for key, var in current.items():
     if key in host:
-      var = var.replace(jax.device_put(host[key], var.get_value().sharding))
+      buffer, filled = host.pop(key)
+      old = var.get_value()
+      missing = [] if None in filled else sorted(set(range(old.shape[0])) - filled)
+      if missing:
+        buffer[missing] = np.asarray(jax.device_get(old))[missing]
+      var = var.replace(jax.device_put(buffer, old.sharding))
     flat.append((key, var))
   return nnx.from_flat_state(flat)
 
 
-def _to_host(x: jax.Array) -> np.ndarray:
+def _to_host(x: Array) -> np.ndarray:
   """The whole array on this host; a collective when other processes hold shards of it."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     from jax.experimental import multihost_utils

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -83,11 +84,14 @@ def destroy_group(group: Any) -> None:
 
 
 def _as_torch(x: np.ndarray):
+  """A torch view of `x`, read-only arrays included (a sender only reads it)."""
   torch = _torch()
   x = np.ascontiguousarray(x)
-  if x.dtype == ml_dtypes.bfloat16:
-    return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
-  return torch.from_numpy(x)
+  bits = x.view(np.uint16) if x.dtype == ml_dtypes.bfloat16 else x
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    t = torch.from_numpy(bits)
+  return t.view(torch.bfloat16) if x.dtype == ml_dtypes.bfloat16 else t
 
 
 def _as_numpy(t) -> np.ndarray:

@@ -87,8 +87,6 @@ MIXES = {
   # GRPO lifts both colour tasks from the pixels in minutes on a CPU; on the
   # count it learns only the answer prior (bench/README.md).
   "reasoning_tiny": {"colour": 1, "count_colour": 1, "last_colour": 1},
-  "exp_long_add": {"colour": 1, "count_colour": 1, "last_colour": 1, "add_columns": 1},
-  "exp_long_scan": {"colour": 1, "count_colour": 1, "last_colour": 1, "scan_count": 1},
 }
 SOURCES = ("geo3k", "nextqa", "longvila")
 

@@ -52,7 +52,7 @@ async def _greedy(fleet) -> list[list[list[int]]]:
 def test_a_distributed_publish_serves_what_the_disk_path_serves(servers, tmp_path):
   """Both transports give the servers the same bf16 weights: greedy tokens
   agree on every server. The group is made once and reused; a second model
-  moves every server to it."""
+  moves every server to it; closing the fleet takes the servers out of it."""
   first, second = random_model(3), random_model(4)
   layout = hf_io.hf_layout(first.cfg)
   bf16_bytes = sum(2 * int(np.prod(shape)) for _, shape in layout)
@@ -74,6 +74,16 @@ def test_a_distributed_publish_serves_what_the_disk_path_serves(servers, tmp_pat
       return report, versions, by_broadcast, again, reused, moved, disk, by_disk
 
   report, versions, by_broadcast, again, reused, moved, disk, by_disk = asyncio.run(go())
+
+  async def left():
+    """Closing the fleet took every server out of the group."""
+    async with fleet_lib.Fleet(servers.urls) as fleet:
+      probe = protocol.DistributedUpdate(("x",), ("float32",), ((1,),), protocol.WEIGHT_GROUP_NAME)
+      for s in fleet.servers:
+        with pytest.raises(Exception, match="no weight update group"):
+          await s.client.update_weights_from_distributed(probe, 10)
+
+  asyncio.run(left())
   assert not report.failed and not again.failed and not disk.failed, (report, again, disk)
   assert set(versions.values()) == {"5"} and report.path is None
   assert report.sent_bytes == again.sent_bytes == bf16_bytes
@@ -95,7 +105,7 @@ def test_an_update_the_server_cannot_use_is_refused_after_its_tensors_arrived(se
       await fleet.publish(model, 8)
       before = await _greedy(fleet)
       bad = protocol.DistributedUpdate(
-        ("model.layers.0.no_such.weight",), ("float32",), ((3,),), publish.GROUP_NAME, "9"
+        ("model.layers.0.no_such.weight",), ("float32",), ((3,),), protocol.WEIGHT_GROUP_NAME, "9"
       )
       client = fleet.servers[0].client
       sending = asyncio.get_running_loop().run_in_executor(

@@ -297,15 +297,19 @@ def _param_leaves(cfg: config_lib.ModelConfig):
     yield key, leaf_path, stack, template, kind, tuple(var.get_value().shape)
 
 
-def hf_layout(cfg: config_lib.ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-  """(HF name, published shape) of every tensor `hf_tensors` yields, in its order."""
-  out: list[tuple[str, tuple[int, ...]]] = []
-  for _, leaf_path, stack, template, kind, shape in _param_leaves(cfg):
+def _hf_targets(cfg: config_lib.ModelConfig):
+  """(HF name, state key, layer index or None, kind, our layer shape, published
+  shape) of every tensor `hf_tensors` yields, in its order."""
+  for key, leaf_path, stack, template, kind, shape in _param_leaves(cfg):
     layer_shape = shape[1:] if stack else shape
     hf_shape = _hf_shape(layer_shape, kind, leaf_path, cfg)
-    names = [template.format(i) for i in range(shape[0])] if stack else [template]
-    out.extend((name, hf_shape) for name in names)
-  return out
+    for i in range(shape[0]) if stack else [None]:
+      yield template.format(i) if stack else template, key, i, kind, layer_shape, hf_shape
+
+
+def hf_layout(cfg: config_lib.ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+  """(HF name, published shape) of every tensor `hf_tensors` yields, in its order."""
+  return [(name, hf_shape) for name, *_, hf_shape in _hf_targets(cfg)]
 
 
 def with_hf_tensors(state: nnx.State, cfg: config_lib.ModelConfig, named) -> nnx.State:
@@ -320,13 +324,7 @@ def with_hf_tensors(state: nnx.State, cfg: config_lib.ModelConfig, named) -> nnx
     CheckpointFormatError: a name the model does not have, or a tensor of
       another shape than the published one.
   """
-  targets = {}
-  for key, leaf_path, stack, template, kind, shape in _param_leaves(cfg):
-    layer_shape = shape[1:] if stack else shape
-    hf_shape = _hf_shape(layer_shape, kind, leaf_path, cfg)
-    for i in range(shape[0]) if stack else [None]:
-      name = template.format(i) if stack else template
-      targets[name] = (key, i, kind, layer_shape, hf_shape)
+  targets = {name: rest for name, *rest in _hf_targets(cfg)}
   current = dict(nnx.to_flat_state(state))
   host: dict[tuple, tuple[np.ndarray, set]] = {}
   for raw, w in named:

@@ -1,4 +1,4 @@
-"""Rules across a run's settings sections, checked before anything is built.
+"""Rules across the sections of a run's settings, checked before anything is built.
 
 A rule that one section cannot check alone (the response budget against the
 context and against the longest sequence the trainer can place, the lag

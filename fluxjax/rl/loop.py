@@ -94,10 +94,10 @@ class Validated(NamedTuple):
   settings: settings_lib.Settings
 
 
-def validate(settings) -> Validated:
-  """(model settings, strategy, mesh, typed settings) of a run's ConfigDict;
-  ValueError says what is wrong."""
-  settings = settings_lib.Settings.of(settings)
+def validate(config) -> Validated:
+  """(model config, strategy, mesh, typed settings) of a run's ConfigDict (or
+  its Settings); ValueError says what is wrong."""
+  settings = settings_lib.Settings.of(config)
   overrides = dict(
     dtype=settings.model.dtype,
     param_dtype=settings.model.param_dtype,
@@ -167,7 +167,7 @@ def rollout_shardings(settings: settings_lib.Settings, cfg, mesh):
   if k > len(devices):
     raise ValueError(
       f"rollout.embedded_devices={k} but process 0 has {len(devices)} devices; "
-      f"set --settings.rollout.embedded_devices to at most {len(devices)} (0: all)"
+      f"set --config.rollout.embedded_devices to at most {len(devices)} (0: all)"
     )
   local = mesh_lib.make_mesh(1, -1, devices=devices[: k or None])
   return sharded.model_shardings(

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Self
 
@@ -223,7 +224,10 @@ class Fleet:
       )
 
   async def close(self) -> None:
-    if self.weight_group is not None:
+    if self.weight_group is not None:  # the servers leave it, then this process
+      members = [s for s in self.servers if s.client.url in self.weight_group.urls]
+      name = protocol.WEIGHT_GROUP_NAME
+      await self.broadcast(lambda c: c.destroy_weights_update_group(name), members)
       self.weight_group.close()
       self.weight_group = None
     if self._health_task is not None:
@@ -322,10 +326,15 @@ class Fleet:
 
   # --- fleet-wide control ------------------------------------------------------------
 
-  async def broadcast_each(self, fns, servers: Sequence[ServerState]) -> list:
-    """`broadcast` with a call of its own per server (`fns[i]` on `servers[i]`)."""
-    calls = dict(zip(servers, fns, strict=True))
-    return await self.broadcast_to(calls)
+  def weight_group_endpoint(self) -> tuple[str, int]:
+    """(address, free port) where the servers reach this process's weight
+    update group: the configured address, loopback when every server is on
+    this host, else this host's name."""
+    address = self.weight_group_address
+    if not address:
+      hosts = {urllib.parse.urlsplit(s.client.url).hostname for s in self.servers}
+      address = "127.0.0.1" if hosts <= {"127.0.0.1", "localhost"} else socket.getfqdn()
+    return address, free_port(address)
 
   async def broadcast_to(self, calls) -> list:
     """Runs each {server: fn(client)} concurrently; failures as in `broadcast`."""

@@ -806,6 +806,8 @@ def parse_update_weights(body: dict) -> tuple[str, str | None, bool]:
 
 
 WEIGHT_GROUP_BACKENDS = ("gloo", "nccl")
+# The group fluxjax's trainer makes (a server may hold others).
+WEIGHT_GROUP_NAME = "fluxjax_weights"
 # dtype names of a distributed update (torch's, without the `torch.` prefix).
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
 

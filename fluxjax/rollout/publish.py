@@ -30,9 +30,7 @@ import dataclasses
 import logging
 import os
 import shutil
-import socket
 import time
-import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -131,9 +129,6 @@ async def publish_to_fleet(
   return PublishReport(str(version), path, {"write": write_s, **seconds}, failed)
 
 
-GROUP_NAME = "fluxjax_weights"
-
-
 @dataclasses.dataclass
 class WeightGroup:
   """The trainer's side of a distributed update group (rank 0) and the
@@ -146,23 +141,6 @@ class WeightGroup:
     weight_group.destroy_group(self.group)
 
 
-def _group_address(fleet) -> str:
-  """Where the servers reach the trainer: the configured address, loopback
-  when every server is on this host, else this host's name."""
-  if fleet.weight_group_address:
-    return fleet.weight_group_address
-  hosts = {urllib.parse.urlsplit(s.client.url).hostname for s in fleet.servers}
-  if hosts <= {"127.0.0.1", "localhost"}:
-    return "127.0.0.1"
-  return socket.getfqdn()
-
-
-def _free_port(address: str) -> int:
-  with socket.socket() as sock:
-    sock.bind((address, 0))
-    return sock.getsockname()[1]
-
-
 async def _join(fleet, servers) -> list:
   """Makes the update group of `servers` (the trainer's old one is closed):
   every server's /init_weights_update_group and the trainer's own rendezvous
@@ -170,13 +148,13 @@ async def _join(fleet, servers) -> list:
   if fleet.weight_group is not None:
     fleet.weight_group.close()
     fleet.weight_group = None
-  address = _group_address(fleet)
-  port, world = _free_port(address), len(servers) + 1
-  timeout = fleet.weight_group_timeout_s
-  bodies = [
-    protocol.InitWeightsGroup(address, port, i + 1, world, GROUP_NAME, fleet.weight_group_backend)
-    for i in range(len(servers))
-  ]
+  address, port = fleet.weight_group_endpoint()
+  world = len(servers) + 1
+  timeout, name = fleet.weight_group_timeout_s, protocol.WEIGHT_GROUP_NAME
+  bodies = {
+    s: protocol.InitWeightsGroup(address, port, i + 1, world, name, fleet.weight_group_backend)
+    for i, s in enumerate(servers)
+  }
   mine = asyncio.get_running_loop().run_in_executor(
     None,
     weight_group.init_group,
@@ -185,11 +163,11 @@ async def _join(fleet, servers) -> list:
     port,
     world,
     0,
-    GROUP_NAME,
+    name,
     timeout,
   )
-  results = await fleet.broadcast_each(
-    [lambda c, b=b: c.init_weights_update_group(b, timeout) for b in bodies], servers
+  results = await fleet.broadcast_to(
+    {s: lambda c, b=b: c.init_weights_update_group(b, timeout) for s, b in bodies.items()}
   )
   try:
     group = await mine  # a server that never joined times the rendezvous out here
@@ -217,7 +195,7 @@ async def publish_distributed(fleet, model: vlm.Qwen25VL, version: int | str) ->
     names=tuple(n for n, _ in layout),
     dtypes=("bfloat16",) * len(layout),
     shapes=tuple(shape for _, shape in layout),
-    group_name=GROUP_NAME,
+    group_name=protocol.WEIGHT_GROUP_NAME,
     weight_version=str(version),
   )
   sent = 0
@@ -227,12 +205,12 @@ async def publish_distributed(fleet, model: vlm.Qwen25VL, version: int | str) ->
     nonlocal sent, join_s
     t = time.perf_counter()
     urls = tuple(s.client.url for s in servers)
+    joined = None
     if fleet.weight_group is None or fleet.weight_group.urls != urls:
       joined = await _join(fleet, servers)
-      if fleet.weight_group is None:
-        join_s = time.perf_counter() - t
-        return [r if isinstance(r, Exception) else RuntimeError("group not made") for r in joined]
     join_s = time.perf_counter() - t
+    if fleet.weight_group is None:
+      return [r if isinstance(r, Exception) else RuntimeError("group not made") for r in joined]
     group, timeout = fleet.weight_group.group, fleet.weight_group_timeout_s
     tensors = (x for _, x in hf_io.hf_tensors(model, "bfloat16"))
     mine = asyncio.get_running_loop().run_in_executor(None, weight_group.send, group, tensors)

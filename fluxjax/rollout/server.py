@@ -62,9 +62,10 @@ def _error(message: str, status: int = 400, headers: dict | None = None) -> web.
   return web.json_response(protocol.error_body(message), status=status, headers=headers)
 
 
-def _update_result(success: bool, message: str) -> web.Response:
+def _update_result(success: bool, message: str, **extra) -> web.Response:
   """A weight endpoint's answer, SGLang's shape (400 when it failed)."""
-  return web.json_response({"success": success, "message": message}, status=200 if success else 400)
+  body = {"success": success, "message": message, **extra}
+  return web.json_response(body, status=200 if success else 400)
 
 
 def _load_draining(engine: engine_lib.Engine, named, tensors, version: str) -> None:
@@ -373,13 +374,8 @@ class RolloutServer:
         None, engine.load_weights_from_disk, path, version
       )
     except (ProtocolError, OSError, ValueError, KeyError) as e:
-      return web.json_response(
-        {"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": 0},
-        status=400,
-      )
-    return web.json_response(
-      {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
-    )
+      return _update_result(False, f"Failed to update weights: {e}", num_paused_requests=0)
+    return _update_result(True, "Succeeded to update model weights.", num_paused_requests=0)
 
   async def init_weights_update_group(self, request: web.Request) -> web.Response:
     """Joins the trainer's group (rank `rank_offset`: one rank per server);

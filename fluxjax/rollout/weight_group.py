@@ -28,9 +28,6 @@ import numpy as np
 
 T = TypeVar("T")
 
-# dtype names as SGLang sends them (torch's, without the `torch.` prefix).
-NUMPY_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
-
 
 def _torch():
   try:

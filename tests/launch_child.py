@@ -15,6 +15,13 @@ Process i does ACTION_i:
             a small op and one of several chunks, the other prints what it
             received as `ops=<name>:<count>,...`; and the global array gathered
             onto process 0's devices, which prints `gathered=<values>`.
+  publish:ROOT  jax.distributed as for `jax`, the tiny model (seed 0) sharded
+            over the 4 devices, then a fleet publish's parts: process 0
+            writes ROOT/v3 as `publish.write_checkpoint` and the other takes
+            part (`publish.take_part`); then both with the other's files
+            refused by a full disk (ROOT/v4, process 0 prints
+            `refused=<message>`); then the distributed transport's gathers,
+            process 0 printing `digest=<sha256 of every bf16 tensor>`.
 """
 
 from __future__ import annotations
@@ -31,11 +38,9 @@ SUM_SIZE = 16
 CHANNEL_BIG = 10240
 
 
-def distributed_sum(flags: dict[str, str]) -> None:
+def start_distributed(flags: dict[str, str]) -> None:
   import jax
-  import jax.numpy as jnp
   import ml_collections
-  import numpy as np
 
   from fluxjax.sharding import mesh as mesh_lib
 
@@ -51,6 +56,14 @@ def distributed_sum(flags: dict[str, str]) -> None:
   mesh_lib.maybe_initialize_distributed(cfg)
   assert jax.process_count() == 2, jax.process_count()
   assert jax.device_count() == 4, jax.devices()
+
+
+def distributed_sum(flags: dict[str, str]) -> None:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  start_distributed(flags)
   mesh = jax.make_mesh((4,), ("x",))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
   values = np.arange(SUM_SIZE, dtype=np.float32)
@@ -97,6 +110,55 @@ def leader_channel(array) -> None:
     raise AssertionError("forget_through left op 1 in the store")
 
 
+def bf16_digest(model) -> str:
+  """sha256 over every published tensor's name and bf16 bytes, in order."""
+  import hashlib
+
+  from fluxjax.models import hf_io
+
+  digest = hashlib.sha256()
+  for name, tensor in hf_io.hf_tensors(model, "bfloat16"):
+    digest.update(name.encode() + tensor.tobytes())
+  return digest.hexdigest()
+
+
+def fleet_publish(flags: dict[str, str], root: str) -> None:
+  import errno
+
+  import jax
+
+  from fluxjax.models import config, hf_io, sharded
+  from fluxjax.rollout import publish
+  from fluxjax.sharding import mesh as mesh_lib
+
+  start_distributed(flags)
+  mesh = mesh_lib.make_mesh(1, -1)
+  model = sharded.create_sharded_model(config.preset("tiny"), mesh, seed=0, log_table=False)
+  assert hf_io.spans_processes(model)
+  leader = jax.process_index() == 0
+  if leader:
+    publish.write_checkpoint(model, root, 3)
+  else:
+    publish.take_part(model, "disk", root, 3)
+  if not leader:
+
+    def disk_full(tensors, file):
+      raise OSError(errno.ENOSPC, "No space left on device", file)
+
+    hf_io._write_safetensors = disk_full
+  if leader:
+    try:
+      publish.write_checkpoint(model, root, 4)
+    except OSError as e:
+      print(f"refused={e}", flush=True)
+  else:
+    publish.take_part(model, "disk", root, 4)
+  if leader:
+    print(f"digest={bf16_digest(model)}", flush=True)
+  else:
+    publish.take_part(model, "distributed", root, 5)
+
+
 def main() -> None:
   flags = dict(
     a[len(DISTRIBUTED_FLAG) :].split("=", 1) for a in sys.argv[1:] if a.startswith(DISTRIBUTED_FLAG)
@@ -116,9 +178,12 @@ def main() -> None:
     worker = subprocess.Popen(["sleep", "60"])
     print(f"launch_child: worker pid {worker.pid}", file=sys.stderr, flush=True)
     os._exit(int(code))  # no clean-up: the worker outlives this process
-  if action == "jax":
+  if action in ("jax", "publish"):
     try:
-      distributed_sum(flags)
+      if action == "jax":
+        distributed_sum(flags)
+      else:
+        fleet_publish(flags, code)
     except BaseException:
       # jax.distributed's exit barrier would wait for the other process,
       # which may wait in a collective for this one: fail now.

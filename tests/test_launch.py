@@ -13,10 +13,15 @@ import sys
 import time
 
 import jax
+import launch_child
 import ml_collections
+import ml_dtypes
+import numpy as np
 import pytest
+from flax import nnx
 
 from fluxjax import launch
+from fluxjax.models import config, hf_io, sharded
 from fluxjax.sharding import mesh as mesh_lib
 from helpers import process_alive, run_launcher
 
@@ -314,3 +319,39 @@ def test_two_nodes_of_one_process_each_run_one_jax_distributed_program(child_mod
   assert f"sum={float(sum(range(16)))}" in lines, lines
   assert "gathered=" + ",".join(map(str, range(16))) in lines, lines
   assert [sorted(_pids(err)) for _, err in outs] == [[1], [0]]
+
+
+def test_two_processes_publish_a_sharded_model_each_writing_its_own_files(child_module, tmp_path):
+  """A fleet publish from a model sharded over 2 processes x 2 devices: no
+  process gathers it whole. Each writes its run of the folder's files
+  (launch_child `publish`); one process's full disk fails the whole version
+  and leaves nothing behind; the distributed transport's gathers bring
+  process 0 every bf16 tensor."""
+  root = tmp_path / "weights"
+  out = run_launcher(
+    [sys.executable, "-m", "fluxjax.launch", "--processes=2", "--cpu_devices=2"]
+    + ["--module=launch_child", "--", f"publish:{root}", f"publish:{root}"],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    timeout=300,
+  )
+  assert out.returncode == 0, out.stderr[-4000:]
+  # The same parameters on this session's 8 devices (the seeded init does not
+  # depend on the layout).
+  mesh = mesh_lib.make_mesh(1, -1)
+  model = sharded.create_sharded_model(config.preset("tiny"), mesh, seed=0, log_table=False)
+  plan = hf_io.write_plan(model.cfg, "bfloat16", 4 << 30, writers=2)
+  assert {f.writer for f in plan} == {0, 1}  # each process has files to write
+  assert sorted(os.listdir(root)) == ["v3"]  # v4 refused whole, no temporary folder
+  written = sorted(f for f in os.listdir(root / "v3") if f.endswith(".safetensors"))
+  assert written == sorted(f.name for f in plan)
+  loaded = nnx.to_flat_state(nnx.state(hf_io.load_hf_checkpoint(str(root / "v3")), nnx.Param))
+  expected = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  for key, var in loaded:
+    want = np.asarray(jax.device_get(expected[key].get_value())).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(np.asarray(var.get_value()), want.astype(np.float32))
+  lines = out.stdout.splitlines()
+  refused = [line for line in lines if line.startswith("refused=")]
+  assert len(refused) == 1 and "processes [1] could not write their files" in refused[0], lines
+  assert f"digest={launch_child.bf16_digest(model)}" in lines, lines

@@ -173,7 +173,7 @@ class _Policy:
     self.graphdef, self.params = nnx.split(model, nnx.Param)
     self.strategy = make_strategy("packed_dp", capacity=256)
 
-  def stage(self):
+  def stage(self, version=None):
     return self.params
 
 

@@ -21,9 +21,11 @@ load a damaged folder keeps the weights it serves.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import glob
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -383,6 +385,69 @@ def hf_tensors(model: vlm.Qwen25VL, dtype: str = "bfloat16"):
       yield template.format(i) if stack else template, np.ascontiguousarray(_to_host(x))
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardFile:
+  """One safetensors file of a folder `save_hf_checkpoint` writes: its name,
+  its tensors in the order `hf_tensors` yields them, and the process that
+  writes it."""
+
+  name: str
+  tensors: tuple[str, ...]
+  writer: int
+
+
+def _shard_name(i: int, count: int) -> str:
+  return "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+
+
+def _tensor_bytes(cfg: config_lib.ModelConfig, dtype: str) -> list[tuple[str, int]]:
+  itemsize = np.dtype(_DTYPES[dtype]).itemsize
+  return [(name, math.prod(shape) * itemsize) for name, shape in hf_layout(cfg)]
+
+
+def write_plan(
+  cfg: config_lib.ModelConfig, dtype: str, max_shard_bytes: int, writers: int = 1
+) -> list[ShardFile]:
+  """The files of a written folder, the same on every process (from the layout alone).
+
+  The published tensors, in `hf_tensors` order, are cut into `writers` runs
+  of about equal bytes (process k writes run k), and each run into files of
+  at most `max_shard_bytes` (a larger tensor has a file of its own).
+  """
+  sizes = _tensor_bytes(cfg, dtype)
+  total = max(1, sum(n for _, n in sizes))
+  runs: list[tuple[int, list[str]]] = []
+  start = size = 0
+  for name, n in sizes:
+    writer = min(writers - 1, start * writers // total)
+    if not runs or runs[-1][0] != writer or size + n > max_shard_bytes:
+      runs.append((writer, []))
+      size = 0
+    runs[-1][1].append(name)
+    size += n
+    start += n
+  return [
+    ShardFile(_shard_name(i, len(runs)), tuple(names), writer)
+    for i, (writer, names) in enumerate(runs)
+  ]
+
+
+def spans_processes(model: vlm.Qwen25VL) -> bool:
+  """Whether other processes hold parts of `model` (its exports are collectives)."""
+  leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+  return any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves)
+
+
+def _failed_writers(failed: bool, writers: int) -> list[int]:
+  """The processes whose write failed (a collective when several write)."""
+  if writers == 1:
+    return [0] if failed else []
+  from jax.experimental import multihost_utils
+
+  flags = multihost_utils.process_allgather(np.array([int(failed)], np.int32))
+  return [int(i) for i in np.flatnonzero(np.asarray(flags).reshape(-1))]
+
+
 def save_hf_checkpoint(
   model: vlm.Qwen25VL,
   path: str,
@@ -394,18 +459,23 @@ def save_hf_checkpoint(
   """Writes the published layout: config.json, model(-0000k-of-0000n).safetensors.
 
   The folder is written next to `path` under a hidden temporary name
-  (`.tmp-<name>-<random>`) and renamed into place, so a reader (a rollout
-  server loading new weights) never sees a half-written folder. A write that
-  fails (a full disk) removes the temporary folder and raises OSError; `path`
-  is then as it was. A writer killed mid-write leaves the temporary folder,
-  which `remove_interrupted_writes` clears.
+  (`.tmp-<name>-<random>`, or `.tmp-<name>-shared` when several processes
+  write) and renamed into place, so a reader (a rollout server loading new
+  weights) never sees a half-written folder. A write that fails (a full
+  disk) removes the temporary folder and raises OSError; `path` is then as it
+  was. A writer killed mid-write leaves the temporary folder, which
+  `remove_interrupted_writes` clears.
 
-  Only process 0 writes. A model sharded across processes needs every
-  process to call this (the gathers are collective); one held by process 0
-  alone (the rollout engine's copy in a multi-controller run) is written by
-  process 0 by itself. A failed shard write therefore does not stop process
-  0 at once: it goes on gathering with the others, writes nothing more, and
-  raises at the end.
+  A model sharded across processes needs every process to call this, in the
+  same order (each tensor is gathered in `dtype` by a collective, one layer
+  tensor at a time), and each process writes its own run of the files
+  (`write_plan`) into the folder, which must be on a filesystem they share;
+  process 0 then writes the index and config.json and renames the folder
+  into place. No process holds more than one file's tensors. A model held
+  by one process (a rollout engine's copy) is written by that process alone.
+  A failed file write does not stop the others at once: every process goes
+  on gathering, the failure is shared at the end, and process 0 removes the
+  folder and raises, as does the process that failed.
 
   Args:
     model: the model to export.
@@ -419,46 +489,44 @@ def save_hf_checkpoint(
     The destination path.
 
   Raises:
-    OSError: the folder could not be written (process 0).
+    OSError: the folder could not be written (process 0, and a process
+      whose own files failed).
   """
   if dtype not in _DTYPES:
     raise ValueError(f"unsupported dtype {dtype!r}; choose from {sorted(_DTYPES)}")
-  writer = jax.process_index() == 0
-  parent = os.path.dirname(os.path.abspath(path))
-  os.makedirs(parent, exist_ok=True)
-  tmp = (
-    tempfile.mkdtemp(prefix=_TEMP_PREFIX + os.path.basename(path) + "-", dir=parent)
-    if writer
-    else None
-  )
-  # Shards are written as soon as they fill, so the host holds at most one.
-  shard_names: list[list[str]] = []
+  writers = jax.process_count() if spans_processes(model) else 1
+  me = jax.process_index() if writers > 1 else 0
+  leader = me == 0  # the process that finishes the folder
+  plan = write_plan(model.cfg, dtype, max_shard_bytes, writers)
+  tmp = _temp_folder(path, shared=writers > 1, create=leader)
+  file_of = {name: f for f in plan for name in f.tensors}
   current: dict[str, np.ndarray] = {}
-  size = 0
   failure: OSError | None = None
-
-  def flush():
-    nonlocal current, size, failure
-    if tmp is not None and failure is None:
-      try:
-        _write_safetensors(current, os.path.join(tmp, f"shard-{len(shard_names):05d}.safetensors"))
-      except OSError as e:
-        failure = e
-    shard_names.append(list(current))
-    current, size = {}, 0
-
   try:
     for name, tensor in hf_tensors(model, dtype):
-      if current and size + tensor.nbytes > max_shard_bytes:
-        flush()
+      file = file_of[name]
+      if file.writer != me:
+        continue
       current[name] = tensor
-      size += tensor.nbytes
-    flush()
-    if tmp is None:
+      if len(current) < len(file.tensors):
+        continue
+      if failure is None:
+        try:
+          os.makedirs(tmp, exist_ok=True)  # made by process 0 before the first gather
+          _write_safetensors(current, os.path.join(tmp, file.name))
+        except OSError as e:
+          failure = e
+      current = {}
+    failed = _failed_writers(failure is not None, writers)
+    if not leader:
+      if failure is not None:
+        raise failure
       return path
-    if failure is not None:
-      raise failure
-    _name_shards(tmp, shard_names)
+    if failed:
+      if failure is not None:
+        raise failure
+      raise OSError(f"{path}: processes {failed} could not write their files (their logs say why)")
+    _write_index(tmp, plan, sum(n for _, n in _tensor_bytes(model.cfg, dtype)))
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(config_lib.to_hf_dict(model.cfg, torch_dtype=dtype), f, indent=2)
     for name, src in (extra_files or {}).items():
@@ -470,10 +538,24 @@ def save_hf_checkpoint(
         shutil.copyfile(src, dst)
     _publish(tmp, path)
   except BaseException:
-    if tmp is not None:
+    if leader:
       shutil.rmtree(tmp, ignore_errors=True)
     raise
   return path
+
+
+def _temp_folder(path: str, *, shared: bool, create: bool) -> str:
+  """Where `save_hf_checkpoint` writes `path` before renaming it into place."""
+  parent = os.path.dirname(os.path.abspath(path))
+  prefix = _TEMP_PREFIX + os.path.basename(os.path.normpath(path)) + "-"
+  if not shared:
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=prefix, dir=parent)
+  tmp = os.path.join(parent, prefix + "shared")
+  if create:  # the folder's one writer run: a leftover is an interrupted write
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+  return tmp
 
 
 def _write_safetensors(tensors: dict[str, np.ndarray], file: str) -> None:
@@ -489,18 +571,13 @@ def _write_safetensors(tensors: dict[str, np.ndarray], file: str) -> None:
     raise OSError(code, os.strerror(code), file) from e
 
 
-def _name_shards(folder: str, shard_names: list[list[str]]) -> None:
-  """Gives shard files their final names (N is known only at the end) + index."""
-  n = len(shard_names)
-  weight_map = {}
-  for i, names in enumerate(shard_names):
-    final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-    os.replace(os.path.join(folder, f"shard-{i:05d}.safetensors"), os.path.join(folder, final))
-    weight_map.update({name: final for name in names})
-  if n > 1:
-    total = sum(os.path.getsize(os.path.join(folder, f)) for f in set(weight_map.values()))
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+def _write_index(folder: str, plan: list[ShardFile], total_bytes: int) -> None:
+  """The index of a folder of several files (HF's total_size: the tensors' bytes)."""
+  if len(plan) == 1:
+    return
+  weight_map = {name: f.name for f in plan for name in f.tensors}
+  with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+    json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=2)
 
 
 def _publish(tmp: str, path: str) -> None:

@@ -365,6 +365,10 @@ def logits_finite(graphdef, params, row: vlm.PackedInputs) -> bool:
   tokens finds that before the weights are published or checkpointed. Every
   position counts, padding included: a healthy model's are finite too.
   """
+  sharding = jax.tree.leaves(params)[0].sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):  # its mesh may span processes
+    replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    row = jax.device_put(row, replicated)
   return bool(_logits_finite(graphdef, params, row))
 
 

@@ -446,7 +446,7 @@ class Coordinator:
     # The engine gets its own buffers: the next update donates the trainer's,
     # while rollout goes on sampling from these.
     t = time.perf_counter()
-    params = self._policy.stage()
+    params = self._policy.stage(self._version + int(new_version))
     if params is None:
       raise RuntimeError("the coordinator runs on the leader, which receives the staged weights")
     self._check_logits(params, self._version + int(new_version), new_version)

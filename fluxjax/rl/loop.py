@@ -47,6 +47,7 @@ from fluxjax.rl import summary as summary_lib
 from fluxjax.rl import worker as worker_lib
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout import factory
+from fluxjax.rollout import publish as publish_lib
 from fluxjax.sharding import mesh as mesh_lib
 
 log = logging.getLogger(__name__)
@@ -155,13 +156,14 @@ class Built:
 def rollout_shardings(settings: settings_lib.Settings, cfg, mesh):
   """Where the embedded engine's copy of the weights goes (`PolicyWorker.stage`).
 
-  None keeps it on the training mesh (one process, rollout.embedded_devices
-  0, or a fleet, which is sent a checkpoint). Otherwise the first
-  rollout.embedded_devices (0: all) of the leader's devices: the leader runs
-  rollout alone, so its programs must not span other processes.
+  None keeps it on the training mesh (a fleet, which every process takes
+  part in publishing to, one layer tensor at a time; or one process with
+  rollout.embedded_devices 0). Otherwise the first rollout.embedded_devices
+  (0: all) of the leader's devices: the leader runs rollout alone, so its
+  programs must not span other processes.
   """
   k = settings.rollout.embedded_devices
-  if jax.process_count() == 1 and (k == 0 or settings.rollout.backend != "embedded"):
+  if settings.rollout.backend != "embedded" or (jax.process_count() == 1 and k == 0):
     return None
   devices = multihost.leader_devices()
   if k > len(devices):
@@ -294,7 +296,7 @@ def build(
     seed=settings.seed,
     proc_cfg=proc,
     limits=media_limits(settings.data.limits),
-    weights_root=os.path.join(workdir, "weights"),
+    weights_root=publish_lib.weights_root(workdir),
   )
   if launched is not None:
     stack.callback(launched.stop)

@@ -10,7 +10,8 @@ global mesh. Its methods are the ops:
   add(seqs)             a part of the batch: planned from lengths, local
                         rows materialized, gradients accumulated
   apply()               the optimizer update(s) of the batch
-  stage()               a copy of the weights for the rollout engine
+  stage(version)        a copy of the weights for the rollout backend
+  publish_part(version) a follower's part in publishing them to a fleet
   restore(step)         the train state of a checkpoint (or none)
   save(step, ...)       a checkpoint
   set_reference(fresh)  the KL term's reference model
@@ -47,6 +48,7 @@ from fluxjax.parallel.strategies import Strategy
 from fluxjax.parallel.stream_trainer import StreamTrainer
 from fluxjax.rl import checkpoint as checkpoint_lib
 from fluxjax.rl import losses, reference, sft
+from fluxjax.rollout import publish as publish_lib
 
 log = logging.getLogger(__name__)
 
@@ -199,19 +201,37 @@ class PolicyWorker:
     self._release_media()
     return metrics
 
-  def stage(self) -> nnx.State | None:
-    """A copy of the parameters for the rollout engine (its own buffers).
+  def stage(self, version: int | None = None) -> nnx.State | None:
+    """A copy of the parameters for the rollout backend (its own buffers).
 
-    On the training mesh without `rollout_shardings`; otherwise placed on the
-    leader's devices (gathered across processes in a multi-controller run).
-    Returns None on processes other than the leader.
+    On the training mesh without `rollout_shardings` (a fleet, which is sent
+    them from there); otherwise placed on the leader's devices (gathered
+    across processes in a multi-controller run). Returns None on processes
+    other than the leader then. `version` (what the copy is published as)
+    matters only to a `LeaderWorker`'s followers.
     """
+    del version
     params = self._trainer.state.params
     if self._rollout_shardings is None:
       return jax.tree.map(lambda x: x.copy(), params)
     if jax.process_count() == 1:
       return jax.device_put(params, self._rollout_shardings, may_alias=False)
     return multihost.gather_to_leader(params, self._rollout_shardings)
+
+  def publish_part(self, version: int) -> None:
+    """A follower's part in publishing weight `version` to a fleet.
+
+    The collectives the leader's `Coordinator.publish` runs, in its order:
+    the copy, the logits probe, then the publish's gathers, one layer tensor
+    at a time (`publish.take_part`), so no process holds the whole model.
+    A policy the probe refuses is not published (the leader ends the run).
+    """
+    params = self.stage()
+    if not train_step.logits_finite(self._graphdef, params, train_step.probe_row(self._cfg)):
+      return
+    model = nnx.merge(self._graphdef, params)
+    root = publish_lib.weights_root(self.workdir)
+    publish_lib.take_part(model, self.settings.rollout.weight_sync, root, version)
 
   def restore(self, step: int | None) -> Restored | None:
     """Loads checkpoint `step`'s train state (None: a fresh run, nothing to load)."""
@@ -322,8 +342,15 @@ class LeaderWorker:
     self.channel.forget_through(n)
     return metrics
 
-  def stage(self) -> nnx.State | None:
-    self.channel.send("stage")
+  def stage(self, version: int | None = None) -> nnx.State | None:
+    """Sends the op, then stages: with a fleet, the followers' op is their
+    part in publishing `version` (`PolicyWorker.publish_part`)."""
+    if self.worker.settings.rollout.backend == "embedded":
+      self.channel.send("stage")
+    elif version is None:
+      raise ValueError("a fleet publish needs the version it publishes")
+    else:
+      self.channel.send("publish_part", version)
     return self.worker.stage()
 
   def restore(self, step: int | None) -> Restored | None:
@@ -372,6 +399,7 @@ OPS = frozenset(
     "add",
     "apply",
     "stage",
+    "publish_part",
     "restore",
     "save",
     "set_reference",

@@ -109,7 +109,7 @@ class Fleet:
     request_timeout_s: float = 3600.0,
     max_attempts: int | None = None,
     weights_root: str | None = None,
-    weights_dtype: str = "bfloat16",
+    weights_dtype: str = protocol.PUBLISHED_DTYPE,
     vision_limits: Mapping[str, int] | None = None,
     weight_sync: str = "disk",
     weight_group_backend: str = "gloo",

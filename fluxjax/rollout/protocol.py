@@ -810,6 +810,8 @@ WEIGHT_GROUP_BACKENDS = ("gloo", "nccl")
 WEIGHT_GROUP_NAME = "fluxjax_weights"
 # dtype names of a distributed update (torch's, without the `torch.` prefix).
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
+# What the trainer publishes in, on disk and on the wire.
+PUBLISHED_DTYPE = "bfloat16"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,9 @@ In-process engines skip the disk: `publish_in_process` swaps the arrays.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -70,13 +72,14 @@ def write_checkpoint(
   root: str,
   version: int | str,
   *,
-  dtype: str = "bfloat16",
+  dtype: str = protocol.PUBLISHED_DTYPE,
   extra_files: Mapping[str, str | bytes] | None = None,
 ) -> str:
   """Writes <root>/v<version> atomically and returns its path.
 
   First clears what a writer killed mid-write left under `root` (process
-  0, the one that writes).
+  0, before the write's first collective). A model sharded across processes
+  needs every process to call this (`hf_io.save_hf_checkpoint`).
 
   Raises:
     OSError: the folder could not be written; nothing under `root` changed.
@@ -84,8 +87,34 @@ def write_checkpoint(
   extra = {"tokenizer.json": tokenizer_lib.ASSET_PATH} if extra_files is None else extra_files
   if jax.process_index() == 0:
     hf_io.remove_interrupted_writes(root)
-  path = os.path.join(root, f"v{version}")
+  path = version_path(root, version)
   return hf_io.save_hf_checkpoint(model, path, dtype=dtype, extra_files=extra)
+
+
+def weights_root(workdir: str) -> str:
+  """Where a run's published versions go: a folder its servers can read."""
+  return os.path.join(workdir, "weights")
+
+
+def version_path(root: str, version: int | str) -> str:
+  return os.path.join(root, f"v{version}")
+
+
+def take_part(model: vlm.Qwen25VL, weight_sync: str, root: str, version: int | str) -> None:
+  """A follower's part in a fleet publish of `model` (sharded across
+  processes), while process 0 publishes it: the same collectives in the same
+  order. With the disk transport it writes its run of the folder's files
+  (a failure is logged here; process 0 reports it); with the distributed
+  one, process 0 broadcasts what the gathers bring it.
+  """
+  if weight_sync == "distributed":
+    for _ in hf_io.hf_tensors(model, protocol.PUBLISHED_DTYPE):
+      pass
+    return
+  try:
+    write_checkpoint(model, root, version)
+  except OSError as e:
+    log.error("weight version %s: this process's files were not written: %s", version, e)
 
 
 async def publish_to_fleet(
@@ -94,7 +123,7 @@ async def publish_to_fleet(
   root: str,
   version: int | str,
   *,
-  dtype: str = "bfloat16",
+  dtype: str = protocol.PUBLISHED_DTYPE,
   pause_mode: str = "abort",
   extra_files: Mapping[str, str | bytes] | None = None,
 ) -> PublishReport:
@@ -193,13 +222,17 @@ async def publish_distributed(fleet, model: vlm.Qwen25VL, version: int | str) ->
   layout = hf_io.hf_layout(model.cfg)
   update = protocol.DistributedUpdate(
     names=tuple(n for n, _ in layout),
-    dtypes=("bfloat16",) * len(layout),
+    dtypes=(protocol.PUBLISHED_DTYPE,) * len(layout),
     shapes=tuple(shape for _, shape in layout),
     group_name=protocol.WEIGHT_GROUP_NAME,
     weight_version=str(version),
   )
   sent = 0
   join_s = 0.0
+  # Each tensor of a model that spans processes is a collective gather every
+  # process takes part in (`take_part`): a publish that sends none or only
+  # some of them still runs them all (the `finally` below, `send`'s finish).
+  tensors = (x for _, x in hf_io.hf_tensors(model, protocol.PUBLISHED_DTYPE))
 
   async def broadcast(servers):
     nonlocal sent, join_s
@@ -212,8 +245,8 @@ async def publish_distributed(fleet, model: vlm.Qwen25VL, version: int | str) ->
     if fleet.weight_group is None:
       return [r if isinstance(r, Exception) else RuntimeError("group not made") for r in joined]
     group, timeout = fleet.weight_group.group, fleet.weight_group_timeout_s
-    tensors = (x for _, x in hf_io.hf_tensors(model, "bfloat16"))
-    mine = asyncio.get_running_loop().run_in_executor(None, weight_group.send, group, tensors)
+    send = functools.partial(weight_group.send, finish=hf_io.spans_processes(model))
+    mine = asyncio.get_running_loop().run_in_executor(None, send, group, tensors)
     results = await fleet.broadcast(
       lambda c: c.update_weights_from_distributed(update, timeout), servers
     )
@@ -223,7 +256,11 @@ async def publish_distributed(fleet, model: vlm.Qwen25VL, version: int | str) ->
       fleet.weight_group = None
     return results
 
-  seconds, failed = await fleet.update_weights_with(broadcast, str(version))
+  try:
+    seconds, failed = await fleet.update_weights_with(broadcast, str(version))
+  finally:
+    if hf_io.spans_processes(model):
+      await asyncio.get_running_loop().run_in_executor(None, collections.deque, tensors, 0)
   seconds["join"] = join_s
   return PublishReport(str(version), None, seconds, failed, sent_bytes=sent)
 

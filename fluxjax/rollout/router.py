@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from fluxjax.rollout import protocol
 from fluxjax.rollout.client import RequestRejected, ServerUnavailable, SGLangClient
 from fluxjax.rollout.fleet import (
   Fleet,
@@ -58,7 +59,7 @@ class RoutedFleet(Fleet):
     request_timeout_s: float = 3600.0,
     max_attempts: int = 12,
     weights_root: str | None = None,
-    weights_dtype: str = "bfloat16",
+    weights_dtype: str = protocol.PUBLISHED_DTYPE,
     workers_timeout_s: float = 60.0,
     **weight_sync,
   ):

@@ -16,6 +16,7 @@ own: ml_dtypes' is viewed as uint16 and back).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import queue
 import threading
@@ -98,40 +99,61 @@ def _as_numpy(t) -> np.ndarray:
   return t.numpy()
 
 
-def prefetched(items: Iterable[T], depth: int = 1) -> Iterator[T]:
+def prefetched(items: Iterable[T], depth: int = 1, *, finish: bool = False) -> Iterator[T]:
   """`items`, produced by a thread of its own up to `depth` ahead: the sender
   converts the next tensor while one is on the wire, the receiver receives
-  the next while one is converted. An error in the producer is raised here."""
+  the next while one is converted. An error in the producer is raised here.
+
+  With `finish`, a consumer that stops early (closes this generator) leaves
+  the producer to run `items` to its end and waits for it: each item may be
+  a step of a collective that other processes take part in.
+  """
   done = object()
   q: queue.Queue = queue.Queue(maxsize=depth)
+  stopped = threading.Event()
 
   def produce():
     try:
       for x in items:
+        if stopped.is_set():
+          if finish:
+            continue
+          return
         q.put(x)
       q.put(done)
     except BaseException as e:  # handed to the consumer
       q.put(e)
 
-  threading.Thread(target=produce, name="weight-prefetch", daemon=True).start()
-  while (x := q.get()) is not done:
-    if isinstance(x, BaseException):
-      raise x
-    yield x
+  thread = threading.Thread(target=produce, name="weight-prefetch", daemon=True)
+  thread.start()
+  try:
+    while (x := q.get()) is not done:
+      if isinstance(x, BaseException):
+        raise x
+      yield x
+  finally:
+    stopped.set()
+    while finish and thread.is_alive():  # a producer blocked in put goes on
+      with contextlib.suppress(queue.Empty):
+        q.get(timeout=0.1)
 
 
-def send(group: Any, tensors: Iterable[np.ndarray], device: str = "cpu") -> int:
+def send(
+  group: Any, tensors: Iterable[np.ndarray], device: str = "cpu", *, finish: bool = False
+) -> int:
   """Broadcasts each tensor from rank 0, in order; returns the bytes sent.
 
   One tensor is on the wire while the next is made (`prefetched`), so the
-  sender holds at most two more tensors than it already had.
+  sender holds at most two more tensors than it already had. With `finish`,
+  a failed broadcast still runs `tensors` to its end (`prefetched`).
   """
   torch = _torch()
   sent = 0
-  for x in prefetched(tensors):
-    t = _as_torch(x).to(device)
-    torch.distributed.broadcast(t, src=0, group=group)
-    sent += x.nbytes
+  with contextlib.closing(prefetched(tensors, finish=finish)) as stream:
+    for x in stream:
+      t = _as_torch(x).to(device)
+      torch.distributed.broadcast(t, src=0, group=group)
+      sent += x.nbytes
   return sent
 
 

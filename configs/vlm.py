@@ -22,6 +22,14 @@ tokens per device (sharding.capacity).
 A fleet variant given no servers launches `python -m fluxjax.rollout.server`
 processes serving that model (rollout.launch = ("fluxjax.rollout.server",)).
 
+The `fleet` modifier (`--config=configs/vlm.py:fleet`, or a variant's
+`:qwen25_vl_7b,smoke,fleet`) runs rollout the way a cluster does: two
+rollout servers (fluxjax's own, serving the run's model, unless the run
+names servers or a command of its own) behind a launched sglang-router, with
+weights broadcast over a torch.distributed group (needs
+`pip install 'fluxjax[weight-sync]'`). With `python -m fluxjax.launch
+--processes=2` it is the default job on two processes and a fleet.
+
 Sharding strategies swap by `--config.sharding.strategy` alone on every
 variant and mesh: `sharding.sp` (the largest sequence-parallel degree) is 0 =
 auto, the largest degree the model's heads and the devices allow; set it (e.g.
@@ -100,7 +108,7 @@ VARIANTS = {
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = config_args.parse_arg(arg, variant="tiny", smoke=False)
+  arg = config_args.parse_arg(arg, variant="tiny", smoke=False, fleet=False)
   if arg.variant not in VARIANTS:
     raise ValueError(f"unknown variant {arg.variant!r}; choose one of {tuple(VARIANTS)}")
   v = ml_collections.ConfigDict(VARIANTS[arg.variant])
@@ -490,7 +498,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optim.weight_decay = 0.0
   if arg.smoke:
     _smoke(c)
+  if arg.fleet:
+    _fleet(c)
   return c
+
+
+def _fleet(c: ml_collections.ConfigDict) -> None:
+  """The `fleet` modifier (module docstring)."""
+  c.rollout.backend = "sglang"
+  if not (c.rollout.urls or c.rollout.router_url or c.rollout.launch):
+    c.rollout.launch = ("fluxjax.rollout.server",)  # rollout/factory.py OWN_SERVER
+  c.rollout.num_servers = 2
+  if not c.rollout.router_url:
+    c.rollout.router_launch = ("python", "-m", "sglang_router.launch_router", "--log-level", "warn")
+  c.rollout.weight_sync = "distributed"
 
 
 def _smoke(c: ml_collections.ConfigDict) -> None:

@@ -14,6 +14,7 @@ from fluxjax import settings as settings_lib
 from fluxjax.models import config as model_config
 from fluxjax.parallel import strategies
 from fluxjax.rl import loop
+from fluxjax.rollout import factory
 from fluxjax.settings import Settings
 from fluxjax.sharding import mesh as mesh_lib
 
@@ -168,7 +169,9 @@ def test_flex_ulysses_on_one_device_has_no_sequence_axes(devices):
   plan.validate()
 
 
-@pytest.mark.parametrize("arg", [*VARIANTS, *(f"{v},smoke" for v in VARIANTS)])
+@pytest.mark.parametrize(
+  "arg", [*VARIANTS, *(f"{v},smoke" for v in VARIANTS), "fleet", "qwen25_vl_7b,smoke,fleet"]
+)
 def test_every_variant_reads_into_typed_settings(arg):
   """configs/vlm.py and fluxjax/settings.py declare the same fields: every
   variant and modifier reads into frozen sections, resolved references
@@ -176,11 +179,27 @@ def test_every_variant_reads_into_typed_settings(arg):
   c = config_args.load_config(arg=arg)
   c.total_steps = 7
   s = Settings.of(c)
-  assert s.optim.total_steps == 7 and s.variant == arg.split(",")[0]
+  assert s.optim.total_steps == 7 and s.variant == c.variant
+  assert c.variant == ("tiny" if arg == "fleet" else arg.split(",")[0])
   assert isinstance(s.rollout.launch, tuple) and isinstance(s.rl.reward, settings_lib.Reward)
   with pytest.raises(dataclasses.FrozenInstanceError):
     s.rl.max_new_tokens = 1  # type: ignore[misc]
   assert Settings.of(s) is s
+
+
+@pytest.mark.parametrize("arg", ["fleet", "qwen25_vl_7b,smoke,fleet"])
+def test_the_fleet_modifier_runs_rollout_on_launched_servers_behind_a_router(arg):
+  """Two of fluxjax's own servers behind a launched sglang-router, weights
+  broadcast; everything else as without the modifier."""
+  c = config_args.load_config(arg=arg)
+  base = config_args.load_config(arg=arg.replace(",fleet", "").replace("fleet", ""))
+  assert c.rollout.backend == "sglang" and c.rollout.num_servers == 2
+  assert tuple(c.rollout.launch) == factory.OWN_SERVER and not c.rollout.urls
+  assert "sglang_router.launch_router" in c.rollout.router_launch and not c.rollout.router_url
+  assert c.rollout.weight_sync == "distributed"
+  factory.check_config(Settings.of(c).rollout)
+  for section in ("rl", "sharding", "coordinator", "data", "model", "sft"):
+    assert c[section].to_dict() == base[section].to_dict(), section
 
 
 def test_a_field_the_sections_do_not_declare_names_its_flag():

@@ -133,30 +133,48 @@ def _pids(log_path) -> dict[int, int]:
   return {int(i): int(p) for i, p in re.findall(r"fluxjax\.launch: process (\d) pid (\d+)", text)}
 
 
-def _kill_leader_once_a_checkpoint_is_complete(command, log_path) -> None:
-  """Starts the launcher, SIGKILLs its process 0 mid-step, checks that it stopped the rest."""
+def _kill_once_a_checkpoint_is_complete(command, log_path, victim: int, step: int = 1) -> dict:
+  """Starts the launcher, SIGKILLs its process `victim` once checkpoint
+  `step` is complete (step + 1 under way), checks that it stopped the rest
+  and the servers they started (each process's group); returns the pids."""
   workdir = pathlib.Path(next(a for a in command if a.startswith("--workdir=")).split("=", 1)[1])
   with open(log_path, "w") as log:
     launcher = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 600
     try:
       while time.time() < deadline and launcher.poll() is None:
-        if (workdir / "checkpoints" / "1").exists():
-          break  # step 1's checkpoint is complete (renamed into place): step 2 is under way
+        if (workdir / "checkpoints" / str(step)).exists():
+          break  # renamed into place when complete
         time.sleep(0.2)
       assert launcher.poll() is None, open(log_path).read()[-4000:]
       pids = _pids(log_path)
       assert sorted(pids) == [0, 1]
-      os.kill(pids[0], signal.SIGKILL)
+      os.kill(pids[victim], signal.SIGKILL)
       launcher.wait(timeout=90)
     finally:
       if launcher.poll() is None:
         launcher.terminate()  # it stops its processes
         launcher.wait(timeout=60)
-  # The launcher stopped the follower (waiting in a collective or for the
-  # next op) and exited with the leader's fate.
+  # The launcher stopped the other process (waiting in a collective or for
+  # the next op) and exited with the killed one's fate.
   assert launcher.returncode == 128 + signal.SIGKILL, open(log_path).read()[-4000:]
-  assert not process_alive(pids[1])
+  assert not any(process_alive(pid) for pid in pids.values())
+  left = _group_members(set(pids.values()))
+  assert not left, f"processes left running in the run's process groups: {left}"
+  return pids
+
+
+def _group_members(groups: set[int]) -> list[int]:
+  """Live processes in the given process groups (a launched server, a router)."""
+  members = []
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        if os.getpgid(int(entry)) in groups and process_alive(int(entry)):
+          members.append(int(entry))
+      except ProcessLookupError:
+        pass
+  return members
 
 
 @pytest.mark.slow
@@ -169,7 +187,7 @@ def test_two_processes_killed_and_resumed_match_one_and_resume_in_one(
   2-process checkpoint resumes in one process, until NaN updates stop it."""
   one, two = tmp_path / "one", tmp_path / "two"
   _one(one, total_steps=3)
-  _kill_leader_once_a_checkpoint_is_complete(_two(two, total_steps=3), tmp_path / "killed.log")
+  _kill_once_a_checkpoint_is_complete(_two(two, total_steps=3), tmp_path / "killed.log", victim=0)
   before = {r["step"]: r for r in metrics.read_metrics(str(two))}
   out = _run(_two(two, total_steps=3), tmp_path / "two.log")
   assert "resumed from step" in out
@@ -250,3 +268,54 @@ def test_two_processes_killed_and_resumed_match_one_and_resume_in_one(
   assert max(ocp.utils.checkpoint_steps(str(two / "checkpoints"))) == 5
   p4, p5 = _params(two, 4), _params(two, 5)
   assert all(np.array_equal(p5[k], p4[k]) for k in p4)
+
+
+# The fleet job with everything on: launched servers behind the router,
+# weights broadcast, flex_ulysses across the two processes, adaptive lag and
+# tail batching with recycling (configs/vlm.py `fleet` modifier).
+FLEET = {
+  "sharding.strategy": "flex_ulysses",
+  "coordinator.lag.mode": "adaptive",
+  "coordinator.lag.sync_interval": 3,
+  "rollout.tail_batching.eta": 1.5,
+  "rollout.embedded_devices": 0,
+  "rl.kl_coef": 0.0,
+}
+
+
+@pytest.mark.slow
+def test_two_processes_on_a_fleet_survive_a_follower_killed_mid_step(tmp_path):
+  """2 processes x 4 devices against 2 launched fluxjax servers behind a
+  launched sglang-router, weights broadcast from the training mesh: the
+  follower SIGKILLed mid-step stops the run, its servers and router with
+  it; the restart resumes from the checkpoint, and every step trains P
+  prompts no step trained before."""
+  steps, workdir = 5, tmp_path / "fleet"
+  command = [
+    a.replace("configs/vlm.py", "configs/vlm.py:fleet")
+    for a in _two(workdir, total_steps=steps, **FLEET)
+  ]
+  _kill_once_a_checkpoint_is_complete(command, tmp_path / "killed.log", victim=1, step=2)
+  out = _run(command, tmp_path / "resumed.log")
+  assert "resumed from step" in out
+  records = loop.read_trained(str(workdir))
+  assert [r["step"] for r in records] == list(range(1, steps + 1))
+  trained = [i for r in records for i in r["ids"]]
+  assert all(len(r["ids"]) == P for r in records) and len(set(trained)) == len(trained)
+  recs = {r["step"]: r for r in metrics.read_metrics(str(workdir)) if r["step"] >= 1}
+  last = recs[steps]
+  assert last["fleet/routed"] == 1.0 and last["fleet/servers"] == 2.0
+  assert last["fleet/servers_down"] == 0.0 and last["faults/unwritten_publishes_total"] == 0.0
+  # Recycling discards no decode work and restarts no response.
+  assert last["rollout/tokens_discarded_total"] == 0.0 and last["rollout/restarted_total"] == 0.0
+  assert any(abs(r["train/loss"]) > 1e-3 for r in recs.values()), "no step had a signal"
+  lag = config_args.load_config().coordinator.lag
+  assert all(lag.min_lag <= r["async/allowed_lag"] <= lag.max_lag for r in recs.values())
+  assert all(
+    lag.min_async_ratio <= r["async/async_ratio"] <= lag.max_async_ratio for r in recs.values()
+  )
+  assert any(r["async/sync_barrier"] == 1.0 for r in recs.values())  # sync_interval 3
+  assert all(r["async/version_gap_max"] <= lag.max_lag for r in recs.values())
+  assert all(0.0 <= r["async/staleness"] <= 1.0 for r in recs.values())
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["end"]["step"] == steps and summary["resumed_from"] >= 2

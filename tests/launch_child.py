@@ -142,10 +142,11 @@ def fleet_publish(flags: dict[str, str], root: str) -> None:
     publish.take_part(model, "disk", root, 3)
   if not leader:
 
-    def disk_full(tensors, file):
-      raise OSError(errno.ENOSPC, "No space left on device", file)
+    class DiskFull(hf_io.ShardWriter):
+      def write(self, name, tensor):
+        raise OSError(errno.ENOSPC, "No space left on device", self.path)
 
-    hf_io._write_safetensors = disk_full
+    hf_io.ShardWriter = DiskFull
   if leader:
     try:
       publish.write_checkpoint(model, root, 4)

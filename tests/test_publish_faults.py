@@ -1,11 +1,10 @@
 """A failed or killed weight publish leaves the previous version loadable, and
 a server never loads half a publish.
 
-  * write error, in process: the third shard write of `Fleet.publish` fails
-    the way safetensors reports a full disk (a SafetensorError naming os
-    error 28) after leaving a partial file; in a child process: the
-    filesystem refuses the third shard (RLIMIT_FSIZE, so safetensors' own
-    write gets EFBIG). The publish reports the failure, tells no server
+  * write error, in process: the third shard file of `Fleet.publish` finds
+    the disk full (ENOSPC) after its header, leaving a partial file; in a
+    child process: the filesystem refuses the third shard (RLIMIT_FSIZE, so
+    the writer's own write gets EFBIG). The publish reports the failure, tells no server
     anything and leaves no temporary folder;
   * kill: a child writer is SIGKILLed from inside the write, once after its
     third shard and once between moving the old folder of a republished
@@ -17,6 +16,7 @@ a server never loads half a publish.
 """
 
 import asyncio
+import errno
 import json
 import os
 import shutil
@@ -32,7 +32,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from fluxjax.models import config, hf_io, vlm
@@ -120,18 +120,17 @@ def test_a_failed_write_publishes_nothing_and_the_fleet_keeps_its_version(
   )
   first, second = random_model(1), random_model(2)
   root = str(tmp_path)
-  write = hf_io.save_file
   written = []
 
-  def third_shard_finds_the_disk_full(tensors, file, **kwargs):
-    written.append(file)
-    if len(written) != 3:
-      return write(tensors, file, **kwargs)
-    with open(file, "wb") as f:
-      f.write(b"\0" * 4096)  # what got out before the disk filled up
-    raise SafetensorError(
-      "Error while serializing: I/O error: No space left on device (os error 28)"
-    )
+  class ThirdFileFindsTheDiskFull(hf_io.ShardWriter):
+    def __init__(self, path, shapes, dtype):
+      super().__init__(path, shapes, dtype)
+      written.append(path)
+
+    def write(self, name, tensor):
+      if len(written) == 3:  # after its header: a partial file, as a full disk leaves
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+      super().write(name, tensor)
 
   async def go():
     fleet = fleet_lib.Fleet(
@@ -140,10 +139,10 @@ def test_a_failed_write_publishes_nothing_and_the_fleet_keeps_its_version(
     async with fleet:
       good = await fleet.publish(first, 1)
       before = served(url)
-      monkeypatch.setattr(hf_io, "save_file", third_shard_finds_the_disk_full)
+      monkeypatch.setattr(hf_io, "ShardWriter", ThirdFileFindsTheDiskFull)
       failed = await fleet.publish(second, 2)
       kept = served(url), fleet.published, sorted(os.listdir(root))
-      monkeypatch.setattr(hf_io, "save_file", write)
+      monkeypatch.undo()
       again = await fleet.publish(second, 2)
       return good, before, failed, kept, again, served(url)
 
@@ -226,26 +225,29 @@ from fluxjax.rollout import publish
 
 scenario, root = sys.argv[1], sys.argv[2]
 hf_io.save_hf_checkpoint = partial(hf_io.save_hf_checkpoint, max_shard_bytes=SHARD_BYTES)
-write, replace = hf_io.save_file, os.replace
+Writer, replace = hf_io.ShardWriter, os.replace
 model = random_model(2)
-written = []
+opened = []
 
-def third_shard_refused(tensors, file, **kwargs):
-  written.append(file)
-  limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-  if len(written) == 3:  # no file may grow past 1 KiB meanwhile
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limit[1]))
-  try:
-    write(tensors, file, **kwargs)
-  finally:
-    resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+class ThirdFileRefused(Writer):  # no file may grow past 1 KiB while the third is written
+  def __init__(self, path, shapes, dtype):
+    opened.append(path)
+    self.limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if len(opened) == 3:
+      resource.setrlimit(resource.RLIMIT_FSIZE, (1024, self.limit[1]))
+    super().__init__(path, shapes, dtype)
 
-def third_shard_then_wait(tensors, file, **kwargs):
-  write(tensors, file, **kwargs)
-  written.append(file)
-  if len(written) == 3:
-    print("stopped", flush=True)
-    threading.Event().wait()
+  def close(self):
+    super().close()
+    resource.setrlimit(resource.RLIMIT_FSIZE, self.limit)
+
+class ThirdFileThenWait(Writer):
+  def close(self):
+    super().close()
+    opened.append(self.path)
+    if len(opened) == 3:
+      print("stopped", flush=True)
+      threading.Event().wait()
 
 def aside_then_wait(src, dst):
   replace(src, dst)
@@ -255,14 +257,14 @@ def aside_then_wait(src, dst):
 
 if scenario == "mid_write":
   signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-  hf_io.save_file = third_shard_refused
+  hf_io.ShardWriter = ThirdFileRefused
   try:
     publish.write_checkpoint(model, root, 2, dtype="float32")
     print("written", flush=True)
   except OSError as e:
     print("error", e.errno, sorted(os.listdir(root)), flush=True)
-  written.clear()
-  hf_io.save_file = third_shard_then_wait
+  opened.clear()
+  hf_io.ShardWriter = ThirdFileThenWait
   publish.write_checkpoint(model, root, 2, dtype="float32")
 else:  # v1 written again, stopped between its two renames
   os.replace = aside_then_wait

@@ -27,8 +27,8 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
+import struct
 import tempfile
 from collections.abc import Mapping
 
@@ -38,7 +38,6 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from fluxjax.models import config as config_lib
 from fluxjax.models import vlm
@@ -65,14 +64,13 @@ _TWO_INPUT_AXES = ("self_attn.o_proj.kernel", "attn.proj.kernel")
 # transformers 5 in-memory prefixes -> published prefixes.
 _ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 # safetensors dtype names a parameter may be stored in.
 _FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 # A folder being written is `.tmp-<name>-<random>`; the folder it replaces is
 # moved aside to that name + `.old` for the instant of the swap.
 _TEMP_PREFIX = ".tmp-"
 _ASIDE_SUFFIX = ".old"
-# How Rust's std::io::Error, which safetensors reports, names the errno.
-_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
 class CheckpointFormatError(ValueError):
@@ -471,8 +469,9 @@ def save_hf_checkpoint(
   tensor at a time), and each process writes its own run of the files
   (`write_plan`) into the folder, which must be on a filesystem they share;
   process 0 then writes the index and config.json and renames the folder
-  into place. No process holds more than one file's tensors. A model held
-  by one process (a rollout engine's copy) is written by that process alone.
+  into place. Files are streamed a tensor at a time (`ShardWriter`), so no
+  process holds more than one layer tensor of the export. A model held by
+  one process (a rollout engine's copy) is written by that process alone.
   A failed file write does not stop the others at once: every process goes
   on gathering, the failure is shared at the end, and process 0 removes the
   folder and raises, as does the process that failed.
@@ -499,49 +498,42 @@ def save_hf_checkpoint(
   leader = me == 0  # the process that finishes the folder
   plan = write_plan(model.cfg, dtype, max_shard_bytes, writers)
   tmp = _temp_folder(path, shared=writers > 1, create=leader)
-  file_of = {name: f for f in plan for name in f.tensors}
-  current: dict[str, np.ndarray] = {}
-  failure: OSError | None = None
   try:
-    for name, tensor in hf_tensors(model, dtype):
-      file = file_of[name]
-      if file.writer != me:
-        continue
-      current[name] = tensor
-      if len(current) < len(file.tensors):
-        continue
-      if failure is None:
-        try:
-          os.makedirs(tmp, exist_ok=True)  # made by process 0 before the first gather
-          _write_safetensors(current, os.path.join(tmp, file.name))
-        except OSError as e:
-          failure = e
-      current = {}
+    failure = _write_own_files(model, dtype, plan, me, tmp)
     failed = _failed_writers(failure is not None, writers)
-    if not leader:
-      if failure is not None:
-        raise failure
-      return path
-    if failed:
-      if failure is not None:
-        raise failure
+    if failure is not None:
+      raise failure
+    if failed and leader:
       raise OSError(f"{path}: processes {failed} could not write their files (their logs say why)")
-    _write_index(tmp, plan, sum(n for _, n in _tensor_bytes(model.cfg, dtype)))
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-      json.dump(config_lib.to_hf_dict(model.cfg, torch_dtype=dtype), f, indent=2)
-    for name, src in (extra_files or {}).items():
-      dst = os.path.join(tmp, name)
-      if isinstance(src, bytes):
-        with open(dst, "wb") as out:
-          out.write(src)
-      else:
-        shutil.copyfile(src, dst)
-    _publish(tmp, path)
+    if leader:
+      _finish_folder(tmp, path, model.cfg, plan, dtype, extra_files)
   except BaseException:
     if leader:
       shutil.rmtree(tmp, ignore_errors=True)
     raise
   return path
+
+
+def _finish_folder(
+  tmp: str,
+  path: str,
+  cfg: config_lib.ModelConfig,
+  plan: list[ShardFile],
+  dtype: str,
+  extra_files: Mapping[str, str | bytes] | None,
+) -> None:
+  """The index, config.json and extra files into `tmp`, then `tmp` renamed to `path`."""
+  _write_index(tmp, plan, sum(n for _, n in _tensor_bytes(cfg, dtype)))
+  with open(os.path.join(tmp, "config.json"), "w") as f:
+    json.dump(config_lib.to_hf_dict(cfg, torch_dtype=dtype), f, indent=2)
+  for name, src in (extra_files or {}).items():
+    dst = os.path.join(tmp, name)
+    if isinstance(src, bytes):
+      with open(dst, "wb") as out:
+        out.write(src)
+    else:
+      shutil.copyfile(src, dst)
+  _publish(tmp, path)
 
 
 def _temp_folder(path: str, *, shared: bool, create: bool) -> str:
@@ -558,17 +550,77 @@ def _temp_folder(path: str, *, shared: bool, create: bool) -> str:
   return tmp
 
 
-def _write_safetensors(tensors: dict[str, np.ndarray], file: str) -> None:
-  """`save_file`, raising OSError when the write fails (safetensors reports
-  a full disk as a SafetensorError naming the errno)."""
-  try:
-    save_file(tensors, file, metadata={"format": "pt"})
-  except SafetensorError as e:
-    found = _OS_ERROR.search(str(e))
-    if found is None:
-      raise
-    code = int(found.group(1))
-    raise OSError(code, os.strerror(code), file) from e
+class ShardWriter:
+  """One safetensors file written tensor by tensor, in the order of `shapes`:
+  the header first (every tensor's offsets follow from the shapes), then
+  each tensor's bytes as it comes, so a writer holds no tensor but the one
+  it is given. The file is closed after the last tensor."""
+
+  def __init__(self, path: str, shapes: list[tuple[str, tuple[int, ...]]], dtype: str):
+    self.path = path
+    self._dtype = np.dtype(_DTYPES[dtype])
+    self._pending = list(shapes)
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes:
+      end = offset + math.prod(shape) * self._dtype.itemsize
+      header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape)}
+      header[name]["data_offsets"] = [offset, end]
+      offset = end
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    self._file = open(path, "wb")  # closed after the last tensor
+    self._file.write(struct.pack("<Q", len(raw)) + raw)
+
+  @property
+  def done(self) -> bool:
+    return not self._pending
+
+  def write(self, name: str, tensor: np.ndarray) -> None:
+    want, shape = self._pending[0]
+    if name != want or tuple(tensor.shape) != shape or tensor.dtype != self._dtype:
+      raise ValueError(
+        f"{self.path}: got {name} {list(tensor.shape)} {tensor.dtype}, "
+        f"the file's next tensor is {want} {list(shape)} {self._dtype}"
+      )
+    self._file.write(np.ascontiguousarray(tensor).reshape(-1).view(np.uint8).data)
+    self._pending.pop(0)
+    if not self._pending:
+      self.close()
+
+  def close(self) -> None:
+    self._file.close()
+
+
+def _write_own_files(
+  model: vlm.Qwen25VL, dtype: str, plan: list[ShardFile], me: int, folder: str
+) -> OSError | None:
+  """Runs every tensor's gather and writes this process's files of `plan`
+  into `folder`; returns the write's failure (after which it writes nothing
+  more, but goes on gathering with the other processes)."""
+  shapes = dict(hf_layout(model.cfg))
+  file_of = {name: f for f in plan for name in f.tensors}
+  writer: ShardWriter | None = None
+  failure: OSError | None = None
+  for name, tensor in hf_tensors(model, dtype):
+    file = file_of[name]
+    if file.writer != me or failure is not None:
+      continue
+    try:
+      if writer is None:
+        os.makedirs(folder, exist_ok=True)  # made by process 0 before the first gather
+        writer = ShardWriter(
+          os.path.join(folder, file.name), [(n, shapes[n]) for n in file.tensors], dtype
+        )
+      writer.write(name, tensor)
+      if writer.done:
+        writer = None
+    except OSError as e:
+      failure = e
+      if writer is not None:
+        writer.close()
+        writer = None
+  return failure
 
 
 def _write_index(folder: str, plan: list[ShardFile], total_bytes: int) -> None:

@@ -21,7 +21,7 @@ import datetime
 import queue
 import threading
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import ml_dtypes
@@ -99,7 +99,9 @@ def _as_numpy(t) -> np.ndarray:
   return t.numpy()
 
 
-def prefetched(items: Iterable[T], depth: int = 1, *, finish: bool = False) -> Iterator[T]:
+def prefetched(
+  items: Iterable[T], depth: int = 1, *, finish: bool = False
+) -> Generator[T, None, None]:
   """`items`, produced by a thread of its own up to `depth` ahead: the sender
   converts the next tensor while one is on the wire, the receiver receives
   the next while one is converted. An error in the producer is raised here.

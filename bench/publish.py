@@ -1,11 +1,17 @@
 """Weight publishing to a fleet: the disk path against the distributed broadcast.
 
-  python bench/publish.py [--servers 2] [--sizes tiny,400m] [--repeats 3] [--json PATH]
+  python bench/publish.py [--servers 2] [--sizes tiny,400m] [--processes 1,2]
+      [--repeats 3] [--json PATH]
 
-For each model size, S fluxjax servers (real processes on loopback, one CPU
-device each) start from an HF folder of random weights, and this process
-publishes another random model to them `--repeats` times through each
-transport of rollout/publish.py:
+For each model size and trainer process count, S fluxjax servers (real
+processes on loopback, one CPU device each) start from an HF folder of
+random weights, and the trainer publishes another random model to them
+`--repeats` times through each transport of rollout/publish.py. With one
+process the model is whole on this process's device; with P processes
+(`python -m fluxjax.launch --processes=P --cpu_devices=1`, this file's
+`--worker` mode) it is sharded over their devices, process 0 publishes and
+the others take part (`publish.take_part`): one bf16 gather per layer
+tensor, and with the disk transport each process writes its own files.
 
   disk         write a bf16 HF folder, then pause -> flush ->
                update_weights_from_disk -> continue (the current default);
@@ -17,16 +23,17 @@ Per transport: seconds the trainer is blocked (the publish call), seconds the
 servers are paused (pause through update), bytes written to disk, bytes the
 trainer broadcast, and the peak RSS growth of the trainer and of each server
 over its RSS before the transport's first publish (VmHWM after clearing it;
-torch's import counts for the distributed one). Disk runs first. Ratios are distributed / disk.
-In-process swapping (the embedded engine) moves no bytes and is not run here.
+torch's import counts for the distributed one), for every trainer process.
+Disk runs first. Ratios are distributed / disk. In-process swapping (the
+embedded engine) moves no bytes and is not run here.
 
 Then the cost model: what each transport costs a Qwen2.5-VL-7B or 32B trainer
-on N hosts publishing to S servers, from assumed bandwidths (flags): the disk
-path gathers fp32 leaves to every host (process_allgather), writes bf16 from
-process 0 and every server reads the folder; the broadcast gathers bf16 per
-layer to process 0 and sends each byte once down a pipelined NCCL tree.
-One trainer process here; two processes (and the per-process disk writes)
-are not measured yet.
+on N hosts publishing to S servers, from assumed bandwidths (flags). Both
+gather each layer tensor in bf16 on every host (an all-gather: each host
+receives (N-1)/N of the bf16 model) and hold at most the largest tensor;
+the disk path then writes 1/N of the folder from each host at once and every
+server reads the folder; the broadcast sends each byte once down a
+pipelined NCCL tree from process 0.
 """
 
 from __future__ import annotations
@@ -43,12 +50,20 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import json
+import subprocess
+
 import jax
 from flax import nnx
 
 import runinfo
-from fluxjax.models import config, hf_io, vlm
+from fluxjax import settings as settings_lib
+from fluxjax.models import config, hf_io, sharded, vlm
 from fluxjax.rollout import fleet as fleet_lib
+from fluxjax.rollout import publish
+from fluxjax.sharding import mesh as mesh_lib
+
+TRANSPORTS = ("disk", "distributed")
 
 # Parameters in bf16 of the published models (Qwen2.5-VL, LM and vision tower).
 PROJECTED = {"7b": 8.29e9, "32b": 33.5e9}
@@ -137,59 +152,129 @@ async def _publishes(fleet, model, transport: str, repeats: int, pids: list[int]
   return {"join_s": warm.seconds.get("join", 0.0), "rows": rows, "peak_rss_growth_bytes": growth}
 
 
-def measure(size: str, servers: int, repeats: int, workdir: str) -> dict:
-  cfg = model_config(size)
+def _take_parts(model, transport: str, repeats: int, root: str) -> dict:
+  """A follower's side of `_publishes`: its part in each publish, its peak RSS growth."""
+  rss0 = _peak_and_now()[1]
+  _clear_peak()
+  for version in range(99, 100 + repeats):
+    publish.take_part(model, transport, root, version)
+  return {"peak_rss_growth_bytes": {f"p{jax.process_index()}": _peak_and_now()[0] - rss0}}
+
+
+def _start_folder(cfg: config.ModelConfig, size: str, workdir: str) -> str:
   start = os.path.join(workdir, f"{size}-start")
-  hf_io.save_hf_checkpoint(random_model(cfg, 0), start, dtype="bfloat16")
-  model = random_model(cfg, 1)
-  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  if not os.path.exists(start):
+    hf_io.save_hf_checkpoint(random_model(cfg, 0), start, dtype="bfloat16")
+  return start
+
+
+def _publish_all(model, size: str, servers: int, repeats: int, workdir: str) -> dict:
+  """This process publishes `model` through each transport to S launched servers."""
+  start = _start_folder(model.cfg, size, workdir)
   cmd = ["python", "-m", "fluxjax.rollout.server", "--model-path", start, "--num-slots", "2"]
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
   launched = fleet_lib.launch_servers(cmd, servers, env=env, timeout_s=900)
   try:
 
     async def go():
-      async with fleet_lib.Fleet(
-        launched.urls, weights_root=os.path.join(workdir, f"{size}-weights")
-      ) as fleet:
+      root = os.path.join(workdir, f"{size}-weights")
+      async with fleet_lib.Fleet(launched.urls, weights_root=root) as fleet:
         pids = [p.pid for p in launched.procs]
-        out = {}
-        for transport in ("disk", "distributed"):
-          out[transport] = await _publishes(fleet, model, transport, repeats, pids)
-        return out
+        return {t: await _publishes(fleet, model, t, repeats, pids) for t in TRANSPORTS}
 
-    result = asyncio.run(go())
+    return asyncio.run(go())
   finally:
     launched.stop()
-  return {"size": size, "parameters": n_params, "servers": servers, **result}
+
+
+def measure(size: str, servers: int, repeats: int, workdir: str) -> dict:
+  cfg = model_config(size)
+  _start_folder(cfg, size, workdir)
+  model = random_model(cfg, 1)
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  result = _publish_all(model, size, servers, repeats, workdir)
+  return {"size": size, "processes": 1, "parameters": n_params, "servers": servers, **result}
+
+
+def measure_processes(size: str, processes: int, servers: int, repeats: int, workdir: str) -> dict:
+  """The same publishes from a model sharded over `processes` processes (`worker`)."""
+  _start_folder(model_config(size), size, workdir)  # written once, by this process
+  command = [sys.executable, "-m", "fluxjax.launch", f"--processes={processes}"]
+  command += ["--cpu_devices=1", "--module=publish", "--", "--worker", "--sizes", size]
+  command += ["--servers", str(servers), "--repeats", str(repeats), "--workdir", workdir]
+  bench = os.path.dirname(os.path.abspath(__file__))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([bench, os.environ.get("PYTHONPATH", "")]))
+  done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
+  if done.returncode != 0:
+    raise RuntimeError(f"{processes}-process publish bench failed:\n{done.stderr[-4000:]}")
+  parts = [json.load(open(os.path.join(workdir, f"{size}-p{k}.json"))) for k in range(processes)]
+  result = parts[0]
+  for part in parts[1:]:
+    for t in TRANSPORTS:
+      result[t]["peak_rss_growth_bytes"].update(part[t]["peak_rss_growth_bytes"])
+  return result
+
+
+def worker(args) -> None:
+  """One process of `measure_processes`: the model sharded over every process's device."""
+  flags = dict(
+    a[len("--config.distributed.") :].split("=", 1)
+    for a in sys.argv
+    if a.startswith("--config.distributed.")
+  )
+  mesh_lib.maybe_initialize_distributed(
+    settings_lib.Distributed(
+      auto=False,
+      coordinator_address=flags["coordinator_address"],
+      num_processes=int(flags["num_processes"]),
+      process_id=int(flags["process_id"]),
+      local_device_ids="",
+    )
+  )
+  size, me = args.sizes, jax.process_index()
+  cfg = model_config(size)
+  mesh = mesh_lib.make_mesh(1, -1)
+  model = sharded.create_sharded_model(cfg, mesh, seed=1, max_replicated_bytes=1 << 30)
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  if me == 0:
+    result = _publish_all(model, size, args.servers, args.repeats, args.workdir)
+    for t in TRANSPORTS:
+      growth = result[t]["peak_rss_growth_bytes"]
+      growth["p0"] = growth.pop("self")
+    result = {"size": size, "processes": jax.process_count(), "parameters": n_params, **result}
+    result["servers"] = args.servers
+  else:
+    root = os.path.join(args.workdir, f"{size}-weights")
+    result = {t: _take_parts(model, t, args.repeats, root) for t in TRANSPORTS}
+  with open(os.path.join(args.workdir, f"{size}-p{me}.json"), "w") as f:
+    json.dump(result, f)
 
 
 def projection(args) -> list[dict]:
   """Seconds each transport takes for the published models (module docstring)."""
   rows = []
-  largest = {  # the largest tensor in bf16: what the broadcast adds to a host
+  largest = {  # the largest tensor in bf16: what a publish adds to a host
     name: 2 * max(int(np.prod(shape)) for _, shape in hf_io.hf_layout(config.preset(name)))
     for name in PROJECTED
   }
   for name, params in PROJECTED.items():
-    bf16, fp32 = 2 * params, 4 * params
+    bf16 = 2 * params
     for hosts in (1, 2, 4, 16):
       for servers in (1, 8, 32):
-        gather_fp32 = fp32 * (hosts - 1) / hosts / args.net_gbps / 1e9 if hosts > 1 else 0.0
-        write = bf16 / args.disk_write_gbps / 1e9
+        # Each host receives the other hosts' shards of every layer tensor in bf16.
+        gather = bf16 * (hosts - 1) / hosts / args.net_gbps / 1e9 if hosts > 1 else 0.0
+        write = bf16 / hosts / args.disk_write_gbps / 1e9  # each host its own files
         read = bf16 * servers / min(args.fs_read_gbps, servers * args.disk_read_gbps) / 1e9
-        disk_blocked = gather_fp32 + write + read
-        gather_bf16 = bf16 * (hosts - 1) / hosts / args.net_gbps / 1e9 if hosts > 1 else 0.0
         send = bf16 / args.net_gbps / 1e9  # pipelined: each byte crosses each link once
         rows.append(
           {
             "model": name,
             "hosts": hosts,
             "servers": servers,
-            "disk_blocked_s": disk_blocked,
+            "disk_blocked_s": gather + write + read,
             "disk_paused_s": read,
-            "disk_extra_bytes_per_host": fp32,
-            "distributed_blocked_s": gather_bf16 + send,
+            "disk_extra_bytes_per_host": largest[name],
+            "distributed_blocked_s": gather + send,
             "distributed_paused_s": send,
             "distributed_extra_bytes_per_host": largest[name],
           }
@@ -197,45 +282,62 @@ def projection(args) -> list[dict]:
   return rows
 
 
+def _print_result(r: dict) -> None:
+  print(
+    f"\n{r['size']}: {r['parameters'] / 1e6:.1f}M parameters, {r['processes']} trainer "
+    f"process(es), {r['servers']} servers"
+  )
+  print(
+    "| transport | blocked s | paused s | written MB | sent MB | trainer peak +MB per process "
+    "| server peak +MB |"
+  )
+  print("|---|---|---|---|---|---|---|")
+  med = {}
+  for t in TRANSPORTS:
+    rows = r[t]["rows"]
+    med[t] = {k: float(np.median([x[k] for x in rows])) for k in ("blocked_s", "paused_s")}
+    growth = dict(r[t]["peak_rss_growth_bytes"])
+    trainers = {k: growth.pop(k) for k in list(growth) if k == "self" or k.startswith("p")}
+    mine = " / ".join(f"{v / 1e6:.0f}" for _, v in sorted(trainers.items()))
+    theirs = max(growth.values()) / 1e6
+    written, sent = rows[0]["written_bytes"] / 1e6, rows[0]["sent_bytes"] / 1e6
+    print(
+      f"| {t} | {med[t]['blocked_s']:.3f} | {med[t]['paused_s']:.3f} | {written:.1f} | "
+      f"{sent:.1f} | {mine} | {theirs:.0f} |"
+    )
+  for k in ("blocked_s", "paused_s"):
+    print(f"  {k}: distributed / disk = {med['distributed'][k] / med['disk'][k]:.2f}")
+  print(f"  group join at the first distributed publish: {r['distributed']['join_s']:.3f} s")
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--servers", type=int, default=2)
   p.add_argument("--sizes", default="tiny,400m")
+  p.add_argument("--processes", default="1,2", help="trainer process counts")
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--net-gbps", type=float, default=25.0, help="GB/s per host link (NCCL)")
   p.add_argument("--disk-write-gbps", type=float, default=2.0, help="GB/s one writer gets")
   p.add_argument("--disk-read-gbps", type=float, default=2.0, help="GB/s one reader gets")
   p.add_argument("--fs-read-gbps", type=float, default=20.0, help="GB/s the shared FS serves")
   p.add_argument("--json", default=None)
-  args = p.parse_args()
+  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+  args, _ = p.parse_known_args()  # a worker is also given the launcher's flags
+  if args.worker:
+    worker(args)
+    return
   t0 = time.time()
   results = []
   with tempfile.TemporaryDirectory(prefix="bench-publish-") as workdir:
     for size in args.sizes.split(","):
-      r = measure(size, args.servers, args.repeats, workdir)
-      results.append(r)
-      print(f"\n{size}: {r['parameters'] / 1e6:.1f}M parameters, {args.servers} servers")
-      print(
-        "| transport | blocked s | paused s | written MB | sent MB | trainer peak +MB "
-        "| server peak +MB |"
-      )
-      print("|---|---|---|---|---|---|---|")
-      med = {}
-      for t in ("disk", "distributed"):
-        rows = r[t]["rows"]
-        m = {k: float(np.median([x[k] for x in rows])) for k in ("blocked_s", "paused_s")}
-        med[t] = m
-        growth = r[t]["peak_rss_growth_bytes"]
-        mine = growth.pop("self") / 1e6
-        theirs = max(growth.values()) / 1e6
-        written, sent = rows[0]["written_bytes"] / 1e6, rows[0]["sent_bytes"] / 1e6
-        print(
-          f"| {t} | {m['blocked_s']:.3f} | {m['paused_s']:.3f} | {written:.1f} | {sent:.1f} | "
-          f"{mine:.0f} | {theirs:.0f} |"
-        )
-      for k in ("blocked_s", "paused_s"):
-        print(f"  {k}: distributed / disk = {med['distributed'][k] / med['disk'][k]:.2f}")
-      print(f"  group join at the first distributed publish: {r['distributed']['join_s']:.3f} s")
+      for processes in map(int, args.processes.split(",")):
+        if processes == 1:
+          r = measure(size, args.servers, args.repeats, workdir)
+        else:
+          r = measure_processes(size, processes, args.servers, args.repeats, workdir)
+        results.append(r)
+        _print_result(r)
   proj = projection(args)
   print("\ncost model (seconds; --net-gbps etc.):")
   print("| model | hosts | servers | disk blocked | disk paused | dist blocked | dist paused |")

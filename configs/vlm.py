@@ -295,6 +295,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # at ("" = loopback when every server is local, else this host's name), and
   # how long a rendezvous or a broadcast may wait.
   c.rollout.weight_sync = "disk"
+  # With "disk", each version's folder also holds the bf16 elements that
+  # changed since the previous one (models/hf_delta.py): a server serving
+  # that version (fluxjax's own) reads those instead of the whole folder;
+  # SGLang and servers that missed a version read the folder. Costs the
+  # trainer a read of its previous files per publish.
+  c.rollout.weight_deltas = True
   c.rollout.weight_group_backend = v.weight_group_backend
   c.rollout.weight_group_address = ""
   c.rollout.weight_group_timeout_s = 600.0

@@ -207,6 +207,7 @@ class Rollout:
   embedded_devices: int
   seeded: bool
   weight_sync: str
+  weight_deltas: bool
   weight_group_backend: str
   weight_group_address: str
   weight_group_timeout_s: float

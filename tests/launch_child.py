@@ -20,8 +20,10 @@ Process i does ACTION_i:
             writes ROOT/v3 as `publish.write_checkpoint` and the other takes
             part (`publish.take_part`); then both with the other's files
             refused by a full disk (ROOT/v4, process 0 prints
-            `refused=<message>`); then the distributed transport's gathers,
-            process 0 printing `digest=<sha256 of every bf16 tensor>`.
+            `refused=<message>`); then ROOT/v5, one element of each
+            parameter changed, with its delta from v3; then the distributed
+            transport's gathers, process 0 printing `digest=<sha256 of every
+            bf16 tensor>`.
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ def fleet_publish(flags: dict[str, str], root: str) -> None:
   import errno
 
   import jax
+  from flax import nnx
 
   from fluxjax.models import config, hf_io, sharded
   from fluxjax.rollout import publish
@@ -140,6 +143,7 @@ def fleet_publish(flags: dict[str, str], root: str) -> None:
     publish.write_checkpoint(model, root, 3)
   else:
     publish.take_part(model, "disk", root, 3)
+  writer = hf_io.ShardWriter
   if not leader:
 
     class DiskFull(hf_io.ShardWriter):
@@ -154,10 +158,19 @@ def fleet_publish(flags: dict[str, str], root: str) -> None:
       print(f"refused={e}", flush=True)
   else:
     publish.take_part(model, "disk", root, 4)
+  hf_io.ShardWriter = writer
+  # One element of every parameter changed: v5 carries its delta from v3.
+  changed = nnx.merge(
+    nnx.graphdef(model), jax.tree.map(lambda x: x.at[(0,) * x.ndim].add(1.0), nnx.state(model))
+  )
+  if leader:
+    publish.write_checkpoint(changed, root, 5, deltas=True)
+  else:
+    publish.take_part(changed, "disk", root, 5, deltas=True)
   if leader:
     print(f"digest={bf16_digest(model)}", flush=True)
   else:
-    publish.take_part(model, "distributed", root, 5)
+    publish.take_part(model, "distributed", root, 6)
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 from fluxjax import launch
-from fluxjax.models import config, hf_io, sharded
+from fluxjax.models import config, hf_delta, hf_io, sharded
 from fluxjax.sharding import mesh as mesh_lib
 from helpers import process_alive, run_launcher
 
@@ -324,9 +324,9 @@ def test_two_nodes_of_one_process_each_run_one_jax_distributed_program(child_mod
 def test_two_processes_publish_a_sharded_model_each_writing_its_own_files(child_module, tmp_path):
   """A fleet publish from a model sharded over 2 processes x 2 devices: no
   process gathers it whole. Each writes its run of the folder's files
-  (launch_child `publish`); one process's full disk fails the whole version
-  and leaves nothing behind; the distributed transport's gathers bring
-  process 0 every bf16 tensor."""
+  (launch_child `publish`), and the deltas of its files; one process's full
+  disk fails the whole version and leaves nothing behind; the distributed
+  transport's gathers bring process 0 every bf16 tensor."""
   root = tmp_path / "weights"
   out = run_launcher(
     [sys.executable, "-m", "fluxjax.launch", "--processes=2", "--cpu_devices=2"]
@@ -343,9 +343,20 @@ def test_two_processes_publish_a_sharded_model_each_writing_its_own_files(child_
   model = sharded.create_sharded_model(config.preset("tiny"), mesh, seed=0, log_table=False)
   plan = hf_io.write_plan(model.cfg, "bfloat16", 4 << 30, writers=2)
   assert {f.writer for f in plan} == {0, 1}  # each process has files to write
-  assert sorted(os.listdir(root)) == ["v3"]  # v4 refused whole, no temporary folder
+  assert sorted(os.listdir(root)) == ["v3", "v5"]  # v4 refused whole, no temporary folder
   written = sorted(f for f in os.listdir(root / "v3") if f.endswith(".safetensors"))
   assert written == sorted(f.name for f in plan)
+  # v5's delta from v3: a file per file of the folder (each process its own),
+  # and applied to v3 it gives v5 bit for bit.
+  assert hf_delta.base_version(str(root / "v5")) == "3"
+  deltas = sorted(os.listdir(root / "v5" / hf_delta.DELTA_DIR))
+  assert deltas == sorted([hf_delta.MANIFEST, *written])
+  v3, v5 = hf_io.TensorIndex(str(root / "v3")), hf_io.TensorIndex(str(root / "v5"))
+  changed = dict(hf_delta.apply(str(root / "v5"), v3.read))
+  assert changed
+  for name in v5.where:
+    got = changed.get(name, v3.read(name))
+    np.testing.assert_array_equal(got.view(np.uint16), v5.read(name).view(np.uint16))
   loaded = nnx.to_flat_state(nnx.state(hf_io.load_hf_checkpoint(str(root / "v3")), nnx.Param))
   expected = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
   for key, var in loaded:

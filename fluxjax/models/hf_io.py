@@ -40,7 +40,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 
 from fluxjax.models import config as config_lib
-from fluxjax.models import vlm
+from fluxjax.models import hf_delta, vlm
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def _hf_shape(
   return (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in])))
 
 
-class _TensorIndex:
+class TensorIndex:
   """Name -> file over one or several safetensors files, read lazily.
 
   Opening checks each file's header and that its data covers the header's
@@ -189,7 +189,7 @@ class _TensorIndex:
 
 
 def _check_whole(
-  tensors: _TensorIndex, expected: Mapping[str, tuple[int, ...]], allowed: set[str], strict: bool
+  tensors: TensorIndex, expected: Mapping[str, tuple[int, ...]], allowed: set[str], strict: bool
 ) -> None:
   """Raises CheckpointFormatError unless every expected tensor is there with
   its exact shape and a float dtype; tensors in neither `expected` nor
@@ -243,7 +243,7 @@ def load_hf_checkpoint(
     FileNotFoundError: no config.json or no safetensors file.
   """
   cfg = cfg or config_lib.load_hf_config(path)
-  tensors = _TensorIndex(path)
+  tensors = TensorIndex(path)
   abstract = vlm.abstract_model(cfg)
   graphdef, abstract_state = nnx.split(abstract)
   dtype = jnp.dtype(cfg.param_dtype)
@@ -357,6 +357,16 @@ def with_hf_tensors(state: nnx.State, cfg: config_lib.ModelConfig, named) -> nnx
   return nnx.from_flat_state(flat)
 
 
+def hf_tensor(state: nnx.State, cfg: config_lib.ModelConfig, name: str) -> np.ndarray:
+  """One published tensor of a model's `state`, in its parameter dtype, on the host."""
+  for hf_name, key, i, kind, _, _ in _hf_targets(cfg):
+    if hf_name == name:
+      value = dict(nnx.to_flat_state(state))[key].get_value()
+      x = value if i is None else value[i]
+      return np.ascontiguousarray(_to_host(_ours_to_hf(x, kind, ".".join(map(str, key)), cfg)))
+  raise KeyError(f"the model has no tensor {name!r}")
+
+
 def _to_host(x: Array) -> np.ndarray:
   """The whole array on this host; a collective when other processes hold shards of it."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -436,14 +446,16 @@ def spans_processes(model: vlm.Qwen25VL) -> bool:
   return any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves)
 
 
-def _failed_writers(failed: bool, writers: int) -> list[int]:
-  """The processes whose write failed (a collective when several write)."""
-  if writers == 1:
-    return [0] if failed else []
-  from jax.experimental import multihost_utils
+def _failed_writers(own: _OwnFiles, writers: int) -> tuple[list[int], bool]:
+  """The processes whose files failed, and whether any process's deltas did
+  (a collective when several write)."""
+  flags = np.array([own.failure is not None, own.delta_failure is not None], np.int32)
+  if writers > 1:
+    from jax.experimental import multihost_utils
 
-  flags = multihost_utils.process_allgather(np.array([int(failed)], np.int32))
-  return [int(i) for i in np.flatnonzero(np.asarray(flags).reshape(-1))]
+    flags = np.asarray(multihost_utils.process_allgather(flags)).reshape(-1, 2)
+  flags = flags.reshape(-1, 2)
+  return [int(i) for i in np.flatnonzero(flags[:, 0])], bool(flags[:, 1].any())
 
 
 def save_hf_checkpoint(
@@ -453,6 +465,7 @@ def save_hf_checkpoint(
   dtype: str = "bfloat16",
   max_shard_bytes: int = 4 << 30,
   extra_files: Mapping[str, str | bytes] | None = None,
+  delta_from: tuple[str, str] | None = None,
 ) -> str:
   """Writes the published layout: config.json, model(-0000k-of-0000n).safetensors.
 
@@ -483,6 +496,10 @@ def save_hf_checkpoint(
     max_shard_bytes: split into several files with an index past this size.
     extra_files: {file name: source path or bytes} copied in as well
       (tokenizer.json, preprocessor_config.json, ...).
+    delta_from: (folder, version) of an earlier version written the same
+      way: the folder also gets its changes from it (hf_delta). A delta that
+      cannot be made (the base unreadable) is left out, and the folder is
+      written without one.
 
   Returns:
     The destination path.
@@ -499,13 +516,18 @@ def save_hf_checkpoint(
   plan = write_plan(model.cfg, dtype, max_shard_bytes, writers)
   tmp = _temp_folder(path, shared=writers > 1, create=leader)
   try:
-    failure = _write_own_files(model, dtype, plan, me, tmp)
-    failed = _failed_writers(failure is not None, writers)
-    if failure is not None:
-      raise failure
+    base = delta_from[0] if delta_from is not None else None
+    own = _write_own_files(model, dtype, plan, me, tmp, base)
+    failed, no_delta = _failed_writers(own, writers)
+    if own.failure is not None:
+      raise own.failure
     if failed and leader:
       raise OSError(f"{path}: processes {failed} could not write their files (their logs say why)")
     if leader:
+      if delta_from is not None and not no_delta:
+        hf_delta.write_manifest(tmp, delta_from[1])
+      else:
+        shutil.rmtree(os.path.join(tmp, hf_delta.DELTA_DIR), ignore_errors=True)
       _finish_folder(tmp, path, model.cfg, plan, dtype, extra_files)
   except BaseException:
     if leader:
@@ -592,19 +614,35 @@ class ShardWriter:
     self._file.close()
 
 
+@dataclasses.dataclass
+class _OwnFiles:
+  """What one process's part of a folder write came to."""
+
+  failure: OSError | None = None  # its files: the version fails
+  delta_failure: Exception | None = None  # its deltas: the version has none
+
+
 def _write_own_files(
-  model: vlm.Qwen25VL, dtype: str, plan: list[ShardFile], me: int, folder: str
-) -> OSError | None:
+  model: vlm.Qwen25VL,
+  dtype: str,
+  plan: list[ShardFile],
+  me: int,
+  folder: str,
+  delta_base: str | None,
+) -> _OwnFiles:
   """Runs every tensor's gather and writes this process's files of `plan`
-  into `folder`; returns the write's failure (after which it writes nothing
-  more, but goes on gathering with the other processes)."""
+  into `folder`, with their deltas from the folder `delta_base` (hf_delta)
+  when given. After a failure it writes nothing more (or no more deltas),
+  but goes on gathering with the other processes."""
   shapes = dict(hf_layout(model.cfg))
   file_of = {name: f for f in plan for name in f.tensors}
+  out = _OwnFiles()
   writer: ShardWriter | None = None
-  failure: OSError | None = None
+  base: TensorIndex | None = None
+  delta: dict[str, np.ndarray] = {}
   for name, tensor in hf_tensors(model, dtype):
     file = file_of[name]
-    if file.writer != me or failure is not None:
+    if file.writer != me or out.failure is not None:
       continue
     try:
       if writer is None:
@@ -613,14 +651,23 @@ def _write_own_files(
           os.path.join(folder, file.name), [(n, shapes[n]) for n in file.tensors], dtype
         )
       writer.write(name, tensor)
-      if writer.done:
-        writer = None
     except OSError as e:
-      failure = e
+      out.failure = e
       if writer is not None:
         writer.close()
-        writer = None
-  return failure
+      continue
+    if delta_base is not None and out.delta_failure is None:
+      try:
+        base = base or TensorIndex(delta_base)
+        delta.update(hf_delta.entries(name, tensor, base.read(name)))
+        if writer.done:
+          hf_delta.write_file(folder, file.name, delta)
+      except (OSError, ValueError, KeyError) as e:
+        log.warning("no delta from %s: %s", delta_base, e)
+        out.delta_failure = e
+    if writer.done:
+      writer, delta = None, {}
+  return out
 
 
 def _write_index(folder: str, plan: list[ShardFile], total_bytes: int) -> None:

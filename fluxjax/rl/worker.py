@@ -231,7 +231,8 @@ class PolicyWorker:
       return
     model = nnx.merge(self._graphdef, params)
     root = publish_lib.weights_root(self.workdir)
-    publish_lib.take_part(model, self.settings.rollout.weight_sync, root, version)
+    rollout = self.settings.rollout
+    publish_lib.take_part(model, rollout.weight_sync, root, version, rollout.weight_deltas)
 
   def restore(self, step: int | None) -> Restored | None:
     """Loads checkpoint `step`'s train state (None: a fresh run, nothing to load)."""

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from fluxjax.models import config as config_lib
-from fluxjax.models import decode, hf_io, vision, vlm
+from fluxjax.models import decode, hf_delta, hf_io, vision, vlm
 from fluxjax.models.inputs import SequenceInputs
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import protocol, sampling
@@ -176,6 +176,7 @@ class Engine:
     self.num_slots = num_slots
     self.capacity = capacity
     self.weight_version = weight_version
+    self.deltas_applied = 0  # weight updates read as a delta (load_weights_from_disk)
     self.buckets = sorted(prefill_buckets or _buckets(capacity))
     if self.buckets[-1] > capacity:
       raise ValueError(f"prefill bucket {self.buckets[-1]} exceeds capacity {capacity}")
@@ -370,16 +371,28 @@ class Engine:
 
     All or nothing: the folder is checked whole and read completely
     (hf_io.load_hf_checkpoint) before one swap of parameters and version
-    between steps. A folder that fails (ProtocolError: another architecture;
-    hf_io.CheckpointFormatError: a file or tensor missing, truncated or
-    misshapen; OSError: unreadable) raises, and the engine serves on with the
-    weights and version it had.
+    between steps. A folder whose delta applies to the served version
+    (models/hf_delta.py) is read as that delta instead, also all or nothing;
+    a delta that fails leaves the folder to be loaded. A folder that fails
+    (ProtocolError: another architecture; hf_io.CheckpointFormatError: a
+    file or tensor missing, truncated or misshapen; OSError: unreadable)
+    raises, and the engine serves on with the weights and version it had.
     """
     disk = config_lib.load_hf_config(path)
     if (disk.text, disk.vision) != (self.cfg.text, self.cfg.vision):
       raise ProtocolError(
         f"checkpoint at {path} has a different architecture than the served model"
       )
+    if hf_delta.base_version(path) == self.weight_version:
+      with self._step_lock:
+        state = self._state
+      try:
+        named = hf_delta.apply(path, lambda name: hf_io.hf_tensor(state, self.cfg, name))
+        self.load_hf_tensors(named, weight_version)
+        self.deltas_applied += 1
+        return
+      except (ValueError, KeyError, OSError) as e:  # the folder itself may still load
+        log.warning("the delta in %s was not applied (%s); loading the folder", path, e)
     model = hf_io.load_hf_checkpoint(path, self.cfg)
     self.update_params(nnx.split(model)[1], weight_version)
 

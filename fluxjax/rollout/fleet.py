@@ -99,6 +99,9 @@ class Fleet:
     weights_root: folder `publish` writes the versions into, which every
       server must be able to read (default: fluxjax_weights in the temp dir).
     weights_dtype: tensor dtype of the published checkpoints.
+    weight_sync: "disk" or "distributed" (`publish`).
+    weight_deltas: with "disk", each folder also holds its changes from the
+      previous one, which servers at that version (ours) load instead.
   """
 
   def __init__(
@@ -112,6 +115,7 @@ class Fleet:
     weights_dtype: str = protocol.PUBLISHED_DTYPE,
     vision_limits: Mapping[str, int] | None = None,
     weight_sync: str = "disk",
+    weight_deltas: bool = False,
     weight_group_backend: str = "gloo",
     weight_group_address: str = "",
     weight_group_timeout_s: float = 600.0,
@@ -125,6 +129,7 @@ class Fleet:
     if weight_sync not in WEIGHT_SYNCS:
       raise ValueError(f"weight_sync {weight_sync!r}: choose one of {WEIGHT_SYNCS}")
     self.weight_sync = weight_sync
+    self.weight_deltas = weight_deltas
     self.weight_group_backend = weight_group_backend
     self.weight_group_address = weight_group_address
     self.weight_group_timeout_s = weight_group_timeout_s
@@ -170,7 +175,7 @@ class Fleet:
     if self.weight_sync == "distributed":
       return await publish.publish_distributed(self, model, version)
     return await publish.publish_to_fleet(
-      self, model, self.weights_root, version, dtype=self.weights_dtype
+      self, model, self.weights_root, version, dtype=self.weights_dtype, deltas=self.weight_deltas
     )
 
   async def __aenter__(self) -> Self:

@@ -344,6 +344,11 @@ _SERVER_INFO = {
       "description": "fluxjax's server only: its media preprocessing limits",
       "additionalProperties": {"type": "integer"},
     },
+    "weight_deltas_applied": {
+      "type": "integer",
+      "minimum": 0,
+      "description": "fluxjax's server only: disk updates it read as a sparse delta",
+    },
   },
 }
 _LOAD = {

@@ -74,12 +74,16 @@ def write_checkpoint(
   *,
   dtype: str = protocol.PUBLISHED_DTYPE,
   extra_files: Mapping[str, str | bytes] | None = None,
+  deltas: bool = False,
 ) -> str:
   """Writes <root>/v<version> atomically and returns its path.
 
   First clears what a writer killed mid-write left under `root` (process
   0, before the write's first collective). A model sharded across processes
-  needs every process to call this (`hf_io.save_hf_checkpoint`).
+  needs every process to call this (`hf_io.save_hf_checkpoint`). With
+  `deltas` the folder also holds its changes from the latest earlier version
+  under `root` (`delta_base`), which a server serving that version loads
+  instead (models/hf_delta.py).
 
   Raises:
     OSError: the folder could not be written; nothing under `root` changed.
@@ -88,7 +92,24 @@ def write_checkpoint(
   if jax.process_index() == 0:
     hf_io.remove_interrupted_writes(root)
   path = version_path(root, version)
-  return hf_io.save_hf_checkpoint(model, path, dtype=dtype, extra_files=extra)
+  base = delta_base(root, version) if deltas else None
+  delta_from = (version_path(root, base), base) if base is not None else None
+  return hf_io.save_hf_checkpoint(
+    model, path, dtype=dtype, extra_files=extra, delta_from=delta_from
+  )
+
+
+def delta_base(root: str, version: int | str) -> str | None:
+  """The latest version folder under `root` before `version` (what the fleet
+  serves unless a publish failed); the same on every process."""
+  if not str(version).isdigit() or not os.path.isdir(root):
+    return None
+  earlier = [
+    int(e[1:])
+    for e in os.listdir(root)
+    if e[:1] == "v" and e[1:].isdigit() and int(e[1:]) < int(version)
+  ]
+  return str(max(earlier)) if earlier else None
 
 
 def weights_root(workdir: str) -> str:
@@ -100,7 +121,9 @@ def version_path(root: str, version: int | str) -> str:
   return os.path.join(root, f"v{version}")
 
 
-def take_part(model: vlm.Qwen25VL, weight_sync: str, root: str, version: int | str) -> None:
+def take_part(
+  model: vlm.Qwen25VL, weight_sync: str, root: str, version: int | str, deltas: bool = False
+) -> None:
   """A follower's part in a fleet publish of `model` (sharded across
   processes), while process 0 publishes it: the same collectives in the same
   order. With the disk transport it writes its run of the folder's files
@@ -112,7 +135,7 @@ def take_part(model: vlm.Qwen25VL, weight_sync: str, root: str, version: int | s
       pass
     return
   try:
-    write_checkpoint(model, root, version)
+    write_checkpoint(model, root, version, deltas=deltas)
   except OSError as e:
     log.error("weight version %s: this process's files were not written: %s", version, e)
 
@@ -126,6 +149,7 @@ async def publish_to_fleet(
   dtype: str = protocol.PUBLISHED_DTYPE,
   pause_mode: str = "abort",
   extra_files: Mapping[str, str | bytes] | None = None,
+  deltas: bool = False,
 ) -> PublishReport:
   """Writes the checkpoint, then pause -> flush -> update -> continue everywhere.
 
@@ -137,6 +161,7 @@ async def publish_to_fleet(
     dtype: tensor dtype on disk.
     pause_mode: SGLang's pause mode.
     extra_files: copied into the folder (default: the shipped tokenizer.json).
+    deltas: also write the changes from the previous version (`write_checkpoint`).
 
   Returns:
     The report, with seconds per phase and what failed: servers (marked
@@ -145,7 +170,10 @@ async def publish_to_fleet(
   t = time.perf_counter()
   try:
     path = await asyncio.get_running_loop().run_in_executor(
-      None, lambda: write_checkpoint(model, root, version, dtype=dtype, extra_files=extra_files)
+      None,
+      lambda: write_checkpoint(
+        model, root, version, dtype=dtype, extra_files=extra_files, deltas=deltas
+      ),
     )
   except OSError as e:
     log.error("weight version %s not published, the fleet keeps its weights: %s", version, e)

@@ -498,6 +498,7 @@ class RolloutServer:
         "host": a.host,
         # fluxjax's own: how it preprocesses media (a fleet checks it on start).
         "vision_limits": {k: getattr(self.proc_cfg, k) for k in VISION_LIMITS},
+        "weight_deltas_applied": engine.deltas_applied,
       }
     )
 

@@ -1,0 +1,120 @@
+"""Sparse weight deltas: a published version as the elements that changed.
+
+One RL step leaves most bf16 weights as they were: the fp32 master weights
+move by less than half a bf16 step. A published folder `v<n>` may carry, in
+`delta/`, its tensors as changes from an earlier published version `v<b>`
+(the base): per tensor, the flat indices (HF layout) of the elements whose
+bytes differ and their new values, exactly, so applying them to `v<b>` gives
+`v<n>` bit for bit. A server that serves `v<b>` reads these instead of the
+folder; any other server, and SGLang (which reads the folder's
+`*.safetensors` and their index, not a subfolder), loads the folder. A tensor
+with more than `DENSE_SHARE` of its elements changed is stored whole: its
+indices would cost more than the tensor.
+
+  delta/delta.json             {"format": FORMAT, "base_version": "<b>"}
+  delta/<a file of the folder> per tensor of that file with changes:
+                               "<name>::index" (int32, or int64 past 2^31
+                               elements) and "<name>::value", or
+                               "<name>::dense" (the whole tensor)
+
+Each process that writes files of the folder writes their deltas
+(hf_io.save_hf_checkpoint); process 0 writes delta.json last, so a folder
+without it has no usable delta.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+DELTA_DIR = "delta"
+MANIFEST = "delta.json"
+FORMAT = "sparse-v1"
+# Past this share of changed elements a tensor is stored whole (an int32
+# index and a bf16 value cost 3 times one bf16 element).
+DENSE_SHARE = 1 / 3
+_SEP = "::"
+
+
+class DeltaFormatError(ValueError):
+  """A delta folder that cannot be applied (missing, damaged, of another format)."""
+
+
+def entries(name: str, new: np.ndarray, old: np.ndarray) -> dict[str, np.ndarray]:
+  """One tensor's delta entries: its changed elements, the whole tensor, or none."""
+  if new.shape != old.shape or new.dtype != old.dtype:
+    raise DeltaFormatError(
+      f"{name}: the base holds {old.dtype} {list(old.shape)}, the new version "
+      f"{new.dtype} {list(new.shape)}"
+    )
+  bits = np.dtype(f"u{new.dtype.itemsize}")
+  flat = np.ascontiguousarray(new).reshape(-1)
+  changed = np.flatnonzero(flat.view(bits) != np.ascontiguousarray(old).reshape(-1).view(bits))
+  if changed.size == 0:
+    return {}
+  if changed.size > DENSE_SHARE * flat.size:
+    return {f"{name}{_SEP}dense": np.ascontiguousarray(new)}
+  index = changed.astype(np.int32 if flat.size < 2**31 else np.int64)
+  return {f"{name}{_SEP}index": index, f"{name}{_SEP}value": flat[changed]}
+
+
+def write_file(folder: str, file_name: str, tensors: dict[str, np.ndarray]) -> None:
+  """Writes one file's delta entries (possibly none) to folder/delta/file_name."""
+  os.makedirs(os.path.join(folder, DELTA_DIR), exist_ok=True)
+  save_file(tensors, os.path.join(folder, DELTA_DIR, file_name), metadata={"format": FORMAT})
+
+
+def write_manifest(folder: str, base_version: str) -> None:
+  with open(os.path.join(folder, DELTA_DIR, MANIFEST), "w") as f:
+    json.dump({"format": FORMAT, "base_version": str(base_version)}, f)
+
+
+def base_version(folder: str) -> str | None:
+  """The version the folder's delta applies to; None without a usable delta."""
+  try:
+    with open(os.path.join(folder, DELTA_DIR, MANIFEST)) as f:
+      manifest = json.load(f)
+  except (OSError, ValueError):
+    return None
+  if manifest.get("format") != FORMAT:
+    return None
+  return str(manifest.get("base_version"))
+
+
+def apply(folder: str, current: Callable[[str], np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+  """(HF name, new tensor) for every tensor the folder's delta changes, one at
+  a time: `current(name)` (the base's tensor as the caller holds it) with
+  the changed elements set, or the stored whole tensor.
+
+  Raises:
+    DeltaFormatError: a delta file unreadable, or an entry without its pair.
+  """
+  delta = os.path.join(folder, DELTA_DIR)
+  for file_name in sorted(os.listdir(delta)):
+    if file_name == MANIFEST:
+      continue
+    try:
+      with safe_open(os.path.join(delta, file_name), framework="numpy") as f:
+        keys = list(f.keys())
+        names = dict.fromkeys(k.rpartition(_SEP)[0] for k in keys)
+        for name in names:
+          if f"{name}{_SEP}dense" in keys:
+            yield name, f.get_tensor(f"{name}{_SEP}dense")
+            continue
+          if f"{name}{_SEP}index" not in keys or f"{name}{_SEP}value" not in keys:
+            raise DeltaFormatError(f"{file_name}: {name} has no index or no value")
+          tensor = np.array(current(name))
+          try:
+            tensor.reshape(-1)[f.get_tensor(f"{name}{_SEP}index")] = f.get_tensor(
+              f"{name}{_SEP}value"
+            )
+          except (IndexError, ValueError) as e:
+            raise DeltaFormatError(f"{file_name}: {name}: {e}") from e
+          yield name, tensor
+    except SafetensorError as e:
+      raise DeltaFormatError(f"{os.path.join(delta, file_name)}: {e}") from e

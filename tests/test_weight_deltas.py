@@ -1,0 +1,147 @@
+"""Sparse weight deltas (models/hf_delta.py): a published folder also holds the
+bf16 elements that changed since the previous version, exactly; a real
+server at that version reads them instead of the folder and serves what the
+folder gives, and the folder itself loads as before (SGLang reads only it).
+"""
+
+import os
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from test_publish_faults import http, random_model, served
+
+from fluxjax.models import hf_delta, hf_io
+from fluxjax.rollout import fleet as fleet_lib
+from fluxjax.rollout import publish
+from helpers import server_env
+
+BF16 = ml_dtypes.bfloat16
+
+
+def nudged(model, share: float, seed: int = 0):
+  """`model` with about `share` of every parameter's elements moved by more
+  than a bf16 step (the rest as they were)."""
+  graphdef, state = nnx.split(model)
+  rng = np.random.default_rng(seed)
+
+  def nudge(x):
+    x = np.asarray(x)
+    moved = rng.random(x.shape) < share
+    return np.where(moved, x * 1.5 + 0.01, x).astype(x.dtype)
+
+  return nnx.merge(graphdef, jax.tree.map(nudge, state))
+
+
+def test_entries_hold_the_changed_elements_exactly_or_the_whole_tensor():
+  old = np.arange(12, dtype=np.float32).reshape(3, 4).astype(BF16)
+  new = old.copy()
+  new[1, 2] = BF16(-7.5)
+  got = hf_delta.entries("w", new, old)
+  assert sorted(got) == ["w::index", "w::value"]
+  np.testing.assert_array_equal(got["w::index"], [6])
+  assert got["w::index"].dtype == np.int32 and got["w::value"].dtype == BF16
+  assert float(got["w::value"][0]) == -7.5
+  assert hf_delta.entries("w", old.copy(), old) == {}
+  # The bytes decide: -0.0 differs from 0.0.
+  zero = np.zeros(8, BF16)
+  negative = zero.copy()
+  negative[3] = -negative[3]
+  got = hf_delta.entries("z", negative, zero)
+  assert list(got["z::index"]) == [3] and np.signbit(got["z::value"][0])
+  many = old.copy()
+  many[:2] += BF16(1)  # 8 of 12 changed: the indices would cost more than the tensor
+  assert list(hf_delta.entries("w", many, old)) == ["w::dense"]
+  with pytest.raises(hf_delta.DeltaFormatError, match="the base holds"):
+    hf_delta.entries("w", old.astype(np.float32), old)
+
+
+def test_a_folder_carries_its_changes_from_the_previous_version(tmp_path):
+  root = str(tmp_path)
+  first = random_model(1)
+  second = nudged(first, share=0.01)
+  v1 = publish.write_checkpoint(first, root, 1, deltas=True)
+  v2 = publish.write_checkpoint(second, root, 2, deltas=True)
+  assert not os.path.exists(os.path.join(v1, hf_delta.DELTA_DIR))  # nothing before v1
+  assert hf_delta.base_version(v2) == "1"
+  # The folder alone is the model (strict: the delta is not among its tensors).
+  loaded = hf_io.load_hf_checkpoint(v2)
+  for (_, a), (_, b) in zip(
+    nnx.to_flat_state(nnx.state(loaded, nnx.Param)),
+    nnx.to_flat_state(nnx.state(second, nnx.Param)),
+  ):
+    np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()).astype(BF16))
+  # Applied to v1's tensors, the delta gives v2's, bit for bit.
+  before, after = hf_io.TensorIndex(v1), hf_io.TensorIndex(v2)
+  changed = dict(hf_delta.apply(v2, before.read))
+  assert changed and set(changed) <= set(after.where)
+  for name in after.where:
+    want = after.read(name)
+    got = changed.get(name, before.read(name))
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16), err_msg=name)
+  delta_bytes = sum(
+    os.path.getsize(os.path.join(v2, hf_delta.DELTA_DIR, f))
+    for f in os.listdir(os.path.join(v2, hf_delta.DELTA_DIR))
+  )
+  folder_bytes = sum(os.path.getsize(os.path.join(v2, f)) for f in os.listdir(v2) if "safe" in f)
+  assert delta_bytes < folder_bytes / 10, (delta_bytes, folder_bytes)
+
+
+def test_an_unreadable_base_leaves_the_folder_without_a_delta(tmp_path):
+  root = str(tmp_path)
+  v1 = publish.write_checkpoint(random_model(1), root, 1)
+  for f in os.listdir(v1):
+    if f.endswith(".safetensors"):
+      with open(os.path.join(v1, f), "r+b") as out:
+        out.truncate(64)
+  v2 = publish.write_checkpoint(random_model(2), root, 2, deltas=True)
+  assert not os.path.exists(os.path.join(v2, hf_delta.DELTA_DIR))
+  hf_io.load_hf_checkpoint(v2)
+
+
+@pytest.fixture
+def server(tmp_path):
+  """A server serving v1 of a root whose v2 carries a delta from it."""
+  root = str(tmp_path / "weights")
+  first = random_model(1)
+  v1 = publish.write_checkpoint(first, root, 1, dtype="bfloat16", deltas=True)
+  v2 = publish.write_checkpoint(nudged(first, 0.01), root, 2, dtype="bfloat16", deltas=True)
+  cmd = ["python", "-m", "fluxjax.rollout.server", "--model-path", v1]
+  cmd += ["--weight-version", "1", "--num-slots", "2", "--context-length", "64"]
+  launched = fleet_lib.launch_servers(cmd, 1, env=server_env(), timeout_s=120)
+  yield launched.urls[0], v1, v2
+  launched.stop()
+
+
+def test_a_server_at_the_base_version_reads_the_delta_and_serves_the_folder(server):
+  url, v1, v2 = server
+  applied = lambda: http(url, "/get_server_info")[1]["weight_deltas_applied"]
+  status, out = http(url, "/update_weights_from_disk", {"model_path": v2, "weight_version": "2"})
+  assert status == 200 and out["success"], out
+  assert applied() == 1
+  by_delta = served(url)
+  assert by_delta[0] == "2"
+  # Back to v1 under another version name: v2's delta no longer applies,
+  # so v2 is read from the folder.
+  status, out = http(url, "/update_weights_from_disk", {"model_path": v1, "weight_version": "1b"})
+  assert status == 200 and out["success"], out
+  assert served(url)[2] != by_delta[2]
+  status, out = http(url, "/update_weights_from_disk", {"model_path": v2, "weight_version": "2"})
+  assert status == 200 and out["success"], out
+  assert applied() == 1
+  assert served(url) == by_delta  # same tokens, same logprobs
+
+
+def test_a_damaged_delta_falls_back_to_the_folder(server):
+  url, _, v2 = server
+  delta = os.path.join(v2, hf_delta.DELTA_DIR)
+  for f in os.listdir(delta):
+    if f != hf_delta.MANIFEST:
+      with open(os.path.join(delta, f), "r+b") as out:
+        out.truncate(16)
+  status, out = http(url, "/update_weights_from_disk", {"model_path": v2, "weight_version": "2"})
+  assert status == 200 and out["success"], out
+  assert http(url, "/get_server_info")[1]["weight_deltas_applied"] == 0
+  assert served(url)[0] == "2"

@@ -352,7 +352,7 @@ def test_two_processes_publish_a_sharded_model_each_writing_its_own_files(child_
   deltas = sorted(os.listdir(root / "v5" / hf_delta.DELTA_DIR))
   assert deltas == sorted([hf_delta.MANIFEST, *written])
   v3, v5 = hf_io.TensorIndex(str(root / "v3")), hf_io.TensorIndex(str(root / "v5"))
-  changed = dict(hf_delta.apply(str(root / "v5"), v3.read))
+  changed = dict(hf_delta.apply(str(root / "v5"), v3.read, v5.read))
   assert changed
   for name in v5.where:
     got = changed.get(name, v3.read(name))

@@ -53,7 +53,8 @@ def test_entries_hold_the_changed_elements_exactly_or_the_whole_tensor():
   assert list(got["z::index"]) == [3] and np.signbit(got["z::value"][0])
   many = old.copy()
   many[:2] += BF16(1)  # 8 of 12 changed: the indices would cost more than the tensor
-  assert list(hf_delta.entries("w", many, old)) == ["w::dense"]
+  marker = hf_delta.entries("w", many, old)  # read from the folder instead
+  assert list(marker) == ["w::folder"] and marker["w::folder"].size == 0
   with pytest.raises(hf_delta.DeltaFormatError, match="the base holds"):
     hf_delta.entries("w", old.astype(np.float32), old)
 
@@ -75,7 +76,7 @@ def test_a_folder_carries_its_changes_from_the_previous_version(tmp_path):
     np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()).astype(BF16))
   # Applied to v1's tensors, the delta gives v2's, bit for bit.
   before, after = hf_io.TensorIndex(v1), hf_io.TensorIndex(v2)
-  changed = dict(hf_delta.apply(v2, before.read))
+  changed = dict(hf_delta.apply(v2, before.read, after.read))
   assert changed and set(changed) <= set(after.where)
   for name in after.where:
     want = after.read(name)
@@ -87,6 +88,16 @@ def test_a_folder_carries_its_changes_from_the_previous_version(tmp_path):
   )
   folder_bytes = sum(os.path.getsize(os.path.join(v2, f)) for f in os.listdir(v2) if "safe" in f)
   assert delta_bytes < folder_bytes / 10, (delta_bytes, folder_bytes)
+  # Most elements changed: every tensor is marked to be read from the folder,
+  # so the delta adds no copy of it.
+  v3 = publish.write_checkpoint(nudged(second, share=0.6), root, 3, deltas=True)
+  third = hf_io.TensorIndex(v3)
+  changed = dict(hf_delta.apply(v3, after.read, third.read))
+  assert set(changed) == set(third.where)
+  for name in third.where:
+    np.testing.assert_array_equal(changed[name].view(np.uint16), third.read(name).view(np.uint16))
+  delta = os.path.join(v3, hf_delta.DELTA_DIR)
+  assert sum(os.path.getsize(os.path.join(delta, f)) for f in os.listdir(delta)) < 100_000
 
 
 def test_an_unreadable_base_leaves_the_folder_without_a_delta(tmp_path):

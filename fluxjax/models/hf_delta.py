@@ -8,14 +8,14 @@ bytes differ and their new values, exactly, so applying them to `v<b>` gives
 `v<n>` bit for bit. A server that serves `v<b>` reads these instead of the
 folder; any other server, and SGLang (which reads the folder's
 `*.safetensors` and their index, not a subfolder), loads the folder. A tensor
-with more than `DENSE_SHARE` of its elements changed is stored whole: its
-indices would cost more than the tensor.
+with more than `DENSE_SHARE` of its elements changed is marked to be read
+from the folder: its indices would cost more than the tensor.
 
   delta/delta.json             {"format": FORMAT, "base_version": "<b>"}
   delta/<a file of the folder> per tensor of that file with changes:
                                "<name>::index" (int32, or int64 past 2^31
                                elements) and "<name>::value", or
-                               "<name>::dense" (the whole tensor)
+                               "<name>::folder" (empty: read it whole)
 
 Each process that writes files of the folder writes their deltas
 (hf_io.save_hf_checkpoint); process 0 writes delta.json last, so a folder
@@ -58,7 +58,7 @@ def entries(name: str, new: np.ndarray, old: np.ndarray) -> dict[str, np.ndarray
   if changed.size == 0:
     return {}
   if changed.size > DENSE_SHARE * flat.size:
-    return {f"{name}{_SEP}dense": np.ascontiguousarray(new)}
+    return {f"{name}{_SEP}folder": np.zeros(0, np.uint8)}
   index = changed.astype(np.int32 if flat.size < 2**31 else np.int64)
   return {f"{name}{_SEP}index": index, f"{name}{_SEP}value": flat[changed]}
 
@@ -86,10 +86,12 @@ def base_version(folder: str) -> str | None:
   return str(manifest.get("base_version"))
 
 
-def apply(folder: str, current: Callable[[str], np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+def apply(
+  folder: str, current: Callable[[str], np.ndarray], whole: Callable[[str], np.ndarray]
+) -> Iterator[tuple[str, np.ndarray]]:
   """(HF name, new tensor) for every tensor the folder's delta changes, one at
   a time: `current(name)` (the base's tensor as the caller holds it) with
-  the changed elements set, or the stored whole tensor.
+  the changed elements set, or `whole(name)` (the folder's tensor).
 
   Raises:
     DeltaFormatError: a delta file unreadable, or an entry without its pair.
@@ -103,8 +105,8 @@ def apply(folder: str, current: Callable[[str], np.ndarray]) -> Iterator[tuple[s
         keys = list(f.keys())
         names = dict.fromkeys(k.rpartition(_SEP)[0] for k in keys)
         for name in names:
-          if f"{name}{_SEP}dense" in keys:
-            yield name, f.get_tensor(f"{name}{_SEP}dense")
+          if f"{name}{_SEP}folder" in keys:
+            yield name, whole(name)
             continue
           if f"{name}{_SEP}index" not in keys or f"{name}{_SEP}value" not in keys:
             raise DeltaFormatError(f"{file_name}: {name} has no index or no value")

@@ -14,14 +14,22 @@ the others take part (`publish.take_part`): one bf16 gather per layer
 tensor, and with the disk transport each process writes its own files.
 
   disk         write a bf16 HF folder, then pause -> flush ->
-               update_weights_from_disk -> continue (the current default);
+               update_weights_from_disk -> continue (deltas off);
+  disk_delta   the same with `rollout.weight_deltas`: the folder also holds
+               its changes from the previous version, which the servers
+               (at that version) read instead of the folder;
   distributed  pause -> flush -> update_weights_from_distributed while this
                process broadcasts the bf16 layer tensors over gloo -> continue
                (the group is made at the first publish, timed as `join`).
 
+Before each publish every fp32 weight moves by +-lr (`--lr`, 1e-6 as in RL
+post-training of 7B models: the share of bf16 elements that change follows
+from it), so the deltas are what one optimizer step leaves.
+
 Per transport: seconds the trainer is blocked (the publish call), seconds the
-servers are paused (pause through update), bytes written to disk, bytes the
-trainer broadcast, and the peak RSS growth of the trainer and of each server
+servers are paused (pause through update), bytes written to disk (the delta
+among them), bytes the trainer broadcast, how many updates each server read
+as a delta, and the peak RSS growth of the trainer and of each server
 over its RSS before the transport's first publish (VmHWM after clearing it;
 torch's import counts for the distributed one), for every trainer process.
 Disk runs first. Ratios are distributed / disk. In-process swapping (the
@@ -32,8 +40,10 @@ on N hosts publishing to S servers, from assumed bandwidths (flags). Both
 gather each layer tensor in bf16 on every host (an all-gather: each host
 receives (N-1)/N of the bf16 model) and hold at most the largest tensor;
 the disk path then writes 1/N of the folder from each host at once and every
-server reads the folder; the broadcast sends each byte once down a
-pipelined NCCL tree from process 0.
+server reads the folder; with deltas each host also reads its own files of
+the previous version back and writes 6 bytes per changed element
+(`--changed-share` of them), and the servers read only those; the broadcast
+sends each byte once down a pipelined NCCL tree from process 0.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import os
 import sys
 import tempfile
@@ -54,16 +65,17 @@ import json
 import subprocess
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 import runinfo
 from fluxjax import settings as settings_lib
-from fluxjax.models import config, hf_io, sharded, vlm
+from fluxjax.models import config, hf_delta, hf_io, sharded, vlm
 from fluxjax.rollout import fleet as fleet_lib
 from fluxjax.rollout import publish
 from fluxjax.sharding import mesh as mesh_lib
 
-TRANSPORTS = ("disk", "distributed")
+TRANSPORTS = ("disk", "disk_delta", "distributed")
 
 # Parameters in bf16 of the published models (Qwen2.5-VL, LM and vision tower).
 PROJECTED = {"7b": 8.29e9, "32b": 33.5e9}
@@ -120,44 +132,79 @@ def _folder_bytes(path: str) -> int:
   return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-async def _publishes(fleet, model, transport: str, repeats: int, pids: list[int]) -> dict:
-  """One untimed publish (it makes the distributed group and imports torch),
-  then `repeats` timed ones; the peak RSS growth covers all of them (over
-  the RSS before the first: what was allocated once and kept counts)."""
-  fleet.weight_sync = transport
+@functools.partial(jax.jit, static_argnums=2)
+def _adam_like_step(state, key, lr: float):
+  """Every parameter moved by +-lr, as Adam's first steps move it."""
+  leaves, treedef = jax.tree.flatten(state)
+  keys = jax.random.split(key, len(leaves))
+  moved = [x + lr * jnp.sign(jax.random.normal(k, x.shape, x.dtype)) for x, k in zip(leaves, keys)]
+  return jax.tree.unflatten(treedef, moved)
+
+
+def _versions(model, transport: str, repeats: int, lr: float):
+  """(version, model) of each publish of a transport: an untimed first one,
+  then `repeats` timed ones, each after one more step of size lr (the same
+  sequence on every process)."""
+  graphdef, state = nnx.split(model)
+  first = 100 * (1 + TRANSPORTS.index(transport))
+  for i in range(repeats + 1):
+    state = _adam_like_step(state, jax.random.key(first + i), lr)
+    yield first + i, nnx.merge(graphdef, state)
+
+
+def _configure(fleet, transport: str) -> None:
+  fleet.weight_sync = "distributed" if transport == "distributed" else "disk"
+  fleet.weight_deltas = transport == "disk_delta"
+
+
+async def _publishes(fleet, model, transport: str, args, pids: list[int]) -> dict:
+  """The untimed first publish (it makes the distributed group and imports
+  torch, and gives the deltas a base), then `repeats` timed ones; the peak
+  RSS growth covers all of them (over the RSS before the first: what was
+  allocated once and kept counts)."""
+  _configure(fleet, transport)
   rss0 = {p: _peak_and_now(p)[1] for p in ["self", *pids]}
   for p in rss0:
     _clear_peak(p)
-  warm = await fleet.publish(model, 99)
-  if warm.failed:
-    raise RuntimeError(f"{transport} publish failed: {warm.failed}")
-  rows = []
-  for i in range(repeats):
+  rows, join_s = [], 0.0
+  for i, (version, stepped) in enumerate(_versions(model, transport, args.repeats, args.lr)):
     t = time.perf_counter()
-    report = await fleet.publish(model, 100 + i)
+    report = await fleet.publish(stepped, version)
     blocked = time.perf_counter() - t
     if report.failed:
       raise RuntimeError(f"{transport} publish failed: {report.failed}")
+    if i == 0:  # untimed
+      join_s = report.seconds.get("join", 0.0)
+      continue
     s = report.seconds
+    delta = os.path.join(report.path, hf_delta.DELTA_DIR) if report.path else ""
     rows.append(
       {
         "blocked_s": blocked,
         "paused_s": s["pause"] + s["flush"] + s["update"],
         "seconds": s,
         "written_bytes": _folder_bytes(report.path) if report.path else 0,
+        "delta_bytes": _folder_bytes(delta) if os.path.isdir(delta) else 0,
         "sent_bytes": report.sent_bytes,
       }
     )
   growth = {str(p): _peak_and_now(p)[0] - rss0[p] for p in rss0}
-  return {"join_s": warm.seconds.get("join", 0.0), "rows": rows, "peak_rss_growth_bytes": growth}
+  applied = [(await s.client.server_info()).get("weight_deltas_applied") for s in fleet.servers]
+  return {
+    "join_s": join_s,
+    "rows": rows,
+    "peak_rss_growth_bytes": growth,
+    "deltas_applied": applied,
+  }
 
 
-def _take_parts(model, transport: str, repeats: int, root: str) -> dict:
+def _take_parts(model, transport: str, args, root: str) -> dict:
   """A follower's side of `_publishes`: its part in each publish, its peak RSS growth."""
   rss0 = _peak_and_now()[1]
   _clear_peak()
-  for version in range(99, 100 + repeats):
-    publish.take_part(model, transport, root, version)
+  sync = "distributed" if transport == "distributed" else "disk"
+  for version, stepped in _versions(model, transport, args.repeats, args.lr):
+    publish.take_part(stepped, sync, root, version, deltas=transport == "disk_delta")
   return {"peak_rss_growth_bytes": {f"p{jax.process_index()}": _peak_and_now()[0] - rss0}}
 
 
@@ -168,40 +215,43 @@ def _start_folder(cfg: config.ModelConfig, size: str, workdir: str) -> str:
   return start
 
 
-def _publish_all(model, size: str, servers: int, repeats: int, workdir: str) -> dict:
+def _publish_all(model, size: str, args) -> dict:
   """This process publishes `model` through each transport to S launched servers."""
+  workdir = args.workdir
   start = _start_folder(model.cfg, size, workdir)
   cmd = ["python", "-m", "fluxjax.rollout.server", "--model-path", start, "--num-slots", "2"]
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  launched = fleet_lib.launch_servers(cmd, servers, env=env, timeout_s=900)
+  launched = fleet_lib.launch_servers(cmd, args.servers, env=env, timeout_s=900)
   try:
 
     async def go():
       root = os.path.join(workdir, f"{size}-weights")
       async with fleet_lib.Fleet(launched.urls, weights_root=root) as fleet:
         pids = [p.pid for p in launched.procs]
-        return {t: await _publishes(fleet, model, t, repeats, pids) for t in TRANSPORTS}
+        return {t: await _publishes(fleet, model, t, args, pids) for t in TRANSPORTS}
 
     return asyncio.run(go())
   finally:
     launched.stop()
 
 
-def measure(size: str, servers: int, repeats: int, workdir: str) -> dict:
+def measure(size: str, args) -> dict:
   cfg = model_config(size)
-  _start_folder(cfg, size, workdir)
+  _start_folder(cfg, size, args.workdir)
   model = random_model(cfg, 1)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  result = _publish_all(model, size, servers, repeats, workdir)
-  return {"size": size, "processes": 1, "parameters": n_params, "servers": servers, **result}
+  result = _publish_all(model, size, args)
+  return {"size": size, "processes": 1, "parameters": n_params, "servers": args.servers, **result}
 
 
-def measure_processes(size: str, processes: int, servers: int, repeats: int, workdir: str) -> dict:
+def measure_processes(size: str, processes: int, args) -> dict:
   """The same publishes from a model sharded over `processes` processes (`worker`)."""
+  workdir = args.workdir
   _start_folder(model_config(size), size, workdir)  # written once, by this process
   command = [sys.executable, "-m", "fluxjax.launch", f"--processes={processes}"]
   command += ["--cpu_devices=1", "--module=publish", "--", "--worker", "--sizes", size]
-  command += ["--servers", str(servers), "--repeats", str(repeats), "--workdir", workdir]
+  command += ["--servers", str(args.servers), "--repeats", str(args.repeats)]
+  command += ["--lr", str(args.lr), "--workdir", workdir]
   bench = os.path.dirname(os.path.abspath(__file__))
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([bench, os.environ.get("PYTHONPATH", "")]))
   done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
@@ -237,7 +287,7 @@ def worker(args) -> None:
   model = sharded.create_sharded_model(cfg, mesh, seed=1, max_replicated_bytes=1 << 30)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   if me == 0:
-    result = _publish_all(model, size, args.servers, args.repeats, args.workdir)
+    result = _publish_all(model, size, args)
     for t in TRANSPORTS:
       growth = result[t]["peak_rss_growth_bytes"]
       growth["p0"] = growth.pop("self")
@@ -245,7 +295,7 @@ def worker(args) -> None:
     result["servers"] = args.servers
   else:
     root = os.path.join(args.workdir, f"{size}-weights")
-    result = {t: _take_parts(model, t, args.repeats, root) for t in TRANSPORTS}
+    result = {t: _take_parts(model, t, args, root) for t in TRANSPORTS}
   with open(os.path.join(args.workdir, f"{size}-p{me}.json"), "w") as f:
     json.dump(result, f)
 
@@ -266,6 +316,12 @@ def projection(args) -> list[dict]:
         write = bf16 / hosts / args.disk_write_gbps / 1e9  # each host its own files
         read = bf16 * servers / min(args.fs_read_gbps, servers * args.disk_read_gbps) / 1e9
         send = bf16 / args.net_gbps / 1e9  # pipelined: each byte crosses each link once
+        # Deltas: 6 bytes (int32 index + bf16 value) per changed element; each
+        # host also reads its own files of the base back.
+        delta = 3 * args.changed_share * bf16
+        base = bf16 / hosts / args.disk_read_gbps / 1e9
+        delta_read = delta * servers / min(args.fs_read_gbps, servers * args.disk_read_gbps) / 1e9
+        delta_write = delta / hosts / args.disk_write_gbps / 1e9
         rows.append(
           {
             "model": name,
@@ -274,6 +330,8 @@ def projection(args) -> list[dict]:
             "disk_blocked_s": gather + write + read,
             "disk_paused_s": read,
             "disk_extra_bytes_per_host": largest[name],
+            "delta_blocked_s": gather + write + base + delta_write + delta_read,
+            "delta_paused_s": delta_read,
             "distributed_blocked_s": gather + send,
             "distributed_paused_s": send,
             "distributed_extra_bytes_per_host": largest[name],
@@ -288,10 +346,10 @@ def _print_result(r: dict) -> None:
     f"process(es), {r['servers']} servers"
   )
   print(
-    "| transport | blocked s | paused s | written MB | sent MB | trainer peak +MB per process "
-    "| server peak +MB |"
+    "| transport | blocked s | paused s | written MB | delta MB | sent MB "
+    "| trainer peak +MB per process | server peak +MB | deltas applied |"
   )
-  print("|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|")
   med = {}
   for t in TRANSPORTS:
     rows = r[t]["rows"]
@@ -301,12 +359,16 @@ def _print_result(r: dict) -> None:
     mine = " / ".join(f"{v / 1e6:.0f}" for _, v in sorted(trainers.items()))
     theirs = max(growth.values()) / 1e6
     written, sent = rows[0]["written_bytes"] / 1e6, rows[0]["sent_bytes"] / 1e6
+    delta = rows[0]["delta_bytes"] / 1e6
     print(
       f"| {t} | {med[t]['blocked_s']:.3f} | {med[t]['paused_s']:.3f} | {written:.1f} | "
-      f"{sent:.1f} | {mine} | {theirs:.0f} |"
+      f"{delta:.2f} | {sent:.1f} | {mine} | {theirs:.0f} | {r[t]['deltas_applied']} |"
     )
   for k in ("blocked_s", "paused_s"):
-    print(f"  {k}: distributed / disk = {med['distributed'][k] / med['disk'][k]:.2f}")
+    print(
+      f"  {k}: distributed / disk = {med['distributed'][k] / med['disk'][k]:.2f}, "
+      f"disk_delta / disk = {med['disk_delta'][k] / med['disk'][k]:.2f}"
+    )
   print(f"  group join at the first distributed publish: {r['distributed']['join_s']:.3f} s")
 
 
@@ -316,10 +378,16 @@ def main() -> None:
   p.add_argument("--sizes", default="tiny,400m")
   p.add_argument("--processes", default="1,2", help="trainer process counts")
   p.add_argument("--repeats", type=int, default=3)
+  p.add_argument(
+    "--lr", type=float, default=1e-6, help="each publish follows a +-lr step of every weight"
+  )
   p.add_argument("--net-gbps", type=float, default=25.0, help="GB/s per host link (NCCL)")
   p.add_argument("--disk-write-gbps", type=float, default=2.0, help="GB/s one writer gets")
   p.add_argument("--disk-read-gbps", type=float, default=2.0, help="GB/s one reader gets")
   p.add_argument("--fs-read-gbps", type=float, default=20.0, help="GB/s the shared FS serves")
+  p.add_argument(
+    "--changed-share", type=float, default=0.01, help="bf16 elements one step changes (model)"
+  )
   p.add_argument("--json", default=None)
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
@@ -330,23 +398,26 @@ def main() -> None:
   t0 = time.time()
   results = []
   with tempfile.TemporaryDirectory(prefix="bench-publish-") as workdir:
+    args.workdir = workdir
     for size in args.sizes.split(","):
       for processes in map(int, args.processes.split(",")):
-        if processes == 1:
-          r = measure(size, args.servers, args.repeats, workdir)
-        else:
-          r = measure_processes(size, processes, args.servers, args.repeats, workdir)
+        one = processes == 1
+        r = measure(size, args) if one else measure_processes(size, processes, args)
         results.append(r)
         _print_result(r)
   proj = projection(args)
   print("\ncost model (seconds; --net-gbps etc.):")
-  print("| model | hosts | servers | disk blocked | disk paused | dist blocked | dist paused |")
-  print("|---|---|---|---|---|---|---|")
+  print(
+    "| model | hosts | servers | disk blocked | disk paused | delta blocked | delta paused "
+    "| dist blocked | dist paused |"
+  )
+  print("|---|---|---|---|---|---|---|---|---|")
   for row in proj:
     if row["servers"] in (1, 8) and row["hosts"] in (1, 4, 16):
       print(
         f"| {row['model']} | {row['hosts']} | {row['servers']} | {row['disk_blocked_s']:.1f} | "
-        f"{row['disk_paused_s']:.1f} | {row['distributed_blocked_s']:.2f} | "
+        f"{row['disk_paused_s']:.1f} | {row['delta_blocked_s']:.1f} | "
+        f"{row['delta_paused_s']:.2f} | {row['distributed_blocked_s']:.2f} | "
         f"{row['distributed_paused_s']:.2f} |"
       )
   print(f"bench wall time {time.time() - t0:.0f} s")

@@ -202,9 +202,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.mrope_text_after_vision = "max_plus_one"
 
   # Mesh: data replicas x FSDP x the strategy's sequence-parallel axes
-  # (sharding.sp devices). -1 = all devices the other axes leave.
+  # (sharding.sp devices). -1 = all devices the other axes leave. data 0 =
+  # auto: one replica per host (FSDP within each, a hybrid mesh) when the
+  # train state fits that way, which moves fewer bytes between hosts, else 1
+  # (sharding/mesh.py data_axis; CPUs report no memory limit: 1).
   c.mesh = ml_collections.ConfigDict()
-  c.mesh.data = 1
+  c.mesh.data = 0
   c.mesh.fsdp = -1
   # Multi-controller runs (several processes, one jax.distributed job): either an
   # explicit coordinator address (host:port; python -m fluxjax.launch sets it and

@@ -73,6 +73,12 @@ def distributed_sum(flags: dict[str, str]) -> None:
   total = jax.jit(jnp.sum)(array)
   if jax.process_index() == 0:
     print(f"sum={float(total)}", flush=True)
+    # A hybrid mesh: each data replica is one process's devices.
+    from fluxjax.sharding import mesh as mesh_lib
+
+    hybrid = mesh_lib.make_mesh(2, -1)
+    owners = [sorted({d.process_index for d in row.flat}) for row in hybrid.devices]
+    print("hybrid=" + ";".join(",".join(map(str, o)) for o in owners), flush=True)
   leader_channel(array)
 
 

@@ -38,8 +38,9 @@ def _config(variant, **sections):
 def _build(c):
   """Strategy and mesh as a run builds them from its config."""
   cfg = model_config.preset(c.model.preset)
-  strategy = strategies.get_strategy(c.sharding, cfg, c.mesh)
-  return strategy, mesh_lib.make_mesh(c.mesh.data, c.mesh.fsdp, strategy.sp_axes())
+  mesh = loop.resolved_mesh(Settings.of(c).mesh, cfg)
+  strategy = strategies.get_strategy(c.sharding, cfg, mesh)
+  return strategy, mesh_lib.make_mesh(mesh.data, mesh.fsdp, strategy.sp_axes())
 
 
 def test_every_variant_parses_without_importing_jax():
@@ -156,14 +157,16 @@ def test_p_max_is_not_a_second_name_for_sp():
 def test_auto_sp_on_other_device_counts(variant, num_devices, max_auto, want):
   c = _config(variant, sharding__strategy="ulysses")
   cfg = model_config.preset(c.model.preset)
-  assert strategies.resolve_sp(c.sharding, cfg, num_devices, c.mesh, max_auto) == want
+  mesh = loop.resolved_mesh(Settings.of(c).mesh, cfg)
+  assert strategies.resolve_sp(c.sharding, cfg, num_devices, mesh, max_auto) == want
 
 
 def test_flex_ulysses_on_one_device_has_no_sequence_axes(devices):
   c = _config("tiny", sharding__strategy="flex_ulysses")
   cfg = model_config.preset("tiny")
-  got = strategies.get_strategy(c.sharding, cfg, c.mesh, num_devices=1)
-  mesh = mesh_lib.make_mesh(c.mesh.data, c.mesh.fsdp, got.sp_axes(), devices=devices[:1])
+  resolved = loop.resolved_mesh(Settings.of(c).mesh, cfg)
+  got = strategies.get_strategy(c.sharding, cfg, resolved, num_devices=1)
+  mesh = mesh_lib.make_mesh(resolved.data, resolved.fsdp, got.sp_axes(), devices=devices[:1])
   assert got.sp == 1 and dict(mesh.shape) == {"data": 1, "fsdp": 1}
   plan = got.plan([40, 90, 7], mesh.size)
   plan.validate()

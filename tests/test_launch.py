@@ -286,6 +286,7 @@ def test_two_processes_run_one_jax_distributed_program(child_module):
   assert out.returncode == 0, out.stderr[-4000:]
   lines = out.stdout.splitlines()
   assert f"sum={float(sum(range(16)))}" in lines, out.stdout
+  assert "hybrid=0;1" in lines, out.stdout  # mesh.data = hosts: a replica per process
   # The leader's op channel (40 chunks for the big op) and the gather to the leader.
   assert "ops=small:2,big:1" in lines, out.stdout
   assert "gathered=" + ",".join(map(str, range(16))) in lines, out.stdout

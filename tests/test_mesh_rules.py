@@ -138,3 +138,46 @@ def test_cli_switches_strategy_by_config(tmp_path):
     "--config.sharding.strategy=ulysses", "--config.sharding.sp=16", f"--workdir={tmp_path / 'odd'}"
   )
   assert "does not divide the 8 query heads" in odd.stderr
+
+
+class _Device:
+  """What `data_axis` reads of a device: its process and its memory limit."""
+
+  def __init__(self, process_index: int, limit: int | None):
+    self.process_index, self._limit = process_index, limit
+
+  def memory_stats(self):
+    return None if self._limit is None else {"bytes_limit": self._limit}
+
+
+def _hosts(hosts: int, per_host: int, limit: int | None) -> list[_Device]:
+  return [_Device(h, limit) for h in range(hosts) for _ in range(per_host)]
+
+
+@pytest.mark.parametrize(
+  "devices,params,want",
+  [
+    (_hosts(1, 8, 80 << 30), 8.3e9, 1),  # one host: nothing to choose
+    (_hosts(2, 8, 80 << 30), 8.3e9, 2),  # 7B: 16.6 GB of state per device fits
+    (_hosts(16, 8, 80 << 30), 8.3e9, 16),
+    (_hosts(2, 8, 80 << 30), 33.5e9, 1),  # 32B: 67 GB per device does not
+    (_hosts(2, 8, None), 8.3e9, 1),  # CPUs report no limit
+  ],
+)
+def test_auto_data_axis_is_a_replica_per_host_when_the_state_fits(devices, params, want):
+  assert mesh_lib.data_axis(mesh_lib.AUTO, int(params), remat=True, devices=devices) == want
+  assert mesh_lib.data_axis(4, int(params), remat=True, devices=devices) == 4  # given: kept
+
+
+def test_a_hybrid_mesh_moves_fewer_bytes_between_hosts():
+  for hosts in (2, 4, 16):
+    hybrid = mesh_lib.inter_host_bytes(10**9, hosts, hybrid=True, remat=False)
+    fsdp = mesh_lib.inter_host_bytes(10**9, hosts, hybrid=False, remat=False)
+    assert hybrid == pytest.approx(2 / 3 * fsdp)
+    assert mesh_lib.inter_host_bytes(10**9, hosts, hybrid=False, remat=True) > fsdp
+  assert mesh_lib.inter_host_bytes(10**9, 1, hybrid=False, remat=True) == 0
+
+
+def test_unresolved_auto_data_names_its_resolver(devices):
+  with pytest.raises(ValueError, match=r"resolved by loop\.validate"):
+    mesh_lib.make_mesh(mesh_lib.AUTO, -1, devices=devices)

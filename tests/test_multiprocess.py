@@ -17,14 +17,10 @@ import json
 import logging
 import math
 import os
-import pathlib
 import re
-import signal
-import subprocess
-import sys
-import time
 
 import jax
+import multiprocess_runs as runs
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -34,81 +30,20 @@ from fluxjax.parallel import train_step
 from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import loop, metrics
 from helpers import (
-  ROOT,
   assert_each_prompt_trained_once,
-  process_alive,
-  run_launcher,
-  train_command,
 )
-
-P = 2  # prompts per step
-
-OVERRIDES = {
-  "eval.every": 0,
-  "checkpoint.every": 1,
-  "data.synth_train": 16,
-  "data.synth_eval": 2,
-  "eval.prompts": 2,
-  "eval.samples_per_prompt": 2,
-  "rl.prompts_per_step": P,
-  "rl.responses_per_prompt": 2,
-  "rl.max_new_tokens": 6,
-  "rl.reward.num_workers": 1,
-  # A reward with signal from the first step (the warm-up is two steps).
-  "rl.reward.fn": "fault_rewards:signal_unless_numeric",
-  "rollout.num_slots": 4,
-  "rollout.embedded_devices": 4,
-  "rollout.tail_batching.eta": 1.0,
-  "coordinator.lag.mode": "sync",
-  "sft.steps": 3,
-  "sft.batch_size": 2,
-  "sft.eval_every": 2,
-  "rl.kl_coef": 0.1,
-  # Adam divides each gradient by its own RMS, so an element whose gradient
-  # is only the residue of terms that cancel (a few embedding rows here)
-  # takes a step of up to lr in the direction of that residue, which the
-  # summation order of a collective decides. eps = 1e-6 bounds such a step
-  # to ~1e-4 lr; elements with a real gradient (>> 1e-6) update as with the
-  # default 1e-8. With 1e-8, 7 of 1M parameters differ by up to 1.4e-5.
-  "optim.eps": 1e-6,
-}
-
-
-def _env():
-  """The reward workers import tests/fault_rewards.py."""
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(
-    [os.path.join(ROOT, "tests"), *filter(None, [env.get("PYTHONPATH")])]
-  )
-  return env
 
 
 def _one(workdir, **overrides) -> None:
   """The run in this process, on its 8 devices."""
   config = config_args.load_config()
-  for key, value in {**OVERRIDES, **overrides}.items():
+  for key, value in {**runs.OVERRIDES, **overrides}.items():
     *sections, field = key.split(".")
     section = config
     for name in sections:
       section = section[name]
     section[field] = value
   loop.run(config, str(workdir))
-
-
-def _two(workdir, **overrides):
-  launcher = [sys.executable, "-m", "fluxjax.launch", "--processes=2", "--cpu_devices=4", "--"]
-  # The train args, without `python -m fluxjax.train`.
-  return launcher + train_command(workdir, {**OVERRIDES, **overrides})[3:]
-
-
-def _run(command, log_path, timeout=900):
-  with open(log_path, "w") as log:
-    done = run_launcher(
-      command, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout
-    )
-  out = open(log_path).read()
-  assert done.returncode == 0, out[-4000:]
-  return out
 
 
 def _train_metrics(workdir) -> dict[int, dict]:
@@ -128,55 +63,6 @@ def _params(workdir, step):
   return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree.leaves_with_path(state)}
 
 
-def _pids(log_path) -> dict[int, int]:
-  text = open(log_path).read() if os.path.exists(log_path) else ""
-  return {int(i): int(p) for i, p in re.findall(r"fluxjax\.launch: process (\d) pid (\d+)", text)}
-
-
-def _kill_once_a_checkpoint_is_complete(command, log_path, victim: int, step: int = 1) -> dict:
-  """Starts the launcher, SIGKILLs its process `victim` once checkpoint
-  `step` is complete (step + 1 under way), checks that it stopped the rest
-  and the servers they started (each process's group); returns the pids."""
-  workdir = pathlib.Path(next(a for a in command if a.startswith("--workdir=")).split("=", 1)[1])
-  with open(log_path, "w") as log:
-    launcher = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 600
-    try:
-      while time.time() < deadline and launcher.poll() is None:
-        if (workdir / "checkpoints" / str(step)).exists():
-          break  # renamed into place when complete
-        time.sleep(0.2)
-      assert launcher.poll() is None, open(log_path).read()[-4000:]
-      pids = _pids(log_path)
-      assert sorted(pids) == [0, 1]
-      os.kill(pids[victim], signal.SIGKILL)
-      launcher.wait(timeout=90)
-    finally:
-      if launcher.poll() is None:
-        launcher.terminate()  # it stops its processes
-        launcher.wait(timeout=60)
-  # The launcher stopped the other process (waiting in a collective or for
-  # the next op) and exited with the killed one's fate.
-  assert launcher.returncode == 128 + signal.SIGKILL, open(log_path).read()[-4000:]
-  assert not any(process_alive(pid) for pid in pids.values())
-  left = _group_members(set(pids.values()))
-  assert not left, f"processes left running in the run's process groups: {left}"
-  return pids
-
-
-def _group_members(groups: set[int]) -> list[int]:
-  """Live processes in the given process groups (a launched server, a router)."""
-  members = []
-  for entry in os.listdir("/proc"):
-    if entry.isdigit():
-      try:
-        if os.getpgid(int(entry)) in groups and process_alive(int(entry)):
-          members.append(int(entry))
-      except ProcessLookupError:
-        pass
-  return members
-
-
 @pytest.mark.slow
 def test_two_processes_killed_and_resumed_match_one_and_resume_in_one(
   tmp_path, caplog, monkeypatch
@@ -187,15 +73,17 @@ def test_two_processes_killed_and_resumed_match_one_and_resume_in_one(
   2-process checkpoint resumes in one process, until NaN updates stop it."""
   one, two = tmp_path / "one", tmp_path / "two"
   _one(one, total_steps=3)
-  _kill_once_a_checkpoint_is_complete(_two(two, total_steps=3), tmp_path / "killed.log", victim=0)
+  runs.kill_once_a_checkpoint_is_complete(
+    runs.two(two, total_steps=3), tmp_path / "killed.log", victim=0
+  )
   before = {r["step"]: r for r in metrics.read_metrics(str(two))}
-  out = _run(_two(two, total_steps=3), tmp_path / "two.log")
+  out = runs.run(runs.two(two, total_steps=3), tmp_path / "two.log")
   assert "resumed from step" in out
   assert len(re.findall(r"fluxjax\.launch: process \d pid \d+", out)) == 2
 
   # Each prompt trained once, the same ones in both runs.
-  a = assert_each_prompt_trained_once(one, 3, P)
-  b = assert_each_prompt_trained_once(two, 3, P)
+  a = assert_each_prompt_trained_once(one, 3, runs.P)
+  b = assert_each_prompt_trained_once(two, 3, runs.P)
   assert [sorted(r["ids"]) for r in a] == [sorted(r["ids"]) for r in b]
   # Metrics are the leader's: one record per step, not one per process; the
   # resumed run dropped the records of the steps it redid and kept the others.
@@ -256,7 +144,7 @@ def test_two_processes_killed_and_resumed_match_one_and_resume_in_one(
   ):
     _one(two, total_steps=6, **{"faults.nonfinite_steps": 2})
   assert "resumed from step 3" in caplog.text
-  assert_each_prompt_trained_once(two, 5, P)  # the refused step's prompts are consumed
+  assert_each_prompt_trained_once(two, 5, runs.P)  # the refused step's prompts are consumed
   recs = {r["step"]: r for r in metrics.read_metrics(str(two))}
   assert sorted(recs) == [-3, -2, -1, 0, 1, 2, 3, 4, 5]
   assert recs[4]["train/kl"] > 1e-6 and recs[4]["policy/version"] == 6.0
@@ -268,54 +156,3 @@ def test_two_processes_killed_and_resumed_match_one_and_resume_in_one(
   assert max(ocp.utils.checkpoint_steps(str(two / "checkpoints"))) == 5
   p4, p5 = _params(two, 4), _params(two, 5)
   assert all(np.array_equal(p5[k], p4[k]) for k in p4)
-
-
-# The fleet job with everything on: launched servers behind the router,
-# weights broadcast, flex_ulysses across the two processes, adaptive lag and
-# tail batching with recycling (configs/vlm.py `fleet` modifier).
-FLEET = {
-  "sharding.strategy": "flex_ulysses",
-  "coordinator.lag.mode": "adaptive",
-  "coordinator.lag.sync_interval": 3,
-  "rollout.tail_batching.eta": 1.5,
-  "rollout.embedded_devices": 0,
-  "rl.kl_coef": 0.0,
-}
-
-
-@pytest.mark.slow
-def test_two_processes_on_a_fleet_survive_a_follower_killed_mid_step(tmp_path):
-  """2 processes x 4 devices against 2 launched fluxjax servers behind a
-  launched sglang-router, weights broadcast from the training mesh: the
-  follower SIGKILLed mid-step stops the run, its servers and router with
-  it; the restart resumes from the checkpoint, and every step trains P
-  prompts no step trained before."""
-  steps, workdir = 5, tmp_path / "fleet"
-  command = [
-    a.replace("configs/vlm.py", "configs/vlm.py:fleet")
-    for a in _two(workdir, total_steps=steps, **FLEET)
-  ]
-  _kill_once_a_checkpoint_is_complete(command, tmp_path / "killed.log", victim=1, step=2)
-  out = _run(command, tmp_path / "resumed.log")
-  assert "resumed from step" in out
-  records = loop.read_trained(str(workdir))
-  assert [r["step"] for r in records] == list(range(1, steps + 1))
-  trained = [i for r in records for i in r["ids"]]
-  assert all(len(r["ids"]) == P for r in records) and len(set(trained)) == len(trained)
-  recs = {r["step"]: r for r in metrics.read_metrics(str(workdir)) if r["step"] >= 1}
-  last = recs[steps]
-  assert last["fleet/routed"] == 1.0 and last["fleet/servers"] == 2.0
-  assert last["fleet/servers_down"] == 0.0 and last["faults/unwritten_publishes_total"] == 0.0
-  # Recycling discards no decode work and restarts no response.
-  assert last["rollout/tokens_discarded_total"] == 0.0 and last["rollout/restarted_total"] == 0.0
-  assert any(abs(r["train/loss"]) > 1e-3 for r in recs.values()), "no step had a signal"
-  lag = config_args.load_config().coordinator.lag
-  assert all(lag.min_lag <= r["async/allowed_lag"] <= lag.max_lag for r in recs.values())
-  assert all(
-    lag.min_async_ratio <= r["async/async_ratio"] <= lag.max_async_ratio for r in recs.values()
-  )
-  assert any(r["async/sync_barrier"] == 1.0 for r in recs.values())  # sync_interval 3
-  assert all(r["async/version_gap_max"] <= lag.max_lag for r in recs.values())
-  assert all(0.0 <= r["async/staleness"] <= 1.0 for r in recs.values())
-  summary = json.loads((workdir / "summary.json").read_text())
-  assert summary["end"]["step"] == steps and summary["resumed_from"] >= 2

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 from typing import NamedTuple
@@ -112,6 +113,7 @@ def validate(config) -> Validated:
     if settings.model.hf_path
     else model_config.preset(settings.model.preset, **overrides)
   )
+  settings = dataclasses.replace(settings, mesh=resolved_mesh(settings.mesh, cfg))
   strategy = strategies.get_strategy(settings.sharding, cfg, settings.mesh)
   ref_path = settings.rl.ref_hf_path
   if settings.rl.kl_coef and ref_path:
@@ -129,6 +131,13 @@ def validate(config) -> Validated:
   mesh = mesh_lib.make_mesh(settings.mesh.data, settings.mesh.fsdp, strategy.sp_axes())
   config_rules.check(settings, cfg, strategy, mesh.size)
   return Validated(cfg, strategy, mesh, settings)
+
+
+def resolved_mesh(mesh: settings_lib.Mesh, cfg) -> settings_lib.Mesh:
+  """The `mesh` section with mesh.data 0 (auto) resolved by the cost model
+  (sharding/mesh.py `data_axis`) for this model on these devices."""
+  params = sum(math.prod(shape) for _, shape in hf_io.hf_layout(cfg))
+  return dataclasses.replace(mesh, data=mesh_lib.data_axis(mesh.data, params, remat=cfg.remat))
 
 
 @dataclasses.dataclass

@@ -2,6 +2,8 @@
 
 Axes, outermost first:
   data   replicas of the model (parameters replicated across them; HSDP);
+         mesh.data 0 lets `data_axis` choose one per host (a hybrid mesh,
+         built by `make_mesh` so that each replica is one host's devices);
   fsdp   parameters, gradients and optimizer state sharded across it;
   sp...  the sequence-parallel factorization the strategy needs: one `sp` axis
          for fixed-degree Ulysses, binary `sp_0, sp_1, ...` for FlexUlysses.
@@ -141,6 +143,8 @@ def sp_room(num_devices: int, data: int, fsdp: int) -> int:
 
   Raises ValueError naming the mesh flag to change when they do not divide.
   """
+  if data == AUTO:
+    raise ValueError("mesh.data=0 (auto) is resolved by loop.validate (mesh.data_axis) first")
   for name, size in (("data", data), ("fsdp", fsdp)):
     if size != -1 and size < 1:
       raise ValueError(
@@ -204,16 +208,86 @@ def make_mesh(
   sp_axes: Sequence[tuple[str, int]] = ((SP, 1),),
   devices: Sequence[jax.Device] | None = None,
 ) -> jax.sharding.Mesh:
-  """A mesh with Auto axes (see module docstring); place inputs with NamedSharding."""
+  """A mesh with Auto axes (see module docstring); place inputs with NamedSharding.
+
+  With `data` equal to the number of processes the devices span (a hybrid
+  mesh), each data replica is one process's devices, so only the gradient
+  all-reduce crosses hosts.
+  """
   devices = list(devices) if devices is not None else jax.devices()
   shape = mesh_shape(len(devices), data, fsdp, sp_axes)
   names = tuple(shape)
-  return jax.make_mesh(
-    tuple(shape.values()),
-    names,
-    axis_types=(jax.sharding.AxisType.Auto,) * len(names),
-    devices=devices,
+  types = (jax.sharding.AxisType.Auto,) * len(names)
+  if data > 1 and data == len({d.process_index for d in devices}):
+    from jax.experimental import mesh_utils
+
+    within = (1, *list(shape.values())[1:])
+    across = (data,) + (1,) * (len(shape) - 1)
+    grid = mesh_utils.create_hybrid_device_mesh(
+      within, across, devices, process_is_granule=True
+    )
+    return jax.sharding.Mesh(grid, names, axis_types=types)
+  return jax.make_mesh(tuple(shape.values()), names, axis_types=types, devices=devices)
+
+
+# mesh.data = AUTO: `data_axis` chooses 1 (FSDP over every device) or the
+# number of hosts (a hybrid mesh: FSDP within each host, replicas across).
+AUTO = 0
+# What one parameter costs in train state: fp32 weight, gradient and the two
+# Adam moments.
+STATE_BYTES_PER_PARAM = 16
+
+
+def inter_host_bytes(param_count: int, hosts: int, *, hybrid: bool, remat: bool) -> float:
+  """Bytes each host moves over its network links per update (ring
+  collectives). FSDP over every device gathers the fp32 parameters for the
+  forward and again for the backward (a third time with remat) and
+  reduce-scatters the gradients across hosts; a hybrid mesh only
+  all-reduces the gradients across hosts (2 (H-1)/H of them)."""
+  collectives = 2 if hybrid else 3 + int(remat)
+  return collectives * 4 * param_count * (hosts - 1) / hosts
+
+
+def data_axis(
+  data: int,
+  param_count: int,
+  *,
+  remat: bool,
+  devices: Sequence[Any] | None = None,
+  headroom: float = 0.5,
+) -> int:
+  """mesh.data resolved: AUTO is the number of hosts when a hybrid mesh is
+  cheaper, else 1; any other value is kept.
+
+  A hybrid mesh always moves fewer bytes between hosts
+  (`inter_host_bytes`), but holds the train state once per host: it is
+  chosen when that state, split over one host's devices, takes at most
+  `headroom` of a device's memory (the rest is activations). Devices that
+  report no memory limit (CPUs) keep FSDP over every device.
+  """
+  if data != AUTO:
+    return data
+  devices = list(devices) if devices is not None else jax.devices()
+  hosts = len({d.process_index for d in devices})
+  if hosts == 1:
+    return 1
+  stats = devices[0].memory_stats() or {}
+  limit = stats.get("bytes_limit")
+  per_device = STATE_BYTES_PER_PARAM * param_count / (len(devices) // hosts)
+  fits = limit is not None and per_device <= headroom * limit
+  fsdp_gb, hybrid_gb = (
+    inter_host_bytes(param_count, hosts, hybrid=h, remat=remat) / 1e9 for h in (False, True)
   )
+  log.info(
+    "mesh.data auto: %s (between hosts per update: FSDP %.1f GB, hybrid %.1f GB; hybrid "
+    "train state %.1f GB per device, device limit %s)",
+    f"{hosts} (hybrid)" if fits else "1 (FSDP over every device)",
+    fsdp_gb,
+    hybrid_gb,
+    per_device / 1e9,
+    f"{limit / 1e9:.1f} GB" if limit else "unknown",
+  )
+  return hosts if fits else 1
 
 
 def batch_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:

@@ -1,0 +1,118 @@
+"""The 2-process main job's runs for tests/test_multiprocess*.py: its settings,
+`python -m fluxjax.launch` around it, and a kill mid-step."""
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from helpers import ROOT, process_alive, run_launcher, train_command
+
+P = 2  # prompts per step
+
+OVERRIDES = {
+  "eval.every": 0,
+  "checkpoint.every": 1,
+  "data.synth_train": 16,
+  "data.synth_eval": 2,
+  "eval.prompts": 2,
+  "eval.samples_per_prompt": 2,
+  "rl.prompts_per_step": P,
+  "rl.responses_per_prompt": 2,
+  "rl.max_new_tokens": 6,
+  "rl.reward.num_workers": 1,
+  # A reward with signal from the first step (the warm-up is two steps).
+  "rl.reward.fn": "fault_rewards:signal_unless_numeric",
+  "rollout.num_slots": 4,
+  "rollout.embedded_devices": 4,
+  "rollout.tail_batching.eta": 1.0,
+  "coordinator.lag.mode": "sync",
+  "sft.steps": 3,
+  "sft.batch_size": 2,
+  "sft.eval_every": 2,
+  "rl.kl_coef": 0.1,
+  # Adam divides each gradient by its own RMS, so an element whose gradient
+  # is only the residue of terms that cancel (a few embedding rows here)
+  # takes a step of up to lr in the direction of that residue, which the
+  # summation order of a collective decides. eps = 1e-6 bounds such a step
+  # to ~1e-4 lr; elements with a real gradient (>> 1e-6) update as with the
+  # default 1e-8. With 1e-8, 7 of 1M parameters differ by up to 1.4e-5.
+  "optim.eps": 1e-6,
+}
+
+
+def env():
+  """The reward workers import tests/fault_rewards.py."""
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+    [os.path.join(ROOT, "tests"), *filter(None, [env.get("PYTHONPATH")])]
+  )
+  return env
+
+
+def two(workdir, **overrides):
+  launcher = [sys.executable, "-m", "fluxjax.launch", "--processes=2", "--cpu_devices=4", "--"]
+  # The train args, without `python -m fluxjax.train`.
+  return launcher + train_command(workdir, {**OVERRIDES, **overrides})[3:]
+
+
+def run(command, log_path, timeout=900):
+  with open(log_path, "w") as log:
+    done = run_launcher(
+      command, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+    )
+  out = open(log_path).read()
+  assert done.returncode == 0, out[-4000:]
+  return out
+
+
+def pids(log_path) -> dict[int, int]:
+  text = open(log_path).read() if os.path.exists(log_path) else ""
+  return {int(i): int(p) for i, p in re.findall(r"fluxjax\.launch: process (\d) pid (\d+)", text)}
+
+
+def kill_once_a_checkpoint_is_complete(command, log_path, victim: int, step: int = 1) -> dict:
+  """Starts the launcher, SIGKILLs its process `victim` once checkpoint
+  `step` is complete (step + 1 under way), checks that it stopped the rest
+  and the servers they started (each process's group); returns the pids."""
+  workdir = pathlib.Path(next(a for a in command if a.startswith("--workdir=")).split("=", 1)[1])
+  with open(log_path, "w") as log:
+    launcher = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 600
+    try:
+      while time.time() < deadline and launcher.poll() is None:
+        if (workdir / "checkpoints" / str(step)).exists():
+          break  # renamed into place when complete
+        time.sleep(0.2)
+      assert launcher.poll() is None, open(log_path).read()[-4000:]
+      started = pids(log_path)
+      assert sorted(started) == [0, 1]
+      os.kill(started[victim], signal.SIGKILL)
+      launcher.wait(timeout=90)
+    finally:
+      if launcher.poll() is None:
+        launcher.terminate()  # it stops its processes
+        launcher.wait(timeout=60)
+  # The launcher stopped the other process (waiting in a collective or for
+  # the next op) and exited with the killed one's fate.
+  assert launcher.returncode == 128 + signal.SIGKILL, open(log_path).read()[-4000:]
+  assert not any(process_alive(pid) for pid in started.values())
+  left = group_members(set(started.values()))
+  assert not left, f"processes left running in the run's process groups: {left}"
+  return started
+
+
+def group_members(groups: set[int]) -> list[int]:
+  """Live processes in the given process groups (a launched server, a router)."""
+  members = []
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        if os.getpgid(int(entry)) in groups and process_alive(int(entry)):
+          members.append(int(entry))
+      except ProcessLookupError:
+        pass
+  return members

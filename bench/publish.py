@@ -141,6 +141,11 @@ def _adam_like_step(state, key, lr: float):
   return jax.tree.unflatten(treedef, moved)
 
 
+def _warm_up_step(model, lr: float) -> None:
+  """Compiles the step outside the measured publishes (every process)."""
+  jax.block_until_ready(_adam_like_step(nnx.state(model), jax.random.key(0), lr))
+
+
 def _versions(model, transport: str, repeats: int, lr: float):
   """(version, model) of each publish of a transport: an untimed first one,
   then `repeats` timed ones, each after one more step of size lr (the same
@@ -163,6 +168,7 @@ async def _publishes(fleet, model, transport: str, args, pids: list[int]) -> dic
   RSS growth covers all of them (over the RSS before the first: what was
   allocated once and kept counts)."""
   _configure(fleet, transport)
+  applied0 = [(await s.client.server_info()).get("weight_deltas_applied") for s in fleet.servers]
   rss0 = {p: _peak_and_now(p)[1] for p in ["self", *pids]}
   for p in rss0:
     _clear_peak(p)
@@ -189,7 +195,10 @@ async def _publishes(fleet, model, transport: str, args, pids: list[int]) -> dic
       }
     )
   growth = {str(p): _peak_and_now(p)[0] - rss0[p] for p in rss0}
-  applied = [(await s.client.server_info()).get("weight_deltas_applied") for s in fleet.servers]
+  applied = [
+    (await s.client.server_info()).get("weight_deltas_applied") - before
+    for s, before in zip(fleet.servers, applied0)
+  ]
   return {
     "join_s": join_s,
     "rows": rows,
@@ -240,6 +249,7 @@ def measure(size: str, args) -> dict:
   _start_folder(cfg, size, args.workdir)
   model = random_model(cfg, 1)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  _warm_up_step(model, args.lr)
   result = _publish_all(model, size, args)
   return {"size": size, "processes": 1, "parameters": n_params, "servers": args.servers, **result}
 
@@ -286,6 +296,7 @@ def worker(args) -> None:
   mesh = mesh_lib.make_mesh(1, -1)
   model = sharded.create_sharded_model(cfg, mesh, seed=1, max_replicated_bytes=1 << 30)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  _warm_up_step(model, args.lr)
   if me == 0:
     result = _publish_all(model, size, args)
     for t in TRANSPORTS:

@@ -357,14 +357,21 @@ def with_hf_tensors(state: nnx.State, cfg: config_lib.ModelConfig, named) -> nnx
   return nnx.from_flat_state(flat)
 
 
-def hf_tensor(state: nnx.State, cfg: config_lib.ModelConfig, name: str) -> np.ndarray:
-  """One published tensor of a model's `state`, in its parameter dtype, on the host."""
-  for hf_name, key, i, kind, _, _ in _hf_targets(cfg):
-    if hf_name == name:
-      value = dict(nnx.to_flat_state(state))[key].get_value()
-      x = value if i is None else value[i]
-      return np.ascontiguousarray(_to_host(_ours_to_hf(x, kind, ".".join(map(str, key)), cfg)))
-  raise KeyError(f"the model has no tensor {name!r}")
+def hf_tensor_reader(state: nnx.State, cfg: config_lib.ModelConfig):
+  """`read(name)`: one published tensor of a model's `state`, in its
+  parameter dtype, on the host (the layout is worked out once)."""
+  targets = {name: (key, i, kind) for name, key, i, kind, _, _ in _hf_targets(cfg)}
+  flat = dict(nnx.to_flat_state(state))
+
+  def read(name: str) -> np.ndarray:
+    if name not in targets:
+      raise KeyError(f"the model has no tensor {name!r}")
+    key, i, kind = targets[name]
+    value = flat[key].get_value()
+    x = value if i is None else value[i]
+    return np.ascontiguousarray(_to_host(_ours_to_hf(x, kind, ".".join(map(str, key)), cfg)))
+
+  return read
 
 
 def _to_host(x: Array) -> np.ndarray:

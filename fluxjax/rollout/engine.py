@@ -387,9 +387,8 @@ class Engine:
       with self._step_lock:
         state = self._state
       try:
-        named = hf_delta.apply(
-          path, lambda name: hf_io.hf_tensor(state, self.cfg, name), hf_io.TensorIndex(path).read
-        )
+        current = hf_io.hf_tensor_reader(state, self.cfg)
+        named = hf_delta.apply(path, current, hf_io.TensorIndex(path).read)
         self.load_hf_tensors(named, weight_version)
         self.deltas_applied += 1
         return

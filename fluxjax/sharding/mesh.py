@@ -223,9 +223,7 @@ def make_mesh(
 
     within = (1, *list(shape.values())[1:])
     across = (data,) + (1,) * (len(shape) - 1)
-    grid = mesh_utils.create_hybrid_device_mesh(
-      within, across, devices, process_is_granule=True
-    )
+    grid = mesh_utils.create_hybrid_device_mesh(within, across, devices, process_is_granule=True)
     return jax.sharding.Mesh(grid, names, axis_types=types)
   return jax.make_mesh(tuple(shape.values()), names, axis_types=types, devices=devices)
 

@@ -29,9 +29,10 @@ from it), so the deltas are what one optimizer step leaves.
 Per transport: seconds the trainer is blocked (the publish call), seconds the
 servers are paused (pause through update), bytes written to disk (the delta
 among them), bytes the trainer broadcast, how many updates each server read
-as a delta, and the peak RSS growth of the trainer and of each server
-over its RSS before the transport's first publish (VmHWM after clearing it;
-torch's import counts for the distributed one), for every trainer process.
+as a delta, and the largest peak RSS growth of every trainer process and
+server over one publish (VmHWM after clearing it, against the RSS before
+that publish; the first publish's import of torch counts for the
+distributed one).
 Disk runs first. Ratios are distributed / disk. In-process swapping (the
 embedded engine) moves no bytes and is not run here.
 
@@ -153,7 +154,8 @@ def _versions(model, transport: str, repeats: int, lr: float):
   graphdef, state = nnx.split(model)
   first = 100 * (1 + TRANSPORTS.index(transport))
   for i in range(repeats + 1):
-    state = _adam_like_step(state, jax.random.key(first + i), lr)
+    # Finished before the publish starts, so neither its time nor its memory counts.
+    state = jax.block_until_ready(_adam_like_step(state, jax.random.key(first + i), lr))
     yield first + i, nnx.merge(graphdef, state)
 
 
@@ -169,14 +171,14 @@ async def _publishes(fleet, model, transport: str, args, pids: list[int]) -> dic
   allocated once and kept counts)."""
   _configure(fleet, transport)
   applied0 = [(await s.client.server_info()).get("weight_deltas_applied") for s in fleet.servers]
-  rss0 = {p: _peak_and_now(p)[1] for p in ["self", *pids]}
-  for p in rss0:
-    _clear_peak(p)
+  growth = {p: 0 for p in ["self", *pids]}
   rows, join_s = [], 0.0
   for i, (version, stepped) in enumerate(_versions(model, transport, args.repeats, args.lr)):
+    before = _reset_peaks(growth)
     t = time.perf_counter()
     report = await fleet.publish(stepped, version)
     blocked = time.perf_counter() - t
+    _record_peaks(growth, before)
     if report.failed:
       raise RuntimeError(f"{transport} publish failed: {report.failed}")
     if i == 0:  # untimed
@@ -194,7 +196,7 @@ async def _publishes(fleet, model, transport: str, args, pids: list[int]) -> dic
         "sent_bytes": report.sent_bytes,
       }
     )
-  growth = {str(p): _peak_and_now(p)[0] - rss0[p] for p in rss0}
+  growth = {str(p): g for p, g in growth.items()}
   applied = [
     (await s.client.server_info()).get("weight_deltas_applied") - before
     for s, before in zip(fleet.servers, applied0)
@@ -209,12 +211,27 @@ async def _publishes(fleet, model, transport: str, args, pids: list[int]) -> dic
 
 def _take_parts(model, transport: str, args, root: str) -> dict:
   """A follower's side of `_publishes`: its part in each publish, its peak RSS growth."""
-  rss0 = _peak_and_now()[1]
-  _clear_peak()
+  growth = {"self": 0}
   sync = "distributed" if transport == "distributed" else "disk"
   for version, stepped in _versions(model, transport, args.repeats, args.lr):
+    before = _reset_peaks(growth)
     publish.take_part(stepped, sync, root, version, deltas=transport == "disk_delta")
-  return {"peak_rss_growth_bytes": {f"p{jax.process_index()}": _peak_and_now()[0] - rss0}}
+    _record_peaks(growth, before)
+  return {"peak_rss_growth_bytes": {f"p{jax.process_index()}": growth["self"]}}
+
+
+def _reset_peaks(growth: dict) -> dict:
+  """Each process's RSS now, its peak reset to it (before a publish)."""
+  before = {p: _peak_and_now(p)[1] for p in growth}
+  for p in growth:
+    _clear_peak(p)
+  return before
+
+
+def _record_peaks(growth: dict, before: dict) -> None:
+  """The largest peak growth over one publish so far, per process."""
+  for p in growth:
+    growth[p] = max(growth[p], _peak_and_now(p)[0] - before[p])
 
 
 def _start_folder(cfg: config.ModelConfig, size: str, workdir: str) -> str:

@@ -443,8 +443,9 @@ class Coordinator:
     """
     from flax import nnx
 
-    # The engine gets its own buffers: the next update donates the trainer's,
-    # while rollout goes on sampling from these.
+    # An embedded engine gets its own buffers: the next update donates the
+    # trainer's, while rollout goes on sampling from these. A fleet has been
+    # sent the weights when the publish returns.
     t = time.perf_counter()
     params = self._policy.stage(self._version + int(new_version))
     if params is None:

@@ -202,16 +202,21 @@ class PolicyWorker:
     return metrics
 
   def stage(self, version: int | None = None) -> nnx.State | None:
-    """A copy of the parameters for the rollout backend (its own buffers).
+    """The parameters for the rollout backend.
 
-    On the training mesh without `rollout_shardings` (a fleet, which is sent
-    them from there); otherwise placed on the leader's devices (gathered
-    across processes in a multi-controller run). Returns None on processes
-    other than the leader then. `version` (what the copy is published as)
+    A fleet gets the trainer's own arrays (it is sent them before the next
+    update). An embedded engine gets a copy with its own buffers: on the
+    training mesh without `rollout_shardings`, otherwise placed on the
+    leader's devices (gathered across processes in a multi-controller run;
+    None on the other processes). `version` (what the copy is published as)
     matters only to a `LeaderWorker`'s followers.
     """
     del version
     params = self._trainer.state.params
+    if self.settings.rollout.backend != "embedded":
+      # A fleet publish has read them (one layer tensor at a time) before the
+      # next update donates them, and keeps nothing: no copy.
+      return params
     if self._rollout_shardings is None:
       return jax.tree.map(lambda x: x.copy(), params)
     if jax.process_count() == 1:
@@ -222,8 +227,8 @@ class PolicyWorker:
     """A follower's part in publishing weight `version` to a fleet.
 
     The collectives the leader's `Coordinator.publish` runs, in its order:
-    the copy, the logits probe, then the publish's gathers, one layer tensor
-    at a time (`publish.take_part`), so no process holds the whole model.
+    the logits probe, then the publish's gathers, one layer tensor at a time
+    (`publish.take_part`), so no process holds the whole model.
     A policy the probe refuses is not published (the leader ends the run).
     """
     params = self.stage()

@@ -15,6 +15,12 @@ to learn.
                 solution lists the colour of each segment, each one after the
                 first tagged with the running count of changes ("red blue1
                 red2"); easy 1-2 changes, medium 3-4, hard 5-7.
+  pair_census   (image) how many of k named (colour, shape) pairs the image
+                holds: the solution names each pair in the question's order
+                with the running count of those present ("red circle1 blue
+                star1 green square2"), so every step is a copy from the
+                question, a look for that pair and an increment; easy k 2-3,
+                medium 5-7, hard 10-14 (0 .. 10 present).
   add_columns   (text, no pixels: the control that learning here needs no
                 vision) the sum of two numbers of d digits: the solution adds
                 column by column from the right, carries written
@@ -48,6 +54,9 @@ from fluxjax.models.tokenizer import COLORS, SHAPES
 SCAN_SHAPES = {"easy": (1, 3), "medium": (4, 8), "hard": (9, GRID * GRID)}
 SCAN_COUNTS = {"easy": (1, 3), "medium": (1, 4), "hard": (1, 6)}
 CHANGES = {"easy": (1, 2), "medium": (3, 4), "hard": (5, 7)}
+CENSUS_PAIRS = {"easy": (2, 3), "medium": (5, 7), "hard": (10, 14)}
+CENSUS_PRESENT = {"easy": (0, 2), "medium": (0, 5), "hard": (0, 10)}
+CENSUS_DISTRACTORS = 3  # at most this many shapes of pairs not named
 ADD_DIGITS = {"easy": (1, 1), "medium": (2, 3), "hard": (4, 6)}
 CHANGE_FRAMES = 16  # 8 temporal patches: up to 7 changes
 # How often each level is drawn (visual_tasks.LEVELS order).
@@ -111,6 +120,40 @@ def count_changes(rng: np.random.Generator, level: str, answer: int | None) -> S
   )
 
 
+def running_count(items: list[str], counted: list[bool]) -> str:
+  """The items in order, each tagged with the running count of counted ones."""
+  out, n = [], 0
+  for item, count in zip(items, counted):
+    n += count
+    out.append(f"{item}{n}")
+  return " ".join(out)
+
+
+def pair_census(rng: np.random.Generator, level: str, answer: int | None) -> Sample:
+  present = _dealt(answer, "pair_census")
+  lo, hi = CENSUS_PAIRS[level]
+  k = _uniform(rng, (max(lo, present), hi))
+  pairs = [(str(c), str(s)) for c in COLORS for s in SHAPES]
+  order = rng.permutation(len(pairs))
+  named = [pairs[i] for i in order[:k]]
+  others = [pairs[i] for i in order[k:]]
+  shown = [named[i] for i in sorted(rng.permutation(k)[:present])]
+  extra = _uniform(rng, (0, min(CENSUS_DISTRACTORS, GRID * GRID - present)))
+  drawn = shown + [others[i] for i in rng.permutation(len(others))[:extra]]
+  image, draw = visual_tasks.canvas()
+  for (colour, shape), (cx, cy) in zip(drawn, visual_tasks.cells(rng, len(drawn))):
+    draw_shape(draw, shape, colour, cx, cy, 0.36 * CELL)
+  listed = [f"{c} {s}" for c, s in named]
+  return Sample(
+    "pair_census",
+    level,
+    f"How many of these are in the image: {', '.join(listed)}?" + INSTRUCTION,
+    str(present),
+    image=image,
+    solution=running_count(listed, [p in shown for p in named]),
+  )
+
+
 def _sum_range(digits: int) -> tuple[int, int]:
   """The sums of two numbers of `digits` digits (0-9 for one digit)."""
   lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
@@ -171,6 +214,7 @@ def _add_answers(level: str) -> list[int] | None:
 TASKS: dict[str, Task] = {
   "scan_count": Task(lambda level: _range(SCAN_COUNTS[level]), scan_count),
   "count_changes": Task(lambda level: _range(CHANGES[level]), count_changes),
+  "pair_census": Task(lambda level: _range(CENSUS_PRESENT[level]), pair_census),
   "add_columns": Task(_add_answers, add_columns),
 }
 

@@ -91,7 +91,7 @@ def centre(col: int, row: int) -> tuple[float, float]:
   return (col + 0.5) * CELL, (row + 0.5) * CELL
 
 
-def _cells(rng: np.random.Generator, k: int) -> list[tuple[float, float]]:
+def cells(rng: np.random.Generator, k: int) -> list[tuple[float, float]]:
   """Centres of k distinct cells of the GRID x GRID grid, in random order."""
   return [centre(c % GRID, c // GRID) for c in rng.permutation(GRID**2)[:k]]
 
@@ -102,7 +102,7 @@ def count_colour(rng: np.random.Generator, level: str) -> Sample:
   count = int(rng.integers(1, min(3, total - 1) + 1))
   colours = [target] * count + [str(rng.choice(others)) for _ in range(total - count)]
   image, draw = canvas()
-  for c, (cx, cy) in zip(colours, _cells(rng, total)):
+  for c, (cx, cy) in zip(colours, cells(rng, total)):
     draw_shape(draw, str(rng.choice(SHAPES)), c, cx, cy, 0.36 * CELL)
   return Sample(
     "count_colour",
@@ -144,7 +144,7 @@ def bigger(rng: np.random.Generator, level: str) -> Sample:
   sizes = [large, large / ratio] if rng.random() < 0.5 else [large / ratio, large]
   image, draw = canvas()
   shape = str(rng.choice(SHAPES))  # one shape for both: size alone differs
-  for c, r, (cx, cy) in zip((c1, c2), sizes, _cells(rng, 2)):
+  for c, r, (cx, cy) in zip((c1, c2), sizes, cells(rng, 2)):
     draw_shape(draw, shape, c, cx, cy, r)
   return Sample(
     "bigger",
@@ -212,7 +212,7 @@ def colour_of_shape(rng: np.random.Generator, level: str) -> Sample:
   colours = _colours(rng, k)
   kinds = [str(x) for x in rng.permutation(SHAPES)[:k]]
   image, draw = canvas()
-  for c, kind, (cx, cy) in zip(colours, kinds, _cells(rng, k)):
+  for c, kind, (cx, cy) in zip(colours, kinds, cells(rng, k)):
     draw_shape(draw, kind, c, cx, cy, 0.42 * CELL)
   return Sample(
     "colour_of_shape",

@@ -246,6 +246,17 @@ def inter_host_bytes(param_count: int, hosts: int, *, hybrid: bool, remat: bool)
   return collectives * 4 * param_count * (hosts - 1) / hosts
 
 
+def _memory_limit(devices: Sequence[Any]) -> int | None:
+  """One of this process's devices' memory limit (only those report one;
+  every process of a run has the same kind), or None."""
+  mine = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
+  try:
+    stats = mine[0].memory_stats()
+  except jax.errors.JaxRuntimeError:  # a backend without memory statistics
+    return None
+  return (stats or {}).get("bytes_limit")
+
+
 def data_axis(
   data: int,
   param_count: int,
@@ -269,8 +280,7 @@ def data_axis(
   hosts = len({d.process_index for d in devices})
   if hosts == 1:
     return 1
-  stats = devices[0].memory_stats() or {}
-  limit = stats.get("bytes_limit")
+  limit = _memory_limit(devices)
   per_device = STATE_BYTES_PER_PARAM * param_count / (len(devices) // hosts)
   fits = limit is not None and per_device <= headroom * limit
   fsdp_gb, hybrid_gb = (

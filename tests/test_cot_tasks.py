@@ -55,18 +55,20 @@ def test_a_scan_lists_the_shapes_in_reading_order_and_counts_the_named_colour(le
     assert ndimage.label(occupied)[1] == len(seen)  # one shape per cell
 
 
+@pytest.mark.parametrize("task", ["pair_census", "colour_census"])
 @pytest.mark.parametrize("level", visual_tasks.LEVELS)
-def test_a_census_names_each_pair_in_order_and_counts_those_the_image_holds(level):
-  """Read back from the pixels: the colours drawn are the named pairs present
-  and at most CENSUS_DISTRACTORS shapes of pairs not named, and the running
-  count rises exactly at the named pairs whose colour is drawn."""
+def test_a_census_names_each_item_in_order_and_counts_those_the_image_holds(task, level):
+  """Read back from the pixels: the shapes drawn are the named items present
+  and at most CENSUS_DISTRACTORS of items not named, and the running count
+  rises exactly at the named items whose colour is drawn (for colours alone:
+  no named colour that is not counted is drawn)."""
   rng = np.random.default_rng(0)
-  lo, hi = cot_tasks.CENSUS_PAIRS[level]
-  for present in cot_tasks.TASKS["pair_census"].answers(level):
-    s = cot_tasks.draw(rng, "pair_census", level, present)
+  lo, hi = cot_tasks.CENSUS_NAMED[task][level]
+  for present in cot_tasks.TASKS[task].answers(level):
+    s = cot_tasks.draw(rng, task, level, present)
     listed = s.question.split(": ", 1)[1].split("?")[0].split(", ")
     assert lo <= len(listed) <= hi and len(set(listed)) == len(listed)
-    steps = re.findall(r"([a-z]+ [a-z]+)(\d+)", s.solution)
+    steps = re.findall(r"([a-z]+(?: [a-z]+)?)(\d+)", s.solution)
     assert [pair for pair, _ in steps] == listed
     counts = [int(n) for _, n in steps]
     assert counts[-1] == present and s.answer == str(present)
@@ -80,9 +82,11 @@ def test_a_census_names_each_pair_in_order_and_counts_those_the_image_holds(leve
     for row, col in itertools.product(range(visual_tasks.GRID), repeat=2):
       if occupied[row * cell : (row + 1) * cell, col * cell : (col + 1) * cell].any():
         drawn[_colour_at(pixels, row * cell + cell // 2, col * cell + cell // 2)] += 1
-    counted = [pair for (pair, n), before in zip(steps, [0, *counts]) if int(n) > before]
-    for pair in counted:
-      assert drawn[pair.split()[0]] >= 1, (pair, drawn)
+    counted = [item for (item, n), before in zip(steps, [0, *counts]) if int(n) > before]
+    for item in counted:
+      assert drawn[item.split()[0]] >= 1, (item, drawn)
+    if task == "colour_census":
+      assert not set(drawn) & (set(listed) - set(counted)), (listed, counted, drawn)
 
 
 def test_a_clip_lists_its_segments_and_counts_the_changes(tmp_path):

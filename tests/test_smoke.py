@@ -3,8 +3,8 @@
 Fast: each variant's smoke config differs from the variant only in the size
 fields the modifier names, validates on the 8-device test mesh, and a fleet
 variant launches fluxjax's own server with the run's model and limits. Slow:
-`python -m fluxjax.train --config=configs/vlm.py:VARIANT,smoke` for every
-variant end to end, as a user runs it on one CPU device, ending with its
+`python -m fluxjax.train --config=configs/vlm.py:VARIANT,smoke` end to end
+for the variants of `END_TO_END`, as a user runs it on one CPU device, ending with its
 summary: tiny with its SFT warm-up on the embedded engine, the real-shape
 variants through the `python -m fluxjax.rollout.server` process they launch.
 """
@@ -83,8 +83,16 @@ def test_smoke_keeps_every_setting_but_the_sizes(variant, devices):
     assert {k: getattr(args, k) for k in server.VISION_LIMITS} == smoke_cfg.data.vision.to_dict()
 
 
+# End to end, the variants whose shapes differ in kind: the tiny one, 3B (2
+# KV heads under a sequence-parallel degree of 8: KV heads replicated) and
+# 32B (the largest). 7B (4 KV heads at degree 4) is the 32B case at another
+# degree, which test_config's auto-sp table covers; its run (88 s) is left
+# out to keep the suite within its time.
+END_TO_END = ("tiny", "qwen25_vl_3b", "qwen25_vl_32b")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", END_TO_END)
 def test_the_smoke_run_from_the_command_line(variant, tmp_path):
   """The README's user: the CLI on one plain CPU device, 2 RL steps on the
   variant's own rollout path, evaluation at the start and the end, the summary."""

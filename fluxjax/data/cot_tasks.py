@@ -21,6 +21,7 @@ to learn.
                 star1 green square2"), so every step is a copy from the
                 question, a look for that pair and an increment; easy k 2-3,
                 medium 5-7, hard 10-14 (0 .. 10 present).
+  colour_census the same with colours alone (any shape): k 2-3, 4-5, 6-8.
   add_columns   (text, no pixels: the control that learning here needs no
                 vision) the sum of two numbers of d digits: the solution adds
                 column by column from the right, carries written
@@ -54,8 +55,15 @@ from fluxjax.models.tokenizer import COLORS, SHAPES
 SCAN_SHAPES = {"easy": (1, 3), "medium": (4, 8), "hard": (9, GRID * GRID)}
 SCAN_COUNTS = {"easy": (1, 3), "medium": (1, 4), "hard": (1, 6)}
 CHANGES = {"easy": (1, 2), "medium": (3, 4), "hard": (5, 7)}
-CENSUS_PAIRS = {"easy": (2, 3), "medium": (5, 7), "hard": (10, 14)}
-CENSUS_PRESENT = {"easy": (0, 2), "medium": (0, 5), "hard": (0, 10)}
+# Named items and how many of them are present, per level.
+CENSUS_NAMED = {
+  "pair_census": {"easy": (2, 3), "medium": (5, 7), "hard": (10, 14)},
+  "colour_census": {"easy": (2, 3), "medium": (4, 5), "hard": (6, 8)},
+}
+CENSUS_PRESENT = {
+  "pair_census": {"easy": (0, 2), "medium": (0, 5), "hard": (0, 10)},
+  "colour_census": {"easy": (0, 2), "medium": (0, 4), "hard": (0, 6)},
+}
 CENSUS_DISTRACTORS = 3  # at most this many shapes of pairs not named
 ADD_DIGITS = {"easy": (1, 1), "medium": (2, 3), "hard": (4, 6)}
 CHANGE_FRAMES = 16  # 8 temporal patches: up to 7 changes
@@ -129,29 +137,44 @@ def running_count(items: list[str], counted: list[bool]) -> str:
   return " ".join(out)
 
 
-def pair_census(rng: np.random.Generator, level: str, answer: int | None) -> Sample:
-  present = _dealt(answer, "pair_census")
-  lo, hi = CENSUS_PAIRS[level]
+def _census(
+  rng: np.random.Generator,
+  task: str,
+  level: str,
+  answer: int | None,
+  items: list[tuple[str, str | None]],
+) -> Sample:
+  """k of `items` (colour, shape or None: any shape) named, `answer` of them drawn."""
+  present = _dealt(answer, task)
+  lo, hi = CENSUS_NAMED[task][level]
   k = _uniform(rng, (max(lo, present), hi))
-  pairs = [(str(c), str(s)) for c in COLORS for s in SHAPES]
-  order = rng.permutation(len(pairs))
-  named = [pairs[i] for i in order[:k]]
-  others = [pairs[i] for i in order[k:]]
+  order = rng.permutation(len(items))
+  named = [items[i] for i in order[:k]]
+  others = [items[i] for i in order[k:]]
   shown = [named[i] for i in sorted(rng.permutation(k)[:present])]
-  extra = _uniform(rng, (0, min(CENSUS_DISTRACTORS, GRID * GRID - present)))
+  extra = _uniform(rng, (0, min(CENSUS_DISTRACTORS, len(others), GRID * GRID - present)))
   drawn = shown + [others[i] for i in rng.permutation(len(others))[:extra]]
   image, draw = visual_tasks.canvas()
   for (colour, shape), (cx, cy) in zip(drawn, visual_tasks.cells(rng, len(drawn))):
-    draw_shape(draw, shape, colour, cx, cy, 0.36 * CELL)
-  listed = [f"{c} {s}" for c, s in named]
+    draw_shape(draw, shape or str(rng.choice(SHAPES)), colour, cx, cy, 0.36 * CELL)
+  listed = [" ".join(x for x in item if x) for item in named]
   return Sample(
-    "pair_census",
+    task,
     level,
     f"How many of these are in the image: {', '.join(listed)}?" + INSTRUCTION,
     str(present),
     image=image,
     solution=running_count(listed, [p in shown for p in named]),
   )
+
+
+def pair_census(rng: np.random.Generator, level: str, answer: int | None) -> Sample:
+  pairs: list[tuple[str, str | None]] = [(str(c), str(s)) for c in COLORS for s in SHAPES]
+  return _census(rng, "pair_census", level, answer, pairs)
+
+
+def colour_census(rng: np.random.Generator, level: str, answer: int | None) -> Sample:
+  return _census(rng, "colour_census", level, answer, [(str(c), None) for c in COLORS])
 
 
 def _sum_range(digits: int) -> tuple[int, int]:
@@ -214,7 +237,10 @@ def _add_answers(level: str) -> list[int] | None:
 TASKS: dict[str, Task] = {
   "scan_count": Task(lambda level: _range(SCAN_COUNTS[level]), scan_count),
   "count_changes": Task(lambda level: _range(CHANGES[level]), count_changes),
-  "pair_census": Task(lambda level: _range(CENSUS_PRESENT[level]), pair_census),
+  "pair_census": Task(lambda level: _range(CENSUS_PRESENT["pair_census"][level]), pair_census),
+  "colour_census": Task(
+    lambda level: _range(CENSUS_PRESENT["colour_census"][level]), colour_census
+  ),
   "add_columns": Task(_add_answers, add_columns),
 }
 

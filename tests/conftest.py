@@ -153,14 +153,16 @@ _LONGEST_FIRST = (
   "test_smoke.py",
   "test_multiprocess.py",
   "test_grpo_learning.py",
+  "test_fleet_multiprocess.py",
   "test_notebook.py",
   "test_stream_trainer.py",
   "test_strategies.py",
   "test_faults.py",
-  "test_train_loop.py",
+  "test_launch.py",
   "test_strategy_swap.py",
   "test_sft.py",
   "test_preemption.py",
+  "test_weight_deltas.py",
 )
 
 

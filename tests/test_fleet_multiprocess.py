@@ -21,6 +21,9 @@ FLEET = {
   "rollout.tail_batching.eta": 1.5,
   "rollout.embedded_devices": 0,
   "rl.kl_coef": 0.0,
+  # The reward has signal from the first step; the warm-up's publishes are
+  # the RL steps' kind.
+  "sft.enabled": False,
 }
 
 
@@ -31,7 +34,7 @@ def test_two_processes_on_a_fleet_survive_a_follower_killed_mid_step(tmp_path):
   follower SIGKILLed mid-step stops the run, its servers and router with
   it; the restart resumes from the checkpoint, and every step trains P
   prompts no step trained before."""
-  steps, workdir = 5, tmp_path / "fleet"
+  steps, workdir = 4, tmp_path / "fleet"
   command = [
     a.replace("configs/vlm.py", "configs/vlm.py:fleet")
     for a in runs.two(workdir, total_steps=steps, **FLEET)

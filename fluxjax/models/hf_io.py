@@ -460,7 +460,7 @@ def _failed_writers(own: _OwnFiles, writers: int) -> tuple[list[int], bool]:
   if writers > 1:
     from jax.experimental import multihost_utils
 
-    flags = np.asarray(multihost_utils.process_allgather(flags)).reshape(-1, 2)
+    flags = np.asarray(multihost_utils.process_allgather(flags))
   flags = flags.reshape(-1, 2)
   return [int(i) for i in np.flatnonzero(flags[:, 0])], bool(flags[:, 1].any())
 

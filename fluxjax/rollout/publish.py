@@ -261,6 +261,7 @@ async def publish_distributed(fleet, model: vlm.Qwen25VL, version: int | str) ->
   # process takes part in (`take_part`): a publish that sends none or only
   # some of them still runs them all (the `finally` below, `send`'s finish).
   tensors = (x for _, x in hf_io.hf_tensors(model, protocol.PUBLISHED_DTYPE))
+  spans = hf_io.spans_processes(model)
 
   async def broadcast(servers):
     nonlocal sent, join_s
@@ -273,7 +274,7 @@ async def publish_distributed(fleet, model: vlm.Qwen25VL, version: int | str) ->
     if fleet.weight_group is None:
       return [r if isinstance(r, Exception) else RuntimeError("group not made") for r in joined]
     group, timeout = fleet.weight_group.group, fleet.weight_group_timeout_s
-    send = functools.partial(weight_group.send, finish=hf_io.spans_processes(model))
+    send = functools.partial(weight_group.send, finish=spans)
     mine = asyncio.get_running_loop().run_in_executor(None, send, group, tensors)
     results = await fleet.broadcast(
       lambda c: c.update_weights_from_distributed(update, timeout), servers
@@ -287,7 +288,7 @@ async def publish_distributed(fleet, model: vlm.Qwen25VL, version: int | str) ->
   try:
     seconds, failed = await fleet.update_weights_with(broadcast, str(version))
   finally:
-    if hf_io.spans_processes(model):
+    if spans:
       await asyncio.get_running_loop().run_in_executor(None, collections.deque, tensors, 0)
   seconds["join"] = join_s
   return PublishReport(str(version), None, seconds, failed, sent_bytes=sent)

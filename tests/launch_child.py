@@ -66,7 +66,7 @@ def distributed_sum(flags: dict[str, str]) -> None:
   import numpy as np
 
   start_distributed(flags)
-  mesh = jax.make_mesh((4,), ("x",))
+  mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))  # as fluxjax's
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
   values = np.arange(SUM_SIZE, dtype=np.float32)
   array = jax.make_array_from_callback((SUM_SIZE,), sharding, lambda index: values[index])
@@ -101,7 +101,8 @@ def leader_channel(array) -> None:
   # The gather is a collective: once it is done on the leader, the follower
   # has read both ops (as a run's leader forgets after an update).
   local = jax.sharding.SingleDeviceSharding(multihost.leader_devices()[0])
-  gathered = multihost.gather_to_leader({"x": array}, {"x": local})
+  # Runs of 6 float32 rows (24 bytes): 6, 6 and 4 of the 16.
+  gathered = multihost.gather_to_leader({"x": array}, {"x": local}, chunk_bytes=24)
   if not multihost.is_leader():
     assert gathered is None
     return

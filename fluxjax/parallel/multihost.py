@@ -16,14 +16,16 @@ inside a gloo/NCCL collective that could time out. Payloads are pickled (the
 ops carry metadata and per-token arrays, never pixels: each process decodes
 its own devices' media) and split into chunks the gRPC service accepts.
 
-`gather_to_leader` brings a sharded tree whole to the leader's host: how the
-leader's rollout engine gets its own copy of the weights (rollout programs
-are process-local, so they need no cross-process ordering).
+`gather_to_leader` brings a sharded tree whole to the leader's host, a run of
+rows at a time: how the leader's rollout engine gets its own copy of the
+weights (rollout programs are process-local, so they need no cross-process
+ordering).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import pickle
@@ -142,29 +144,61 @@ def fail_fast() -> Iterator[None]:
     os._exit(1)
 
 
-def gather_to_leader(tree, shardings):
+GATHER_CHUNK_BYTES = 64 << 20  # what `gather_to_leader` brings every host at once
+
+
+def gather_to_leader(tree, shardings, chunk_bytes: int = GATHER_CHUNK_BYTES):
   """A copy of a sharded tree placed with `shardings` on the leader's devices.
 
   Collective: every process calls it, with the same tree structure, in the
-  same order. One leaf at a time is gathered to host memory and placed, so
-  the host holds at most one whole tensor.
+  same order. Each leaf is gathered in runs of rows (its leading axis: a
+  stacked leaf's layers) of at most `chunk_bytes` (one row if a row is
+  larger): the leader fills its host copy of the leaf run by run and places
+  it; the other processes hold one run at a time and drop it.
 
   Args:
     tree: jax.Arrays sharded over the global mesh.
     shardings: a tree like `tree` of shardings on leader devices only.
+    chunk_bytes: the most one gather brings each host.
 
   Returns:
     On the leader the placed copy; None on every other process.
   """
-  from jax.experimental import multihost_utils
-
   flat_shardings = jax.tree.leaves(shardings)
   leaves, treedef = jax.tree.flatten(tree)
   if len(flat_shardings) != len(leaves):
     raise ValueError(f"{len(flat_shardings)} shardings for {len(leaves)} arrays")
   placed = []
   for leaf, sharding in zip(leaves, flat_shardings):
-    host = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    host = _gather_rows(leaf, chunk_bytes)
     if is_leader():
       placed.append(jax.device_put(host, sharding))
   return jax.tree.unflatten(treedef, placed) if is_leader() else None
+
+
+def _gather_rows(leaf: jax.Array, chunk_bytes: int) -> np.ndarray | None:
+  """`leaf` whole on the leader's host (None elsewhere), gathered in runs of rows."""
+  if leaf.ndim == 0:
+    from jax.experimental import multihost_utils
+
+    host = np.asarray(multihost_utils.process_allgather(leaf))
+    return host if is_leader() else None
+  rows = leaf.shape[0]
+  run = max(1, chunk_bytes // max(1, leaf.nbytes // max(rows, 1)))
+  mesh = getattr(leaf.sharding, "mesh", None)
+  if mesh is None:
+    raise TypeError(f"gather_to_leader needs NamedSharding arrays, got {leaf.sharding}")
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  out = np.empty(leaf.shape, leaf.dtype) if is_leader() else None
+  for start in range(0, rows, run):
+    size = min(run, rows - start)
+    part = _row_run(leaf, start, size, replicated)  # on every device: read a local copy
+    if out is not None:
+      out[start : start + size] = np.asarray(part.addressable_data(0))
+  return out
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _row_run(x: jax.Array, start, size: int, replicated) -> jax.Array:
+  """Rows [start, start + size) of `x`, replicated (`x` on a mesh of Auto axes)."""
+  return jax.lax.with_sharding_constraint(jax.lax.dynamic_slice_in_dim(x, start, size), replicated)

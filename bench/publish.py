@@ -26,7 +26,9 @@ Before each publish every fp32 weight moves by +-lr (`--lr`, 1e-6 as in RL
 post-training of 7B models: the share of bf16 elements that change follows
 from it), so the deltas are what one optimizer step leaves.
 
-Per transport: seconds the trainer is blocked (the publish call), seconds the
+Per transport: seconds the trainer is blocked (the publish call), and for the
+disk transports deferred as a run publishes (`rollout.defer_updates`: the
+call returns once the folder is written, so the write phase), seconds the
 servers are paused (pause through update), bytes written to disk (the delta
 among them), bytes the trainer broadcast, how many updates each server read
 as a delta, and the largest peak RSS growth of every trainer process and
@@ -189,6 +191,7 @@ async def _publishes(fleet, model, transport: str, args, pids: list[int]) -> dic
     rows.append(
       {
         "blocked_s": blocked,
+        "deferred_blocked_s": s.get("write", blocked),
         "paused_s": s["pause"] + s["flush"] + s["update"],
         "seconds": s,
         "written_bytes": _folder_bytes(report.path) if report.path else 0,
@@ -357,9 +360,11 @@ def projection(args) -> list[dict]:
             "servers": servers,
             "disk_blocked_s": gather + write + read,
             "disk_paused_s": read,
+            "disk_deferred_blocked_s": gather + write,
             "disk_extra_bytes_per_host": largest[name],
             "delta_blocked_s": gather + write + base + delta_write + delta_read,
             "delta_paused_s": delta_read,
+            "delta_deferred_blocked_s": gather + write + base + delta_write,
             "distributed_blocked_s": gather + send,
             "distributed_paused_s": send,
             "distributed_extra_bytes_per_host": largest[name],
@@ -374,14 +379,15 @@ def _print_result(r: dict) -> None:
     f"process(es), {r['servers']} servers"
   )
   print(
-    "| transport | blocked s | paused s | written MB | delta MB | sent MB "
+    "| transport | blocked s | deferred blocked s | paused s | written MB | delta MB | sent MB "
     "| trainer peak +MB per process | server peak +MB | deltas applied |"
   )
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   med = {}
   for t in TRANSPORTS:
     rows = r[t]["rows"]
-    med[t] = {k: float(np.median([x[k] for x in rows])) for k in ("blocked_s", "paused_s")}
+    keys = ("blocked_s", "deferred_blocked_s", "paused_s")
+    med[t] = {k: float(np.median([x[k] for x in rows])) for k in keys}
     growth = dict(r[t]["peak_rss_growth_bytes"])
     trainers = {k: growth.pop(k) for k in list(growth) if k == "self" or k.startswith("p")}
     mine = " / ".join(f"{v / 1e6:.0f}" for _, v in sorted(trainers.items()))
@@ -389,10 +395,11 @@ def _print_result(r: dict) -> None:
     written, sent = rows[0]["written_bytes"] / 1e6, rows[0]["sent_bytes"] / 1e6
     delta = rows[0]["delta_bytes"] / 1e6
     print(
-      f"| {t} | {med[t]['blocked_s']:.3f} | {med[t]['paused_s']:.3f} | {written:.1f} | "
+      f"| {t} | {med[t]['blocked_s']:.3f} | {med[t]['deferred_blocked_s']:.3f} | "
+      f"{med[t]['paused_s']:.3f} | {written:.1f} | "
       f"{delta:.2f} | {sent:.1f} | {mine} | {theirs:.0f} | {r[t]['deltas_applied']} |"
     )
-  for k in ("blocked_s", "paused_s"):
+  for k in ("blocked_s", "deferred_blocked_s", "paused_s"):
     print(
       f"  {k}: distributed / disk = {med['distributed'][k] / med['disk'][k]:.2f}, "
       f"disk_delta / disk = {med['disk_delta'][k] / med['disk'][k]:.2f}"
@@ -436,15 +443,16 @@ def main() -> None:
   proj = projection(args)
   print("\ncost model (seconds; --net-gbps etc.):")
   print(
-    "| model | hosts | servers | disk blocked | disk paused | delta blocked | delta paused "
-    "| dist blocked | dist paused |"
+    "| model | hosts | servers | disk blocked | deferred | disk paused | delta blocked "
+    "| deferred | delta paused | dist blocked | dist paused |"
   )
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   for row in proj:
     if row["servers"] in (1, 8) and row["hosts"] in (1, 4, 16):
       print(
         f"| {row['model']} | {row['hosts']} | {row['servers']} | {row['disk_blocked_s']:.1f} | "
-        f"{row['disk_paused_s']:.1f} | {row['delta_blocked_s']:.1f} | "
+        f"{row['disk_deferred_blocked_s']:.1f} | {row['disk_paused_s']:.1f} | "
+        f"{row['delta_blocked_s']:.1f} | {row['delta_deferred_blocked_s']:.1f} | "
         f"{row['delta_paused_s']:.2f} | {row['distributed_blocked_s']:.2f} | "
         f"{row['distributed_paused_s']:.2f} |"
       )

@@ -304,6 +304,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # SGLang and servers that missed a version read the folder. Costs the
   # trainer a read of its previous files per publish.
   c.rollout.weight_deltas = True
+  # With "disk", a publish returns once the folder is written and the servers
+  # load it while the trainer goes on (the coordinator waits for it before the
+  # next publish and before an evaluation); False: the trainer waits too.
+  c.rollout.defer_updates = True
   c.rollout.weight_group_backend = v.weight_group_backend
   c.rollout.weight_group_address = ""
   c.rollout.weight_group_timeout_s = 600.0

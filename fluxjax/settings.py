@@ -208,6 +208,7 @@ class Rollout:
   seeded: bool
   weight_sync: str
   weight_deltas: bool
+  defer_updates: bool
   weight_group_backend: str
   weight_group_address: str
   weight_group_timeout_s: float

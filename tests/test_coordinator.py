@@ -8,6 +8,7 @@ real reward worker): nothing here compiles a train step. The loop tests
 parts.
 """
 
+import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -416,6 +417,44 @@ def test_refused_updates_publish_nothing_and_too_many_in_a_row_stop(parts, caplo
     with pytest.raises(train_step.NonFiniteError, match="2 updates in a row"):
       c.step()
     assert c.get_state()[0]["faults"]["nonfinite_steps"] == 3
+
+
+def test_a_deferred_publish_opens_admission_when_its_servers_are_done(coord):
+  """A backend that defers its servers' part: `publish` returns at once with
+  the version moved on, admission stays on the previous version until the
+  servers are done, and the next publish (or `settle_publish`) waits for them
+  and counts a final report that reached no server."""
+  c, backend = coord
+  written = backend.publish
+  gates: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+  finals = iter([True, False])  # whether each deferred publish reaches a server
+
+  async def publish(model, version):
+    gate = asyncio.Event()
+    gates.append((asyncio.get_running_loop(), gate))
+    reaches = next(finals)
+
+    async def load():
+      await gate.wait()
+      if reaches:
+        return await written(model, version)
+      return PublishReport(str(version), None, {"write": 0.0}, ["server: refused"])
+
+    pending = asyncio.create_task(load())
+    return PublishReport(str(version), "folder", {"write": 0.0}, [], pending=pending)
+
+  backend.publish = publish
+  c.publish()
+  assert c.version == 1 and c._producer.version == 0 and backend.published == []
+  loop, gate = gates[0]
+  loop.call_soon_threadsafe(gate.set)
+  c.settle_publish()
+  assert c._producer.version == 1 and [v for _, v in backend.published] == [1]
+  c.publish()
+  loop.call_soon_threadsafe(gates[1][1].set)
+  c.settle_publish()
+  assert c._producer.version == 2 and [v for _, v in backend.published] == [1]
+  assert c.fault_counts()["faults/unwritten_publishes_total"] == 1.0
 
 
 def test_publishes_whose_write_failed_are_counted_and_too_many_stop(coord, parts):

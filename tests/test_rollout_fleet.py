@@ -104,6 +104,32 @@ def test_publish_reaches_every_server(launched, tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["v6", "v7"]
 
 
+def test_a_deferred_publish_returns_before_the_servers_load_it(launched, tmp_path):
+  """`defer`: the publish returns once the folder is written, while the
+  servers cannot start loading it (the fleet's update lock is held, as by a
+  rejoin); they serve the previous version until the lock is let go, then
+  the pending task loads it everywhere and its report is the final one."""
+  model = random_model(4)
+
+  async def go():
+    async with fleet_lib.Fleet(launched.urls) as fleet:
+      await publish.publish_to_fleet(fleet, model, str(tmp_path), 1, dtype="float32")
+      async with fleet._control:
+        early = await publish.publish_to_fleet(
+          fleet, model, str(tmp_path), 2, dtype="float32", defer=True
+        )
+        during = await fleet.refresh_versions()
+      final = await early.pending
+      return early, during, final, await fleet.refresh_versions()
+
+  early, during, final, after = asyncio.run(go())
+  assert set(early.seconds) == {"write"} and not early.failed
+  assert early.path == final.path and os.path.isdir(final.path)
+  assert set(during.values()) == {"1"} and set(after.values()) == {"2"}
+  assert {"write", "pause", "update", "resume"} <= set(final.seconds) and not final.failed
+  assert final.pending is None
+
+
 def test_publish_mid_round_continues_every_response_under_the_new_weights(launched, tmp_path):
   """The pause aborts in-flight responses; their continuations, sent at once
   as partial-rollout recycling does, wait in the paused servers instead of

@@ -177,6 +177,7 @@ class Coordinator:
     # whose update made a policy non-finite.
     self._version_steps: dict[str, int] = {}
     self._unwritten = self.faults.streak("unwritten_publishes")  # reached no server
+    self._pending_publish: asyncio.Task | None = None  # a deferred publish's servers
     self._started = False
     # Every backend call runs on the rollout thread's loop (a fleet's HTTP
     # session belongs to one loop); rounds start only with `start()`.
@@ -368,6 +369,7 @@ class Coordinator:
     if train.get("nonfinite", 0.0) < 1.0:  # some update of the step applied
       t_publish = self.publish()
     else:
+      self.settle_publish()
       self._producer.set_version(self._version, self._steps)  # admission counts the step
     self._consumed.update(k.sample.uid for k in kept)
     self._done_with(kept)
@@ -444,9 +446,11 @@ class Coordinator:
     from flax import nnx
 
     # An embedded engine gets its own buffers: the next update donates the
-    # trainer's, while rollout goes on sampling from these. A fleet has been
-    # sent the weights when the publish returns.
+    # trainer's, while rollout goes on sampling from these. A fleet has read
+    # the trainer's when the publish returns; with a deferred publish its
+    # servers may still be loading them, and admission opens when they are done.
     t = time.perf_counter()
+    self.settle_publish()
     params = self._policy.stage(self._version + int(new_version))
     if params is None:
       raise RuntimeError("the coordinator runs on the leader, which receives the staged weights")
@@ -455,11 +459,26 @@ class Coordinator:
     self._version_steps[str(self._version)] = self._steps
     model = nnx.merge(self.graphdef, params)
     report = self._producer.call(self._rollout.publish(model, self._version))
-    if report.failed:
-      log.warning("weight update %d failed on %s", self._version, report.failed)
-    self._check_written(report)
-    self._producer.set_version(self._version, self._steps)
+    if report.pending is None:
+      self._published(report)
+      self._producer.set_version(self._version, self._steps)
+    else:  # the servers load the written folder while training goes on
+      version, steps = self._version, self._steps
+      report.pending.add_done_callback(lambda _: self._producer.set_version(version, steps))
+      self._pending_publish = report.pending
     return time.perf_counter() - t
+
+  def settle_publish(self) -> None:
+    """Waits for a deferred publish's servers to load it (see `publish`)."""
+    pending, self._pending_publish = self._pending_publish, None
+    if pending is not None:
+      self._published(self._producer.call(_result(pending)))
+
+  def _published(self, report: PublishReport) -> None:
+    """What a publish reached: failures logged; too many unwritten raise."""
+    if report.failed:
+      log.warning("weight update %s failed on %s", report.version, report.failed)
+    self._check_written(report)
 
   @staticmethod
   def _broken_by(steps: int | None, version: str) -> str:
@@ -514,7 +533,7 @@ class Coordinator:
     if self._unwritten.fail():
       raise RuntimeError(
         f"{self._unwritten.in_a_row} weight publishes in a row reached no server"
-        f" (last, version {self._version}: {report.failed[0]}); the fleet still serves"
+        f" (last, version {report.version}: {report.failed[0]}); the fleet still serves"
         " an older policy. Free the disk under the run's weights folder and resume."
       )
 
@@ -526,6 +545,7 @@ class Coordinator:
     Outside the training stream: no admission, no rewards, nothing trained.
     For evaluation, and for looking at a group by hand (notebooks/grpo.ipynb).
     """
+    self.settle_publish()  # sampled from the latest version
     return self._producer.call(self._responses(samples, responses, greedy=greedy))
 
   def evaluate(self, samples: Sequence[meta_lib.SampleMeta]) -> dict[str, float]:
@@ -613,10 +633,17 @@ class Coordinator:
 
     The backend stays open: its owner closes it (after this).
     """
-    self._producer.stop()
+    try:
+      self.settle_publish()
+    finally:
+      self._producer.stop()
 
   def __enter__(self) -> Coordinator:
     return self
 
   def __exit__(self, *exc: object) -> None:
     self.close()
+
+
+async def _result(task: asyncio.Task):
+  return await task

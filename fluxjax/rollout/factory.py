@@ -147,6 +147,7 @@ def make_backend(
     weights_root=weights_root,
     weight_sync=str(cfg.weight_sync),
     weight_deltas=bool(cfg.weight_deltas),
+    defer_updates=bool(cfg.defer_updates),
     weight_group_backend=str(cfg.weight_group_backend),
     weight_group_address=str(cfg.weight_group_address),
     weight_group_timeout_s=float(cfg.weight_group_timeout_s),

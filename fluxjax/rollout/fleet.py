@@ -102,6 +102,8 @@ class Fleet:
     weight_sync: "disk" or "distributed" (`publish`).
     weight_deltas: with "disk", each folder also holds its changes from the
       previous one, which servers at that version (ours) load instead.
+    defer_updates: with "disk", `publish` returns once the folder is
+      written; the servers load it in `PublishReport.pending`.
   """
 
   def __init__(
@@ -116,6 +118,7 @@ class Fleet:
     vision_limits: Mapping[str, int] | None = None,
     weight_sync: str = "disk",
     weight_deltas: bool = False,
+    defer_updates: bool = False,
     weight_group_backend: str = "gloo",
     weight_group_address: str = "",
     weight_group_timeout_s: float = 600.0,
@@ -130,6 +133,7 @@ class Fleet:
       raise ValueError(f"weight_sync {weight_sync!r}: choose one of {WEIGHT_SYNCS}")
     self.weight_sync = weight_sync
     self.weight_deltas = weight_deltas
+    self.defer_updates = defer_updates
     self.weight_group_backend = weight_group_backend
     self.weight_group_address = weight_group_address
     self.weight_group_timeout_s = weight_group_timeout_s
@@ -175,7 +179,13 @@ class Fleet:
     if self.weight_sync == "distributed":
       return await publish.publish_distributed(self, model, version)
     return await publish.publish_to_fleet(
-      self, model, self.weights_root, version, dtype=self.weights_dtype, deltas=self.weight_deltas
+      self,
+      model,
+      self.weights_root,
+      version,
+      dtype=self.weights_dtype,
+      deltas=self.weight_deltas,
+      defer=self.defer_updates,
     )
 
   async def __aenter__(self) -> Self:

@@ -12,7 +12,13 @@ Remote servers (ours or SGLang) get the refit sequence slime and AReaL use:
   update  POST /update_weights_from_disk {model_path, weight_version};
   resume  POST /continue_generation, on every server that was paused.
 Each phase is timed across the fleet (the slowest server counts);
-`Fleet.update_weights` runs the sequence.
+`Fleet.update_weights` runs the sequence. Deferred (`defer`, the trainer's
+default), the publish returns once the folder is written and the servers load
+it while the trainer goes on with the next step: the trainer is blocked for
+the write alone. The distributed transport is not deferred: it reads the
+trainer's arrays one layer tensor at a time while it sends, so the next
+update must wait for it (holding a bf16 copy to send later would cost the
+whole model in memory).
 
 A write that fails (a full disk) ends the publish before any server hears of
 it: the fleet keeps serving the previous version, whose folder is untouched,
@@ -58,6 +64,10 @@ class PublishReport:
     failed: what failed: servers (marked down, refit when they rejoin) or
       the write.
     sent_bytes: bytes the trainer broadcast (the distributed transport).
+    pending: the servers' part of a deferred publish, still running on the
+      rollout loop: a task whose result is the publish's final report (this
+      one then says only what the trainer was blocked for); None when this
+      report is final.
   """
 
   version: str
@@ -65,6 +75,7 @@ class PublishReport:
   seconds: dict[str, float]
   failed: list[str]
   sent_bytes: int = 0
+  pending: asyncio.Task | None = None
 
 
 def write_checkpoint(
@@ -150,6 +161,7 @@ async def publish_to_fleet(
   pause_mode: str = "abort",
   extra_files: Mapping[str, str | bytes] | None = None,
   deltas: bool = False,
+  defer: bool = False,
 ) -> PublishReport:
   """Writes the checkpoint, then pause -> flush -> update -> continue everywhere.
 
@@ -162,6 +174,8 @@ async def publish_to_fleet(
     pause_mode: SGLang's pause mode.
     extra_files: copied into the folder (default: the shipped tokenizer.json).
     deltas: also write the changes from the previous version (`write_checkpoint`).
+    defer: return once the folder is written (the trainer's arrays are read):
+      the servers load it in a task, `PublishReport.pending`.
 
   Returns:
     The report, with seconds per phase and what failed: servers (marked
@@ -180,10 +194,17 @@ async def publish_to_fleet(
     return PublishReport(str(version), None, {"write": time.perf_counter() - t}, [f"write: {e}"])
   write_s = time.perf_counter() - t
   previous = fleet.published
-  seconds, failed = await fleet.update_weights(path, str(version), pause_mode=pause_mode)
-  keep = {path} | ({previous[1]} if previous is not None else set())
-  await asyncio.get_running_loop().run_in_executor(None, remove_old_versions, root, keep)
-  return PublishReport(str(version), path, {"write": write_s, **seconds}, failed)
+
+  async def load() -> PublishReport:
+    seconds, failed = await fleet.update_weights(path, str(version), pause_mode=pause_mode)
+    keep = {path} | ({previous[1]} if previous is not None else set())
+    await asyncio.get_running_loop().run_in_executor(None, remove_old_versions, root, keep)
+    return PublishReport(str(version), path, {"write": write_s, **seconds}, failed)
+
+  if not defer:
+    return await load()
+  pending = asyncio.create_task(load())
+  return PublishReport(str(version), path, {"write": write_s}, [], pending=pending)
 
 
 @dataclasses.dataclass

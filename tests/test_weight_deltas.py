@@ -76,6 +76,11 @@ def test_a_folder_carries_its_changes_from_the_previous_version(tmp_path):
     np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()).astype(BF16))
   # Applied to v1's tensors, the delta gives v2's, bit for bit.
   before, after = hf_io.TensorIndex(v1), hf_io.TensorIndex(v2)
+  # The delta writer's positioned reads give the memory-mapped bytes.
+  unmapped = hf_io.TensorIndex(v1, mapped=False)
+  for name in before.where:
+    np.testing.assert_array_equal(unmapped.read(name), before.read(name), err_msg=name)
+    assert unmapped.read(name).dtype == before.read(name).dtype
   changed = dict(hf_delta.apply(v2, before.read, after.read))
   assert changed and set(changed) <= set(after.where)
   for name in after.where:

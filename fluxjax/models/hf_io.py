@@ -143,9 +143,16 @@ class TensorIndex:
 
   Opening checks each file's header and that its data covers the header's
   tensors (safetensors does), so a missing or truncated file fails here.
+  `mapped=False` reads each tensor with one positioned read instead of
+  through safetensors' memory map, whose touched pages stay resident while
+  the index is open: for reading a folder once, a tensor at a time, in
+  bounded memory (the delta writer's pass over the previous version).
   """
 
-  def __init__(self, folder: str):
+  def __init__(self, folder: str, mapped: bool = True):
+    self._folder = folder
+    self._mapped = mapped
+    self._headers: dict[str, tuple[int, dict]] = {}
     index_file = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index_file):
       with open(index_file) as f:
@@ -182,10 +189,34 @@ class TensorIndex:
     if name not in self.where:
       raise KeyError(f"checkpoint has no tensor {name!r}")
     file, raw = self.where[name]
+    if not self._mapped:
+      return _read_unmapped(os.path.join(self._folder, file), raw, self._headers)
     try:
       return self._handles[file].get_tensor(raw)
     except SafetensorError as e:
       raise CheckpointFormatError(f"{file}: tensor {raw}: {e}") from e
+
+
+_NUMPY_OF_SAFETENSORS = {v: np.dtype(_DTYPES[k]) for k, v in _SAFETENSORS_DTYPES.items()}
+
+
+def _read_unmapped(path: str, name: str, headers: dict) -> np.ndarray:
+  """One tensor of a safetensors file, by a positioned read of its bytes
+  (`headers`: path -> (data offset, header), filled on first use)."""
+  with open(path, "rb") as f:
+    if path not in headers:
+      (size,) = struct.unpack("<Q", f.read(8))
+      headers[path] = 8 + size, json.loads(f.read(size))
+    data_start, header = headers[path]
+    entry = header[name]
+    start, end = entry["data_offsets"]
+    dtype = _NUMPY_OF_SAFETENSORS.get(entry["dtype"])
+    if dtype is None:
+      raise CheckpointFormatError(f"{path}: tensor {name} is {entry['dtype']}, not a float")
+    data = os.pread(f.fileno(), end - start, data_start + start)
+  if len(data) != end - start:
+    raise CheckpointFormatError(f"{path}: tensor {name} is cut short")
+  return np.frombuffer(data, dtype).reshape(entry["shape"])
 
 
 def _check_whole(
@@ -665,7 +696,7 @@ def _write_own_files(
       continue
     if delta_base is not None and out.delta_failure is None:
       try:
-        base = base or TensorIndex(delta_base)
+        base = base or TensorIndex(delta_base, mapped=False)
         delta.update(hf_delta.entries(name, tensor, base.read(name)))
         if writer.done:
           hf_delta.write_file(folder, file.name, delta)

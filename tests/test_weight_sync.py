@@ -139,3 +139,31 @@ def test_a_malformed_group_request_is_refused_before_any_rendezvous(servers):
         )
 
   asyncio.run(go())
+
+
+def test_a_server_that_missed_a_broadcast_stays_out_until_the_next_one(servers):
+  """Down during a broadcast update (nothing on disk to refit it from), a
+  server that answers /health again still serves the version before it: it
+  is kept out of generation until the next broadcast, which takes it in and
+  brings it straight to the newest version."""
+  first, second, third = random_model(6), random_model(7), random_model(8)
+
+  async def go():
+    async with fleet_lib.Fleet(
+      servers.urls, weight_sync="distributed", weight_group_timeout_s=60, health_interval_s=600
+    ) as fleet:
+      await fleet.publish(first, 11)
+      late = fleet.servers[1]
+      fleet._mark_down(late, "test: down during the next update")
+      missed = await fleet.publish(second, 12)
+      health = await fleet.check_health()
+      served = await late.client.weight_version()
+      kept_out = (late.healthy, late.awaiting_update)
+      caught_up = await fleet.publish(third, 13)
+      return missed, health, served, kept_out, caught_up, await fleet.refresh_versions(), late
+
+  missed, health, served, kept_out, caught_up, versions, late = asyncio.run(go())
+  assert not missed.failed and missed.sent_bytes > 0
+  assert health == [True, False] and served == "11" and kept_out == (False, True)
+  assert not caught_up.failed and set(versions.values()) == {"13"}
+  assert late.healthy and not late.awaiting_update

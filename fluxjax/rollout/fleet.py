@@ -11,7 +11,9 @@ A server that fails (connection refused or reset, 5xx) is marked down, its
 groups are re-homed, and the request is retried from scratch elsewhere. A
 background task re-checks `/health` and brings servers back; one that missed a
 weight update (down during it, or restarted) is first refit to the last
-published version, so no server rejoins with stale weights.
+published folder, or, with broadcast updates (nothing on disk to refit
+from), kept out until the next broadcast brings it to the newest version,
+so no server rejoins with stale weights.
 
 `Fleet` implements `backend.RolloutBackend`: a new policy version is
 published as a versioned HF folder under `weights_root` that every server
@@ -60,6 +62,8 @@ class ServerState:
   inflight: set = dataclasses.field(default_factory=set)
   weight_version: str | None = None
   completed: int = 0
+  # Back after missing a broadcast update: kept out until the next one.
+  awaiting_update: bool = False
 
   @property
   def url(self) -> str:
@@ -149,6 +153,7 @@ class Fleet:
     # (weight_version, model_path) of the last folder written and sent to the
     # servers; a rejoining server is refit to it.
     self.published: tuple[str, str] | None = None
+    self.broadcast_version: str | None = None  # of the last broadcast update
     # Serializes weight updates and rejoins.
     self._control = asyncio.Lock()
 
@@ -386,7 +391,7 @@ class Fleet:
       Seconds per phase (the slowest server counts) and the failures.
     """
     async with self._control:
-      self.published = (version, path)
+      self.published, self.broadcast_version = (version, path), None
       return await self._refit(
         [s for s in self.servers if s.healthy], version, pause_mode, self._from_disk(path, version)
       )
@@ -401,11 +406,18 @@ class Fleet:
   ) -> tuple[dict[str, float], list[str]]:
     """`update_weights` with another update phase: `update(servers)` returns one
     result (or exception) per server; a collective one (a broadcast to every
-    server at once) takes them all together. Rejoining servers get the next
-    update (nothing on disk to refit them from)."""
+    server at once) takes them all together. Servers that missed an earlier
+    update (`_rejoin` keeps them out) take part and are back once it lands."""
     async with self._control:
       self.published = None
-      return await self._refit([s for s in self.servers if s.healthy], version, pause_mode, update)
+      targets = [s for s in self.servers if s.healthy or s.awaiting_update]
+      seconds, failed = await self._refit(targets, version, pause_mode, update)
+      self.broadcast_version = version
+      for s in targets:
+        if s.awaiting_update and s.weight_version == version:
+          s.awaiting_update, s.healthy = False, True
+          log.info("rollout server %s is back at weight version %s", s.url, version)
+      return seconds, failed
 
   async def _refit(
     self, servers: Sequence[ServerState], version: str, pause_mode: str, update
@@ -433,11 +445,12 @@ class Fleet:
     return seconds, list(failed.values())
 
   async def _rejoin(self, server: ServerState) -> bool:
-    """Refits a server that answers /health again to the published weights."""
-    if self.published is None:
+    """Refits a server that answers /health again to the published weights
+    (a broadcast version: waits for the next broadcast unless it has it)."""
+    if self.published is None and self.broadcast_version is None:
       return True
     async with self._control:  # the published version cannot move meanwhile
-      version, path = self.published
+      version = self.published[0] if self.published else str(self.broadcast_version)
       try:
         current: str | None = await server.client.weight_version()
       except (ServerUnavailable, RequestRejected):
@@ -445,7 +458,13 @@ class Fleet:
       if current == version:  # up to date, but a failed update may have left it paused
         results = await self.broadcast(lambda c: c.resume(), [server])
         failed = [str(r) for r in results if isinstance(r, Exception)]
+      elif self.published is None:
+        if not server.awaiting_update:
+          log.info("rollout server %s serves %s: out until the next update", server.url, current)
+        server.awaiting_update = True
+        return False
       else:
+        path = self.published[1]
         _, failed = await self._refit([server], version, "abort", self._from_disk(path, version))
         if not failed:
           log.info("rollout server %s refit to weight version %s", server.url, version)

@@ -100,6 +100,47 @@ def test_a_publish_reaches_every_worker_and_generation_reports_it(routed, tmp_pa
   assert {o.weight_version for o in outs} == {"5"}
 
 
+def test_a_worker_the_fleet_has_down_is_out_of_the_router_until_it_is_back(routed, tmp_path):
+  """The router readmits a worker by its own health check, whatever weights it
+  serves; a worker the fleet marks down (it missed a publish) is taken out of
+  the router, and added back once its rejoin has refit it."""
+  graphdef, state = nnx.split(vlm.abstract_model(config.preset("tiny")))
+  rng = np.random.default_rng(4)
+  state = jax.tree.map(lambda x: np.asarray(0.05 * rng.standard_normal(x.shape), x.dtype), state)
+  model = nnx.merge(graphdef, state)
+
+  async def listed(fleet, count):
+    """The router's workers once it lists `count` (its changes are queued jobs)."""
+    for _ in range(100):
+      urls = await fleet.refresh_workers()
+      if len(urls) == count:
+        return sorted(urls)
+      await asyncio.sleep(0.1)
+    raise AssertionError(f"the router never listed {count} workers: {urls}")
+
+  async def go():
+    fleet = router_lib.RoutedFleet(
+      routed.router.urls[0], weights_root=str(tmp_path), health_interval_s=600
+    )
+    async with fleet:
+      await fleet.publish(model, 6)
+      late = next(s for s in fleet.servers if s.url == routed.urls[1])
+      fleet._mark_down(late, "test: down during the next publish")
+      await fleet.route_healthy()
+      alone = await listed(fleet, 1)
+      missed = await fleet.publish(model, 7)  # the other worker only
+      outs = [await fleet.generate(body([5, 6, 7 + i])) for i in range(4)]
+      await fleet.check_health()  # answers again: refit to v7, then routed
+      back = await listed(fleet, 2)
+      return alone, missed, outs, back, late.weight_version, await fleet.refresh_versions()
+
+  alone, missed, outs, back, late_version, versions = asyncio.run(go())
+  assert alone == [routed.urls[0]] and not missed.failed
+  assert {o.weight_version for o in outs} == {"7"}  # the router sent none to the late one
+  assert back == sorted(routed.urls) and late_version == "7"
+  assert set(versions.values()) == {"7"}
+
+
 def test_a_router_that_lists_no_worker_is_waited_for_then_named():
   """A router adds the workers it was started with only once they answer; the
   fleet waits `workers_timeout_s` for one, then names the router and the wait."""

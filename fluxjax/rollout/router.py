@@ -11,7 +11,11 @@ directly, as slime and AReaL do, and reads the worker list from the router's
 
 `RoutedFleet` is a `Fleet` (the same `RolloutBackend`): weight updates,
 abort_all, health, rejoin refits and metrics work on the workers; only
-`generate` and `abort` differ.
+`generate` and `abort` differ. The router readmits a worker on its own
+health check, whatever weights it serves, so a worker the fleet marks down
+is taken out of the router (`DELETE /workers/{id}`) and added back
+(`POST /workers`) only once the fleet has it back: refit to the published
+folder, or brought in by the next broadcast update.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from fluxjax.rollout.fleet import (
   Fleet,
   LaunchedServers,
   NoServerAvailable,
+  ServerState,
   free_port,
   launch_servers,
 )
@@ -75,6 +80,8 @@ class RoutedFleet(Fleet):
     self.router = SGLangClient(router_url, timeout_s=request_timeout_s)
     self._attempt_rid: dict[str, str] = {}  # rid -> rid of its current attempt
     self.workers_timeout_s = workers_timeout_s
+    self._worker_ids: dict[str, str] = {}  # url -> the router's id of the worker
+    self._parked: dict[str, ServerState] = {}  # taken out of the router by the fleet
 
   async def start(self) -> None:
     await super().start()
@@ -91,12 +98,35 @@ class RoutedFleet(Fleet):
     """Reads the router's worker list; new workers join, removed ones leave."""
     _, data = await self.router.request("GET", "/workers")
     workers = data.get("workers", []) if isinstance(data, dict) else []
-    urls = [w["url"] for w in workers if w.get("worker_type", "regular") == "regular"]
+    regular = [w for w in workers if w.get("worker_type", "regular") == "regular"]
+    urls = [w["url"] for w in regular]
+    self._worker_ids = {w["url"]: w["id"] for w in regular if "id" in w}
     known = {s.url: s for s in self.servers}
-    for url in set(known) - set(urls):
+    for url in set(known) - set(urls) - set(self._parked):
       log.warning("rollout worker %s left the router", url)
-    self.servers = [known.get(u) or self._server_state(u) for u in urls]
+    parked = [s for url, s in self._parked.items() if url not in urls]
+    self.servers = [known.get(u) or self._server_state(u) for u in urls] + parked
     return urls
+
+  async def _park(self, server: ServerState) -> None:
+    """Takes a worker the fleet marked down out of the router."""
+    worker_id = self._worker_ids.get(server.url)
+    if worker_id is not None:
+      try:
+        await self.router.request("DELETE", f"/workers/{worker_id}")
+      except (ServerUnavailable, RequestRejected) as e:
+        log.warning("router %s: worker %s not removed: %s", self.router.url, server.url, e)
+        return
+    self._parked[server.url] = server
+
+  async def _unpark(self, server: ServerState) -> None:
+    """Adds a worker the fleet has back (up to date) to the router again."""
+    try:
+      await self.router.request("POST", "/workers", {"url": server.url})
+    except (ServerUnavailable, RequestRejected) as e:
+      log.warning("router %s: worker %s not added back: %s", self.router.url, server.url, e)
+      return
+    del self._parked[server.url]
 
   async def generate(self, request: GenerateRequest, group: str | None = None) -> Completion:
     """Runs one request through the router, retrying on 5xx and lost connections.
@@ -136,7 +166,17 @@ class RoutedFleet(Fleet):
       await self.refresh_workers()
     except (ServerUnavailable, RequestRejected) as e:
       log.warning("router %s: worker list not readable: %s", self.router.url, e)
-    return await super().check_health()
+    results = await super().check_health()
+    await self.route_healthy()
+    return results
+
+  async def route_healthy(self) -> None:
+    """The router lists the workers the fleet has up, not the others."""
+    for s in list(self.servers):
+      if not s.healthy and s.url not in self._parked:
+        await self._park(s)
+      elif s.healthy and s.url in self._parked:
+        await self._unpark(s)
 
   def metrics(self) -> dict[str, float]:
     return {**super().metrics(), "fleet/routed": 1.0}

@@ -15,9 +15,11 @@ from scipy import ndimage
 from fluxjax.data import cot_tasks, drawing, readers, synth, visual_tasks
 from fluxjax.data.meta import ToMeta
 from fluxjax.models import processor
+from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rl import reward_fns, sft
 
 NAMES = list(drawing.RGB)
+TOKENIZER = Tokenizer.default()
 PALETTE = np.asarray(list(drawing.RGB.values()), np.float64)
 
 
@@ -87,6 +89,41 @@ def test_a_census_names_each_item_in_order_and_counts_those_the_image_holds(task
       assert drawn[item.split()[0]] >= 1, (item, drawn)
     if task == "colour_census":
       assert not set(drawn) & (set(listed) - set(counted)), (listed, counted, drawn)
+
+
+def _drawn_colours(image) -> collections.Counter:
+  pixels = np.asarray(image)
+  occupied = (pixels != drawing.BACKGROUND).any(-1)
+  drawn = collections.Counter()
+  cell = visual_tasks.CELL
+  for row, col in itertools.product(range(visual_tasks.GRID), repeat=2):
+    if occupied[row * cell : (row + 1) * cell, col * cell : (col + 1) * cell].any():
+      drawn[_colour_at(pixels, row * cell + cell // 2, col * cell + cell // 2)] += 1
+  return drawn
+
+
+@pytest.mark.parametrize("level", visual_tasks.LEVELS)
+def test_a_colour_list_counts_every_mention_of_a_drawn_colour(level):
+  """Read back from the pixels: the running count rises at a mention exactly
+  when its colour is drawn, repeats count each time, and the chain is as long
+  as the list (k mentions of the level's range)."""
+  rng = np.random.default_rng(1)
+  lo, hi = cot_tasks.LIST_MENTIONS[level]
+  for present in cot_tasks.TASKS["colour_list"].answers(level):
+    s = cot_tasks.draw(rng, "colour_list", level, present)
+    listed = s.question.split(": ", 1)[1].split("?")[0].split(", ")
+    assert lo <= len(listed) <= hi
+    steps = re.findall(r"([a-z]+)(\d+)", s.solution)
+    assert [c for c, _ in steps] == listed
+    drawn = _drawn_colours(s.image)
+    counts = [int(n) for _, n in steps]
+    rises = [b - a for a, b in zip([0, *counts], counts)]
+    assert rises == [int(c in drawn) for c in listed], (listed, drawn, s.solution)
+    assert counts[-1] == present and s.answer == str(present)
+    unlisted = set(drawn) - set(listed)
+    assert len(unlisted) <= cot_tasks.CENSUS_DISTRACTORS and sum(drawn.values()) <= 16
+    if level == "hard":  # the long tail the reasoning workload needs
+      assert len(sft.answer_ids(TOKENIZER, s.answer, s.solution)) >= 48
 
 
 def test_a_clip_lists_its_segments_and_counts_the_changes(tmp_path):

@@ -22,6 +22,12 @@ to learn.
                 question, a look for that pair and an increment; easy k 2-3,
                 medium 5-7, hard 10-14 (0 .. 10 present).
   colour_census the same with colours alone (any shape): k 2-3, 4-5, 6-8.
+  colour_list   (image) how many of a list of k colours, repeats allowed,
+                appear in the image: the same running count over the list
+                ("red1 blue1 red2"); each mention present counts, so chains
+                grow past the 8 colours: k 1-3, 6-10, 18-22 (answers 0-2,
+                0-5, 0-9). Steps are copies at a constant offset and looks
+                by colour, as in colour_census.
   add_columns   (text, no pixels: the control that learning here needs no
                 vision) the sum of two numbers of d digits: the solution adds
                 column by column from the right, carries written
@@ -65,6 +71,9 @@ CENSUS_PRESENT = {
   "colour_census": {"easy": (0, 2), "medium": (0, 4), "hard": (0, 6)},
 }
 CENSUS_DISTRACTORS = 3  # at most this many shapes of pairs not named
+LIST_MENTIONS = {"easy": (1, 3), "medium": (6, 10), "hard": (18, 22)}
+LIST_PRESENT = {"easy": (0, 2), "medium": (0, 5), "hard": (0, 9)}
+LIST_MAX_COLOURS = 4  # distinct colours the present (or absent) mentions use, at most
 ADD_DIGITS = {"easy": (1, 1), "medium": (2, 3), "hard": (4, 6)}
 CHANGE_FRAMES = 16  # 8 temporal patches: up to 7 changes
 # How often each level is drawn (visual_tasks.LEVELS order).
@@ -177,6 +186,38 @@ def colour_census(rng: np.random.Generator, level: str, answer: int | None) -> S
   return _census(rng, "colour_census", level, answer, [(str(c), None) for c in COLORS])
 
 
+def _split(rng: np.random.Generator, mentions: int, colours: list[str]) -> list[str]:
+  """`mentions` mentions using every one of `colours` (none if mentions is 0)."""
+  if not mentions:
+    return []
+  used = colours[: min(len(colours), mentions)]
+  return used + [str(c) for c in rng.choice(used, mentions - len(used))]
+
+
+def colour_list(rng: np.random.Generator, level: str, answer: int | None) -> Sample:
+  present = _dealt(answer, "colour_list")
+  k = _uniform(rng, (max(LIST_MENTIONS[level][0], present), LIST_MENTIONS[level][1]))
+  palette = [str(c) for c in rng.permutation(COLORS)]
+  shown = palette[: _uniform(rng, (1, min(LIST_MAX_COLOURS, present)))] if present else []
+  rest = palette[len(shown) :]
+  missing = rest[: _uniform(rng, (1, min(LIST_MAX_COLOURS, k - present)))] if k > present else []
+  listed = _split(rng, present, shown) + _split(rng, k - present, missing)
+  listed = [listed[i] for i in rng.permutation(k)]
+  others = rest[len(missing) :]
+  drawn = shown + others[: _uniform(rng, (0, min(CENSUS_DISTRACTORS, len(others))))]
+  image, draw = visual_tasks.canvas()
+  for colour, (cx, cy) in zip(drawn, visual_tasks.cells(rng, len(drawn))):
+    draw_shape(draw, str(rng.choice(SHAPES)), colour, cx, cy, 0.36 * CELL)
+  return Sample(
+    "colour_list",
+    level,
+    f"How many of these colours are in the image: {', '.join(listed)}?" + INSTRUCTION,
+    str(present),
+    image=image,
+    solution=running_count(listed, [c in shown for c in listed]),
+  )
+
+
 def _sum_range(digits: int) -> tuple[int, int]:
   """The sums of two numbers of `digits` digits (0-9 for one digit)."""
   lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
@@ -241,6 +282,7 @@ TASKS: dict[str, Task] = {
   "colour_census": Task(
     lambda level: _range(CENSUS_PRESENT["colour_census"][level]), colour_census
   ),
+  "colour_list": Task(lambda level: _range(LIST_PRESENT[level]), colour_list),
   "add_columns": Task(_add_answers, add_columns),
 }
 

@@ -87,6 +87,10 @@ MIXES = {
   # GRPO lifts both colour tasks from the pixels in minutes on a CPU; on the
   # count it learns only the answer prior (bench/README.md).
   "reasoning_tiny": {"colour": 1, "count_colour": 1, "last_colour": 1},
+  # reasoning_tiny's tasks, answered at once, with colour_list, whose worked
+  # solution grows with the list (up to about 57 tokens): short responses
+  # with a long tail.
+  "reasoning_tail": {"colour": 1, "count_colour": 1, "last_colour": 1, "colour_list": 1},
 }
 SOURCES = ("geo3k", "nextqa", "longvila")
 

@@ -54,9 +54,33 @@ def env():
 
 
 def two(workdir, **overrides):
-  launcher = [sys.executable, "-m", "fluxjax.launch", "--processes=2", "--cpu_devices=4", "--"]
+  return launched(workdir, 2, 4, **overrides)
+
+
+def launched(workdir, processes: int, devices: int, **overrides):
+  """`python -m fluxjax.launch` of the main job with OVERRIDES and `overrides`."""
+  launcher = [sys.executable, "-m", "fluxjax.launch", f"--processes={processes}"]
+  launcher += [f"--cpu_devices={devices}", "--"]
   # The train args, without `python -m fluxjax.train`.
   return launcher + train_command(workdir, {**OVERRIDES, **overrides})[3:]
+
+
+def params(workdir, step) -> dict:
+  """Checkpoint `step`'s train state as host arrays, restored onto one device
+  of this process, by key path."""
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+
+  path = os.path.join(workdir, "checkpoints", str(step), "state")
+  checkpointer = ocp.StandardCheckpointer()
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(
+    lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+    checkpointer.metadata(path).item_metadata,
+  )
+  state = checkpointer.restore(path, target)
+  return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree.leaves_with_path(state)}
 
 
 def run(command, log_path, timeout=900):

@@ -19,7 +19,6 @@ import math
 import os
 import re
 
-import jax
 import multiprocess_runs as runs
 import numpy as np
 import orbax.checkpoint as ocp
@@ -48,19 +47,6 @@ def _one(workdir, **overrides) -> None:
 
 def _train_metrics(workdir) -> dict[int, dict]:
   return {r["step"]: r for r in metrics.read_metrics(str(workdir)) if "train/loss" in r}
-
-
-def _params(workdir, step):
-  """The checkpoint's train state as host arrays, restored onto one device of this process."""
-  path = os.path.join(workdir, "checkpoints", str(step), "state")
-  checkpointer = ocp.StandardCheckpointer()
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = jax.tree.map(
-    lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
-    checkpointer.metadata(path).item_metadata,
-  )
-  state = checkpointer.restore(path, target)
-  return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree.leaves_with_path(state)}
 
 
 @pytest.mark.slow
@@ -102,7 +88,7 @@ def test_two_processes_killed_and_resumed_match_one_and_resume_in_one(
   # Every process logged to its own file.
   assert (two / "train.log").exists() and (two / "train.p1.log").exists()
   # The parameters after step 3, each checkpoint restored in this one process.
-  pa, pb = _params(one, 3), _params(two, 3)
+  pa, pb = runs.params(one, 3), runs.params(two, 3)
   assert pa.keys() == pb.keys()
   for key in pa:
     np.testing.assert_allclose(pb[key], pa[key], rtol=1e-5, atol=1e-5, err_msg=key)
@@ -154,5 +140,5 @@ def test_two_processes_killed_and_resumed_match_one_and_resume_in_one(
   assert step5["step"] == 5 and all(i in caplog.text for i in step5["ids"])
   assert re.search(r"update 5 skipped: loss nan", caplog.text)
   assert max(ocp.utils.checkpoint_steps(str(two / "checkpoints"))) == 5
-  p4, p5 = _params(two, 4), _params(two, 5)
+  p4, p5 = runs.params(two, 4), runs.params(two, 5)
   assert all(np.array_equal(p5[k], p4[k]) for k in p4)

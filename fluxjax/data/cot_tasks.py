@@ -163,9 +163,7 @@ def _census(
   shown = [named[i] for i in sorted(rng.permutation(k)[:present])]
   extra = _uniform(rng, (0, min(CENSUS_DISTRACTORS, len(others), GRID * GRID - present)))
   drawn = shown + [others[i] for i in rng.permutation(len(others))[:extra]]
-  image, draw = visual_tasks.canvas()
-  for (colour, shape), (cx, cy) in zip(drawn, visual_tasks.cells(rng, len(drawn))):
-    draw_shape(draw, shape or str(rng.choice(SHAPES)), colour, cx, cy, 0.36 * CELL)
+  image = visual_tasks.scattered(rng, [c for c, _ in drawn], [s for _, s in drawn])
   listed = [" ".join(x for x in item if x) for item in named]
   return Sample(
     task,
@@ -205,15 +203,12 @@ def colour_list(rng: np.random.Generator, level: str, answer: int | None) -> Sam
   listed = [listed[i] for i in rng.permutation(k)]
   others = rest[len(missing) :]
   drawn = shown + others[: _uniform(rng, (0, min(CENSUS_DISTRACTORS, len(others))))]
-  image, draw = visual_tasks.canvas()
-  for colour, (cx, cy) in zip(drawn, visual_tasks.cells(rng, len(drawn))):
-    draw_shape(draw, str(rng.choice(SHAPES)), colour, cx, cy, 0.36 * CELL)
   return Sample(
     "colour_list",
     level,
     f"How many of these colours are in the image: {', '.join(listed)}?" + INSTRUCTION,
     str(present),
-    image=image,
+    image=visual_tasks.scattered(rng, drawn),
     solution=running_count(listed, [c in shown for c in listed]),
   )
 

@@ -96,20 +96,29 @@ def cells(rng: np.random.Generator, k: int) -> list[tuple[float, float]]:
   return [centre(c % GRID, c // GRID) for c in rng.permutation(GRID**2)[:k]]
 
 
+def scattered(
+  rng: np.random.Generator, colours: list[str], shapes: list[str | None] | None = None
+) -> PIL.Image.Image:
+  """An image of one shape per colour, in distinct random cells; a shape not
+  given (None) is drawn at random."""
+  image, draw = canvas()
+  for i, (cx, cy) in enumerate(cells(rng, len(colours))):
+    shape = shapes[i] if shapes is not None else None
+    draw_shape(draw, shape or str(rng.choice(SHAPES)), colours[i], cx, cy, 0.36 * CELL)
+  return image
+
+
 def count_colour(rng: np.random.Generator, level: str) -> Sample:
   total = int(rng.integers(*{"easy": (2, 4), "medium": (4, 7), "hard": (7, 10)}[level]))
   target, *others = _colours(rng, 4)
   count = int(rng.integers(1, min(3, total - 1) + 1))
   colours = [target] * count + [str(rng.choice(others)) for _ in range(total - count)]
-  image, draw = canvas()
-  for c, (cx, cy) in zip(colours, cells(rng, total)):
-    draw_shape(draw, str(rng.choice(SHAPES)), c, cx, cy, 0.36 * CELL)
   return Sample(
     "count_colour",
     level,
     f"How many {target} shapes are in the image?" + INSTRUCTION,
     str(count),
-    image=image,
+    image=scattered(rng, colours),
   )
 
 

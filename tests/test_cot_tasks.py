@@ -15,7 +15,7 @@ from scipy import ndimage
 from fluxjax.data import cot_tasks, drawing, readers, synth, visual_tasks
 from fluxjax.data.meta import ToMeta
 from fluxjax.models import processor
-from fluxjax.models.tokenizer import Tokenizer
+from fluxjax.models.tokenizer import COLORS, Tokenizer
 from fluxjax.rl import reward_fns, sft
 
 NAMES = list(drawing.RGB)
@@ -124,6 +124,22 @@ def test_a_colour_list_counts_every_mention_of_a_drawn_colour(level):
     assert len(unlisted) <= cot_tasks.CENSUS_DISTRACTORS and sum(drawn.values()) <= 16
     if level == "hard":  # the long tail the reasoning workload needs
       assert len(sft.answer_ids(TOKENIZER, s.answer, s.solution)) >= 48
+
+
+@pytest.mark.parametrize("level", visual_tasks.LEVELS)
+def test_a_palette_scan_counts_the_colours_drawn_in_a_fixed_order(level):
+  """Read back from the pixels: the solution names every colour in the
+  tokenizer's order, and its count rises exactly at the colours drawn."""
+  rng = np.random.default_rng(2)
+  for present in cot_tasks.TASKS["palette_scan"].answers(level):
+    s = cot_tasks.draw(rng, "palette_scan", level, present)
+    steps = re.findall(r"([a-z]+)(\d+)", s.solution)
+    assert [c for c, _ in steps] == list(COLORS)
+    drawn = _drawn_colours(s.image)
+    counts = [int(n) for _, n in steps]
+    rises = [b - a for a, b in zip([0, *counts], counts)]
+    assert rises == [int(c in drawn) for c in COLORS], (drawn, s.solution)
+    assert len(drawn) == present == counts[-1] and s.answer == str(present)
 
 
 def test_a_clip_lists_its_segments_and_counts_the_changes(tmp_path):

@@ -28,6 +28,12 @@ to learn.
                 grow past the 8 colours: k 1-3, 6-10, 18-22 (answers 0-2,
                 0-5, 0-9). Steps are copies at a constant offset and looks
                 by colour, as in colour_census.
+  palette_scan  (image) how many different colours the image holds: the
+                solution goes through the 8 colours in a fixed order, each
+                with the running count of those drawn ("red0 green1 blue2"),
+                so no step copies from the question and each is a look by
+                colour; always 8 steps (about 27 tokens); easy 1-2 colours,
+                medium 3-4, hard 5-7.
   add_columns   (text, no pixels: the control that learning here needs no
                 vision) the sum of two numbers of d digits: the solution adds
                 column by column from the right, carries written
@@ -74,6 +80,7 @@ CENSUS_DISTRACTORS = 3  # at most this many shapes of pairs not named
 LIST_MENTIONS = {"easy": (1, 3), "medium": (6, 10), "hard": (18, 22)}
 LIST_PRESENT = {"easy": (0, 2), "medium": (0, 5), "hard": (0, 9)}
 LIST_MAX_COLOURS = 4  # distinct colours the present (or absent) mentions use, at most
+PALETTE_PRESENT = {"easy": (1, 2), "medium": (3, 4), "hard": (5, 7)}
 ADD_DIGITS = {"easy": (1, 1), "medium": (2, 3), "hard": (4, 6)}
 CHANGE_FRAMES = 16  # 8 temporal patches: up to 7 changes
 # How often each level is drawn (visual_tasks.LEVELS order).
@@ -213,6 +220,19 @@ def colour_list(rng: np.random.Generator, level: str, answer: int | None) -> Sam
   )
 
 
+def palette_scan(rng: np.random.Generator, level: str, answer: int | None) -> Sample:
+  present = _dealt(answer, "palette_scan")
+  shown = [str(c) for c in rng.permutation(COLORS)[:present]]
+  return Sample(
+    "palette_scan",
+    level,
+    "How many different colours are in the image?" + INSTRUCTION,
+    str(present),
+    image=visual_tasks.scattered(rng, shown),
+    solution=running_count([str(c) for c in COLORS], [c in shown for c in COLORS]),
+  )
+
+
 def _sum_range(digits: int) -> tuple[int, int]:
   """The sums of two numbers of `digits` digits (0-9 for one digit)."""
   lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
@@ -278,6 +298,7 @@ TASKS: dict[str, Task] = {
     lambda level: _range(CENSUS_PRESENT["colour_census"][level]), colour_census
   ),
   "colour_list": Task(lambda level: _range(LIST_PRESENT[level]), colour_list),
+  "palette_scan": Task(lambda level: _range(PALETTE_PRESENT[level]), palette_scan),
   "add_columns": Task(_add_answers, add_columns),
 }
 

@@ -150,11 +150,12 @@ _TREE = pytest.StashKey[set[str] | None]()
 # so the last module a worker takes is a short one (docs/testing.md has the
 # times).
 _LONGEST_FIRST = (
-  "test_smoke.py",
   "test_multiprocess.py",
   "test_grpo_learning.py",
+  "test_smoke.py",
   "test_fleet_multiprocess.py",
   "test_notebook.py",
+  "test_fleet_sync.py",
   "test_stream_trainer.py",
   "test_strategies.py",
   "test_faults.py",

@@ -1,18 +1,16 @@
 """The `fleet` job on 2 processes x 4 CPU devices: launched servers behind the
 launched router, weights broadcast from the training mesh, flex_ulysses
 across both processes, adaptive lag and recycling; its follower SIGKILLed
-mid-step (tests/multiprocess_runs.py). Synchronous under ulysses, it
-matches the job on 1 process x 8 devices."""
+mid-step (tests/multiprocess_runs.py). test_fleet_sync.py runs it
+synchronously against 1 process."""
 
 import json
 
 import multiprocess_runs as runs
-import numpy as np
 import pytest
 
 from fluxjax import config_args
 from fluxjax.rl import loop, metrics
-from helpers import assert_each_prompt_trained_once
 
 # The fleet job with everything on: launched servers behind the router,
 # weights broadcast, flex_ulysses across the two processes, adaptive lag and
@@ -66,34 +64,3 @@ def test_two_processes_on_a_fleet_survive_a_follower_killed_mid_step(tmp_path):
   assert all(0.0 <= r["async/staleness"] <= 1.0 for r in recs.values())
   summary = json.loads((workdir / "summary.json").read_text())
   assert summary["end"]["step"] == steps and summary["resumed_from"] >= 2
-
-
-@pytest.mark.slow
-def test_a_synchronous_fleet_job_on_two_processes_matches_one_under_ulysses(tmp_path):
-  """The fleet job in sync mode without tail batching, ulysses over the 8
-  devices, as 1 process x 8 and as 2 x 4 (the sequence axis across both):
-  the servers are seeded and sent the same bf16 weights, so both runs train
-  the same prompts to the same losses and parameters, within the tolerance
-  of test_multiprocess.py (the summation order of collectives)."""
-  steps, one, two = 2, tmp_path / "one", tmp_path / "two"
-  sync = {"sharding.strategy": "ulysses", "rollout.embedded_devices": 0}
-  sync.update({"rl.kl_coef": 0.0, "sft.enabled": False})
-  for workdir, processes in ((one, 1), (two, 2)):
-    command = runs.launched(workdir, processes, 8 // processes, total_steps=steps, **sync)
-    command = [a.replace("configs/vlm.py", "configs/vlm.py:fleet") for a in command]
-    runs.run(command, tmp_path / f"{workdir.name}.log")
-  a = assert_each_prompt_trained_once(one, steps, runs.P)
-  b = assert_each_prompt_trained_once(two, steps, runs.P)
-  assert [sorted(r["ids"]) for r in a] == [sorted(r["ids"]) for r in b]
-  ma = {r["step"]: r for r in metrics.read_metrics(str(one)) if "train/loss" in r}
-  mb = {r["step"]: r for r in metrics.read_metrics(str(two)) if "train/loss" in r}
-  assert sorted(ma) == sorted(mb) == list(range(1, steps + 1))
-  for k in ma:
-    assert mb[k]["fleet/routed"] == ma[k]["fleet/routed"] == 1.0
-    for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
-      np.testing.assert_allclose(mb[k][key], ma[k][key], rtol=1e-5, atol=1e-5, err_msg=key)
-  assert any(abs(m["train/loss"]) > 1e-3 for m in ma.values()), "no step had a signal"
-  pa, pb = runs.params(one, steps), runs.params(two, steps)
-  assert pa.keys() == pb.keys()
-  for key in pa:
-    np.testing.assert_allclose(pb[key], pa[key], rtol=1e-5, atol=1e-5, err_msg=key)

@@ -47,9 +47,21 @@ def routed():
     servers.stop()
 
 
+async def listed(fleet, count: int) -> list[str]:
+  """The router's workers once it lists `count` (it adds each after its first
+  health check, and its changes are queued jobs)."""
+  for _ in range(100):
+    urls = await fleet.refresh_workers()
+    if len(urls) == count:
+      return sorted(urls)
+    await asyncio.sleep(0.1)
+  raise AssertionError(f"the router never listed {count} workers: {urls}")
+
+
 def test_the_fleet_reads_the_workers_from_the_router(routed):
   async def go():
     async with router_lib.RoutedFleet(routed.router.urls[0]) as fleet:
+      await listed(fleet, 2)
       return sorted(s.url for s in fleet.servers)
 
   assert asyncio.run(go()) == sorted(routed.urls)
@@ -108,15 +120,6 @@ def test_a_worker_the_fleet_has_down_is_out_of_the_router_until_it_is_back(route
   rng = np.random.default_rng(4)
   state = jax.tree.map(lambda x: np.asarray(0.05 * rng.standard_normal(x.shape), x.dtype), state)
   model = nnx.merge(graphdef, state)
-
-  async def listed(fleet, count):
-    """The router's workers once it lists `count` (its changes are queued jobs)."""
-    for _ in range(100):
-      urls = await fleet.refresh_workers()
-      if len(urls) == count:
-        return sorted(urls)
-      await asyncio.sleep(0.1)
-    raise AssertionError(f"the router never listed {count} workers: {urls}")
 
   async def go():
     fleet = router_lib.RoutedFleet(

@@ -634,7 +634,8 @@ class Coordinator:
     The backend stays open: its owner closes it (after this).
     """
     try:
-      self.settle_publish()
+      if self._producer.alive:  # a dead loop would never finish the wait
+        self.settle_publish()
     finally:
       self._producer.stop()
 

@@ -1,0 +1,70 @@
+"""The `fleet` job synchronous under ulysses: 2 processes x 4 CPU devices train
+what 1 process x 8 trains (tests/multiprocess_runs.py)."""
+
+import multiprocess_runs as runs
+import numpy as np
+import pytest
+
+from fluxjax import config_args
+from fluxjax.rl import metrics
+from fluxjax.rollout import factory
+from fluxjax.rollout import fleet as fleet_lib
+from fluxjax.settings import Settings
+from helpers import assert_each_prompt_trained_once, server_env
+
+SYNC = {
+  "sharding.strategy": "ulysses",
+  "rollout.embedded_devices": 0,
+  "rl.kl_coef": 0.0,
+  "sft.enabled": False,
+}
+
+
+def _servers():
+  """Two servers as the fleet job launches them, shared by both runs (each
+  run publishes its starting weights to them first)."""
+  config = config_args.load_config(arg="fleet")
+  for key, value in {**runs.OVERRIDES, **SYNC}.items():
+    *sections, field = key.split(".")
+    section = config
+    for name in sections:
+      section = section[name]
+    section[field] = value
+  cmd = factory.server_command(Settings.of(config))
+  return fleet_lib.launch_servers(cmd, 2, env=server_env(), timeout_s=300)
+
+
+@pytest.mark.slow
+def test_a_synchronous_fleet_job_on_two_processes_matches_one_under_ulysses(tmp_path):
+  """The fleet job in sync mode without tail batching, ulysses over the 8
+  devices, as 1 process x 8 and as 2 x 4 (the sequence axis across both),
+  against the same 2 servers behind a launched router: the servers are
+  seeded and sent the same bf16 weights, so both runs train the same prompts
+  to the same losses and parameters, within the tolerance of
+  test_multiprocess.py (the summation order of collectives)."""
+  steps, one, two = 2, tmp_path / "one", tmp_path / "two"
+  servers = _servers()
+  try:
+    urls = {"rollout.urls": "(" + ",".join(f'"{u}"' for u in servers.urls) + ",)"}
+    for workdir, processes in ((one, 1), (two, 2)):
+      command = runs.launched(workdir, processes, 8 // processes, total_steps=steps, **SYNC, **urls)
+      command = [a.replace("configs/vlm.py", "configs/vlm.py:fleet") for a in command]
+      runs.run(command, tmp_path / f"{workdir.name}.log")
+  finally:
+    servers.stop()
+  a = assert_each_prompt_trained_once(one, steps, runs.P)
+  b = assert_each_prompt_trained_once(two, steps, runs.P)
+  assert [sorted(r["ids"]) for r in a] == [sorted(r["ids"]) for r in b]
+  ma = {r["step"]: r for r in metrics.read_metrics(str(one)) if "train/loss" in r}
+  mb = {r["step"]: r for r in metrics.read_metrics(str(two)) if "train/loss" in r}
+  assert sorted(ma) == sorted(mb) == list(range(1, steps + 1))
+  for k in ma:
+    assert mb[k]["fleet/routed"] == ma[k]["fleet/routed"] == 1.0
+    for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
+      np.testing.assert_allclose(mb[k][key], ma[k][key], rtol=1e-5, atol=1e-5, err_msg=key)
+  # A zero advantage gives an exactly zero update; the loss itself is small.
+  assert any(m["train/grad_norm"] > 1e-3 for m in ma.values()), "no step had a signal"
+  pa, pb = runs.params(one, steps), runs.params(two, steps)
+  assert pa.keys() == pb.keys()
+  for key in pa:
+    np.testing.assert_allclose(pb[key], pa[key], rtol=1e-5, atol=1e-5, err_msg=key)

@@ -9,6 +9,11 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from fluxjax import config_args
 from helpers import ROOT, process_alive, run_launcher, train_command
 
 P = 2  # prompts per step
@@ -65,13 +70,22 @@ def launched(workdir, processes: int, devices: int, **overrides):
   return launcher + train_command(workdir, {**OVERRIDES, **overrides})[3:]
 
 
+def config(arg: str | None = None, **overrides):
+  """The main job's config (configs/vlm.py:`arg`) with OVERRIDES and
+  `overrides`, as `launched` passes them on the command line."""
+  c = config_args.load_config(arg=arg)
+  for key, value in {**OVERRIDES, **overrides}.items():
+    *sections, field = key.split(".")
+    section = c
+    for name in sections:
+      section = section[name]
+    section[field] = value
+  return c
+
+
 def params(workdir, step) -> dict:
   """Checkpoint `step`'s train state as host arrays, restored onto one device
   of this process, by key path."""
-  import jax
-  import numpy as np
-  import orbax.checkpoint as ocp
-
   path = os.path.join(workdir, "checkpoints", str(step), "state")
   checkpointer = ocp.StandardCheckpointer()
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

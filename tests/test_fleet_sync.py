@@ -5,7 +5,6 @@ import multiprocess_runs as runs
 import numpy as np
 import pytest
 
-from fluxjax import config_args
 from fluxjax.rl import metrics
 from fluxjax.rollout import factory
 from fluxjax.rollout import fleet as fleet_lib
@@ -25,14 +24,7 @@ SYNC = {
 def _servers():
   """A server as the fleet job launches them, shared by both runs (each run
   publishes its starting weights to it first)."""
-  config = config_args.load_config(arg="fleet")
-  for key, value in {**runs.OVERRIDES, **SYNC}.items():
-    *sections, field = key.split(".")
-    section = config
-    for name in sections:
-      section = section[name]
-    section[field] = value
-  cmd = factory.server_command(Settings.of(config))
+  cmd = factory.server_command(Settings.of(runs.config("fleet", **SYNC)))
   return fleet_lib.launch_servers(cmd, 1, env=server_env(), timeout_s=300)
 
 

@@ -24,7 +24,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from fluxjax import config_args
 from fluxjax.parallel import train_step
 from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import loop, metrics
@@ -35,14 +34,7 @@ from helpers import (
 
 def _one(workdir, **overrides) -> None:
   """The run in this process, on its 8 devices."""
-  config = config_args.load_config()
-  for key, value in {**runs.OVERRIDES, **overrides}.items():
-    *sections, field = key.split(".")
-    section = config
-    for name in sections:
-      section = section[name]
-    section[field] = value
-  loop.run(config, str(workdir))
+  loop.run(runs.config(**overrides), str(workdir))
 
 
 def _train_metrics(workdir) -> dict[int, dict]:

@@ -26,13 +26,14 @@ Before each publish every fp32 weight moves by +-lr (`--lr`, 1e-6 as in RL
 post-training of 7B models: the share of bf16 elements that change follows
 from it), so the deltas are what one optimizer step leaves.
 
-Per transport: seconds the trainer is blocked (the publish call), and for the
-disk transports deferred as a run publishes (`rollout.defer_updates`: the
-call returns once the folder is written, so the write phase), seconds the
-servers are paused (pause through update), bytes written to disk (the delta
-among them), bytes the trainer broadcast, how many updates each server read
-as a delta, and the largest peak RSS growth of every trainer process and
-server over one publish (VmHWM after clearing it, against the RSS before
+Per transport: seconds the trainer is blocked (the publish through to its
+servers' last phase), and deferred as a run publishes (`rollout.defer_updates`:
+the disk call returns once the folder is written; the distributed one at once
+from a one-process trainer, whose next update then waits for what is left of
+the broadcast), seconds the servers are paused (pause through update), bytes
+written to disk (the delta among them), bytes the trainer broadcast, how
+many updates each server read as a delta, and the largest peak RSS growth of
+every trainer process and server over one publish (VmHWM after clearing it, against the RSS before
 that publish; the first publish's import of torch counts for the
 distributed one).
 Disk runs first. Ratios are distributed / disk. In-process swapping (the
@@ -178,7 +179,10 @@ async def _publishes(fleet, model, transport: str, args, pids: list[int]) -> dic
   for i, (version, stepped) in enumerate(_versions(model, transport, args.repeats, args.lr)):
     before = _reset_peaks(growth)
     t = time.perf_counter()
-    report = await fleet.publish(stepped, version)
+    report = await fleet.publish(stepped, version)  # deferred where it can be
+    returned = time.perf_counter() - t
+    if report.pending is not None:
+      report = await report.pending
     blocked = time.perf_counter() - t
     _record_peaks(growth, before)
     if report.failed:
@@ -191,7 +195,7 @@ async def _publishes(fleet, model, transport: str, args, pids: list[int]) -> dic
     rows.append(
       {
         "blocked_s": blocked,
-        "deferred_blocked_s": s.get("write", blocked),
+        "deferred_blocked_s": returned,
         "paused_s": s["pause"] + s["flush"] + s["update"],
         "seconds": s,
         "written_bytes": _folder_bytes(report.path) if report.path else 0,
@@ -255,7 +259,7 @@ def _publish_all(model, size: str, args) -> dict:
 
     async def go():
       root = os.path.join(workdir, f"{size}-weights")
-      async with fleet_lib.Fleet(launched.urls, weights_root=root) as fleet:
+      async with fleet_lib.Fleet(launched.urls, weights_root=root, defer_updates=True) as fleet:
         pids = [p.pid for p in launched.procs]
         return {t: await _publishes(fleet, model, t, args, pids) for t in TRANSPORTS}
 

@@ -304,9 +304,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # SGLang and servers that missed a version read the folder. Costs the
   # trainer a read of its previous files per publish.
   c.rollout.weight_deltas = True
-  # With "disk", a publish returns once the folder is written and the servers
-  # load it while the trainer goes on (the coordinator waits for it before the
-  # next publish and before an evaluation); False: the trainer waits too.
+  # A publish returns once the folder is written ("disk") or at once
+  # ("distributed", a one-process trainer: the broadcast reads its arrays
+  # while the next step's rollout and gradients go on, and the update waits
+  # for it), and the servers load the version while the trainer goes on (the
+  # coordinator waits for it before the next publish and before an
+  # evaluation); False: the trainer waits too.
   c.rollout.defer_updates = True
   c.rollout.weight_group_backend = v.weight_group_backend
   c.rollout.weight_group_address = ""

@@ -482,3 +482,88 @@ def test_publishes_whose_write_failed_are_counted_and_too_many_stop(coord, parts
   assert c.get_state()[0]["faults"]["unwritten_publishes"] == 3
   with pytest.raises(RuntimeError, match="3 weight publishes in a row reached no server"):
     c.publish()
+
+
+@pytest.mark.parametrize("reads_params", [True, False])
+def test_a_deferred_broadcast_holds_back_the_update_not_the_rollout(parts, reads_params):
+  """A deferred publish that still reads the trainer's arrays (a broadcast,
+  `reads_params`) is waited for before the next update donates them, and only
+  then: the next step's rollout and gradient parts go on meanwhile (lag 1).
+  One that has read them (a written folder) holds back neither."""
+  import threading
+
+  from fluxjax.models.tokenizer import Tokenizer
+
+  config = parts[0].copy_and_resolve_references()
+  config.rl.prompts_per_step, config.rl.responses_per_prompt = 2, 2
+  config.rl.reward.fn = "constant"
+  config.coordinator.lag.mode, config.coordinator.lag.fixed_lag = "fixed", 1
+  samples = [
+    meta_lib.SampleMeta(uid=i, id=f"q{i}", prompt=f"Question {i}?", answer="red") for i in range(16)
+  ]
+  backend = _backend()
+  gates: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+  events: list[str] = []
+
+  async def publish(model, version):
+    if version == 0:  # the start's: at once
+      return PublishReport(str(version), None, {}, [])
+    gate = asyncio.Event()
+    gates.append((asyncio.get_running_loop(), gate))
+
+    async def send():
+      await gate.wait()
+      events.append(f"sent {version}")
+      return PublishReport(str(version), None, {"update": 0.0}, [])
+
+    pending = asyncio.create_task(send())
+    return PublishReport(str(version), None, {}, [], pending=pending, reads_params=reads_params)
+
+  backend.publish = publish
+
+  class Policy(_RecordingPolicy):
+    def add(self, seqs):
+      if len(gates) == 1 and "opening" not in events:  # step 2's first part
+        events.append("opening")
+        loop, gate = gates[0]
+        loop.call_soon_threadsafe(loop.call_later, 0.3, gate.set)
+      events.append("add")
+      super().add(seqs)
+
+    def apply(self):
+      events.append("apply")
+      return super().apply()
+
+  with (
+    backend_lib.LoopThread() as thread,
+    thread.running(backend),
+    reward_pool.RewardScheduler(1, "constant") as scheduler,
+    coordinator_lib.Coordinator(
+      Settings.of(config),
+      Tokenizer.default(),
+      Policy(parts[1]),
+      _Data(samples),
+      backend,
+      scheduler,
+      thread=thread,
+    ) as c,
+  ):
+    c.publish(new_version=False)
+    c.step()  # publishes version 1, its broadcast held at the gate
+    assert len(gates) == 1 and "sent 1" not in events
+    # Should rollout wait for version 1, nothing opens the gate: this does.
+    loop, gate = gates[0]
+    fallback = threading.Timer(10.0, loop.call_soon_threadsafe, (gate.set,))
+    fallback.start()
+    try:
+      c.step()
+    finally:
+      fallback.cancel()
+      for loop, gate in gates[1:]:  # step 2's publish, which close waits for
+        loop.call_soon_threadsafe(gate.set)
+  step2 = events[events.index("apply") + 1 :]
+  assert step2[0] == "opening", events  # step 2's parts came before version 1 was sent
+  if reads_params:
+    assert step2.index("sent 1") < step2.index("apply"), events
+  else:
+    assert step2.index("apply") < step2.index("sent 1"), events

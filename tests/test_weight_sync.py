@@ -32,6 +32,22 @@ def random_model(seed: int) -> vlm.Qwen25VL:
   return nnx.merge(graphdef, state)
 
 
+def sharded(model: vlm.Qwen25VL) -> vlm.Qwen25VL:
+  """`model` with each parameter split over the 8 test devices along its last
+  axis that divides by 8 (replicated when none does), as a trainer's are."""
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  graphdef, state = nnx.split(model)
+
+  def place(x):
+    axes = [a for a in range(1, x.ndim) if x.shape[a] % 8 == 0]
+    spec = [None] * x.ndim
+    if axes:
+      spec[axes[-1]] = "d"
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+
+  return nnx.merge(graphdef, jax.tree.map(place, state))
+
+
 PROMPTS = [[1, 2, 3, 4], [7, 8, 9], [40, 41, 42, 43, 44]]
 
 
@@ -71,9 +87,29 @@ def test_a_distributed_publish_serves_what_the_disk_path_serves(servers, tmp_pat
       # The same first model through the disk path, in bf16.
       disk = await publish.publish_to_fleet(fleet, first, str(tmp_path), 7, dtype="bfloat16")
       by_disk = await _greedy(fleet)
-      return report, versions, by_broadcast, again, reused, moved, disk, by_disk
+      # Deferred, from arrays sharded over the 8 devices: the publish returns
+      # at once and the broadcast reads them in its task.
+      fleet.defer_updates = True
+      deferred = await fleet.publish(sharded(first), 8)
+      final = await deferred.pending
+      by_deferred = await _greedy(fleet)
+      return (
+        report,
+        versions,
+        by_broadcast,
+        again,
+        reused,
+        moved,
+        disk,
+        by_disk,
+        (
+          deferred,
+          final,
+          by_deferred,
+        ),
+      )
 
-  report, versions, by_broadcast, again, reused, moved, disk, by_disk = asyncio.run(go())
+  report, versions, by_broadcast, again, reused, moved, disk, by_disk, late = asyncio.run(go())
 
   async def left():
     """Closing the fleet took every server out of the group."""
@@ -91,6 +127,10 @@ def test_a_distributed_publish_serves_what_the_disk_path_serves(servers, tmp_pat
   assert reused  # the same servers: no new rendezvous
   assert by_broadcast[0] == by_broadcast[1] == by_disk[0] == by_disk[1]
   assert moved[0] == moved[1] != by_broadcast[0]
+  deferred, final, by_deferred = late
+  assert deferred.reads_params and deferred.seconds == {} and deferred.sent_bytes == 0
+  assert not final.failed and final.sent_bytes == bf16_bytes and final.pending is None
+  assert by_deferred[0] == by_deferred[1] == by_broadcast[0]
 
 
 def test_an_update_the_server_cannot_use_is_refused_after_its_tensors_arrived(servers):

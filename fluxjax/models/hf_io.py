@@ -414,6 +414,22 @@ def _to_host(x: Array) -> np.ndarray:
   return np.asarray(jax.device_get(x))
 
 
+def _on_one_device(x: Array) -> Array:
+  """`x` moved to one of its devices when this process holds all of it.
+
+  The layout change that follows then runs on that device alone, with no
+  collective: a deferred broadcast (rollout/publish.py) reads the trainer's
+  arrays from another thread while the training step runs, and collectives
+  launched from two threads may meet in different orders on different GPUs.
+  Arrays that span processes stay where they are (their reads are the
+  trainer's own, in order)."""
+  if not isinstance(x, jax.Array) or not x.is_fully_addressable:
+    return x
+  if len(x.sharding.device_set) == 1:
+    return x
+  return jax.device_put(x, x.addressable_shards[0].device)
+
+
 def hf_tensors(model: vlm.Qwen25VL, dtype: str = "bfloat16"):
   """Yields (HF name, numpy tensor) one layer tensor at a time, in `dtype`."""
   cfg = model.cfg
@@ -423,10 +439,11 @@ def hf_tensors(model: vlm.Qwen25VL, dtype: str = "bfloat16"):
     stack, template, kind = _leaf_rule(leaf_path)
     value = var.get_value()
     for i in range(value.shape[0]) if stack else [None]:
-      x = value if i is None else value[i]
-      # Cast and laid out where the array lives (a device, for a trainer's),
-      # then to the host: one layer tensor at a time, in the published dtype.
-      x = _ours_to_hf(x.astype(np_dtype), kind, leaf_path, cfg)
+      x = value if i is None else value[i]  # the layer axis is never sharded
+      # Cast and laid out on a device, then to the host: one layer tensor at
+      # a time, in the published dtype.
+      x = _on_one_device(x.astype(np_dtype))
+      x = _ours_to_hf(x, kind, leaf_path, cfg)
       # Contiguous: safetensors writes the buffer as laid out, ignoring strides.
       yield template.format(i) if stack else template, np.ascontiguousarray(_to_host(x))
 

@@ -178,6 +178,7 @@ class Coordinator:
     self._version_steps: dict[str, int] = {}
     self._unwritten = self.faults.streak("unwritten_publishes")  # reached no server
     self._pending_publish: asyncio.Task | None = None  # a deferred publish's servers
+    self._pending_reads_params = False  # ... which still reads the trainer's arrays
     self._started = False
     # Every backend call runs on the rollout thread's loop (a fleet's HTTP
     # session belongs to one loop); rounds start only with `start()`.
@@ -359,6 +360,7 @@ class Coordinator:
         "dynamic sampling filtered every group of the step; raise rl.max_refill_rounds"
       )
     gaps = self._version_gaps(kept)
+    self.settle_reads()  # the update donates the arrays a deferred broadcast reads
     device_metrics = self._policy.apply()
     self._steps += 1
     train = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
@@ -447,8 +449,10 @@ class Coordinator:
 
     # An embedded engine gets its own buffers: the next update donates the
     # trainer's, while rollout goes on sampling from these. A fleet has read
-    # the trainer's when the publish returns; with a deferred publish its
-    # servers may still be loading them, and admission opens when they are done.
+    # the trainer's when the publish returns, or, deferred, its servers are
+    # still loading the written folder or receiving a broadcast that reads
+    # them (then the next update waits: `settle_reads`); admission opens when
+    # they are done.
     t = time.perf_counter()
     self.settle_publish()
     params = self._policy.stage(self._version + int(new_version))
@@ -466,11 +470,19 @@ class Coordinator:
       version, steps = self._version, self._steps
       report.pending.add_done_callback(lambda _: self._producer.set_version(version, steps))
       self._pending_publish = report.pending
+      self._pending_reads_params = report.reads_params
     return time.perf_counter() - t
+
+  def settle_reads(self) -> None:
+    """Waits for a deferred publish that still reads the trainer's arrays
+    (`PublishReport.reads_params`), which the next update donates."""
+    if self._pending_reads_params:
+      self.settle_publish()
 
   def settle_publish(self) -> None:
     """Waits for a deferred publish's servers to load it (see `publish`)."""
     pending, self._pending_publish = self._pending_publish, None
+    self._pending_reads_params = False
     if pending is not None:
       self._published(self._producer.call(_result(pending)))
 

@@ -106,8 +106,9 @@ class Fleet:
     weight_sync: "disk" or "distributed" (`publish`).
     weight_deltas: with "disk", each folder also holds its changes from the
       previous one, which servers at that version (ours) load instead.
-    defer_updates: with "disk", `publish` returns once the folder is
-      written; the servers load it in `PublishReport.pending`.
+    defer_updates: `publish` returns once the folder is written ("disk")
+      or at once ("distributed", a one-process trainer); the servers load
+      the version in `PublishReport.pending`.
   """
 
   def __init__(
@@ -182,7 +183,7 @@ class Fleet:
     from fluxjax.rollout import publish  # local: the checkpoint writer is JAX code
 
     if self.weight_sync == "distributed":
-      return await publish.publish_distributed(self, model, version)
+      return await publish.publish_distributed(self, model, version, defer=self.defer_updates)
     return await publish.publish_to_fleet(
       self,
       model,

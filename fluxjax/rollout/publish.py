@@ -15,10 +15,14 @@ Each phase is timed across the fleet (the slowest server counts);
 `Fleet.update_weights` runs the sequence. Deferred (`defer`, the trainer's
 default), the publish returns once the folder is written and the servers load
 it while the trainer goes on with the next step: the trainer is blocked for
-the write alone. The distributed transport is not deferred: it reads the
-trainer's arrays one layer tensor at a time while it sends, so the next
-update must wait for it (holding a bf16 copy to send later would cost the
-whole model in memory).
+the write alone. Deferred, the distributed transport returns at once when the
+trainer is one process: the broadcast reads the trainer's arrays one layer
+tensor at a time while the next step's rollout and gradients go on, and the
+next update, which donates those arrays, waits for it
+(`PublishReport.reads_params`; holding a bf16 copy instead would cost the
+whole model in memory). A trainer that spans processes gathers each tensor
+with collectives, which must keep their order against the training step's,
+so its broadcast is never deferred.
 
 A write that fails (a full disk) ends the publish before any server hears of
 it: the fleet keeps serving the previous version, whose folder is untouched,
@@ -68,6 +72,8 @@ class PublishReport:
       rollout loop: a task whose result is the publish's final report (this
       one then says only what the trainer was blocked for); None when this
       report is final.
+    reads_params: `pending` still reads the trainer's arrays (a deferred
+      broadcast): the next update, which donates them, waits for it.
   """
 
   version: str
@@ -76,6 +82,7 @@ class PublishReport:
   failed: list[str]
   sent_bytes: int = 0
   pending: asyncio.Task | None = None
+  reads_params: bool = False
 
 
 def write_checkpoint(
@@ -259,15 +266,33 @@ async def _join(fleet, servers) -> list:
   return results
 
 
-async def publish_distributed(fleet, model: vlm.Qwen25VL, version: int | str) -> PublishReport:
+async def publish_distributed(
+  fleet, model: vlm.Qwen25VL, version: int | str, *, defer: bool = False
+) -> PublishReport:
   """pause -> flush -> broadcast -> continue: the servers receive bf16 tensors
   from this process over the update group (made on first use, and again when
   the healthy servers change), one layer tensor at a time, with no disk.
+
+  Args:
+    fleet: a `fleet.Fleet`.
+    model: the trainer's model.
+    version: the new weight version.
+    defer: return at once, the broadcast running in `PublishReport.pending`
+      (`reads_params`: it reads `model`'s arrays until it is done); ignored
+      when `model` spans processes (module docstring).
 
   Returns:
     The report: seconds per phase, failed servers (marked down; a rejoining
     server takes part in the next publish), and the bytes broadcast.
   """
+  if defer and not hf_io.spans_processes(model):
+    pending = asyncio.create_task(_broadcast_version(fleet, model, version))
+    return PublishReport(str(version), None, {}, [], pending=pending, reads_params=True)
+  return await _broadcast_version(fleet, model, version)
+
+
+async def _broadcast_version(fleet, model: vlm.Qwen25VL, version: int | str) -> PublishReport:
+  """`publish_distributed`'s whole sequence."""
   layout = hf_io.hf_layout(model.cfg)
   update = protocol.DistributedUpdate(
     names=tuple(n for n, _ in layout),

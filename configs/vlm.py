@@ -512,6 +512,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optim.b2 = 0.999
   c.optim.eps = 1e-8
   c.optim.weight_decay = 0.0
+  # Once lr_scale_steps[i] optimizer updates are done (one per RL step, or
+  # rl.updates_per_batch), the schedule's lr is multiplied by lr_scales[i]
+  # (cumulatively): a step change mid-run, e.g. (75,) and (3.0,) triple it
+  # from RL step 76. The warm-up's schedule has none.
+  c.optim.lr_scale_steps = ()
+  c.optim.lr_scales = ()
   if arg.smoke:
     _smoke(c)
   if arg.fleet:

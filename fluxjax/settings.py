@@ -147,6 +147,8 @@ class Optim:
   b2: float
   eps: float
   weight_decay: float
+  lr_scale_steps: tuple[int, ...]
+  lr_scales: tuple[float, ...]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -209,6 +209,8 @@ def adamw_config(lr: float = 1e-3, total_steps: int = 10) -> ml_collections.Conf
       b2=0.95,
       eps=1e-8,
       weight_decay=0.0,
+      lr_scale_steps=(),
+      lr_scales=(),
     )
   )
 

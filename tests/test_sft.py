@@ -5,6 +5,7 @@ import functools
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import PIL.Image
 import PIL.ImageDraw
@@ -155,6 +156,34 @@ def test_loss_is_the_nll_of_answer_tokens_and_steps_lower_it(setup):
   trainer.finish()
   assert coord.state.opt_state is not None and int(coord.state.step) == 0
   assert _numpy_nll(coord, seqs, answers) < 0.5 * expected
+
+
+def _learning_rates(optim, steps: int) -> np.ndarray:
+  """The lr of each of `steps` updates: Adam's step on a constant gradient
+  is the lr (m / sqrt(v) = 1 after bias correction)."""
+  tx = train_step.make_optimizer(optim)
+  params = jnp.zeros(())
+  state = tx.init(params)
+  out = []
+  for _ in range(steps):
+    update, state = tx.update(jnp.ones(()) * 1e-3, state, params)
+    out.append(-float(update))
+  return np.array(out)
+
+
+def test_lr_scales_multiply_the_rl_schedule_from_their_update_on(setup):
+  config, *_ = setup
+  base = dataclasses.replace(
+    Settings.of(config).optim, lr=1e-3, warmup_steps=0, end_lr_frac=1.0, total_steps=10
+  )
+  scaled = dataclasses.replace(base, lr_scale_steps=(4, 7), lr_scales=(3.0, 0.5))
+  lr = _learning_rates(scaled, 10)
+  np.testing.assert_allclose(lr, [1e-3] * 4 + [3e-3] * 3 + [1.5e-3] * 3, rtol=1e-4)
+  np.testing.assert_allclose(_learning_rates(base, 10), [1e-3] * 10, rtol=1e-4)
+  with pytest.raises(ValueError, match="one scale per step"):
+    train_step.make_optimizer(dataclasses.replace(base, lr_scale_steps=(4,), lr_scales=()))
+  warm_up = sft.optimizer_config(scaled, Settings.of(config).sft)
+  assert warm_up.lr_scale_steps == warm_up.lr_scales == ()
 
 
 def test_optimizer_config_is_the_warm_ups_own(setup):

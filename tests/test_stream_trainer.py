@@ -40,6 +40,8 @@ OPT = ml_collections.ConfigDict(
     b2=0.95,
     eps=1e-8,
     weight_decay=0.0,
+    lr_scale_steps=(),
+    lr_scales=(),
   )
 )
 SGD = optax.sgd(0.5, momentum=0.9)

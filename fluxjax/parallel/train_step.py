@@ -49,14 +49,28 @@ class TrainState:
 
 
 def make_optimizer(cfg: settings_lib.Optim) -> optax.GradientTransformation:
-  """AdamW with global-norm clipping and warmup + cosine decay."""
-  schedule = optax.warmup_cosine_decay_schedule(
+  """AdamW with global-norm clipping and warmup + cosine decay, times the
+  piecewise-constant scales `lr_scales[i]` once `lr_scale_steps[i]` updates
+  are done."""
+  if len(cfg.lr_scale_steps) != len(cfg.lr_scales):
+    raise ValueError(
+      f"optim.lr_scale_steps {cfg.lr_scale_steps} and optim.lr_scales {cfg.lr_scales}: "
+      "give one scale per step"
+    )
+  cosine = optax.warmup_cosine_decay_schedule(
     init_value=0.0,
     peak_value=cfg.lr,
     warmup_steps=cfg.warmup_steps,
     decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1),
     end_value=cfg.lr * cfg.end_lr_frac,
   )
+  scale = optax.piecewise_constant_schedule(
+    1.0, dict(zip(map(int, cfg.lr_scale_steps), map(float, cfg.lr_scales), strict=True))
+  )
+
+  def schedule(count):
+    return cosine(count) * scale(count)
+
   return optax.chain(
     optax.clip_by_global_norm(cfg.max_grad_norm),
     optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay),

@@ -104,6 +104,8 @@ def optimizer_config(optim: settings_lib.Optim, s: settings_lib.SFT) -> settings
     total_steps=s.steps,
     end_lr_frac=s.end_lr_frac,
     weight_decay=0.0,
+    lr_scale_steps=(),
+    lr_scales=(),
   )
 
 

@@ -33,9 +33,9 @@ from a one-process trainer, whose next update then waits for what is left of
 the broadcast), seconds the servers are paused (pause through update), bytes
 written to disk (the delta among them), bytes the trainer broadcast, how
 many updates each server read as a delta, and the largest peak RSS growth of
-every trainer process and server over one publish (VmHWM after clearing it, against the RSS before
-that publish; the first publish's import of torch counts for the
-distributed one).
+every trainer process and server over one publish (VmHWM after clearing it,
+against the RSS before that publish; the first publish's import of torch
+counts for the distributed one).
 Disk runs first. Ratios are distributed / disk. In-process swapping (the
 embedded engine) moves no bytes and is not run here.
 

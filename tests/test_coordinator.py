@@ -130,6 +130,23 @@ class _Rewards:
     return {"reward/timeout": 0.0}
 
 
+@contextlib.contextmanager
+def _running(config, policy, data, backend, reward_fn: str):
+  """A coordinator of `config` over `backend` on its own loop thread, its
+  rewards from a one-worker pool of `reward_fn`."""
+  from fluxjax.models.tokenizer import Tokenizer
+
+  with (
+    backend_lib.LoopThread() as thread,
+    thread.running(backend),
+    reward_pool.RewardScheduler(1, reward_fn) as scheduler,
+    coordinator_lib.Coordinator(
+      Settings.of(config), Tokenizer.default(), policy, data, backend, scheduler, thread=thread
+    ) as c,
+  ):
+    yield c
+
+
 @pytest.fixture(scope="module")
 def parts(devices, tmp_path_factory):
   del devices
@@ -288,7 +305,6 @@ def test_dynamic_sampling_trains_only_groups_with_signal(parts):
   others by a hash of the response (each response is distinct): no
   numeric-answer prompt may be trained, and each step is still full.
   """
-  from fluxjax.models.tokenizer import Tokenizer
 
   config = parts[0].copy_and_resolve_references()
   config.rl.prompts_per_step, config.rl.responses_per_prompt = 3, 4
@@ -303,14 +319,7 @@ def test_dynamic_sampling_trains_only_groups_with_signal(parts):
   ]
   backend = _backend(tokens=3, text=_rid_text)
   data, policy = _Data(samples), _RecordingPolicy(parts[1])
-  with (
-    backend_lib.LoopThread() as thread,
-    thread.running(backend),
-    reward_pool.RewardScheduler(1, "fault_rewards:signal_unless_numeric") as scheduler,
-    coordinator_lib.Coordinator(
-      Settings.of(config), Tokenizer.default(), policy, data, backend, scheduler, thread=thread
-    ) as c,
-  ):
+  with _running(config, policy, data, backend, "fault_rewards:signal_unless_numeric") as c:
     results = [c.step() for _ in range(3)]
     counts = c.fault_counts()
   trained = [i for r in results for i in r.trained]
@@ -331,7 +340,6 @@ def test_a_step_records_the_percentiles_of_its_response_lengths(parts):
   """`rollout/response_len_{mean,p50,p99,max}` are over every trained
   response: lengths 1..8 within each group, and one 60-token response, whose
   tail moves p99 and the max but not the median."""
-  from fluxjax.models.tokenizer import Tokenizer
 
   config = parts[0].copy_and_resolve_references()
   config.rl.prompts_per_step, config.rl.responses_per_prompt = 2, 8
@@ -348,20 +356,8 @@ def test_a_step_records_the_percentiles_of_its_response_lengths(parts):
     return Act(tokens=n)
 
   backend = ScriptedRollout(varied, tick=0.0, text=_rid_text)
-  with (
-    backend_lib.LoopThread() as thread,
-    thread.running(backend),
-    reward_pool.RewardScheduler(1, "fault_rewards:signal_unless_numeric") as scheduler,
-    coordinator_lib.Coordinator(
-      Settings.of(config),
-      Tokenizer.default(),
-      _RecordingPolicy(parts[1]),
-      _Data(samples),
-      backend,
-      scheduler,
-      thread=thread,
-    ) as c,
-  ):
+  policy, data = _RecordingPolicy(parts[1]), _Data(samples)
+  with _running(config, policy, data, backend, "fault_rewards:signal_unless_numeric") as c:
     result = c.step()
   m = result.metrics
   # The next step's rounds may have started; only this step's groups count.
@@ -378,7 +374,6 @@ def test_refused_updates_publish_nothing_and_too_many_in_a_row_stop(parts, caplo
   """Updates the device refused (non-finite) keep the policy version and are
   counted with their prompts logged; `faults.nonfinite_steps` in a
   row raise."""
-  from fluxjax.models.tokenizer import Tokenizer
   from fluxjax.parallel import train_step
 
   config = parts[0].copy_and_resolve_references()
@@ -391,20 +386,7 @@ def test_refused_updates_publish_nothing_and_too_many_in_a_row_stop(parts, caplo
   backend = _backend()
   backend.text = _evaluation_text(backend, {s.id: s.answer for s in samples})
   policy = _RecordingPolicy(parts[1], nonfinite=[False, True, False, True, True])
-  with (
-    backend_lib.LoopThread() as thread,
-    thread.running(backend),
-    reward_pool.RewardScheduler(1, "constant") as scheduler,
-    coordinator_lib.Coordinator(
-      Settings.of(config),
-      Tokenizer.default(),
-      policy,
-      _Data(samples),
-      backend,
-      scheduler,
-      thread=thread,
-    ) as c,
-  ):
+  with _running(config, policy, _Data(samples), backend, "constant") as c:
     c.publish(new_version=False)
     versions = []
     for _ in range(4):
@@ -492,8 +474,6 @@ def test_a_deferred_broadcast_holds_back_the_update_not_the_rollout(parts, reads
   One that has read them (a written folder) holds back neither."""
   import threading
 
-  from fluxjax.models.tokenizer import Tokenizer
-
   config = parts[0].copy_and_resolve_references()
   config.rl.prompts_per_step, config.rl.responses_per_prompt = 2, 2
   config.rl.reward.fn = "constant"
@@ -534,20 +514,7 @@ def test_a_deferred_broadcast_holds_back_the_update_not_the_rollout(parts, reads
       events.append("apply")
       return super().apply()
 
-  with (
-    backend_lib.LoopThread() as thread,
-    thread.running(backend),
-    reward_pool.RewardScheduler(1, "constant") as scheduler,
-    coordinator_lib.Coordinator(
-      Settings.of(config),
-      Tokenizer.default(),
-      Policy(parts[1]),
-      _Data(samples),
-      backend,
-      scheduler,
-      thread=thread,
-    ) as c,
-  ):
+  with _running(config, Policy(parts[1]), _Data(samples), backend, "constant") as c:
     c.publish(new_version=False)
     c.step()  # publishes version 1, its broadcast held at the gate
     assert len(gates) == 1 and "sent 1" not in events

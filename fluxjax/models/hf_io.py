@@ -423,9 +423,7 @@ def _on_one_device(x: Array) -> Array:
   launched from two threads may meet in different orders on different GPUs.
   Arrays that span processes stay where they are (their reads are the
   trainer's own, in order)."""
-  if not isinstance(x, jax.Array) or not x.is_fully_addressable:
-    return x
-  if len(x.sharding.device_set) == 1:
+  if not isinstance(x, jax.Array) or not x.is_fully_addressable or len(x.sharding.device_set) == 1:
     return x
   return jax.device_put(x, x.addressable_shards[0].device)
 

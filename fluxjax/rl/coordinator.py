@@ -177,8 +177,7 @@ class Coordinator:
     # whose update made a policy non-finite.
     self._version_steps: dict[str, int] = {}
     self._unwritten = self.faults.streak("unwritten_publishes")  # reached no server
-    self._pending_publish: asyncio.Task | None = None  # a deferred publish's servers
-    self._pending_reads_params = False  # ... which still reads the trainer's arrays
+    self._deferred: PublishReport | None = None  # a publish whose servers' part is pending
     self._started = False
     # Every backend call runs on the rollout thread's loop (a fleet's HTTP
     # session belongs to one loop); rounds start only with `start()`.
@@ -469,22 +468,20 @@ class Coordinator:
     else:  # the servers load the written folder while training goes on
       version, steps = self._version, self._steps
       report.pending.add_done_callback(lambda _: self._producer.set_version(version, steps))
-      self._pending_publish = report.pending
-      self._pending_reads_params = report.reads_params
+      self._deferred = report
     return time.perf_counter() - t
 
   def settle_reads(self) -> None:
     """Waits for a deferred publish that still reads the trainer's arrays
     (`PublishReport.reads_params`), which the next update donates."""
-    if self._pending_reads_params:
+    if self._deferred is not None and self._deferred.reads_params:
       self.settle_publish()
 
   def settle_publish(self) -> None:
     """Waits for a deferred publish's servers to load it (see `publish`)."""
-    pending, self._pending_publish = self._pending_publish, None
-    self._pending_reads_params = False
-    if pending is not None:
-      self._published(self._producer.call(_result(pending)))
+    deferred, self._deferred = self._deferred, None
+    if deferred is not None and deferred.pending is not None:
+      self._published(self._producer.call(_result(deferred.pending)))
 
   def _published(self, report: PublishReport) -> None:
     """What a publish reached: failures logged; too many unwritten raise."""

@@ -25,8 +25,8 @@ staleness of the batch (version gap, KL(behaviour || current), importance
 weight variance, measured in the step) feeds the admission controller, which
 in `adaptive` mode moves an async ratio, and with it the allowed lag, by
 small PID steps and forces sync barriers (rl/async_control.py).
-`coordinator.lag.mode = sync` makes rollout wait for each update, so every
-sample is on-policy (importance weights 1 up to engine numerics).
+`coordinator.lag.mode = sync` makes rollout wait for each update: every round
+is admitted at the current version (README, "When training is on-policy").
 """
 
 from __future__ import annotations
@@ -358,7 +358,7 @@ class Coordinator:
       raise RuntimeError(
         "dynamic sampling filtered every group of the step; raise rl.max_refill_rounds"
       )
-    gaps = self._version_gaps(kept)
+    trained_gap, admitted_gap = self._version_gaps(kept)
     self.settle_reads()  # the update donates the arrays a deferred broadcast reads
     device_metrics = self._policy.apply()
     self._steps += 1
@@ -379,7 +379,11 @@ class Coordinator:
     # Var(w) = E[w^2] - E[w]^2 from the step's token means of the importance weights.
     iw_var = max(train.get("is_weight_sq", 1.0) - train.get("is_weight", 1.0) ** 2, 0.0)
     stale = async_control.combine_staleness(
-      gaps["mean"], gaps["max"], train.get("behaviour_kl", 0.0), iw_var, self._staleness_metric
+      admitted_gap["mean"],
+      admitted_gap["max"],
+      train.get("behaviour_kl", 0.0),
+      iw_var,
+      self._staleness_metric,
     )
     control = self._producer.call(self._observe(stale["staleness"], self._steps))
     groups = [k.group for k in kept]
@@ -398,6 +402,8 @@ class Coordinator:
       "publish/seconds": t_publish,
       "policy/version": float(self._version),
       **{f"async/{k}": v for k, v in stale.items()},
+      "async/trained_gap": trained_gap["mean"],
+      "async/trained_gap_max": trained_gap["max"],
       **{f"async/{k}": v for k, v in control.items()},
       **{f"train/{k}": v for k, v in train.items()},
     }
@@ -415,15 +421,17 @@ class Coordinator:
   async def _observe(self, staleness: float, step: int) -> dict:
     return self._producer.admission.observe(staleness, step)
 
-  def _version_gaps(self, kept) -> dict:
-    """Version gap of every trained token against the version being updated."""
-    tags = [
-      async_control.parse_version(v)
-      for k in kept
-      for c in k.group.completions
-      for v in c.versions(default=str(k.launch_version))
-    ]
-    return async_control.version_gap(np.asarray(tags), self._version)
+  def _version_gaps(self, kept) -> tuple[dict, dict]:
+    """The version gap of every trained token against the version being
+    updated: in full, and as admission sees it (`admission_gap`)."""
+    tags, launches = [], []
+    for k in kept:
+      for c in k.group.completions:
+        versions = c.versions(default=str(k.launch_version))
+        tags += [async_control.parse_version(v) for v in versions]
+        launches += [k.launch_version] * len(versions)
+    trained = async_control.version_gap(np.asarray(tags), self._version)
+    return trained, async_control.admission_gap(tags, launches, self._version)
 
   def _done_with(self, kept) -> None:
     self._loader.release([k.sample for k in kept])

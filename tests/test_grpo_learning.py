@@ -12,8 +12,13 @@ and the second must lose, each by more than the 95% interval of the
 difference; a sign or weighting error anywhere between the reward and the
 update (advantages, loss, importance weights, the stream update, publishing)
 fails one of them.
+
+The first run is also the README's user (test_smoke.py runs the real-shape
+variants): the CLI on one plain CPU device, the SFT warm-up on the embedded
+engine, evaluations at the start and the end, the summary.
 """
 
+import json
 import math
 import shutil
 import subprocess
@@ -91,6 +96,7 @@ def test_grpo_raises_held_out_accuracy_and_a_flipped_sign_lowers_it(tmp_path):
       proc.kill()
       proc.wait()
       log.close()
+  _assert_the_cli_run(first, logs["accuracy"].read_text(), RL_STEPS["accuracy"])
   # The second run started from the first one's RL start, without a warm-up.
   flipped_log = logs["accuracy_reversed"].read_text()
   assert "resumed from step 0" in flipped_log and "SFT warm-up" not in flipped_log
@@ -106,3 +112,17 @@ def test_grpo_raises_held_out_accuracy_and_a_flipped_sign_lowers_it(tmp_path):
   loss = start["eval/accuracy"] - flipped_end["eval/accuracy"]
   assert gain > ci(start, end), (start, end)
   assert loss > ci(start, flipped_end), (start, flipped_end)
+
+
+def _assert_the_cli_run(workdir, out: str, steps: int) -> None:
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["last_step"] == steps
+  assert summary["start"]["step"] == 0 and summary["end"]["step"] == steps
+  assert summary["warm_up"] is not None, "the main job warms up with SFT before RL"
+  assert "run summary" in out and "python -m fluxjax.plot" in out
+  # The config is validated once per start (its rules log what they limit).
+  assert out.count("prompts are limited to") <= 1, out[-4000:]
+  assert summary["faults"] == {}, summary["faults"]
+  records = [r for r in metrics.read_metrics(str(workdir)) if "train/loss" in r]
+  assert [r["step"] for r in records] == list(range(1, steps + 1))
+  assert all(math.isfinite(r["train/loss"]) and r["train/sequences"] > 0 for r in records)

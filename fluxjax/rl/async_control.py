@@ -33,8 +33,9 @@ The adaptive controller, per training step:
   4. The lag is min_lag + ratio * (max_lag - min_lag), a real number:
      admission lets its fractional part of the next batch start before the
      update, so the mean version gap follows the ratio continuously.
-  5. A sync barrier is forced when ema > hard_bound, or when sync_interval
-     steps have passed since the last one: the lag is held at 0 until every
+  5. A sync barrier is forced when ema passes hard_bound (once per
+     excursion above it), or when sync_interval steps have passed since the
+     last one: the lag is held at 0 until every
      batch that rollouts admitted before the barrier belong to has been
      trained (a full drain), so the next batch is admitted at the current
      policy. Barriers are counted by cause (`barriers`).
@@ -54,6 +55,12 @@ Where this differs from the design, and why:
     measurement noise, reversing direction every few steps around the target.
   - The barrier fires at its own `hard_bound` (the design tests ema >
     target + tolerance); configs/vlm.py sets it to that value.
+  - The hard bound forces one barrier per excursion of the EMA above it; the
+    design syncs at every step the EMA is above. After a drain every batch is
+    fresh, but the EMA remembers the stale ones for a few steps (0.9 a step:
+    4 steps from 0.31 down to 0.2), and the design's rule held the lag at 0
+    through all of them, one barrier after another (steps 87-94 of an
+    adaptive run of the default job). The PID lowers the ratio meanwhile.
   - KL is KL(behaviour || trainer), the k3 estimate on the rollout's own
     tokens (loss metric `behaviour_kl`); the design's KL(current || behaviour)
     would need samples of the current policy. The two agree to second order
@@ -330,6 +337,7 @@ class AsyncController:
     self.integral = 0.0
     self.prev_error: float | None = None
     self.last_sync = 0  # the step of the last completed sync (training starts synced)
+    self.bound_armed = True  # False from a hard-bound barrier until the EMA is back under
 
   @property
   def continuous_lag(self) -> float:
@@ -354,14 +362,17 @@ class AsyncController:
 
     Returns:
       the cause of a sync barrier now due: "interval" (sync_interval steps
-      since the last one) or "hard_bound" (the EMA above it); None if none.
+      since the last one) or "hard_bound" (the EMA went above it); None if
+      none.
     """
     c = self.cfg
     if self.track(staleness_value):
       self._pid_step(self.error())
+    above = self.ema > c.hard_bound
+    fire, self.bound_armed = above and self.bound_armed, not above
     if c.sync_interval > 0 and step - self.last_sync >= c.sync_interval:
       return "interval"
-    return "hard_bound" if self.ema > c.hard_bound else None
+    return "hard_bound" if fire else None
 
   def _pid_step(self, e: float) -> None:
     c = self.cfg
@@ -392,6 +403,7 @@ class AsyncController:
       "integral": self.integral,
       "prev_error": self.prev_error,
       "last_sync": self.last_sync,
+      "bound_armed": self.bound_armed,
     }
 
   def set_state(self, state: dict) -> None:
@@ -400,6 +412,7 @@ class AsyncController:
     self.integral = float(state["integral"])
     self.prev_error = None if state["prev_error"] is None else float(state["prev_error"])
     self.last_sync = int(state["last_sync"])
+    self.bound_armed = bool(state["bound_armed"])
 
 
 # --- admission ----------------------------------------------------------------------

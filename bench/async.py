@@ -3,6 +3,7 @@ r"""Adaptive async: trained samples/s, staleness and held-out accuracy per lag m
   python bench/async.py                      # rollout and trainer on disjoint cores
   python bench/async.py --placement shared   # both on every core, in one process
   python bench/async.py --steps 60 --modes sync,fixed:1,fixed:2,adaptive --json PATH
+  python bench/async.py --placement shared --steps 150 --modes 'adaptive,adaptive/lr*3@75'
 
 Each mode runs the real GRPO loop (`fluxjax.rl.loop.run`: producer thread,
 tail batching with recycling, stream trainer, weight publishing) on the
@@ -32,12 +33,23 @@ Reported per mode, from the run's metrics.jsonl:
   lag           mean allowed lag (the controller's, in adaptive mode);
   wait s        mean time the trainer waited for groups;
   accuracy      held-out eval/accuracy at step 0 and after the last step,
-                with its 95% interval (`--eval-prompts` x 4 samples).
+                with its 95% interval (`--eval-prompts` x 4 samples);
+  controller    the share of steps after the 10th with the staleness EMA
+                inside the band (target +- tolerance), sync barriers by cause
+                (hard bound, sync_interval) and hard-bound ones per 20 steps,
+                the trained tokens' full version gap (recycled ones included).
+
+A mode `MODE/lr*X@S` multiplies the learning rate by X once S updates are
+done (optim.lr_scale_steps): a step change in KL. Its row adds the async
+ratio and the EMA at S, S + 10 and S + 20, and the first step after S at
+which the ratio went down. `MODE/KEY=VALUE` sets any other config field for
+that mode, e.g. `sync/rollout.tail_batching.continue_in=next_round`.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import statistics
 import sys
@@ -60,15 +72,36 @@ PER_STEP_KEYS = (
   "train/is_weight",
   "rollout/wait_seconds",
   "rollout/reward_mean",
+  "async/staleness_ema",
+  "async/async_ratio",
+  "async/sync_barrier",
+  "async/trained_gap",
+  "async/kl",
 )
+SETTLED_AFTER = 10  # steps before the EMA-in-band share is counted
 
 
-def parse_mode(mode: str) -> tuple[str, int]:
-  """ "sync", "fixed:2", "adaptive" -> (lag mode, fixed lag)."""
-  name, _, lag = mode.partition(":")
+def parse_mode(mode: str) -> tuple[str, int, tuple[int, float] | None, dict]:
+  """ "sync", "fixed:2", "adaptive/lr*3@75", "sync/rollout.tail_batching.eta=1.0" ->
+  (lag mode, fixed lag, (step, lr scale) or None, other config overrides)."""
+  lag_mode, *changes = mode.split("/")
+  name, _, lag = lag_mode.partition(":")
   if name not in ("sync", "fixed", "adaptive"):
-    raise ValueError(f"unknown mode {mode!r}: sync, fixed:K or adaptive")
-  return name, int(lag or 1)
+    raise ValueError(f"unknown mode {mode!r}: sync, fixed:K or adaptive, then /lr*X@S, /KEY=V")
+  step_change, overrides = None, {}
+  for change in changes:
+    if change.startswith("lr*") and "@" in change:
+      scale, _, step = change[3:].partition("@")
+      step_change = (int(step), float(scale))
+    elif "=" in change:
+      key, _, value = change.partition("=")
+      try:
+        overrides[key] = ast.literal_eval(value)
+      except (ValueError, SyntaxError):
+        overrides[key] = value  # a bare string
+    else:
+      raise ValueError(f"{mode!r}: {change!r} is neither lr*X@S nor KEY=VALUE")
+  return name, int(lag or 1), step_change, overrides
 
 
 def make_config(mode: str, args, urls: tuple[str, ...]):
@@ -83,7 +116,17 @@ def make_config(mode: str, args, urls: tuple[str, ...]):
     c.rl.prompts_per_step = args.P
   if args.R:
     c.rl.responses_per_prompt = args.R
-  c.coordinator.lag.mode, c.coordinator.lag.fixed_lag = parse_mode(mode)
+  c.coordinator.lag.mode, c.coordinator.lag.fixed_lag, change, overrides = parse_mode(mode)
+  if change is not None:
+    c.optim.lr_scale_steps, c.optim.lr_scales = (change[0],), (change[1],)
+  for key, value in overrides.items():
+    *path, field = key.split(".")
+    section = c
+    for name in path:
+      section = section[name]
+    if field not in section:
+      raise ValueError(f"mode {mode!r}: no config field {key}")
+    section[field] = value
   cores.use_server(c, urls)
   return c
 
@@ -118,9 +161,48 @@ def run_mode(mode: str, args, workdir: str, urls: tuple[str, ...]) -> dict:
     "accuracy_end": last["eval/accuracy"],
     "accuracy_end_ci95": last["eval/accuracy_ci95"],
     "accuracy_step": max(evals),
+    **controller_figures(steps, c.coordinator.lag, parse_mode(mode)[2]),
     # What the means above are taken over, for --json.
     "per_step": [{k: r[k] for k in PER_STEP_KEYS if k in r} for r in steps],
   }
+
+
+def controller_figures(steps: list[dict], lag, change) -> dict:
+  """The controller's figures of one run (the module docstring)."""
+  by_step = {r["step"]: r for r in steps}
+  settled = [r for r in steps if r["step"] > SETTLED_AFTER]
+  in_band = [
+    abs(r["async/staleness_ema"] - lag.target_staleness) <= lag.tolerance + 1e-12 for r in settled
+  ]
+  last = steps[-1]
+  out = {
+    "ema_in_band": statistics.fmean(in_band) if in_band else float("nan"),
+    "hard_bound_barriers": last["async/hard_bound_barriers_total"],
+    "interval_barriers": last["async/interval_barriers_total"],
+    "hard_bound_per_20_steps": 20 * last["async/hard_bound_barriers_total"] / len(steps),
+    "trained_gap": statistics.fmean(r["async/trained_gap"] for r in steps),
+  }
+  if change is not None and "async/async_ratio" in last:
+    at = change[0]
+    out["step_change"] = {
+      "step": at,
+      "lr_scale": change[1],
+      **{
+        f"{key}_at_{at + d}": by_step[at + d][f"async/{key}"]
+        for d in (0, 10, 20)
+        if at + d in by_step
+        for key in ("async_ratio", "staleness_ema")
+      },
+      "first_ratio_drop": next(
+        (
+          s
+          for s in sorted(by_step)
+          if s > at and by_step[s]["async/async_ratio"] < by_step[at]["async/async_ratio"]
+        ),
+        None,
+      ),
+    }
+  return out
 
 
 def main(argv=None) -> None:
@@ -176,6 +258,21 @@ def main(argv=None) -> None:
       f"{r['lag']:.2f} | {r['wait_s']:.2f} | {r['accuracy_start']:.3f} -> "
       f"{r['accuracy_end']:.3f} +- {r['accuracy_end_ci95']:.3f} |"
     )
+  print(
+    f"\ncontroller: EMA in the band (target {rows[0]['staleness_target']:.2f}) after step "
+    f"{SETTLED_AFTER}, sync barriers by cause"
+  )
+  print("| mode | EMA in band | hard-bound barriers (per 20 steps) | interval | trained gap |")
+  print("|---|---|---|---|---|")
+  for r in rows:
+    print(
+      f"| {r['mode']} | {r['ema_in_band']:.3f} | {r['hard_bound_barriers']:.0f} "
+      f"({r['hard_bound_per_20_steps']:.2f}) | {r['interval_barriers']:.0f} | "
+      f"{r['trained_gap']:.2f} |"
+    )
+  for r in rows:
+    if "step_change" in r:
+      print(f"{r['mode']}: {r['step_change']}")
   if args.json:
     runinfo.write(
       args.json,

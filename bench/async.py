@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -236,7 +237,8 @@ def main(argv=None) -> None:
   try:
     with tempfile.TemporaryDirectory() as tmp:
       for mode in args.modes.split(","):
-        rows.append(run_mode(mode, args, os.path.join(tmp, mode.replace(":", "")), urls))
+        workdir = os.path.join(tmp, re.sub(r"[^\w.=-]", "_", mode))
+        rows.append(run_mode(mode, args, workdir, urls))
         print(f"  {mode}: done in {rows[-1]['wall_s']:.1f} s", flush=True)
   finally:
     if servers is not None:

@@ -327,7 +327,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.tail_batching.recycle = True
   # Where a deferred prompt's partial responses go on: "long_round" (with P
   # other deferred prompts, Flexes' order) or "next_round" (APRIL's order:
-  # first in the next short round, so its early tokens are less stale).
+  # first in the next short round, so its early tokens are less stale). On
+  # the default job next_round halved the recycled tokens' extra age (0.43 ->
+  # 0.21 versions in sync) for 3-6% fewer trained samples/s, accuracy the
+  # same within its interval (bench/README.md, async.py).
   c.rollout.tail_batching.continue_in = "long_round"
 
   # RL algorithm (rl/losses.py has the loss formula): GRPO advantages, PPO

@@ -146,23 +146,25 @@ _TREE = pytest.StashKey[set[str] | None]()
 
 # xdist hands each worker a whole module at a time, in collection order
 # (`--no-loadscope-reorder` in pyproject.toml; its default orders modules by
-# test count). The modules that take a minute or more go first, longest first,
-# so the last module a worker takes is a short one (docs/testing.md has the
-# times).
+# test count). The modules that take the longest go first, by their worker
+# time in a full run, so the last module a worker takes is a short one
+# (docs/testing.md has the times).
 _LONGEST_FIRST = (
   "test_multiprocess.py",
   "test_grpo_learning.py",
-  "test_smoke.py",
-  "test_fleet_multiprocess.py",
-  "test_notebook.py",
-  "test_fleet_sync.py",
-  "test_stream_trainer.py",
   "test_strategies.py",
+  "test_fleet_multiprocess.py",
+  "test_stream_trainer.py",
+  "test_fleet_sync.py",
+  "test_notebook.py",
+  "test_smoke.py",
   "test_faults.py",
-  "test_launch.py",
   "test_strategy_swap.py",
-  "test_sft.py",
   "test_preemption.py",
+  "test_rollout_engine.py",
+  "test_sft.py",
+  "test_mesh_rules.py",
+  "test_launch.py",
   "test_weight_deltas.py",
 )
 

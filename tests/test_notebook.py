@@ -46,11 +46,11 @@ def test_grpo_notebook_executes(tmp_path, monkeypatch):
   # Its kernel inherits this environment: the notebook's own 2-device mesh,
   # not the suite's 8 fake devices.
   monkeypatch.setenv("XLA_FLAGS", xla_flags(devices=2))
-  # Every cell runs as written; the sizes are cut to a third (suite time).
+  # Every cell runs as written; the sizes are cut (suite time).
   outputs = execute(
     "grpo.ipynb",
     tmp_path,
-    "config.sft.steps = 20\n"
+    "config.sft.steps = 6\n"
     "config.data.synth_eval = config.eval.prompts = 16\n"
     "grpo_steps, eval_every = 2, 1",
   )

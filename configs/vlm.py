@@ -381,7 +381,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Entropy bonus coefficient (0: entropy is a metric only).
   c.rl.entropy_coef = 0.0
   # How token losses aggregate (veRL's loss_agg_mode; rl/advantages.py):
-  # "token-mean", "seq-mean-token-mean" or "seq-mean-token-sum".
+  # "token-mean", "seq-mean-token-mean", "seq-mean-token-sum" or
+  # "token-sum-norm" (Dr. GRPO: divided by the constant prompts_per_step x
+  # responses_per_prompt x max_new_tokens, so a token weighs the same in
+  # whatever batch tail batching puts it).
   c.rl.loss_agg_mode = "token-mean"
   # GRPO divides advantages by the group's std (+ adv_eps).
   c.rl.adv_std_normalize = True

@@ -119,3 +119,23 @@ def test_seq_mean_token_mean_weights():
   )
   with pytest.raises(ValueError):
     adv_lib.aggregation_weights(np.ones(3), "seq-sum")
+
+
+def test_token_sum_norm_weighs_a_token_the_same_in_any_batch():
+  # Dr. GRPO: divided by N_step L_max (3 responses of at most 8 tokens), not
+  # by the batch's tokens. seq 0's tokens in a batch alone or with seq 1:
+  # under token-mean 1/2 then 1/6 each; under token-sum-norm 1/24 in both.
+  normalizer = adv_lib.loss_normalizer("token-sum-norm", 3, 8)
+  assert normalizer == 24.0
+  weights = [adv_lib.aggregation_weights(m, "token-sum-norm") for m in MASKS]
+  total = sum(float((w * loss).sum()) for w, loss in zip(weights, LOSSES))
+  assert total / normalizer == pytest.approx(16 / 24)
+  for batch in ([0], [0, 1]):
+    mean_w = [adv_lib.aggregation_weights(MASKS[i], "token-mean") for i in batch]
+    per_token_mean = mean_w[0][-1] / sum(w.sum() for w in mean_w)
+    assert per_token_mean == pytest.approx({1: 1 / 2, 2: 1 / 6}[len(batch)])
+    assert weights[0][-1] / normalizer == pytest.approx(1 / 24)
+  for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+    assert adv_lib.loss_normalizer(mode, 3, 8) is None  # the batch's summed weights
+  with pytest.raises(ValueError, match="loss_agg_mode"):
+    adv_lib.loss_normalizer("token-sum", 3, 8)

@@ -11,6 +11,7 @@ sign, so it cannot show equality of the gradients at 1e-6.
 """
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
@@ -315,3 +316,25 @@ def test_several_updates_per_batch_clip_around_the_first_policy(devices, mesh_fo
   assert max(np.abs(a - b).max() for a, b in zip(params_one, params_three)) > 1e-4
   with pytest.raises(ValueError, match="updates_per_batch must be >= 1"):
     StreamTrainer(CFG, mesh, strategy, None, None, None, SGD, None, updates_per_batch=0)
+
+
+def test_apply_divides_by_a_constant_normalizer_or_the_batch_weights():
+  # The summed gradient of a part is divided by the batch's summed loss
+  # weights (token-mean and the weighted modes) or by a constant
+  # (token-sum-norm): the same sums give steps 1/tokens and 1/normalizer.
+  tx = optax.sgd(1.0)
+  grads = {"w": jnp.full((3,), 12.0)}
+  sums = {"tokens": jnp.float32(4.0), "entropy": jnp.float32(8.0)}
+
+  def step(normalizer):
+    params = {"w": jnp.zeros((3,))}
+    state = train_step.TrainState(params, tx.init(params), jnp.int32(0))
+    apply = train_step.make_stream_apply(tx, None, normalizer)
+    return apply(state, (jnp.float32(24.0), grads, sums))
+
+  state, m = step(None)
+  np.testing.assert_allclose(state.params["w"], -3.0)
+  assert float(m["loss"]) == 6.0 and float(m["entropy"]) == 2.0  # token means
+  state, m = step(48.0)
+  np.testing.assert_allclose(state.params["w"], -0.25)
+  assert float(m["loss"]) == 0.5 and float(m["entropy"]) == 2.0

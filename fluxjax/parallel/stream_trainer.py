@@ -56,6 +56,9 @@ class StreamTrainer:
       is streamed as parts arrive; each later one passes over the stored
       parts again with the updated parameters, clipped around the policy
       before the first (the parts' `prox_logprobs`), so the clip acts.
+    loss_normalizer: what the summed token losses are divided by (a
+      constant, rl/advantages.loss_normalizer), or None for the batch's
+      summed loss weights.
   """
 
   def __init__(
@@ -74,6 +77,7 @@ class StreamTrainer:
     ref_params=None,
     temperature: float = 1.0,
     updates_per_batch: int = 1,
+    loss_normalizer: float | None = None,
   ):
     if updates_per_batch < 1:
       raise ValueError(f"updates_per_batch must be >= 1, got {updates_per_batch}")
@@ -88,7 +92,7 @@ class StreamTrainer:
     self.loss_fn = loss_fn
     self._state = state
     self._ref_params = ref_params
-    self._apply = train_step.make_stream_apply(tx, state_shardings)
+    self._apply = train_step.make_stream_apply(tx, state_shardings, loss_normalizer)
     # A compiled `add` per plan layout (flex levels change shapes).
     self._layouts = LayoutSteps(
       model_cfg,

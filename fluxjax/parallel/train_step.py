@@ -437,14 +437,21 @@ def make_stream_add(
   return jax.jit(add, donate_argnums=(1,))
 
 
-def make_stream_apply(tx: optax.GradientTransformation, state_shardings):
-  """`apply(state, acc) -> (state, metrics)`: normalize the sums and update once."""
+def make_stream_apply(
+  tx: optax.GradientTransformation, state_shardings, normalizer: float | None = None
+):
+  """`apply(state, acc) -> (state, metrics)`: normalize the sums and update once.
+
+  The loss and gradients are divided by `normalizer`, or by the batch's
+  summed loss weights when it is None; metrics stay token means.
+  """
 
   def apply(state: TrainState, acc):
     loss, grads, sums = acc
-    tokens = jnp.maximum(sums["tokens"], 1.0)
-    grads = jax.tree.map(lambda g: g / tokens, grads)
-    return apply_update(tx, state, loss / tokens, grads, sums)
+    weights = jnp.maximum(sums["tokens"], 1.0)
+    divisor = weights if normalizer is None else jnp.float32(normalizer)
+    grads = jax.tree.map(lambda g: g / divisor, grads)
+    return apply_update(tx, state, loss / divisor, grads, sums)
 
   # Only the state is donated: the accumulator has no output of its shapes left
   # to alias once the state takes the parameter-shaped ones.

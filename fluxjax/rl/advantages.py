@@ -30,6 +30,16 @@ of sequences with L_i > 0, veRL's aggregates are
   seq-mean-token-mean:  (1/N) sum_i [ (1/L_i) sum_t l_it ]
   seq-mean-token-sum:   (1/N) sum_i sum_t l_it
 
+and Dr. GRPO's constant normalizer (veRL's seq-mean-token-sum-norm), with
+N_step = prompts_per_step * responses_per_prompt and L_max = max_new_tokens:
+
+  token-sum-norm:       sum_i sum_t l_it / (N_step L_max)
+
+Every token of token-sum-norm weighs the same whatever batch it lands in.
+Token-mean divides by the batch's own token count: where tail batching sorts
+batches by length (a long round's responses are long), a long response's
+tokens weigh less than in a mixed batch and a short one's more.
+
 The train step computes sum w_it l_it / sum w_it over the GLOBAL batch, where
 w is `loss_mask` (see fluxjax/parallel/train_step.py). `aggregation_weights` gives w:
 
@@ -37,6 +47,8 @@ w is `loss_mask` (see fluxjax/parallel/train_step.py). `aggregation_weights` giv
   seq-mean-token-mean:  w_it = 1 / L_i           -> sum w = N, exactly
   seq-mean-token-sum:   w_it = 1                 -> token-mean, i.e. the
                         aggregate divided by c = sum_i L_i / N
+  token-sum-norm:       w_it = 1, and the train step divides by the
+                        constant `loss_normalizer` instead of sum w
 
 A weighted mean cannot express a sum, so seq-mean-token-sum comes out as
 token-mean, which has the same gradient direction and is smaller by the
@@ -52,7 +64,7 @@ from collections.abc import Hashable, Mapping, Sequence
 
 import numpy as np
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum-norm")
 
 
 def group_advantages(
@@ -180,7 +192,7 @@ def aggregation_weights(response_mask_T: np.ndarray, mode: str) -> np.ndarray:
     float32 [T] weights, 0 outside the response.
   """
   mask_T = (np.asarray(response_mask_T) != 0).astype(np.float32)
-  if mode in ("token-mean", "seq-mean-token-sum"):
+  if mode in ("token-mean", "seq-mean-token-sum", "token-sum-norm"):
     return mask_T
   if mode == "seq-mean-token-mean":
     length = mask_T.sum()
@@ -201,3 +213,16 @@ def aggregation_scale(response_masks: Sequence[np.ndarray], mode: str) -> float:
   lengths = np.array([(np.asarray(m) != 0).sum() for m in response_masks])
   nonempty = lengths[lengths > 0]
   return float(nonempty.mean()) if nonempty.size else 1.0
+
+
+def loss_normalizer(mode: str, responses_per_step: int, max_new_tokens: int) -> float | None:
+  """What the train step divides the summed token losses by: a constant for
+  token-sum-norm (N_step L_max), None for the others (the batch's summed
+  weights)."""
+  if mode not in AGG_MODES:
+    raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {mode!r}")
+  if mode != "token-sum-norm":
+    return None
+  if responses_per_step < 1 or max_new_tokens < 1:
+    raise ValueError("token-sum-norm needs responses per step and max_new_tokens >= 1")
+  return float(responses_per_step * max_new_tokens)

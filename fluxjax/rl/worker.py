@@ -46,6 +46,7 @@ from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import multihost, train_step
 from fluxjax.parallel.strategies import Strategy
 from fluxjax.parallel.stream_trainer import StreamTrainer
+from fluxjax.rl import advantages as adv_lib
 from fluxjax.rl import checkpoint as checkpoint_lib
 from fluxjax.rl import losses, reference, sft
 from fluxjax.rollout import publish as publish_lib
@@ -133,6 +134,11 @@ class PolicyWorker:
       patch_source=self._read_patches,
       temperature=float(settings.rl.temperature),
       updates_per_batch=int(settings.rl.updates_per_batch),
+      loss_normalizer=adv_lib.loss_normalizer(
+        settings.rl.loss_agg_mode,
+        settings.rl.prompts_per_step * settings.rl.responses_per_prompt,
+        settings.rl.max_new_tokens,
+      ),
     )
     self.ckpt = checkpoint_lib.Checkpointer(workdir, save_every=int(settings.checkpoint.every))
     self.rng = jax.random.key(int(settings.seed))

@@ -1,7 +1,7 @@
 r"""Train-step model FLOPs utilization: forward, backward and AdamW on one device.
 
   python bench/mfu.py                               # 7b shapes, 8 decoder layers
-  python bench/mfu.py --layers 8 --remat both --attention cudnn
+  python bench/mfu.py --layers 8 --remat full,save_dots --attention pallas_gpu,cudnn
   python bench/mfu.py --preset tiny --rows 2 --row-tokens 512 --seq-tokens 256  # CPU smoke
   python bench/mfu.py --json PATH
 
@@ -141,9 +141,9 @@ def build(cfg, args, device) -> Built:
   return Built(compiled, state, batch, graphdef, seqs, compile_s, compiled.memory_analysis())
 
 
-def run(cfg, args, device, remat: bool) -> dict:
+def run(cfg, args, device, remat: str, attention: str) -> dict:
   """Compiles and times the train step; returns its figures."""
-  cfg = cfg.replace(remat=remat)
+  cfg = cfg.replace(remat=remat, attention_backend=attention)
   built = build(cfg, args, device)
   compiled, state, batch, seqs, mem = built.step, built.state, built.batch, built.seqs, built.memory
   state, _ = jax.block_until_ready(compiled(state, batch))
@@ -157,6 +157,7 @@ def run(cfg, args, device, remat: bool) -> dict:
   step_s = statistics.median(times)
   return {
     "remat": remat,
+    "attention": attention,
     "sequences": len(seqs),
     "tokens": sum(lengths),
     "microbatches": batch.num_microbatches,
@@ -171,6 +172,26 @@ def run(cfg, args, device, remat: bool) -> dict:
   }
 
 
+def report(cfg, args, device, remat: str, attention: str, peak: float | None) -> dict:
+  """One (attention, remat) row, printed; a failure (out of memory) is a row too."""
+  try:
+    r = run(cfg, args, device, remat, attention)
+  except Exception as e:  # one policy out of memory still lets the others report
+    r = {"remat": remat, "attention": attention}
+    r["status"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    print(f"| {attention} | {remat} | {r['status']} |", flush=True)
+    return r
+  r["mfu"] = r["tflops_per_s"] * 1e12 / peak if peak else None
+  mfu = f"{r['mfu']:.1%}" if peak else "-"
+  temp = f"{r['temp_gb']:.1f}" if r["temp_gb"] is not None else "-"
+  print(
+    f"| {attention} | {remat} | {r['tokens']} | {r['microbatches']} | {r['compile_s']:.0f} | "
+    f"{r['step_ms']:.1f} | {temp} | {r['model_tflop']:.1f} | {r['tflops_per_s']:.0f} | {mfu} |",
+    flush=True,
+  )
+  return r
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--preset", default="7b")
@@ -179,8 +200,14 @@ def main() -> None:
   p.add_argument("--row-tokens", type=int, default=8192)
   p.add_argument("--seq-tokens", type=int, default=2048)
   p.add_argument("--image-side", type=int, default=32, help="image side in patches")
-  p.add_argument("--remat", default="both", choices=("both", "on", "off"))
-  p.add_argument("--attention", default="auto", help="attention backend (models/attention.py)")
+  p.add_argument(
+    "--remat",
+    default="full,save_dots,save_dots_attention",
+    help="comma-separated remat policies (models/layers.py REMAT_POLICIES)",
+  )
+  p.add_argument(
+    "--attention", default="auto", help="comma-separated attention backends (models/attention.py)"
+  )
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--peak", type=float, default=None, help="peak FLOP/s; default: datasheet")
   p.add_argument("--json", metavar="PATH", help="also write the figures (command, machine, commit)")
@@ -191,7 +218,6 @@ def main() -> None:
     text=dataclasses.replace(base.text, num_layers=args.layers),
     dtype="bfloat16",
     param_dtype="float32",
-    attention_backend=args.attention,
   )
   peak = args.peak or datasheet_peak(device.device_kind)
   print(f"python {' '.join(sys.argv)}")
@@ -200,25 +226,15 @@ def main() -> None:
     f"{args.preset} with {args.layers} decoder layers; bf16 compute, fp32 parameters; "
     f"peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s"
   )
-  print("| remat | tokens | microbatches | compile s | step ms | model TFLOP | TFLOP/s | MFU |")
-  print("|---|---|---|---|---|---|---|---|")
+  print(
+    "| attention | remat | tokens | microbatches | compile s | step ms | temp GB | model TFLOP "
+    "| TFLOP/s | MFU |"
+  )
+  print("|---|---|---|---|---|---|---|---|---|---|")
   rows = []
-  for remat in {"both": (False, True), "on": (True,), "off": (False,)}[args.remat]:
-    try:
-      r = run(cfg, args, device, remat)
-    except Exception as e:  # out of memory for one policy still reports the other
-      r = {"remat": remat, "status": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
-      print(f"| {remat} | {r['status']} |", flush=True)
-      rows.append(r)
-      continue
-    r["mfu"] = r["tflops_per_s"] * 1e12 / peak if peak else None
-    mfu = f"{r['mfu']:.1%}" if peak else "-"
-    print(
-      f"| {remat} | {r['tokens']} | {r['microbatches']} | {r['compile_s']:.0f} | "
-      f"{r['step_ms']:.1f} | {r['model_tflop']:.1f} | {r['tflops_per_s']:.0f} | {mfu} |",
-      flush=True,
-    )
-    rows.append(r)
+  for attention in args.attention.split(","):
+    for remat in args.remat.split(","):
+      rows.append(report(cfg, args, device, remat, attention, peak))
   if args.json:
     runinfo.write(
       args.json,

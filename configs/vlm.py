@@ -56,7 +56,7 @@ _CPU = dict(
   eval_every=15,
   checkpoint_every=5,
   dtype="float32",
-  remat=False,
+  remat="none",
   logprob_vocab_chunk=128,
   strategy="packed_dp",
   capacity=256,
@@ -82,7 +82,7 @@ _GPU_FLEET = dict(
   eval_every=25,
   checkpoint_every=25,
   dtype="bfloat16",
-  remat=True,
+  remat="full",
   logprob_vocab_chunk=8192,
   strategy="flex_ulysses",
   capacity=16384,
@@ -195,7 +195,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # skips the masked blocks of packed rows; else the XLA reference), "xla",
   # "xla_blocked", or a GPU kernel ("cudnn", "pallas_gpu", "tokamax_gpu").
   c.model.attention_backend = "auto"
-  c.model.remat = v.remat  # activations of 28+ layers do not fit otherwise
+  # What each decoder/vision layer keeps for the backward pass
+  # (models/layers.py REMAT_POLICIES): "none", "full" (28+ layers' activations
+  # do not fit otherwise), "save_dots" (keeps the projections' outputs: steps
+  # 6% shorter than "full" at 7B shapes with 8 layers, for 4.7 GB more memory
+  # at 8k-token rows, 12.8 GB at 16k; bench/README.md mfu.py),
+  # "save_dots_attention".
+  c.model.remat = v.remat
   c.model.logprob_vocab_chunk = v.logprob_vocab_chunk
   # Trainer and rollout server must build M-RoPE positions the same way; SGLang
   # starts text after a vision span at max(position)+1 (see models/rope_index.py).

@@ -131,7 +131,7 @@ class Model:
   dtype: str
   param_dtype: str
   attention_backend: str
-  remat: bool
+  remat: str
   logprob_vocab_chunk: int
   mrope_text_after_vision: str
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from fluxjax.models.attention_blocked import blocked_attention
 from fluxjax.models.attention_xla import decode_attention, segment_mask, xla_attention
@@ -38,6 +39,10 @@ __all__ = [
   "segment_mask",
   "xla_attention",
 ]
+
+# The name every backend's output carries, for remat policies that keep it
+# (`layers.REMAT_POLICIES`).
+ATTENTION_OUT = "attention_out"
 
 _BACKENDS: dict[str, Callable] = {"xla": xla_attention, "xla_blocked": blocked_attention}
 
@@ -97,4 +102,5 @@ def attention(q_BTNH, k_BSKH, v_BSKH, *, backend: str = "auto", **kw) -> jax.Arr
   if backend not in _BACKENDS:
     known = sorted(set(_BACKENDS) | set(_GPU_BACKENDS) | {"auto"})
     raise ValueError(f"unknown attention backend {backend!r}; available: {known}")
-  return _BACKENDS[backend](q_BTNH, k_BSKH, v_BSKH, **kw)
+  out = _BACKENDS[backend](q_BTNH, k_BSKH, v_BSKH, **kw)
+  return checkpoint_name(out, ATTENTION_OUT)

@@ -91,7 +91,9 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype; "bfloat16" on GPU
   param_dtype: str = "float32"
   attention_backend: str = "auto"  # fluxjax/models/attention.py: auto, xla, xla_blocked, cudnn, ...
-  remat: bool = False  # rematerialize each scanned layer in the backward pass
+  # What each scanned layer keeps for the backward pass (layers.REMAT_POLICIES):
+  # "none", "full" (recompute everything), "save_dots", "save_dots_attention".
+  remat: str = "none"
   logprob_vocab_chunk: int = 8192  # vocabulary chunk for target-token logprobs
   # Where text positions resume after a vision span (models/rope_index.py):
   # "max_plus_one" (Qwen's original rule, SGLang/vLLM/veRL) or "grid_extent"
@@ -108,6 +110,10 @@ class ModelConfig:
       raise ValueError(
         f"mrope_section {t.mrope_section} must sum to head_dim/2 = {t.head_dim // 2}"
       )
+    from fluxjax.models.layers import REMAT_POLICIES  # local: config stays light to import
+
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"model.remat {self.remat!r} unknown; available: {sorted(REMAT_POLICIES)}")
     if v.hidden_size % v.num_heads or v.head_dim % 4:
       raise ValueError(
         f"vision head_dim {v.hidden_size}/{v.num_heads} must be a multiple of 4 (2D rotary)"

@@ -14,6 +14,20 @@ import numpy as np
 from flax import nnx
 
 Initializer = jax.nn.initializers.Initializer
+_policies = jax.checkpoint_policies
+
+# What a scanned layer keeps for the backward pass (`ModelConfig.remat`);
+# everything else is recomputed there. The projections' outputs are the dots
+# without batch dimensions; attention's output is named in models/attention.py.
+REMAT_POLICIES = {
+  "none": None,  # keep everything: no recomputation, the most memory
+  "full": _policies.nothing_saveable,  # recompute the whole layer
+  "save_dots": _policies.dots_with_no_batch_dims_saveable,
+  "save_dots_attention": _policies.save_from_both_policies(
+    _policies.dots_with_no_batch_dims_saveable,
+    _policies.save_only_these_names("attention_out"),
+  ),
+}
 _default_init = jax.nn.initializers.normal(stddev=0.02)
 
 
@@ -128,7 +142,7 @@ def stacked(n: int, make, rngs: nnx.Rngs):
   return make_stack(rngs)
 
 
-def scan_layers(stack: nnx.Module, x: jax.Array, body, xs=None, *, remat: bool = False):
+def scan_layers(stack: nnx.Module, x: jax.Array, body, xs=None, *, remat: str = "none"):
   """Runs `body(layer, x, x_slice) -> x` over a stacked module with lax.scan.
 
   Args:
@@ -136,8 +150,9 @@ def scan_layers(stack: nnx.Module, x: jax.Array, body, xs=None, *, remat: bool =
     x: the carried activations.
     body: applies one layer; receives the merged layer module.
     xs: optional per-layer inputs (leading axis = layers), e.g. a flag per layer.
-    remat: recompute each layer's activations in the backward pass; saves
-      memory proportional to depth.
+    remat: a `REMAT_POLICIES` name: which of each layer's activations the
+      backward pass keeps; the rest it recomputes, saving memory
+      proportional to depth.
   """
   graphdef, state = nnx.split(stack)
 
@@ -145,7 +160,9 @@ def scan_layers(stack: nnx.Module, x: jax.Array, body, xs=None, *, remat: bool =
     layer_state, x_slice = inputs
     return body(nnx.merge(graphdef, layer_state), carry, x_slice), None
 
-  if remat:
-    step = jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable)
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"unknown remat policy {remat!r}; available: {sorted(REMAT_POLICIES)}")
+  if remat != "none":
+    step = jax.checkpoint(step, policy=REMAT_POLICIES[remat])
   out, _ = jax.lax.scan(step, x, (state, xs))
   return out

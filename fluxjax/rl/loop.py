@@ -137,7 +137,10 @@ def resolved_mesh(mesh: settings_lib.Mesh, cfg) -> settings_lib.Mesh:
   """The `mesh` section with mesh.data 0 (auto) resolved by the cost model
   (sharding/mesh.py `data_axis`) for this model on these devices."""
   params = sum(math.prod(shape) for _, shape in hf_io.hf_layout(cfg))
-  return dataclasses.replace(mesh, data=mesh_lib.data_axis(mesh.data, params, remat=cfg.remat))
+  # Any policy counts as regathering the weights: which ones XLA regathers
+  # for is not measured.
+  remat = cfg.remat != "none"
+  return dataclasses.replace(mesh, data=mesh_lib.data_axis(mesh.data, params, remat=remat))
 
 
 @dataclasses.dataclass

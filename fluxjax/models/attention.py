@@ -82,8 +82,9 @@ def default_backend(num_keys: int, platform: str | None = None) -> str:
 
   On GPUs the Pallas kernels: measured correct there (fp32 and bf16 parity
   with xla), with memory linear in the row, and the faster train step (7B
-  shapes on an H200: 339 TFLOP/s against cudnn's 316; bench/README.md).
-  cudnn is faster on attention alone but bf16-only and 5-18x the memory.
+  shapes on an H200: 360 TFLOP/s against cudnn's 341 with the projections
+  saved; bench/README.md). cudnn is faster on attention alone but bf16-only
+  and 5-18x the memory; tokamax_gpu's untuned backward is 4-18x cudnn's.
   """
   platform = platform or jax.default_backend()
   if platform in ("gpu", "cuda"):

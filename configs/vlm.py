@@ -320,6 +320,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.weight_group_backend = v.weight_group_backend
   c.rollout.weight_group_address = ""
   c.rollout.weight_group_timeout_s = 600.0
+  # The distributed transport sends the model in buckets of at most this many
+  # MiB, one update call each: a server holds one bucket's receive buffers at
+  # a time (slime's update buffer is 512 MiB too).
+  c.rollout.weight_bucket_mb = 512.0
 
   # Tail batching (Flexes): a short round launches eta*P prompts and keeps the
   # first P to finish; the others wait for a long round. 1.0 disables it.

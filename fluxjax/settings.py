@@ -214,6 +214,7 @@ class Rollout:
   weight_group_backend: str
   weight_group_address: str
   weight_group_timeout_s: float
+  weight_bucket_mb: float
   tail_batching: TailBatching
 
 

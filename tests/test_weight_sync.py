@@ -67,15 +67,22 @@ async def _greedy(fleet) -> list[list[list[int]]]:
 
 def test_a_distributed_publish_serves_what_the_disk_path_serves(servers, tmp_path):
   """Both transports give the servers the same bf16 weights: greedy tokens
-  agree on every server. The group is made once and reused; a second model
-  moves every server to it; closing the fleet takes the servers out of it."""
+  agree on every server. The model goes in several buckets, one update call
+  each. The group is made once and reused; a second model moves every server
+  to it; closing the fleet takes the servers out of it."""
   first, second = random_model(3), random_model(4)
   layout = hf_io.hf_layout(first.cfg)
   bf16_bytes = sum(2 * int(np.prod(shape)) for _, shape in layout)
+  bucket_bytes = bf16_bytes // 5
+  want_buckets = len(publish.buckets([s for _, s in layout], 2, bucket_bytes))
 
   async def go():
     async with fleet_lib.Fleet(
-      servers.urls, weights_root=str(tmp_path), weight_sync="distributed", weight_group_timeout_s=60
+      servers.urls,
+      weights_root=str(tmp_path),
+      weight_sync="distributed",
+      weight_group_timeout_s=60,
+      weight_bucket_bytes=bucket_bytes,
     ) as fleet:
       report = await fleet.publish(first, 5)
       group = fleet.weight_group
@@ -123,6 +130,7 @@ def test_a_distributed_publish_serves_what_the_disk_path_serves(servers, tmp_pat
   assert not report.failed and not again.failed and not disk.failed, (report, again, disk)
   assert set(versions.values()) == {"5"} and report.path is None
   assert report.sent_bytes == again.sent_bytes == bf16_bytes
+  assert report.buckets == again.buckets == want_buckets >= 5
   assert {"pause", "flush", "update", "resume", "join"} <= set(report.seconds)
   assert reused  # the same servers: no new rendezvous
   assert by_broadcast[0] == by_broadcast[1] == by_disk[0] == by_disk[1]

@@ -151,6 +151,7 @@ def make_backend(
     weight_group_backend=str(cfg.weight_group_backend),
     weight_group_address=str(cfg.weight_group_address),
     weight_group_timeout_s=float(cfg.weight_group_timeout_s),
+    weight_bucket_bytes=int(float(cfg.weight_bucket_mb) * 2**20),
   )
   if cfg.router_url:
     return router.RoutedFleet(

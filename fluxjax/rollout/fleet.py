@@ -109,6 +109,8 @@ class Fleet:
     defer_updates: `publish` returns once the folder is written ("disk")
       or at once ("distributed", a one-process trainer); the servers load
       the version in `PublishReport.pending`.
+    weight_bucket_bytes: with "distributed", the most bytes one update call
+      carries (publish.buckets).
   """
 
   def __init__(
@@ -127,6 +129,7 @@ class Fleet:
     weight_group_backend: str = "gloo",
     weight_group_address: str = "",
     weight_group_timeout_s: float = 600.0,
+    weight_bucket_bytes: int = 512 * 2**20,
   ):
     self._session: aiohttp.ClientSession | None = None
     # The trainer's media preprocessing; a server that reports other limits is
@@ -142,6 +145,7 @@ class Fleet:
     self.weight_group_backend = weight_group_backend
     self.weight_group_address = weight_group_address
     self.weight_group_timeout_s = weight_group_timeout_s
+    self.weight_bucket_bytes = weight_bucket_bytes
     self.weight_group = None  # publish.WeightGroup: the trainer's side, once made
     self.request_timeout_s = request_timeout_s
     self.servers = [self._server_state(u) for u in urls]

@@ -817,7 +817,7 @@ PUBLISHED_DTYPE = "bfloat16"
 @dataclasses.dataclass(frozen=True)
 class InitWeightsGroup:
   """An /init_weights_update_group body: the trainer is rank 0; this server's
-  (one) rank is `rank_offset`."""
+  ranks (its GPUs, tp x pp) start at `rank_offset` (publish.rank_layout)."""
 
   master_address: str
   master_port: int

@@ -30,6 +30,15 @@ and the report says why. What a writer killed mid-write leaves under the root
 is cleared by the next write there (`hf_io.remove_interrupted_writes`): a root
 has one writer, the run that publishes into it.
 
+The distributed transport (`publish_distributed`, sglang_api.md 4.2) makes a
+torch.distributed group of the trainer (rank 0) and every server's GPUs
+(`rank_layout`: tp x pp ranks each, from /get_server_info) and sends the
+model in buckets (`buckets`), one /update_weights_from_distributed per
+bucket, so a server holds one bucket's receive buffers at a time; the last
+bucket sets the version and flushes the cache. A bucket that fails leaves
+every server with part of the version: all are marked failed and rejoin at
+the next broadcast.
+
 In-process engines skip the disk: `publish_in_process` swaps the arrays.
 """
 
@@ -39,7 +48,9 @@ import asyncio
 import collections
 import dataclasses
 import functools
+import itertools
 import logging
+import math
 import os
 import shutil
 import time
@@ -47,6 +58,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import ml_dtypes
+import numpy as np
 
 from fluxjax.models import hf_io, vlm
 from fluxjax.models import tokenizer as tokenizer_lib
@@ -68,6 +81,7 @@ class PublishReport:
     failed: what failed: servers (marked down, refit when they rejoin) or
       the write.
     sent_bytes: bytes the trainer broadcast (the distributed transport).
+    buckets: update calls the broadcast took (the distributed transport).
     pending: the servers' part of a deferred publish, still running on the
       rollout loop: a task whose result is the publish's final report (this
       one then says only what the trainer was blocked for); None when this
@@ -81,6 +95,7 @@ class PublishReport:
   seconds: dict[str, float]
   failed: list[str]
   sent_bytes: int = 0
+  buckets: int = 0
   pending: asyncio.Task | None = None
   reads_params: bool = False
 
@@ -226,6 +241,35 @@ class WeightGroup:
     weight_group.destroy_group(self.group)
 
 
+def rank_layout(ranks_per_server: Sequence[int]) -> tuple[list[int], int]:
+  """(each server's rank_offset, world size) of an update group whose rank 0
+  is the trainer and whose server i holds `ranks_per_server[i]` ranks (its
+  GPUs: tp x pp), as slime and AReaL lay it out (sglang_api.md 4.2)."""
+  offsets, next_rank = [], 1
+  for n in ranks_per_server:
+    if n < 1:
+      raise ValueError(f"a server holds at least one rank, got {n}")
+    offsets.append(next_rank)
+    next_rank += n
+  return offsets, next_rank
+
+
+async def _server_ranks(fleet, servers) -> list[int]:
+  """Each server's rank count in the group: tp_size x pp_size from its
+  /get_server_info (ours reports 1 x 1)."""
+
+  async def ranks(server) -> int:
+    info = await server.client.server_info()
+    tp, pp = info.get("tp_size", 1), info.get("pp_size", 1)
+    if not (isinstance(tp, int) and isinstance(pp, int)):
+      raise protocol.ProtocolError(
+        f"{server.client.url}/get_server_info gives tp_size={tp!r}, pp_size={pp!r}: need ints"
+      )
+    return tp * pp
+
+  return list(await asyncio.gather(*(ranks(s) for s in servers)))
+
+
 async def _join(fleet, servers) -> list:
   """Makes the update group of `servers` (the trainer's old one is closed):
   every server's /init_weights_update_group and the trainer's own rendezvous
@@ -234,11 +278,15 @@ async def _join(fleet, servers) -> list:
     fleet.weight_group.close()
     fleet.weight_group = None
   address, port = fleet.weight_group_endpoint()
-  world = len(servers) + 1
+  try:
+    offsets, world = rank_layout(await _server_ranks(fleet, servers))
+  except (protocol.ProtocolError, ValueError, OSError, RuntimeError) as e:
+    log.error("the weight update group was not made: %s", e)
+    return [e] * len(servers)
   timeout, name = fleet.weight_group_timeout_s, protocol.WEIGHT_GROUP_NAME
   bodies = {
-    s: protocol.InitWeightsGroup(address, port, i + 1, world, name, fleet.weight_group_backend)
-    for i, s in enumerate(servers)
+    s: protocol.InitWeightsGroup(address, port, offset, world, name, fleet.weight_group_backend)
+    for s, offset in zip(servers, offsets)
   }
   mine = asyncio.get_running_loop().run_in_executor(
     None,
@@ -264,6 +312,23 @@ async def _join(fleet, servers) -> list:
   else:
     weight_group.destroy_group(group)
   return results
+
+
+def buckets(shapes: Sequence[Sequence[int]], itemsize: int, max_bytes: int) -> list[range]:
+  """Consecutive runs of tensors of at most `max_bytes` each (a larger tensor
+  alone): one update call each, so a server holds one bucket's receive
+  buffers at a time, not the whole model's."""
+  runs: list[range] = []
+  start, size = 0, 0
+  for i, shape in enumerate(shapes):
+    nbytes = itemsize * math.prod(shape)
+    if i > start and size + nbytes > max_bytes:
+      runs.append(range(start, i))
+      start, size = i, 0
+    size += nbytes
+  if len(shapes) > start:
+    runs.append(range(start, len(shapes)))
+  return runs
 
 
 async def publish_distributed(
@@ -292,15 +357,23 @@ async def publish_distributed(
 
 
 async def _broadcast_version(fleet, model: vlm.Qwen25VL, version: int | str) -> PublishReport:
-  """`publish_distributed`'s whole sequence."""
+  """`publish_distributed`'s whole sequence: the tensors in buckets of at most
+  `fleet.weight_bucket_bytes`, one /update_weights_from_distributed each; the
+  last sets the version and flushes the cache."""
   layout = hf_io.hf_layout(model.cfg)
-  update = protocol.DistributedUpdate(
-    names=tuple(n for n, _ in layout),
-    dtypes=(protocol.PUBLISHED_DTYPE,) * len(layout),
-    shapes=tuple(shape for _, shape in layout),
-    group_name=protocol.WEIGHT_GROUP_NAME,
-    weight_version=str(version),
-  )
+  itemsize = np.dtype(getattr(ml_dtypes, protocol.PUBLISHED_DTYPE)).itemsize
+  runs = buckets([shape for _, shape in layout], itemsize, fleet.weight_bucket_bytes)
+  updates = [
+    protocol.DistributedUpdate(
+      names=tuple(layout[i][0] for i in run),
+      dtypes=(protocol.PUBLISHED_DTYPE,) * len(run),
+      shapes=tuple(layout[i][1] for i in run),
+      group_name=protocol.WEIGHT_GROUP_NAME,
+      weight_version=str(version) if last else None,
+      flush_cache=last,
+    )
+    for run, last in zip(runs, [False] * (len(runs) - 1) + [True])
+  ]
   sent = 0
   join_s = 0.0
   # Each tensor of a model that spans processes is a collective gather every
@@ -308,9 +381,22 @@ async def _broadcast_version(fleet, model: vlm.Qwen25VL, version: int | str) -> 
   # some of them still runs them all (the `finally` below, `send`'s finish).
   tensors = (x for _, x in hf_io.hf_tensors(model, protocol.PUBLISHED_DTYPE))
   spans = hf_io.spans_processes(model)
+  device = weight_group.tensor_device(fleet.weight_group_backend)
+
+  async def send_bucket(servers, group, update: protocol.DistributedUpdate) -> list:
+    nonlocal sent
+    timeout = fleet.weight_group_timeout_s
+    send = functools.partial(weight_group.send, device=device, finish=spans)
+    bucket = itertools.islice(tensors, len(update.names))
+    mine = asyncio.get_running_loop().run_in_executor(None, send, group, bucket)
+    results = await fleet.broadcast(
+      lambda c: c.update_weights_from_distributed(update, timeout), servers
+    )
+    sent += await mine
+    return results
 
   async def broadcast(servers):
-    nonlocal sent, join_s
+    nonlocal join_s
     t = time.perf_counter()
     urls = tuple(s.client.url for s in servers)
     joined = None
@@ -319,16 +405,16 @@ async def _broadcast_version(fleet, model: vlm.Qwen25VL, version: int | str) -> 
     join_s = time.perf_counter() - t
     if fleet.weight_group is None:
       return [r if isinstance(r, Exception) else RuntimeError("group not made") for r in joined]
-    group, timeout = fleet.weight_group.group, fleet.weight_group_timeout_s
-    send = functools.partial(weight_group.send, finish=spans)
-    mine = asyncio.get_running_loop().run_in_executor(None, send, group, tensors)
-    results = await fleet.broadcast(
-      lambda c: c.update_weights_from_distributed(update, timeout), servers
-    )
-    sent = await mine
-    if any(isinstance(r, Exception) for r in results):  # the group may be broken: make it anew
-      fleet.weight_group.close()
-      fleet.weight_group = None
+    results: list = [None] * len(servers)
+    for k, update in enumerate(updates):
+      results = await send_bucket(servers, fleet.weight_group.group, update)
+      if any(isinstance(r, Exception) for r in results):  # the group may be broken: make it anew
+        fleet.weight_group.close()
+        fleet.weight_group = None
+        if k < len(updates) - 1:  # every server holds part of the version
+          partly = RuntimeError(f"bucket {k + 1} of {len(updates)} failed on another server")
+          return [r if isinstance(r, Exception) else partly for r in results]
+        return results
     return results
 
   try:
@@ -337,7 +423,7 @@ async def _broadcast_version(fleet, model: vlm.Qwen25VL, version: int | str) -> 
     if spans:
       await asyncio.get_running_loop().run_in_executor(None, collections.deque, tensors, 0)
   seconds["join"] = join_s
-  return PublishReport(str(version), None, seconds, failed, sent_bytes=sent)
+  return PublishReport(str(version), None, seconds, failed, sent_bytes=sent, buckets=len(updates))
 
 
 def remove_old_versions(root: str, keep: set[str]) -> list[str]:

@@ -94,6 +94,7 @@ class RolloutServer:
     self._unpaused.set()
     self._unknown_logged: set[str] = set()
     self._weight_groups: dict[str, object] = {}  # group name -> torch process group
+    self._group_devices: dict[str, str] = {}  # group name -> where its tensors arrive
     limits = {k: getattr(args, k) for k in VISION_LIMITS if getattr(args, k) is not None}
     # The trainer must preprocess with the same limits (pad counts must agree).
     self.proc_cfg = processor.VisionProcessorConfig(**limits)
@@ -378,7 +379,7 @@ class RolloutServer:
     return _update_result(True, "Succeeded to update model weights.", num_paused_requests=0)
 
   async def init_weights_update_group(self, request: web.Request) -> web.Response:
-    """Joins the trainer's group (rank `rank_offset`: one rank per server);
+    """Joins the trainer's group (rank `rank_offset`: this server has one GPU);
     answers once every member has joined, or the rendezvous timed out."""
     self._ready()
     try:
@@ -401,6 +402,7 @@ class RolloutServer:
     except (ProtocolError, ImportError, RuntimeError, ValueError, OSError) as e:
       return _update_result(False, f"Failed to initialize custom process group: {e}.")
     self._weight_groups[req.group_name] = group
+    self._group_devices[req.group_name] = weight_group.tensor_device(req.backend)
     return _update_result(True, "Succeeded to initialize custom process group.")
 
   async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
@@ -416,7 +418,10 @@ class RolloutServer:
       if req.abort_all_requests:
         engine.abort(abort_all=True, message="Abort: weight update")
       version = engine.weight_version if req.weight_version is None else req.weight_version
-      tensors = weight_group.prefetched(weight_group.receive(group, req.dtypes, req.shapes))
+      device = self._group_devices[req.group_name]
+      tensors = weight_group.prefetched(
+        weight_group.receive(group, req.dtypes, req.shapes, device=device)
+      )
       named = zip(req.names, tensors, strict=True)
       await asyncio.get_running_loop().run_in_executor(
         None, _load_draining, engine, named, tensors, version

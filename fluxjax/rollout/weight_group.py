@@ -1,13 +1,14 @@
 """The torch.distributed side of SGLang's distributed weight update (sglang_api.md 4.2).
 
-The trainer is rank 0 of a process group of its own; server i's ranks follow
-from its `rank_offset`. Per update the HTTP call carries names, dtypes and
-shapes only, and the trainer then broadcasts each tensor, in the same order,
-from rank 0. Both sides make the group as SGLang's `init_custom_process_group`
+The trainer is rank 0 of a process group of its own; server i's ranks (one
+per GPU, tp x pp) start at its `rank_offset` (publish.rank_layout). Per
+update call, one bucket of tensors (publish.buckets), the HTTP call carries
+names, dtypes and shapes only, and the trainer then broadcasts each tensor,
+in the same order, from rank 0. Both sides make the group as SGLang's `init_custom_process_group`
 does (a TCP rendezvous at `tcp://master_address:master_port`, a store
 prefixed by the group name, a group apart from any default one), so our
 trainer talks to SGLang's servers and our server to SGLang-style trainers.
-NCCL on GPUs, gloo on CPUs.
+NCCL on GPUs (tensors on the GPU: `tensor_device`), gloo on CPUs.
 
 torch joins only here, imported when a group is made (`pip install
 fluxjax[weight-sync]`); bf16 crosses as its bits (numpy has no bf16 of its
@@ -75,6 +76,11 @@ def init_group(
   )
   c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # pylint: disable=protected-access
   return group
+
+
+def tensor_device(backend: str) -> str:
+  """Where a group's broadcast tensors live: NCCL moves GPU memory only."""
+  return "cuda" if backend == "nccl" else "cpu"
 
 
 def destroy_group(group: Any) -> None:

@@ -1,0 +1,50 @@
+"""The distributed transport's layout: whose ranks are where in the update
+group, and how the model is cut into update calls."""
+
+import itertools
+import math
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given
+
+from fluxjax.models import config, hf_io
+from fluxjax.rollout import publish, weight_group
+
+
+def test_each_server_gets_as_many_ranks_as_it_has_gpus():
+  # The trainer is rank 0; a tp-8 server takes 8 ranks (sglang_api.md 4.2).
+  assert publish.rank_layout([1, 8, 2]) == ([1, 2, 10], 12)
+  assert publish.rank_layout([1, 1]) == ([1, 2], 3)
+  with pytest.raises(ValueError, match="at least one rank"):
+    publish.rank_layout([1, 0])
+
+
+shapes = st.lists(st.lists(st.integers(0, 40), min_size=0, max_size=3), max_size=30)
+
+
+@given(shapes, st.integers(1, 4), st.integers(1, 5000))
+def test_buckets_cover_every_tensor_in_order_within_the_cap(shapes, itemsize, max_bytes):
+  runs = publish.buckets(shapes, itemsize, max_bytes)
+  assert [i for run in runs for i in run] == list(range(len(shapes)))
+  sizes = [[itemsize * math.prod(shapes[i]) for i in run] for run in runs]
+  for run in sizes:
+    assert sum(run) <= max_bytes or len(run) == 1  # only a tensor over the cap goes alone
+  for this, following in itertools.pairwise(sizes):  # closed only where the next would overflow
+    assert sum(this) + following[0] > max_bytes
+
+
+def test_the_7b_model_goes_in_buckets_of_at_most_512_mib():
+  layout = hf_io.hf_layout(config.preset("7b"))
+  cap = 512 * 2**20
+  runs = publish.buckets([s for _, s in layout], 2, cap)
+  largest = max(2 * math.prod(s) for _, s in layout)  # the embedding, 1.09 GB in bf16
+  assert largest > cap and len(runs) > 16
+  assert sum(2 * math.prod(layout[i][1]) for run in runs for i in run) == sum(
+    2 * math.prod(s) for _, s in layout
+  )
+
+
+def test_nccl_broadcasts_gpu_tensors_gloo_cpu_ones():
+  assert weight_group.tensor_device("nccl") == "cuda"
+  assert weight_group.tensor_device("gloo") == "cpu"

@@ -223,6 +223,24 @@ def test_a_server_that_preprocesses_otherwise_is_refused_on_start(launched):
   assert "pad-token counts" in str(refused.value)
 
 
+def test_a_server_that_serves_another_model_is_refused_on_start(launched):
+  """The servers report their model's sizes; a fleet given the trainer's
+  model refuses another one on start, naming the flag that serves it."""
+
+  async def start(model):
+    async with fleet_lib.Fleet(launched.urls[:1], served_model=model):
+      pass
+
+  tiny, small = config.preset("tiny"), config.preset("3b")
+  asyncio.run(start(fleet_lib.ServedModel("preset:tiny", config.shape_summary(tiny))))
+  with pytest.raises(ValueError, match="Start it with --preset 3b") as refused:
+    asyncio.run(start(fleet_lib.ServedModel("preset:3b", config.shape_summary(small))))
+  assert "hidden_size=" in str(refused.value) and "preset:tiny" in str(refused.value)
+  path = fleet_lib.ServedModel("/ckpt/qwen-3b", config.shape_summary(small))
+  with pytest.raises(ValueError, match="Start it with --model-path /ckpt/qwen-3b"):
+    asyncio.run(start(path))
+
+
 def test_killed_server_mid_batch_every_request_completes(launched):
   rng = np.random.default_rng(1)
   n = 24

@@ -144,6 +144,56 @@ def test_a_worker_the_fleet_has_down_is_out_of_the_router_until_it_is_back(route
   assert set(versions.values()) == {"7"}
 
 
+def test_workers_behind_the_router_are_checked_against_the_trainer(routed):
+  """A routed fleet checks the router's workers on start as a plain fleet
+  does: the trainer's model passes, another one is refused by name."""
+
+  async def start(model):
+    async with router_lib.RoutedFleet(routed.router.urls[0], served_model=model) as fleet:
+      return len(fleet.servers)
+
+  tiny = fleet_lib.ServedModel("preset:tiny", config.shape_summary(config.preset("tiny")))
+  assert asyncio.run(start(tiny)) == 2
+  other = fleet_lib.ServedModel("preset:7b", config.shape_summary(config.preset("7b")))
+  with pytest.raises(ValueError, match=r"serves another model .* Start it with --preset 7b"):
+    asyncio.run(start(other))
+
+
+def test_a_worker_added_later_that_preprocesses_otherwise_is_taken_out(routed):
+  """A worker added to the router after the start is checked as it joins:
+  one that preprocesses media otherwise leaves the fleet and the router."""
+
+  async def limits():
+    async with router_lib.RoutedFleet(routed.router.urls[0], health_interval_s=3600) as fleet:
+      return (await fleet.servers[0].client.server_info())["vision_limits"]
+
+  theirs = asyncio.run(limits())
+  frames = str(theirs["video_max_frames"] + 1)
+  other = fleet_lib.launch_servers(
+    [*TINY_SERVER, "--video-max-frames", frames], 1, env=server_env(), timeout_s=180
+  )
+
+  async def go():
+    async with router_lib.RoutedFleet(
+      routed.router.urls[0], vision_limits=theirs, health_interval_s=3600
+    ) as fleet:
+      await fleet.router.request("POST", "/workers", {"url": other.urls[0]})
+      seen = False
+      for _ in range(100):  # the router adds it after its first health check
+        if seen := other.urls[0] in await fleet.refresh_workers():
+          break
+        await asyncio.sleep(0.1)
+      mine = [s.url for s in fleet.servers]
+      return seen, mine, await listed(fleet, 2)
+
+  try:
+    seen, mine, routed_now = asyncio.run(go())
+  finally:
+    other.stop()
+  assert seen and sorted(mine) == sorted(routed.urls)  # listed, then refused
+  assert routed_now == sorted(routed.urls)  # and the router no longer lists it
+
+
 def test_a_router_that_lists_no_worker_is_waited_for_then_named():
   """A router adds the workers it was started with only once they answer; the
   fleet waits `workers_timeout_s` for one, then names the router and the wait."""

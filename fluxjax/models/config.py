@@ -148,6 +148,22 @@ class ModelConfig:
     )
 
 
+def shape_summary(cfg: ModelConfig) -> dict[str, int]:
+  """The sizes that decide whether two processes hold the same architecture
+  (a rollout server reports them; a fleet compares them with the trainer's)."""
+  t, v = cfg.text, cfg.vision
+  return {
+    "vocab_size": t.vocab_size,
+    "hidden_size": t.hidden_size,
+    "intermediate_size": t.intermediate_size,
+    "num_layers": t.num_layers,
+    "num_heads": t.num_heads,
+    "num_kv_heads": t.num_kv_heads,
+    "vision_depth": v.depth,
+    "vision_hidden_size": v.hidden_size,
+  }
+
+
 def _preset_tiny() -> ModelConfig:
   # A few hundred thousand parameters; ids match the shipped synthetic tokenizer
   # (ordinary tokens 0..489, Qwen's 22 special tokens at 490..511 in Qwen order).

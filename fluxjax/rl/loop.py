@@ -48,6 +48,7 @@ from fluxjax.rl import summary as summary_lib
 from fluxjax.rl import worker as worker_lib
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout import factory
+from fluxjax.rollout import fleet as fleet_lib
 from fluxjax.rollout import publish as publish_lib
 from fluxjax.sharding import mesh as mesh_lib
 
@@ -235,6 +236,13 @@ def processor_config(vision: settings_lib.Vision) -> processor.VisionProcessorCo
   return processor.VisionProcessorConfig(**dataclasses.asdict(vision))
 
 
+def served_model(model: settings_lib.Model, cfg) -> fleet_lib.ServedModel:
+  """The model a fleet's servers must serve: the trainer's, named as a
+  server reports its own (`model_path`, or "preset:NAME")."""
+  name = model.hf_path or f"preset:{model.preset}"
+  return fleet_lib.ServedModel(name, model_config.shape_summary(cfg))
+
+
 def media_limits(limits: settings_lib.Limits) -> media_lib.MediaLimits:
   return media_lib.MediaLimits(**dataclasses.asdict(limits))
 
@@ -309,6 +317,7 @@ def build(
     proc_cfg=proc,
     limits=media_limits(settings.data.limits),
     weights_root=publish_lib.weights_root(workdir),
+    served_model=served_model(settings.model, validated.cfg),
   )
   if launched is not None:
     stack.callback(launched.stop)

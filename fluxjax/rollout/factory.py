@@ -109,6 +109,7 @@ def make_backend(
   proc_cfg: VisionProcessorConfig | None = None,
   limits: media.MediaLimits = media.DEFAULT_LIMITS,
   weights_root: str | None = None,
+  served_model: fleet.ServedModel | None = None,
 ) -> tuple[RolloutBackend, fleet.LaunchedServers | None]:
   """Builds the backend of a `rollout` config section.
 
@@ -120,10 +121,12 @@ def make_backend(
       of the run config); None = `cfg.launch` as given.
     model, tokenizer: what the embedded backend serves (the trainer's).
     seed: the embedded engine's sampling seed.
-    proc_cfg: the embedded engine's vision processing; must equal the
-      trainer's (the prompt's pad-token counts come from it).
+    proc_cfg: the trainer's vision processing: the embedded engine's, and
+      what a fleet's servers must report (the prompt's pad-token counts
+      come from it).
     limits: the embedded engine's media size budgets (the loader's).
     weights_root: where a fleet's published versions are written.
+    served_model: the trainer's model, which a fleet's servers must serve.
 
   Returns:
     (backend, launched): the backend, and the servers this call started
@@ -152,6 +155,8 @@ def make_backend(
     weight_group_address=str(cfg.weight_group_address),
     weight_group_timeout_s=float(cfg.weight_group_timeout_s),
     weight_bucket_bytes=int(float(cfg.weight_bucket_mb) * 2**20),
+    vision_limits=dataclasses.asdict(proc_cfg) if proc_cfg is not None else None,
+    served_model=served_model,
   )
   if cfg.router_url:
     return router.RoutedFleet(
@@ -167,8 +172,7 @@ def make_backend(
     )
     urls = launched.urls
   if not cfg.router_launch:
-    vision = dataclasses.asdict(proc_cfg) if proc_cfg is not None else None
-    backend = fleet.Fleet(urls, health_interval_s=health_s, vision_limits=vision, **sync)
+    backend = fleet.Fleet(urls, health_interval_s=health_s, **sync)
     return backend, launched
   try:
     routed = router.launch_router(list(cfg.router_launch), urls, timeout_s=launch_s)

@@ -38,7 +38,7 @@ import tempfile
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import aiohttp
 
@@ -92,6 +92,39 @@ class NoServerAvailable(ServerUnavailable):
   """Every server is down."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+  """The trainer's model as a server must serve it.
+
+  Attributes:
+    name: "preset:NAME" or the checkpoint path (a server's `model_path`).
+    shape: `config.shape_summary` of the trainer's model.
+  """
+
+  name: str
+  shape: Mapping[str, int]
+
+  def check(self, url: str, info: Mapping[str, Any]) -> None:
+    """Raises ValueError if /get_server_info `info` reports another model."""
+    theirs = info.get("model_shape")
+    if not isinstance(theirs, Mapping):
+      return  # not a fluxjax server: it does not say
+    differ = {k: v for k, v in theirs.items() if k in self.shape and self.shape[k] != v}
+    if not differ:
+      return
+    have = ", ".join(f"{k}={v} (trainer {self.shape[k]})" for k, v in differ.items())
+    flag = (
+      f"--preset {self.name.removeprefix('preset:')}"
+      if self.name.startswith("preset:")
+      else f"--model-path {self.name}"
+    )
+    raise ValueError(
+      f"rollout server {url} serves another model ({info.get('model_path')}: {have}) than the "
+      f"trainer's ({self.name}). Start it with {flag}, or set --config.model.preset / "
+      "--config.model.hf_path to its model"
+    )
+
+
 class Fleet:
   """Async client over several servers (see module docstring).
 
@@ -123,6 +156,7 @@ class Fleet:
     weights_root: str | None = None,
     weights_dtype: str = protocol.PUBLISHED_DTYPE,
     vision_limits: Mapping[str, int] | None = None,
+    served_model: ServedModel | None = None,
     weight_sync: str = "disk",
     weight_deltas: bool = False,
     defer_updates: bool = False,
@@ -132,9 +166,10 @@ class Fleet:
     weight_bucket_bytes: int = 512 * 2**20,
   ):
     self._session: aiohttp.ClientSession | None = None
-    # The trainer's media preprocessing; a server that reports other limits is
-    # refused on start (its prompts' pad-token counts would differ).
+    # The trainer's model and media preprocessing; a server that reports
+    # others is refused on start (`check_server`).
     self.vision_limits = dict(vision_limits or {})
+    self.served_model = served_model
     self.weights_root = weights_root or os.path.join(tempfile.gettempdir(), "fluxjax_weights")
     self.weights_dtype = weights_dtype
     if weight_sync not in WEIGHT_SYNCS:
@@ -216,26 +251,31 @@ class Fleet:
     self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     for s in self.servers:
       s.client._session, s.client._own_session = self._session, False
-    if self.vision_limits:
-      try:
-        await asyncio.gather(*(self._check_preprocessing(s) for s in self.servers))
-      except BaseException:
-        await self._session.close()
-        raise
+    try:
+      await asyncio.gather(*(self.check_server(s) for s in self.servers))
+    except BaseException:
+      await self._session.close()
+      raise
     self._health_task = asyncio.create_task(self._health_loop())
 
-  async def _check_preprocessing(self, server: ServerState) -> None:
-    """Refuses a server that preprocesses media otherwise than the trainer.
+  async def check_server(self, server: ServerState) -> None:
+    """Refuses (ValueError naming the flags) a server that serves another
+    model or preprocesses media otherwise than the trainer.
 
-    fluxjax's server reports its limits in /get_server_info; SGLang's does
-    not (it reads them from the checkpoint's preprocessor_config.json), and
-    an unreachable server is left to the health checks.
+    fluxjax's server reports both in /get_server_info; SGLang's reports
+    neither (it reads them from the checkpoint), and an unreachable server is
+    left to the health checks.
     """
-    try:
-      theirs = (await server.client.server_info()).get("vision_limits") or {}
-    except (ServerUnavailable, RequestRejected) as e:
-      log.warning("rollout server %s: preprocessing not checked (%s)", server.url, e)
+    if not self.vision_limits and self.served_model is None:
       return
+    try:
+      info = await server.client.server_info()
+    except (ServerUnavailable, RequestRejected) as e:
+      log.warning("rollout server %s: model and preprocessing not checked (%s)", server.url, e)
+      return
+    if self.served_model is not None:
+      self.served_model.check(server.url, info)
+    theirs = info.get("vision_limits") or {}
     differ = {
       k: v for k, v in theirs.items() if k in self.vision_limits and self.vision_limits[k] != v
     }

@@ -82,6 +82,7 @@ class RoutedFleet(Fleet):
     self.workers_timeout_s = workers_timeout_s
     self._worker_ids: dict[str, str] = {}  # url -> the router's id of the worker
     self._parked: dict[str, ServerState] = {}  # taken out of the router by the fleet
+    self._checked = False  # the workers listed at the start passed `check_server`
 
   async def start(self) -> None:
     await super().start()
@@ -93,6 +94,12 @@ class RoutedFleet(Fleet):
           f"the router at {self.router.url} listed no workers within {self.workers_timeout_s:g} s"
         )
       await asyncio.sleep(0.2)
+    try:
+      await asyncio.gather(*(self.check_server(s) for s in self.servers))
+    except BaseException:
+      await self.close()
+      raise
+    self._checked = True
 
   async def refresh_workers(self) -> list[str]:
     """Reads the router's worker list; new workers join, removed ones leave."""
@@ -106,7 +113,26 @@ class RoutedFleet(Fleet):
       log.warning("rollout worker %s left the router", url)
     parked = [s for url, s in self._parked.items() if url not in urls]
     self.servers = [known.get(u) or self._server_state(u) for u in urls] + parked
+    if self._checked:  # a worker added since the start is checked as it joins
+      for s in [s for s in self.servers if s.url not in known]:
+        await self._admit(s)
     return urls
+
+  async def _admit(self, server: ServerState) -> None:
+    """Keeps a worker that joined the router after the start only if it
+    serves the trainer's model and preprocessing; takes it out otherwise."""
+    try:
+      await self.check_server(server)
+    except ValueError as e:
+      log.error("rollout worker %s refused: %s", server.url, e)
+      self.servers.remove(server)
+      worker_id = self._worker_ids.get(server.url)
+      if worker_id is None:
+        return
+      try:
+        await self.router.request("DELETE", f"/workers/{worker_id}")
+      except (ServerUnavailable, RequestRejected) as e:
+        log.warning("router %s: worker %s not removed: %s", self.router.url, server.url, e)
 
   async def _park(self, server: ServerState) -> None:
     """Takes a worker the fleet marked down out of the router."""

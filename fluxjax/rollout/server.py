@@ -501,7 +501,9 @@ class RolloutServer:
         "dtype": a.dtype,
         "port": a.port,
         "host": a.host,
-        # fluxjax's own: how it preprocesses media (a fleet checks it on start).
+        # fluxjax's own: the model's sizes and how it preprocesses media (a
+        # fleet checks both against the trainer's on start).
+        "model_shape": config_lib.shape_summary(engine.cfg),
         "vision_limits": {k: getattr(self.proc_cfg, k) for k in VISION_LIMITS},
         "weight_deltas_applied": engine.deltas_applied,
       }

@@ -35,8 +35,11 @@ Options:
 
 Each process starts in its own session, so stopping it also stops the worker
 processes it started. When one process fails (nonzero exit or a signal), the
-launcher stops the others: SIGTERM to every process group, SIGKILL after
---grace_s. SIGINT and SIGTERM sent to the launcher are forwarded the same way.
+launcher stops the others: SIGTERM to every process, SIGKILL to every
+process group after --grace_s. SIGINT and SIGTERM sent to the launcher are
+forwarded the same way. The first signal goes to the processes alone, not
+their workers: a preempted run finishes its step with the rollout servers it
+launched still up, checkpoints, and stops them itself.
 
 Exit code: 0 when every process exits 0; otherwise the first failing process's
 exit code, or 128 + the signal number when a signal ended it (SIGKILL: 137);
@@ -163,9 +166,11 @@ def _signal_group(pgid: int, signum: int) -> None:
 def stop(children: Sequence[subprocess.Popen], signum: int, grace_s: float) -> None:
   """Stops every child and the workers in its process group.
 
-  Sends `signum` to every child's group (exited children's groups too: their
-  workers may outlive them), waits up to `grace_s` for the children to exit,
-  then SIGKILLs whatever is left in the groups and reaps the children.
+  Sends `signum` to every child still running (not to its workers, which it
+  may need to finish: a preempted trainer's rollout servers), waits up to
+  `grace_s` for the children to exit, then SIGKILLs whatever is left in the
+  groups (exited children's too: their workers may outlive them) and reaps
+  the children.
 
   Args:
     children: processes started with start_new_session=True (pgid = pid).
@@ -173,7 +178,8 @@ def stop(children: Sequence[subprocess.Popen], signum: int, grace_s: float) -> N
     grace_s: seconds before SIGKILL.
   """
   for child in children:
-    _signal_group(child.pid, signum)
+    if child.poll() is None:
+      child.send_signal(signum)
   deadline = time.monotonic() + grace_s
   while time.monotonic() < deadline and any(child.poll() is None for child in children):
     time.sleep(0.05)

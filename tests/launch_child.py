@@ -9,6 +9,10 @@ Process i does ACTION_i:
   sigkill   SIGKILL itself.
   orphan:N  start a `sleep` worker in its process group, print the worker's pid,
             exit with code N (the worker is left behind).
+  preempt   start a `sleep` worker (a launched rollout server) in its process
+            group and print its pid; on SIGTERM finish "the step" (0.5 s),
+            print whether the worker was up through it, stop the worker
+            itself and exit 128 + SIGTERM, as a preempted trainer does.
   jax       jax.distributed through fluxjax's set-up from the launcher's flags,
             then a jitted sum over a global array on a 4-device mesh; process 0
             prints `sum=<value>`. Then the leader's op channel: process 0 sends
@@ -180,6 +184,20 @@ def fleet_publish(flags: dict[str, str], root: str) -> None:
     publish.take_part(model, "distributed", root, 6)
 
 
+def preempted(worker: subprocess.Popen) -> None:
+  def on_sigterm(signum, frame):
+    time.sleep(0.5)  # the step in progress, which needs the worker
+    up = worker.poll() is None
+    print(f"launch_child: worker up through the step: {up}", file=sys.stderr, flush=True)
+    worker.terminate()
+    worker.wait()
+    os._exit(128 + signal.SIGTERM)
+
+  signal.signal(signal.SIGTERM, on_sigterm)
+  print(f"launch_child: worker pid {worker.pid}", file=sys.stderr, flush=True)
+  time.sleep(60)
+
+
 def main() -> None:
   flags = dict(
     a[len(DISTRIBUTED_FLAG) :].split("=", 1) for a in sys.argv[1:] if a.startswith(DISTRIBUTED_FLAG)
@@ -199,6 +217,8 @@ def main() -> None:
     worker = subprocess.Popen(["sleep", "60"])
     print(f"launch_child: worker pid {worker.pid}", file=sys.stderr, flush=True)
     os._exit(int(code))  # no clean-up: the worker outlives this process
+  if action == "preempt":
+    preempted(subprocess.Popen(["sleep", "60"]))
   if action in ("jax", "publish"):
     try:
       if action == "jax":

@@ -269,6 +269,29 @@ def test_sigterm_to_the_launcher_stops_every_process(child_module):
     launcher.stderr.close()
 
 
+def test_sigterm_reaches_the_processes_before_their_workers(child_module):
+  """A preempted process finishes its step with the workers it started (its
+  rollout servers) still up, then stops them; nothing is left after."""
+  launcher = subprocess.Popen(
+    [sys.executable, "-m", "fluxjax.launch", "--processes=2", "--module=launch_child"]
+    + ["--", "preempt", "sleep"],
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  try:
+    text = _read_until(launcher.stderr, PID_LINE, 2, timeout_s=30)
+    text += _read_until(launcher.stderr, WORKER_LINE, 1, timeout_s=30)
+    pids, worker = _pids(text), int(WORKER_LINE.search(text).group(1))
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    assert "worker up through the step: True" in launcher.stderr.read()
+    assert not any(process_alive(pid) for pid in [*pids.values(), worker])
+  finally:
+    launcher.kill()
+    launcher.wait()
+    launcher.stderr.close()
+
+
 # --- a real jax.distributed run ----------------------------------------------------
 
 

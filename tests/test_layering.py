@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -175,3 +176,18 @@ def test_the_walk_sees_every_form_of_import(tmp_path, monkeypatch, source, expec
   (fake / "probe.py").write_text(source)
   monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
   assert _imports(fake / "probe.py") == expected
+
+
+def test_torch_is_imported_only_for_a_distributed_weight_update():
+  """The default install is torch-free: the trainer, the server, the fleet and
+  the publish path load without torch; only a weight update group imports it
+  (rollout/weight_group.py, the `weight-sync` extra)."""
+  code = (
+    "import sys\n"
+    "import fluxjax.train, fluxjax.launch, fluxjax.rollout.server\n"
+    "from fluxjax.rl import loop\n"
+    "from fluxjax.rollout import fleet, publish, router, weight_group\n"
+    "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "[]", out.stdout[:300]

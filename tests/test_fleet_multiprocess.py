@@ -11,6 +11,7 @@ import pytest
 
 from fluxjax import config_args
 from fluxjax.rl import loop, metrics
+from helpers import assert_every_drawn_prompt_accounted_for
 
 # The fleet job with everything on: launched servers behind the router,
 # weights broadcast, flex_ulysses across the two processes, adaptive lag and
@@ -34,7 +35,8 @@ def test_two_processes_on_a_fleet_survive_a_follower_killed_mid_step(tmp_path):
   launched sglang-router, weights broadcast from the training mesh: the
   follower SIGKILLed mid-step stops the run, its servers and router with
   it; the restart resumes from the checkpoint, and every step trains P
-  prompts no step trained before."""
+  prompts no step trained before; every prompt drawn is trained, held for
+  training, or counted as filtered."""
   steps, workdir = 4, tmp_path / "fleet"
   command = [
     a.replace("configs/vlm.py", "configs/vlm.py:fleet")
@@ -47,6 +49,7 @@ def test_two_processes_on_a_fleet_survive_a_follower_killed_mid_step(tmp_path):
   assert [r["step"] for r in records] == list(range(1, steps + 1))
   trained = [i for r in records for i in r["ids"]]
   assert all(len(r["ids"]) == runs.P for r in records) and len(set(trained)) == len(trained)
+  assert_every_drawn_prompt_accounted_for(workdir, runs.P)
   recs = {r["step"]: r for r in metrics.read_metrics(str(workdir)) if r["step"] >= 1}
   last = recs[steps]
   assert last["fleet/routed"] == 1.0 and last["fleet/servers"] == 2.0

@@ -10,7 +10,11 @@ import pytest
 
 from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import loop, preemption
-from helpers import assert_each_prompt_trained_once, tiny_run_config
+from helpers import (
+  assert_each_prompt_trained_once,
+  assert_every_drawn_prompt_accounted_for,
+  tiny_run_config,
+)
 
 
 @pytest.mark.slow
@@ -40,6 +44,7 @@ def test_sigterm_checkpoints_the_step_in_progress_and_the_run_resumes(tmp_path, 
   last = loop.run(config, str(tmp_path))
   assert last["policy/version"] == 4.0
   assert_each_prompt_trained_once(tmp_path, 4, config.rl.prompts_per_step)
+  assert_every_drawn_prompt_accounted_for(tmp_path, config.rl.prompts_per_step)
 
 
 def test_a_follower_only_logs_sigterm_and_outside_the_main_thread_nothing_changes(caplog):

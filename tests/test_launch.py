@@ -4,6 +4,7 @@ process's environment and flags, supervision of real processes, and one real
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
@@ -251,45 +252,43 @@ def _read_until(stream, pattern: re.Pattern, count: int, timeout_s: float) -> st
   return text
 
 
-def test_sigterm_to_the_launcher_stops_every_process(child_module):
+@contextlib.contextmanager
+def _launcher(actions: list[str]):
+  """`python -m fluxjax.launch` of launch_child with `actions`, its stderr piped."""
   launcher = subprocess.Popen(
-    [sys.executable, "-m", "fluxjax.launch", "--processes=2", "--module=launch_child"]
-    + ["--", "sleep", "sleep"],
+    [sys.executable, "-m", "fluxjax.launch", f"--processes={len(actions)}"]
+    + ["--module=launch_child", "--", *actions],
     stderr=subprocess.PIPE,
     text=True,
   )
   try:
-    pids = _pids(_read_until(launcher.stderr, PID_LINE, 2, timeout_s=30))
-    launcher.send_signal(signal.SIGTERM)
-    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
-    assert not any(process_alive(pid) for pid in pids.values())
+    yield launcher
   finally:
     launcher.kill()
     launcher.wait()
     launcher.stderr.close()
+
+
+def test_sigterm_to_the_launcher_stops_every_process(child_module):
+  with _launcher(["sleep", "sleep"]) as launcher:
+    pids = _pids(_read_until(launcher.stderr, PID_LINE, 2, timeout_s=30))
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    assert not any(process_alive(pid) for pid in pids.values())
 
 
 def test_sigterm_reaches_the_processes_before_their_workers(child_module):
   """A preempted process finishes its step with the workers it started (its
   rollout servers) still up, then stops them; nothing is left after."""
-  launcher = subprocess.Popen(
-    [sys.executable, "-m", "fluxjax.launch", "--processes=2", "--module=launch_child"]
-    + ["--", "preempt", "sleep"],
-    stderr=subprocess.PIPE,
-    text=True,
-  )
-  try:
+  with _launcher(["preempt", "sleep"]) as launcher:
     text = _read_until(launcher.stderr, PID_LINE, 2, timeout_s=30)
-    text += _read_until(launcher.stderr, WORKER_LINE, 1, timeout_s=30)
+    if not WORKER_LINE.search(text):  # the child may print it before the launcher's lines
+      text += _read_until(launcher.stderr, WORKER_LINE, 1, timeout_s=30)
     pids, worker = _pids(text), int(WORKER_LINE.search(text).group(1))
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
     assert "worker up through the step: True" in launcher.stderr.read()
     assert not any(process_alive(pid) for pid in [*pids.values(), worker])
-  finally:
-    launcher.kill()
-    launcher.wait()
-    launcher.stderr.close()
 
 
 # --- a real jax.distributed run ----------------------------------------------------

@@ -35,11 +35,11 @@ Options:
 
 Each process starts in its own session, so stopping it also stops the worker
 processes it started. When one process fails (nonzero exit or a signal), the
-launcher stops the others: SIGTERM to every process, SIGKILL to every
-process group after --grace_s. SIGINT and SIGTERM sent to the launcher are
-forwarded the same way. The first signal goes to the processes alone, not
-their workers: a preempted run finishes its step with the rollout servers it
-launched still up, checkpoints, and stops them itself.
+launcher stops the others: SIGTERM to every process group, SIGKILL after
+--grace_s. SIGINT and SIGTERM sent to the launcher (a preemption) go to the
+processes alone, their groups getting SIGKILL after --grace_s: a preempted
+run finishes its step with the rollout servers it launched still up,
+checkpoints, and stops them itself.
 
 Exit code: 0 when every process exits 0; otherwise the first failing process's
 exit code, or 128 + the signal number when a signal ended it (SIGKILL: 137);
@@ -163,22 +163,28 @@ def _signal_group(pgid: int, signum: int) -> None:
     pass
 
 
-def stop(children: Sequence[subprocess.Popen], signum: int, grace_s: float) -> None:
+def stop(
+  children: Sequence[subprocess.Popen], signum: int, grace_s: float, *, workers_too: bool = True
+) -> None:
   """Stops every child and the workers in its process group.
 
-  Sends `signum` to every child still running (not to its workers, which it
-  may need to finish: a preempted trainer's rollout servers), waits up to
-  `grace_s` for the children to exit, then SIGKILLs whatever is left in the
-  groups (exited children's too: their workers may outlive them) and reaps
+  Sends `signum` to every child's group (exited children's groups too: their
+  workers may outlive them), or with `workers_too` False to every child still
+  running alone (a preempted trainer finishes its step with the rollout
+  servers it launched, then stops them), waits up to `grace_s` for the
+  children to exit, then SIGKILLs whatever is left in the groups and reaps
   the children.
 
   Args:
     children: processes started with start_new_session=True (pgid = pid).
     signum: the first signal to send, e.g. SIGTERM.
     grace_s: seconds before SIGKILL.
+    workers_too: the first signal also goes to the children's workers.
   """
   for child in children:
-    if child.poll() is None:
+    if workers_too:
+      _signal_group(child.pid, signum)
+    elif child.poll() is None:
       child.send_signal(signum)
   deadline = time.monotonic() + grace_s
   while time.monotonic() < deadline and any(child.poll() is None for child in children):
@@ -210,7 +216,7 @@ def supervise(
     signum = interrupted()
     if signum is not None:
       _say(f"received {signal.Signals(signum).name}; stopping all {len(children)} processes")
-      stop(children, signum, grace_s)
+      stop(children, signum, grace_s, workers_too=False)
       return 128 + signum
     returncodes = [child.poll() for child in children]
     failed = next((i for i, code in enumerate(returncodes) if code), None)

@@ -11,16 +11,15 @@
   `fleet/retries` or `faults/failed_rounds_total`).
 """
 
+import asyncio
 import json
 import os
-import threading
-import time
-import urllib.request
 
 import pytest
 
 from fluxjax.data import readers, synth
 from fluxjax.rl import loop, metrics
+from fluxjax.rollout import client as client_lib
 from fluxjax.rollout import factory
 from fluxjax.rollout import fleet as fleet_lib
 from fluxjax.settings import Settings
@@ -69,7 +68,7 @@ def test_hanging_reward_corrupt_image_and_long_prompt_are_counted(tmp_path, monk
 
 
 @pytest.mark.slow
-def test_server_killed_mid_round(tmp_path):
+def test_server_killed_mid_round(tmp_path, monkeypatch):
   c = tiny_run_config(3)
   c.data.synth_train = 32  # more than the run reads: ids repeat only across epochs
   c.rl.prompts_per_step, c.rl.responses_per_prompt = 3, 2
@@ -87,33 +86,19 @@ def test_server_killed_mid_round(tmp_path):
     c.rollout.health_interval_s = 600.0
     workdir = tmp_path / "run"
 
-    def load():
-      try:
-        with urllib.request.urlopen(servers.urls[0] + "/get_load", timeout=5) as resp:
-          return json.load(resp)
-      except OSError:
-        return {"num_running_reqs": 0, "num_tokens": 0}
+    def kill_mid_request_after_first_step(client, request):
+      # After step 1, the first request sent to server 0 finds it killed while
+      # the request is in flight (sent, its 48 tokens not yet decoded), so the
+      # death is met by a request in flight, not by the next weight update.
+      done = os.path.exists(workdir / metrics.JSONL) and any(
+        r["step"] >= 1 for r in metrics.read_metrics(str(workdir))
+      )
+      if client.url == servers.urls[0] and done and servers.procs[0].poll() is None:
+        asyncio.get_running_loop().call_later(0.02, servers.procs[0].kill)
+      return generate(client, request)
 
-    def kill_mid_round_after_first_step():
-      # After step 1, kill the server while it decodes, so the death is met by
-      # requests in flight rather than by the next weight update. Decoding: its
-      # running requests grew between two readings (a request the client has
-      # already aborted at a round's end leaves at the next step, and a paused
-      # server's tokens do not grow).
-      while servers.procs[0].poll() is None:
-        recs = metrics.read_metrics(str(workdir)) if os.path.exists(workdir / metrics.JSONL) else []
-        if any(r["step"] >= 1 for r in recs):
-          before = load()
-          time.sleep(0.02)
-          after = load()
-          if before["num_running_reqs"] and after["num_tokens"] > before["num_tokens"]:
-            servers.procs[0].kill()
-            return
-        else:
-          time.sleep(0.2)
-
-    killer = threading.Thread(target=kill_mid_round_after_first_step, daemon=True)
-    killer.start()
+    generate = client_lib.SGLangClient.generate
+    monkeypatch.setattr(client_lib.SGLangClient, "generate", kill_mid_request_after_first_step)
     last = loop.run(c, str(workdir))
   finally:
     servers.stop()

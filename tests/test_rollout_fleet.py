@@ -232,13 +232,24 @@ def test_a_server_that_serves_another_model_is_refused_on_start(launched):
       pass
 
   tiny, small = config.preset("tiny"), config.preset("3b")
-  asyncio.run(start(fleet_lib.ServedModel("preset:tiny", config.shape_summary(tiny))))
+  asyncio.run(start(fleet_lib.ServedModel.of("preset:tiny", tiny)))
   with pytest.raises(ValueError, match="Start it with --preset 3b") as refused:
-    asyncio.run(start(fleet_lib.ServedModel("preset:3b", config.shape_summary(small))))
+    asyncio.run(start(fleet_lib.ServedModel.of("preset:3b", small)))
   assert "hidden_size=" in str(refused.value) and "preset:tiny" in str(refused.value)
-  path = fleet_lib.ServedModel("/ckpt/qwen-3b", config.shape_summary(small))
+  path = fleet_lib.ServedModel.of("/ckpt/qwen-3b", small)
   with pytest.raises(ValueError, match="Start it with --model-path /ckpt/qwen-3b"):
     asyncio.run(start(path))
+
+
+def test_an_sglang_server_of_another_architecture_is_refused():
+  """SGLang reports no sizes but (main) its architectures in /get_model_info:
+  a text-only model behind the fleet is refused by name; no report, no check."""
+  ours = fleet_lib.ServedModel.of("/ckpt/qwen-vl", config.preset("7b"))
+  text_only = {"model_path": "/ckpt/qwen2-7b", "architectures": ["Qwen2ForCausalLM"]}
+  with pytest.raises(ValueError, match=r"Qwen2ForCausalLM.*--model-path /ckpt/qwen-vl"):
+    ours.check("http://sglang:30000", {"model_path": "/ckpt/qwen2-7b"}, text_only)
+  ours.check("http://sglang:30000", {}, {"architectures": [config.ARCHITECTURE]})
+  ours.check("http://sglang:30000", {}, {})  # SGLang 0.5.x says neither
 
 
 def test_killed_server_mid_batch_every_request_completes(launched):

@@ -152,9 +152,9 @@ def test_workers_behind_the_router_are_checked_against_the_trainer(routed):
     async with router_lib.RoutedFleet(routed.router.urls[0], served_model=model) as fleet:
       return len(fleet.servers)
 
-  tiny = fleet_lib.ServedModel("preset:tiny", config.shape_summary(config.preset("tiny")))
+  tiny = fleet_lib.ServedModel.of("preset:tiny", config.preset("tiny"))
   assert asyncio.run(start(tiny)) == 2
-  other = fleet_lib.ServedModel("preset:7b", config.shape_summary(config.preset("7b")))
+  other = fleet_lib.ServedModel.of("preset:7b", config.preset("7b"))
   with pytest.raises(ValueError, match=r"serves another model .* Start it with --preset 7b"):
     asyncio.run(start(other))
 

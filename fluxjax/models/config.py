@@ -148,6 +148,10 @@ class ModelConfig:
     )
 
 
+# The HF architecture of every preset (config.json's `architectures`).
+ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
+
+
 def shape_summary(cfg: ModelConfig) -> dict[str, int]:
   """The sizes that decide whether two processes hold the same architecture
   (a rollout server reports them; a fleet compares them with the trainer's)."""
@@ -361,7 +365,7 @@ def to_hf_dict(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]
   vision["model_type"] = "qwen2_5_vl"
   rope = {"type": "mrope", "rope_type": "default", "mrope_section": list(t.mrope_section)}
   out = {
-    "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+    "architectures": [ARCHITECTURE],
     "model_type": "qwen2_5_vl",
     **text,
     "hidden_act": "silu",

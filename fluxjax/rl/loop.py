@@ -240,7 +240,7 @@ def served_model(model: settings_lib.Model, cfg) -> fleet_lib.ServedModel:
   """The model a fleet's servers must serve: the trainer's, named as a
   server reports its own (`model_path`, or "preset:NAME")."""
   name = model.hf_path or f"preset:{model.preset}"
-  return fleet_lib.ServedModel(name, model_config.shape_summary(cfg))
+  return fleet_lib.ServedModel.of(name, cfg)
 
 
 def media_limits(limits: settings_lib.Limits) -> media_lib.MediaLimits:

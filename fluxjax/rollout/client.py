@@ -211,6 +211,9 @@ class SGLangClient:
   async def server_info(self) -> dict:
     return (await self.request("GET", "/get_server_info"))[1]
 
+  async def model_info(self) -> dict:
+    return (await self.request("GET", "/get_model_info"))[1]
+
   async def weight_version(self) -> str:
     """The served weight version (SGLang main reads it from /model_info only)."""
     status, data = await self.request("GET", "/get_weight_version")

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import aiohttp
 
+from fluxjax.models import config as config_lib
 from fluxjax.rollout import protocol
 from fluxjax.rollout.backend import SlotStats
 from fluxjax.rollout.client import RequestRejected, ServerUnavailable, SGLangClient
@@ -99,27 +100,40 @@ class ServedModel:
   Attributes:
     name: "preset:NAME" or the checkpoint path (a server's `model_path`).
     shape: `config.shape_summary` of the trainer's model.
+    architecture: its HF architecture (`config.ARCHITECTURE`).
   """
 
   name: str
   shape: Mapping[str, int]
+  architecture: str
 
-  def check(self, url: str, info: Mapping[str, Any]) -> None:
-    """Raises ValueError if /get_server_info `info` reports another model."""
-    theirs = info.get("model_shape")
+  @classmethod
+  def of(cls, name: str, cfg: config_lib.ModelConfig) -> ServedModel:
+    return cls(name, config_lib.shape_summary(cfg), config_lib.ARCHITECTURE)
+
+  def check(self, url: str, server_info: Mapping[str, Any], model_info: Mapping[str, Any]) -> None:
+    """Raises ValueError if the server's /get_model_info reports another
+    architecture (SGLang main and ours do) or its /get_server_info other
+    sizes (ours does)."""
+    archs = model_info.get("architectures")
+    if isinstance(archs, list) and archs and self.architecture not in archs:
+      self._refuse(url, model_info.get("model_path"), f"architectures {archs}")
+    theirs = server_info.get("model_shape")
     if not isinstance(theirs, Mapping):
       return  # not a fluxjax server: it does not say
     differ = {k: v for k, v in theirs.items() if k in self.shape and self.shape[k] != v}
-    if not differ:
-      return
-    have = ", ".join(f"{k}={v} (trainer {self.shape[k]})" for k, v in differ.items())
+    if differ:
+      have = ", ".join(f"{k}={v} (trainer {self.shape[k]})" for k, v in differ.items())
+      self._refuse(url, server_info.get("model_path"), have)
+
+  def _refuse(self, url: str, their_path: Any, have: str) -> None:
     flag = (
       f"--preset {self.name.removeprefix('preset:')}"
       if self.name.startswith("preset:")
       else f"--model-path {self.name}"
     )
     raise ValueError(
-      f"rollout server {url} serves another model ({info.get('model_path')}: {have}) than the "
+      f"rollout server {url} serves another model ({their_path}: {have}) than the "
       f"trainer's ({self.name}). Start it with {flag}, or set --config.model.preset / "
       "--config.model.hf_path to its model"
     )
@@ -270,11 +284,12 @@ class Fleet:
       return
     try:
       info = await server.client.server_info()
+      model_info = await server.client.model_info() if self.served_model is not None else {}
     except (ServerUnavailable, RequestRejected) as e:
       log.warning("rollout server %s: model and preprocessing not checked (%s)", server.url, e)
       return
     if self.served_model is not None:
-      self.served_model.check(server.url, info)
+      self.served_model.check(server.url, info, model_info)
     theirs = info.get("vision_limits") or {}
     differ = {
       k: v for k, v in theirs.items() if k in self.vision_limits and self.vision_limits[k] != v

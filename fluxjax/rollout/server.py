@@ -480,7 +480,7 @@ class RolloutServer:
         "has_image_understanding": True,
         "has_audio_understanding": False,
         "model_type": "qwen2_5_vl",
-        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "architectures": [config_lib.ARCHITECTURE],
       }
     )
 

@@ -2,7 +2,6 @@
 group, and how the model is cut into update calls."""
 
 import itertools
-import math
 
 import hypothesis.strategies as st
 import pytest
@@ -20,14 +19,11 @@ def test_each_server_gets_as_many_ranks_as_it_has_gpus():
     publish.rank_layout([1, 0])
 
 
-shapes = st.lists(st.lists(st.integers(0, 40), min_size=0, max_size=3), max_size=30)
-
-
-@given(shapes, st.integers(1, 4), st.integers(1, 5000))
-def test_buckets_cover_every_tensor_in_order_within_the_cap(shapes, itemsize, max_bytes):
-  runs = publish.buckets(shapes, itemsize, max_bytes)
-  assert [i for run in runs for i in run] == list(range(len(shapes)))
-  sizes = [[itemsize * math.prod(shapes[i]) for i in run] for run in runs]
+@given(st.lists(st.integers(0, 6000), max_size=30), st.integers(1, 5000))
+def test_byte_runs_cover_every_tensor_in_order_within_the_cap(nbytes, max_bytes):
+  runs = hf_io.byte_runs(nbytes, max_bytes)
+  assert [i for run in runs for i in run] == list(range(len(nbytes)))
+  sizes = [[nbytes[i] for i in run] for run in runs]
   for run in sizes:
     assert sum(run) <= max_bytes or len(run) == 1  # only a tensor over the cap goes alone
   for this, following in itertools.pairwise(sizes):  # closed only where the next would overflow
@@ -35,14 +31,11 @@ def test_buckets_cover_every_tensor_in_order_within_the_cap(shapes, itemsize, ma
 
 
 def test_the_7b_model_goes_in_buckets_of_at_most_512_mib():
-  layout = hf_io.hf_layout(config.preset("7b"))
+  sizes = [n for _, n in hf_io.tensor_bytes(config.preset("7b"), "bfloat16")]
   cap = 512 * 2**20
-  runs = publish.buckets([s for _, s in layout], 2, cap)
-  largest = max(2 * math.prod(s) for _, s in layout)  # the embedding, 1.09 GB in bf16
-  assert largest > cap and len(runs) > 16
-  assert sum(2 * math.prod(layout[i][1]) for run in runs for i in run) == sum(
-    2 * math.prod(s) for _, s in layout
-  )
+  runs = hf_io.byte_runs(sizes, cap)
+  assert max(sizes) > cap and len(runs) > 16  # the embedding, 1.09 GB in bf16
+  assert all(sum(sizes[i] for i in run) <= cap for run in runs if len(run) > 1)
 
 
 def test_nccl_broadcasts_gpu_tensors_gloo_cpu_ones():

@@ -74,7 +74,8 @@ def test_a_distributed_publish_serves_what_the_disk_path_serves(servers, tmp_pat
   layout = hf_io.hf_layout(first.cfg)
   bf16_bytes = sum(2 * int(np.prod(shape)) for _, shape in layout)
   bucket_bytes = bf16_bytes // 5
-  want_buckets = len(publish.buckets([s for _, s in layout], 2, bucket_bytes))
+  sizes = [n for _, n in hf_io.tensor_bytes(first.cfg, "bfloat16")]
+  want_buckets = len(hf_io.byte_runs(sizes, bucket_bytes))
 
   async def go():
     async with fleet_lib.Fleet(

@@ -30,6 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from fluxjax.models.attention_blocked import blocked_attention
 from fluxjax.models.attention_xla import decode_attention, segment_mask, xla_attention
+from fluxjax.models.layers import ATTENTION_OUT
 
 __all__ = [
   "attention",
@@ -39,10 +40,6 @@ __all__ = [
   "segment_mask",
   "xla_attention",
 ]
-
-# The name every backend's output carries, for remat policies that keep it
-# (`layers.REMAT_POLICIES`).
-ATTENTION_OUT = "attention_out"
 
 _BACKENDS: dict[str, Callable] = {"xla": xla_attention, "xla_blocked": blocked_attention}
 

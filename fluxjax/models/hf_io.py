@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import glob
+import itertools
 import json
 import logging
 import math
@@ -30,7 +31,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -461,9 +462,25 @@ def _shard_name(i: int, count: int) -> str:
   return "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
 
 
-def _tensor_bytes(cfg: config_lib.ModelConfig, dtype: str) -> list[tuple[str, int]]:
+def tensor_bytes(cfg: config_lib.ModelConfig, dtype: str) -> list[tuple[str, int]]:
+  """(HF name, bytes in `dtype`) of each published tensor, in `hf_tensors` order."""
   itemsize = np.dtype(_DTYPES[dtype]).itemsize
   return [(name, math.prod(shape) * itemsize) for name, shape in hf_layout(cfg)]
+
+
+def byte_runs(nbytes: Sequence[int], max_bytes: int) -> list[range]:
+  """Consecutive runs of items of at most `max_bytes` together (an item
+  larger than that alone): the files of a folder, the buckets of a broadcast."""
+  runs: list[range] = []
+  start = size = 0
+  for i, n in enumerate(nbytes):
+    if i > start and size + n > max_bytes:
+      runs.append(range(start, i))
+      start, size = i, 0
+    size += n
+  if len(nbytes) > start:
+    runs.append(range(start, len(nbytes)))
+  return runs
 
 
 def write_plan(
@@ -475,18 +492,15 @@ def write_plan(
   of about equal bytes (process k writes run k), and each run into files of
   at most `max_shard_bytes` (a larger tensor has a file of its own).
   """
-  sizes = _tensor_bytes(cfg, dtype)
+  sizes = tensor_bytes(cfg, dtype)
   total = max(1, sum(n for _, n in sizes))
+  offsets = itertools.accumulate((n for _, n in sizes), initial=0)
+  owner = [min(writers - 1, start * writers // total) for start, _ in zip(offsets, sizes)]
   runs: list[tuple[int, list[str]]] = []
-  start = size = 0
-  for name, n in sizes:
-    writer = min(writers - 1, start * writers // total)
-    if not runs or runs[-1][0] != writer or size + n > max_shard_bytes:
-      runs.append((writer, []))
-      size = 0
-    runs[-1][1].append(name)
-    size += n
-    start += n
+  for writer, members in itertools.groupby(range(len(sizes)), key=owner.__getitem__):
+    mine = list(members)
+    for run in byte_runs([sizes[i][1] for i in mine], max_shard_bytes):
+      runs.append((writer, [sizes[mine[j]][0] for j in run]))
   return [
     ShardFile(_shard_name(i, len(runs)), tuple(names), writer)
     for i, (writer, names) in enumerate(runs)
@@ -598,7 +612,7 @@ def _finish_folder(
   extra_files: Mapping[str, str | bytes] | None,
 ) -> None:
   """The index, config.json and extra files into `tmp`, then `tmp` renamed to `path`."""
-  _write_index(tmp, plan, sum(n for _, n in _tensor_bytes(cfg, dtype)))
+  _write_index(tmp, plan, sum(n for _, n in tensor_bytes(cfg, dtype)))
   with open(os.path.join(tmp, "config.json"), "w") as f:
     json.dump(config_lib.to_hf_dict(cfg, torch_dtype=dtype), f, indent=2)
   for name, src in (extra_files or {}).items():

@@ -16,16 +16,20 @@ from flax import nnx
 Initializer = jax.nn.initializers.Initializer
 _policies = jax.checkpoint_policies
 
-# What a scanned layer keeps for the backward pass (`ModelConfig.remat`);
-# everything else is recomputed there. The projections' outputs are the dots
-# without batch dimensions; attention's output is named in models/attention.py.
+# The name attention's output carries (models/attention.py), for the policy
+# that keeps it.
+ATTENTION_OUT = "attention_out"
+
+# What a scanned layer keeps for the backward pass (`ModelConfig.remat`, which
+# checks the name); everything else is recomputed there. The projections'
+# outputs are the dots without batch dimensions.
 REMAT_POLICIES = {
   "none": None,  # keep everything: no recomputation, the most memory
   "full": _policies.nothing_saveable,  # recompute the whole layer
   "save_dots": _policies.dots_with_no_batch_dims_saveable,
   "save_dots_attention": _policies.save_from_both_policies(
     _policies.dots_with_no_batch_dims_saveable,
-    _policies.save_only_these_names("attention_out"),
+    _policies.save_only_these_names(ATTENTION_OUT),
   ),
 }
 _default_init = jax.nn.initializers.normal(stddev=0.02)
@@ -160,8 +164,6 @@ def scan_layers(stack: nnx.Module, x: jax.Array, body, xs=None, *, remat: str = 
     layer_state, x_slice = inputs
     return body(nnx.merge(graphdef, layer_state), carry, x_slice), None
 
-  if remat not in REMAT_POLICIES:
-    raise ValueError(f"unknown remat policy {remat!r}; available: {sorted(REMAT_POLICIES)}")
   if remat != "none":
     step = jax.checkpoint(step, policy=REMAT_POLICIES[remat])
   out, _ = jax.lax.scan(step, x, (state, xs))

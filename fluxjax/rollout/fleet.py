@@ -99,24 +99,23 @@ class ServedModel:
 
   Attributes:
     name: "preset:NAME" or the checkpoint path (a server's `model_path`).
-    shape: `config.shape_summary` of the trainer's model.
-    architecture: its HF architecture (`config.ARCHITECTURE`).
+    shape: `config.shape_summary` of the trainer's model (whose HF
+      architecture is `config.ARCHITECTURE`, as every preset's).
   """
 
   name: str
   shape: Mapping[str, int]
-  architecture: str
 
   @classmethod
   def of(cls, name: str, cfg: config_lib.ModelConfig) -> ServedModel:
-    return cls(name, config_lib.shape_summary(cfg), config_lib.ARCHITECTURE)
+    return cls(name, config_lib.shape_summary(cfg))
 
   def check(self, url: str, server_info: Mapping[str, Any], model_info: Mapping[str, Any]) -> None:
     """Raises ValueError if the server's /get_model_info reports another
     architecture (SGLang main and ours do) or its /get_server_info other
     sizes (ours does)."""
     archs = model_info.get("architectures")
-    if isinstance(archs, list) and archs and self.architecture not in archs:
+    if isinstance(archs, list) and archs and config_lib.ARCHITECTURE not in archs:
       self._refuse(url, model_info.get("model_path"), f"architectures {archs}")
     theirs = server_info.get("model_shape")
     if not isinstance(theirs, Mapping):
@@ -157,7 +156,7 @@ class Fleet:
       or at once ("distributed", a one-process trainer); the servers load
       the version in `PublishReport.pending`.
     weight_bucket_bytes: with "distributed", the most bytes one update call
-      carries (publish.buckets).
+      carries (hf_io.byte_runs).
   """
 
   def __init__(
@@ -276,8 +275,9 @@ class Fleet:
     """Refuses (ValueError naming the flags) a server that serves another
     model or preprocesses media otherwise than the trainer.
 
-    fluxjax's server reports both in /get_server_info; SGLang's reports
-    neither (it reads them from the checkpoint), and an unreachable server is
+    fluxjax's server reports its sizes and limits in /get_server_info and its
+    architecture in /get_model_info; SGLang's reports its architecture
+    (main) and reads the rest from the checkpoint. An unreachable server is
     left to the health checks.
     """
     if not self.vision_limits and self.served_model is None:

@@ -33,7 +33,7 @@ has one writer, the run that publishes into it.
 The distributed transport (`publish_distributed`, sglang_api.md 4.2) makes a
 torch.distributed group of the trainer (rank 0) and every server's GPUs
 (`rank_layout`: tp x pp ranks each, from /get_server_info) and sends the
-model in buckets (`buckets`), one /update_weights_from_distributed per
+model in buckets (`hf_io.byte_runs`), one /update_weights_from_distributed per
 bucket, so a server holds one bucket's receive buffers at a time; the last
 bucket sets the version and flushes the cache. A bucket that fails leaves
 every server with part of the version: all are marked failed and rejoin at
@@ -50,7 +50,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import math
 import os
 import shutil
 import time
@@ -58,8 +57,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import ml_dtypes
-import numpy as np
 
 from fluxjax.models import hf_io, vlm
 from fluxjax.models import tokenizer as tokenizer_lib
@@ -314,23 +311,6 @@ async def _join(fleet, servers) -> list:
   return results
 
 
-def buckets(shapes: Sequence[Sequence[int]], itemsize: int, max_bytes: int) -> list[range]:
-  """Consecutive runs of tensors of at most `max_bytes` each (a larger tensor
-  alone): one update call each, so a server holds one bucket's receive
-  buffers at a time, not the whole model's."""
-  runs: list[range] = []
-  start, size = 0, 0
-  for i, shape in enumerate(shapes):
-    nbytes = itemsize * math.prod(shape)
-    if i > start and size + nbytes > max_bytes:
-      runs.append(range(start, i))
-      start, size = i, 0
-    size += nbytes
-  if len(shapes) > start:
-    runs.append(range(start, len(shapes)))
-  return runs
-
-
 async def publish_distributed(
   fleet, model: vlm.Qwen25VL, version: int | str, *, defer: bool = False
 ) -> PublishReport:
@@ -361,8 +341,10 @@ async def _broadcast_version(fleet, model: vlm.Qwen25VL, version: int | str) -> 
   `fleet.weight_bucket_bytes`, one /update_weights_from_distributed each; the
   last sets the version and flushes the cache."""
   layout = hf_io.hf_layout(model.cfg)
-  itemsize = np.dtype(getattr(ml_dtypes, protocol.PUBLISHED_DTYPE)).itemsize
-  runs = buckets([shape for _, shape in layout], itemsize, fleet.weight_bucket_bytes)
+  # One update call per bucket: a server holds one bucket's receive buffers
+  # at a time, not the whole model's.
+  sizes = hf_io.tensor_bytes(model.cfg, protocol.PUBLISHED_DTYPE)
+  runs = hf_io.byte_runs([n for _, n in sizes], fleet.weight_bucket_bytes)
   updates = [
     protocol.DistributedUpdate(
       names=tuple(layout[i][0] for i in run),

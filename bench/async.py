@@ -39,11 +39,21 @@ Reported per mode, from the run's metrics.jsonl:
                 (hard bound, sync_interval) and hard-bound ones per 20 steps,
                 the trained tokens' full version gap (recycled ones included).
 
+With `--quintiles` every run records its trained responses
+(`coordinator.response_records`) and each mode gets a table per response-length
+quintile, the edges taken from the first mode's lengths (bench/quintiles.py):
+version gap, carried share, truncated share, loss weight per prompt and per
+token, accuracy; e.g. tail batching against eta 1.0 and the two normalizers:
+  python bench/async.py --placement shared --quintiles --set data.mix=reasoning_tail \
+    --set rl.max_new_tokens=64 --modes \
+    'sync/rollout.tail_batching.eta=1.0,sync,sync/rl.loss_agg_mode=token-sum-norm'
+
 A mode `MODE/lr*X@S` multiplies the learning rate by X once S updates are
 done (optim.lr_scale_steps): a step change in KL. Its row adds the async
 ratio and the EMA at S, S + 10 and S + 20, and the first step after S at
 which the ratio went down. `MODE/KEY=VALUE` sets any other config field for
-that mode, e.g. `sync/rollout.tail_batching.continue_in=next_round`.
+that mode, e.g. `sync/rollout.tail_batching.continue_in=next_round`;
+`--set KEY=VALUE` sets one for every mode.
 """
 
 from __future__ import annotations
@@ -60,7 +70,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # runs from a checkout without `pip install -e .`, as the others
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import cores  # noqa: E402  (these two live next to this script)
+import cores  # noqa: E402  (these live next to this script)
+import quintiles  # noqa: E402
 import runinfo  # noqa: E402
 
 PER_STEP_KEYS = (
@@ -113,6 +124,7 @@ def make_config(mode: str, args, urls: tuple[str, ...]):
   c.eval.every, c.eval.prompts = args.steps, args.eval_prompts
   c.checkpoint.every = 10**6  # no checkpoint inside the measured steps
   c.sft.enabled = not args.no_sft
+  c.coordinator.response_records = args.quintiles
   if args.P:
     c.rl.prompts_per_step = args.P
   if args.R:
@@ -120,7 +132,9 @@ def make_config(mode: str, args, urls: tuple[str, ...]):
   c.coordinator.lag.mode, c.coordinator.lag.fixed_lag, change, overrides = parse_mode(mode)
   if change is not None:
     c.optim.lr_scale_steps, c.optim.lr_scales = (change[0],), (change[1],)
-  for key, value in overrides.items():
+  # Every mode's --set first, then the mode's own overrides.
+  common = parse_mode("/".join(["sync", *args.set]))[3] if args.set else {}
+  for key, value in {**common, **overrides}.items():
     *path, field = key.split(".")
     section = c
     for name in path:
@@ -165,6 +179,8 @@ def run_mode(mode: str, args, workdir: str, urls: tuple[str, ...]) -> dict:
     **controller_figures(steps, c.coordinator.lag, parse_mode(mode)[2]),
     # What the means above are taken over, for --json.
     "per_step": [{k: r[k] for k in PER_STEP_KEYS if k in r} for r in steps],
+    # Steps 2.. as samples/s (step 1 waits on compilation, not on tail batching).
+    "responses": quintiles.responses(loop.read_trained(workdir), after_step=1),
   }
 
 
@@ -217,6 +233,12 @@ def main(argv=None) -> None:
   p.add_argument("--rollout-cores", default="1", help="disjoint: the server's cores (taskset)")
   p.add_argument("--eval-prompts", type=int, default=128)
   p.add_argument("--no-sft", action="store_true", help="skip the warm-up (no learning signal)")
+  p.add_argument(
+    "--quintiles", action="store_true", help="record responses; figures per length quintile"
+  )
+  p.add_argument(
+    "--set", action="append", default=[], metavar="KEY=VALUE", help="a config field, every mode"
+  )
   p.add_argument(
     "--json",
     metavar="PATH",
@@ -275,6 +297,15 @@ def main(argv=None) -> None:
   for r in rows:
     if "step_change" in r:
       print(f"{r['mode']}: {r['step_change']}")
+  if args.quintiles:
+    inner = quintiles.edges(rows[0]["responses"])
+    P = make_config(rows[0]["mode"], args, ()).rl.prompts_per_step
+    for r in rows:
+      r["quintiles"] = quintiles.table(r["responses"], inner, P)
+      print(f"\n{r['mode']}: per response-length quintile (edges from {rows[0]['mode']})")
+      print(quintiles.markdown(r["quintiles"]))
+  for r in rows:
+    del r["responses"]  # the quintile tables carry what --json keeps of them
   if args.json:
     runinfo.write(
       args.json,

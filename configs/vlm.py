@@ -425,6 +425,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Stream trainer: finished groups are trained in parts of this many while
   # rollout continues (0 = half a batch); the update waits for the whole batch.
   c.coordinator.stream_groups = 0
+  # Per trained response, a record in WORKDIR/trained.jsonl ("responses"): its
+  # length, reward, version gap, share of the update and the loss's metrics
+  # over its tokens (fluxjax/rl/records.py). Costs a per-sequence sum of each
+  # loss metric in the train step; bench/tail_effects.py turns them on.
+  c.coordinator.response_records = False
   # Adaptive, per step: the batch's staleness s = clip(kl_weight * KL /
   # kl_normalizer + iw_weight * log1p(Var w) / iw_normalizer + gap_weight *
   # version gap / max_version_gap, 0, 1) (a normalizer is the value that counts

@@ -53,6 +53,7 @@ class Lag:
 class Coordinator:
   lag: Lag
   stream_groups: int
+  response_records: bool
 
 
 @dataclasses.dataclass(frozen=True)

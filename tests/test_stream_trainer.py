@@ -205,6 +205,67 @@ def test_stream_reference_kl_equals_update_with_single_device_reference(
     assert err < 1e-5, f"relative gradient error {err:.2e}"
 
 
+@pytest.mark.parametrize(
+  "name,sp,sync",
+  [("packed_dp", 1, "layer"), pytest.param("ulysses", 2, "minibatch", marks=pytest.mark.slow)],
+)
+def test_per_sequence_sums_follow_each_sequence_through_parts(name, sp, sync, devices, mesh_for):
+  """Each sequence's sums land in its own slot, in the order the parts added them.
+
+  Against each sequence computed alone on one device: its summed loss weight
+  and its behaviour KL (k3 of pi / mu over its trained tokens, pi the policy
+  before the update). Slots past the batch's sequences stay 0; the slots add
+  up to the step's token means times its tokens.
+  """
+  strategy = make_strategy(name, sp, capacity=128, sync=sync)
+  mesh = mesh_for(strategy)
+  loss_fn = losses.make_loss_fn(config_args.load_config().rl)
+  seqs = mixed_batch(seed=5)
+  rng = np.random.default_rng(0)
+  for s in seqs:  # per-token behaviour logprobs, so each sequence's KL differs
+    s.old_logprobs_T = rng.uniform(-7.0, -5.5, len(s)).astype(np.float32)
+  graphdef, state, shardings = _fresh_state(mesh, SGD)
+  slots = len(seqs) + 2
+  trainer = StreamTrainer(
+    CFG,
+    mesh,
+    strategy,
+    graphdef,
+    state,
+    shardings,
+    SGD,
+    loss_fn,
+    patch_buckets=(PATCHES,),
+    sequence_slots=slots,
+  )
+  for part in (seqs[:2], seqs[2:3], seqs[3:]):
+    trainer.add(part)
+  got = jax.device_get(trainer.apply())
+  per_seq = got[train_step.PER_SEQUENCE]
+
+  n = len(seqs)
+  weights = np.array([s.loss_mask_T[1:].sum() for s in seqs])
+  np.testing.assert_allclose(per_seq["tokens"][:n], weights, rtol=1e-6)
+  logp = _single_device_logprobs(vlm.create_model(CFG, seed=4), seqs)
+  want_kl = []
+  for s, lp in zip(seqs, logp):
+    log_w = (lp - s.old_logprobs_T)[1:]
+    want_kl.append((s.loss_mask_T[1:] * (np.exp(log_w) - log_w - 1.0)).sum())
+  assert len(set(np.round(want_kl, 3))) == n  # a misplaced slot would show
+  np.testing.assert_allclose(per_seq["behaviour_kl"][:n], want_kl, rtol=1e-4)
+  for k, v in per_seq.items():
+    assert np.all(v[n:] == 0.0), k
+    want = float(got["tokens"]) if k == "tokens" else float(got[k]) * float(got["tokens"])
+    np.testing.assert_allclose(v.sum(), want, rtol=1e-5, err_msg=k)
+
+
+def test_more_sequences_than_slots_is_an_error():
+  seqs = mixed_batch(seed=5)
+  plan = make_strategy("packed_dp", capacity=128).plan([len(s) for s in seqs], 8)
+  with pytest.raises(ValueError, match=r"exceed its 4 sequence slots"):
+    batch_lib.materialize(plan, seqs, CFG, PATCHES, first_sequence=1, sequence_slots=4)
+
+
 def test_apply_without_parts_is_an_error(devices, mesh_for):
   strategy = make_strategy("packed_dp", capacity=128)
   mesh = mesh_for(strategy)

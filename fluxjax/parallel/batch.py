@@ -74,6 +74,11 @@ class TrainBatch:
   old_logprobs: jax.Array | np.ndarray
   ref_logprobs: jax.Array | np.ndarray
   prox_logprobs: jax.Array | np.ndarray
+  # Per token, 1 + the index of its sequence among the step's (0: padding);
+  # set when `sequence_slots` > 0, the static number of sequences a step may
+  # hold, for the step's per-sequence metric sums (train_step.sequence_sums).
+  sequence_ids: jax.Array | np.ndarray | None = None
+  sequence_slots: int = dataclasses.field(default=0, metadata=dict(static=True))
 
   @property
   def num_microbatches(self) -> int:
@@ -240,11 +245,16 @@ def media_placement(plan: Plan, seqs: Sequence[TrainSequence], cfg: ModelConfig)
   return out
 
 
-def _row_streams(row, seqs: Sequence[TrainSequence]) -> dict[str, np.ndarray]:
-  """A row's sequences end to end, one array per buffer (positions [3, n])."""
+def _row_streams(
+  row, seqs: Sequence[TrainSequence], first_sequence: int | None
+) -> dict[str, np.ndarray]:
+  """A row's sequences end to end, one array per buffer (positions [3, n]);
+  with `first_sequence`, also each token's 1 + first_sequence + its sequence's index."""
   stream: dict[str, list[np.ndarray]] = {
     k: [] for k in ("tok", "pos", "seg", "spos", "tgt", "mask", "adv", "old", "ref", "prox")
   }
+  if first_sequence is not None:
+    stream["sid"] = []
   for j, s in enumerate(row.seqs):
     seq = seqs[s]
     t = seq.inputs.tokens_T
@@ -261,15 +271,19 @@ def _row_streams(row, seqs: Sequence[TrainSequence]) -> dict[str, np.ndarray]:
     stream["ref"].append(_shifted(ref.astype(np.float32)))
     prox = seq.prox_logprobs_T if seq.prox_logprobs_T is not None else seq.old_logprobs_T
     stream["prox"].append(_shifted(prox.astype(np.float32)))
+    if first_sequence is not None:
+      stream["sid"].append(np.full(n, 1 + first_sequence + s, np.int32))
   return {k: np.concatenate(v, axis=-1) for k, v in stream.items()}
 
 
-def _fill_row(text: dict[str, np.ndarray], positions, m: int, plan: Plan, row, seqs) -> None:
+def _fill_row(
+  text: dict[str, np.ndarray], positions, m: int, plan: Plan, row, seqs, first_sequence
+) -> None:
   """Writes a row's token buffers: its stream padded to degree x section
   capacity, one section-wide slice per device of the row."""
   cap, sec = plan.section(row)
   width = row.degree * cap
-  streams = _row_streams(row, seqs)
+  streams = _row_streams(row, seqs, first_sequence)
   pad = width - streams["tok"].shape[-1]
   if pad < 0:
     raise ValueError(
@@ -330,6 +344,9 @@ def materialize(
   patch_source=None,
   balance_vision: bool = False,
   devices: Collection[int] | None = None,
+  *,
+  first_sequence: int = 0,
+  sequence_slots: int = 0,
 ) -> TrainBatch:
   """Host numpy buffers for a plan (see `to_device`).
 
@@ -350,7 +367,17 @@ def materialize(
       (`sharding.mesh.local_device_indices`): only those rows reach its
       devices, so it reads no other process's pixels. Token rows are
       filled for every device (metadata the controller already holds).
+    first_sequence: the index of `seqs[0]` among the step's sequences (a
+      stream trainer's later parts start where the earlier ones ended).
+    sequence_slots: how many sequences the step may hold; > 0 fills
+      `sequence_ids` for the step's per-sequence metrics.
   """
+  if sequence_slots and first_sequence + len(seqs) > sequence_slots:
+    raise ValueError(
+      f"sequences {first_sequence}..{first_sequence + len(seqs) - 1} of a step exceed its"
+      f" {sequence_slots} sequence slots (prompts per step x responses per prompt)"
+    )
+  first = first_sequence if sequence_slots else None
   patch_source = patch_source or (lambda item: item.patches)
   if len(seqs) != len(plan.lengths) or any(len(s) != n for s, n in zip(seqs, plan.lengths)):
     raise ValueError("the plan was made for other sequence lengths")
@@ -384,11 +411,13 @@ def materialize(
     "ref": ref_lp,
     "prox": prox_lp,
   }
+  if first is not None:
+    text["sid"] = np.zeros(shape, np.int32)
   vision_bufs = (patches, frame_ids, window_ids, hw, vision_index)
   for m, rows in enumerate(plan.microbatches):
     for row in rows:
       if row.seqs:  # an empty row's buffers stay zero (segment id 0 = padding)
-        _fill_row(text, positions, m, plan, row, seqs)
+        _fill_row(text, positions, m, plan, row, seqs, first)
     _fill_vision(vision_bufs, m, assignment[m], cfg, patch_capacity, patch_source, devices)
 
   inputs = vlm.PackedInputs(
@@ -399,7 +428,17 @@ def materialize(
     vision_lib.VisionInputs(patches, frame_ids, window_ids, hw),
     vision_index,
   )
-  return TrainBatch(inputs, targets, loss_mask, adv, old_lp, ref_lp, prox_lp)
+  return TrainBatch(
+    inputs,
+    targets,
+    loss_mask,
+    adv,
+    old_lp,
+    ref_lp,
+    prox_lp,
+    sequence_ids=text.get("sid"),
+    sequence_slots=sequence_slots,
+  )
 
 
 def batch_shardings(batch: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch:

@@ -68,6 +68,8 @@ class LayoutSteps(Generic[StepT]):
       logprobs land).
     patch_buckets: static patch-buffer sizes.
     patch_source: item -> patches, or None when the sequences carry theirs.
+    sequence_slots: the most sequences one step holds; > 0 gives batches
+      `sequence_ids` for per-sequence metrics (batch.materialize).
   """
 
   def __init__(
@@ -79,8 +81,10 @@ class LayoutSteps(Generic[StepT]):
     *,
     patch_buckets: Sequence[int] = PATCH_BUCKETS,
     patch_source=None,
+    sequence_slots: int = 0,
   ):
     self.cfg = model_cfg
+    self.sequence_slots = int(sequence_slots)
     self.mesh = mesh
     self.strategy = strategy
     self.patch_buckets = tuple(patch_buckets)
@@ -96,8 +100,11 @@ class LayoutSteps(Generic[StepT]):
     """Layouts compiled so far."""
     return len(self._steps)
 
-  def prepare(self, seqs: Sequence[batch_lib.TrainSequence]) -> tuple[Plan, batch_lib.TrainBatch]:
-    """(plan, host buffers) of `seqs`: planned from lengths, then materialized."""
+  def prepare(
+    self, seqs: Sequence[batch_lib.TrainSequence], first_sequence: int = 0
+  ) -> tuple[Plan, batch_lib.TrainBatch]:
+    """(plan, host buffers) of `seqs`: planned from lengths, then materialized;
+    `first_sequence` is the index of `seqs[0]` among its step's sequences."""
     plan = self.strategy.plan([len(s) for s in seqs], self.mesh.size)
     host = batch_lib.materialize(
       plan,
@@ -107,6 +114,8 @@ class LayoutSteps(Generic[StepT]):
       patch_source=self.patch_source,
       balance_vision=self.strategy.balance_vision,
       devices=self._devices,
+      first_sequence=first_sequence,
+      sequence_slots=self.sequence_slots,
     )
     return plan, host
 
@@ -117,9 +126,11 @@ class LayoutSteps(Generic[StepT]):
       self._steps[key] = self._compile(plan, batch)
     return self._steps[key]
 
-  def place(self, seqs: Sequence[batch_lib.TrainSequence]) -> Placed[StepT]:
+  def place(
+    self, seqs: Sequence[batch_lib.TrainSequence], first_sequence: int = 0
+  ) -> Placed[StepT]:
     """`seqs` planned, materialized and placed, with the step of their layout."""
-    plan, host = self.prepare(seqs)
+    plan, host = self.prepare(seqs, first_sequence)
     with jax.set_mesh(self.mesh):
       batch = batch_lib.to_device(host, self.mesh)
       step = self.step_for(plan, batch)

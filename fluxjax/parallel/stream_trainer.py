@@ -59,6 +59,9 @@ class StreamTrainer:
     loss_normalizer: what the summed token losses are divided by (a
       constant, rl/advantages.loss_normalizer), or None for the batch's
       summed loss weights.
+    sequence_slots: the most sequences a batch holds; > 0 adds per-sequence
+      sums of every loss metric to `apply`'s metrics
+      (train_step.PER_SEQUENCE), in the order the sequences were added.
   """
 
   def __init__(
@@ -78,6 +81,7 @@ class StreamTrainer:
     temperature: float = 1.0,
     updates_per_batch: int = 1,
     loss_normalizer: float | None = None,
+    sequence_slots: int = 0,
   ):
     if updates_per_batch < 1:
       raise ValueError(f"updates_per_batch must be >= 1, got {updates_per_batch}")
@@ -101,6 +105,7 @@ class StreamTrainer:
       self._compile_add,
       patch_buckets=patch_buckets,
       patch_source=patch_source,
+      sequence_slots=sequence_slots,
     )
     self._sums_shape = None
     self._acc = None
@@ -153,16 +158,16 @@ class StreamTrainer:
       lambda p: jax.numpy.zeros(p.shape, p.dtype, device=p.sharding), self._state.params
     )
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-    sums = {
-      k: jax.numpy.zeros(v.shape, v.dtype, device=replicated) for k, v in self._sums_shape.items()
-    }
+    sums = jax.tree.map(
+      lambda v: jax.numpy.zeros(v.shape, v.dtype, device=replicated), self._sums_shape
+    )
     return (jax.numpy.zeros((), jax.numpy.float32, device=replicated), zeros, sums)
 
   def add(self, seqs: Sequence[batch_lib.TrainSequence]) -> None:
     """Adds the gradients of `seqs` (dispatched; returns before they finish)."""
     if not seqs:
       return
-    placed = self._layouts.place(seqs)
+    placed = self._layouts.place(seqs, first_sequence=self.sequences)
     accumulate, add = placed.step
     with jax.set_mesh(self.mesh):
       if self._acc is None:

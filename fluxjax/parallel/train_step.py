@@ -132,9 +132,34 @@ def loss_and_metrics(
   )
   per_token, extras = loss_fn(logp, entropy, mb)
   mask = mb.loss_mask
-  sums = {k: (v * mask).sum() for k, v in extras.items()}
+  sums: dict[str, jax.Array | dict[str, jax.Array]] = {
+    k: (v * mask).sum() for k, v in extras.items()
+  }
   sums["tokens"] = mask.sum()
+  if mb.sequence_slots:
+    sums[PER_SEQUENCE] = sequence_sums({**extras, "tokens": 1.0}, mask, mb)
   return (per_token * mask).sum() / total_tokens, sums
+
+
+# The key of the per-sequence sums among a step's metric sums and metrics.
+PER_SEQUENCE = "per_sequence"
+
+
+def sequence_sums(values: dict, mask, mb: TrainBatch) -> dict[str, jax.Array]:
+  """{name: [sequence_slots] sum of value x mask over each sequence's tokens}.
+
+  Every sequence lies in one microbatch, so these add over microbatches,
+  devices and a stream trainer's parts as the scalar sums do.
+  """
+  assert mb.sequence_ids is not None, "sequence_slots without sequence_ids"
+  ids = mb.sequence_ids.reshape(-1)
+  slots = mb.sequence_slots + 1  # id 0: padding, dropped below
+
+  def one(v):
+    weighted = (jnp.broadcast_to(v, mask.shape) * mask).reshape(-1)
+    return jax.ops.segment_sum(weighted, ids, num_segments=slots)[1:]
+
+  return {k: one(v) for k, v in values.items()}
 
 
 def token_logprobs(
@@ -196,7 +221,7 @@ def accumulate(
 
   zeros = pin(jax.tree.map(jnp.zeros_like, params))
   grads, (losses, sums) = jax.lax.scan(micro, zeros, batch)
-  return losses.sum(), grads, jax.tree.map(jnp.sum, sums)
+  return losses.sum(), grads, jax.tree.map(lambda x: x.sum(axis=0), sums)
 
 
 def make_train_step(
@@ -262,7 +287,8 @@ def all_finite(tree) -> jax.Array:
 
 
 def apply_update(tx: optax.GradientTransformation, state: TrainState, loss, grads, sums):
-  """One optimizer update from normalized gradients; metrics are token means.
+  """One optimizer update from normalized gradients; metrics are token means
+  (per-sequence sums, when the batch has sequence slots, stay sums).
 
   A step whose loss or gradient norm is not finite, or whose update leaves a
   parameter or optimizer moment non-finite (a finite gradient times a huge
@@ -285,6 +311,7 @@ def apply_update(tx: optax.GradientTransformation, state: TrainState, loss, grad
     finite, lambda: (params, opt_state), lambda: (state.params, state.opt_state)
   )
   sums = dict(sums)
+  per_sequence = sums.pop(PER_SEQUENCE, None)
   tokens = jnp.maximum(sums.pop("tokens"), 1.0)
   metrics = {
     "loss": loss,
@@ -294,6 +321,8 @@ def apply_update(tx: optax.GradientTransformation, state: TrainState, loss, grad
     "nonfinite_state": (inputs_finite & ~state_finite).astype(jnp.float32),
     **{k: v / tokens for k, v in sums.items()},
   }
+  if per_sequence is not None:  # left as sums: each sequence's "tokens" divides its own
+    metrics[PER_SEQUENCE] = per_sequence
   new_state = TrainState(params, opt_state, state.step + finite.astype(state.step.dtype))
   return new_state, metrics
 

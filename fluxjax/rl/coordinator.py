@@ -57,6 +57,7 @@ from fluxjax.rl import (
   async_control,
   config_rules,
   evaluation,
+  records,
   reward_fns,
   reward_pool,
   sft,
@@ -89,6 +90,8 @@ class StepResult:
   groups: list[trajectories.Group]
   metrics: dict  # host floats
   trained: list[str]  # sample ids trained this step, in order
+  # One per trained response, with coordinator.response_records on.
+  responses: list[records.ResponseRecord] = dataclasses.field(default_factory=list)
 
 
 def response_length_metrics(lengths: Sequence[int]) -> dict[str, float]:
@@ -362,7 +365,10 @@ class Coordinator:
     self.settle_reads()  # the update donates the arrays a deferred broadcast reads
     device_metrics = self._policy.apply()
     self._steps += 1
-    train = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+    train = jax.device_get(device_metrics)
+    per_sequence = train.pop(train_step.PER_SEQUENCE, None)
+    train = {k: float(v) for k, v in train.items()}
+    responses = [] if per_sequence is None else self._response_records(kept, per_sequence, train)
     # A refused (non-finite) update left the policy as it was: nothing new to
     # publish. Too many in a row raise here, before anything is checkpointed.
     self._nonfinite.observe(self._steps, train, [k.sample.id for k in kept])
@@ -416,7 +422,20 @@ class Coordinator:
       if idle:
         host["rollout/slot_idle_fraction"] = float(np.mean(idle))
     host.update(self.fault_counts())
-    return StepResult(groups, host, [k.sample.id for k in kept])
+    return StepResult(groups, host, [k.sample.id for k in kept], responses)
+
+  def _response_records(self, kept, per_sequence, train) -> list[records.ResponseRecord]:
+    rl = self._settings.rl
+    normalizer = adv_lib.loss_normalizer(
+      rl.loss_agg_mode, self._P * rl.responses_per_prompt, rl.max_new_tokens
+    )
+    return records.response_records(
+      [k.group for k in kept],
+      [k.launch_version for k in kept],
+      per_sequence,
+      normalizer or train["tokens"],
+      self._version,
+    )
 
   async def _observe(self, staleness: float, step: int) -> dict:
     return self._producer.admission.observe(staleness, step)

@@ -346,8 +346,17 @@ def follow(config, workdir: str, validated: Validated | None = None) -> int:
 TRAINED = "trained.jsonl"
 
 
+def trained_record(step: int, result: coordinator_lib.StepResult) -> dict:
+  """trained.jsonl's line of a step: its sample ids, and its responses when recorded."""
+  out = {"step": step, "ids": result.trained}
+  if result.responses:
+    out["responses"] = [dataclasses.asdict(r) for r in result.responses]
+  return out
+
+
 def read_trained(workdir: str) -> list[dict]:
-  """The per-step record of which samples were trained: [{"step", "ids"}]."""
+  """The per-step record of which samples were trained: [{"step", "ids"}], with
+  "responses" (rl/records.ResponseRecord fields) when the run recorded them."""
   path = os.path.join(workdir, TRAINED)
   if not os.path.exists(path):
     return []
@@ -470,7 +479,7 @@ def _loop(
     if step == settings.total_steps or (settings.eval.every and step % settings.eval.every == 0):
       host.update(coord.evaluate(eval_samples))
     writer.write(step, host)
-    trained_log.write(json.dumps({"step": step, "ids": result.trained}) + "\n")
+    trained_log.write(json.dumps(trained_record(step, result)) + "\n")
     log.info(progress.line(step, host))
     last, done = host, step
     stop = preemption.requested and step < settings.total_steps

@@ -122,6 +122,7 @@ class PolicyWorker:
         [(path, rollout_shardings[path]) for path, _ in nnx.to_flat_state(state.params)]
       )
     )
+    responses_per_step = settings.rl.prompts_per_step * settings.rl.responses_per_prompt
     self._trainer = StreamTrainer(
       cfg,
       mesh,
@@ -135,10 +136,9 @@ class PolicyWorker:
       temperature=float(settings.rl.temperature),
       updates_per_batch=int(settings.rl.updates_per_batch),
       loss_normalizer=adv_lib.loss_normalizer(
-        settings.rl.loss_agg_mode,
-        settings.rl.prompts_per_step * settings.rl.responses_per_prompt,
-        settings.rl.max_new_tokens,
+        settings.rl.loss_agg_mode, responses_per_step, settings.rl.max_new_tokens
       ),
+      sequence_slots=responses_per_step if settings.coordinator.response_records else 0,
     )
     self.ckpt = checkpoint_lib.Checkpointer(workdir, save_every=int(settings.checkpoint.every))
     self.rng = jax.random.key(int(settings.seed))

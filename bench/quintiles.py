@@ -1,0 +1,114 @@
+"""What training did to responses of each length: figures per length quintile.
+
+Reads the response records a run wrote to trained.jsonl
+(`coordinator.response_records`, fluxjax/rl/records.py) and gives, per
+response-length quintile (edges from a baseline run's lengths, so two runs'
+rows compare the same lengths):
+
+  responses     trained responses in the quintile;
+  gap           mean version gap of their tokens (against the version trained);
+  carried       share continued across rounds or publishes (> 1 version);
+  truncated     share of their tokens whose importance weight hit the cap;
+  prompt wt     a prompt's summed loss weight x P (1.0: an average prompt's
+                share of a step), prompts placed by their mean response length;
+  token wt      a token's loss weight x the run's mean trained tokens per
+                step (1.0 everywhere: a token weighs the same whatever batch it
+                lands in; token-mean gives a token of a step with T tokens
+                mean(T) / T);
+  accuracy      share of responses with reward >= 1.
+
+Used by bench/async.py --quintiles.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+QUINTILES = 5
+
+
+def responses(trained: list[dict], after_step: int = 0) -> list[dict]:
+  """The response records of steps > after_step, each with its step."""
+  return [
+    dict(r, step=t["step"])
+    for t in trained
+    if t["step"] > after_step
+    for r in t.get("responses", ())
+  ]
+
+
+def edges(records: list[dict]) -> np.ndarray:
+  """Inner quintile edges of the records' response lengths."""
+  lengths = np.array([r["length"] for r in records], float)
+  return np.quantile(lengths, np.linspace(0, 1, QUINTILES + 1)[1:-1])
+
+
+def _bin(length: float, inner: np.ndarray) -> int:
+  return int(np.searchsorted(inner, length, side="right"))
+
+
+def _prompt_weights(records: list[dict], prompts_per_step: int, inner: np.ndarray):
+  """{quintile: [prompt weight x P]}: each prompt's summed loss weight within
+  its step, binned by its responses' mean length."""
+  groups = collections.defaultdict(list)
+  for r in records:
+    groups[(r["step"], r["sample_id"])].append(r)
+  out = collections.defaultdict(list)
+  for rs in groups.values():
+    weight = sum(r["loss_weight"] for r in rs) * prompts_per_step
+    out[_bin(np.mean([r["length"] for r in rs]), inner)].append(weight)
+  return out
+
+
+def table(records: list[dict], inner: np.ndarray, prompts_per_step: int) -> list[dict]:
+  """One row per quintile (the module docstring's figures)."""
+  tokens_per_step = collections.Counter()
+  for r in records:
+    tokens_per_step[r["step"]] += r["length"]
+  mean_tokens = np.mean(list(tokens_per_step.values()))
+  prompt_w = _prompt_weights(records, prompts_per_step, inner)
+  bins = collections.defaultdict(list)
+  for r in records:
+    bins[_bin(r["length"], inner)].append(r)
+  bounds = [-np.inf, *inner, np.inf]
+  rows = []
+  for q in range(QUINTILES):
+    rs = bins.get(q, [])
+    lengths = np.array([r["length"] for r in rs], float)
+    row = {"quintile": q + 1, "lengths": (bounds[q], bounds[q + 1]), "responses": len(rs)}
+    if rs:
+      trunc = np.array([r["token_means"]["is_truncated"] for r in rs])
+      per_token = [r["loss_weight"] / r["length"] * mean_tokens for r in rs]
+      row.update(
+        length=float(lengths.mean()),
+        gap=float(np.mean([r["gap_mean"] for r in rs])),
+        carried=float(np.mean([r["versions"] > 1 for r in rs])),
+        truncated=float((trunc * lengths).sum() / lengths.sum()),
+        prompt_weight=float(np.mean(prompt_w[q])) if prompt_w.get(q) else float("nan"),
+        token_weight=float(np.mean(per_token)),
+        accuracy=float(np.mean([r["reward"] >= 1.0 for r in rs])),
+      )
+    rows.append(row)
+  return rows
+
+
+def markdown(rows: list[dict]) -> str:
+  head = (
+    "| quintile | tokens | responses | gap | carried | truncated | prompt wt | token wt "
+    "| accuracy |\n|---|---|---|---|---|---|---|---|---|"
+  )
+  lines = [head]
+  for r in rows:
+    lo, hi = r["lengths"]
+    span = f"{'' if lo == -np.inf else f'>{lo:g}'}{'' if hi == np.inf else f' <={hi:g}'}"
+    if not r["responses"]:
+      lines.append(f"| {r['quintile']} | {span.strip() or 'all'} | 0 | | | | | | |")
+      continue
+    lines.append(
+      f"| {r['quintile']} | {span.strip() or 'all'} (mean {r['length']:.1f}) | {r['responses']} "
+      f"| {r['gap']:.2f} | {r['carried']:.3f} | {r['truncated']:.4f} | {r['prompt_weight']:.3f} "
+      f"| {r['token_weight']:.3f} | {r['accuracy']:.3f} |"
+    )
+  return "\n".join(lines)

@@ -146,6 +146,10 @@ def fleet_publish(flags: dict[str, str], root: str) -> None:
   from fluxjax.sharding import mesh as mesh_lib
 
   start_distributed(flags)
+  # Runs of rows of at most 4 KiB: the embedding, the LM head and every
+  # kernel past that go to disk a slice at a time, each gathered across both
+  # processes.
+  hf_io.ROW_RUN_BYTES = 4096
   mesh = mesh_lib.make_mesh(1, -1)
   model = sharded.create_sharded_model(config.preset("tiny"), mesh, seed=0, log_table=False)
   assert hf_io.spans_processes(model)
@@ -158,7 +162,7 @@ def fleet_publish(flags: dict[str, str], root: str) -> None:
   if not leader:
 
     class DiskFull(hf_io.ShardWriter):
-      def write(self, name, tensor):
+      def write(self, name, tensor, start=0):
         raise OSError(errno.ENOSPC, "No space left on device", self.path)
 
     hf_io.ShardWriter = DiskFull

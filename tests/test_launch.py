@@ -347,7 +347,8 @@ def test_two_nodes_of_one_process_each_run_one_jax_distributed_program(child_mod
 def test_two_processes_publish_a_sharded_model_each_writing_its_own_files(child_module, tmp_path):
   """A fleet publish from a model sharded over 2 processes x 2 devices: no
   process gathers it whole. Each writes its run of the folder's files
-  (launch_child `publish`), and the deltas of its files; one process's full
+  (launch_child `publish`, tensors past 4 KiB in runs of rows), and the
+  deltas of its files; one process's full
   disk fails the whole version and leaves nothing behind; the distributed
   transport's gathers bring process 0 every bf16 tensor."""
   root = tmp_path / "weights"

@@ -11,11 +11,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors import safe_open
 from test_publish_faults import http, random_model, served
 
-from fluxjax.models import hf_delta, hf_io
+from fluxjax.models import config, hf_delta, hf_io, sharded
 from fluxjax.rollout import fleet as fleet_lib
 from fluxjax.rollout import publish
+from fluxjax.sharding import mesh as mesh_lib
 from helpers import server_env
 
 BF16 = ml_dtypes.bfloat16
@@ -57,6 +59,101 @@ def test_entries_hold_the_changed_elements_exactly_or_the_whole_tensor():
   assert list(marker) == ["w::folder"] and marker["w::folder"].size == 0
   with pytest.raises(hf_delta.DeltaFormatError, match="the base holds"):
     hf_delta.entries("w", old.astype(np.float32), old)
+
+
+def test_a_delta_built_from_runs_of_rows_is_the_whole_tensors_or_marks_the_folder():
+  rng = np.random.default_rng(0)
+  old = rng.standard_normal((10, 6)).astype(BF16)
+  new = old.copy()
+  new[[1, 4, 9], [0, 5, 2]] += BF16(1)
+  whole = hf_delta.entries("w", new, old)
+  delta = hf_delta.TensorDelta("w", new.shape, old.shape)
+  for start in (0, 3, 6, 9):
+    delta.add(start, new[start : start + 3], old[start : start + 3])
+  got = delta.entries()
+  assert sorted(got) == sorted(whole) == ["w::index", "w::value"]
+  for key in whole:
+    np.testing.assert_array_equal(
+      got[key].view(np.uint16 if key.endswith("value") else np.int32),
+      whole[key].view(np.uint16 if key.endswith("value") else np.int32),
+    )
+  # 3 entries of 4 + 2 bytes: past 12 bytes the tensor is read from the folder.
+  bounded = hf_delta.TensorDelta("w", new.shape, old.shape, max_bytes=12)
+  for start in (0, 5):
+    bounded.add(start, new[start : start + 5], old[start : start + 5])
+  assert list(bounded.entries()) == ["w::folder"]
+  with pytest.raises(hf_delta.DeltaFormatError, match=r"the base holds \[11, 6\]"):
+    hf_delta.TensorDelta("w", (10, 6), (11, 6))
+
+
+def _files(folder: str) -> dict[str, bytes]:
+  out = {}
+  for parent, _, names in os.walk(folder):
+    for name in names:
+      path = os.path.join(parent, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, folder)] = f.read()
+  return out
+
+
+def test_large_tensors_go_to_disk_in_runs_of_rows_and_write_the_same_folder(
+  tmp_path, monkeypatch, devices
+):
+  """Past hf_io.ROW_RUN_BYTES a 2-D tensor (the embedding, a kernel) is sliced,
+  cast, gathered and written a run of rows at a time, from FSDP-sharded
+  parameters: the folder and its delta are the bytes of the whole-tensor
+  write, and no run is larger than the bound."""
+  del devices
+  mesh = mesh_lib.make_mesh()
+  first = sharded.create_sharded_model(config.preset("tiny"), mesh, seed=0, log_table=False)
+  graphdef, state = nnx.split(first)
+  moved = nnx.state(nudged(first, share=0.01))
+  second = nnx.merge(
+    graphdef, jax.tree.map(lambda a, b: jax.device_put(a, b.sharding), moved, state)
+  )
+  versions = ((1, first), (2, second))
+  whole = [
+    publish.write_checkpoint(m, str(tmp_path / "whole"), v, deltas=True) for v, m in versions
+  ]
+
+  pieces = []
+  rows = hf_io.hf_tensor_rows
+
+  def spy(*args, **kwargs):
+    for name, start, x in rows(*args, **kwargs):
+      pieces.append((name, start, x.ndim, x.nbytes))
+      yield name, start, x
+
+  monkeypatch.setattr(hf_io, "hf_tensor_rows", spy)
+  monkeypatch.setattr(hf_io, "ROW_RUN_BYTES", 4096)
+  runs = [publish.write_checkpoint(m, str(tmp_path / "runs"), v, deltas=True) for v, m in versions]
+  for a, b in zip(whole, runs):
+    folder = lambda path: {k: v for k, v in _files(path).items() if not k.startswith("delta")}
+    assert folder(a) == folder(b)
+  # The delta applies to v1 as the whole-tensor one does; a tensor whose
+  # entries pass the bound is read from the folder instead.
+  assert hf_delta.base_version(runs[1]) == "1"
+  v1, v2 = hf_io.TensorIndex(runs[0]), hf_io.TensorIndex(runs[1])
+  applied = dict(hf_delta.apply(runs[1], v1.read, v2.read))
+  whole_applied = dict(hf_delta.apply(whole[1], v1.read, v2.read))
+  assert set(applied) == set(whole_applied)
+  for name in v2.where:
+    got = applied.get(name, v1.read(name))
+    np.testing.assert_array_equal(got.view(np.uint16), v2.read(name).view(np.uint16))
+  with safe_open(os.path.join(runs[1], "delta", "model.safetensors"), "numpy") as f:
+    marked = {k.partition("::")[0] for k in f.keys() if k.endswith("::folder")}  # noqa: SIM118
+  assert "model.embed_tokens.weight" in marked  # its 1% changed pass 4096 bytes of entries
+  split = {name for name, start, _, _ in pieces if start > 0}
+  assert {"model.embed_tokens.weight", "lm_head.weight"} <= split
+  assert any(
+    name.endswith("mlp.down_proj.weight") for name in split
+  )  # a kernel: HF rows = our columns
+  assert all(n <= 4096 for name, _, _, n in pieces if name in split)
+  # Past the bound only the patch embedding comes whole (its 5-D layout is no
+  # slice of ours; 1.5 MB at 7B).
+  assert {name for name, _, _, n in pieces if n > 4096} - split == {
+    "visual.patch_embed.proj.weight"
+  }
 
 
 def test_a_folder_carries_its_changes_from_the_previous_version(tmp_path):

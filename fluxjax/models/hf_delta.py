@@ -9,7 +9,8 @@ bytes differ and their new values, exactly, so applying them to `v<b>` gives
 folder; any other server, and SGLang (which reads the folder's
 `*.safetensors` and their index, not a subfolder), loads the folder. A tensor
 with more than `DENSE_SHARE` of its elements changed is marked to be read
-from the folder: its indices would cost more than the tensor.
+from the folder: its indices would cost more than the tensor; so is one whose
+entries would pass the writer's bound (`TensorDelta`'s `max_bytes`).
 
   delta/delta.json             {"format": FORMAT, "base_version": "<b>"}
   delta/<a file of the folder> per tensor of that file with changes:
@@ -47,20 +48,74 @@ class DeltaFormatError(ValueError):
 
 def entries(name: str, new: np.ndarray, old: np.ndarray) -> dict[str, np.ndarray]:
   """One tensor's delta entries: its changed elements, the whole tensor, or none."""
-  if new.shape != old.shape or new.dtype != old.dtype:
-    raise DeltaFormatError(
-      f"{name}: the base holds {old.dtype} {list(old.shape)}, the new version "
-      f"{new.dtype} {list(new.shape)}"
-    )
-  bits = np.dtype(f"u{new.dtype.itemsize}")
-  flat = np.ascontiguousarray(new).reshape(-1)
-  changed = np.flatnonzero(flat.view(bits) != np.ascontiguousarray(old).reshape(-1).view(bits))
-  if changed.size == 0:
-    return {}
-  if changed.size > DENSE_SHARE * flat.size:
-    return {f"{name}{_SEP}folder": np.zeros(0, np.uint8)}
-  index = changed.astype(np.int32 if flat.size < 2**31 else np.int64)
-  return {f"{name}{_SEP}index": index, f"{name}{_SEP}value": flat[changed]}
+  delta = TensorDelta(name, new.shape, old.shape)
+  delta.add(0, new, old)
+  return delta.entries()
+
+
+class TensorDelta:
+  """One tensor's delta entries, built from runs of its rows given in order.
+
+  Past DENSE_SHARE of the tensor's elements changed, or past `max_bytes` of
+  entries (an index and a value each), it is marked to be read from the
+  folder and its entries are dropped: the builder never holds more than
+  that, however large the tensor.
+
+  Raises:
+    DeltaFormatError: the base's tensor has another shape or dtype.
+  """
+
+  def __init__(
+    self,
+    name: str,
+    shape: tuple[int, ...],
+    base_shape: tuple[int, ...],
+    max_bytes: float = float("inf"),
+  ):
+    if tuple(shape) != tuple(base_shape):
+      raise DeltaFormatError(
+        f"{name}: the base holds {list(base_shape)}, the new version {list(shape)}"
+      )
+    self.name = name
+    self._size = int(np.prod(shape))
+    self._index_dtype = np.int32 if self._size < 2**31 else np.int64
+    self._max_bytes = max_bytes
+    self._index: list[np.ndarray] = []
+    self._value: list[np.ndarray] = []
+    self._count = 0
+    self._dense = False
+
+  def add(self, start_row: int, new: np.ndarray, old: np.ndarray) -> None:
+    """The changes in rows [start_row, start_row + len(new)) of the tensor."""
+    if new.shape != old.shape or new.dtype != old.dtype:
+      raise DeltaFormatError(
+        f"{self.name} rows from {start_row}: the base holds {old.dtype} {list(old.shape)}, "
+        f"the new version {new.dtype} {list(new.shape)}"
+      )
+    if self._dense:
+      return
+    bits = np.dtype(f"u{new.dtype.itemsize}")
+    flat = np.ascontiguousarray(new).reshape(-1)
+    changed = np.flatnonzero(flat.view(bits) != np.ascontiguousarray(old).reshape(-1).view(bits))
+    self._count += changed.size
+    entry_bytes = np.dtype(self._index_dtype).itemsize + new.dtype.itemsize
+    if self._count > DENSE_SHARE * self._size or self._count * entry_bytes > self._max_bytes:
+      self._dense, self._index, self._value = True, [], []
+      return
+    offset = start_row * (flat.size // max(len(new), 1)) if new.ndim else 0
+    self._index.append((changed + offset).astype(self._index_dtype))
+    self._value.append(flat[changed])
+
+  def entries(self) -> dict[str, np.ndarray]:
+    """Its entries: the changed elements, the whole tensor (from the folder), or none."""
+    if self._dense:
+      return {f"{self.name}{_SEP}folder": np.zeros(0, np.uint8)}
+    if self._count == 0:
+      return {}
+    return {
+      f"{self.name}{_SEP}index": np.concatenate(self._index),
+      f"{self.name}{_SEP}value": np.concatenate(self._value),
+    }
 
 
 def write_file(folder: str, file_name: str, tensors: dict[str, np.ndarray]) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import glob
 import itertools
 import json
@@ -186,14 +187,17 @@ class TensorIndex:
     tensor = self._handles[file].get_slice(raw)
     return tuple(tensor.get_shape()), tensor.get_dtype()
 
-  def read(self, name: str) -> np.ndarray:
+  def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """The tensor `name`, or its rows [start, stop) (its leading axis)."""
     if name not in self.where:
       raise KeyError(f"checkpoint has no tensor {name!r}")
     file, raw = self.where[name]
     if not self._mapped:
-      return _read_unmapped(os.path.join(self._folder, file), raw, self._headers)
+      return _read_unmapped(os.path.join(self._folder, file), raw, self._headers, rows)
     try:
-      return self._handles[file].get_tensor(raw)
+      if rows is None:
+        return self._handles[file].get_tensor(raw)
+      return self._handles[file].get_slice(raw)[rows[0] : rows[1]]
     except SafetensorError as e:
       raise CheckpointFormatError(f"{file}: tensor {raw}: {e}") from e
 
@@ -201,9 +205,12 @@ class TensorIndex:
 _NUMPY_OF_SAFETENSORS = {v: np.dtype(_DTYPES[k]) for k, v in _SAFETENSORS_DTYPES.items()}
 
 
-def _read_unmapped(path: str, name: str, headers: dict) -> np.ndarray:
-  """One tensor of a safetensors file, by a positioned read of its bytes
-  (`headers`: path -> (data offset, header), filled on first use)."""
+def _read_unmapped(
+  path: str, name: str, headers: dict, rows: tuple[int, int] | None = None
+) -> np.ndarray:
+  """One tensor of a safetensors file, or its rows [start, stop), by a
+  positioned read of their bytes (`headers`: path -> (data offset, header),
+  filled on first use)."""
   with open(path, "rb") as f:
     if path not in headers:
       (size,) = struct.unpack("<Q", f.read(8))
@@ -214,10 +221,16 @@ def _read_unmapped(path: str, name: str, headers: dict) -> np.ndarray:
     dtype = _NUMPY_OF_SAFETENSORS.get(entry["dtype"])
     if dtype is None:
       raise CheckpointFormatError(f"{path}: tensor {name} is {entry['dtype']}, not a float")
+    shape = list(entry["shape"])
+    if rows is not None:
+      first, stop = rows[0], min(rows[1], shape[0])
+      row_bytes = (end - start) // max(shape[0], 1)
+      start, end = start + first * row_bytes, start + stop * row_bytes
+      shape[0] = stop - first
     data = os.pread(f.fileno(), end - start, data_start + start)
   if len(data) != end - start:
     raise CheckpointFormatError(f"{path}: tensor {name} is cut short")
-  return np.frombuffer(data, dtype).reshape(entry["shape"])
+  return np.frombuffer(data, dtype).reshape(shape)
 
 
 def _check_whole(
@@ -429,22 +442,71 @@ def _on_one_device(x: Array) -> Array:
   return jax.device_put(x, x.addressable_shards[0].device)
 
 
-def hf_tensors(model: vlm.Qwen25VL, dtype: str = "bfloat16"):
-  """Yields (HF name, numpy tensor) one layer tensor at a time, in `dtype`."""
-  cfg = model.cfg
-  np_dtype = _DTYPES[dtype]
+# A published tensor past this many bytes goes to disk in runs of rows of at
+# most this size (`hf_tensor_rows`), so a process's part of a disk publish
+# holds one run of it: the 7B embedding alone is 1.09 GB in bf16, 2.3 decoder
+# layers, and a decoder layer's largest tensor 136 MB.
+ROW_RUN_BYTES = 64 << 20
+
+
+def _layer_tensors(model: vlm.Qwen25VL):
+  """(HF name, our layer tensor, kind, leaf path) of every published tensor, in order."""
   for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     leaf_path = ".".join(map(str, key))
     stack, template, kind = _leaf_rule(leaf_path)
     value = var.get_value()
     for i in range(value.shape[0]) if stack else [None]:
       x = value if i is None else value[i]  # the layer axis is never sharded
-      # Cast and laid out on a device, then to the host: one layer tensor at
-      # a time, in the published dtype.
-      x = _on_one_device(x.astype(np_dtype))
-      x = _ours_to_hf(x, kind, leaf_path, cfg)
-      # Contiguous: safetensors writes the buffer as laid out, ignoring strides.
-      yield template.format(i) if stack else template, np.ascontiguousarray(_to_host(x))
+      yield template.format(i) if stack else template, x, kind, leaf_path
+
+
+def _export(x: Array, np_dtype, layout) -> np.ndarray:
+  """`layout(x)` in `np_dtype` on this host: cast and laid out on one device
+  first. Contiguous: safetensors writes the buffer as laid out, ignoring strides."""
+  return np.ascontiguousarray(_to_host(layout(_on_one_device(x.astype(np_dtype)))))
+
+
+def hf_tensors(model: vlm.Qwen25VL, dtype: str = "bfloat16"):
+  """Yields (HF name, numpy tensor) one layer tensor at a time, in `dtype`."""
+  np_dtype = _DTYPES[dtype]
+  for name, x, kind, leaf_path in _layer_tensors(model):
+    layout = functools.partial(_ours_to_hf, kind=kind, path=leaf_path, cfg=model.cfg)
+    yield name, _export(x, np_dtype, layout)
+
+
+def _hf_row_runs(x: Array, kind: str, leaf_path: str):
+  """(rows, slice_rows(x, start, stop), layout) when the published tensor's
+  rows are a slice of ours: an embedding table's rows, a kernel's output
+  columns (HF [out, in] = ours [in..., out...] flattened and transposed, as
+  `_ours_to_hf`); else None (vectors, the patch embedding's 5-D layout)."""
+  if kind != "kernel":
+    return (x.shape[0], (lambda y, a, b: y[a:b]), (lambda y: y)) if x.ndim == 2 else None
+  if leaf_path == "visual.patch_embed.kernel":
+    return None
+  n_in = 2 if leaf_path.endswith(_TWO_INPUT_AXES) else 1
+  fan_in = math.prod(x.shape[:n_in])
+  rows = math.prod(x.shape[n_in:])
+  return rows, (lambda y, a, b: y.reshape(fan_in, rows)[:, a:b]), (lambda y: y.T)
+
+
+def hf_tensor_rows(model: vlm.Qwen25VL, dtype: str = "bfloat16", run_bytes: int | None = None):
+  """Yields (HF name, first row, rows) in `dtype`: `hf_tensors`' tensors, one
+  past `run_bytes` (default ROW_RUN_BYTES) whose rows are a slice of ours in
+  runs of at most that size, each sliced before it is cast or gathered (the
+  others whole, from row 0)."""
+  run_bytes = ROW_RUN_BYTES if run_bytes is None else run_bytes
+  np_dtype = _DTYPES[dtype]
+  itemsize = np.dtype(np_dtype).itemsize
+  for name, x, kind, leaf_path in _layer_tensors(model):
+    runs = _hf_row_runs(x, kind, leaf_path)
+    if runs is None or math.prod(x.shape) * itemsize <= run_bytes:
+      layout = functools.partial(_ours_to_hf, kind=kind, path=leaf_path, cfg=model.cfg)
+      yield name, 0, _export(x, np_dtype, layout)
+      continue
+    rows, slice_rows, layout = runs
+    per_run = max(1, run_bytes // (math.prod(x.shape) // rows * itemsize))
+    for start in range(0, rows, per_run):
+      yield name, start, _export(slice_rows(x, start, start + per_run), np_dtype, layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -642,13 +704,15 @@ def _temp_folder(path: str, *, shared: bool, create: bool) -> str:
 class ShardWriter:
   """One safetensors file written tensor by tensor, in the order of `shapes`:
   the header first (every tensor's offsets follow from the shapes), then
-  each tensor's bytes as it comes, so a writer holds no tensor but the one
-  it is given. The file is closed after the last tensor."""
+  each tensor's bytes as it comes, whole or in runs of rows, so a writer
+  holds nothing but what it is given. The file is closed after the last
+  tensor's last row."""
 
   def __init__(self, path: str, shapes: list[tuple[str, tuple[int, ...]]], dtype: str):
     self.path = path
     self._dtype = np.dtype(_DTYPES[dtype])
     self._pending = list(shapes)
+    self._rows = 0  # rows of the next pending tensor written so far
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in shapes:
@@ -665,17 +729,29 @@ class ShardWriter:
   def done(self) -> bool:
     return not self._pending
 
-  def write(self, name: str, tensor: np.ndarray) -> None:
+  def write(self, name: str, tensor: np.ndarray, start: int = 0) -> None:
+    """Writes `tensor`: the next pending one, or its rows from `start` on."""
     want, shape = self._pending[0]
-    if name != want or tuple(tensor.shape) != shape or tensor.dtype != self._dtype:
+    fits = (
+      name == want
+      and tensor.dtype == self._dtype
+      and tensor.ndim == len(shape)
+      and tuple(tensor.shape[1:]) == shape[1:]
+      and start == self._rows
+      and start + (tensor.shape[0] if shape else 1) <= (shape[0] if shape else 1)
+    )
+    if not fits:
       raise ValueError(
-        f"{self.path}: got {name} {list(tensor.shape)} {tensor.dtype}, "
-        f"the file's next tensor is {want} {list(shape)} {self._dtype}"
+        f"{self.path}: got {name} {list(tensor.shape)} {tensor.dtype} at row {start}, "
+        f"the file's next is {want} {list(shape)} {self._dtype} from row {self._rows}"
       )
     self._file.write(np.ascontiguousarray(tensor).reshape(-1).view(np.uint8).data)
-    self._pending.pop(0)
-    if not self._pending:
-      self.close()
+    self._rows += tensor.shape[0] if shape else 1
+    if self._rows == (shape[0] if shape else 1):
+      self._pending.pop(0)
+      self._rows = 0
+      if not self._pending:
+        self.close()
 
   def close(self) -> None:
     self._file.close()
@@ -707,7 +783,8 @@ def _write_own_files(
   writer: ShardWriter | None = None
   base: TensorIndex | None = None
   delta: dict[str, np.ndarray] = {}
-  for name, tensor in hf_tensors(model, dtype):
+  tensor_delta: hf_delta.TensorDelta | None = None
+  for name, start, rows in hf_tensor_rows(model, dtype):
     file = file_of[name]
     if file.writer != me or out.failure is not None:
       continue
@@ -717,7 +794,7 @@ def _write_own_files(
         writer = ShardWriter(
           os.path.join(folder, file.name), [(n, shapes[n]) for n in file.tensors], dtype
         )
-      writer.write(name, tensor)
+      writer.write(name, rows, start)
     except OSError as e:
       out.failure = e
       if writer is not None:
@@ -726,7 +803,14 @@ def _write_own_files(
     if delta_base is not None and out.delta_failure is None:
       try:
         base = base or TensorIndex(delta_base, mapped=False)
-        delta.update(hf_delta.entries(name, tensor, base.read(name)))
+        if start == 0:
+          tensor_delta = hf_delta.TensorDelta(
+            name, shapes[name], base.shape_and_dtype(name)[0], max_bytes=ROW_RUN_BYTES
+          )
+        assert tensor_delta is not None
+        tensor_delta.add(start, rows, base.read(name, (start, start + rows.shape[0])))
+        if start + rows.shape[0] == shapes[name][0]:
+          delta.update(tensor_delta.entries())
         if writer.done:
           hf_delta.write_file(folder, file.name, delta)
       except (OSError, ValueError, KeyError) as e:

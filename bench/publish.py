@@ -13,6 +13,10 @@ process the model is whole on this process's device; with P processes
 the others take part (`publish.take_part`): one bf16 gather per layer
 tensor, and with the disk transport each process writes its own files.
 
+  gather0      the path the weight-sync layer replaced (the baseline): every
+               fp32 parameter gathered whole onto every process
+               (process_allgather), process 0 alone casts and writes the
+               bf16 folder, then the servers load it as `disk` does;
   disk         write a bf16 HF folder, then pause -> flush ->
                update_weights_from_disk -> continue (deltas off);
   disk_delta   the same with `rollout.weight_deltas`: the folder also holds
@@ -31,18 +35,22 @@ servers' last phase), and deferred as a run publishes (`rollout.defer_updates`:
 the disk call returns once the folder is written; the distributed one at once
 from a one-process trainer, whose next update then waits for what is left of
 the broadcast), seconds the servers are paused (pause through update), bytes
-written to disk (the delta among them), bytes the trainer broadcast, how
+written to disk (the delta among them), bytes the trainer broadcast, bytes
+each trainer process received in its gathers (counted from the gathered
+arrays: each gathered result less this process's own shards of it), how
 many updates each server read as a delta, and the largest peak RSS growth of
 every trainer process and server over one publish (VmHWM after clearing it,
 against the RSS before that publish; the first publish's import of torch
 counts for the distributed one).
-Disk runs first. Ratios are distributed / disk. In-process swapping (the
-embedded engine) moves no bytes and is not run here.
+The baseline runs first; ratios are each transport's over the baseline's.
+In-process swapping (the embedded engine) moves no bytes and is not run here.
 
 Then the cost model: what each transport costs a Qwen2.5-VL-7B or 32B trainer
-on N hosts publishing to S servers, from assumed bandwidths (flags). Both
-gather each layer tensor in bf16 on every host (an all-gather: each host
-receives (N-1)/N of the bf16 model) and hold at most the largest tensor
+on N hosts publishing to S servers, from assumed bandwidths (flags). The
+baseline gathers the fp32 model onto every host (twice the bf16 bytes, and
+the whole fp32 model held per host) and writes the whole folder from one. The
+others gather each layer tensor in bf16 on every host (an all-gather: each
+host receives (N-1)/N of the bf16 model) and hold at most the largest tensor
 (the disk path at most hf_io.ROW_RUN_BYTES of it, in runs of rows);
 the disk path then writes 1/N of the folder from each host at once and every
 server reads the folder; with deltas each host also reads its own files of
@@ -80,7 +88,7 @@ from fluxjax.rollout import fleet as fleet_lib
 from fluxjax.rollout import publish
 from fluxjax.sharding import mesh as mesh_lib
 
-TRANSPORTS = ("disk", "disk_delta", "distributed")
+TRANSPORTS = ("gather0", "disk", "disk_delta", "distributed")
 
 # Parameters in bf16 of the published models (Qwen2.5-VL, LM and vision tower).
 PROJECTED = {"7b": 8.29e9, "32b": 33.5e9}
@@ -168,6 +176,55 @@ def _configure(fleet, transport: str) -> None:
   fleet.weight_deltas = transport == "disk_delta"
 
 
+class GatherCount:
+  """Bytes this process received in cross-process gathers: each gathered
+  array's bytes less its own shards' (hf_io._to_host's gathers and the
+  baseline's)."""
+
+  received = 0
+
+  @classmethod
+  def gather(cls, x: jax.Array) -> np.ndarray:
+    from jax.experimental import multihost_utils
+
+    out = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    own = sum(int(np.prod(s.data.shape)) for s in x.addressable_shards if s.replica_id == 0)
+    cls.received += out.nbytes - own * out.dtype.itemsize
+    return out
+
+
+def _count_to_host(x):
+  """hf_io._to_host, counting what its gathers bring this process."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return GatherCount.gather(x)
+  return np.asarray(jax.device_get(x))
+
+
+hf_io._to_host = _count_to_host
+
+
+def gather0_write(model, root: str, version: int) -> str | None:
+  """The baseline's part on this process: every parameter gathered whole in
+  fp32 onto every process, then process 0 alone writes the bf16 folder."""
+  graphdef, state = nnx.split(model)
+  whole = jax.tree.map(
+    lambda x: GatherCount.gather(x) if not x.is_fully_addressable else np.asarray(x), state
+  )
+  if jax.process_index() != 0:
+    return None
+  path = publish.version_path(root, version)
+  return hf_io.save_hf_checkpoint(nnx.merge(graphdef, whole), path, dtype="bfloat16")
+
+
+async def _publish_gather0(fleet, model, version: int) -> publish.PublishReport:
+  t = time.perf_counter()
+  loop = asyncio.get_running_loop()
+  path = await loop.run_in_executor(None, gather0_write, model, fleet.weights_root, version)
+  write_s = time.perf_counter() - t
+  seconds, failed = await fleet.update_weights(path, str(version))
+  return publish.PublishReport(str(version), path, {"write": write_s, **seconds}, failed)
+
+
 async def _publishes(fleet, model, transport: str, args, pids: list[int]) -> dict:
   """The untimed first publish (it makes the distributed group and imports
   torch, and gives the deltas a base), then `repeats` timed ones; the peak
@@ -179,8 +236,12 @@ async def _publishes(fleet, model, transport: str, args, pids: list[int]) -> dic
   rows, join_s = [], 0.0
   for i, (version, stepped) in enumerate(_versions(model, transport, args.repeats, args.lr)):
     before = _reset_peaks(growth)
+    GatherCount.received = 0
     t = time.perf_counter()
-    report = await fleet.publish(stepped, version)  # deferred where it can be
+    if transport == "gather0":
+      report = await _publish_gather0(fleet, stepped, version)
+    else:
+      report = await fleet.publish(stepped, version)  # deferred where it can be
     returned = time.perf_counter() - t
     if report.pending is not None:
       report = await report.pending
@@ -202,6 +263,7 @@ async def _publishes(fleet, model, transport: str, args, pids: list[int]) -> dic
         "written_bytes": _folder_bytes(report.path) if report.path else 0,
         "delta_bytes": _folder_bytes(delta) if os.path.isdir(delta) else 0,
         "sent_bytes": report.sent_bytes,
+        "gathered_bytes": GatherCount.received,
       }
     )
   growth = {str(p): g for p, g in growth.items()}
@@ -221,11 +283,18 @@ def _take_parts(model, transport: str, args, root: str) -> dict:
   """A follower's side of `_publishes`: its part in each publish, its peak RSS growth."""
   growth = {"self": 0}
   sync = "distributed" if transport == "distributed" else "disk"
+  gathered = 0
   for version, stepped in _versions(model, transport, args.repeats, args.lr):
     before = _reset_peaks(growth)
-    publish.take_part(stepped, sync, root, version, deltas=transport == "disk_delta")
+    GatherCount.received = 0
+    if transport == "gather0":
+      gather0_write(stepped, root, version)
+    else:
+      publish.take_part(stepped, sync, root, version, deltas=transport == "disk_delta")
     _record_peaks(growth, before)
-  return {"peak_rss_growth_bytes": {f"p{jax.process_index()}": growth["self"]}}
+    gathered = max(gathered, GatherCount.received)
+  me = f"p{jax.process_index()}"
+  return {"peak_rss_growth_bytes": {me: growth["self"]}, "gathered_bytes": {me: gathered}}
 
 
 def _reset_peaks(growth: dict) -> dict:
@@ -294,9 +363,11 @@ def measure_processes(size: str, processes: int, args) -> dict:
     raise RuntimeError(f"{processes}-process publish bench failed:\n{done.stderr[-4000:]}")
   parts = [json.load(open(os.path.join(workdir, f"{size}-p{k}.json"))) for k in range(processes)]
   result = parts[0]
-  for part in parts[1:]:
-    for t in TRANSPORTS:
+  for t in TRANSPORTS:
+    result[t]["gathered_bytes"] = {"p0": max(r["gathered_bytes"] for r in result[t]["rows"])}
+    for part in parts[1:]:
       result[t]["peak_rss_growth_bytes"].update(part[t]["peak_rss_growth_bytes"])
+      result[t]["gathered_bytes"].update(part[t]["gathered_bytes"])
   return result
 
 
@@ -360,11 +431,16 @@ def projection(args) -> list[dict]:
         base = bf16 / hosts / args.disk_read_gbps / 1e9
         delta_read = delta * servers / min(args.fs_read_gbps, servers * args.disk_read_gbps) / 1e9
         delta_write = delta / hosts / args.disk_write_gbps / 1e9
+        # The baseline: every host receives the rest of the fp32 model, then
+        # process 0 alone writes the whole bf16 folder.
+        gather_fp32 = 2 * gather
         rows.append(
           {
             "model": name,
             "hosts": hosts,
             "servers": servers,
+            "gather0_blocked_s": gather_fp32 + bf16 / args.disk_write_gbps / 1e9 + read,
+            "gather0_extra_bytes_per_host": 2 * bf16,  # the whole fp32 model on every host
             "disk_blocked_s": gather + write + read,
             "disk_paused_s": read,
             "disk_deferred_blocked_s": gather + write,
@@ -387,9 +463,10 @@ def _print_result(r: dict) -> None:
   )
   print(
     "| transport | blocked s | deferred blocked s | paused s | written MB | delta MB | sent MB "
-    "| trainer peak +MB per process | server peak +MB | deltas applied |"
+    "| gathered MB per process | trainer peak +MB per process | server peak +MB "
+    "| deltas applied |"
   )
-  print("|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   med = {}
   for t in TRANSPORTS:
     rows = r[t]["rows"]
@@ -401,15 +478,18 @@ def _print_result(r: dict) -> None:
     theirs = max(growth.values()) / 1e6
     written, sent = rows[0]["written_bytes"] / 1e6, rows[0]["sent_bytes"] / 1e6
     delta = rows[0]["delta_bytes"] / 1e6
+    gathered = r[t].get("gathered_bytes", {"p0": max(x["gathered_bytes"] for x in rows)})
+    gathered = " / ".join(f"{v / 1e6:.1f}" for _, v in sorted(gathered.items()))
     print(
       f"| {t} | {med[t]['blocked_s']:.3f} | {med[t]['deferred_blocked_s']:.3f} | "
-      f"{med[t]['paused_s']:.3f} | {written:.1f} | "
-      f"{delta:.2f} | {sent:.1f} | {mine} | {theirs:.0f} | {r[t]['deltas_applied']} |"
+      f"{med[t]['paused_s']:.3f} | {written:.1f} | {delta:.2f} | {sent:.1f} | {gathered} | "
+      f"{mine} | {theirs:.0f} | {r[t]['deltas_applied']} |"
     )
   for k in ("blocked_s", "deferred_blocked_s", "paused_s"):
     print(
-      f"  {k}: distributed / disk = {med['distributed'][k] / med['disk'][k]:.2f}, "
-      f"disk_delta / disk = {med['disk_delta'][k] / med['disk'][k]:.2f}"
+      f"  {k}: vs gather0: disk {med['disk'][k] / med['gather0'][k]:.2f}, disk_delta "
+      f"{med['disk_delta'][k] / med['gather0'][k]:.2f}, distributed "
+      f"{med['distributed'][k] / med['gather0'][k]:.2f}"
     )
   print(f"  group join at the first distributed publish: {r['distributed']['join_s']:.3f} s")
 
@@ -450,14 +530,15 @@ def main() -> None:
   proj = projection(args)
   print("\ncost model (seconds; --net-gbps etc.):")
   print(
-    "| model | hosts | servers | disk blocked | deferred | disk paused | delta blocked "
-    "| deferred | delta paused | dist blocked | dist paused |"
+    "| model | hosts | servers | gather0 blocked | disk blocked | deferred | disk paused "
+    "| delta blocked | deferred | delta paused | dist blocked | dist paused |"
   )
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   for row in proj:
-    if row["servers"] in (1, 8) and row["hosts"] in (1, 4, 16):
+    if row["servers"] == 8 and row["hosts"] in (1, 4, 16):
       print(
-        f"| {row['model']} | {row['hosts']} | {row['servers']} | {row['disk_blocked_s']:.1f} | "
+        f"| {row['model']} | {row['hosts']} | {row['servers']} | "
+        f"{row['gather0_blocked_s']:.1f} | {row['disk_blocked_s']:.1f} | "
         f"{row['disk_deferred_blocked_s']:.1f} | {row['disk_paused_s']:.1f} | "
         f"{row['delta_blocked_s']:.1f} | {row['delta_deferred_blocked_s']:.1f} | "
         f"{row['delta_paused_s']:.2f} | {row['distributed_blocked_s']:.2f} | "

@@ -40,9 +40,10 @@ def responses(trained: list[dict], after_step: int = 0) -> list[dict]:
 
 
 def edges(records: list[dict]) -> np.ndarray:
-  """Inner quintile edges of the records' response lengths."""
+  """Inner quintile edges of the records' response lengths; tied edges (many
+  responses of one length) merge their quintiles, so there may be fewer."""
   lengths = np.array([r["length"] for r in records], float)
-  return np.quantile(lengths, np.linspace(0, 1, QUINTILES + 1)[1:-1])
+  return np.unique(np.quantile(lengths, np.linspace(0, 1, QUINTILES + 1)[1:-1]))
 
 
 def _bin(length: float, inner: np.ndarray) -> int:
@@ -72,9 +73,9 @@ def table(records: list[dict], inner: np.ndarray, prompts_per_step: int) -> list
   bins = collections.defaultdict(list)
   for r in records:
     bins[_bin(r["length"], inner)].append(r)
-  bounds = [-np.inf, *inner, np.inf]
+  bounds = [None, *map(float, inner), None]  # (lo, hi]: None is open
   rows = []
-  for q in range(QUINTILES):
+  for q in range(len(inner) + 1):
     rs = bins.get(q, [])
     lengths = np.array([r["length"] for r in rs], float)
     row = {"quintile": q + 1, "lengths": (bounds[q], bounds[q + 1]), "responses": len(rs)}
@@ -102,7 +103,7 @@ def markdown(rows: list[dict]) -> str:
   lines = [head]
   for r in rows:
     lo, hi = r["lengths"]
-    span = f"{'' if lo == -np.inf else f'>{lo:g}'}{'' if hi == np.inf else f' <={hi:g}'}"
+    span = f"{'' if lo is None else f'>{lo:g}'}{'' if hi is None else f' <={hi:g}'}"
     if not r["responses"]:
       lines.append(f"| {r['quintile']} | {span.strip() or 'all'} | 0 | | | | | | |")
       continue

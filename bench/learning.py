@@ -29,6 +29,15 @@ Runs:
             chose the default).
   sweep     the default with one setting changed per run (--sweep KEY=V1,V2:
             prompts per step, responses per prompt, KL, updates per batch).
+  stress    the off-policy correction under stress, per seed of --seeds,
+            paired with sync as parity is: lag4 (fixed lag 4, the decoupled
+            weights truncated at rl.is_cap, the default), lag4_w1 (weights
+            fixed at 1: rl.is_mode=off), lag4_mask (rl.is_mode=mask); with
+            the learning rate raised by --set optim.lr=..., as in
+              python bench/learning.py --runs stress --seeds 0,1,2 --set optim.lr=9e-4
+            Each run records its responses (coordinator.response_records):
+            the table adds the mean truncated share and behaviour KL over
+            steps and quantiles of the responses' mean importance weights.
   parity    the lag modes and tail batching at an equal number of trained
             samples, per seed of --seeds: sync (lag 0, no tail batching),
             recycle (the default: lag 0, eta 1.25 with recycling), fixed2
@@ -57,6 +66,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -71,6 +82,13 @@ PARITY = {
   "recycle": {},
   "fixed2": {"coordinator.lag.mode": "fixed", "coordinator.lag.fixed_lag": 2},
   "adaptive": {"coordinator.lag.mode": "adaptive"},
+}
+_LAG4 = {"coordinator.lag.mode": "fixed", "coordinator.lag.fixed_lag": 4}
+STRESS = {
+  "sync": PARITY["sync"],
+  "lag4": _LAG4,
+  "lag4_w1": {**_LAG4, "rl.is_mode": "off"},
+  "lag4_mask": {**_LAG4, "rl.is_mode": "mask"},
 }
 # Two-sided 95% Student t quantiles by degrees of freedom.
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
@@ -144,6 +162,12 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
   end = evals[-1]
   gain = end["accuracy"] - start["accuracy"]
   steps = [r for r in records if r["step"] >= 2 and "perf/step_seconds" in r]
+  mean = lambda key: statistics.fmean(r[key] for r in steps) if steps else float("nan")
+  weights = [  # each recorded response's mean importance weight
+    resp["token_means"]["is_weight"]
+    for t in loop.read_trained(workdir)
+    for resp in t.get("responses", ())
+  ]
   with open(os.path.join(workdir, "config.json")) as f:
     rl = json.load(f)["rl"]
   per_step = rl["prompts_per_step"] * rl["responses_per_prompt"]
@@ -161,6 +185,15 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
     "gain": gain,
     "gain_ci95": math.hypot(start["ci95"], end["ci95"]),
     "evals": evals,
+    "truncated_share": mean("train/is_truncated"),
+    "behaviour_kl": mean("train/behaviour_kl"),
+    "trained_gap": mean("async/trained_gap"),
+    # Quantiles of the responses' mean importance weights (a histogram's shape).
+    "is_weight_quantiles": (
+      dict(zip(("p1", "p50", "p99", "max"), np.quantile(weights, [0.01, 0.5, 0.99, 1.0]).tolist()))
+      if weights
+      else None
+    ),
   }
 
 
@@ -169,7 +202,7 @@ def main() -> None:
   p.add_argument(
     "--runs",
     default="default,reversed,zeroed",
-    help=f"comma list of {','.join(CONTROLS)},lr,sweep,parity",
+    help=f"comma list of {','.join(CONTROLS)},lr,sweep,parity,stress",
   )
   p.add_argument("--seeds", default="0,1,2", help="seeds of the default run")
   p.add_argument("--control-seeds", default="0", help="seeds of the control runs")
@@ -215,8 +248,15 @@ def main() -> None:
         (f"lr={lr}", control_seeds[0], {**extra, "optim.lr": float(lr)})
         for lr in args.lrs.split(",")
       ]
-    elif name == "parity":
-      plan += [(mode, s, {**extra, **PARITY[mode]}) for s in seeds for mode in PARITY]
+    elif name in ("parity", "stress"):
+      modes = PARITY if name == "parity" else STRESS
+      records = {"coordinator.response_records": True} if name == "stress" else {}
+      plan += [
+        (mode, s, {**extra, **modes[mode], **records})
+        for s in seeds
+        for mode in modes
+        if not any(m == mode and t == s for m, t, _ in plan)  # sync is in both
+      ]
     else:
       sys.exit(f"unknown run {name!r}")
 
@@ -237,8 +277,9 @@ def main() -> None:
       servers.stop()
   print_table(results)
   print_means(results)
-  if "parity" in args.runs.split(","):
-    print_parity(results)
+  for name, modes in (("parity", PARITY), ("stress", STRESS)):
+    if name in args.runs.split(","):
+      print_paired(results, modes)
 
 
 def run_plan(plan, args, results: list) -> None:
@@ -303,27 +344,42 @@ def print_means(results: list) -> None:
     )
 
 
-def print_parity(results: list) -> None:
+def print_paired(results: list, modes: dict) -> None:
   """Each mode against sync, paired by seed (same data, prompts and warm-up)."""
   by = {(r["name"], r["seed"]): r for r in results}
   seeds = sorted({r["seed"] for r in results if r["name"] == "sync"})
   print(
-    "\n| mode | final accuracy, mean over seeds | minus sync, 95% (t, paired) | "
-    "samples/s vs sync | wall min, mean |"
+    "\n| mode | final accuracy, mean over seeds | minus sync, 95% (t, paired) | greedy "
+    "minus sync | samples/s vs sync | wall min, mean | trained gap | truncated share "
+    "| behaviour KL | response IS weight p1 / p50 / p99 / max |"
   )
-  print("|---|---|---|---|---|")
-  for mode in PARITY:
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  for mode in modes:
     rows = [(by[(mode, s)], by[("sync", s)]) for s in seeds if (mode, s) in by]
     if not rows:
       continue
     acc = [r["end"]["accuracy"] for r, _ in rows]
     diff = [r["end"]["accuracy"] - b["end"]["accuracy"] for r, b in rows]
+    greedy = [
+      r["end"]["greedy"] - b["end"]["greedy"]
+      for r, b in rows
+      if r["end"]["greedy"] is not None and b["end"]["greedy"] is not None
+    ]
     speed = [r["samples_per_s"] / b["samples_per_s"] for r, b in rows]
-    half = t_interval(diff)
     minutes = statistics.fmean(r["seconds"] for r, _ in rows) / 60
+    avg = lambda key, rows=rows: statistics.fmean(r.get(key, float("nan")) for r, _ in rows)
+    q = [r["is_weight_quantiles"] for r, _ in rows if r.get("is_weight_quantiles")]
+    quantiles = (
+      " / ".join(f"{statistics.fmean(x[k] for x in q):.3f}" for k in ("p1", "p50", "p99", "max"))
+      if q
+      else "-"
+    )
+    greedy_diff = f"{statistics.fmean(greedy):+.3f} +- {t_interval(greedy):.3f}" if greedy else "-"
     print(
-      f"| {mode} | {statistics.fmean(acc):.3f} | {statistics.fmean(diff):+.3f} +- {half:.3f} | "
-      f"{statistics.fmean(speed):.2f}x | {minutes:.1f} |"
+      f"| {mode} | {statistics.fmean(acc):.3f} | {statistics.fmean(diff):+.3f} +- "
+      f"{t_interval(diff):.3f} | {greedy_diff} | {statistics.fmean(speed):.2f}x | "
+      f"{minutes:.1f} | {avg('trained_gap'):.2f} | {avg('truncated_share'):.4f} | "
+      f"{avg('behaviour_kl'):.4f} | {quantiles} |"
     )
 
 

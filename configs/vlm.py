@@ -376,7 +376,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Truncation of the decoupled importance weight w = pi_prox / mu (veRL/Tunix
   # truncated IS); 0 leaves w uncapped.
   c.rl.is_cap = 2.0
-  # "truncate" (w = min(w, is_cap)) or "mask" (w = 0 above is_cap; AReaL's rejection).
+  # "truncate" (w = min(w, is_cap)), "mask" (w = 0 above is_cap; AReaL's
+  # rejection) or "off" (w = 1: no correction for the behaviour policy; the
+  # control bench/learning.py --runs stress measures the correction against).
   c.rl.is_mode = "truncate"
   # Where pi_prox comes from: "trainer" (the trainer's policy before the
   # batch's first update: sg(logp) with one update per batch, no extra forward

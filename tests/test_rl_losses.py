@@ -100,10 +100,17 @@ def test_importance_weight_has_no_gradient():
   np.testing.assert_array_equal(jax.grad(f)(jnp.asarray([PROX], jnp.float32)), 0.0)
 
 
-def test_is_mask_mode_and_no_cap():
+def test_is_mask_and_off_modes_and_no_cap():
   loss, m = _run(_cfg(is_mode="mask"))
   # Token 4's weight 3 exceeds the cap 2: it is dropped (w = 0), not truncated.
   np.testing.assert_allclose(loss[0], [-1.1, -1.28, 0.8, 1.5, 0.0, -3.0], rtol=1e-5)
+  # Off: w = 1 everywhere, the stale tokens 4 and 5 weigh as fresh ones; the
+  # behaviour KL still reports how stale they are.
+  loss, m = _run(_cfg(is_mode="off"))
+  np.testing.assert_allclose(loss[0], [-1.1, -1.28, 0.8, 1.5, -2.0, -2.0], rtol=1e-5)
+  np.testing.assert_allclose(m["is_weight"][0], 1.0)
+  np.testing.assert_allclose(m["is_truncated"][0], 0.0)
+  assert float(m["behaviour_kl"][0][4]) > 0.9
   loss, m = _run(_cfg(is_cap=0.0))
   # No cap: t4 = 3 * -2 = -6.
   np.testing.assert_allclose(loss[0][4], -6.0, rtol=1e-5)

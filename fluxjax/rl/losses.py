@@ -25,7 +25,8 @@ region is taken around pi_prox, which the trainer controls, while w corrects
 for the tokens having been sampled from mu (an older or numerically different
 engine policy). Truncating w at is_cap (veRL/Tunix truncated IS) bounds the
 variance a very stale token can add. With `is_mode = "mask"` tokens whose
-weight exceeds the cap are dropped instead (AReaL's rejection).
+weight exceeds the cap are dropped instead (AReaL's rejection); `"off"` sets
+w = 1, the uncorrected control.
 
 Where pi_prox comes from (`prox`): "trainer" (default) is the trainer's
 policy before the batch's first update. With one update per batch
@@ -62,7 +63,7 @@ from fluxjax.parallel.batch import TrainBatch
 from fluxjax.parallel.train_step import LossFn
 
 KL_ESTIMATORS = ("k1", "k3")
-IS_MODES = ("truncate", "mask")
+IS_MODES = ("truncate", "mask", "off")
 PROX_SOURCES = ("trainer", "batch")
 
 
@@ -86,12 +87,15 @@ def importance_weights(
   """Decoupled weight pi_prox / mu per token (no gradient), and where it hit the cap.
 
   Returns:
-    (w, truncated): w capped ("truncate") or zeroed ("mask") above `cap`;
-    truncated is 1.0 where the raw weight exceeded the cap.
+    (w, truncated): w capped ("truncate") or zeroed ("mask") above `cap`,
+    or 1 everywhere ("off": no correction); truncated is 1.0 where the raw
+    weight exceeded the cap (0 when off).
   """
   if mode not in IS_MODES:
     raise ValueError(f"is_mode must be one of {IS_MODES}, got {mode!r}")
   w = jnp.exp(jax.lax.stop_gradient(jnp.asarray(prox_logp) - jnp.asarray(old_logp)))
+  if mode == "off":
+    return jnp.ones_like(w), jnp.zeros_like(w)
   if cap <= 0:
     return w, jnp.zeros_like(w)
   over = w > cap

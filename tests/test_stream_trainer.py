@@ -53,6 +53,15 @@ def _fresh_state(mesh, tx):
   return train_step.create_train_state(model, tx, mesh)
 
 
+def _fresh_trainer(strategy, mesh, tx, loss_fn, **kwargs) -> StreamTrainer:
+  """A stream trainer over a fresh train state (each update donates it)."""
+  graphdef, state, shardings = _fresh_state(mesh, tx)
+  return StreamTrainer(
+    CFG, mesh, strategy, graphdef, state, shardings, tx, loss_fn, patch_buckets=(PATCHES,),
+    **kwargs,
+  )  # fmt: skip
+
+
 def _flat(tree):
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
@@ -92,10 +101,7 @@ def test_stream_update_equals_synchronous_update(name, sp, sync, devices, mesh_f
 
   want_state, want = _synchronous_step(strategy, mesh, tx, loss_fn, seqs)
 
-  graphdef, state, shardings = _fresh_state(mesh, tx)
-  trainer = StreamTrainer(
-    CFG, mesh, strategy, graphdef, state, shardings, tx, loss_fn, patch_buckets=(PATCHES,)
-  )
+  trainer = _fresh_trainer(strategy, mesh, tx, loss_fn)
   for part in (seqs[:2], seqs[2:3], seqs[3:]):
     trainer.add(part)
   got = trainer.apply()
@@ -113,7 +119,7 @@ def test_stream_update_equals_synchronous_update(name, sp, sync, devices, mesh_f
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   # The updated state keeps the FSDP shardings.
   assert [x.sharding for x in jax.tree.leaves(trainer.state.params)] == jax.tree.leaves(
-    shardings.params
+    trainer.state_shardings.params
   )
   assert float(got["nonfinite"]) == 0.0
 
@@ -180,18 +186,8 @@ def test_stream_reference_kl_equals_update_with_single_device_reference(
   for s in seqs:  # the stream trainer must compute them itself
     s.ref_logprobs_T = None
   sharded_ref = sharded.create_sharded_model(CFG, mesh, seed=1, log_table=False)
-  graphdef, state, shardings = _fresh_state(mesh, tx)
-  trainer = StreamTrainer(
-    CFG,
-    mesh,
-    strategy,
-    graphdef,
-    state,
-    shardings,
-    tx,
-    loss_fn,
-    patch_buckets=(PATCHES,),
-    ref_params=nnx.state(sharded_ref, nnx.Param),
+  trainer = _fresh_trainer(
+    strategy, mesh, tx, loss_fn, ref_params=nnx.state(sharded_ref, nnx.Param)
   )
   for part in (seqs[:3], seqs[3:]):
     trainer.add(part)
@@ -224,20 +220,8 @@ def test_per_sequence_sums_follow_each_sequence_through_parts(name, sp, sync, de
   rng = np.random.default_rng(0)
   for s in seqs:  # per-token behaviour logprobs, so each sequence's KL differs
     s.old_logprobs_T = rng.uniform(-7.0, -5.5, len(s)).astype(np.float32)
-  graphdef, state, shardings = _fresh_state(mesh, SGD)
   slots = len(seqs) + 2
-  trainer = StreamTrainer(
-    CFG,
-    mesh,
-    strategy,
-    graphdef,
-    state,
-    shardings,
-    SGD,
-    loss_fn,
-    patch_buckets=(PATCHES,),
-    sequence_slots=slots,
-  )
+  trainer = _fresh_trainer(strategy, mesh, SGD, loss_fn, sequence_slots=slots)
   for part in (seqs[:2], seqs[2:3], seqs[3:]):
     trainer.add(part)
   got = jax.device_get(trainer.apply())
@@ -270,10 +254,7 @@ def test_apply_without_parts_is_an_error(devices, mesh_for):
   strategy = make_strategy("packed_dp", capacity=128)
   mesh = mesh_for(strategy)
   tx = train_step.make_optimizer(OPT)
-  graphdef, state, shardings = _fresh_state(mesh, tx)
-  trainer = StreamTrainer(
-    CFG, mesh, strategy, graphdef, state, shardings, tx, train_step.policy_gradient_loss
-  )
+  trainer = _fresh_trainer(strategy, mesh, tx, train_step.policy_gradient_loss)
   with pytest.raises(RuntimeError, match="nothing added"):
     trainer.apply()
 
@@ -316,11 +297,7 @@ def test_on_policy_importance_weights_are_one_at_the_sampling_temperature(
   loss_fn = losses.make_loss_fn(config_args.load_config().rl)
 
   def weights(trainer_temperature):
-    graphdef, state, shardings = _fresh_state(mesh, SGD)  # each update donates its state
-    trainer = StreamTrainer(
-      CFG, mesh, strategy, graphdef, state, shardings, SGD, loss_fn,
-      patch_buckets=(PATCHES,), temperature=trainer_temperature,
-    )  # fmt: skip
+    trainer = _fresh_trainer(strategy, mesh, SGD, loss_fn, temperature=trainer_temperature)
     trainer.add(seqs)
     m = jax.device_get(trainer.apply())
     return float(m["is_weight"]), float(m["is_weight_sq"] - m["is_weight"] ** 2)
@@ -357,11 +334,9 @@ def test_several_updates_per_batch_clip_around_the_first_policy(devices, mesh_fo
   def train(updates):
     rl = config_args.load_config().rl
     rl.updates_per_batch = updates
-    graphdef, state, shardings = _fresh_state(mesh, SGD)
-    trainer = StreamTrainer(
-      CFG, mesh, strategy, graphdef, state, shardings, SGD, losses.make_loss_fn(rl),
-      patch_buckets=(PATCHES,), updates_per_batch=updates,
-    )  # fmt: skip
+    trainer = _fresh_trainer(
+      strategy, mesh, SGD, losses.make_loss_fn(rl), updates_per_batch=updates
+    )
     for part in (seqs[:2], seqs[2:]):
       trainer.add(part)
     metrics = jax.device_get(trainer.apply())

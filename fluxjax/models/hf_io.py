@@ -468,10 +468,8 @@ def _export(x: Array, np_dtype, layout) -> np.ndarray:
 
 def hf_tensors(model: vlm.Qwen25VL, dtype: str = "bfloat16"):
   """Yields (HF name, numpy tensor) one layer tensor at a time, in `dtype`."""
-  np_dtype = _DTYPES[dtype]
-  for name, x, kind, leaf_path in _layer_tensors(model):
-    layout = functools.partial(_ours_to_hf, kind=kind, path=leaf_path, cfg=model.cfg)
-    yield name, _export(x, np_dtype, layout)
+  for name, _, tensor in hf_tensor_rows(model, dtype, run_bytes=math.inf):
+    yield name, tensor
 
 
 def _hf_row_runs(x: Array, kind: str, leaf_path: str):
@@ -489,7 +487,7 @@ def _hf_row_runs(x: Array, kind: str, leaf_path: str):
   return rows, (lambda y, a, b: y.reshape(fan_in, rows)[:, a:b]), (lambda y: y.T)
 
 
-def hf_tensor_rows(model: vlm.Qwen25VL, dtype: str = "bfloat16", run_bytes: int | None = None):
+def hf_tensor_rows(model: vlm.Qwen25VL, dtype: str = "bfloat16", run_bytes: float | None = None):
   """Yields (HF name, first row, rows) in `dtype`: `hf_tensors`' tensors, one
   past `run_bytes` (default ROW_RUN_BYTES) whose rows are a slice of ours in
   runs of at most that size, each sliced before it is cast or gathered (the
@@ -504,7 +502,7 @@ def hf_tensor_rows(model: vlm.Qwen25VL, dtype: str = "bfloat16", run_bytes: int 
       yield name, 0, _export(x, np_dtype, layout)
       continue
     rows, slice_rows, layout = runs
-    per_run = max(1, run_bytes // (math.prod(x.shape) // rows * itemsize))
+    per_run = max(1, int(run_bytes // (math.prod(x.shape) // rows * itemsize)))
     for start in range(0, rows, per_run):
       yield name, start, _export(slice_rows(x, start, start + per_run), np_dtype, layout)
 

@@ -311,11 +311,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # trainer a read of its previous files per publish.
   c.rollout.weight_deltas = True
   # A publish returns once the folder is written ("disk") or at once
-  # ("distributed", a one-process trainer: the broadcast reads its arrays
-  # while the next step's rollout and gradients go on, and the update waits
-  # for it), and the servers load the version while the trainer goes on (the
-  # coordinator waits for it before the next publish and before an
-  # evaluation); False: the trainer waits too.
+  # ("distributed": the broadcast reads the trainer's arrays while the next
+  # step's rollout and gradients go on, gathered between the step's ops when
+  # the trainer spans processes, and the update waits for what is left), and
+  # the servers load the version while the trainer goes on (the coordinator
+  # waits for it before the next publish and before an evaluation); False:
+  # the trainer waits too.
   c.rollout.defer_updates = True
   c.rollout.weight_group_backend = v.weight_group_backend
   c.rollout.weight_group_address = ""

@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import os
+import time
 
 import jax
 import numpy as np
@@ -26,6 +27,7 @@ from fluxjax.models import inputs
 from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import loop, reward_pool, trajectories
 from fluxjax.rollout import backend as backend_lib
+from fluxjax.rollout import tensor_feed
 from fluxjax.rollout.publish import PublishReport
 from fluxjax.settings import Settings
 from helpers import Act, ScriptedRollout, completion
@@ -534,3 +536,123 @@ def test_a_deferred_broadcast_holds_back_the_update_not_the_rollout(parts, reads
     assert step2.index("sent 1") < step2.index("apply"), events
   else:
     assert step2.index("apply") < step2.index("sent 1"), events
+
+
+def _fed_broadcasts(events: list[str], count: int, take_s: float):
+  """A backend `publish` whose versions after 0 are deferred broadcasts fed
+  from the trainer's main thread (a trainer spanning processes): `count`
+  tensors whose gathers are logged, each taken `take_s` after the last."""
+
+  async def publish(model, version):
+    if version == 0:
+      return PublishReport(str(version), None, {}, [])
+
+    def gathers():
+      for i in range(count):
+        events.append(f"gather {version}.{i}")
+        yield np.zeros(4, np.float32)
+
+    feed = tensor_feed.TensorFeed(gathers(), count)
+
+    def send():
+      try:
+        for i, _ in enumerate(feed):
+          time.sleep(take_s)
+          events.append(f"sent {version}.{i}")
+      except tensor_feed.Abandoned:
+        events.append(f"abandoned {version}")
+
+    async def broadcast():
+      await asyncio.get_running_loop().run_in_executor(None, send)
+      return PublishReport(str(version), None, {"update": 0.0}, [])
+
+    pending = asyncio.create_task(broadcast())
+    return PublishReport(str(version), None, {}, [], pending=pending, reads_params=True, feed=feed)
+
+  return publish
+
+
+class _GatherPolicy(_RecordingPolicy):
+  """Logs the ops the followers would receive: each announced run of gathers, parts, updates."""
+
+  def __init__(self, policy, events):
+    super().__init__(policy)
+    self.events = events
+
+  def publish_gather(self, n):
+    self.events.append(f"announce {n}")
+
+  def add(self, seqs):
+    self.events.append("add")
+    super().add(seqs)
+
+  def apply(self):
+    self.events.append("apply")
+    return super().apply()
+
+
+def _fed_config(parts):
+  config = parts[0].copy_and_resolve_references()
+  config.rl.prompts_per_step, config.rl.responses_per_prompt = 2, 2
+  config.rl.reward.fn = "constant"
+  config.coordinator.lag.mode, config.coordinator.lag.fixed_lag = "fixed", 1
+  return config
+
+
+_SAMPLES = [
+  meta_lib.SampleMeta(uid=i, id=f"q{i}", prompt=f"Question {i}?", answer="red") for i in range(16)
+]
+
+
+def test_a_broadcast_from_several_processes_is_gathered_while_the_step_waits(parts):
+  """A deferred broadcast whose tensors the main thread gathers (the trainer
+  spans processes): the next step gathers what the broadcast can take while
+  it waits for rollouts, each run of gathers announced to the followers
+  first, and the rest before its update; the broadcast sends every tensor
+  in order."""
+  events: list[str] = []
+  backend = _backend()
+  backend.publish = _fed_broadcasts(events, count=6, take_s=0.02)
+  policy = _GatherPolicy(parts[1], events)
+  with _running(_fed_config(parts), policy, _Data(_SAMPLES), backend, "constant") as c:
+    c.publish(new_version=False)
+    c.step()  # publishes version 1: nothing gathered yet
+    assert not any(e.startswith("gather") for e in events), events
+    step1 = len(events)
+    metrics = c.step().metrics
+  step2 = events[step1 : events.index("apply", step1) + 1]
+  # The first wait for a group pumps: announced, then gathered, before any part.
+  assert step2[:2] == ["announce 1", "gather 1.0"], step2
+  gathered = [e for e in step2 if e.startswith("gather 1.")]
+  assert gathered == [f"gather 1.{i}" for i in range(6)], step2  # all before the update
+  announced = 0
+  for e in step2:
+    if e.startswith("announce"):
+      announced += int(e.split()[1])
+    elif e.startswith("gather 1."):
+      assert int(e.split(".")[1]) < announced, step2
+  assert announced == 6
+  assert [e for e in events if e.startswith("sent 1.")] == [f"sent 1.{i}" for i in range(6)]
+  assert metrics["publish/update_wait_seconds"] >= 0.0
+  assert 1 / 6 <= metrics["publish/overlapped_share"] <= 1.0  # the first wait's gather at least
+
+
+def test_a_failed_run_abandons_a_fed_broadcast_instead_of_gathering(parts):
+  """The followers were told to stop: closing after a failure gathers
+  nothing more, and the broadcast ends."""
+  events: list[str] = []
+  backend = _backend()
+  backend.publish = _fed_broadcasts(events, count=6, take_s=0.0)
+  policy = _GatherPolicy(parts[1], events)
+  with (
+    pytest.raises(KeyboardInterrupt),
+    _running(_fed_config(parts), policy, _Data(_SAMPLES), backend, "constant") as c,
+  ):
+    c.publish(new_version=False)
+    c.step()
+    raise KeyboardInterrupt
+  deadline = time.monotonic() + 10
+  while "abandoned 1" not in events and time.monotonic() < deadline:  # the sender's thread
+    time.sleep(0.01)
+  assert "abandoned 1" in events
+  assert not any(e.startswith(("gather", "announce")) for e in events), events

@@ -54,6 +54,10 @@ def test_two_processes_on_a_fleet_survive_a_follower_killed_mid_step(tmp_path):
   last = recs[steps]
   assert last["fleet/routed"] == 1.0 and last["fleet/servers"] == 2.0
   assert last["fleet/servers_down"] == 0.0 and last["faults/unwritten_publishes_total"] == 0.0
+  # The broadcasts were deferred: their gathers ran between the steps' ops,
+  # at least the first of each while the step waited for its rollouts.
+  shares = [r["publish/overlapped_share"] for r in recs.values() if "publish/overlapped_share" in r]
+  assert shares and all(0.0 < s <= 1.0 for s in shares)
   # Recycling discards no decode work and restarts no response.
   assert last["rollout/tokens_discarded_total"] == 0.0 and last["rollout/restarted_total"] == 0.0
   assert any(abs(r["train/loss"]) > 1e-3 for r in recs.values()), "no step had a signal"

@@ -67,6 +67,7 @@ from fluxjax.rl import (
 from fluxjax.rl import producer as producer_lib
 from fluxjax.rl.policy import Policy
 from fluxjax.rollout import engine as engine_lib
+from fluxjax.rollout import tensor_feed
 from fluxjax.rollout.backend import LoopThread, RolloutBackend
 from fluxjax.rollout.protocol import Completion, GenerateRequest
 from fluxjax.rollout.publish import PublishReport
@@ -302,8 +303,11 @@ class Coordinator:
 
   def _next_item(self):
     while True:
+      feed = self._deferred.feed if self._deferred is not None else None
+      if feed is not None:  # gather what a deferred broadcast can take now
+        feed.pump(self._policy.publish_gather)
       try:
-        return self._producer.out.get(timeout=5.0)
+        return self._producer.out.get(timeout=5.0 if feed is None else tensor_feed.POLL_S)
       except queue.Empty:
         if not self._producer.alive:
           raise RuntimeError("the rollout thread died") from None
@@ -362,7 +366,10 @@ class Coordinator:
         "dynamic sampling filtered every group of the step; raise rl.max_refill_rounds"
       )
     trained_gap, admitted_gap = self._version_gaps(kept)
+    feed = self._deferred.feed if self._deferred is not None else None
+    t_reads = time.perf_counter()
     self.settle_reads()  # the update donates the arrays a deferred broadcast reads
+    t_reads = time.perf_counter() - t_reads
     device_metrics = self._policy.apply()
     self._steps += 1
     train = jax.device_get(device_metrics)
@@ -406,6 +413,7 @@ class Coordinator:
       "perf/step_seconds": elapsed,
       "perf/tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
       "publish/seconds": t_publish,
+      "publish/update_wait_seconds": t_reads,
       "policy/version": float(self._version),
       **{f"async/{k}": v for k, v in stale.items()},
       "async/trained_gap": trained_gap["mean"],
@@ -413,6 +421,8 @@ class Coordinator:
       **{f"async/{k}": v for k, v in control.items()},
       **{f"train/{k}": v for k, v in train.items()},
     }
+    if feed is not None:  # the broadcast's gathers run while the step waited anyway
+      host["publish/overlapped_share"] = feed.pumped / max(feed.count, 1)
     if rounds:
       host["rollout/round_seconds"] = float(np.mean([r["wall_s"] for r in rounds]))
       host["rollout/long_rounds"] = float(sum(r["kind"] == "long" for r in rounds))
@@ -500,12 +510,23 @@ class Coordinator:
 
   def settle_reads(self) -> None:
     """Waits for a deferred publish that still reads the trainer's arrays
-    (`PublishReport.reads_params`), which the next update donates."""
+    (`PublishReport.reads_params`), which the next update donates: gathers
+    the rest of a feed here, or waits for the whole publish."""
+    self._gather_rest()
     if self._deferred is not None and self._deferred.reads_params:
       self.settle_publish()
 
+  def _gather_rest(self) -> None:
+    """Gathers the tensors a fed broadcast has not had yet; what is left
+    on the wire then reads none of the trainer's arrays."""
+    deferred = self._deferred
+    if deferred is not None and deferred.feed is not None and deferred.reads_params:
+      deferred.feed.finish(self._policy.publish_gather)
+      deferred.reads_params = False
+
   def settle_publish(self) -> None:
     """Waits for a deferred publish's servers to load it (see `publish`)."""
+    self._gather_rest()
     deferred, self._deferred = self._deferred, None
     if deferred is not None and deferred.pending is not None:
       self._published(self._producer.call(_result(deferred.pending)))
@@ -678,7 +699,11 @@ class Coordinator:
   def __enter__(self) -> Coordinator:
     return self
 
-  def __exit__(self, *exc: object) -> None:
+  def __exit__(self, exc_type, exc, tb) -> None:
+    if exc_type is not None and self._deferred is not None and self._deferred.feed is not None:
+      # The other processes were told to stop: a gather would wait for them.
+      self._deferred.feed.abandon()
+      self._deferred = None
     self.close()
 
 

@@ -494,4 +494,6 @@ def _loop(
     held_out = coord.evaluate(eval_samples)
     writer.write(done, held_out)
     last = {**last, **held_out}
+  # Before the followers are stopped: a deferred broadcast's gathers need them.
+  coord.settle_publish()
   return last, first

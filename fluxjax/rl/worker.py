@@ -12,6 +12,7 @@ global mesh. Its methods are the ops:
   apply()               the optimizer update(s) of the batch
   stage(version)        a copy of the weights for the rollout backend
   publish_part(version) a follower's part in publishing them to a fleet
+  publish_gather(n)     the next n gathers of a deferred broadcast's part
   restore(step)         the train state of a checkpoint (or none)
   save(step, ...)       a checkpoint
   set_reference(fresh)  the KL term's reference model
@@ -34,13 +35,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 from flax import nnx
 
 from fluxjax import settings as settings_lib
 from fluxjax.data import materializer as materializer_lib
+from fluxjax.models import hf_io
 from fluxjax.models.config import ModelConfig
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import multihost, train_step
@@ -115,6 +117,9 @@ class PolicyWorker:
     self._patch_source = patch_source
     self._owns_media = owns_media
     self._read: list = []  # MediaRefs read since the last update (owns_media)
+    # A deferred publish's gathers not yet run, and how many (`publish_gather`).
+    self._gathers: Iterator | None = None
+    self._gathers_left = 0
     self._rollout_shardings = (
       None
       if rollout_shardings is None
@@ -203,9 +208,18 @@ class PolicyWorker:
 
   def apply(self) -> dict:
     """The batch's update(s); returns device metrics (replicated scalars)."""
+    self._check_gathered()
     metrics = self._trainer.apply()
     self._release_media()
     return metrics
+
+  def _check_gathered(self) -> None:
+    """The update donates the arrays a deferred publish gathers from: the
+    leader has announced every gather before it (`Coordinator.settle_reads`)."""
+    if self._gathers is not None:
+      raise RuntimeError(
+        f"the update came {self._gathers_left} gathers before the end of a deferred publish"
+      )
 
   def stage(self, version: int | None = None) -> nnx.State | None:
     """The parameters for the rollout backend.
@@ -236,14 +250,30 @@ class PolicyWorker:
     the logits probe, then the publish's gathers, one layer tensor at a time
     (`publish.take_part`), so no process holds the whole model.
     A policy the probe refuses is not published (the leader ends the run).
+    Deferred on the distributed transport, the gathers wait for the
+    leader's `publish_gather` ops: its main thread runs them between the
+    step's ops as its broadcast takes the tensors (rollout/tensor_feed.py).
     """
     params = self.stage()
     if not train_step.logits_finite(self._graphdef, params, train_step.probe_row(self._cfg)):
       return
     model = nnx.merge(self._graphdef, params)
     root = publish_lib.weights_root(self.workdir)
-    rollout = self.settings.rollout
-    publish_lib.take_part(model, rollout.weight_sync, root, version, rollout.weight_deltas)
+    r = self.settings.rollout
+    self._gathers = publish_lib.take_part(
+      model, r.weight_sync, root, version, r.weight_deltas, r.defer_updates
+    )
+    self._gathers_left = len(hf_io.hf_layout(self._cfg)) if self._gathers is not None else 0
+
+  def publish_gather(self, n: int) -> None:
+    """Runs the next `n` gathers of the deferred publish in progress."""
+    if self._gathers is None:
+      raise RuntimeError("publish_gather with no deferred publish in progress")
+    for _ in range(n):
+      next(self._gathers)
+    self._gathers_left -= n
+    if self._gathers_left == 0:
+      self._gathers = None
 
   def restore(self, step: int | None) -> Restored | None:
     """Loads checkpoint `step`'s train state (None: a fresh run, nothing to load)."""
@@ -365,6 +395,11 @@ class LeaderWorker:
       self.channel.send("publish_part", version)
     return self.worker.stage()
 
+  def publish_gather(self, n: int) -> None:
+    """Sends the op alone: the leader's own gathers feed its broadcast
+    (`PublishReport.feed`)."""
+    self.channel.send("publish_gather", n)
+
   def restore(self, step: int | None) -> Restored | None:
     self.channel.send("restore", step)
     return self.worker.restore(step)
@@ -412,6 +447,7 @@ OPS = frozenset(
     "apply",
     "stage",
     "publish_part",
+    "publish_gather",
     "restore",
     "save",
     "set_reference",

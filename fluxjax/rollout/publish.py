@@ -21,8 +21,10 @@ tensor at a time while the next step's rollout and gradients go on, and the
 next update, which donates those arrays, waits for it
 (`PublishReport.reads_params`; holding a bf16 copy instead would cost the
 whole model in memory). A trainer that spans processes gathers each tensor
-with collectives, which must keep their order against the training step's,
-so its broadcast is never deferred.
+with collectives, which must keep their order against the training step's:
+its main thread gathers them between the step's ops and hands them to the
+broadcast (`PublishReport.feed`, rollout/tensor_feed.py), and every other
+process runs the same gathers from its op stream (`take_part`).
 
 A write that fails (a full disk) ends the publish before any server hears of
 it: the fleet keeps serving the previous version, whose folder is untouched,
@@ -53,14 +55,15 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from fluxjax.models import hf_io, vlm
 from fluxjax.models import tokenizer as tokenizer_lib
-from fluxjax.rollout import protocol, weight_group
+from fluxjax.rollout import protocol, tensor_feed, weight_group
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +88,9 @@ class PublishReport:
       report is final.
     reads_params: `pending` still reads the trainer's arrays (a deferred
       broadcast): the next update, which donates them, waits for it.
+    feed: a deferred broadcast from a trainer that spans processes: the
+      trainer's main thread gathers its tensors (`TensorFeed.pump`, then
+      `finish` before the next update) and `pending` sends them.
   """
 
   version: str
@@ -95,6 +101,7 @@ class PublishReport:
   buckets: int = 0
   pending: asyncio.Task | None = None
   reads_params: bool = False
+  feed: tensor_feed.TensorFeed | None = None
 
 
 def write_checkpoint(
@@ -152,22 +159,41 @@ def version_path(root: str, version: int | str) -> str:
 
 
 def take_part(
-  model: vlm.Qwen25VL, weight_sync: str, root: str, version: int | str, deltas: bool = False
-) -> None:
+  model: vlm.Qwen25VL,
+  weight_sync: str,
+  root: str,
+  version: int | str,
+  deltas: bool = False,
+  defer: bool = False,
+) -> Iterator[np.ndarray] | None:
   """A follower's part in a fleet publish of `model` (sharded across
   processes), while process 0 publishes it: the same collectives in the same
   order. With the disk transport it writes its run of the folder's files
   (a failure is logged here; process 0 reports it); with the distributed
   one, process 0 broadcasts what the gathers bring it.
+
+  Returns:
+    None when the part is done; deferred on the distributed transport, the
+    gathers themselves, which the caller runs as the leader announces them
+    (its main thread feeds its broadcast: `PublishReport.feed`).
   """
   if weight_sync == "distributed":
-    for _ in hf_io.hf_tensors(model, protocol.PUBLISHED_DTYPE):
-      pass
-    return
+    gathers = _published_tensors(model)
+    if defer:
+      return gathers
+    collections.deque(gathers, 0)
+    return None
   try:
     write_checkpoint(model, root, version, deltas=deltas)
   except OSError as e:
     log.error("weight version %s: this process's files were not written: %s", version, e)
+  return None
+
+
+def _published_tensors(model: vlm.Qwen25VL) -> Iterator[np.ndarray]:
+  """The broadcast's tensors in `hf_io.hf_layout` order, each gathered when
+  asked for (a collective when the model spans processes)."""
+  return (x for _, x in hf_io.hf_tensors(model, protocol.PUBLISHED_DTYPE))
 
 
 async def publish_to_fleet(
@@ -323,23 +349,30 @@ async def publish_distributed(
     model: the trainer's model.
     version: the new weight version.
     defer: return at once, the broadcast running in `PublishReport.pending`
-      (`reads_params`: it reads `model`'s arrays until it is done); ignored
-      when `model` spans processes (module docstring).
+      (`reads_params`: it reads `model`'s arrays until it is done); when
+      `model` spans processes, the caller's main thread gathers the tensors
+      (`PublishReport.feed`; module docstring).
 
   Returns:
     The report: seconds per phase, failed servers (marked down; a rejoining
     server takes part in the next publish), and the bytes broadcast.
   """
-  if defer and not hf_io.spans_processes(model):
-    pending = asyncio.create_task(_broadcast_version(fleet, model, version))
-    return PublishReport(str(version), None, {}, [], pending=pending, reads_params=True)
-  return await _broadcast_version(fleet, model, version)
+  if not defer:
+    return await _broadcast_version(fleet, model, version)
+  feed = None
+  if hf_io.spans_processes(model):
+    feed = tensor_feed.TensorFeed(_published_tensors(model), len(hf_io.hf_layout(model.cfg)))
+  pending = asyncio.create_task(_broadcast_version(fleet, model, version, feed))
+  return PublishReport(str(version), None, {}, [], pending=pending, reads_params=True, feed=feed)
 
 
-async def _broadcast_version(fleet, model: vlm.Qwen25VL, version: int | str) -> PublishReport:
-  """`publish_distributed`'s whole sequence: the tensors in buckets of at most
-  `fleet.weight_bucket_bytes`, one /update_weights_from_distributed each; the
-  last sets the version and flushes the cache."""
+async def _broadcast_version(
+  fleet, model: vlm.Qwen25VL, version: int | str, feed: tensor_feed.TensorFeed | None = None
+) -> PublishReport:
+  """`publish_distributed`'s whole sequence: the tensors (from `feed` when
+  given) in buckets of at most `fleet.weight_bucket_bytes`, one
+  /update_weights_from_distributed each; the last sets the version and
+  flushes the cache."""
   layout = hf_io.hf_layout(model.cfg)
   # One update call per bucket: a server holds one bucket's receive buffers
   # at a time, not the whole model's.
@@ -360,9 +393,10 @@ async def _broadcast_version(fleet, model: vlm.Qwen25VL, version: int | str) -> 
   join_s = 0.0
   # Each tensor of a model that spans processes is a collective gather every
   # process takes part in (`take_part`): a publish that sends none or only
-  # some of them still runs them all (the `finally` below, `send`'s finish).
-  tensors = (x for _, x in hf_io.hf_tensors(model, protocol.PUBLISHED_DTYPE))
-  spans = hf_io.spans_processes(model)
+  # some of them still runs them all (the `finally` below, `send`'s finish),
+  # unless a feed gathers them, which then drops what is not taken.
+  tensors = feed if feed is not None else _published_tensors(model)
+  spans = hf_io.spans_processes(model) and feed is None
   device = weight_group.tensor_device(fleet.weight_group_backend)
 
   async def send_bucket(servers, group, update: protocol.DistributedUpdate) -> list:
@@ -402,7 +436,9 @@ async def _broadcast_version(fleet, model: vlm.Qwen25VL, version: int | str) -> 
   try:
     seconds, failed = await fleet.update_weights_with(broadcast, str(version))
   finally:
-    if spans:
+    if feed is not None:
+      feed.close()
+    elif spans:
       await asyncio.get_running_loop().run_in_executor(None, collections.deque, tensors, 0)
   seconds["join"] = join_s
   return PublishReport(str(version), None, seconds, failed, sent_bytes=sent, buckets=len(updates))

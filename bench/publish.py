@@ -32,12 +32,12 @@ from it), so the deltas are what one optimizer step leaves.
 
 Per transport: seconds the trainer is blocked (the publish through to its
 servers' last phase), and deferred as a run publishes (`rollout.defer_updates`:
-the disk call returns once the folder is written; the distributed one at once,
-a run's next update then waiting for what is left of the broadcast: from
-several processes the trainer's main thread gathers each tensor as the wire
-takes it, between the step's ops, and is blocked for the gathers' own time,
-`TensorFeed.gather_s`, the rest overlapping its wait for rollouts), seconds
-the servers are paused (pause through update), bytes
+the call returns at once; the trainer's main thread gathers each tensor as
+the writer thread or the wire takes it, between the step's ops, and is
+blocked for the gathers' own time, `TensorFeed.gather_s`, the rest
+overlapping its wait for rollouts; a one-process broadcast reads from its
+own thread and blocks nothing until the next update), seconds the servers
+are paused (pause through update), bytes
 written to disk (the delta among them), bytes the trainer broadcast, bytes
 each trainer process received in its gathers (counted from the gathered
 arrays: each gathered result less this process's own shards of it), how
@@ -246,7 +246,7 @@ async def _publishes(fleet, model, transport: str, args, pids: list[int]) -> dic
     else:
       report = await fleet.publish(stepped, version)  # deferred where it can be
     returned = time.perf_counter() - t
-    if report.feed is not None:  # several processes: this one gathers as the wire takes them
+    if report.feed is not None:  # the main thread's gathers, as the writer or the wire takes them
       await asyncio.get_running_loop().run_in_executor(None, report.feed.finish, _told_already)
       returned += report.feed.gather_s
     if report.pending is not None:

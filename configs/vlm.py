@@ -310,13 +310,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # SGLang and servers that missed a version read the folder. Costs the
   # trainer a read of its previous files per publish.
   c.rollout.weight_deltas = True
-  # A publish returns once the folder is written ("disk") or at once
-  # ("distributed": the broadcast reads the trainer's arrays while the next
-  # step's rollout and gradients go on, gathered between the step's ops when
-  # the trainer spans processes, and the update waits for what is left), and
-  # the servers load the version while the trainer goes on (the coordinator
-  # waits for it before the next publish and before an evaluation); False:
-  # the trainer waits too.
+  # A publish returns at once: the trainer's main thread gathers the tensors
+  # between the next step's ops while it waits for rollouts, a thread writes
+  # the folder ("disk") or the broadcast sends them ("distributed"), and the
+  # servers load the version while the trainer goes on; the next update waits
+  # for the gathers left (the coordinator waits for the whole publish before
+  # the next one and before an evaluation). False: the trainer waits for all.
   c.rollout.defer_updates = True
   c.rollout.weight_group_backend = v.weight_group_backend
   c.rollout.weight_group_address = ""

@@ -159,12 +159,12 @@ def fleet_publish(flags: dict[str, str], root: str) -> None:
   else:
     publish.take_part(model, "disk", root, 3)
   writer = hf_io.ShardWriter
+
+  class DiskFull(hf_io.ShardWriter):
+    def write(self, name, tensor, start=0):
+      raise OSError(errno.ENOSPC, "No space left on device", self.path)
+
   if not leader:
-
-    class DiskFull(hf_io.ShardWriter):
-      def write(self, name, tensor, start=0):
-        raise OSError(errno.ENOSPC, "No space left on device", self.path)
-
     hf_io.ShardWriter = DiskFull
   if leader:
     try:
@@ -174,18 +174,39 @@ def fleet_publish(flags: dict[str, str], root: str) -> None:
   else:
     publish.take_part(model, "disk", root, 4)
   hf_io.ShardWriter = writer
-  # One element of every parameter changed: v5 carries its delta from v3.
+  # Deferred: v5, one element of every parameter changed, carries its delta
+  # from v3; v6 fails on process 1's full disk, as v4 did.
   changed = nnx.merge(
     nnx.graphdef(model), jax.tree.map(lambda x: x.at[(0,) * x.ndim].add(1.0), nnx.state(model))
   )
-  if leader:
-    publish.write_checkpoint(changed, root, 5, deltas=True)
-  else:
-    publish.take_part(changed, "disk", root, 5, deltas=True)
+  deferred_publish(changed, root, 5)
+  if not leader:
+    hf_io.ShardWriter = DiskFull
+  deferred_publish(changed, root, 6)
+  hf_io.ShardWriter = writer
   if leader:
     print(f"digest={bf16_digest(model)}", flush=True)
   else:
-    publish.take_part(model, "distributed", root, 6)
+    publish.take_part(model, "distributed", root, 7)
+
+
+def deferred_publish(model, root: str, version: int) -> None:
+  """A deferred disk publish: process 0's feed gathered to its end (as its
+  main thread does before an update), the other's part taken at once."""
+  import jax
+
+  from fluxjax.rollout import publish
+
+  if jax.process_index() == 0:
+    feed, written = publish.deferred_write(model, root, version, deltas=True)
+    feed.finish(lambda n: None)  # the other process runs every gather in order
+    try:
+      print(f"deferred={written.result(timeout=60)}", flush=True)
+    except OSError as e:
+      print(f"refused={e}", flush=True)
+  else:
+    part = publish.take_part(model, "disk", root, version, deltas=True, defer=True)
+    part.take(part.remaining)
 
 
 def preempted(worker: subprocess.Popen) -> None:

@@ -579,7 +579,7 @@ class _GatherPolicy(_RecordingPolicy):
     super().__init__(policy)
     self.events = events
 
-  def publish_gather(self, n):
+  def announce_gathers(self, n):
     self.events.append(f"announce {n}")
 
   def add(self, seqs):

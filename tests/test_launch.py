@@ -344,13 +344,20 @@ def test_two_nodes_of_one_process_each_run_one_jax_distributed_program(child_mod
   assert [sorted(_pids(err)) for _, err in outs] == [[1], [0]]
 
 
+def _changed(model):
+  """launch_child's v5: one element of every parameter moved by 1."""
+  state = jax.tree.map(lambda x: x.at[(0,) * x.ndim].add(1.0), nnx.state(model))
+  return nnx.merge(nnx.graphdef(model), state)
+
+
 def test_two_processes_publish_a_sharded_model_each_writing_its_own_files(child_module, tmp_path):
   """A fleet publish from a model sharded over 2 processes x 2 devices: no
   process gathers it whole. Each writes its run of the folder's files
   (launch_child `publish`, tensors past 4 KiB in runs of rows), and the
   deltas of its files; one process's full
-  disk fails the whole version and leaves nothing behind; the distributed
-  transport's gathers bring process 0 every bf16 tensor."""
+  disk fails the whole version and leaves nothing behind, also deferred (the
+  gathers fed from process 0's main thread to a writer thread on each); the
+  distributed transport's gathers bring process 0 every bf16 tensor."""
   root = tmp_path / "weights"
   out = run_launcher(
     [sys.executable, "-m", "fluxjax.launch", "--processes=2", "--cpu_devices=2"]
@@ -367,7 +374,7 @@ def test_two_processes_publish_a_sharded_model_each_writing_its_own_files(child_
   model = sharded.create_sharded_model(config.preset("tiny"), mesh, seed=0, log_table=False)
   plan = hf_io.write_plan(model.cfg, "bfloat16", 4 << 30, writers=2)
   assert {f.writer for f in plan} == {0, 1}  # each process has files to write
-  assert sorted(os.listdir(root)) == ["v3", "v5"]  # v4 refused whole, no temporary folder
+  assert sorted(os.listdir(root)) == ["v3", "v5"]  # v4, v6 refused whole, no temporary folder
   written = sorted(f for f in os.listdir(root / "v3") if f.endswith(".safetensors"))
   assert written == sorted(f.name for f in plan)
   # v5's delta from v3: a file per file of the folder (each process its own),
@@ -388,5 +395,10 @@ def test_two_processes_publish_a_sharded_model_each_writing_its_own_files(child_
     np.testing.assert_array_equal(np.asarray(var.get_value()), want.astype(np.float32))
   lines = out.stdout.splitlines()
   refused = [line for line in lines if line.startswith("refused=")]
-  assert len(refused) == 1 and "processes [1] could not write their files" in refused[0], lines
+  assert len(refused) == 2, lines
+  assert all("processes [1] could not write their files" in r for r in refused), lines
+  assert f"deferred={root / 'v5'}" in lines, lines
+  # The deferred v5 holds the changed model's bf16 values.
+  for name, tensor in hf_io.hf_tensors(_changed(model), "bfloat16"):
+    np.testing.assert_array_equal(v5.read(name).view(np.uint16), tensor.view(np.uint16))
   assert f"digest={launch_child.bf16_digest(model)}" in lines, lines

@@ -104,28 +104,33 @@ def test_publish_reaches_every_server(launched, tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["v6", "v7"]
 
 
-def test_a_deferred_publish_returns_before_the_servers_load_it(launched, tmp_path):
-  """`defer`: the publish returns once the folder is written, while the
-  servers cannot start loading it (the fleet's update lock is held, as by a
-  rejoin); they serve the previous version until the lock is let go, then
-  the pending task loads it everywhere and its report is the final one."""
+def test_a_deferred_publish_returns_before_the_folder_is_written(launched, tmp_path):
+  """`defer`: the publish returns at once, before any tensor is gathered;
+  the trainer's thread gathers them (`feed`, here from an executor) while a
+  thread writes them; the folder appears only once the last is gathered
+  and written, and the pending task then loads it everywhere (the servers
+  serve the previous version until then); its report is the final one."""
   model = random_model(4)
 
   async def go():
+    loop = asyncio.get_running_loop()
     async with fleet_lib.Fleet(launched.urls) as fleet:
       await publish.publish_to_fleet(fleet, model, str(tmp_path), 1, dtype="float32")
-      async with fleet._control:
-        early = await publish.publish_to_fleet(
-          fleet, model, str(tmp_path), 2, dtype="float32", defer=True
-        )
-        during = await fleet.refresh_versions()
+      early = await publish.publish_to_fleet(
+        fleet, model, str(tmp_path), 2, dtype="float32", defer=True
+      )
+      before = (sorted(os.listdir(tmp_path)), early.feed.remaining, await fleet.refresh_versions())
+      await loop.run_in_executor(None, early.feed.finish, lambda n: None)
       final = await early.pending
-      return early, during, final, await fleet.refresh_versions()
+      return early, before, final, await fleet.refresh_versions()
 
-  early, during, final, after = asyncio.run(go())
-  assert set(early.seconds) == {"write"} and not early.failed
-  assert early.path == final.path and os.path.isdir(final.path)
+  early, before, final, after = asyncio.run(go())
+  assert early.seconds == {} and not early.failed and early.path is None and early.reads_params
+  folders, remaining, during = before
+  assert [f for f in folders if not f.startswith(".")] == ["v1"]  # v2 not yet in place
+  assert remaining == early.feed.count > 0 and early.feed.remaining == 0
   assert set(during.values()) == {"1"} and set(after.values()) == {"2"}
+  assert final.path == str(tmp_path / "v2") and os.path.isdir(final.path)
   assert {"write", "pause", "update", "resume"} <= set(final.seconds) and not final.failed
   assert final.pending is None
 

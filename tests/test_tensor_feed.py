@@ -94,3 +94,30 @@ def test_an_abandoned_feed_ends_the_broadcast_without_gathering():
   taker.join(5)
   assert not taker.is_alive() and errors
   assert len(gathers.log) == 1 and feed.remaining == 0
+
+
+def test_take_runs_the_announced_gathers_and_after_last_follows_the_last():
+  """Another process's side: `take(n)` as the announcements arrive; what it
+  runs after the last gather runs once, on the gathering thread, before
+  `take` returns."""
+  gathers, out, finished = _Gathers(7), [], []
+  feed = gathers.feed = tensor_feed.TensorFeed(
+    iter(gathers), gathers.count, 2, after_last=lambda: finished.append(len(gathers.log))
+  )
+  taker = threading.Thread(target=_take, args=(feed, out, 0.001))
+  taker.start()
+  feed.take(3)
+  assert not finished and feed.remaining == 4
+  with pytest.raises(ValueError, match="5 gathers asked for, 4 left"):
+    feed.take(5)
+  feed.take(4)
+  taker.join(5)
+  assert finished == [7] and out == list(range(7))
+  assert all(waiting < 2 for _, _, waiting in gathers.log)
+
+
+def test_an_unconsumed_feed_drops_each_item_once_gathered():
+  gathers = _Gathers(5)
+  feed = tensor_feed.TensorFeed(iter(gathers), gathers.count, consumed=False)
+  feed.take(5)  # nothing takes them: no wait for room
+  assert len(gathers.log) == 5 and feed.waiting == 0

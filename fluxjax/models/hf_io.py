@@ -450,14 +450,21 @@ ROW_RUN_BYTES = 64 << 20
 
 
 def _layer_tensors(model: vlm.Qwen25VL):
-  """(HF name, our layer tensor, kind, leaf path) of every published tensor, in order."""
+  """(HF name, our layer tensor's shape, a function returning it, kind, leaf
+  path) of every published tensor, in order; nothing runs until it is called."""
   for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     leaf_path = ".".join(map(str, key))
     stack, template, kind = _leaf_rule(leaf_path)
     value = var.get_value()
     for i in range(value.shape[0]) if stack else [None]:
-      x = value if i is None else value[i]  # the layer axis is never sharded
-      yield template.format(i) if stack else template, x, kind, leaf_path
+      # The layer axis is never sharded: indexing it is no collective.
+      get = functools.partial(_layer, value, i)
+      shape = value.shape if i is None else value.shape[1:]
+      yield template.format(i) if stack else template, shape, get, kind, leaf_path
+
+
+def _layer(value: Array, i: int | None) -> Array:
+  return value if i is None else value[i]
 
 
 def _export(x: Array, np_dtype, layout) -> np.ndarray:
@@ -472,39 +479,74 @@ def hf_tensors(model: vlm.Qwen25VL, dtype: str = "bfloat16"):
     yield name, tensor
 
 
-def _hf_row_runs(x: Array, kind: str, leaf_path: str):
-  """(rows, slice_rows(x, start, stop), layout) when the published tensor's
-  rows are a slice of ours: an embedding table's rows, a kernel's output
-  columns (HF [out, in] = ours [in..., out...] flattened and transposed, as
-  `_ours_to_hf`); else None (vectors, the patch embedding's 5-D layout)."""
+def _row_runs(shape, kind: str, leaf_path: str, itemsize: int, run_bytes: float):
+  """(rows, input axes, rows per run) when the published tensor of our
+  `shape` goes in runs of rows: past `run_bytes`, with its rows a slice of
+  ours (an embedding table's rows, 0 input axes; a kernel's output columns:
+  HF [out, in] = ours [in..., out...] flattened and transposed, as
+  `_ours_to_hf`); else None, whole (also vectors and the patch embedding's
+  5-D layout)."""
   if kind != "kernel":
-    return (x.shape[0], (lambda y, a, b: y[a:b]), (lambda y: y)) if x.ndim == 2 else None
-  if leaf_path == "visual.patch_embed.kernel":
+    if len(shape) != 2:
+      return None
+    rows, n_in = shape[0], 0
+  elif leaf_path == "visual.patch_embed.kernel":
     return None
-  n_in = 2 if leaf_path.endswith(_TWO_INPUT_AXES) else 1
-  fan_in = math.prod(x.shape[:n_in])
-  rows = math.prod(x.shape[n_in:])
-  return rows, (lambda y, a, b: y.reshape(fan_in, rows)[:, a:b]), (lambda y: y.T)
+  else:
+    n_in = 2 if leaf_path.endswith(_TWO_INPUT_AXES) else 1
+    rows = math.prod(shape[n_in:])
+  size = math.prod(shape) * itemsize
+  if size <= run_bytes:
+    return None
+  return rows, n_in, max(1, int(run_bytes // (size // rows)))
+
+
+def _transposed(x: Array) -> Array:
+  return x.T
+
+
+def _as_is(x: Array) -> Array:
+  return x
+
+
+def _slice_rows(x: Array, n_in: int, start: int, stop: int) -> Array:
+  if not n_in:
+    return x[start:stop]
+  return x.reshape(math.prod(x.shape[:n_in]), -1)[:, start:stop]
 
 
 def hf_tensor_rows(model: vlm.Qwen25VL, dtype: str = "bfloat16", run_bytes: float | None = None):
   """Yields (HF name, first row, rows) in `dtype`: `hf_tensors`' tensors, one
   past `run_bytes` (default ROW_RUN_BYTES) whose rows are a slice of ours in
   runs of at most that size, each sliced before it is cast or gathered (the
-  others whole, from row 0)."""
+  others whole, from row 0); `hf_row_count` items in all."""
   run_bytes = ROW_RUN_BYTES if run_bytes is None else run_bytes
   np_dtype = _DTYPES[dtype]
   itemsize = np.dtype(np_dtype).itemsize
-  for name, x, kind, leaf_path in _layer_tensors(model):
-    runs = _hf_row_runs(x, kind, leaf_path)
-    if runs is None or math.prod(x.shape) * itemsize <= run_bytes:
-      layout = functools.partial(_ours_to_hf, kind=kind, path=leaf_path, cfg=model.cfg)
-      yield name, 0, _export(x, np_dtype, layout)
+  for name, shape, get, kind, leaf_path in _layer_tensors(model):
+    runs = _row_runs(shape, kind, leaf_path, itemsize, run_bytes)
+    if runs is None:
+      whole = functools.partial(_ours_to_hf, kind=kind, path=leaf_path, cfg=model.cfg)
+      yield name, 0, _export(get(), np_dtype, whole)
       continue
-    rows, slice_rows, layout = runs
-    per_run = max(1, int(run_bytes // (math.prod(x.shape) // rows * itemsize)))
+    rows, n_in, per_run = runs
+    layout = _transposed if kind == "kernel" else _as_is
+    x = get()
     for start in range(0, rows, per_run):
-      yield name, start, _export(slice_rows(x, start, start + per_run), np_dtype, layout)
+      yield name, start, _export(_slice_rows(x, n_in, start, start + per_run), np_dtype, layout)
+
+
+def hf_row_count(
+  model: vlm.Qwen25VL, dtype: str = "bfloat16", run_bytes: float | None = None
+) -> int:
+  """How many items `hf_tensor_rows` yields, from the shapes alone."""
+  run_bytes = ROW_RUN_BYTES if run_bytes is None else run_bytes
+  itemsize = np.dtype(_DTYPES[dtype]).itemsize
+  count = 0
+  for _, shape, _, kind, leaf_path in _layer_tensors(model):
+    runs = _row_runs(shape, kind, leaf_path, itemsize, run_bytes)
+    count += 1 if runs is None else -(-runs[0] // runs[2])
+  return count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -635,32 +677,127 @@ def save_hf_checkpoint(
     OSError: the folder could not be written (process 0, and a process
       whose own files failed).
   """
-  if dtype not in _DTYPES:
-    raise ValueError(f"unsupported dtype {dtype!r}; choose from {sorted(_DTYPES)}")
-  writers = jax.process_count() if spans_processes(model) else 1
-  me = jax.process_index() if writers > 1 else 0
-  leader = me == 0  # the process that finishes the folder
-  plan = write_plan(model.cfg, dtype, max_shard_bytes, writers)
-  tmp = _temp_folder(path, shared=writers > 1, create=leader)
+  writer = FolderWriter(model, path, dtype, max_shard_bytes, extra_files, delta_from)
   try:
-    base = delta_from[0] if delta_from is not None else None
-    own = _write_own_files(model, dtype, plan, me, tmp, base)
-    failed, no_delta = _failed_writers(own, writers)
-    if own.failure is not None:
-      raise own.failure
-    if failed and leader:
-      raise OSError(f"{path}: processes {failed} could not write their files (their logs say why)")
-    if leader:
-      if delta_from is not None and not no_delta:
-        hf_delta.write_manifest(tmp, delta_from[1])
-      else:
-        shutil.rmtree(os.path.join(tmp, hf_delta.DELTA_DIR), ignore_errors=True)
-      _finish_folder(tmp, path, model.cfg, plan, dtype, extra_files)
+    for name, start, rows in hf_tensor_rows(model, dtype):
+      writer.write(name, start, rows)
   except BaseException:
-    if leader:
-      shutil.rmtree(tmp, ignore_errors=True)
+    writer.abort()
     raise
-  return path
+  return writer.finish()
+
+
+class FolderWriter:
+  """One process's part in writing a folder as `save_hf_checkpoint` does,
+  fed `hf_tensor_rows`' items in order: `write` each (every process sees
+  every item: its own are written, the others skipped), then `finish`.
+
+  The writes may run on another thread than the gathers that make the
+  items (a deferred publish, rollout/tensor_feed.py); `finish`, a
+  collective when several processes write, runs where the gathers do.
+  """
+
+  def __init__(
+    self,
+    model: vlm.Qwen25VL,
+    path: str,
+    dtype: str = "bfloat16",
+    max_shard_bytes: int = 4 << 30,
+    extra_files: Mapping[str, str | bytes] | None = None,
+    delta_from: tuple[str, str] | None = None,
+  ):
+    if dtype not in _DTYPES:
+      raise ValueError(f"unsupported dtype {dtype!r}; choose from {sorted(_DTYPES)}")
+    self._cfg, self._path, self._dtype = model.cfg, path, dtype
+    self._extra_files, self._delta_from = extra_files, delta_from
+    self._writers = jax.process_count() if spans_processes(model) else 1
+    self._me = jax.process_index() if self._writers > 1 else 0
+    self._leader = self._me == 0  # the process that finishes the folder
+    self._plan = write_plan(model.cfg, dtype, max_shard_bytes, self._writers)
+    self._tmp = _temp_folder(path, shared=self._writers > 1, create=self._leader)
+    self._shapes = dict(hf_layout(model.cfg))
+    self._file_of = {name: f for f in self._plan for name in f.tensors}
+    self.own = _OwnFiles()
+    self._file: ShardWriter | None = None
+    self._base: TensorIndex | None = None
+    self._delta: dict[str, np.ndarray] = {}
+    self._tensor_delta: hf_delta.TensorDelta | None = None
+
+  def write(self, name: str, start: int, rows: np.ndarray) -> None:
+    """Writes `rows` of tensor `name` from row `start` when its file is this
+    process's, with its delta from the base version. After a failure it
+    writes nothing more (or no more deltas)."""
+    file = self._file_of[name]
+    if file.writer != self._me or self.own.failure is not None:
+      return
+    try:
+      if self._file is None:
+        os.makedirs(self._tmp, exist_ok=True)  # made by process 0 before the first gather
+        shapes = [(n, self._shapes[n]) for n in file.tensors]
+        self._file = ShardWriter(os.path.join(self._tmp, file.name), shapes, self._dtype)
+      self._file.write(name, rows, start)
+    except OSError as e:
+      self.own.failure = e
+      if self._file is not None:
+        self._file.close()
+      return
+    if self._delta_from is not None and self.own.delta_failure is None:
+      self._write_delta(name, start, rows, file.name)
+    if self._file.done:
+      self._file, self._delta = None, {}
+
+  def _write_delta(self, name: str, start: int, rows: np.ndarray, file_name: str) -> None:
+    assert self._delta_from is not None and self._file is not None
+    try:
+      self._base = self._base or TensorIndex(self._delta_from[0], mapped=False)
+      shape = self._shapes[name]
+      if start == 0:
+        base_shape = self._base.shape_and_dtype(name)[0]
+        self._tensor_delta = hf_delta.TensorDelta(name, shape, base_shape, ROW_RUN_BYTES)
+      assert self._tensor_delta is not None
+      self._tensor_delta.add(start, rows, self._base.read(name, (start, start + rows.shape[0])))
+      if start + rows.shape[0] == shape[0]:
+        self._delta.update(self._tensor_delta.entries())
+      if self._file.done:
+        hf_delta.write_file(self._tmp, file_name, self._delta)
+    except (OSError, ValueError, KeyError) as e:
+      log.warning("no delta from %s: %s", self._delta_from[0], e)
+      self.own.delta_failure = e
+
+  def finish(self) -> str:
+    """Shares every process's failures (a collective when several write);
+    process 0 then finishes the folder and renames it into place. Returns
+    its path.
+
+    Raises:
+      OSError: the folder could not be written (process 0, and a process
+        whose own files failed); the temporary folder is removed.
+    """
+    try:
+      failed, no_delta = _failed_writers(self.own, self._writers)
+      if self.own.failure is not None:
+        raise self.own.failure
+      if failed and self._leader:
+        raise OSError(
+          f"{self._path}: processes {failed} could not write their files (their logs say why)"
+        )
+      if self._leader:
+        if self._delta_from is not None and not no_delta:
+          hf_delta.write_manifest(self._tmp, self._delta_from[1])
+        else:
+          shutil.rmtree(os.path.join(self._tmp, hf_delta.DELTA_DIR), ignore_errors=True)
+        _finish_folder(self._tmp, self._path, self._cfg, self._plan, self._dtype, self._extra_files)
+    except BaseException:
+      self.abort()
+      raise
+    return self._path
+
+  def abort(self) -> None:
+    """Ends the write unfinished: process 0 removes the temporary folder."""
+    if self._file is not None:
+      self._file.close()
+    if self._leader:
+      shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 def _finish_folder(
@@ -761,62 +898,6 @@ class _OwnFiles:
 
   failure: OSError | None = None  # its files: the version fails
   delta_failure: Exception | None = None  # its deltas: the version has none
-
-
-def _write_own_files(
-  model: vlm.Qwen25VL,
-  dtype: str,
-  plan: list[ShardFile],
-  me: int,
-  folder: str,
-  delta_base: str | None,
-) -> _OwnFiles:
-  """Runs every tensor's gather and writes this process's files of `plan`
-  into `folder`, with their deltas from the folder `delta_base` (hf_delta)
-  when given. After a failure it writes nothing more (or no more deltas),
-  but goes on gathering with the other processes."""
-  shapes = dict(hf_layout(model.cfg))
-  file_of = {name: f for f in plan for name in f.tensors}
-  out = _OwnFiles()
-  writer: ShardWriter | None = None
-  base: TensorIndex | None = None
-  delta: dict[str, np.ndarray] = {}
-  tensor_delta: hf_delta.TensorDelta | None = None
-  for name, start, rows in hf_tensor_rows(model, dtype):
-    file = file_of[name]
-    if file.writer != me or out.failure is not None:
-      continue
-    try:
-      if writer is None:
-        os.makedirs(folder, exist_ok=True)  # made by process 0 before the first gather
-        writer = ShardWriter(
-          os.path.join(folder, file.name), [(n, shapes[n]) for n in file.tensors], dtype
-        )
-      writer.write(name, rows, start)
-    except OSError as e:
-      out.failure = e
-      if writer is not None:
-        writer.close()
-      continue
-    if delta_base is not None and out.delta_failure is None:
-      try:
-        base = base or TensorIndex(delta_base, mapped=False)
-        if start == 0:
-          tensor_delta = hf_delta.TensorDelta(
-            name, shapes[name], base.shape_and_dtype(name)[0], max_bytes=ROW_RUN_BYTES
-          )
-        assert tensor_delta is not None
-        tensor_delta.add(start, rows, base.read(name, (start, start + rows.shape[0])))
-        if start + rows.shape[0] == shapes[name][0]:
-          delta.update(tensor_delta.entries())
-        if writer.done:
-          hf_delta.write_file(folder, file.name, delta)
-      except (OSError, ValueError, KeyError) as e:
-        log.warning("no delta from %s: %s", delta_base, e)
-        out.delta_failure = e
-    if writer.done:
-      writer, delta = None, {}
-  return out
 
 
 def _write_index(folder: str, plan: list[ShardFile], total_bytes: int) -> None:

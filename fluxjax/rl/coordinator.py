@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
@@ -67,7 +68,6 @@ from fluxjax.rl import (
 from fluxjax.rl import producer as producer_lib
 from fluxjax.rl.policy import Policy
 from fluxjax.rollout import engine as engine_lib
-from fluxjax.rollout import tensor_feed
 from fluxjax.rollout.backend import LoopThread, RolloutBackend
 from fluxjax.rollout.protocol import Completion, GenerateRequest
 from fluxjax.rollout.publish import PublishReport
@@ -302,15 +302,20 @@ class Coordinator:
     return out
 
   def _next_item(self):
+    """The rollout thread's next output; meanwhile the items of a deferred
+    publish are gathered as its consumer makes room (it wakes this wait)."""
     while True:
       feed = self._deferred.feed if self._deferred is not None else None
-      if feed is not None:  # gather what a deferred broadcast can take now
-        feed.pump(self._policy.publish_gather)
+      if feed is not None:
+        feed.pump(self._policy.announce_gathers)
       try:
-        return self._producer.out.get(timeout=5.0 if feed is None else tensor_feed.POLL_S)
+        item = self._producer.out.get(timeout=5.0)
       except queue.Empty:
         if not self._producer.alive:
           raise RuntimeError("the rollout thread died") from None
+        continue
+      if item is not _FEED_TOOK:
+        return item
 
   def step(self) -> StepResult:
     """One GRPO step: consume P groups as they finish, update once, publish.
@@ -366,10 +371,7 @@ class Coordinator:
         "dynamic sampling filtered every group of the step; raise rl.max_refill_rounds"
       )
     trained_gap, admitted_gap = self._version_gaps(kept)
-    feed = self._deferred.feed if self._deferred is not None else None
-    t_reads = time.perf_counter()
-    self.settle_reads()  # the update donates the arrays a deferred broadcast reads
-    t_reads = time.perf_counter() - t_reads
+    publish_wait = self._settle_reads_timed()  # the update donates what a publish reads
     device_metrics = self._policy.apply()
     self._steps += 1
     train = jax.device_get(device_metrics)
@@ -413,7 +415,7 @@ class Coordinator:
       "perf/step_seconds": elapsed,
       "perf/tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
       "publish/seconds": t_publish,
-      "publish/update_wait_seconds": t_reads,
+      **publish_wait,
       "policy/version": float(self._version),
       **{f"async/{k}": v for k, v in stale.items()},
       "async/trained_gap": trained_gap["mean"],
@@ -421,8 +423,6 @@ class Coordinator:
       **{f"async/{k}": v for k, v in control.items()},
       **{f"train/{k}": v for k, v in train.items()},
     }
-    if feed is not None:  # the broadcast's gathers run while the step waited anyway
-      host["publish/overlapped_share"] = feed.pumped / max(feed.count, 1)
     if rounds:
       host["rollout/round_seconds"] = float(np.mean([r["wall_s"] for r in rounds]))
       host["rollout/long_rounds"] = float(sum(r["kind"] == "long" for r in rounds))
@@ -503,6 +503,8 @@ class Coordinator:
       self._published(report)
       self._producer.set_version(self._version, self._steps)
     else:  # the servers load the written folder while training goes on
+      if report.feed is not None:  # its consumer wakes the wait for rollouts
+        report.feed.on_take = functools.partial(self._producer.out.put, _FEED_TOOK)
       version, steps = self._version, self._steps
       report.pending.add_done_callback(lambda _: self._producer.set_version(version, steps))
       self._deferred = report
@@ -516,12 +518,23 @@ class Coordinator:
     if self._deferred is not None and self._deferred.reads_params:
       self.settle_publish()
 
+  def _settle_reads_timed(self) -> dict[str, float]:
+    """`settle_reads`, with how long it took and the share of a fed
+    publish's gathers that ran while the step waited for rollouts anyway."""
+    feed = self._deferred.feed if self._deferred is not None else None
+    t = time.perf_counter()
+    self.settle_reads()
+    out = {"publish/update_wait_seconds": time.perf_counter() - t}
+    if feed is not None:
+      out["publish/overlapped_share"] = feed.pumped / max(feed.count, 1)
+    return out
+
   def _gather_rest(self) -> None:
     """Gathers the tensors a fed broadcast has not had yet; what is left
     on the wire then reads none of the trainer's arrays."""
     deferred = self._deferred
     if deferred is not None and deferred.feed is not None and deferred.reads_params:
-      deferred.feed.finish(self._policy.publish_gather)
+      deferred.feed.finish(self._policy.announce_gathers)
       deferred.reads_params = False
 
   def settle_publish(self) -> None:
@@ -705,6 +718,11 @@ class Coordinator:
       self._deferred.feed.abandon()
       self._deferred = None
     self.close()
+
+
+# Put on the rollout output queue when a deferred publish's consumer took an
+# item: `_next_item` wakes to gather the next.
+_FEED_TOOK = object()
 
 
 async def _result(task: asyncio.Task):

@@ -71,7 +71,7 @@ class Policy(PolicyView, WarmUpOps, Protocol):
 
   def stage(self, version: int | None = None) -> nnx.State | None: ...
 
-  def publish_gather(self, n: int) -> None:
-    """Has the other processes run the next `n` gathers of a deferred
-    publish that the leader's main thread feeds (rollout/tensor_feed.py)."""
+  def announce_gathers(self, n: int) -> None:
+    """Has the other processes run their next `n` gathers of a deferred
+    publish that this process's main thread feeds (rollout/tensor_feed.py)."""
     ...

@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 from flax import nnx
 
 from fluxjax import settings as settings_lib
 from fluxjax.data import materializer as materializer_lib
-from fluxjax.models import hf_io
 from fluxjax.models.config import ModelConfig
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import multihost, train_step
@@ -52,6 +51,7 @@ from fluxjax.rl import advantages as adv_lib
 from fluxjax.rl import checkpoint as checkpoint_lib
 from fluxjax.rl import losses, reference, sft
 from fluxjax.rollout import publish as publish_lib
+from fluxjax.rollout import tensor_feed
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +117,8 @@ class PolicyWorker:
     self._patch_source = patch_source
     self._owns_media = owns_media
     self._read: list = []  # MediaRefs read since the last update (owns_media)
-    # A deferred publish's gathers not yet run, and how many (`publish_gather`).
-    self._gathers: Iterator | None = None
-    self._gathers_left = 0
+    # A deferred publish's part whose gathers wait for the leader's word (`publish_gather`).
+    self._publishing: tensor_feed.TensorFeed | None = None
     self._rollout_shardings = (
       None
       if rollout_shardings is None
@@ -216,9 +215,9 @@ class PolicyWorker:
   def _check_gathered(self) -> None:
     """The update donates the arrays a deferred publish gathers from: the
     leader has announced every gather before it (`Coordinator.settle_reads`)."""
-    if self._gathers is not None:
+    if self._publishing is not None:
       raise RuntimeError(
-        f"the update came {self._gathers_left} gathers before the end of a deferred publish"
+        f"the update came {self._publishing.remaining} gathers before the end of a deferred publish"
       )
 
   def stage(self, version: int | None = None) -> nnx.State | None:
@@ -250,9 +249,9 @@ class PolicyWorker:
     the logits probe, then the publish's gathers, one layer tensor at a time
     (`publish.take_part`), so no process holds the whole model.
     A policy the probe refuses is not published (the leader ends the run).
-    Deferred on the distributed transport, the gathers wait for the
-    leader's `publish_gather` ops: its main thread runs them between the
-    step's ops as its broadcast takes the tensors (rollout/tensor_feed.py).
+    Deferred, the gathers wait for the leader's `publish_gather` ops: its
+    main thread runs them between the step's ops as its broadcast or writer
+    takes the tensors (rollout/tensor_feed.py).
     """
     params = self.stage()
     if not train_step.logits_finite(self._graphdef, params, train_step.probe_row(self._cfg)):
@@ -260,20 +259,20 @@ class PolicyWorker:
     model = nnx.merge(self._graphdef, params)
     root = publish_lib.weights_root(self.workdir)
     r = self.settings.rollout
-    self._gathers = publish_lib.take_part(
+    self._publishing = publish_lib.take_part(
       model, r.weight_sync, root, version, r.weight_deltas, r.defer_updates
     )
-    self._gathers_left = len(hf_io.hf_layout(self._cfg)) if self._gathers is not None else 0
 
   def publish_gather(self, n: int) -> None:
     """Runs the next `n` gathers of the deferred publish in progress."""
-    if self._gathers is None:
+    if self._publishing is None:
       raise RuntimeError("publish_gather with no deferred publish in progress")
-    for _ in range(n):
-      next(self._gathers)
-    self._gathers_left -= n
-    if self._gathers_left == 0:
-      self._gathers = None
+    self._publishing.take(n)
+    if not self._publishing.remaining:
+      self._publishing = None
+
+  def announce_gathers(self, n: int) -> None:
+    """One process: no other runs the gathers of its deferred publish."""
 
   def restore(self, step: int | None) -> Restored | None:
     """Loads checkpoint `step`'s train state (None: a fresh run, nothing to load)."""
@@ -395,9 +394,9 @@ class LeaderWorker:
       self.channel.send("publish_part", version)
     return self.worker.stage()
 
-  def publish_gather(self, n: int) -> None:
-    """Sends the op alone: the leader's own gathers feed its broadcast
-    (`PublishReport.feed`)."""
+  def announce_gathers(self, n: int) -> None:
+    """Has every follower run its next `n` gathers (`publish_gather`); the
+    leader's own feed its publish (`PublishReport.feed`)."""
     self.channel.send("publish_gather", n)
 
   def restore(self, step: int | None) -> Restored | None:

@@ -19,6 +19,20 @@ so no server rejoins with stale weights.
 published as a versioned HF folder under `weights_root` that every server
 loads (rollout/publish.py).
 
+Where this differs from the Flux design's weight-sync manager, and why:
+  * Every healthy server takes every version when it is published, not
+    lazily when a request first needs it. A disk publish carries the
+    changes from the previous version (`weight_deltas`), which only a
+    server at that version can apply: one that skipped a version reads the
+    whole folder instead, 7.9x the bytes at 366M (bench/README.md,
+    publish.py: 93 MB of delta against 733 MB) and a pause of 8.3 s against
+    0.25 s projected for Qwen2.5-VL-7B. A broadcast reaches every server
+    in the update group at once, as one collective. Staying in lockstep
+    also keeps the version a request samples the one admission launched it
+    against. A server that missed versions (down, restarted, a failed
+    update) goes straight to the newest: the folder on disk when it
+    answers /health again, the next broadcast otherwise.
+
 `launch_servers` starts server processes (`python -m sglang.launch_server ...`
 or ours) on free ports and waits for their health.
 """
@@ -152,9 +166,9 @@ class Fleet:
     weight_sync: "disk" or "distributed" (`publish`).
     weight_deltas: with "disk", each folder also holds its changes from the
       previous one, which servers at that version (ours) load instead.
-    defer_updates: `publish` returns once the folder is written ("disk")
-      or at once ("distributed", a one-process trainer); the servers load
-      the version in `PublishReport.pending`.
+    defer_updates: `publish` returns at once; the trainer's main thread
+      gathers the tensors (`PublishReport.feed`) and the write or broadcast
+      and the servers' load run in `PublishReport.pending`.
     weight_bucket_bytes: with "distributed", the most bytes one update call
       carries (hf_io.byte_runs).
   """

@@ -12,19 +12,25 @@ Remote servers (ours or SGLang) get the refit sequence slime and AReaL use:
   update  POST /update_weights_from_disk {model_path, weight_version};
   resume  POST /continue_generation, on every server that was paused.
 Each phase is timed across the fleet (the slowest server counts);
-`Fleet.update_weights` runs the sequence. Deferred (`defer`, the trainer's
-default), the publish returns once the folder is written and the servers load
-it while the trainer goes on with the next step: the trainer is blocked for
-the write alone. Deferred, the distributed transport returns at once when the
-trainer is one process: the broadcast reads the trainer's arrays one layer
-tensor at a time while the next step's rollout and gradients go on, and the
-next update, which donates those arrays, waits for it
-(`PublishReport.reads_params`; holding a bf16 copy instead would cost the
-whole model in memory). A trainer that spans processes gathers each tensor
-with collectives, which must keep their order against the training step's:
-its main thread gathers them between the step's ops and hands them to the
-broadcast (`PublishReport.feed`, rollout/tensor_feed.py), and every other
-process runs the same gathers from its op stream (`take_part`).
+`Fleet.update_weights` runs the sequence.
+
+Deferred (`defer`, the trainer's default), a publish returns at once and
+runs beside the next step's rollout and gradients; the next update, which
+donates the arrays the publish reads, waits for what is left of the reading
+(`PublishReport.reads_params`: holding a bf16 copy instead would cost the
+whole model in memory). The reads are the trainer's to run on its main
+thread: each tensor of a trainer that spans processes is a collective, which
+must keep its order against the training step's, and even on one process a
+program launched from another thread could interleave with the step's. So
+the main thread gathers each tensor (or run of rows) between the step's ops
+as the publish's consumer makes room for it (`PublishReport.feed`,
+rollout/tensor_feed.py), announcing each run to the other processes, which
+run the same gathers from their op stream (`take_part`); the consumer is the
+broadcast, or a thread that writes the folder (each process its own files,
+`deferred_write`), after which the servers load it. One exception: a
+one-process trainer's broadcast reads the arrays from its own thread, each
+tensor moved to one device first so that no collective runs
+(`hf_io.hf_tensors`).
 
 A write that fails (a full disk) ends the publish before any server hears of
 it: the fleet keeps serving the previous version, whose folder is untouched,
@@ -48,12 +54,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -165,7 +173,7 @@ def take_part(
   version: int | str,
   deltas: bool = False,
   defer: bool = False,
-) -> Iterator[np.ndarray] | None:
+) -> tensor_feed.TensorFeed | None:
   """A follower's part in a fleet publish of `model` (sharded across
   processes), while process 0 publishes it: the same collectives in the same
   order. With the disk transport it writes its run of the folder's files
@@ -173,16 +181,18 @@ def take_part(
   one, process 0 broadcasts what the gathers bring it.
 
   Returns:
-    None when the part is done; deferred on the distributed transport, the
-    gathers themselves, which the caller runs as the leader announces them
-    (its main thread feeds its broadcast: `PublishReport.feed`).
+    None when the part is done; deferred, a feed whose gathers the caller
+    runs (`TensorFeed.take`) as the leader announces them, the leader's main
+    thread feeding its own part (`PublishReport.feed`).
   """
   if weight_sync == "distributed":
     gathers = _published_tensors(model)
     if defer:
-      return gathers
+      return tensor_feed.TensorFeed(gathers, len(hf_io.hf_layout(model.cfg)), consumed=False)
     collections.deque(gathers, 0)
     return None
+  if defer:
+    return deferred_write(model, root, version, deltas=deltas)[0]
   try:
     write_checkpoint(model, root, version, deltas=deltas)
   except OSError as e:
@@ -219,37 +229,113 @@ async def publish_to_fleet(
     pause_mode: SGLang's pause mode.
     extra_files: copied into the folder (default: the shipped tokenizer.json).
     deltas: also write the changes from the previous version (`write_checkpoint`).
-    defer: return once the folder is written (the trainer's arrays are read):
-      the servers load it in a task, `PublishReport.pending`.
+    defer: return at once: the caller's main thread gathers the tensors
+      (`PublishReport.feed`), a thread writes them, and the servers load the
+      folder once it is finished, all in `PublishReport.pending`.
 
   Returns:
     The report, with seconds per phase and what failed: servers (marked
     down), or the write (then no server was told anything and `path` is None).
   """
   t = time.perf_counter()
-  try:
-    path = await asyncio.get_running_loop().run_in_executor(
-      None,
-      lambda: write_checkpoint(
-        model, root, version, dtype=dtype, extra_files=extra_files, deltas=deltas
-      ),
-    )
-  except OSError as e:
-    log.error("weight version %s not published, the fleet keeps its weights: %s", version, e)
-    return PublishReport(str(version), None, {"write": time.perf_counter() - t}, [f"write: {e}"])
-  write_s = time.perf_counter() - t
   previous = fleet.published
+  feed = None
+  try:
+    if defer:
+      feed, written = deferred_write(
+        model, root, version, dtype=dtype, extra_files=extra_files, deltas=deltas
+      )
+    else:
+      path = await asyncio.get_running_loop().run_in_executor(
+        None,
+        lambda: write_checkpoint(
+          model, root, version, dtype=dtype, extra_files=extra_files, deltas=deltas
+        ),
+      )
+  except OSError as e:
+    return _unwritten(version, e, time.perf_counter() - t)
 
-  async def load() -> PublishReport:
+  async def load(path: str) -> PublishReport:
+    write_s = time.perf_counter() - t
     seconds, failed = await fleet.update_weights(path, str(version), pause_mode=pause_mode)
     keep = {path} | ({previous[1]} if previous is not None else set())
     await asyncio.get_running_loop().run_in_executor(None, remove_old_versions, root, keep)
     return PublishReport(str(version), path, {"write": write_s, **seconds}, failed)
 
-  if not defer:
-    return await load()
-  pending = asyncio.create_task(load())
-  return PublishReport(str(version), path, {"write": write_s}, [], pending=pending)
+  if feed is None:
+    return await load(path)
+
+  async def write_and_load() -> PublishReport:
+    try:
+      path = await asyncio.wrap_future(written)
+    except (OSError, tensor_feed.Abandoned) as e:
+      return _unwritten(version, e, time.perf_counter() - t)
+    return await load(path)
+
+  pending = asyncio.create_task(write_and_load())
+  return PublishReport(str(version), None, {}, [], pending=pending, reads_params=True, feed=feed)
+
+
+def _unwritten(version: int | str, e: BaseException, seconds: float) -> PublishReport:
+  log.error("weight version %s not published, the fleet keeps its weights: %s", version, e)
+  return PublishReport(str(version), None, {"write": seconds}, [f"write: {e}"])
+
+
+def deferred_write(
+  model: vlm.Qwen25VL,
+  root: str,
+  version: int | str,
+  *,
+  dtype: str = protocol.PUBLISHED_DTYPE,
+  extra_files: Mapping[str, str | bytes] | None = None,
+  deltas: bool = False,
+) -> tuple[tensor_feed.TensorFeed, concurrent.futures.Future]:
+  """This process's part of `write_checkpoint`, deferred: the feed's gathers
+  (run as the caller's main thread pumps or takes them) go to a thread that
+  writes them; right after the last one the folder is finished on the
+  gathering thread (a collective when several processes write) and the
+  future holds its path, or the OSError.
+
+  Raises:
+    OSError: the temporary folder could not be made.
+  """
+  extra = {"tokenizer.json": tokenizer_lib.ASSET_PATH} if extra_files is None else extra_files
+  if jax.process_index() == 0:
+    hf_io.remove_interrupted_writes(root)
+  path = version_path(root, version)
+  base = delta_base(root, version) if deltas else None
+  delta_from = (version_path(root, base), base) if base is not None else None
+  writer = hf_io.FolderWriter(model, path, dtype, extra_files=extra, delta_from=delta_from)
+  written: concurrent.futures.Future = concurrent.futures.Future()
+
+  def write_all() -> None:
+    try:
+      for name, start, rows in feed:
+        writer.write(name, start, rows)
+    except tensor_feed.Abandoned as e:
+      writer.abort()
+      written.set_exception(e)
+    except Exception as e:  # shared with the other processes as this one's failure
+      log.exception("weight version %s: the writer failed", version)
+      writer.own.failure = OSError(f"the writer failed: {e!r}")
+      feed.close()
+
+  thread = threading.Thread(target=write_all, name="weight-writer", daemon=True)
+
+  def finish() -> None:
+    thread.join()
+    try:
+      written.set_result(writer.finish())
+    except OSError as e:
+      if jax.process_index() != 0:  # process 0 reports the publish's failure
+        log.error("weight version %s: this process's files were not written: %s", version, e)
+      written.set_exception(e)
+
+  feed = tensor_feed.TensorFeed(
+    hf_io.hf_tensor_rows(model, dtype), hf_io.hf_row_count(model, dtype), after_last=finish
+  )
+  thread.start()
+  return feed, written
 
 
 @dataclasses.dataclass

@@ -1,18 +1,24 @@
-"""The tensors of a deferred broadcast from a trainer that spans processes.
+"""The items of a deferred publish, gathered on the trainer's main thread.
 
-Each published tensor of such a trainer is a collective gather that every
-process runs, and collectives must meet in one order on every process: the
-training step's own are launched from each process's main thread, in the
-order the leader's ops arrive. A broadcast that overlaps training therefore
-cannot gather from the rollout loop's thread. A `TensorFeed` splits the
-work: the trainer's main thread gathers (`pump` between the step's ops while
-it waits for rollouts, `finish` before the update that donates the arrays),
-first announcing each run of gathers so that the other processes run the
-same ones at the same point of their op stream; the broadcast takes each
-gathered tensor from another thread as it comes (iterating the feed). At
-most `capacity` gathered tensors wait between the two, so a process holds
-the tensor on the wire plus `capacity` more, as the undeferred broadcast
-does.
+Each published tensor of a trainer that spans processes is a collective
+gather that every process runs, and collectives must meet in one order on
+every process: the training step's own are launched from each process's
+main thread, in the order the leader's ops arrive. A publish that overlaps
+training therefore cannot gather from another thread. A `TensorFeed` splits
+the work: the main thread gathers (the leader: `pump` between the step's
+ops while it waits for rollouts, `finish` before the update that donates the
+arrays, each run announced first so that the other processes run the same
+gathers at the same point of their op stream; another process: `take`, as
+the leader's announcement arrives), and a consumer on another thread takes
+each item as it comes (iterating the feed): the broadcast, or a process's
+part of a folder write. At most `capacity` gathered items wait between the
+two, so a process holds the item being consumed plus `capacity` more, as an
+undeferred publish does. `after_last` runs on the gathering thread right
+after the last gather, at the same point on every process (a folder write's
+closing collective).
+
+A process with one device set needs no announcements; the same feed then
+keeps the trainer's main thread the only one that launches programs.
 """
 
 from __future__ import annotations
@@ -21,42 +27,53 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-
-import numpy as np
-
-# The main thread's poll while it waits for rollouts with a feed open: how
-# late a gather may start after the broadcast took the previous tensor.
-POLL_S = 0.005
+from typing import Any
 
 _ABANDONED = object()
 
 
 class Abandoned(RuntimeError):
-  """The trainer stopped feeding the broadcast (its run failed)."""
+  """The trainer stopped feeding the publish (its run failed)."""
 
 
 class TensorFeed:
-  """A bounded hand-off of `count` tensors from the gathering thread to the
-  broadcasting one (see the module docstring).
+  """A bounded hand-off of `count` items from the gathering thread to a
+  consumer (see the module docstring).
 
   Args:
-    tensors: the gathers, run on the main thread; yields numpy tensors.
-    count: how many `tensors` yields.
-    capacity: gathered tensors that may wait for the broadcast.
+    items: the gathers, run on the gathering thread.
+    count: how many `items` yields.
+    capacity: gathered items that may wait for the consumer.
+    consumed: False: nothing takes the items; each is dropped once gathered
+      (another process's part in a broadcast).
+    after_last: run on the gathering thread after the last gather.
   """
 
-  def __init__(self, tensors: Iterator[np.ndarray], count: int, capacity: int = 1):
+  def __init__(
+    self,
+    items: Iterator[Any],
+    count: int,
+    capacity: int = 1,
+    *,
+    consumed: bool = True,
+    after_last: Callable[[], None] | None = None,
+  ):
     if capacity < 1:
       raise ValueError(f"capacity must be at least 1, got {capacity}")
-    self._tensors = tensors
+    self._items = items
     self._count = count
-    self._capacity = capacity
-    self._gathered = 0  # main thread only
-    self.pumped = 0  # of them, gathered by `pump` (while the trainer waited anyway)
-    self.gather_s = 0.0  # the main thread's time in the gathers themselves
-    self._taken = 0  # broadcasting thread only
+    self._consumed = consumed
+    self._after_last = after_last
+    self._room = threading.Semaphore(capacity)
     self._queue: queue.Queue = queue.Queue()
     self._done_taking = threading.Event()
+    self._gathered = 0  # gathering thread only
+    self._taken = 0  # consumer only
+    self.pumped = 0  # gathered by `pump` (while the trainer waited anyway)
+    self.gather_s = 0.0  # the gathering thread's time in the gathers themselves
+    # Called by the consumer after each take: the trainer's main thread,
+    # waiting for rollouts, wakes to gather the next.
+    self.on_take: Callable[[], None] | None = None
 
   @property
   def count(self) -> int:
@@ -64,20 +81,21 @@ class TensorFeed:
 
   @property
   def remaining(self) -> int:
-    """Tensors not yet gathered."""
+    """Items not yet gathered."""
     return self._count - self._gathered
 
   @property
   def waiting(self) -> int:
-    """Gathered tensors the broadcast has not taken yet."""
+    """Gathered items the consumer has not taken yet."""
     return self._queue.qsize()
 
   def pump(self, announce: Callable[[int], None]) -> int:
-    """Gathers as many tensors as there is room for, without waiting for the
-    broadcast; returns how many. `announce(n)` runs first (the other
+    """Gathers as many items as there is room for, without waiting for the
+    consumer; returns how many. `announce(n)` runs first (the other
     processes' same n gathers)."""
-    room = self._capacity - self.waiting if not self._done_taking.is_set() else 0
-    n = min(max(room, 0), self.remaining)
+    n = 0
+    while n < self.remaining and self._room.acquire(blocking=False):
+      n += 1
     if n:
       announce(n)
       for _ in range(n):
@@ -86,53 +104,65 @@ class TensorFeed:
     return n
 
   def finish(self, announce: Callable[[int], None]) -> None:
-    """Gathers every tensor left, each as the broadcast makes room for it
-    (dropped once the broadcast takes no more): the arrays are then free to
-    change."""
+    """Gathers every item left, each as the consumer makes room for it
+    (dropped once it takes no more): the arrays are then free to change."""
     n = self.remaining
-    if not n:
-      return
-    announce(n)
+    if n:
+      announce(n)
+      self.take(n)
+
+  def take(self, n: int) -> None:
+    """Gathers the next `n` items, each as the consumer makes room for it."""
+    if n > self.remaining:
+      raise ValueError(f"{n} gathers asked for, {self.remaining} left")
     for _ in range(n):
-      while not self._done_taking.is_set() and self.waiting >= self._capacity:
-        self._done_taking.wait(POLL_S)
+      if self._consumed:
+        self._room.acquire()  # `close` releases one that waits
       self._put(self._gather())
 
   def abandon(self) -> None:
     """Ends the feed without gathering the rest (the other processes are
-    gone): the broadcast's next take raises `Abandoned`."""
+    gone): the consumer's next take raises `Abandoned`."""
     self._gathered = self._count
     self._queue.put(_ABANDONED)
 
-  def _gather(self) -> np.ndarray:
+  def _gather(self) -> Any:
     t = time.perf_counter()
-    x = next(self._tensors)
+    x = next(self._items)
     self.gather_s += time.perf_counter() - t
+    self._gathered += 1
     return x
 
-  def _put(self, x: np.ndarray) -> None:
-    self._gathered += 1
-    if not self._done_taking.is_set():
+  def _put(self, x: Any) -> None:
+    """Hands a gathered item over (its room taken), or drops it when no one
+    takes it; after the last, `after_last`."""
+    if self._consumed and not self._done_taking.is_set():
       self._queue.put(x)
+    if self._gathered == self._count and self._after_last is not None:
+      self._after_last()
 
-  # The broadcasting thread's side.
+  # The consumer's side.
 
   def __iter__(self) -> TensorFeed:
     return self
 
-  def __next__(self) -> np.ndarray:
+  def __next__(self) -> Any:
     if self._taken == self._count:
       self._done_taking.set()
       raise StopIteration
     x = self._queue.get()
     if x is _ABANDONED:
       self._done_taking.set()
-      raise Abandoned("the trainer abandoned the publish before every tensor was gathered")
+      raise Abandoned("the trainer abandoned the publish before every item was gathered")
     self._taken += 1
+    self._room.release()
+    if self.on_take is not None:
+      self.on_take()
     return x
 
   def close(self) -> None:
-    """The broadcast takes no more: whatever is still gathered is dropped."""
+    """The consumer takes no more: whatever is gathered from now is dropped."""
     self._done_taking.set()
+    self._room.release(self._count + 1)  # a put waiting for room goes on
     while not self._queue.empty():
       self._queue.get_nowait()

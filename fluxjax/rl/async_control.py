@@ -131,6 +131,13 @@ def parse_version(weight_version: str | int) -> int:
     return 0
 
 
+def token_versions(completion, launch_version: int) -> list[int]:
+  """The policy version of each token of a `protocol.Completion`; tokens the
+  backend reported none for were sampled by `launch_version`, the version
+  its round was admitted against."""
+  return [parse_version(v) for v in completion.versions(default=str(launch_version))]
+
+
 def tag_tokens(num_tokens: int, version: int, tags_T: np.ndarray | None = None) -> np.ndarray:
   """Appends `num_tokens` tags of `version` to `tags_T` (a new array).
 

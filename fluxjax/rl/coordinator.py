@@ -456,8 +456,8 @@ class Coordinator:
     tags, launches = [], []
     for k in kept:
       for c in k.group.completions:
-        versions = c.versions(default=str(k.launch_version))
-        tags += [async_control.parse_version(v) for v in versions]
+        versions = async_control.token_versions(c, k.launch_version)
+        tags += versions
         launches += [k.launch_version] * len(versions)
     trained = async_control.version_gap(np.asarray(tags), self._version)
     return trained, async_control.admission_gap(tags, launches, self._version)

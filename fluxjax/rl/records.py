@@ -72,7 +72,7 @@ def response_records(
   slot = 0
   for group, launch in zip(groups, launch_versions, strict=True):
     for j, (c, reward) in enumerate(zip(group.completions, group.rewards, strict=True)):
-      tags = [async_control.parse_version(v) for v in c.versions(default=str(launch))]
+      tags = async_control.token_versions(c, launch)
       gap = async_control.version_gap(tags, version)
       weight = float(per_sequence["tokens"][slot])
       means = {

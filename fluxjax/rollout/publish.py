@@ -96,9 +96,10 @@ class PublishReport:
       report is final.
     reads_params: `pending` still reads the trainer's arrays (a deferred
       broadcast): the next update, which donates them, waits for it.
-    feed: a deferred broadcast from a trainer that spans processes: the
-      trainer's main thread gathers its tensors (`TensorFeed.pump`, then
-      `finish` before the next update) and `pending` sends them.
+    feed: the items of a deferred publish, which the trainer's main thread
+      gathers (`TensorFeed.pump`, then `finish` before the next update) and
+      `pending` writes or sends: every deferred write, and a broadcast from
+      a trainer that spans processes.
   """
 
   version: str

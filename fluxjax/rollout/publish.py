@@ -134,15 +134,22 @@ def write_checkpoint(
   Raises:
     OSError: the folder could not be written; nothing under `root` changed.
   """
-  extra = {"tokenizer.json": tokenizer_lib.ASSET_PATH} if extra_files is None else extra_files
-  if jax.process_index() == 0:
-    hf_io.remove_interrupted_writes(root)
-  path = version_path(root, version)
-  base = delta_base(root, version) if deltas else None
-  delta_from = (version_path(root, base), base) if base is not None else None
+  path, extra, delta_from = _prepare_write(root, version, extra_files, deltas)
   return hf_io.save_hf_checkpoint(
     model, path, dtype=dtype, extra_files=extra, delta_from=delta_from
   )
+
+
+def _prepare_write(root: str, version: int | str, extra_files, deltas: bool):
+  """(folder, files copied in, (base folder, base version) of its delta or
+  None) of version `version` under `root`, once process 0 has cleared what a
+  writer killed mid-write left there (before the write's first collective)."""
+  extra = {"tokenizer.json": tokenizer_lib.ASSET_PATH} if extra_files is None else extra_files
+  if jax.process_index() == 0:
+    hf_io.remove_interrupted_writes(root)
+  base = delta_base(root, version) if deltas else None
+  delta_from = (version_path(root, base), base) if base is not None else None
+  return version_path(root, version), extra, delta_from
 
 
 def delta_base(root: str, version: int | str) -> str | None:
@@ -300,12 +307,7 @@ def deferred_write(
   Raises:
     OSError: the temporary folder could not be made.
   """
-  extra = {"tokenizer.json": tokenizer_lib.ASSET_PATH} if extra_files is None else extra_files
-  if jax.process_index() == 0:
-    hf_io.remove_interrupted_writes(root)
-  path = version_path(root, version)
-  base = delta_base(root, version) if deltas else None
-  delta_from = (version_path(root, base), base) if base is not None else None
+  path, extra, delta_from = _prepare_write(root, version, extra_files, deltas)
   writer = hf_io.FolderWriter(model, path, dtype, extra_files=extra, delta_from=delta_from)
   written: concurrent.futures.Future = concurrent.futures.Future()
 

@@ -124,13 +124,17 @@ def leader_channel(array) -> None:
 
 
 def bf16_digest(model) -> str:
-  """sha256 over every published tensor's name and bf16 bytes, in order."""
+  """sha256 over every published tensor's name and bf16 bytes, in order, as
+  a broadcast sends them (from a model that spans processes: each gathered
+  in runs of rows, put together on process 0)."""
   import hashlib
 
   from fluxjax.models import hf_io
+  from fluxjax.rollout import publish
 
   digest = hashlib.sha256()
-  for name, tensor in hf_io.hf_tensors(model, "bfloat16"):
+  names = [name for name, _ in hf_io.hf_layout(model.cfg)]
+  for name, tensor in zip(names, publish.broadcast_tensors(model), strict=True):
     digest.update(name.encode() + tensor.tobytes())
   return digest.hexdigest()
 

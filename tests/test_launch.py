@@ -357,7 +357,8 @@ def test_two_processes_publish_a_sharded_model_each_writing_its_own_files(child_
   deltas of its files; one process's full
   disk fails the whole version and leaves nothing behind, also deferred (the
   gathers fed from process 0's main thread to a writer thread on each); the
-  distributed transport's gathers bring process 0 every bf16 tensor."""
+  distributed transport's gathers, runs of rows too, bring process 0 every
+  bf16 tensor whole."""
   root = tmp_path / "weights"
   out = run_launcher(
     [sys.executable, "-m", "fluxjax.launch", "--processes=2", "--cpu_devices=2"]

@@ -156,6 +156,27 @@ def test_large_tensors_go_to_disk_in_runs_of_rows_and_write_the_same_folder(
   }
 
 
+def test_runs_of_rows_put_together_are_the_whole_tensors(devices):
+  """What a broadcast from several processes sends (`hf_io.whole_tensors` of
+  runs of rows, here of at most 4 KiB from FSDP-sharded parameters): the
+  whole-tensor export's bytes, in its order; `hf_row_count` counts the runs."""
+  del devices
+  model = sharded.create_sharded_model(
+    config.preset("tiny"), mesh_lib.make_mesh(), seed=0, log_table=False
+  )
+  runs = list(hf_io.hf_tensor_rows(model, "bfloat16", run_bytes=4096))
+  assert (
+    len(runs)
+    == hf_io.hf_row_count(model, "bfloat16", run_bytes=4096)
+    > len(hf_io.hf_layout(model.cfg))
+  )
+  whole = list(hf_io.hf_tensors(model, "bfloat16"))
+  put_together = list(hf_io.whole_tensors(iter(runs), model.cfg))
+  assert len(put_together) == len(whole)
+  for (name, want), got in zip(whole, put_together, strict=True):
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16), err_msg=name)
+
+
 def test_a_folder_carries_its_changes_from_the_previous_version(tmp_path):
   root = str(tmp_path)
   first = random_model(1)

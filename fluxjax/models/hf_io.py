@@ -32,7 +32,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -534,6 +534,26 @@ def hf_tensor_rows(model: vlm.Qwen25VL, dtype: str = "bfloat16", run_bytes: floa
     x = get()
     for start in range(0, rows, per_run):
       yield name, start, _export(_slice_rows(x, n_in, start, start + per_run), np_dtype, layout)
+
+
+def whole_tensors(items, cfg: config_lib.ModelConfig) -> Iterator[np.ndarray]:
+  """The published tensors whole, in `hf_layout` order, from
+  `hf_tensor_rows`' items: one that came whole passes through, one in runs
+  of rows is copied into a buffer of its shape as they come."""
+  shapes = dict(hf_layout(cfg))
+  buffer = None
+  for name, start, rows in items:
+    shape = shapes[name]
+    if start == 0 and tuple(rows.shape) == tuple(shape):
+      yield rows
+      continue
+    if start == 0:
+      buffer = np.empty(shape, rows.dtype)
+    assert buffer is not None, f"{name}: rows from {start} came before row 0"
+    buffer[start : start + rows.shape[0]] = rows
+    if start + rows.shape[0] == shape[0]:
+      yield buffer
+      buffer = None
 
 
 def hf_row_count(

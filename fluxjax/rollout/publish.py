@@ -194,10 +194,11 @@ def take_part(
     thread feeding its own part (`PublishReport.feed`).
   """
   if weight_sync == "distributed":
-    gathers = _published_tensors(model)
+    runs = hf_io.hf_tensor_rows(model, protocol.PUBLISHED_DTYPE)
     if defer:
-      return tensor_feed.TensorFeed(gathers, len(hf_io.hf_layout(model.cfg)), consumed=False)
-    collections.deque(gathers, 0)
+      count = hf_io.hf_row_count(model, protocol.PUBLISHED_DTYPE)
+      return tensor_feed.TensorFeed(runs, count, consumed=False)
+    collections.deque(runs, 0)
     return None
   if defer:
     return deferred_write(model, root, version, deltas=deltas)[0]
@@ -208,9 +209,14 @@ def take_part(
   return None
 
 
-def _published_tensors(model: vlm.Qwen25VL) -> Iterator[np.ndarray]:
+def broadcast_tensors(model: vlm.Qwen25VL) -> Iterator[np.ndarray]:
   """The broadcast's tensors in `hf_io.hf_layout` order, each gathered when
-  asked for (a collective when the model spans processes)."""
+  asked for. A model that spans processes is gathered in runs of rows (each
+  a collective), so that a process holds at most a run of what it gathers
+  (`take_part`), and process 0 puts each tensor together whole, as the
+  protocol sends it."""
+  if hf_io.spans_processes(model):
+    return hf_io.whole_tensors(hf_io.hf_tensor_rows(model, protocol.PUBLISHED_DTYPE), model.cfg)
   return (x for _, x in hf_io.hf_tensors(model, protocol.PUBLISHED_DTYPE))
 
 
@@ -450,7 +456,8 @@ async def publish_distributed(
     return await _broadcast_version(fleet, model, version)
   feed = None
   if hf_io.spans_processes(model):
-    feed = tensor_feed.TensorFeed(_published_tensors(model), len(hf_io.hf_layout(model.cfg)))
+    runs = hf_io.hf_tensor_rows(model, protocol.PUBLISHED_DTYPE)
+    feed = tensor_feed.TensorFeed(runs, hf_io.hf_row_count(model, protocol.PUBLISHED_DTYPE))
   pending = asyncio.create_task(_broadcast_version(fleet, model, version, feed))
   return PublishReport(str(version), None, {}, [], pending=pending, reads_params=True, feed=feed)
 
@@ -484,7 +491,7 @@ async def _broadcast_version(
   # process takes part in (`take_part`): a publish that sends none or only
   # some of them still runs them all (the `finally` below, `send`'s finish),
   # unless a feed gathers them, which then drops what is not taken.
-  tensors = feed if feed is not None else _published_tensors(model)
+  tensors = hf_io.whole_tensors(feed, model.cfg) if feed is not None else broadcast_tensors(model)
   spans = hf_io.spans_processes(model) and feed is None
   device = weight_group.tensor_device(fleet.weight_group_backend)
 

@@ -56,9 +56,10 @@ that step's wait for rollouts must cover, or its update waits for the rest),
 and the servers' pause. The
 baseline gathers the fp32 model onto every host (twice the bf16 bytes, and
 the whole fp32 model held per host) and writes the whole folder from one. The
-others gather each layer tensor in bf16 on every host (an all-gather: each
-host receives (N-1)/N of the bf16 model) and hold at most the largest tensor
-(the disk path at most hf_io.ROW_RUN_BYTES of it, in runs of rows);
+others gather each layer tensor in bf16 on every host, past
+hf_io.ROW_RUN_BYTES in runs of rows (an all-gather: each host receives
+(N-1)/N of the bf16 model) and hold at most one run, but for the broadcast's
+process 0, which holds the largest tensor whole (the protocol sends it so);
 the disk path then writes 1/N of the folder from each host at once and every
 server reads the folder; with deltas each host also reads its own files of
 the previous version back and writes 6 bytes per changed element

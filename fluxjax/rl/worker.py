@@ -246,8 +246,8 @@ class PolicyWorker:
     """A follower's part in publishing weight `version` to a fleet.
 
     The collectives the leader's `Coordinator.publish` runs, in its order:
-    the logits probe, then the publish's gathers, one layer tensor at a time
-    (`publish.take_part`), so no process holds the whole model.
+    the logits probe, then the publish's gathers, one layer tensor or run of
+    rows at a time (`publish.take_part`), so no process holds the whole model.
     A policy the probe refuses is not published (the leader ends the run).
     Deferred, the gathers wait for the leader's `publish_gather` ops: its
     main thread runs them between the step's ops as its broadcast or writer

@@ -519,8 +519,10 @@ class Coordinator:
       self.settle_publish()
 
   def _settle_reads_timed(self) -> dict[str, float]:
-    """`settle_reads`, with how long it took and the share of a fed
-    publish's gathers that ran while the step waited for rollouts anyway."""
+    """`settle_reads`, with how long it took (also the step's own gradient
+    programs still running: the first gather's copy to the host queues
+    behind them) and the share of a fed publish's gathers that ran while
+    the step waited for rollouts anyway."""
     feed = self._deferred.feed if self._deferred is not None else None
     t = time.perf_counter()
     self.settle_reads()

@@ -314,8 +314,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # between the next step's ops while it waits for rollouts, a thread writes
   # the folder ("disk") or the broadcast sends them ("distributed"), and the
   # servers load the version while the trainer goes on; the next update waits
-  # for the gathers left (the coordinator waits for the whole publish before
-  # the next one and before an evaluation). False: the trainer waits for all.
+  # for the gathers left, paced by the write or send (the coordinator waits
+  # for the whole publish before the next one and before an evaluation).
+  # False: the trainer waits for all.
   c.rollout.defer_updates = True
   c.rollout.weight_group_backend = v.weight_group_backend
   c.rollout.weight_group_address = ""

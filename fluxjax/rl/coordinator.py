@@ -485,10 +485,10 @@ class Coordinator:
 
     # An embedded engine gets its own buffers: the next update donates the
     # trainer's, while rollout goes on sampling from these. A fleet has read
-    # the trainer's when the publish returns, or, deferred, its servers are
-    # still loading the written folder or receiving a broadcast that reads
-    # them (then the next update waits: `settle_reads`); admission opens when
-    # they are done.
+    # the trainer's when the publish returns, or, deferred, still reads them:
+    # this thread gathers a feed's items while it waits for rollouts
+    # (`_next_item`), and the next update waits for the rest (`settle_reads`);
+    # admission opens when the servers are done.
     t = time.perf_counter()
     self.settle_publish()
     params = self._policy.stage(self._version + int(new_version))

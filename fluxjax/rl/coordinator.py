@@ -515,7 +515,8 @@ class Coordinator:
     (`PublishReport.reads_params`), which the next update donates: gathers
     the rest of a feed here, or waits for the whole publish."""
     self._gather_rest()
-    if self._deferred is not None and self._deferred.reads_params:
+    deferred = self._deferred
+    if deferred is not None and deferred.feed is None and deferred.reads_params:
       self.settle_publish()
 
   def _settle_reads_timed(self) -> dict[str, float]:
@@ -532,12 +533,11 @@ class Coordinator:
     return out
 
   def _gather_rest(self) -> None:
-    """Gathers the tensors a fed broadcast has not had yet; what is left
-    on the wire then reads none of the trainer's arrays."""
-    deferred = self._deferred
-    if deferred is not None and deferred.feed is not None and deferred.reads_params:
-      deferred.feed.finish(self._policy.announce_gathers)
-      deferred.reads_params = False
+    """Gathers the items a fed publish has not had yet (none once all
+    were); what is left to write or send then reads none of the trainer's
+    arrays."""
+    if self._deferred is not None and self._deferred.feed is not None:
+      self._deferred.feed.finish(self._policy.announce_gathers)
 
   def settle_publish(self) -> None:
     """Waits for a deferred publish's servers to load it (see `publish`)."""

@@ -12,7 +12,7 @@ global mesh. Its methods are the ops:
   apply()               the optimizer update(s) of the batch
   stage(version)        a copy of the weights for the rollout backend
   publish_part(version) a follower's part in publishing them to a fleet
-  publish_gather(n)     the next n gathers of a deferred broadcast's part
+  publish_gather(n)     the next n gathers of a deferred publish's part
   restore(step)         the train state of a checkpoint (or none)
   save(step, ...)       a checkpoint
   set_reference(fresh)  the KL term's reference model

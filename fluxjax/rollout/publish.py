@@ -94,8 +94,9 @@ class PublishReport:
       rollout loop: a task whose result is the publish's final report (this
       one then says only what the trainer was blocked for); None when this
       report is final.
-    reads_params: `pending` still reads the trainer's arrays (a deferred
-      broadcast): the next update, which donates them, waits for it.
+    reads_params: the publish still reads the trainer's arrays after it
+      returns: the next update, which donates them, waits for the reads
+      (the rest of `feed`'s gathers when there is one, else all of `pending`).
     feed: the items of a deferred publish, which the trainer's main thread
       gathers (`TensorFeed.pump`, then `finish` before the next update) and
       `pending` writes or sends: every deferred write, and a broadcast from
@@ -194,11 +195,9 @@ def take_part(
     thread feeding its own part (`PublishReport.feed`).
   """
   if weight_sync == "distributed":
-    runs = hf_io.hf_tensor_rows(model, protocol.PUBLISHED_DTYPE)
     if defer:
-      count = hf_io.hf_row_count(model, protocol.PUBLISHED_DTYPE)
-      return tensor_feed.TensorFeed(runs, count, consumed=False)
-    collections.deque(runs, 0)
+      return _row_feed(model, consumed=False)
+    collections.deque(hf_io.hf_tensor_rows(model, protocol.PUBLISHED_DTYPE), 0)
     return None
   if defer:
     return deferred_write(model, root, version, deltas=deltas)[0]
@@ -207,6 +206,15 @@ def take_part(
   except OSError as e:
     log.error("weight version %s: this process's files were not written: %s", version, e)
   return None
+
+
+def _row_feed(
+  model: vlm.Qwen25VL, dtype: str = protocol.PUBLISHED_DTYPE, **kwargs
+) -> tensor_feed.TensorFeed:
+  """A feed of `model`'s published tensors in runs of rows
+  (`hf_io.hf_tensor_rows`), each gathered when the feed asks for it."""
+  items = hf_io.hf_tensor_rows(model, dtype)
+  return tensor_feed.TensorFeed(items, hf_io.hf_row_count(model, dtype), **kwargs)
 
 
 def broadcast_tensors(model: vlm.Qwen25VL) -> Iterator[np.ndarray]:
@@ -340,9 +348,7 @@ def deferred_write(
         log.error("weight version %s: this process's files were not written: %s", version, e)
       written.set_exception(e)
 
-  feed = tensor_feed.TensorFeed(
-    hf_io.hf_tensor_rows(model, dtype), hf_io.hf_row_count(model, dtype), after_last=finish
-  )
+  feed = _row_feed(model, dtype, after_last=finish)
   thread.start()
   return feed, written
 
@@ -454,10 +460,7 @@ async def publish_distributed(
   """
   if not defer:
     return await _broadcast_version(fleet, model, version)
-  feed = None
-  if hf_io.spans_processes(model):
-    runs = hf_io.hf_tensor_rows(model, protocol.PUBLISHED_DTYPE)
-    feed = tensor_feed.TensorFeed(runs, hf_io.hf_row_count(model, protocol.PUBLISHED_DTYPE))
+  feed = _row_feed(model) if hf_io.spans_processes(model) else None
   pending = asyncio.create_task(_broadcast_version(fleet, model, version, feed))
   return PublishReport(str(version), None, {}, [], pending=pending, reads_params=True, feed=feed)
 

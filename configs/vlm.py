@@ -179,8 +179,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.samples_per_prompt = 4
   c.eval.greedy = True
 
-  # Every `every` RL steps and at the last; also at step 0 after an SFT
-  # warm-up, so that a resumed run never repeats it.
+  # Every `every` RL steps (0: none between) and at the last; also at step 0
+  # after an SFT warm-up, so that a resumed run never repeats it.
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = v.checkpoint_every
 

@@ -24,6 +24,17 @@ def _state(mesh, seed):
   return train_step.create_train_state(model, tx, mesh)
 
 
+def test_periodic_saves_every_k_steps_or_none(tmp_path):
+  every_3 = checkpoint.Checkpointer(str(tmp_path / "a"), save_every=3)
+  assert [k for k in range(1, 10) if every_3.should_save(k)] == [3, 6, 9]
+  # 0: no periodic save (the loop still saves the last step).
+  assert not any(
+    checkpoint.Checkpointer(str(tmp_path / "b"), save_every=0).should_save(k) for k in range(10)
+  )
+  with pytest.raises(ValueError, match=r"checkpoint\.every must be >= 0"):
+    checkpoint.Checkpointer(str(tmp_path / "c"), save_every=-1)
+
+
 def test_checkpoint_round_trip_reshards(tmp_path, devices):
   mesh = mesh_lib.make_mesh(sp_axes=(("sp", 2),))
   _, state, _ = _state(mesh, seed=0)

@@ -44,6 +44,10 @@ class Checkpointer:
   def __init__(
     self, workdir: str, *, max_to_keep: int = 3, save_every: int = 1, async_save: bool = True
   ):
+    if save_every < 0:
+      raise ValueError(
+        f"checkpoint.every must be >= 0 (0: at the last step only), got {save_every}"
+      )
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
     self.save_every = save_every
     options = ocp.CheckpointManagerOptions(
@@ -65,7 +69,9 @@ class Checkpointer:
     return None if latest is None else latest.step
 
   def should_save(self, step: int) -> bool:
-    return step % self.save_every == 0
+    """Whether `step` is a periodic save (every `save_every` steps; 0: none,
+    the caller's own saves, such as the last step's, only)."""
+    return self.save_every > 0 and step % self.save_every == 0
 
   def save(
     self,

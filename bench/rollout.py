@@ -1,7 +1,7 @@
 """Rollout engine throughput: continuous batching vs a one-at-a-time decode loop.
 
   python bench/rollout.py [--preset tiny] [--requests 32] [--prompt-len 32] [--new-tokens 64]
-      [--slots 32] [--json PATH]
+      [--slots 32] [--decode-steps 1,8] [--json PATH]
   python bench/rollout.py --preset 3b --dtype bfloat16 --slots 256 --concurrency 1,32,256 \
       --loop-requests 2 --new-tokens 128 --prefill-len 1024        # on a GPU
 
@@ -13,7 +13,9 @@ generates exactly --new-tokens tokens. Compilation is excluded (warm-up first).
            1-slot cache, the token fetched to the host each step (a plain
            generate loop with a KV cache).
   engine   fluxjax.rollout.engine.Engine with 32 slots; a driver keeps
-           1, 8 or 32 requests in flight until all --requests are done.
+           1, 8 or 32 requests in flight until all --requests are done;
+           once per --decode-steps value (num_continuous_decode_steps:
+           decode steps per jitted call, one fetch of the tokens per call).
 
 Reports generated tokens/s and the ratio to the loop, in one run. Each
 concurrency level runs max(--requests, level) requests (--loop-requests for
@@ -106,6 +108,14 @@ def run_engine(engine, seqs, new_tokens, concurrency):
   return done * new_tokens
 
 
+def agreement(engine, seq, loop_out, new_tokens):
+  """How many leading greedy tokens the engine and the loop share (a sanity
+  check, not a timing)."""
+  sp = protocol.SamplingParams(max_new_tokens=new_tokens, top_k=1, ignore_eos=True)
+  check = engine.generate([engine_lib.EngineRequest("check", seq, sp)])[0]
+  return next((i for i, (a, b) in enumerate(zip(check.output_ids, loop_out)) if a != b), new_tokens)
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--preset", default="tiny")
@@ -115,6 +125,7 @@ def main():
   p.add_argument("--slots", type=int, default=32)
   p.add_argument("--dtype", default="float32", help="compute and parameter dtype")
   p.add_argument("--concurrency", default="1,8,32", help="requests in flight, comma list")
+  p.add_argument("--decode-steps", default="1,8", help="engine decode steps per call, comma list")
   p.add_argument("--loop-requests", type=int, default=0, help="loop baseline requests; 0: all")
   p.add_argument("--prefill-len", type=int, default=0, help="also time prefill at this length")
   p.add_argument("--bandwidth", type=float, default=None, help="bytes/s; default by device")
@@ -125,6 +136,7 @@ def main():
   )
   args = p.parse_args()
   levels = [int(c) for c in args.concurrency.split(",")]
+  steps_per_call = [int(k) for k in args.decode_steps.split(",")]
   cfg = config.preset(args.preset, dtype=args.dtype, param_dtype=args.dtype)
   model = vlm.create_model(cfg, 0)
   tok = Tokenizer.default()
@@ -144,40 +156,33 @@ def main():
   loop_tps = len(loop_seqs) * args.new_tokens / (time.perf_counter() - t)
 
   buckets = sorted({bucket, capacity} | ({args.prefill_len} if args.prefill_len else set()))
-  engine = engine_lib.Engine(
-    model, tok, num_slots=args.slots, capacity=capacity, prefill_buckets=buckets
-  )
-  run_engine(engine, seqs[:2], 3, 2)  # compile
-  rows = []
-  for c in levels:
-    n = max(args.requests, c)
-    run_engine(engine, seqs[:c], 2, c)  # this level's slot bucket compiles
-    t = time.perf_counter()
-    tokens = run_engine(engine, seqs[:n], args.new_tokens, c)
-    rows.append((c, tokens / (time.perf_counter() - t)))
-  prefill_tps = None
-  if args.prefill_len:
-    long_seqs = draw(levels[-1], args.prefill_len)
-    run_engine(engine, long_seqs[:1], 1, 1)  # compile
-    t = time.perf_counter()
-    run_engine(engine, long_seqs, 1, levels[-1])
-    prefill_tps = len(long_seqs) * args.prefill_len / (time.perf_counter() - t)
-  # Same greedy tokens on both sides (a sanity check, not a timing).
-  check = engine.generate(
-    [
-      engine_lib.EngineRequest(
-        "check",
-        seqs[0],
-        protocol.SamplingParams(max_new_tokens=args.new_tokens, top_k=1, ignore_eos=True),
-      )
-    ]
-  )[0]
+  rows, prefill_tps, agree = [], None, args.new_tokens
+  for k in steps_per_call:
+    engine = engine_lib.Engine(
+      model,
+      tok,
+      num_slots=args.slots,
+      capacity=capacity,
+      prefill_buckets=buckets,
+      num_continuous_decode_steps=k,
+    )
+    run_engine(engine, seqs[:2], 3, 2)  # compile
+    for c in levels:
+      n = max(args.requests, c)
+      run_engine(engine, seqs[:c], 2, c)  # this level's slot bucket compiles
+      t = time.perf_counter()
+      tokens = run_engine(engine, seqs[:n], args.new_tokens, c)
+      rows.append((k, c, tokens / (time.perf_counter() - t)))
+    if args.prefill_len and prefill_tps is None:
+      long_seqs = draw(levels[-1], args.prefill_len)
+      run_engine(engine, long_seqs[:1], 1, 1)  # compile
+      t = time.perf_counter()
+      run_engine(engine, long_seqs, 1, levels[-1])
+      prefill_tps = len(long_seqs) * args.prefill_len / (time.perf_counter() - t)
+    agree = min(agree, agreement(engine, seqs[0], loop_outs[0], args.new_tokens))
+    del engine  # its KV cache goes before the next one's
   # Greedy ties break differently between batch shapes in bf16 (random
   # weights give near-flat logits): exact agreement is checked in fp32 only.
-  agree = next(
-    (i for i, (a, b) in enumerate(zip(check.output_ids, loop_outs[0])) if a != b),
-    args.new_tokens,
-  )
   if args.dtype == "float32":
     assert agree == args.new_tokens, f"engine and loop disagree from token {agree}"
 
@@ -209,16 +214,17 @@ def main():
     f"bandwidth {bandwidth / 1e12 if bandwidth else float('nan'):.1f} TB/s"
   )
   print(
-    "| mode | concurrent requests | generated tokens/s | vs loop | bandwidth bound | of bound |"
+    "| mode | decode steps per call | concurrent requests | generated tokens/s | vs loop "
+    "| bandwidth bound | of bound |"
   )
-  print("|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|")
 
   def of_bound(c, tps):  # the bound's cell and the share of it reached
     return f"{bound(c):,.0f} | {tps / bound(c):.0%}" if bandwidth else "- | -"
 
-  print(f"| loop (one at a time) | 1 | {loop_tps:,.0f} | 1.00x | {of_bound(1, loop_tps)} |")
-  for c, tps in rows:
-    print(f"| engine | {c} | {tps:,.0f} | {tps / loop_tps:.2f}x | {of_bound(c, tps)} |")
+  print(f"| loop (one at a time) | 1 | 1 | {loop_tps:,.0f} | 1.00x | {of_bound(1, loop_tps)} |")
+  for k, c, tps in rows:
+    print(f"| engine | {k} | {c} | {tps:,.0f} | {tps / loop_tps:.2f}x | {of_bound(c, tps)} |")
   if prefill_tps:
     print(f"prefill: {levels[-1]} x {args.prefill_len} tokens, {prefill_tps:,.0f} tokens/s")
   if args.json:
@@ -235,6 +241,7 @@ def main():
         "rows": [
           {
             "mode": "loop (one at a time)",
+            "decode_steps_per_call": 1,
             "concurrent_requests": 1,
             "generated_tokens_per_s": loop_tps,
             "vs_loop": 1.0,
@@ -244,12 +251,13 @@ def main():
         + [
           {
             "mode": "engine",
+            "decode_steps_per_call": k,
             "concurrent_requests": c,
             "generated_tokens_per_s": tps,
             "vs_loop": tps / loop_tps,
             "bandwidth_bound": bound(c),
           }
-          for c, tps in rows
+          for k, c, tps in rows
         ],
         "tokens_agreeing_with_loop": agree,
       },

@@ -64,6 +64,7 @@ _CPU = dict(
   balance_vision=False,
   backend="embedded",
   context_length=256,
+  decode_steps=1,
   prompts_per_step=16,
   max_new_tokens=16,
   weight_group_backend="gloo",
@@ -90,6 +91,7 @@ _GPU_FLEET = dict(
   balance_vision=True,
   backend="sglang",
   context_length=8192,
+  decode_steps=8,
   prompts_per_step=64,
   max_new_tokens=1024,
   weight_group_backend="nccl",
@@ -285,6 +287,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # context_length - rl.max_new_tokens are skipped (counted); the trainer must
   # place a sequence this long (validated against sharding.capacity).
   c.rollout.context_length = v.context_length
+  # Decode steps per jitted call of our engine (embedded or served; SGLang's
+  # --num-continuous-decode-steps; an SGLang fleet takes its own flag): the
+  # call's dispatch and the host's fetch of its tokens are paid once per this
+  # many tokens, and a request that stops inside a call holds its slot to the
+  # call's end. The tiny job on 2 CPU cores trains as fast with 1 as with 4
+  # (its train step dominates). The GPU variants take 8: bench/rollout.py on a
+  # CPU gives 1.1-2.1x the tokens/s of 1 at 1-32 requests (16 a little more
+  # on fixed-length requests, where no call ends early), and on an H200 one
+  # call per token was host-bound (9-10 ms a token against a 1.4 ms bandwidth
+  # bound at batch 1). 8 is not yet measured on a GPU.
+  c.rollout.num_continuous_decode_steps = v.decode_steps
   # Embedded engine placement: 0 runs it on the trainer's mesh (one process)
   # or on all of process 0's devices (several processes); k > 0 runs it on
   # the first k devices of process 0, with its own copy of the weights.

@@ -207,6 +207,7 @@ class Rollout:
   health_interval_s: float
   num_slots: int
   context_length: int
+  num_continuous_decode_steps: int
   embedded_devices: int
   seeded: bool
   weight_sync: str

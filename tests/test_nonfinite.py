@@ -97,17 +97,28 @@ def _seq(cfg, n=6):
   return inputs.sequence_from_tokens(np.arange(5, 5 + n), [], cfg)
 
 
-def test_the_engine_refuses_nonfinite_logits(model):
+@pytest.mark.parametrize("steps", [1, 4])
+def test_the_engine_refuses_nonfinite_logits(model, steps):
   tok = Tokenizer.default()
   # One slot: every request below runs in it, after the refused ones.
-  eng = engine_lib.Engine(model, tok, num_slots=1, capacity=64, prefill_buckets=(16, 64))
+  eng = engine_lib.Engine(
+    model,
+    tok,
+    num_slots=1,
+    capacity=64,
+    prefill_buckets=(16, 64),
+    num_continuous_decode_steps=steps,
+  )
   sp = protocol.SamplingParams.from_dict(
     {"max_new_tokens": 20, "temperature": 1.0, "ignore_eos": True}
   )
   nan = jax.tree.map(lambda x: np.full(x.shape, np.nan, x.dtype), nnx.split(model)[1])
 
-  # NaN weights swapped in mid-request: the tokens before stay, the next is
-  # refused (at position 18, past the prompt's prefill bucket of 16).
+  # NaN weights swapped in mid-request: the tokens before stay, the first
+  # the next decode call samples is refused (past the prompt's prefill
+  # bucket of 16). Output token 0 comes from the prefill and calls start at
+  # tokens 1, 1 + steps, ...: the swap after 12 tokens refuses token 12 at
+  # one step per call, token 13 at four (the call that sampled 9-12 ends).
   def swap_after_twelve(req):
     if len(req.output_ids) == 12 and req.finish_reason is None:
       eng.update_params(nan, "v-nan")
@@ -115,8 +126,9 @@ def test_the_engine_refuses_nonfinite_logits(model):
   req = engine_lib.EngineRequest("r-decode", _seq(model.cfg), sp, on_event=swap_after_twelve)
   with pytest.raises(engine_lib.NonFiniteLogits, match="weight version v-nan") as refused:
     eng.generate([req])
-  assert refused.value.rid == "r-decode" and refused.value.token == 12
-  assert len(req.output_ids) == 12 and np.isfinite(req.output_logprobs).all()
+  first_refused = 1 + steps * -(-11 // steps)
+  assert refused.value.rid == "r-decode" and refused.value.token == first_refused
+  assert len(req.output_ids) == first_refused and np.isfinite(req.output_logprobs).all()
   out = engine_lib.response(req, tok, eng.weight_version)
   assert out.finish_type == "abort" and "non-finite logits" in out.finish_reason["message"]
   assert engine_lib.nonfinite_logits_version(RuntimeError(out.finish_reason["message"])) == "v-nan"

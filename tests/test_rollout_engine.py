@@ -196,8 +196,9 @@ def test_embedded_backend_from_config_and_in_process_publish(model, tok):
 
   cfg = config_args.load_config().rollout
   cfg.backend, cfg.num_slots, cfg.context_length = "embedded", 4, 96
+  cfg.num_continuous_decode_steps = 2
   backend, launched = factory.make_backend(cfg, model=model, tokenizer=tok)
-  assert launched is None
+  assert launched is None and backend.engine.num_continuous_decode_steps == 2
   assert isinstance(backend, backend_lib.RolloutBackend)
   ids = [int(i) for i in text_seq(model.cfg, 8, 9).tokens_T]
   body = protocol.GenerateRequest.of(ids, {"max_new_tokens": 4, "temperature": 0})
@@ -224,9 +225,9 @@ def test_embedded_backend_from_config_and_in_process_publish(model, tok):
   assert restored.version == "6" and not restored.failed
   assert again.output_ids == before.output_ids and again.weight_version == "6"
   # The engine's slot counters: a response's first token comes from the
-  # prefill, each later one from a decode step.
+  # prefill, each later one from a decode step, run two to a call.
   assert slots[0].num_slots == 4
-  assert slots[1].decode_steps - slots[0].decode_steps == len(before.output_ids) - 1
+  assert slots[1].decode_steps - slots[0].decode_steps == 2 * -(-(len(before.output_ids) - 1) // 2)
   assert backend.metrics() == {}
   with pytest.raises(ValueError, match="embedded or sglang"):
     cfg.backend = "vllm"
@@ -397,3 +398,64 @@ def test_a_decode_step_over_the_first_slots_leaves_the_others_alone(model):
     np.testing.assert_array_equal(np.asarray(got)[:, :2], np.asarray(whole)[:, :2])
     np.testing.assert_array_equal(np.asarray(got)[:, 2:], np.asarray(before)[:, 2:])
     assert not np.array_equal(np.asarray(whole)[:, 2:], np.asarray(before)[:, 2:])
+
+
+def test_several_decode_steps_per_call_give_what_one_step_gives(model, tok):
+  # Seven requests over three slots, so that requests join between calls
+  # after others stopped inside one: sampled and greedy, ending on a length,
+  # on a stop token and on a stop string inside a call, one filling its slot.
+  seqs = [text_seq(model.cfg, n, 20 + i) for i, n in enumerate((5, 9, 14, 30, 7, 11, 4))]
+  base = [
+    dict(max_new_tokens=8, temperature=1.0, sampling_seed=1),
+    dict(max_new_tokens=12, temperature=0),
+    dict(max_new_tokens=14, temperature=0.8, top_p=0.9, sampling_seed=2),
+    dict(temperature=1.0, sampling_seed=3),  # max_new: the capacity left, 18
+    dict(max_new_tokens=10, temperature=1.0, sampling_seed=4, logit_bias={"7": 2.0}),
+    dict(max_new_tokens=16, temperature=1.0, sampling_seed=5, ignore_eos=True),
+    dict(max_new_tokens=16, temperature=1.0, sampling_seed=6, ignore_eos=True),
+  ]
+
+  def generate(steps, kws):
+    eng = engine_lib.Engine(
+      model,
+      tok,
+      num_slots=3,
+      capacity=48,
+      prefill_buckets=(16, 48),
+      num_continuous_decode_steps=steps,
+    )
+    reqs = [
+      engine_lib.EngineRequest(f"k{i}", s, params(**kw)) for i, (s, kw) in enumerate(zip(seqs, kws))
+    ]
+    return eng.generate(reqs), eng.stats
+
+  probe, _ = generate(1, base)
+  base[5]["stop_token_ids"] = [probe[5].output_ids[5]]
+  base[6]["stop"] = [
+    next(tok.decode([t]) for t in probe[6].output_ids[4:] if tok.decode([t]).strip())
+  ]
+  (one, one_stats), (three, three_stats) = generate(1, base), generate(3, base)
+  assert one[5].finish_reason["type"] == one[6].finish_reason["type"] == "stop"
+  assert len(one[3].output_ids) == 18
+  for a, b in zip(one, three):
+    assert (a.output_ids, a.finish_reason, a.finished_text) == (
+      b.output_ids,
+      b.finish_reason,
+      b.finished_text,
+    )
+    np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-5, rtol=0)
+  assert one_stats["decode_calls"] == one_stats["decode_steps"]
+  assert three_stats["decode_steps"] == 3 * three_stats["decode_calls"]
+  assert three_stats["decode_calls"] < one_stats["decode_calls"] / 2
+
+
+def test_a_slot_writes_no_cache_entry_past_its_last_fed_token(model, tok):
+  # 8 prompt tokens (one bucket, no padding) and 6 new ones in calls of 4
+  # steps: the second call has one step to run; the 5 fed tokens' entries
+  # end at index 12, and the call's other steps write nothing past it.
+  eng = engine_lib.Engine(
+    model, tok, num_slots=1, capacity=32, prefill_buckets=(8, 32), num_continuous_decode_steps=4
+  )
+  run(eng, [text_seq(model.cfg, 8, 1)], params(max_new_tokens=6, temperature=0), "w")
+  keys_C = np.asarray(eng._cache.k_LSKCH)[0, 0, 0, :, 0]
+  assert (keys_C[:13] != 0).all() and (keys_C[13:] == 0).all()

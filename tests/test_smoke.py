@@ -79,6 +79,7 @@ def test_smoke_keeps_every_setting_but_the_sizes(variant, devices):
     args = server.parse_args(cmd[3:])
     assert args.preset == smoke_cfg.model.preset and args.dtype == smoke_cfg.model.dtype
     assert args.context_length == smoke_cfg.rollout.context_length
+    assert args.num_continuous_decode_steps == smoke_cfg.rollout.num_continuous_decode_steps
     assert {k: getattr(args, k) for k in server.VISION_LIMITS} == smoke_cfg.data.vision.to_dict()
 
 

@@ -36,6 +36,7 @@ class EmbeddedRollout:
     *,
     num_slots: int,
     context_length: int,
+    num_continuous_decode_steps: int = 1,
     seed: int = 0,
     proc_cfg: processor.VisionProcessorConfig | None = None,
     limits: media.MediaLimits = media.DEFAULT_LIMITS,
@@ -43,7 +44,12 @@ class EmbeddedRollout:
     self.tokenizer = tokenizer
     self.limits = limits
     self.engine = engine_lib.Engine(
-      model, tokenizer, num_slots=num_slots, capacity=context_length, seed=seed
+      model,
+      tokenizer,
+      num_slots=num_slots,
+      capacity=context_length,
+      seed=seed,
+      num_continuous_decode_steps=num_continuous_decode_steps,
     )
     # Must equal the trainer's: the prompt's pad-token counts come from it.
     self.proc_cfg = proc_cfg or processor.VisionProcessorConfig()

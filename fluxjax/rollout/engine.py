@@ -6,7 +6,12 @@ bucket so that few shapes compile) and finished or aborted requests leave.
 Each step is one jitted call that decodes and samples a token for every slot
 up to the highest busy one, idle ones among them included: the slot count and
 the cache entries read come in a few buckets (one compiled program each), so
-decode cost follows the live load, not the engine's size. Per-slot sampling parameters
+decode cost follows the live load, not the engine's size. A call may run
+several such steps (`num_continuous_decode_steps`, SGLang's
+--num-continuous-decode-steps): the dispatch and the host's fetch of the
+tokens are paid once per call, not per token; in exchange a request that
+stops inside a call (EOS, a stop string) holds its slot to the call's end,
+and requests join between calls only. Per-slot sampling parameters
 are arrays (rollout/sampling.py). A slot whose logits are non-finite samples
 nothing: its request finishes as an abort that names the weight version
 (`NonFiniteLogits`, which `generate` and the embedded backend raise).
@@ -29,6 +34,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -170,8 +176,14 @@ class Engine:
     weight_version: str = "default",
     prefill_buckets: Sequence[int] | None = None,
     max_logit_bias: int = 16,
+    num_continuous_decode_steps: int = 1,
   ):
+    if num_continuous_decode_steps < 1:
+      raise ValueError(
+        f"num_continuous_decode_steps must be >= 1, got {num_continuous_decode_steps}"
+      )
     self.cfg = model.cfg
+    self.num_continuous_decode_steps = num_continuous_decode_steps
     self.tokenizer = tokenizer
     self.num_slots = num_slots
     self.capacity = capacity
@@ -209,7 +221,15 @@ class Engine:
     self._paused = False
     self._stopped = False
     self._thread: threading.Thread | None = None
-    self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
+    # decode_steps counts tokens per slot (each step computes every slot it covers),
+    # decode_calls the jitted calls that ran them.
+    self.stats = {
+      "prefill_s": 0.0,
+      "decode_s": 0.0,
+      "decode_steps": 0,
+      "decode_calls": 0,
+      "tokens": 0,
+    }
 
     graphdef = self._graphdef
 
@@ -232,8 +252,8 @@ class Engine:
       cache,
       tokens_S,
       lengths_S,
-      rope_pos_S,
-      positions_S,
+      delta_S,
+      budget_S,
       temp_S,
       top_p_S,
       top_k_S,
@@ -241,15 +261,35 @@ class Engine:
       bias_ids_SK,
       bias_SK,
       window,
+      steps,
     ):
       # The arrays cover the first S slots (a bucket); the cache all of them.
+      # `steps` decode steps in one call: a slot feeds each sampled token on
+      # while its budget (tokens it may still sample) lasts and its logits
+      # are finite; the host reads what it needs of the [steps, S] outputs.
       model = nnx.merge(graphdef, state)
-      logits_SV, cache = decode.decode_step(model, cache, tokens_S, lengths_S, rope_pos_S, window)
-      cache = _pin(cache, cache_sharding)
-      finite_S = sampling.finite_rows(logits_SV)
-      logits_SV = sampling.apply_logit_bias(logits_SV, bias_ids_SK, bias_SK)
-      tok_S, lp_S = sampling.sample(logits_SV, temp_S, top_p_S, top_k_S, seed_S, positions_S)
-      return tok_S, lp_S, finite_S, cache
+
+      def one_token(carry, _):
+        cache, tokens_S, lengths_S, budget_S = carry
+        rope_pos_S = lengths_S + delta_S
+        logits_SV, cache = decode.decode_step(model, cache, tokens_S, lengths_S, rope_pos_S, window)
+        cache = _pin(cache, cache_sharding)
+        finite_S = sampling.finite_rows(logits_SV)
+        logits_SV = sampling.apply_logit_bias(logits_SV, bias_ids_SK, bias_SK)
+        # The sampled token sits at position length + 1 of its sequence.
+        tok_S, lp_S = sampling.sample(logits_SV, temp_S, top_p_S, top_k_S, seed_S, lengths_S + 1)
+        feeds_S = (budget_S > 1) & finite_S
+        carry = (
+          cache,
+          jnp.where(feeds_S, tok_S, tokens_S),
+          lengths_S + feeds_S,
+          jnp.where(feeds_S, budget_S - 1, 0),
+        )
+        return carry, (tok_S, lp_S, finite_S)
+
+      carry = (cache, tokens_S, lengths_S, budget_S)
+      (cache, *_), (tok_KS, lp_KS, finite_KS) = jax.lax.scan(one_token, carry, length=steps)
+      return tok_KS, lp_KS, finite_KS, cache
 
     def clear_fn(cache, slot):
       cache = jax.tree.map(lambda a: a.at[:, slot].set(0), cache)
@@ -258,7 +298,7 @@ class Engine:
     # The cache is donated (updated in place); parameters never are.
     self._prefill = jax.jit(prefill_fn, donate_argnums=1)
     # One decode program per slot bucket and window (shapes and `window`).
-    self._decode = jax.jit(decode_fn, donate_argnums=1, static_argnames="window")
+    self._decode = jax.jit(decode_fn, donate_argnums=1, static_argnames=("window", "steps"))
     self._clear_slot = jax.jit(clear_fn, donate_argnums=0)
 
   # --- requests ---------------------------------------------------------------------
@@ -544,42 +584,50 @@ class Engine:
   def _decode_all(self, active: list[int]) -> None:
     t0 = time.perf_counter()
     n = next(b for b in self._slot_buckets if b > max(active))
-    # Each slot samples the token at position prompt + output so far.
-    positions_S = np.array(
-      [len(r.prompt) + len(r.output_ids) if r is not None else 0 for r in self._slots[:n]],
-      np.int32,
-    )
-    tok_S, lp_S, finite_S, self._cache = self._decode(
+    steps = self.num_continuous_decode_steps
+    running: dict[int, EngineRequest] = {}
+    budget_S = np.zeros(n, np.int32)  # tokens each slot may still sample
+    for s in active:
+      req = self._slots[s]
+      assert req is not None, "active slots hold a request"
+      running[s] = req
+      budget_S[s] = req.max_new - len(req.output_ids)
+    tok_KS, lp_KS, finite_KS, self._cache = self._decode(
       self._state,
       self._cache,
       self._tokens_S[:n],
       self._lengths_S[:n],
-      self._lengths_S[:n] + self._delta_S[:n],
-      positions_S,
+      self._delta_S[:n],
+      budget_S,
       self._temperature_S[:n],
       self._top_p_S[:n],
       self._top_k_S[:n],
       self._seed_S[:n],
       self._bias_ids_SK[:n],
       self._bias_SK[:n],
-      window=self._window(active),
+      window=self._window(active, budget_S, steps),
+      steps=steps,
     )
-    tok_S, lp_S, finite_S = jax.device_get((tok_S, lp_S, finite_S))
+    tok_KS, lp_KS, finite_KS = jax.device_get((tok_KS, lp_KS, finite_KS))
     self.stats["decode_s"] += time.perf_counter() - t0
-    self.stats["decode_steps"] += 1
-    for s in active:
-      req = self._slots[s]
-      assert req is not None, "active slots hold a request"
-      self._lengths_S[s] += 1
-      if finite_S[s]:
-        self._append(req, int(tok_S[s]), float(lp_S[s]))
-      else:
-        self._refuse(req)
+    self.stats["decode_steps"] += steps
+    self.stats["decode_calls"] += 1
+    # Token by token, slot by slot: the order a one-step call would see them.
+    for tok_S, lp_S, finite_S in zip(tok_KS, lp_KS, finite_KS):
+      for s, req in running.items():
+        if self._slots[s] is not req:
+          continue  # finished earlier in this call: the rest of its tokens are void
+        self._lengths_S[s] += 1
+        if finite_S[s]:
+          self._append(req, int(tok_S[s]), float(lp_S[s]))
+        else:
+          self._refuse(req)
 
-  def _window(self, active: list[int]) -> int:
-    """The decode window: the smallest bucket above every active slot's length
-    (idle slots attend to nothing that matters)."""
-    longest = int(self._lengths_S[active].max()) + 1
+  def _window(self, active: list[int], budget_S: np.ndarray, steps: int) -> int:
+    """The decode window: the smallest bucket that holds every entry an active
+    slot writes during the call (idle slots attend to nothing that matters)."""
+    writes = np.minimum(budget_S[active], steps)
+    longest = int((self._lengths_S[active] + writes).max())
     return next(w for w in self._windows if w >= longest)
 
   def _append(self, req: EngineRequest, tok: int, lp: float) -> None:

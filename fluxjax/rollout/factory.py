@@ -56,6 +56,11 @@ def check_config(cfg) -> None:
       f"rollout.weight_group_backend={cfg.weight_group_backend!r}: set "
       f"--config.rollout.weight_group_backend to one of {protocol.WEIGHT_GROUP_BACKENDS}"
     )
+  if cfg.num_continuous_decode_steps < 1:
+    raise ValueError(
+      f"rollout.num_continuous_decode_steps={cfg.num_continuous_decode_steps}: set "
+      "--config.rollout.num_continuous_decode_steps to 1 or more (decode steps per call)"
+    )
 
 
 def server_command(settings: settings_lib.Settings) -> list[str]:
@@ -71,6 +76,8 @@ def server_command(settings: settings_lib.Settings) -> list[str]:
   cmd += ["--preset", str(settings.model.preset), "--dtype", str(settings.model.dtype)]
   cmd += ["--seed", str(settings.seed), "--num-slots", str(settings.rollout.num_slots)]
   cmd += ["--context-length", str(settings.rollout.context_length)]
+  steps = settings.rollout.num_continuous_decode_steps
+  cmd += ["--num-continuous-decode-steps", str(steps)]
   for flag, value in _preprocessing_flags(settings.data.vision).items():
     cmd += [flag, value]
   return cmd
@@ -141,6 +148,7 @@ def make_backend(
       tokenizer,
       num_slots=cfg.num_slots,
       context_length=cfg.context_length,
+      num_continuous_decode_steps=cfg.num_continuous_decode_steps,
       seed=seed,
       proc_cfg=proc_cfg,
       limits=limits,

@@ -198,6 +198,7 @@ class RolloutServer:
         tokenizer,
         num_slots=a.num_slots,
         capacity=a.context_length,
+        num_continuous_decode_steps=a.num_continuous_decode_steps,
         seed=a.seed,
         weight_version=a.weight_version,
       )
@@ -559,6 +560,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="tokens per slot, the most one request may use: its prompt plus an explicit "
     "max_new_tokens must fit (400 otherwise, as SGLang)",
   )
+  p.add_argument(
+    "--num-continuous-decode-steps",
+    type=int,
+    default=1,
+    help="decode steps per jitted call, as SGLang's flag: the dispatch and the fetch of "
+    "the tokens are paid once per call; a request that stops inside a call holds its "
+    "slot to the call's end",
+  )
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--weight-version", default="default")
   p.add_argument(
@@ -601,7 +610,12 @@ def parse_args(argv=None) -> argparse.Namespace:
       default=None,
       help="vision preprocessing limit (default: processor.VisionProcessorConfig's)",
     )
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  if args.num_continuous_decode_steps < 1:
+    p.error(
+      f"--num-continuous-decode-steps must be 1 or more, got {args.num_continuous_decode_steps}"
+    )
+  return args
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -2,6 +2,7 @@ r"""Packed-segment attention on a GPU: the xla reference vs the GPU backends.
 
   python bench/attention.py                       # 4k, 16k, 32k, 64k tokens
   python bench/attention.py --backends xla,pallas_gpu,cudnn,tokamax_gpu
+  python bench/attention.py --backends cudnn,tokamax_gpu_autotuned --tokens 16384,65536
   python bench/attention.py --tokens 4096 --mixtures image_heavy --reps 5
   python bench/attention.py --variants            # also alternative tiles at 16k
   python bench/attention.py --json PATH           # also write the figures, command, commit
@@ -40,6 +41,7 @@ Cost-model columns (the same on any machine):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -135,16 +137,31 @@ def timed(fn, args, reps: int) -> float:
   return statistics.median(times)
 
 
+# tokamax_gpu with the kernel configs `tokamax.autotune` picks for this
+# case's forward + backward (untuned, tokamax uses one default config).
+TOKAMAX_AUTOTUNED = "tokamax_gpu_autotuned"
+
+
+def autotuned(fwd_bwd, args):
+  """The autotuning result for `fwd_bwd(*args)`: a context whose configs
+  apply to the tokamax kernels traced inside it."""
+  import tokamax
+
+  return tokamax.autotune(fwd_bwd, *args)
+
+
 def run_backend(backend, kw, args, reps, blocks=None, interpret=False):
   """(fwd s, fwd+bwd s, program GB, outputs) or the error's first line."""
-  fwd, fwd_bwd = make_fns(backend, kw, blocks, interpret)
+  tune = backend == TOKAMAX_AUTOTUNED
+  fwd, fwd_bwd = make_fns("tokamax_gpu" if tune else backend, kw, blocks, interpret)
   try:
-    compiled = fwd_bwd.lower(*args).compile()
-    mem = compiled.memory_analysis()
-    gb = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes) / 1e9
-    t_fb = timed(compiled, args, reps)
-    outs = jax.device_get(compiled(*args))
-    t_f = timed(fwd, args[:3], reps)
+    with autotuned(fwd_bwd, args) if tune else contextlib.nullcontext():
+      compiled = fwd_bwd.lower(*args).compile()
+      mem = compiled.memory_analysis()
+      gb = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes) / 1e9
+      t_fb = timed(compiled, args, reps)
+      outs = jax.device_get(compiled(*args))
+      t_f = timed(fwd, args[:3], reps)
     return t_f, t_fb, gb, outs
   except Exception as e:
     line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -263,7 +280,8 @@ def main() -> None:
   p.add_argument(
     "--backends",
     default="xla,pallas_gpu",
-    help="comma list of attention backends (xla, pallas_gpu, cudnn, tokamax_gpu)",
+    help="comma list of attention backends (xla, pallas_gpu, cudnn, tokamax_gpu; "
+    f"{TOKAMAX_AUTOTUNED}: tokamax_gpu autotuned for each case first)",
   )
   p.add_argument(
     "--max-segments",
@@ -295,7 +313,9 @@ def main() -> None:
     f"device: {dev.device_kind} ({dev.platform}); jax {jax.__version__}; "
     f"{HEADS}/{KV_HEADS} heads, head dim {HEAD_DIM}, bf16, causal, B=1"
   )
-  gpu_only = {"pallas_gpu", "cudnn", "tokamax_gpu"} & set(args.backends.split(","))
+  gpu_only = {"pallas_gpu", "cudnn", "tokamax_gpu", TOKAMAX_AUTOTUNED} & set(
+    args.backends.split(",")
+  )
   if dev.platform == "cpu" and gpu_only and not args.interpret:
     raise SystemExit(f"no accelerator: {sorted(gpu_only)} run on a GPU only")
   blocks = ap.default_block_sizes(HEAD_DIM, 2)

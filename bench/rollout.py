@@ -17,7 +17,8 @@ generates exactly --new-tokens tokens. Compilation is excluded (warm-up first).
            once per --decode-steps value (num_continuous_decode_steps:
            decode steps per jitted call, one fetch of the tokens per call).
 
-Reports generated tokens/s and the ratio to the loop, in one run. Each
+Reports generated tokens/s (the median of --repeats timed runs) and the
+ratio to the loop, in one run. Each
 concurrency level runs max(--requests, level) requests (--loop-requests for
 the loop), all admitted at once when the level allows, so prefill is inside
 the timing.
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -125,6 +127,7 @@ def main():
   p.add_argument("--slots", type=int, default=32)
   p.add_argument("--dtype", default="float32", help="compute and parameter dtype")
   p.add_argument("--concurrency", default="1,8,32", help="requests in flight, comma list")
+  p.add_argument("--repeats", type=int, default=3, help="timed runs per row; the median")
   p.add_argument("--decode-steps", default="1,8", help="engine decode steps per call, comma list")
   p.add_argument("--loop-requests", type=int, default=0, help="loop baseline requests; 0: all")
   p.add_argument("--prefill-len", type=int, default=0, help="also time prefill at this length")
@@ -151,9 +154,12 @@ def main():
   loop = make_loop(model, capacity)
   loop(seqs[0], 3, bucket)  # compile
   loop_seqs = seqs[: args.loop_requests or args.requests]
-  t = time.perf_counter()
-  loop_outs = [loop(s, args.new_tokens, bucket) for s in loop_seqs]
-  loop_tps = len(loop_seqs) * args.new_tokens / (time.perf_counter() - t)
+  loop_runs = []
+  for _ in range(args.repeats):
+    t = time.perf_counter()
+    loop_outs = [loop(s, args.new_tokens, bucket) for s in loop_seqs]
+    loop_runs.append(len(loop_seqs) * args.new_tokens / (time.perf_counter() - t))
+  loop_tps = statistics.median(loop_runs)
 
   buckets = sorted({bucket, capacity} | ({args.prefill_len} if args.prefill_len else set()))
   rows, prefill_tps, agree = [], None, args.new_tokens
@@ -170,9 +176,12 @@ def main():
     for c in levels:
       n = max(args.requests, c)
       run_engine(engine, seqs[:c], 2, c)  # this level's slot bucket compiles
-      t = time.perf_counter()
-      tokens = run_engine(engine, seqs[:n], args.new_tokens, c)
-      rows.append((k, c, tokens / (time.perf_counter() - t)))
+      runs = []
+      for _ in range(args.repeats):
+        t = time.perf_counter()
+        tokens = run_engine(engine, seqs[:n], args.new_tokens, c)
+        runs.append(tokens / (time.perf_counter() - t))
+      rows.append((k, c, statistics.median(runs)))
     if args.prefill_len and prefill_tps is None:
       long_seqs = draw(levels[-1], args.prefill_len)
       run_engine(engine, long_seqs[:1], 1, 1)  # compile

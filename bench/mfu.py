@@ -2,7 +2,8 @@ r"""Train-step model FLOPs utilization: forward, backward and AdamW on one devic
 
   python bench/mfu.py                               # 7b shapes, 8 decoder layers
   python bench/mfu.py --layers 8 --remat full,save_dots --attention pallas_gpu,cudnn
-  python bench/mfu.py --preset tiny --rows 2 --row-tokens 512 --seq-tokens 256  # CPU smoke
+  python bench/mfu.py --preset tiny --rows 2 --row-tokens 512 --seq-tokens 256 --image-side 16
+      # a CPU smoke test
   python bench/mfu.py --json PATH
 
 The trainer's own path on a one-device mesh: FSDP rules, the packed_dp plan,
@@ -214,6 +215,13 @@ def main() -> None:
   args = p.parse_args()
   device = jax.devices()[0]
   base = config_lib.preset(args.preset)
+  image_tokens = args.image_side**2 // base.vision.merge_unit
+  if args.seq_tokens < image_tokens + 7:
+    p.error(
+      f"--seq-tokens {args.seq_tokens} leaves no text after an image of --image-side "
+      f"{args.image_side} ({image_tokens} tokens and 6 of chat markup): give at least "
+      f"{image_tokens + 7} or a smaller --image-side"
+    )
   cfg = base.replace(
     text=dataclasses.replace(base.text, num_layers=args.layers),
     dtype="bfloat16",

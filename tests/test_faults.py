@@ -14,6 +14,7 @@
 import asyncio
 import json
 import os
+import signal
 
 import pytest
 
@@ -87,13 +88,16 @@ def test_server_killed_mid_round(tmp_path, monkeypatch):
     workdir = tmp_path / "run"
 
     def kill_mid_request_after_first_step(client, request):
-      # After step 1, the first request sent to server 0 finds it killed while
-      # the request is in flight (sent, its 48 tokens not yet decoded), so the
-      # death is met by a request in flight, not by the next weight update.
+      # After step 1, the first request sent to server 0 finds it stopped
+      # (SIGSTOP: it can answer nothing), then killed 20 ms later while the
+      # request is in flight, so the death is met by a request in flight, not
+      # by the next weight update. (A kill alone, 20 ms after the send, could
+      # land after a response that stopped early had come back.)
       done = os.path.exists(workdir / metrics.JSONL) and any(
         r["step"] >= 1 for r in metrics.read_metrics(str(workdir))
       )
       if client.url == servers.urls[0] and done and servers.procs[0].poll() is None:
+        servers.procs[0].send_signal(signal.SIGSTOP)
         asyncio.get_running_loop().call_later(0.02, servers.procs[0].kill)
       return generate(client, request)
 

@@ -162,6 +162,84 @@ def _pin(cache: decode.KVCache, sharding: jax.sharding.Sharding | None) -> decod
   return cache if sharding is None else jax.lax.with_sharding_constraint(cache, sharding)
 
 
+def _programs(graphdef, cache_sharding: jax.sharding.NamedSharding | None):
+  """The engine's jitted programs: (prefill, decode, clear_slot).
+
+  Each takes the parameter state as an argument, so a weight swap never
+  recompiles; `_pin` keeps the cache in one layout across them.
+  """
+
+  def prefill_fn(
+    state, cache, slot, tokens_P, positions_3P, length, vis, temp, top_p, top_k, seed, bias
+  ):
+    model = nnx.merge(graphdef, state)
+    logits_V, cache = decode.prefill(model, cache, slot, tokens_P, positions_3P, length, vis)
+    cache = _pin(cache, cache_sharding)
+    finite = sampling.finite_rows(logits_V[None])[0]  # the model's, before any bias
+    logits_V = sampling.apply_logit_bias(logits_V[None], bias[0][None], bias[1][None])[0]
+    # The first output token sits at position `length` of the sequence.
+    tok, lp = sampling.sample(
+      logits_V[None], temp[None], top_p[None], top_k[None], seed[None], length[None]
+    )
+    return tok[0], lp[0], finite, cache
+
+  def decode_fn(
+    state,
+    cache,
+    tokens_S,
+    lengths_S,
+    delta_S,
+    budget_S,
+    temp_S,
+    top_p_S,
+    top_k_S,
+    seed_S,
+    bias_ids_SK,
+    bias_SK,
+    window,
+    steps,
+  ):
+    # The arrays cover the first S slots (a bucket); the cache all of them.
+    # `steps` decode steps in one call: a slot feeds each sampled token on
+    # while its budget (tokens it may still sample) lasts and its logits
+    # are finite; the host reads what it needs of the [steps, S] outputs.
+    model = nnx.merge(graphdef, state)
+
+    def one_token(carry, _):
+      cache, tokens_S, lengths_S, budget_S = carry
+      rope_pos_S = lengths_S + delta_S
+      logits_SV, cache = decode.decode_step(model, cache, tokens_S, lengths_S, rope_pos_S, window)
+      cache = _pin(cache, cache_sharding)
+      finite_S = sampling.finite_rows(logits_SV)
+      logits_SV = sampling.apply_logit_bias(logits_SV, bias_ids_SK, bias_SK)
+      # The sampled token sits at position length + 1 of its sequence.
+      tok_S, lp_S = sampling.sample(logits_SV, temp_S, top_p_S, top_k_S, seed_S, lengths_S + 1)
+      feeds_S = (budget_S > 1) & finite_S
+      carry = (
+        cache,
+        jnp.where(feeds_S, tok_S, tokens_S),
+        lengths_S + feeds_S,
+        jnp.where(feeds_S, budget_S - 1, 0),
+      )
+      return carry, (tok_S, lp_S, finite_S)
+
+    carry = (cache, tokens_S, lengths_S, budget_S)
+    (cache, *_), (tok_KS, lp_KS, finite_KS) = jax.lax.scan(one_token, carry, length=steps)
+    return tok_KS, lp_KS, finite_KS, cache
+
+  def clear_fn(cache, slot):
+    cache = jax.tree.map(lambda a: a.at[:, slot].set(0), cache)
+    return _pin(cache, cache_sharding)
+
+  # The cache is donated (updated in place); parameters never are. One
+  # decode program per slot bucket, window and step count (shapes and statics).
+  return (
+    jax.jit(prefill_fn, donate_argnums=1),
+    jax.jit(decode_fn, donate_argnums=1, static_argnames=("window", "steps")),
+    jax.jit(clear_fn, donate_argnums=0),
+  )
+
+
 class Engine:
   """Continuous batching over `num_slots` slots of `capacity` tokens each."""
 
@@ -231,75 +309,7 @@ class Engine:
       "tokens": 0,
     }
 
-    graphdef = self._graphdef
-
-    def prefill_fn(
-      state, cache, slot, tokens_P, positions_3P, length, vis, temp, top_p, top_k, seed, bias
-    ):
-      model = nnx.merge(graphdef, state)
-      logits_V, cache = decode.prefill(model, cache, slot, tokens_P, positions_3P, length, vis)
-      cache = _pin(cache, cache_sharding)
-      finite = sampling.finite_rows(logits_V[None])[0]  # the model's, before any bias
-      logits_V = sampling.apply_logit_bias(logits_V[None], bias[0][None], bias[1][None])[0]
-      # The first output token sits at position `length` of the sequence.
-      tok, lp = sampling.sample(
-        logits_V[None], temp[None], top_p[None], top_k[None], seed[None], length[None]
-      )
-      return tok[0], lp[0], finite, cache
-
-    def decode_fn(
-      state,
-      cache,
-      tokens_S,
-      lengths_S,
-      delta_S,
-      budget_S,
-      temp_S,
-      top_p_S,
-      top_k_S,
-      seed_S,
-      bias_ids_SK,
-      bias_SK,
-      window,
-      steps,
-    ):
-      # The arrays cover the first S slots (a bucket); the cache all of them.
-      # `steps` decode steps in one call: a slot feeds each sampled token on
-      # while its budget (tokens it may still sample) lasts and its logits
-      # are finite; the host reads what it needs of the [steps, S] outputs.
-      model = nnx.merge(graphdef, state)
-
-      def one_token(carry, _):
-        cache, tokens_S, lengths_S, budget_S = carry
-        rope_pos_S = lengths_S + delta_S
-        logits_SV, cache = decode.decode_step(model, cache, tokens_S, lengths_S, rope_pos_S, window)
-        cache = _pin(cache, cache_sharding)
-        finite_S = sampling.finite_rows(logits_SV)
-        logits_SV = sampling.apply_logit_bias(logits_SV, bias_ids_SK, bias_SK)
-        # The sampled token sits at position length + 1 of its sequence.
-        tok_S, lp_S = sampling.sample(logits_SV, temp_S, top_p_S, top_k_S, seed_S, lengths_S + 1)
-        feeds_S = (budget_S > 1) & finite_S
-        carry = (
-          cache,
-          jnp.where(feeds_S, tok_S, tokens_S),
-          lengths_S + feeds_S,
-          jnp.where(feeds_S, budget_S - 1, 0),
-        )
-        return carry, (tok_S, lp_S, finite_S)
-
-      carry = (cache, tokens_S, lengths_S, budget_S)
-      (cache, *_), (tok_KS, lp_KS, finite_KS) = jax.lax.scan(one_token, carry, length=steps)
-      return tok_KS, lp_KS, finite_KS, cache
-
-    def clear_fn(cache, slot):
-      cache = jax.tree.map(lambda a: a.at[:, slot].set(0), cache)
-      return _pin(cache, cache_sharding)
-
-    # The cache is donated (updated in place); parameters never are.
-    self._prefill = jax.jit(prefill_fn, donate_argnums=1)
-    # One decode program per slot bucket and window (shapes and `window`).
-    self._decode = jax.jit(decode_fn, donate_argnums=1, static_argnames=("window", "steps"))
-    self._clear_slot = jax.jit(clear_fn, donate_argnums=0)
+    self._prefill, self._decode, self._clear_slot = _programs(self._graphdef, cache_sharding)
 
   # --- requests ---------------------------------------------------------------------
 

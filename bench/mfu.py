@@ -42,8 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import op_profile  # noqa: E402  (lives next to this script)
 
-import runinfo  # noqa: E402  (lives next to this script)
+import runinfo  # noqa: E402
 from fluxjax import config_args  # noqa: E402
 from fluxjax.models import config as config_lib  # noqa: E402
 from fluxjax.models import sharded  # noqa: E402
@@ -153,6 +154,11 @@ def run(cfg, args, device, remat: str, attention: str) -> dict:
     t = time.perf_counter()
     state, metrics = jax.block_until_ready(compiled(state, batch))
     times.append(time.perf_counter() - t)
+  if args.profile:  # one more step, traced apart from the timed ones
+    trace_dir = os.path.join(args.profile, f"{attention}-{remat}")
+    with op_profile.capture(trace_dir):
+      state, metrics = jax.block_until_ready(compiled(state, batch))
+    op_profile.report(trace_dir, where="device" if device.platform == "gpu" else "host")
   lengths = [len(s) for s in seqs]
   flops = text_flops(cfg, lengths) + vision_flops(cfg, args.image_side, len(seqs))
   step_s = statistics.median(times)
@@ -212,6 +218,12 @@ def main() -> None:
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--peak", type=float, default=None, help="peak FLOP/s; default: datasheet")
   p.add_argument("--json", metavar="PATH", help="also write the figures (command, machine, commit)")
+  p.add_argument(
+    "--profile",
+    metavar="DIR",
+    help="also trace one more step per row into DIR/<attention>-<remat> and print its "
+    "time by op (bench/op_profile.py)",
+  )
   args = p.parse_args()
   device = jax.devices()[0]
   base = config_lib.preset(args.preset)

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import mfu  # (lives next to this script)
 import numpy as np
+import op_profile
 from flax import nnx
 
 import runinfo
@@ -128,6 +129,12 @@ def main():
   p.add_argument("--dtype", default="float32", help="compute and parameter dtype")
   p.add_argument("--concurrency", default="1,8,32", help="requests in flight, comma list")
   p.add_argument("--repeats", type=int, default=3, help="timed runs per row; the median")
+  p.add_argument(
+    "--profile",
+    metavar="DIR",
+    help="also trace one more run at the largest level per --decode-steps value into "
+    "DIR/steps<K>-c<level> and print its time by op (bench/op_profile.py)",
+  )
   p.add_argument("--decode-steps", default="1,8", help="engine decode steps per call, comma list")
   p.add_argument("--loop-requests", type=int, default=0, help="loop baseline requests; 0: all")
   p.add_argument("--prefill-len", type=int, default=0, help="also time prefill at this length")
@@ -182,6 +189,11 @@ def main():
         tokens = run_engine(engine, seqs[:n], args.new_tokens, c)
         runs.append(tokens / (time.perf_counter() - t))
       rows.append((k, c, statistics.median(runs)))
+    if args.profile:  # the largest level once more, traced apart from the timed runs
+      trace_dir = os.path.join(args.profile, f"steps{k}-c{levels[-1]}")
+      with op_profile.capture(trace_dir):
+        run_engine(engine, seqs[: max(args.requests, levels[-1])], args.new_tokens, levels[-1])
+      op_profile.report(trace_dir, where="device" if jax.default_backend() == "gpu" else "host")
     if args.prefill_len and prefill_tps is None:
       long_seqs = draw(levels[-1], args.prefill_len)
       run_engine(engine, long_seqs[:1], 1, 1)  # compile

@@ -211,7 +211,7 @@ def test_the_decode_steps_per_call_reach_our_server_and_are_checked():
   flag = cmd.index("--num-continuous-decode-steps")
   assert cmd[flag + 1] == str(c.rollout.num_continuous_decode_steps) == "8"
   c.rollout.num_continuous_decode_steps = 0
-  with pytest.raises(ValueError, match=r"rollout\.num_continuous_decode_steps to 1 or more"):
+  with pytest.raises(ValueError, match=r"rollout\.num_continuous_decode_steps must be 1 or more"):
     factory.check_config(Settings.of(c).rollout)
 
 

@@ -240,6 +240,12 @@ def _programs(graphdef, cache_sharding: jax.sharding.NamedSharding | None):
   )
 
 
+def check_decode_steps(steps: int, name: str = "num_continuous_decode_steps") -> None:
+  """Raises ValueError naming `name` (how the caller sets it) unless steps >= 1."""
+  if steps < 1:
+    raise ValueError(f"{name} must be 1 or more (decode steps per call), got {steps}")
+
+
 class Engine:
   """Continuous batching over `num_slots` slots of `capacity` tokens each."""
 
@@ -256,10 +262,7 @@ class Engine:
     max_logit_bias: int = 16,
     num_continuous_decode_steps: int = 1,
   ):
-    if num_continuous_decode_steps < 1:
-      raise ValueError(
-        f"num_continuous_decode_steps must be >= 1, got {num_continuous_decode_steps}"
-      )
+    check_decode_steps(num_continuous_decode_steps)
     self.cfg = model.cfg
     self.num_continuous_decode_steps = num_continuous_decode_steps
     self.tokenizer = tokenizer

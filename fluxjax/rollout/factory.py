@@ -24,6 +24,7 @@ from fluxjax.models import media, vlm
 from fluxjax.models.processor import VisionProcessorConfig
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import embedded, fleet, protocol, router
+from fluxjax.rollout import engine as engine_lib
 from fluxjax.rollout.backend import RolloutBackend
 
 BACKENDS = ("embedded", "sglang")
@@ -56,11 +57,9 @@ def check_config(cfg) -> None:
       f"rollout.weight_group_backend={cfg.weight_group_backend!r}: set "
       f"--config.rollout.weight_group_backend to one of {protocol.WEIGHT_GROUP_BACKENDS}"
     )
-  if cfg.num_continuous_decode_steps < 1:
-    raise ValueError(
-      f"rollout.num_continuous_decode_steps={cfg.num_continuous_decode_steps}: set "
-      "--config.rollout.num_continuous_decode_steps to 1 or more (decode steps per call)"
-    )
+  engine_lib.check_decode_steps(
+    cfg.num_continuous_decode_steps, "--config.rollout.num_continuous_decode_steps"
+  )
 
 
 def server_command(settings: settings_lib.Settings) -> list[str]:

@@ -611,10 +611,10 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="vision preprocessing limit (default: processor.VisionProcessorConfig's)",
     )
   args = p.parse_args(argv)
-  if args.num_continuous_decode_steps < 1:
-    p.error(
-      f"--num-continuous-decode-steps must be 1 or more, got {args.num_continuous_decode_steps}"
-    )
+  try:
+    engine_lib.check_decode_steps(args.num_continuous_decode_steps, "--num-continuous-decode-steps")
+  except ValueError as e:
+    p.error(str(e))
   return args
 
 

@@ -293,7 +293,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # many tokens, and a request that stops inside a call holds its slot to the
   # call's end. The tiny job on 2 CPU cores trains as fast with 1 as with 4
   # (its train step dominates). The GPU variants take 8: bench/rollout.py on a
-  # CPU gives 1.3-1.7x the tokens/s of 1 at 1-32 requests, and on an H200
+  # CPU gives 1.2-1.75x the tokens/s of 1 at 1-32 requests, and on an H200
   # one call per token was host-bound (9-10 ms a token against a 1.4 ms
   # bandwidth bound at batch 1). 8 is not yet measured on a GPU.
   c.rollout.num_continuous_decode_steps = v.decode_steps

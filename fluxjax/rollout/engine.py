@@ -302,15 +302,9 @@ class Engine:
     self._paused = False
     self._stopped = False
     self._thread: threading.Thread | None = None
-    # decode_steps counts tokens per slot (each step computes every slot it covers),
-    # decode_calls the jitted calls that ran them.
-    self.stats = {
-      "prefill_s": 0.0,
-      "decode_s": 0.0,
-      "decode_steps": 0,
-      "decode_calls": 0,
-      "tokens": 0,
-    }
+    # decode_steps: each step computes every slot it covers; a jitted call
+    # runs num_continuous_decode_steps of them.
+    self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
 
     self._prefill, self._decode, self._clear_slot = _programs(self._graphdef, cache_sharding)
 
@@ -624,7 +618,6 @@ class Engine:
     tok_KS, lp_KS, finite_KS = jax.device_get((tok_KS, lp_KS, finite_KS))
     self.stats["decode_s"] += time.perf_counter() - t0
     self.stats["decode_steps"] += steps
-    self.stats["decode_calls"] += 1
     # Token by token, slot by slot: the order a one-step call would see them.
     for tok_S, lp_S, finite_S in zip(tok_KS, lp_KS, finite_KS):
       for s, req in running.items():

@@ -72,7 +72,7 @@ def test_every_variant_parses_without_importing_jax():
 def test_one_flag_swaps_the_strategy(variant, strategy, devices):
   c = _config(variant)
   c.sharding.strategy = strategy
-  _, got, mesh, _ = loop.validate(c)
+  _, got, mesh, _, _ = loop.validate(c)
   assert got.name == strategy
   assert got.sp == (1 if strategy == "packed_dp" else AUTO_SP[variant])
   assert mesh.size == len(devices)

@@ -9,6 +9,7 @@ from flax import nnx
 
 from fluxjax.models import config as config_lib
 from fluxjax.models import hf_io, vlm
+from fluxjax.models import tokenizer as tokenizer_lib
 from fluxjax.sharding import axes
 
 torch = pytest.importorskip("torch")
@@ -94,3 +95,40 @@ def test_abstract_model_allocates_nothing():
   model = vlm.abstract_model(config_lib.preset("32b"))
   leaves = jax.tree.leaves(nnx.state(model))
   assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+def test_a_preset_speaks_its_tokenizer_and_a_checkpoint_must_agree_with_it():
+  """Random weights take the tokenizer's special ids (the 3b shape with the
+  shipped tokenizer finds its image spans); a checkpoint's ids are fixed by
+  its weights, so a disagreeing tokenizer is an error naming the token."""
+  tok = tokenizer_lib.Tokenizer.default()
+  ids = tok.model_token_ids()
+  qwen = config_lib.preset("3b")
+  assert qwen.image_token_id == 151655 and ids["image_token_id"] == tok.image_pad_id == 502
+  spoken = config_lib.with_tokenizer_ids(qwen, ids, tok.vocab_size, from_checkpoint=False)
+  assert {k: getattr(spoken, k) for k in ids} == ids and spoken.text == qwen.text
+  with pytest.raises(ValueError, match="image_token_id 151655 in the model, 502 in the tokenizer"):
+    config_lib.with_tokenizer_ids(qwen, ids, tok.vocab_size, from_checkpoint=True)
+  tiny = config_lib.preset("tiny")  # the shipped tokenizer's own model
+  assert config_lib.with_tokenizer_ids(tiny, ids, tok.vocab_size, from_checkpoint=True) == tiny
+  with pytest.raises(ValueError, match="tokenizer has 151936 tokens"):
+    config_lib.with_tokenizer_ids(tiny, ids, 151936, from_checkpoint=False)
+
+
+def test_a_runs_tokenizer_is_the_given_one_else_the_checkpoints_else_the_shipped(tmp_path):
+  shipped = tokenizer_lib.Tokenizer.default()
+  assert tokenizer_lib.resolve("", "").vocab_size == shipped.vocab_size
+  assert tokenizer_lib.resolve("", str(tmp_path)).vocab_size == shipped.vocab_size  # none there
+  # The checkpoint's own tokenizer.json: here the shipped one less its merges'
+  # last ordinary token, told apart by its vocabulary size.
+  data = json.loads(tokenizer_lib.synthetic_tokenizer_json())
+  vocab = data["model"]["vocab"]
+  last = max((t for t in vocab if vocab[t] < tokenizer_lib.SYNTHETIC_ORDINARY), key=vocab.get)
+  del vocab[last]
+  data["model"]["merges"] = [
+    m for m in data["model"]["merges"] if "".join(m.split(" ") if isinstance(m, str) else m) != last
+  ]
+  (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+  assert tokenizer_lib.resolve("", str(tmp_path)).vocab_size == shipped.vocab_size - 1
+  with pytest.raises(FileNotFoundError, match="no tokenizer file at .*no_such.json"):
+    tokenizer_lib.resolve(str(tmp_path / "no_such.json"), str(tmp_path))

@@ -61,7 +61,7 @@ def setup(devices):
   del devices  # the fake 8-device mesh: the warm-up runs sharded, as RL does
   config = _config()
   config.sft.lr, config.sft.warmup_steps, config.sft.steps = 1e-2, 0, 5
-  cfg, strategy, mesh, settings = loop.validate(config)
+  cfg, strategy, mesh, settings, _ = loop.validate(config)
   model = sharded.create_sharded_model(cfg, mesh, seed=0)
   tx = train_step.make_optimizer(config.optim)
   graphdef, state, _ = train_step.create_train_state(model, tx, mesh)

@@ -68,7 +68,7 @@ def test_smoke_keeps_every_setting_but_the_sizes(variant, devices):
   changed = {k for k in full if full[k] != smoke[k]}
   assert changed <= SIZES, changed - SIZES
   assert smoke_cfg.total_steps == 2
-  cfg, strategy, _, settings = loop.validate(smoke_cfg)
+  cfg, strategy, _, settings, _ = loop.validate(smoke_cfg)
   # The model keeps the variant's heads (the sequence-parallel degrees follow).
   want = model_config.preset(config_args.load_config(arg=variant).model.preset).text
   assert (cfg.text.num_heads, cfg.text.num_kv_heads) == (want.num_heads, want.num_kv_heads)

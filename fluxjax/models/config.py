@@ -280,6 +280,31 @@ def preset(name: str, **overrides) -> ModelConfig:
   return PRESETS[name]().replace(**overrides)
 
 
+def with_tokenizer_ids(
+  cfg: ModelConfig, ids: dict[str, int], vocab_size: int, *, from_checkpoint: bool
+) -> ModelConfig:
+  """`cfg` speaking a tokenizer's special ids (`Tokenizer.model_token_ids`).
+
+  A checkpoint's ids are fixed by its weights, so a tokenizer that disagrees
+  is an error; a preset's random weights take the tokenizer's ids.
+
+  Raises:
+    ValueError: the tokenizer's vocabulary exceeds the model's, or (with
+      `from_checkpoint`) a special id differs from the checkpoint's config.
+  """
+  if vocab_size > cfg.text.vocab_size:
+    raise ValueError(
+      f"the tokenizer has {vocab_size} tokens but the model's vocabulary {cfg.text.vocab_size}"
+    )
+  differ = {k: (getattr(cfg, k), v) for k, v in ids.items() if getattr(cfg, k) != v}
+  if differ and from_checkpoint:
+    listed = ", ".join(
+      f"{k} {m} in the model, {t} in the tokenizer" for k, (m, t) in differ.items()
+    )
+    raise ValueError(f"tokenizer and checkpoint disagree on special tokens: {listed}")
+  return cfg.replace(**ids)
+
+
 # --- HF config.json ---------------------------------------------------------------
 
 _TEXT_KEYS = {  # ours -> HF

@@ -104,12 +104,26 @@ class Tokenizer:
   @classmethod
   def from_file(cls, path: str) -> "Tokenizer":
     """Loads a Hugging Face `tokenizer.json`."""
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"no tokenizer file at {path}")
     return cls(tokenizers.Tokenizer.from_file(os.fspath(path)))
 
   @classmethod
   def default(cls) -> "Tokenizer":
     """Loads the synthetic 512-token tokenizer shipped with the package."""
     return cls.from_file(ASSET_PATH)
+
+  def model_token_ids(self) -> dict[str, int]:
+    """The special ids a `ModelConfig` names, by its field names (Qwen's
+    <|endoftext|> is its bos, <|im_end|> its eos, the pads its media tokens)."""
+    return dict(
+      image_token_id=self.image_pad_id,
+      video_token_id=self.video_pad_id,
+      vision_start_token_id=self.vision_start_id,
+      vision_end_token_id=self.vision_end_id,
+      bos_token_id=self.endoftext_id,
+      eos_token_id=self.im_end_id,
+    )
 
   @property
   def backend(self) -> tokenizers.Tokenizer:
@@ -336,6 +350,17 @@ def _check_synthetic_layout(tok: tokenizers.Tokenizer) -> None:
 def synthetic_tokenizer_json() -> str:
   """The shipped asset's exact text (pretty JSON, trailing newline)."""
   return build_synthetic_tokenizer().to_str(pretty=True) + "\n"
+
+
+def resolve(tokenizer_path: str, model_path: str) -> Tokenizer:
+  """A run's tokenizer: `tokenizer_path`, else the checkpoint folder's
+  tokenizer.json, else the shipped synthetic one (a preset's random weights)."""
+  if tokenizer_path:
+    return Tokenizer.from_file(tokenizer_path)
+  in_checkpoint = os.path.join(model_path, "tokenizer.json") if model_path else ""
+  if in_checkpoint and os.path.exists(in_checkpoint):
+    return Tokenizer.from_file(in_checkpoint)
+  return Tokenizer.default()
 
 
 @functools.cache

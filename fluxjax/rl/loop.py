@@ -38,7 +38,7 @@ from fluxjax.data import workers as workers_lib
 from fluxjax.models import config as model_config
 from fluxjax.models import hf_io, processor, sharded
 from fluxjax.models import media as media_lib
-from fluxjax.models.tokenizer import Tokenizer
+from fluxjax.models import tokenizer as tokenizer_lib
 from fluxjax.parallel import multihost, strategies, train_step
 from fluxjax.rl import config_rules, reference, reward_fns, reward_pool, sft
 from fluxjax.rl import coordinator as coordinator_lib
@@ -95,6 +95,7 @@ class Validated(NamedTuple):
   strategy: strategies.Strategy
   mesh: jax.sharding.Mesh
   settings: settings_lib.Settings
+  tokenizer: tokenizer_lib.Tokenizer
 
 
 def validate(config) -> Validated:
@@ -109,10 +110,17 @@ def validate(config) -> Validated:
     logprob_vocab_chunk=settings.model.logprob_vocab_chunk,
     mrope_text_after_vision=settings.model.mrope_text_after_vision,
   )
-  cfg = (
+  base = (
     model_config.load_hf_config(settings.model.hf_path, **overrides)
     if settings.model.hf_path
     else model_config.preset(settings.model.preset, **overrides)
+  )
+  tokenizer = tokenizer_lib.resolve(settings.model.tokenizer_path, settings.model.hf_path)
+  cfg = model_config.with_tokenizer_ids(
+    base,
+    tokenizer.model_token_ids(),
+    tokenizer.vocab_size,
+    from_checkpoint=bool(settings.model.hf_path),
   )
   settings = dataclasses.replace(settings, mesh=resolved_mesh(settings.mesh, cfg))
   strategy = strategies.get_strategy(settings.sharding, cfg, settings.mesh)
@@ -131,7 +139,7 @@ def validate(config) -> Validated:
   factory.check_config(settings.rollout)
   mesh = mesh_lib.make_mesh(settings.mesh.data, settings.mesh.fsdp, strategy.sp_axes())
   config_rules.check(settings, cfg, strategy, mesh.size)
-  return Validated(cfg, strategy, mesh, settings)
+  return Validated(cfg, strategy, mesh, settings, tokenizer)
 
 
 def resolved_mesh(mesh: settings_lib.Mesh, cfg) -> settings_lib.Mesh:
@@ -203,7 +211,7 @@ def build_policy(
 
   Every process of a run calls it (the initialization programs are global).
   """
-  cfg, strategy, mesh, settings = validated or validate(config)
+  cfg, strategy, mesh, settings, _ = validated or validate(config)
   log.info("strategy %s (sp=%d) on mesh %s", strategy.name, strategy.sp, dict(mesh.shape))
   max_replicated = settings.sharding.max_replicated_bytes
   if settings.model.hf_path:
@@ -276,11 +284,7 @@ def build(
   """
   validated = validated or validate(config)
   settings = validated.settings
-  tokenizer = (
-    Tokenizer.from_file(settings.model.tokenizer_path)
-    if settings.model.tokenizer_path
-    else Tokenizer.default()
-  )
+  tokenizer = validated.tokenizer
   train_path, eval_path = dataset_paths(settings.data, workdir)
   proc = processor_config(settings.data.vision)
   loader = pipeline.ShadowLoader(

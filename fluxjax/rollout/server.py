@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -43,6 +42,7 @@ from flax import nnx
 
 from fluxjax.models import config as config_lib
 from fluxjax.models import hf_io, processor, vlm
+from fluxjax.models import tokenizer as tokenizer_lib
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import engine as engine_lib
 from fluxjax.rollout import openapi, prompt, protocol, weight_group
@@ -177,22 +177,26 @@ class RolloutServer:
     try:
       a = self.args
       overrides = {"dtype": a.dtype, "param_dtype": a.dtype}
+      tokenizer = tokenizer_lib.resolve(a.tokenizer_path, a.model_path)
+      base = (
+        config_lib.load_hf_config(a.model_path, **overrides)
+        if a.model_path
+        else config_lib.preset(a.preset, **overrides)
+      )
+      cfg = config_lib.with_tokenizer_ids(
+        base,
+        tokenizer.model_token_ids(),
+        tokenizer.vocab_size,
+        from_checkpoint=bool(a.model_path),
+      )
       if a.model_path:
-        cfg = config_lib.load_hf_config(a.model_path, **overrides)
         model = hf_io.load_hf_checkpoint(a.model_path, cfg)
-        tok_path = a.tokenizer_path or os.path.join(a.model_path, "tokenizer.json")
       else:
-        model = vlm.create_model(config_lib.preset(a.preset, **overrides), a.seed)
+        model = vlm.create_model(cfg, a.seed)
         # Committed to one device like a loaded checkpoint, so that a later
         # update_weights_from_disk reuses the compiled steps.
         graphdef, state = nnx.split(model)
         model = nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))
-        tok_path = a.tokenizer_path
-      tokenizer = (
-        Tokenizer.from_file(tok_path)
-        if tok_path and os.path.exists(tok_path)
-        else Tokenizer.default()
-      )
       engine = engine_lib.Engine(
         model,
         tokenizer,

@@ -2,6 +2,7 @@
 is checkpointed, the run exits with 128 + SIGTERM, and the same command
 resumes it with each prompt trained once (fluxjax/rl/preemption.py)."""
 
+import json
 import os
 import signal
 
@@ -10,6 +11,7 @@ import pytest
 
 from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import loop, preemption
+from fluxjax.rl import metrics as metrics_lib
 from helpers import (
   assert_each_prompt_trained_once,
   assert_every_drawn_prompt_accounted_for,
@@ -39,6 +41,12 @@ def test_sigterm_checkpoints_the_step_in_progress_and_the_run_resumes(tmp_path, 
   assert ocp.utils.checkpoint_steps(str(tmp_path / "checkpoints")) == [2]
   assert_each_prompt_trained_once(tmp_path, 2, config.rl.prompts_per_step)
   assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is restored
+  # Stopped at once: no held-out evaluation after step 0, and the summary
+  # says why the run ended early.
+  evaluated = [r["step"] for r in metrics_lib.read_metrics(str(tmp_path)) if "eval/accuracy" in r]
+  assert evaluated == [0]
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["preempted"] and "2 RL steps of 4 (preempted" in summary["text"][0]
 
   monkeypatch.setattr(coordinator_lib.Coordinator, "step", step)
   last = loop.run(config, str(tmp_path))

@@ -407,6 +407,7 @@ def run(config, workdir: str, validated: Validated | None = None) -> dict:
     wall_s=time.time() - t0,
     resumed_from=first,
     total_steps=validated.settings.total_steps,
+    preempted=preemption.stopped_at is not None,
   )
   if preemption.stopped_at is not None:
     raise preemption_lib.Preempted(preemption.stopped_at)
@@ -494,7 +495,9 @@ def _loop(
       preemption.stopped_at = step
       log.warning("preempted: stopped after step %d, checkpointed; the same command resumes", step)
       break
-  if done > first and "eval/accuracy" not in last:  # the data ran out between evaluations
+  # The data ran out between evaluations. A preempted run skips this: its
+  # grace period is the scheduler's, and the resumed run evaluates at its end.
+  if done > first and "eval/accuracy" not in last and preemption.stopped_at is None:
     held_out = coord.evaluate(eval_samples)
     writer.write(done, held_out)
     last = {**last, **held_out}

@@ -123,6 +123,7 @@ class Summary:
     resumed_from: the checkpoint step it resumed from (0: a fresh run).
     last_step: the last RL step in the records.
     total_steps: the steps the run was configured for, or None.
+    preempted: whether SIGTERM stopped it before total_steps.
     warm_up: the first evaluation before step 0 (the SFT warm-up's start), or None.
     start: the evaluation at step 0 (the RL start), or None.
     end: the last evaluation after step 0, or None.
@@ -138,6 +139,7 @@ class Summary:
   resumed_from: int
   last_step: int
   total_steps: int | None
+  preempted: bool
   warm_up: Evaluation | None
   start: Evaluation | None
   end: Evaluation | None
@@ -179,7 +181,8 @@ class Summary:
   def _header(self) -> str:
     done = f"run summary ({self.workdir}): {self.last_step} RL steps"
     if self.total_steps is not None and self.last_step < self.total_steps:
-      done += f" of {self.total_steps} (the data ran out)"
+      why = "preempted; the same command resumes" if self.preempted else "the data ran out"
+      done += f" of {self.total_steps} ({why})"
     resumed = f", resumed from step {self.resumed_from}" if self.resumed_from else ""
     return f"{done}; this invocation {_duration(self.wall_s)} wall time{resumed}"
 
@@ -275,6 +278,7 @@ def summarize(
   workdir: str,
   resumed_from: int = 0,
   total_steps: int | None = None,
+  preempted: bool = False,
   files: Collection[str] | None = None,
 ) -> Summary:
   """The summary of a run from its records.
@@ -287,6 +291,8 @@ def summarize(
     workdir: the run's work directory.
     resumed_from: the checkpoint step this invocation resumed from (0: fresh).
     total_steps: the configured RL steps (to say when a run stopped early).
+    preempted: whether SIGTERM stopped the run (else an early stop means the
+      data ran out).
     files: names (FILES) present in the work directory; None: all of them.
   """
   evals = [e for r in records if (e := Evaluation.of(r)) is not None]
@@ -297,6 +303,7 @@ def summarize(
     resumed_from=resumed_from,
     last_step=max((int(r["step"]) for r in records), default=0),
     total_steps=total_steps,
+    preempted=preempted,
     warm_up=next((e for e in evals if e.step < 0), None),
     start=next((e for e in evals if e.step == 0), None),
     end=next((e for e in reversed(evals) if e.step > 0), None),

@@ -6,6 +6,11 @@ once `limit` failures have come in a row (0 = never); the caller then raises
 an error that names the cause. The limits live in the config's `faults`
 section (configs/vlm.py), nowhere else.
 
+A helper process (a preprocessor, a reward worker) calls
+`leave_stop_signals_to_parent` first: a scheduler's SIGTERM or a terminal's
+Ctrl-C reaches the whole process group, and a helper dying of it before its
+parent shuts it down would be counted as a crash and restarted.
+
 `Faults` holds a run's streaks by name. Every total is reported as
 `faults/<name>_total` (`metric`) and checkpointed together (`get_state`,
 `set_state`), so a resumed run goes on counting where it stopped.
@@ -14,12 +19,20 @@ section (configs/vlm.py), nowhere else.
 from __future__ import annotations
 
 import dataclasses
+import signal
 from collections.abc import Mapping
 
 
 def metric(name: str) -> str:
   """The metric (and summary line) of a fault's total."""
   return f"faults/{name}_total"
+
+
+def leave_stop_signals_to_parent() -> None:
+  """Ignores SIGTERM and SIGINT in a helper process: its parent stops it
+  (a stop message, else SIGKILL), and it exits when its parent is gone."""
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @dataclasses.dataclass

@@ -399,3 +399,24 @@ def test_workers_exit_when_their_parent_is_killed():
   while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
     time.sleep(0.2)
   assert not [p for p in pids if process_alive(p)], "workers outlived their killed parent"
+
+
+def test_a_group_wide_stop_signal_leaves_the_workers_to_their_parent(data):
+  """A scheduler's SIGTERM (or Ctrl-C's SIGINT) reaches the whole process
+  group; the workers outlive it, so the parent's own shutdown stops them and
+  nothing is counted as a crash."""
+  _, rows = data
+  to_meta = pipeline.meta_lib.ToMeta(CFG)
+  refs = [m for i, r in enumerate(rows) for m in to_meta(i, r).media][:2]
+  store = pipeline.store_lib.MetaStore()
+  with workers.WorkerPool(1, CFG, store) as pool:
+    pool.submit(refs[0])
+    assert store.wait(refs[0].media_id, timeout=30).status == "ready"  # started and serving
+    proc = pool._procs[0]  # pylint: disable=protected-access
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      os.kill(proc.pid, sig)
+    pool.submit(refs[1])
+    assert store.wait(refs[1].media_id, timeout=30).status == "ready"
+    assert proc.is_alive() and pool.restarts == 0
+  assert not proc.is_alive()  # close still stops it
+  store.close()

@@ -9,6 +9,7 @@ import logging
 import math
 import multiprocessing
 import os
+import signal
 import time
 
 import pytest
@@ -312,3 +313,16 @@ def test_production_defaults_and_shutdown():
   with pytest.raises(RuntimeError):
     rs.submit("x", "x")
   assert math.isnan(reward_pool.RewardResult(0, "ok", 0, math.nan).timeout)
+
+
+def test_a_group_wide_stop_signal_leaves_the_workers_to_their_parent(make_scheduler):
+  """SIGTERM and SIGINT sent to the process group (a preemption, a Ctrl-C) do not
+  kill the reward workers: no call fails and nothing is restarted."""
+  rs = make_scheduler(num_workers=1)
+  assert rs.submit("<answer>4</answer>", "4").result(timeout=20).status == "ok"  # ready
+  (child,) = _reward_children()
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    os.kill(child.pid, sig)
+  after = rs.gather([rs.submit("<answer>4</answer>", "4") for _ in range(3)], timeout=20)
+  assert all(r.status == "ok" for r in after) and child.is_alive()
+  assert rs.metrics()["reward/worker_restarts"] == 0

@@ -27,6 +27,7 @@ import time
 from multiprocessing import queues
 from multiprocessing.context import SpawnProcess
 
+from fluxjax import faults
 from fluxjax.data import store as store_lib
 from fluxjax.models import media as media_lib
 from fluxjax.models import processor
@@ -60,6 +61,7 @@ def _worker_main(
   task queue carries both ends of its pipe into this process, so a read never
   sees end-of-file and the worker would otherwise wait forever.
   """
+  faults.leave_stop_signals_to_parent()
   while True:
     try:
       task = tasks.get(timeout=PARENT_CHECK_S)
@@ -265,7 +267,7 @@ class WorkerPool:
         self.store.set_failed(media_id, f"worker {w} died")
 
   def close(self, timeout: float = 5.0) -> None:
-    """Stops the workers (joins, then terminates stragglers)."""
+    """Stops the workers (joins, then kills stragglers)."""
     if self._stopping.is_set():
       return
     self._stopping.set()
@@ -279,7 +281,7 @@ class WorkerPool:
       proc.join(max(0.0, deadline - time.monotonic()))
     for proc in self._procs:
       if proc.is_alive():
-        proc.terminate()
+        proc.kill()  # it ignores SIGTERM (faults.leave_stop_signals_to_parent)
         proc.join(1.0)
     # Drain results that landed after the last poll, so their slots unlink.
     self._closed.set()

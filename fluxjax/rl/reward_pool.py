@@ -36,6 +36,7 @@ import traceback
 from collections.abc import Hashable, Iterable
 from typing import Any
 
+from fluxjax import faults
 from fluxjax import settings as settings_lib
 from fluxjax.rl.reward_fns import RewardFn, get
 
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 def _worker_main(conn) -> None:
   """Loop of a spawned worker: (id, fn, response, answer) -> (id, status, value, secs)."""
+  faults.leave_stop_signals_to_parent()
   conn.send(("ready",))
   while True:
     try:

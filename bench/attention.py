@@ -270,6 +270,33 @@ VARIANTS = {
 }
 
 
+def write_json(args, dev, blocks, cases, parity32=None, shuffled=None, partial=False) -> None:
+  """The run's figures; `partial`: written after each case, so a run stopped
+  by its time limit keeps the cases it measured."""
+  runinfo.write(
+    args.json,
+    "attention.py",
+    {
+      "args": vars(args),
+      "device": {"device_kind": dev.device_kind, "platform": dev.platform},
+      "shape": {
+        "heads": HEADS,
+        "kv_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "dtype": "bfloat16",
+        "causal": True,
+        "batch": 1,
+      },
+      "floor_rates": {"matmul_flop_per_s": PEAK_FLOPS, "bytes_per_s": PEAK_BYTES},
+      "default_tiles": str(blocks),
+      "cases": cases,
+      "fp32_parity": parity32,
+      "shuffled_bf16_parity": shuffled,
+      **({"partial": True} if partial else {}),
+    },
+  )
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--tokens", default="4096,16384,32768,65536")
@@ -399,6 +426,8 @@ def main() -> None:
           )
           case["tile_variants"][name] = dict(_backend_figures(r), tiles=str(var))
       cases.append(case)
+      if args.json:
+        write_json(args, dev, blocks, cases, partial=True)
       if isinstance(res.get("xla"), str) or "xla" not in res:
         # Nothing to compare against: keep no host copies of the outputs.
         res = {b: (r if isinstance(r, str) else r[:3]) for b, r in res.items()}
@@ -432,27 +461,7 @@ def main() -> None:
         f"{r[1] / floor:.2f} | {parity} |"
       )
   if args.json:
-    runinfo.write(
-      args.json,
-      "attention.py",
-      {
-        "args": vars(args),
-        "device": {"device_kind": dev.device_kind, "platform": dev.platform},
-        "shape": {
-          "heads": HEADS,
-          "kv_heads": KV_HEADS,
-          "head_dim": HEAD_DIM,
-          "dtype": "bfloat16",
-          "causal": True,
-          "batch": 1,
-        },
-        "floor_rates": {"matmul_flop_per_s": PEAK_FLOPS, "bytes_per_s": PEAK_BYTES},
-        "default_tiles": str(blocks),
-        "cases": cases,
-        "fp32_parity": parity32,
-        "shuffled_bf16_parity": shuffled,
-      },
-    )
+    write_json(args, dev, blocks, cases, parity32, shuffled)
 
 
 if __name__ == "__main__":

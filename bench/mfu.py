@@ -225,6 +225,8 @@ def main() -> None:
     "time by op (bench/op_profile.py)",
   )
   args = p.parse_args()
+  if args.profile:  # before JAX first touches a device
+    op_profile.expose_ops()
   device = jax.devices()[0]
   base = config_lib.preset(args.preset)
   image_tokens = args.image_side**2 // base.vision.merge_unit

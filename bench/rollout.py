@@ -145,6 +145,8 @@ def main():
     help="also write the figures here, with the command, machine, commit and date",
   )
   args = p.parse_args()
+  if args.profile:  # before JAX first touches a device
+    op_profile.expose_ops()
   levels = [int(c) for c in args.concurrency.split(",")]
   steps_per_call = [int(k) for k in args.decode_steps.split(",")]
   cfg = config.preset(args.preset, dtype=args.dtype, param_dtype=args.dtype)
@@ -167,6 +169,7 @@ def main():
     loop_outs = [loop(s, args.new_tokens, bucket) for s in loop_seqs]
     loop_runs.append(len(loop_seqs) * args.new_tokens / (time.perf_counter() - t))
   loop_tps = statistics.median(loop_runs)
+  print(f"measured: loop, {loop_tps:,.0f} tokens/s", flush=True)
 
   buckets = sorted({bucket, capacity} | ({args.prefill_len} if args.prefill_len else set()))
   rows, prefill_tps, agree = [], None, args.new_tokens
@@ -189,6 +192,10 @@ def main():
         tokens = run_engine(engine, seqs[:n], args.new_tokens, c)
         runs.append(tokens / (time.perf_counter() - t))
       rows.append((k, c, statistics.median(runs)))
+      print(
+        f"measured: {k} decode steps per call, {c} concurrent: {rows[-1][2]:,.0f} tokens/s",
+        flush=True,
+      )
     if args.profile:  # the largest level once more, traced apart from the timed runs
       trace_dir = os.path.join(args.profile, f"steps{k}-c{levels[-1]}")
       with op_profile.capture(trace_dir):

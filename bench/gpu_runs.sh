@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU issue's checks in one device call, sized for a 15-minute lease:
+# decode at 1 and 8 steps per call, a 5-step GRPO smoke of the 3B shape on the
+# embedded engine, and the train step's op profile. Each run has its own time
+# limit and prints (and writes under $OUT) as it goes, so a run stopped by its
+# limit keeps what it measured. Needs nvidia-h200: the 3B train state (fp32
+# parameters, gradients and AdamW) is 60 GB beside the engine's copy and cache.
+#
+#   bash bench/gpu_runs.sh [decode_s] [grpo_s] [mfu_s]       # on the device machine
+#
+# The device image lacks some of fluxjax's dependencies: carry them as wheels
+# in .whl_train/ (grain, array_record, portpicker, ml_collections, av,
+# tensorboardx; see .library/device/README.md for `pip download`).
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+t0=$(date +%s)
+since() { echo "== $1 at $(( $(date +%s) - t0 )) s"; }
+if [ -d .whl_train ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl_train/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/machine.txt"
+quiet() { grep -v "^E11\|onstant\|XLA_FLAGS\|^$\|file a bug\|^  %\|This isn't"; }
+
+since decode
+timeout "${1:-150}" python3 bench/rollout.py --preset 3b --dtype bfloat16 --slots 256 \
+  --concurrency 1,32,256 --requests 4 --loop-requests 1 --new-tokens 128 --prefill-len 1024 \
+  --decode-steps 8,1 --repeats 3 --json "$OUT/rollout.json" > "$OUT/rollout.log" 2>&1
+quiet < "$OUT/rollout.log" | tail -15
+
+since grpo
+wd=/dev/shm/fluxjax-grpo; rm -rf "$wd"
+# -k: SIGTERM first (the run checkpoints its step and stops), SIGKILL 60 s later.
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout -k 60 "${2:-240}" python3 -m fluxjax.train \
+  --config=configs/vlm.py:qwen25_vl_3b --workdir="$wd" \
+  --config.rollout.backend=embedded --config.rollout.launch="()" \
+  --config.total_steps=5 --config.rl.prompts_per_step=4 --config.rl.max_new_tokens=128 \
+  --config.rollout.num_slots=32 --config.rollout.context_length=16384 \
+  --config.sharding.capacity=32768 --config.eval.every=0 --config.eval.prompts=4 \
+  --config.eval.samples_per_prompt=1 --config.data.synth_train=32 --config.data.synth_eval=4 \
+  > "$OUT/grpo.log" 2>&1
+cp "$wd/metrics.jsonl" "$OUT/grpo_metrics.jsonl"
+quiet < "$OUT/grpo.log" | tail -25
+
+since mfu
+timeout "${3:-150}" python3 bench/mfu.py --layers 8 --rows 2 --row-tokens 16384 \
+  --seq-tokens 4096 --remat save_dots --attention pallas_gpu --reps 3 --profile /tmp/prof_m \
+  --json "$OUT/mfu.json" > "$OUT/mfu.log" 2>&1
+quiet < "$OUT/mfu.log" | tail -40
+since done

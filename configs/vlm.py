@@ -143,6 +143,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # engine (the prompt's pad-token counts depend on them). Tiny and smoke runs:
   # a few tokens per image/frame so a CPU run stays small (a 7k-token prompt's
   # prefill alone takes GBs with CPU attention); real shapes: Qwen2.5-VL's.
+  # 16 frames keep a count_changes clip whole: 8 temporal patches, so each
+  # of its up to 7 colour changes falls between two of them.
   small_media = v.small_media or arg.smoke
   c.data.vision = ml_collections.ConfigDict(
     dict(
@@ -150,7 +152,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       image_max_pixels=112 * 112 if small_media else 28 * 28 * 1280,
       video_min_pixels=28 * 28 * 4 if small_media else 128 * 28 * 28,
       video_max_pixels=56 * 56 if small_media else 768 * 28 * 28,
-      video_max_frames=8 if small_media else 768,
+      video_max_frames=16 if small_media else 768,
     )
   )
   # Media size budgets (models/media.py MediaLimits), checked from each file's

@@ -2,6 +2,7 @@
 answers at every level, held-out items disjoint from training by content."""
 
 import collections
+import dataclasses
 import itertools
 import json
 import re
@@ -12,11 +13,13 @@ import PIL.Image
 import pytest
 from scipy import ndimage
 
+from fluxjax import config_args
 from fluxjax.data import cot_tasks, drawing, readers, synth, visual_tasks
 from fluxjax.data.meta import ToMeta
-from fluxjax.models import processor
+from fluxjax.models import media, processor
 from fluxjax.models.tokenizer import COLORS, Tokenizer
 from fluxjax.rl import reward_fns, sft
+from fluxjax.settings import Settings
 
 NAMES = list(drawing.RGB)
 TOKENIZER = Tokenizer.default()
@@ -28,10 +31,21 @@ def _colour_at(pixels, y, x):
   return NAMES[int(np.abs(PALETTE - patch).sum(1).argmin())]
 
 
-def _untag(solution):
-  """The listed colours and the running counts of a tally ("blue red1 red2")."""
-  items = [re.fullmatch(r"([a-z]+)(\d*)", w).groups() for w in solution.split()]
-  return [c for c, _ in items], [int(n) for _, n in items if n]
+def _steps(solution):
+  """(item, running count) of each step of a solution ("a red circle1 b blue star1")."""
+  steps = re.findall(r"\s*([^\d]+?)(\d+)", solution)
+  assert " ".join(f"{item}{n}" for item, n in steps) == solution  # one form for every step
+  return [item for item, _ in steps], [int(n) for _, n in steps]
+
+
+def _listed(question):
+  return question.split(": ", 1)[1].split("?")[0].split(", ")
+
+
+def _colour(item):
+  """The colour an item names ("a red circle" -> "red")."""
+  (colour,) = [w for w in item.split() if w in COLORS]
+  return colour
 
 
 @pytest.mark.parametrize("level", visual_tasks.LEVELS)
@@ -49,10 +63,11 @@ def test_a_scan_lists_the_shapes_in_reading_order_and_counts_the_named_colour(le
       y, x = (row * cell + cell // 2, col * cell + cell // 2)
       if occupied[row * cell : (row + 1) * cell, col * cell : (col + 1) * cell].any():
         seen.append(_colour_at(pixels, y, x))
-    colours, counts = _untag(s.solution)
+    colours, counts = _steps(s.solution)
     assert colours == seen and lo <= len(seen) <= hi
-    target = s.question.split()[2]
-    assert counts == list(range(1, count + 1)) and s.answer == str(count)
+    target = re.search(r"how many are (\w+)\?", s.question).group(1)
+    rises = [b - a for a, b in zip([0, *counts], counts)]
+    assert rises == [int(c == target) for c in seen] and s.answer == str(count) == str(counts[-1])
     assert sum(c == target for c in seen) == count
     assert ndimage.label(occupied)[1] == len(seen)  # one shape per cell
 
@@ -68,11 +83,11 @@ def test_a_census_names_each_item_in_order_and_counts_those_the_image_holds(task
   lo, hi = cot_tasks.CENSUS_NAMED[task][level]
   for present in cot_tasks.TASKS[task].answers(level):
     s = cot_tasks.draw(rng, task, level, present)
-    listed = s.question.split(": ", 1)[1].split("?")[0].split(", ")
+    listed = _listed(s.question)
     assert lo <= len(listed) <= hi and len(set(listed)) == len(listed)
-    steps = re.findall(r"([a-z]+(?: [a-z]+)?)(\d+)", s.solution)
-    assert [pair for pair, _ in steps] == listed
-    counts = [int(n) for _, n in steps]
+    items, counts = _steps(s.solution)
+    assert items == listed
+    steps = list(zip(items, counts))
     assert counts[-1] == present and s.answer == str(present)
     assert all(b - a in (0, 1) for a, b in zip([0, *counts], counts))
     pixels = np.asarray(s.image)
@@ -84,9 +99,9 @@ def test_a_census_names_each_item_in_order_and_counts_those_the_image_holds(task
     for row, col in itertools.product(range(visual_tasks.GRID), repeat=2):
       if occupied[row * cell : (row + 1) * cell, col * cell : (col + 1) * cell].any():
         drawn[_colour_at(pixels, row * cell + cell // 2, col * cell + cell // 2)] += 1
-    counted = [item for (item, n), before in zip(steps, [0, *counts]) if int(n) > before]
+    counted = [item for (item, n), before in zip(steps, [0, *counts]) if n > before]
     for item in counted:
-      assert drawn[item.split()[0]] >= 1, (item, drawn)
+      assert drawn[_colour(item)] >= 1, (item, drawn)
     if task == "colour_census":
       assert not set(drawn) & (set(listed) - set(counted)), (listed, counted, drawn)
 
@@ -111,16 +126,16 @@ def test_a_colour_list_counts_every_mention_of_a_drawn_colour(level):
   lo, hi = cot_tasks.LIST_MENTIONS[level]
   for present in cot_tasks.TASKS["colour_list"].answers(level):
     s = cot_tasks.draw(rng, "colour_list", level, present)
-    listed = s.question.split(": ", 1)[1].split("?")[0].split(", ")
+    listed = _listed(s.question)
     assert lo <= len(listed) <= hi
-    steps = re.findall(r"([a-z]+)(\d+)", s.solution)
-    assert [c for c, _ in steps] == listed
+    assert [item.split()[0] for item in listed] == list(cot_tasks.KEYS[: len(listed)])
+    items, counts = _steps(s.solution)
+    assert items == listed
     drawn = _drawn_colours(s.image)
-    counts = [int(n) for _, n in steps]
     rises = [b - a for a, b in zip([0, *counts], counts)]
-    assert rises == [int(c in drawn) for c in listed], (listed, drawn, s.solution)
+    assert rises == [int(_colour(c) in drawn) for c in listed], (listed, drawn, s.solution)
     assert counts[-1] == present and s.answer == str(present)
-    unlisted = set(drawn) - set(listed)
+    unlisted = set(drawn) - {_colour(c) for c in listed}
     assert len(unlisted) <= cot_tasks.CENSUS_DISTRACTORS and sum(drawn.values()) <= 16
     if level == "hard":  # the long tail the reasoning workload needs
       assert len(sft.answer_ids(TOKENIZER, s.answer, s.solution)) >= 48
@@ -133,10 +148,9 @@ def test_a_palette_scan_counts_the_colours_drawn_in_a_fixed_order(level):
   rng = np.random.default_rng(2)
   for present in cot_tasks.TASKS["palette_scan"].answers(level):
     s = cot_tasks.draw(rng, "palette_scan", level, present)
-    steps = re.findall(r"([a-z]+)(\d+)", s.solution)
-    assert [c for c, _ in steps] == list(COLORS)
+    items, counts = _steps(s.solution)
+    assert items == list(COLORS)
     drawn = _drawn_colours(s.image)
-    counts = [int(n) for _, n in steps]
     rises = [b - a for a, b in zip([0, *counts], counts)]
     assert rises == [int(c in drawn) for c in COLORS], (drawn, s.solution)
     assert len(drawn) == present == counts[-1] and s.answer == str(present)
@@ -156,8 +170,8 @@ def test_a_clip_lists_its_segments_and_counts_the_changes(tmp_path):
       seen = [_colour_at(fr, h // 2, w // 2) for fr in frames]
       assert all(seen[i] == seen[i + 1] for i in range(0, len(seen), 2))  # per temporal patch
       segments = [c for c, _ in itertools.groupby(seen)]
-      colours, counts = _untag(s.solution)
-      assert colours == segments and counts == list(range(1, changes + 1))
+      colours, counts = _steps(s.solution)
+      assert colours == segments and counts == list(range(changes + 1))
       assert s.answer == str(changes) == str(len(segments) - 1)
 
 
@@ -203,8 +217,8 @@ def test_rows_carry_their_solution_which_the_warm_up_teaches(tmp_path):
   metas = [builder(i, r) for i, r in enumerate(rows)]
   assert all(m.error is None and m.solution for m in metas)
   for m in metas:
-    target = sft.response_text(m.answer, m.solution)
-    assert target == f"<think>{m.solution}</think><answer>{m.answer}</answer>"
+    target = visual_tasks.reference_response(m.answer, m.solution)
+    assert target == f"<think> {m.solution}</think><answer>{m.answer}</answer>"
     assert reward_fns.accuracy_with_format(target, m.answer) == 1.0
   easy = sft.warm_up_rows(rows, ("easy",))
   assert easy and {r["difficulty"] for r in easy} == {"easy"}
@@ -268,3 +282,82 @@ def test_a_blind_run_trains_and_evaluates_on_the_pixel_free_copies(tmp_path):
   for split, path in zip(("train", "eval"), paths):
     assert path == str(tmp_path / "data_blind" / split / "manifest.jsonl")
     assert open(path).read() == open(tmp_path / "data" / split / "manifest.jsonl").read()
+
+
+def _template(question):
+  """A question with its colours, shapes, keys and numbers blanked out."""
+  words = "|".join(sorted((*COLORS, *visual_tasks.SHAPES), key=len, reverse=True))
+  q = re.sub(rf"\b(?:{words})s?\b", "{}", question)
+  q = re.sub(rf"\b[{cot_tasks.KEYS}] \{{\}}", "{}", q)
+  return re.sub(r"\d+", "{}", q)
+
+
+def test_every_task_asks_in_words_of_its_own():
+  """No two tasks share a question (blanks aside): one wording taught with a
+  chain and the same wording taught without one gave a prompt two formats."""
+  rng = np.random.default_rng(0)
+  asked = collections.defaultdict(set)
+  for level in visual_tasks.LEVELS:
+    for _ in range(12):
+      for task in visual_tasks.TASKS:
+        asked[task].add(_template(visual_tasks.draw(rng, task, level).question))
+      decks = cot_tasks.AnswerDecks(rng)
+      for task in cot_tasks.TASKS:
+        asked[task].add(
+          _template(cot_tasks.draw(rng, task, level, decks.deal(task, level)).question)
+        )
+  for task, shapes_task in synth.SHAPES_TASKS.items():
+    asked[task] = {_template(shapes_task(rng, 56)[1]) for _ in range(12)}
+  for a, b in itertools.combinations(asked, 2):
+    assert not asked[a] & asked[b], (a, b, asked[a] & asked[b])
+
+
+def _at(ids, sub):
+  """Where `sub` starts in `ids` (every start)."""
+  return [i for i in range(len(ids) - len(sub) + 1) if ids[i : i + len(sub)] == sub]
+
+
+@pytest.mark.parametrize("task", ["colour_list", "pair_census", "colour_census"])
+def test_a_copied_item_is_unique_in_its_question_and_the_same_tokens_in_the_chain(task):
+  """A chain step copies its item from the question: the item is there once
+  (keys make repeated colours distinct), and its tokens are those of the
+  chain's step, the first step included (the space after <think>)."""
+  rng = np.random.default_rng(3)
+  for level in visual_tasks.LEVELS:
+    for answer in cot_tasks.TASKS[task].answers(level):
+      s = cot_tasks.draw(rng, task, level, answer)
+      listed = _listed(s.question)
+      assert len(set(listed)) == len(listed)
+      question = TOKENIZER.encode(s.question)
+      response = sft.answer_ids(TOKENIZER, s.answer, s.solution)
+      for item in listed:
+        ids = TOKENIZER.encode(" " + item)
+        assert len(_at(question, ids)) == 1, (item, s.question)
+        assert _at(response, ids), (item, TOKENIZER.decode(response))
+      think = TOKENIZER.encode("<think>")
+      first = TOKENIZER.encode(" " + listed[0])
+      assert response[: len(think) + len(first)] == think + first
+
+
+def test_a_clip_through_the_loaders_sampling_shows_every_change_between_patches(tmp_path):
+  """At the default job's limits the processor keeps every frame of a
+  count_changes clip, so each temporal patch is one colour and the patches'
+  colours change exactly as the solution counts."""
+  vision = Settings.of(config_args.load_config()).data.vision
+  cfg = processor.VisionProcessorConfig(**dataclasses.asdict(vision))
+  tp = cfg.temporal_patch_size
+  rng = np.random.default_rng(4)
+  for level in visual_tasks.LEVELS:
+    for changes in cot_tasks.TASKS["count_changes"].answers(level):
+      s = cot_tasks.draw(rng, "count_changes", level, changes)
+      path = str(tmp_path / f"{level}{changes}.mp4")
+      f, h, w, _ = s.frames.shape
+      synth.write_video(path, lambda i, fr=s.frames: fr[i], f, h, w, visual_tasks.VIDEO_FPS)
+      frames, _ = media.load_video(path, cfg)
+      patches = [
+        {_colour_at(fr, h // 2, w // 2) for fr in frames[i : i + tp]}
+        for i in range(0, len(frames), tp)
+      ]
+      assert all(len(p) == 1 for p in patches), (level, changes, patches)
+      segments = [c for c, _ in itertools.groupby(p.pop() for p in patches)]
+      assert segments == _steps(s.solution)[0] and len(segments) == changes + 1

@@ -121,7 +121,8 @@ def test_a_runs_tokenizer_is_the_given_one_else_the_checkpoints_else_the_shipped
   assert tokenizer_lib.resolve("", str(tmp_path)).vocab_size == shipped.vocab_size  # none there
   # The checkpoint's own tokenizer.json: here the shipped one less its merges'
   # last ordinary token, told apart by its vocabulary size.
-  data = json.loads(tokenizer_lib.synthetic_tokenizer_json())
+  with open(tokenizer_lib.ASSET_PATH, encoding="utf-8") as f:
+    data = json.load(f)
   vocab = data["model"]["vocab"]
   last = max((t for t in vocab if vocab[t] < tokenizer_lib.SYNTHETIC_ORDINARY), key=vocab.get)
   del vocab[last]
@@ -130,5 +131,5 @@ def test_a_runs_tokenizer_is_the_given_one_else_the_checkpoints_else_the_shipped
   ]
   (tmp_path / "tokenizer.json").write_text(json.dumps(data))
   assert tokenizer_lib.resolve("", str(tmp_path)).vocab_size == shipped.vocab_size - 1
-  with pytest.raises(FileNotFoundError, match="no tokenizer file at .*no_such.json"):
+  with pytest.raises(FileNotFoundError, match=r"no tokenizer file at .*no_such\.json"):
     tokenizer_lib.resolve(str(tmp_path / "no_such.json"), str(tmp_path))

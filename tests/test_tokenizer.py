@@ -12,6 +12,7 @@ import tokenizers
 from tokenizers import models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from fluxjax.data import cot_tasks, tokenizer_corpus
 from fluxjax.models import tokenizer as tokenizer_lib
 
 EXPECTED_IDS = {
@@ -34,7 +35,7 @@ def tok():
 def test_shipped_asset_is_what_the_builder_makes():
   with open(tokenizer_lib.ASSET_PATH, encoding="utf-8") as f:
     shipped = f.read()
-  assert tokenizer_lib.synthetic_tokenizer_json() == shipped
+  assert tokenizer_corpus.tokenizer_json() == shipped
 
 
 def test_cli_regenerates_an_identical_file(tmp_path):
@@ -44,7 +45,7 @@ def test_cli_regenerates_an_identical_file(tmp_path):
   env = dict(os.environ, PYTHONHASHSEED="123", RAYON_NUM_THREADS="1")
   repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   subprocess.run(
-    [sys.executable, "-m", "fluxjax.models.tokenizer", "--out", str(out)],
+    [sys.executable, "-m", "fluxjax.data.tokenizer_corpus", "--out", str(out)],
     check=True,
     env=env,
     cwd=repo_root,
@@ -52,6 +53,15 @@ def test_cli_regenerates_an_identical_file(tmp_path):
   )
   with open(tokenizer_lib.ASSET_PATH, "rb") as f:
     assert out.read_bytes() == f.read()
+
+
+def test_the_tasks_words_are_single_tokens(tok):
+  """A chain step is a fixed pattern of tokens: each key letter, colour and
+  shape, with the space before it, is one token, and so is the count after
+  it (Qwen's split regex makes each digit a token of its own)."""
+  words = [*cot_tasks.KEYS, *tokenizer_lib.COLORS, *tokenizer_lib.SHAPES]
+  assert {w: len(tok.encode(" " + w)) for w in words} == {w: 1 for w in words}
+  assert tok.encode(" a red7") == tok.encode(" a") + tok.encode(" red") + tok.encode("7")
 
 
 def test_layout(tok):

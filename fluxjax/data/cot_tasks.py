@@ -2,32 +2,45 @@
 
 The `reasoning_cot` mix of fluxjax/data/synth.py. Each sample carries its
 reference chain of thought (`Sample.solution`), written before the answer as
-`<think>{solution}</think><answer>{answer}</answer>` (rl/sft.response_text):
+`<think> {solution}</think><answer>{answer}</answer>`
+(visual_tasks.reference_response):
 the SFT warm-up teaches it on the easy level, and RL has the longer levels
 to learn.
 
+Every step of a solution has one form, an item and the running count so
+far ("red0 blue1 red1"). The space after <think> makes the first item the
+same token as the item in the question (" blue", not "bl" + "ue"), and every
+item a chain copies from its question is unique there: the census tasks
+name distinct items, and the lists that repeat colours or share words key
+each item with its own letter ("a red, b blue, c red"), so a copy is a
+lookup of one key. Each task asks in words of its own, never another
+task's question.
+
   scan_count    (image) how many shapes of a named colour: the solution lists
-                the colour of every shape in reading order, each shape of the
-                named colour tagged with its running count ("blue red1 green
-                red2"); easy 1-3 shapes, medium 4-8, hard 9-16 (up to the
-                whole 4 x 4 grid).
+                the colour of every shape in reading order with the running
+                count of the named colour ("blue0 red1 green1 red2"); easy
+                1-3 shapes, medium 4-8, hard 9-16 (up to the whole 4 x 4 grid).
   count_changes (video) how many times one shape changes colour: the
-                solution lists the colour of each segment, each one after the
-                first tagged with the running count of changes ("red blue1
-                red2"); easy 1-2 changes, medium 3-4, hard 5-7.
+                solution lists the colour of each segment with the running
+                count of changes ("red0 blue1 red2"); easy 1-2 changes,
+                medium 3-4, hard 5-7. Segments span whole temporal patches of
+                the frames the processor samples (CHANGE_FRAMES, all of them
+                at the tiny limits).
   pair_census   (image) how many of k named (colour, shape) pairs the image
-                holds: the solution names each pair in the question's order
-                with the running count of those present ("red circle1 blue
-                star1 green square2"), so every step is a copy from the
-                question, a look for that pair and an increment; easy k 2-3,
-                medium 5-7, hard 10-14 (0 .. 10 present).
-  colour_census the same with colours alone (any shape): k 2-3, 4-5, 6-8.
-  colour_list   (image) how many of a list of k colours, repeats allowed,
-                appear in the image: the same running count over the list
-                ("red1 blue1 red2"); each mention present counts, so chains
-                grow past the 8 colours: k 1-3, 6-10, 18-22 (answers 0-2,
-                0-5, 0-9). Steps are copies at a constant offset and looks
-                by colour, as in colour_census.
+                holds, each pair keyed ("a red circle, b blue star"): the
+                solution goes through the keys in order with the running
+                count of the pairs present ("a red circle1 b blue star1"), so
+                every step is a copy from the question, a look for that pair
+                and an increment; easy k 2-3, medium 5-7, hard 9-12 (0 .. 9
+                present).
+  colour_census the same with distinct colours alone (any shape), unkeyed:
+                k 2-3, 4-5, 6-8.
+  colour_list   (image) how many of a keyed list of k colours, repeats
+                allowed, appear in the image: the same running count over
+                the list ("a red1 b blue1 c red2"); each mention present
+                counts, so chains grow past the 8 colours: k 1-3, 6-10, 12-15
+                (answers 0-2, 0-5, 0-9). Steps are copies at a constant
+                offset and looks by colour, as in colour_census.
   palette_scan  (image) how many different colours the image holds: the
                 solution goes through the 8 colours in a fixed order, each
                 with the running count of those drawn ("red0 green1 blue2"),
@@ -69,20 +82,22 @@ SCAN_COUNTS = {"easy": (1, 3), "medium": (1, 4), "hard": (1, 6)}
 CHANGES = {"easy": (1, 2), "medium": (3, 4), "hard": (5, 7)}
 # Named items and how many of them are present, per level.
 CENSUS_NAMED = {
-  "pair_census": {"easy": (2, 3), "medium": (5, 7), "hard": (10, 14)},
+  "pair_census": {"easy": (2, 3), "medium": (5, 7), "hard": (9, 12)},
   "colour_census": {"easy": (2, 3), "medium": (4, 5), "hard": (6, 8)},
 }
 CENSUS_PRESENT = {
-  "pair_census": {"easy": (0, 2), "medium": (0, 5), "hard": (0, 10)},
+  "pair_census": {"easy": (0, 2), "medium": (0, 5), "hard": (0, 9)},
   "colour_census": {"easy": (0, 2), "medium": (0, 4), "hard": (0, 6)},
 }
 CENSUS_DISTRACTORS = 3  # at most this many shapes of pairs not named
-LIST_MENTIONS = {"easy": (1, 3), "medium": (6, 10), "hard": (18, 22)}
+LIST_MENTIONS = {"easy": (1, 3), "medium": (6, 10), "hard": (12, 15)}
 LIST_PRESENT = {"easy": (0, 2), "medium": (0, 5), "hard": (0, 9)}
 LIST_MAX_COLOURS = 4  # distinct colours the present (or absent) mentions use, at most
 PALETTE_PRESENT = {"easy": (1, 2), "medium": (3, 4), "hard": (5, 7)}
 ADD_DIGITS = {"easy": (1, 1), "medium": (2, 3), "hard": (4, 6)}
 CHANGE_FRAMES = 16  # 8 temporal patches: up to 7 changes
+# The keys of a keyed list, one letter per item (one token each with a space).
+KEYS = "abcdefghijklmno"
 # How often each level is drawn (visual_tasks.LEVELS order).
 LEVEL_P = (1 / 3, 1 / 3, 1 / 3)
 # A level's answers are dealt from a deck when there are at most this many;
@@ -94,13 +109,20 @@ def _uniform(rng: np.random.Generator, bounds: tuple[int, int]) -> int:
   return int(rng.integers(bounds[0], bounds[1] + 1))
 
 
-def tally(items: list[str], counted: list[bool]) -> str:
-  """The items in order, each counted one tagged with its running count."""
+def running_count(items: list[str], counted: list[bool]) -> str:
+  """The items in order, each tagged with the running count of counted ones."""
   out, n = [], 0
   for item, count in zip(items, counted):
     n += count
-    out.append(f"{item}{n}" if count else item)
+    out.append(f"{item}{n}")
   return " ".join(out)
+
+
+def keyed(items: list[str]) -> list[str]:
+  """Each item behind its own key letter ("a red", "b blue", "c red")."""
+  if len(items) > len(KEYS):
+    raise ValueError(f"{len(items)} items but {len(KEYS)} keys")
+  return [f"{key} {item}" for key, item in zip(KEYS, items)]
 
 
 def _dealt(answer: int | None, task: str) -> int:
@@ -124,10 +146,10 @@ def scan_count(rng: np.random.Generator, level: str, answer: int | None) -> Samp
   return Sample(
     "scan_count",
     level,
-    f"How many {target} shapes are in the image?" + INSTRUCTION,
+    f"Go through the shapes in reading order: how many are {target}?" + INSTRUCTION,
     str(count),
     image=image,
-    solution=tally(colours, [c == target for c in colours]),
+    solution=running_count(colours, [c == target for c in colours]),
   )
 
 
@@ -137,20 +159,11 @@ def count_changes(rng: np.random.Generator, level: str, answer: int | None) -> S
   return Sample(
     "count_changes",
     level,
-    "How many times does the shape change colour in the video?" + INSTRUCTION,
+    "Follow the shape's colour from start to end: how many changes are there?" + INSTRUCTION,
     str(changes),
     frames=frames,
-    solution=tally(colours, [k > 0 for k in range(len(colours))]),
+    solution=running_count(colours, [k > 0 for k in range(len(colours))]),
   )
-
-
-def running_count(items: list[str], counted: list[bool]) -> str:
-  """The items in order, each tagged with the running count of counted ones."""
-  out, n = [], 0
-  for item, count in zip(items, counted):
-    n += count
-    out.append(f"{item}{n}")
-  return " ".join(out)
 
 
 def _census(
@@ -159,8 +172,10 @@ def _census(
   level: str,
   answer: int | None,
   items: list[tuple[str, str | None]],
+  keys: bool = False,
 ) -> Sample:
-  """k of `items` (colour, shape or None: any shape) named, `answer` of them drawn."""
+  """k of `items` (colour, shape or None: any shape) named, `answer` of them
+  drawn; `keys`: each named item behind its key letter."""
   present = _dealt(answer, task)
   lo, hi = CENSUS_NAMED[task][level]
   k = _uniform(rng, (max(lo, present), hi))
@@ -172,6 +187,7 @@ def _census(
   drawn = shown + [others[i] for i in rng.permutation(len(others))[:extra]]
   image = visual_tasks.scattered(rng, [c for c, _ in drawn], [s for _, s in drawn])
   listed = [" ".join(x for x in item if x) for item in named]
+  listed = keyed(listed) if keys else listed
   return Sample(
     task,
     level,
@@ -184,7 +200,7 @@ def _census(
 
 def pair_census(rng: np.random.Generator, level: str, answer: int | None) -> Sample:
   pairs: list[tuple[str, str | None]] = [(str(c), str(s)) for c in COLORS for s in SHAPES]
-  return _census(rng, "pair_census", level, answer, pairs)
+  return _census(rng, "pair_census", level, answer, pairs, keys=True)
 
 
 def colour_census(rng: np.random.Generator, level: str, answer: int | None) -> Sample:
@@ -213,10 +229,10 @@ def colour_list(rng: np.random.Generator, level: str, answer: int | None) -> Sam
   return Sample(
     "colour_list",
     level,
-    f"How many of these colours are in the image: {', '.join(listed)}?" + INSTRUCTION,
+    f"How many of these colours are in the image: {', '.join(keyed(listed))}?" + INSTRUCTION,
     str(present),
     image=visual_tasks.scattered(rng, drawn),
-    solution=running_count(listed, [c in shown for c in listed]),
+    solution=running_count(keyed(listed), [c in shown for c in listed]),
   )
 
 

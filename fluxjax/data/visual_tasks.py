@@ -46,7 +46,7 @@ from fluxjax.models.tokenizer import COLORS, SHAPES
 LEVELS = ("easy", "medium", "hard")
 IMAGE_SIZE = 112  # the tiny preset's largest image side
 VIDEO_SIZE = 56  # the tiny preset's video frame side
-VIDEO_FRAMES = 8  # at 2 fps: what the processor samples, within its 8-frame cap
+VIDEO_FRAMES = 8  # at 2 fps: all of them sampled, within the tiny variant's cap
 VIDEO_FPS = 2.0
 CELL = 28  # one merged vision token: 2 x 2 patches of 14 px
 GRID = IMAGE_SIZE // CELL
@@ -75,6 +75,15 @@ class Sample:
   image: PIL.Image.Image | None = None
   frames: np.ndarray | None = None
   solution: str | None = None
+
+
+def reference_response(answer: str, solution: str | None = None) -> str:
+  """The response a sample is taught and rewarded for (`accuracy_with_format`
+  gives it 1.0): its worked solution in <think></think> first where it has
+  one, with a space after <think> so its first word is the token it is
+  everywhere else."""
+  think = f"<think> {solution}</think>" if solution else ""
+  return f"{think}<answer>{answer}</answer>"
 
 
 def canvas(size: int = IMAGE_SIZE) -> tuple[PIL.Image.Image, PIL.ImageDraw.ImageDraw]:

@@ -11,17 +11,19 @@ generated corpus of the synthetic tasks' language. Its layout is fixed:
   ids 0..489    256 byte symbols + 234 merges
   ids 490..511  Qwen2.5's 22 added tokens, in Qwen's order (151643..151664)
 
-so `id - 490 + 151643` maps a synthetic special id to its Qwen id. Regenerate
-the shipped asset with
+so `id - 490 + 151643` maps a synthetic special id to its Qwen id. The
+corpus is this module's chat and number text plus the questions and
+reference responses of every synthetic task (fluxjax/data/tokenizer_corpus.py,
+which builds and writes the asset; a base model trained with it is frozen
+with it):
 
-  python -m fluxjax.models.tokenizer --out fluxjax/models/assets/tokenizer.json
+  python -m fluxjax.data.tokenizer_corpus --out fluxjax/models/assets/tokenizer.json
 """
 
-import argparse
 import functools
 import itertools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -282,8 +284,11 @@ def synthetic_corpus() -> Iterator[str]:
   yield "0 1 2 3 4 5 6 7 8 9 + - * / = ( ) . , : ; ? ! ' \" < > [ ] { }\n"
 
 
-def build_synthetic_tokenizer() -> tokenizers.Tokenizer:
+def build_synthetic_tokenizer(task_texts: Iterable[str] = ()) -> tokenizers.Tokenizer:
   """Trains the deterministic 512-token byte-level BPE and checks its layout.
+
+  Args:
+    task_texts: the tasks' own text, trained on after `synthetic_corpus`.
 
   Returns:
     A `tokenizers.Tokenizer` with ordinary ids 0..489 and Qwen2.5's added
@@ -310,7 +315,7 @@ def build_synthetic_tokenizer() -> tokenizers.Tokenizer:
     initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     special_tokens=[],
   )
-  tok.train_from_iterator(list(synthetic_corpus()), trainer=trainer)
+  tok.train_from_iterator([*synthetic_corpus(), *task_texts], trainer=trainer)
   # Added after training so they land after the ordinary ids, as in Qwen.
   tok.add_tokens(
     [
@@ -347,11 +352,6 @@ def _check_synthetic_layout(tok: tokenizers.Tokenizer) -> None:
   assert singles == alphabet, "all 256 byte symbols must be in the vocabulary"
 
 
-def synthetic_tokenizer_json() -> str:
-  """The shipped asset's exact text (pretty JSON, trailing newline)."""
-  return build_synthetic_tokenizer().to_str(pretty=True) + "\n"
-
-
 def resolve(tokenizer_path: str, model_path: str) -> Tokenizer:
   """A run's tokenizer: `tokenizer_path`, else the checkpoint folder's
   tokenizer.json, else the shipped synthetic one (a preset's random weights)."""
@@ -367,18 +367,3 @@ def resolve(tokenizer_path: str, model_path: str) -> Tokenizer:
 def default_tokenizer() -> Tokenizer:
   """A process-wide `Tokenizer.default()`."""
   return Tokenizer.default()
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default=ASSET_PATH, help="where to write tokenizer.json")
-  args = parser.parse_args(argv)
-  text = synthetic_tokenizer_json()
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w", encoding="utf-8") as f:
-    f.write(text)
-  print(f"wrote {args.out}: {SYNTHETIC_VOCAB_SIZE} tokens")
-
-
-if __name__ == "__main__":
-  main()

@@ -46,7 +46,7 @@ from fluxjax import faults as faults_lib
 from fluxjax import settings as settings_lib
 from fluxjax.data import materializer as materializer_lib
 from fluxjax.data import meta as meta_lib
-from fluxjax.data import pipeline, readers
+from fluxjax.data import pipeline, readers, visual_tasks
 from fluxjax.models import media as media_lib
 from fluxjax.models.inputs import SequenceInputs
 from fluxjax.models.tokenizer import Tokenizer
@@ -59,16 +59,9 @@ from fluxjax.rl import policy as policy_lib
 log = logging.getLogger(__name__)
 
 
-def response_text(answer: str, solution: str = "") -> str:
-  """The response that `accuracy_with_format` gives 1.0 for this answer: the
-  reference reasoning in <think></think> first where the sample has one."""
-  think = f"<think>{solution}</think>" if solution else ""
-  return f"{think}<answer>{answer}</answer>"
-
-
 def answer_ids(tokenizer: Tokenizer, answer: str, solution: str = "") -> list[int]:
   """Token ids of the target response, ending with the end-of-turn token."""
-  return tokenizer.encode(response_text(answer, solution)) + [tokenizer.im_end_id]
+  return tokenizer.encode(visual_tasks.reference_response(answer, solution)) + [tokenizer.im_end_id]
 
 
 def sft_sequence(prompt: SequenceInputs, answer: Sequence[int]) -> batch_lib.TrainSequence:

@@ -302,7 +302,7 @@ def test_every_task_asks_in_words_of_its_own():
       for task in visual_tasks.TASKS:
         asked[task].add(_template(visual_tasks.draw(rng, task, level).question))
       decks = cot_tasks.AnswerDecks(rng)
-      for task in cot_tasks.TASKS:
+      for task in cot_tasks.ALL:
         asked[task].add(
           _template(cot_tasks.draw(rng, task, level, decks.deal(task, level)).question)
         )
@@ -361,3 +361,35 @@ def test_a_clip_through_the_loaders_sampling_shows_every_change_between_patches(
       assert all(len(p) == 1 for p in patches), (level, changes, patches)
       segments = [c for c, _ in itertools.groupby(p.pop() for p in patches)]
       assert segments == _steps(s.solution)[0] and len(segments) == changes + 1
+
+
+@pytest.mark.parametrize("level", visual_tasks.LEVELS)
+def test_the_drills_copy_from_a_keyed_list(level):
+  """key_lookup answers the colour its key names; list_repeat answers the
+  list itself: pure copies, text only, no chain to show."""
+  rng = np.random.default_rng(5)
+  for _ in range(30):
+    s = cot_tasks.draw(rng, "key_lookup", level, None)
+    listed = _listed(s.question)
+    key = re.search(r"the key (\w):", s.question).group(1)
+    lo, hi = cot_tasks.LOOKUP_ITEMS[level]
+    assert lo <= len(listed) <= hi and [i.split()[0] for i in listed] == list(
+      cot_tasks.KEYS[: len(listed)]
+    )
+    assert s.answer == dict(i.split() for i in listed)[key] and s.solution is None
+    r = cot_tasks.draw(rng, "list_repeat", level, None)
+    listed = r.question.split(": ", 1)[1].split(".")[0].split(", ")
+    lo, hi = cot_tasks.REPEAT_ITEMS[level]
+    assert lo <= len(listed) <= hi and r.answer == " ".join(listed) and r.solution is None
+    assert s.image is s.frames is r.image is r.frames is None
+
+
+def test_the_pretraining_pool_holds_chains_drills_and_direct_tasks(tmp_path):
+  manifest = synth.generate(str(tmp_path), "pretrain", 160, 0)
+  rows = readers.read_rows(manifest)
+  tasks = collections.Counter(r["task"] for r in rows)
+  assert set(tasks) == set(synth.MIXES["pretrain"])
+  for r in rows:
+    assert (r["task"] in cot_tasks.TASKS) == bool(r.get("solution"))
+    if r["task"] in cot_tasks.DRILLS:
+      assert not r["images"] and not r["videos"]

@@ -52,6 +52,15 @@ task's question.
                 column by column from the right, carries written
                 ("7+5=12 3+4+1=8"); easy d = 1, medium 2-3, hard 4-6.
 
+Two text-only drills (`DRILLS`) exercise the copy alone, with no chain to
+show: cheap pretraining data for the circuit every chain step needs (an
+item found by its key, the next item after the previous one).
+
+  key_lookup    which colour a key names in a keyed list ("... g green ...":
+                green); lists of 3-5, 6-10, 11-15.
+  list_repeat   the keyed list repeated without its commas ("a red b blue");
+                lists of 2-4, 5-8, 9-12.
+
 Answer priors are balanced at every level: the caller picks the answer from
 the level's answers (`answers`) and the instance is built around it (the
 count of the named colour, the number of changes; for sums of two or more
@@ -93,6 +102,8 @@ CENSUS_DISTRACTORS = 3  # at most this many shapes of pairs not named
 LIST_MENTIONS = {"easy": (1, 3), "medium": (6, 10), "hard": (12, 15)}
 LIST_PRESENT = {"easy": (0, 2), "medium": (0, 5), "hard": (0, 9)}
 LIST_MAX_COLOURS = 4  # distinct colours the present (or absent) mentions use, at most
+LOOKUP_ITEMS = {"easy": (3, 5), "medium": (6, 10), "hard": (11, 15)}
+REPEAT_ITEMS = {"easy": (2, 4), "medium": (5, 8), "hard": (9, 12)}
 PALETTE_PRESENT = {"easy": (1, 2), "medium": (3, 4), "hard": (5, 7)}
 ADD_DIGITS = {"easy": (1, 1), "medium": (2, 3), "hard": (4, 6)}
 CHANGE_FRAMES = 16  # 8 temporal patches: up to 7 changes
@@ -286,6 +297,34 @@ def add_columns(rng: np.random.Generator, level: str, answer: int | None) -> Sam
   )
 
 
+def _keyed_colours(rng: np.random.Generator, bounds: tuple[int, int]) -> list[str]:
+  """A keyed list of colours (repeats allowed) of a length within `bounds`."""
+  return keyed([str(c) for c in rng.choice(COLORS, _uniform(rng, bounds))])
+
+
+def key_lookup(rng: np.random.Generator, level: str, answer: int | None) -> Sample:
+  del answer  # a colour, drawn here
+  items = _keyed_colours(rng, LOOKUP_ITEMS[level])
+  key, colour = items[int(rng.integers(len(items)))].split()
+  return Sample(
+    "key_lookup",
+    level,
+    f"Which colour has the key {key}: {', '.join(items)}?" + INSTRUCTION,
+    colour,
+  )
+
+
+def list_repeat(rng: np.random.Generator, level: str, answer: int | None) -> Sample:
+  del answer  # the list itself
+  items = _keyed_colours(rng, REPEAT_ITEMS[level])
+  return Sample(
+    "list_repeat",
+    level,
+    f"Repeat this list without its commas: {', '.join(items)}." + INSTRUCTION,
+    " ".join(items),
+  )
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
   """A task: its answers per level (None: too many to deal) and its builder."""
@@ -317,6 +356,11 @@ TASKS: dict[str, Task] = {
   "palette_scan": Task(lambda level: _range(PALETTE_PRESENT[level]), palette_scan),
   "add_columns": Task(_add_answers, add_columns),
 }
+DRILLS: dict[str, Task] = {
+  "key_lookup": Task(lambda level: None, key_lookup),
+  "list_repeat": Task(lambda level: None, list_repeat),
+}
+ALL: dict[str, Task] = {**TASKS, **DRILLS}
 
 
 class AnswerDecks:
@@ -327,7 +371,7 @@ class AnswerDecks:
     self._decks: dict[tuple[str, str], list[int]] = {}
 
   def deal(self, task: str, level: str) -> int | None:
-    answers = TASKS[task].answers(level)
+    answers = ALL[task].answers(level)
     if answers is None:
       return None
     deck = self._decks.setdefault((task, level), [])
@@ -337,9 +381,10 @@ class AnswerDecks:
 
 
 def draw(rng: np.random.Generator, task: str, level: str, answer: int | None) -> Sample:
-  """One sample of `task` at `level` whose answer is `answer` (if dealt)."""
-  if task not in TASKS:
-    raise ValueError(f"unknown task {task!r}; choose one of {sorted(TASKS)}")
+  """One sample of `task` (a chain task or a drill) at `level` whose answer
+  is `answer` (if dealt)."""
+  if task not in ALL:
+    raise ValueError(f"unknown task {task!r}; choose one of {sorted(ALL)}")
   if level not in visual_tasks.LEVELS:
     raise ValueError(f"unknown difficulty {level!r}; choose one of {visual_tasks.LEVELS}")
-  return TASKS[task].build(rng, level, answer)
+  return ALL[task].build(rng, level, answer)

@@ -91,6 +91,16 @@ MIXES = {
   # solution grows with the list (up to about 57 tokens): short responses
   # with a long tail.
   "reasoning_tail": {"colour": 1, "count_colour": 1, "last_colour": 1, "colour_list": 1},
+  # The pretraining pool of the base model (configs/pretrain.py): every
+  # chain task, the text-only copy drills, and the direct-answer tasks of
+  # the post-training job at a lower weight.
+  "pretrain": {
+    **{task: 2 for task in cot_tasks.TASKS},
+    **{task: 2 for task in cot_tasks.DRILLS},
+    "colour": 1,
+    "count_colour": 1,
+    "last_colour": 1,
+  },
 }
 SOURCES = ("geo3k", "nextqa", "longvila")
 
@@ -232,7 +242,7 @@ def shape_count_image(rng: np.random.Generator, size: int):
 
 SHAPES_TASKS = {"colour": colour_image, "shape_count": shape_count_image}
 # Every small-picture task is a mix of its own too (`--config.data.mix=colour`).
-MIXES.update({task: {task: 1} for task in (*SHAPES_TASKS, *visual_tasks.TASKS, *cot_tasks.TASKS)})
+MIXES.update({task: {task: 1} for task in (*SHAPES_TASKS, *visual_tasks.TASKS, *cot_tasks.ALL)})
 
 
 def _segments(rng: np.random.Generator, num_frames: int):
@@ -450,7 +460,7 @@ def _task_row(
   """Row i of a task-weighted mix; its own generator, so rows do not depend on
   how many draws earlier rows made (the CoT answer decks aside)."""
   child = np.random.default_rng([seed, i])
-  if task in cot_tasks.TASKS:
+  if task in cot_tasks.ALL:
     level = str(child.choice(visual_tasks.LEVELS, p=cot_tasks.LEVEL_P))
     sample = cot_tasks.draw(child, task, level, decks.deal(task, level))
     return make_reasoning_sample(i, sample, out_dir, prefix, source="reasoning_cot")

@@ -39,7 +39,7 @@ def task_texts() -> Iterator[str]:
       for task in visual_tasks.TASKS:
         s = visual_tasks.draw(rng, task, level)
         yield _chat(s.question, visual_tasks.reference_response(s.answer, s.solution))
-      for task in cot_tasks.TASKS:
+      for task in cot_tasks.ALL:
         s = cot_tasks.draw(rng, task, level, decks.deal(task, level))
         yield _chat(s.question, visual_tasks.reference_response(s.answer, s.solution))
   for _ in range(SAMPLES_PER_LEVEL):

@@ -534,6 +534,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sft.warmup_steps = 10
   c.sft.end_lr_frac = 0.1
   c.sft.eval_every = 30  # held-out accuracy during the warm-up (0: before and after only)
+  # Warm-up checkpoints every this many steps (0: none), from which a killed
+  # warm-up resumes; a long one (pretraining a base, configs/pretrain.py) needs them.
+  c.sft.checkpoint_every = 0
+  # Where the warmed-up model is written as an HF folder (config.json,
+  # safetensors, tokenizer.json, preprocessor_config.json; a relative path is
+  # inside the work directory); with it set the warm-up runs even without RL
+  # steps: that is pretraining a base (configs/pretrain.py).
+  c.sft.export_dir = ""
 
   # Optimizer: AdamW + global-norm clipping + warmup/cosine.
   c.optim = ml_collections.ConfigDict()

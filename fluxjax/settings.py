@@ -231,6 +231,8 @@ class SFT:
   warmup_steps: int
   end_lr_frac: float
   eval_every: int
+  checkpoint_every: int
+  export_dir: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,6 +53,10 @@ def test_every_variant_parses_without_importing_jax():
     "  c = config_args.load_config('configs/vlm.py', v)\n"
     "  assert c.variant == v and c.rl.reward.fn and c.sharding.sp == 0\n"
     "  Settings.of(c)\n"
+    "for a in ('', 'smoke'):\n"
+    "  c = config_args.load_config('configs/pretrain.py', a)\n"
+    "  assert c.total_steps == 0 and c.sft.export_dir and c.data.mix == 'pretrain'\n"
+    "  Settings.of(c)\n"
     "bad = sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.'))\n"
     "assert not bad, bad\n"
   )

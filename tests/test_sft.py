@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import logging
 import os
 
 import jax
@@ -10,14 +11,16 @@ import numpy as np
 import PIL.Image
 import PIL.ImageDraw
 import pytest
+import safetensors
 from flax import nnx
 
 from fluxjax import config_args
 from fluxjax.data import drawing
-from fluxjax.models import inputs, processor, sharded
+from fluxjax.models import hf_io, inputs, processor, sharded
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import train_step
 from fluxjax.rl import loop, reward_fns, sft
+from fluxjax.rl import metrics as metrics_lib
 from fluxjax.settings import Settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -192,3 +195,59 @@ def test_optimizer_config_is_the_warm_ups_own(setup):
   assert (optim.lr, optim.total_steps) == (config.sft.lr, config.sft.steps)
   assert config.optim.lr != optim.lr  # the RL optimizer's settings are not changed
   assert optim.max_grad_norm == config.optim.max_grad_norm
+
+
+def _pretrain_config(export_dir):
+  """configs/pretrain.py's smoke run, smaller: 8 steps, checkpoints every 3."""
+  c = config_args.load_config(os.path.join(ROOT, "configs", "pretrain.py"), "smoke")
+  c.data.synth_train, c.data.synth_eval, c.eval.prompts = 64, 4, 4
+  c.sft.steps, c.sft.batch_size, c.sft.eval_every = 8, 8, 0
+  c.sft.checkpoint_every, c.sft.export_dir = 3, str(export_dir)
+  c.rl.max_new_tokens = 16
+  return c
+
+
+@pytest.mark.slow
+def test_a_killed_pretraining_resumes_to_the_same_base(tmp_path, monkeypatch, caplog):
+  """A warm-up with checkpoints, killed after step 7, goes on from step 6's
+  checkpoint with its data where it was, and exports the same base as a run
+  never stopped; each step's loss is recorded once."""
+  whole = tmp_path / "whole"
+  loop.run(_pretrain_config(whole / "base"), str(whole))
+  train, calls = sft.Trainer.train, []
+
+  def crash_at_the_eighth(self, seqs):
+    calls.append(1)
+    if len(calls) == 8:
+      raise RuntimeError("killed")
+    return train(self, seqs)
+
+  cut = tmp_path / "cut"
+  monkeypatch.setattr(sft.Trainer, "train", crash_at_the_eighth)
+  with pytest.raises(RuntimeError, match="killed"):
+    loop.run(_pretrain_config(cut / "base"), str(cut))
+  assert not (cut / "base").exists()
+  monkeypatch.setattr(sft.Trainer, "train", train)
+  with caplog.at_level(logging.INFO, logger="fluxjax.rl.sft"):
+    loop.run(_pretrain_config(cut / "base"), str(cut))
+  assert "resumed after step 6" in caplog.text
+
+  def tensors(folder):
+    with safetensors.safe_open(str(folder / "model.safetensors"), "np") as f:
+      return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+
+  ours, theirs = tensors(cut / "base"), tensors(whole / "base")
+  assert ours.keys() == theirs.keys()
+  for k in ours:
+    np.testing.assert_array_equal(ours[k], theirs[k], err_msg=k)
+  steps = [r["step"] for r in metrics_lib.read_metrics(str(cut)) if "sft/loss" in r]
+  assert steps == list(range(-7, 1))
+  for name in ("config.json", "tokenizer.json", "preprocessor_config.json"):
+    assert (cut / "base" / name).read_bytes() == (whole / "base" / name).read_bytes()
+  # The path a post-training run takes: model.hf_path, its own tokenizer.
+  c = _config()
+  c.model.hf_path = str(cut / "base")
+  validated = loop.validate(c)
+  assert validated.cfg.image_token_id == validated.tokenizer.image_pad_id
+  model = hf_io.load_hf_checkpoint(c.model.hf_path, validated.cfg)
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state(model)))

@@ -75,6 +75,41 @@ class VisionProcessorConfig:
   rescale_factor: float = 1 / 255
   resample: PIL.Image.Resampling = PIL.Image.Resampling.BICUBIC
 
+  def hf_files(self) -> dict[str, dict]:
+    """preprocessor_config.json and video_preprocessor_config.json as
+    transformers' Qwen2-VL image and video processors read them."""
+    shared = {
+      "patch_size": self.patch_size,
+      "temporal_patch_size": self.temporal_patch_size,
+      "merge_size": self.merge_size,
+      "image_mean": list(self.image_mean),
+      "image_std": list(self.image_std),
+      "rescale_factor": self.rescale_factor,
+      "resample": int(self.resample),
+      "do_resize": True,
+      "do_rescale": True,
+      "do_normalize": True,
+      "do_convert_rgb": True,
+      "processor_class": "Qwen2_5_VLProcessor",
+    }
+    image = {
+      "image_processor_type": "Qwen2VLImageProcessor",
+      "min_pixels": self.image_min_pixels,
+      "max_pixels": self.image_max_pixels,
+    }
+    video = {
+      "video_processor_type": "Qwen2VLVideoProcessor",
+      "min_pixels": self.video_min_pixels,
+      "max_pixels": self.video_max_pixels,
+      "fps": self.video_fps,
+      "min_frames": self.video_min_frames,
+      "max_frames": self.video_max_frames,
+    }
+    return {
+      "preprocessor_config.json": {**image, **shared},
+      "video_preprocessor_config.json": {**video, **shared},
+    }
+
   @property
   def factor(self) -> int:
     """Side multiple of resized images: one merged token covers factor^2."""

@@ -142,6 +142,22 @@ def validate(config) -> Validated:
   return Validated(cfg, strategy, mesh, settings, tokenizer)
 
 
+def export_base(
+  policy: worker_lib.PolicyWorker | worker_lib.LeaderWorker,
+  path: str,
+  tokenizer: tokenizer_lib.Tokenizer,
+  proc: processor.VisionProcessorConfig,
+) -> None:
+  """The warmed-up policy as an HF folder at `path` (sft.export_dir): fp32
+  weights, config.json, the run's tokenizer and its vision preprocessing."""
+  files = {
+    "tokenizer.json": tokenizer.backend.to_str(pretty=True).encode(),
+    **{name: json.dumps(d, indent=2).encode() for name, d in proc.hf_files().items()},
+  }
+  policy.export(os.path.abspath(path), files)
+  log.info("exported the warmed-up model to %s", path)
+
+
 def resolved_mesh(mesh: settings_lib.Mesh, cfg) -> settings_lib.Mesh:
   """The `mesh` section with mesh.data 0 (auto) resolved by the cost model
   (sharding/mesh.py `data_axis`) for this model on these devices."""
@@ -467,6 +483,9 @@ def _loop(
     writer.write(0, coord.evaluate(eval_samples))
     if warm_up:  # checkpoint 0, the RL start: a resumed run never repeats the warm-up
       policy.save(0, *coord.get_state(), force=True)
+    if warm_up and settings.sft.export_dir:
+      path = os.path.join(workdir, settings.sft.export_dir)  # a relative one: in the workdir
+      export_base(policy, path, coord.tokenizer, built.proc)
   if first < settings.total_steps:
     if reference.needed(settings.rl):
       policy.set_reference(fresh=first == 0)

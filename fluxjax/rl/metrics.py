@@ -58,6 +58,16 @@ class MetricWriter:
         if math.isfinite(float(v)):  # NaN = "no value yet" (e.g. no reward anchor)
           self._tb.add_scalar(k, float(v), int(step))
 
+  def drop_after(self, step: int) -> int:
+    """Drops the records of steps after `step` (a resumed run redoes them);
+    returns how many. TensorBoard's events stay as written."""
+    if not self.active:
+      return 0
+    self._file.close()
+    dropped = truncate_after(self.path, step)
+    self._file = open(self.path, "a", buffering=1)
+    return dropped
+
   def close(self) -> None:
     if not self.active:
       return

@@ -54,6 +54,7 @@ from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import train_step
 from fluxjax.parallel.layout_steps import LayoutSteps
 from fluxjax.planning.plan import Plan
+from fluxjax.rl import checkpoint as checkpoint_lib
 from fluxjax.rl import policy as policy_lib
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,9 @@ def nll_loss(logp, entropy, mb: batch_lib.TrainBatch):
 
 
 def runs(s: settings_lib.SFT, total_steps: int) -> bool:
-  """Whether a fresh run warms up (enabled, with steps, and RL steps to warm up for)."""
-  return bool(s.enabled and s.steps and total_steps > 0)
+  """Whether a fresh run warms up: enabled, with steps, and RL steps to warm
+  up for or a base to export."""
+  return bool(s.enabled and s.steps and (total_steps > 0 or s.export_dir))
 
 
 def optimizer_config(optim: settings_lib.Optim, s: settings_lib.SFT) -> settings_lib.Optim:
@@ -208,6 +210,17 @@ class Trainer:
       self.state, metrics = placed.step(self.state, placed.batch)
     return metrics
 
+  def save(self, ckpt: checkpoint_lib.Checkpointer, step: int, data: dict) -> None:
+    """Queues warm-up checkpoint `step`: parameters, optimizer state, `data`."""
+    ckpt.save(step, self.state, jax.random.key(0), {}, data, force=True)
+
+  def restore(self, ckpt: checkpoint_lib.Checkpointer) -> tuple[int, dict] | None:
+    """Loads the latest warm-up checkpoint; returns its (step, data state), or None."""
+    if ckpt.latest_step() is None:
+      return None
+    step, self.state, _, _, data = ckpt.restore(checkpoint_lib.abstract_like(self.state))
+    return step, data
+
   def finish(self, copy: bool = False) -> None:
     """Hands the warmed-up parameters to the RL state (fresh RL optimizer state).
 
@@ -243,16 +256,6 @@ def warm_up(
   """
   s = settings.sft
   first = -int(s.steps)
-  summary = evaluate()
-  writer.write(first, summary)
-  log.info(
-    "SFT warm-up: %d steps of %d samples (levels %s), lr %g; accuracy before %.3f",
-    s.steps,
-    s.batch_size,
-    ", ".join(s.levels) or "all",
-    s.lr,
-    summary["eval/accuracy"],
-  )
   # Its own loader, store and Materializer rather than coord.patch_source:
   # releasing warm-up media from the RL loader's store would evict the RL
   # batches that loader has already prefetched (the same files).
@@ -266,7 +269,24 @@ def warm_up(
   )
   source = materializer_lib.Materializer(loader.store, loader.pool)
   policy = coord.policy
-  policy.sft_begin(source)
+  resumed = policy.sft_begin(source)
+  done = 0
+  if resumed is None:
+    summary = evaluate()
+    writer.write(first, summary)
+  else:  # a killed warm-up goes on after its checkpoint; later records go
+    done, data = resumed
+    loader.set_state(data)
+    writer.drop_after(first + done)
+    summary = {}
+  log.info(
+    "SFT warm-up: %d steps of %d samples (levels %s), lr %g; %s",
+    s.steps,
+    s.batch_size,
+    ", ".join(s.levels) or "all",
+    s.lr,
+    f"resumed after step {done}" if done else f"accuracy before {summary['eval/accuracy']:.3f}",
+  )
   delayed = train_step.DelayedMetrics()
   guard = train_step.NonFiniteGuard(coord.faults.streak("nonfinite_steps"), "SFT step")
   batch_ids: dict[int, list[str]] = {}  # until the step's metrics are read, a step late
@@ -291,12 +311,15 @@ def warm_up(
         log.info("SFT step %d/%d | loss %.4g", k, s.steps, m["loss"])
 
   try:
-    for k in range(1, s.steps + 1):
+    for k in range(done + 1, s.steps + 1):
       samples = loader.next_batch()
       batch_ids[k] = [x.id for x in samples]
       metrics = policy.sft_train(sequences(samples, coord, s.chain_fraction))
       loader.release(samples)  # the store's copies of this batch's media
       record(delayed.push(k, metrics))
+      if s.checkpoint_every and k % s.checkpoint_every == 0 and k < s.steps:
+        record(delayed.flush())  # its records are on disk before the checkpoint
+        policy.sft_save(k, loader.get_state())
       if s.eval_every and k % s.eval_every == 0 and k < s.steps:
         policy.sft_finish(copy=True)  # the loop evaluates the final one at step 0
         coord.publish()

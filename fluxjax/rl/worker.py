@@ -16,7 +16,9 @@ global mesh. Its methods are the ops:
   restore(step)         the train state of a checkpoint (or none)
   save(step, ...)       a checkpoint
   set_reference(fresh)  the KL term's reference model
-  sft_begin / sft_train(seqs) / sft_finish(copy) / sft_end   the warm-up
+  sft_begin / sft_train(seqs) / sft_save(step, data) / sft_finish(copy) /
+  sft_end               the warm-up (resumed from its own checkpoints)
+  export(path, files)   the policy as an HF folder
 
 In a one-process run the coordinator calls the worker directly. In a
 multi-controller run (parallel/multihost.py) every process has a worker: the
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Sequence
 
 import jax
@@ -42,6 +45,7 @@ from flax import nnx
 
 from fluxjax import settings as settings_lib
 from fluxjax.data import materializer as materializer_lib
+from fluxjax.models import hf_io
 from fluxjax.models.config import ModelConfig
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import multihost, train_step
@@ -147,6 +151,7 @@ class PolicyWorker:
     self.ckpt = checkpoint_lib.Checkpointer(workdir, save_every=int(settings.checkpoint.every))
     self.rng = jax.random.key(int(settings.seed))
     self._sft: sft.Trainer | None = None
+    self._sft_ckpt: checkpoint_lib.Checkpointer | None = None
 
   # -- read-only views -------------------------------------------------------
   @property
@@ -302,10 +307,26 @@ class PolicyWorker:
       )
     )
 
-  def sft_begin(self, patch_source: Callable | None = None) -> None:
-    """Starts the warm-up's trainer (pixels from `patch_source`, default this worker's)."""
-    optim = sft.optimizer_config(self.settings.optim, self.settings.sft)
-    self._sft = sft.Trainer(self, optim, patch_source or self._read_patches)
+  def sft_begin(self, patch_source: Callable | None = None) -> tuple[int, dict] | None:
+    """Starts the warm-up's trainer (pixels from `patch_source`, default this
+    worker's); with `sft.checkpoint_every`, from its latest checkpoint under
+    workdir/sft. Returns that checkpoint's (step, data state), or None."""
+    s = self.settings.sft
+    self._sft = sft.Trainer(
+      self, sft.optimizer_config(self.settings.optim, s), patch_source or self._read_patches
+    )
+    if not s.checkpoint_every:
+      return None
+    self._sft_ckpt = checkpoint_lib.Checkpointer(
+      os.path.join(self.workdir, "sft"), max_to_keep=2, save_every=s.checkpoint_every
+    )
+    return self._sft.restore(self._sft_ckpt)
+
+  def sft_save(self, step: int, data: dict) -> None:
+    """Queues warm-up checkpoint `step` (with `data`, the loader's state)."""
+    if self._sft is None or self._sft_ckpt is None:
+      raise RuntimeError("sft_save() without a warm-up checkpointer (sft.checkpoint_every)")
+    self._sft.save(self._sft_ckpt, step, data)
 
   def sft_train(self, seqs: Sequence[batch_lib.TrainSequence]) -> dict:
     """One warm-up step; returns its device metrics."""
@@ -323,8 +344,18 @@ class PolicyWorker:
     self._sft.finish(copy=copy)
 
   def sft_end(self) -> None:
-    """Drops the warm-up's trainer and its optimizer state."""
+    """Drops the warm-up's trainer and its optimizer state (its checkpoints
+    written first)."""
     self._sft = None
+    if self._sft_ckpt is not None:
+      self._sft_ckpt.close()
+      self._sft_ckpt = None
+
+  def export(self, path: str, files: dict[str, bytes]) -> None:
+    """Writes the policy's parameters as an HF folder at `path` in fp32, with
+    `files` (tokenizer.json, ...) beside them; every process takes part."""
+    model = nnx.merge(self._graphdef, self._trainer.state.params)
+    hf_io.save_hf_checkpoint(model, path, dtype="float32", extra_files=files)
 
   def close(self) -> None:
     """Waits for checkpoints being written, then closes the checkpointer."""
@@ -411,9 +442,13 @@ class LeaderWorker:
     self.channel.send("set_reference", fresh)
     self.worker.set_reference(fresh)
 
-  def sft_begin(self, patch_source: Callable | None = None) -> None:
+  def sft_begin(self, patch_source: Callable | None = None) -> tuple[int, dict] | None:
     self.channel.send("sft_begin")  # followers read pixels from their own store
-    self.worker.sft_begin(patch_source)
+    return self.worker.sft_begin(patch_source)
+
+  def sft_save(self, step: int, data: dict) -> None:
+    self.channel.send("sft_save", step, data)
+    self.worker.sft_save(step, data)
 
   def sft_train(self, seqs: Sequence[batch_lib.TrainSequence]) -> dict:
     self.channel.send("sft_train", list(seqs))
@@ -426,6 +461,10 @@ class LeaderWorker:
   def sft_end(self) -> None:
     self.channel.send("sft_end")
     self.worker.sft_end()
+
+  def export(self, path: str, files: dict[str, bytes]) -> None:
+    self.channel.send("export", path, files)
+    self.worker.export(path, files)
 
   def stop(self) -> None:
     """Ends every follower's `serve` (a run's last op)."""
@@ -452,8 +491,10 @@ OPS = frozenset(
     "set_reference",
     "sft_begin",
     "sft_train",
+    "sft_save",
     "sft_finish",
     "sft_end",
+    "export",
   }
 )
 

@@ -46,9 +46,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.max_new_tokens = 80
   c.sft.steps = 8000
   c.sft.batch_size = 32
-  c.sft.lr, c.sft.warmup_steps, c.sft.end_lr_frac = 1e-3, 200, 0.05
+  c.sft.lr, c.sft.warmup_steps, c.sft.end_lr_frac = 2e-3, 200, 0.05
   c.sft.chain_fraction = 0.25
-  c.sft.eval_every = 1000
+  c.sft.eval_every = 2000
   c.sft.checkpoint_every = 250
   c.sft.export_dir = BASE_DIR
   if arg.smoke:

@@ -2,8 +2,10 @@
 
 import dataclasses
 import functools
+import json
 import logging
 import os
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -15,11 +17,11 @@ import safetensors
 from flax import nnx
 
 from fluxjax import config_args
-from fluxjax.data import drawing
+from fluxjax.data import drawing, readers
 from fluxjax.models import hf_io, inputs, processor, sharded
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import train_step
-from fluxjax.rl import loop, reward_fns, sft
+from fluxjax.rl import base_card, loop, preemption, reward_fns, sft
 from fluxjax.rl import metrics as metrics_lib
 from fluxjax.settings import Settings
 
@@ -228,20 +230,45 @@ def test_a_killed_pretraining_resumes_to_the_same_base(tmp_path, monkeypatch, ca
     loop.run(_pretrain_config(cut / "base"), str(cut))
   assert not (cut / "base").exists()
   monkeypatch.setattr(sft.Trainer, "train", train)
-  with caplog.at_level(logging.INFO, logger="fluxjax.rl.sft"):
-    loop.run(_pretrain_config(cut / "base"), str(cut))
+  caplog.set_level(logging.INFO, logger="fluxjax.rl.sft")
+  loop.run(_pretrain_config(cut / "base"), str(cut))
   assert "resumed after step 6" in caplog.text
 
   def tensors(folder):
     with safetensors.safe_open(str(folder / "model.safetensors"), "np") as f:
       return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
 
-  ours, theirs = tensors(cut / "base"), tensors(whole / "base")
-  assert ours.keys() == theirs.keys()
-  for k in ours:
-    np.testing.assert_array_equal(ours[k], theirs[k], err_msg=k)
+  # SIGTERM (a scheduler's preemption) after step 4: the warm-up checkpoints
+  # that step and the run exits 143; started again, it goes on from there.
+  def sigterm_at_the_fourth(self, seqs):
+    calls.append(1)
+    if len(calls) == 4:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return train(self, seqs)
+
+  calls.clear()
+  term = tmp_path / "term"
+  monkeypatch.setattr(sft.Trainer, "train", sigterm_at_the_fourth)
+  with pytest.raises(preemption.Preempted) as stopped:
+    loop.run(_pretrain_config(term / "base"), str(term))
+  assert stopped.value.step == -4 and not (term / "base").exists()
+  monkeypatch.setattr(sft.Trainer, "train", train)
+  loop.run(_pretrain_config(term / "base"), str(term))
+  assert "resumed after step 4" in caplog.text
+
+  theirs = tensors(whole / "base")
+  for ours in (tensors(cut / "base"), tensors(term / "base")):
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+      np.testing.assert_array_equal(ours[k], theirs[k], err_msg=k)
   steps = [r["step"] for r in metrics_lib.read_metrics(str(cut)) if "sft/loss" in r]
   assert steps == list(range(-7, 1))
+  # The card of the export: every held-out item in its table, its marks.
+  base_card.main(["--base", str(cut / "base"), "--workdir", str(cut), "--samples", "2"])
+  card = json.loads((cut / "base" / "card.json").read_text())
+  rows = len(readers.read_rows(str(cut / "data" / "eval" / "manifest.jsonl")))
+  assert sum(lv["items"] for t in card["table"].values() for lv in t.values()) == rows
+  assert card["sft_steps"] == 8 and card["seed"] == 0 and len(card["marks"]) == 5
   for name in ("config.json", "tokenizer.json", "preprocessor_config.json"):
     assert (cut / "base" / name).read_bytes() == (whole / "base" / name).read_bytes()
   # The path a post-training run takes: model.hf_path, its own tokenizer.

@@ -472,14 +472,19 @@ def _loop(
     # Warm-up for GRPO (none without RL steps); logged at steps -sft.steps..0.
     warm_up = sft.runs(settings.sft, settings.total_steps)
     if warm_up:
-      sft.warm_up(
+      summary = sft.warm_up(
         coord,
         settings,
         dataset_paths(settings.data, workdir)[0],
         built.proc,
         writer,
         lambda: coord.evaluate(eval_samples),
+        stop=lambda: preemption.requested,
       )
+      if "sft/stopped_after" in summary:
+        preemption.stopped_at = int(summary["sft/stopped_after"])
+        coord.settle_publish()
+        return last, first
     writer.write(0, coord.evaluate(eval_samples))
     if warm_up:  # checkpoint 0, the RL start: a resumed run never repeats the warm-up
       policy.save(0, *coord.get_state(), force=True)

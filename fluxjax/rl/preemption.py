@@ -8,8 +8,10 @@ with it); `loop.run` then raises `Preempted`, a SystemExit with status
 128 + SIGTERM, so the job reports a termination and a requeued job resumes
 from that checkpoint with the same command, each prompt trained once. The
 other processes of a multi-controller run only log the signal: the leader
-stops them after its checkpoint. A signal during the SFT warm-up takes
-effect after the first RL step.
+stops them after its checkpoint. A signal during the SFT warm-up stops it
+after its step in progress with a warm-up checkpoint when it keeps them
+(`sft.checkpoint_every`, as pretraining does), else takes effect after the
+first RL step.
 
 Python runs signal handlers in the main thread only; elsewhere (a notebook's
 worker thread) SIGTERM keeps its default.

@@ -233,6 +233,21 @@ class Trainer:
     self.policy.load_params(params)
 
 
+def _begin(policy, source, loader, writer, first: int, evaluate) -> tuple[int, dict]:
+  """Starts the warm-up's trainer: (SFT steps done, the accuracy before it).
+  A fresh one is evaluated first; a killed one goes on after its checkpoint,
+  with the loader where it was and the later records dropped."""
+  resumed = policy.sft_begin(source)
+  if resumed is None:
+    summary = evaluate()
+    writer.write(first, summary)
+    return 0, summary
+  done, data = resumed
+  loader.set_state(data)
+  writer.drop_after(first + done)
+  return done, {}
+
+
 def warm_up(
   coord: Rollout,
   settings: settings_lib.Settings,
@@ -240,8 +255,14 @@ def warm_up(
   proc,
   writer,
   evaluate: Callable[[], dict[str, float]],
+  stop: Callable[[], bool] = lambda: False,
 ) -> dict[str, float]:
   """Runs the warm-up (see the module docstring); returns a summary.
+
+  With `sft.checkpoint_every`, once `stop()` (a SIGTERM, rl/preemption.py)
+  the warm-up ends after the step in progress with a checkpoint of it, and
+  the summary holds only `sft/stopped_after` (the run's step it stopped
+  after); without, a stop takes effect after the first RL step.
 
   Args:
     coord: the run's Coordinator; its policy worker trains (every process
@@ -269,16 +290,7 @@ def warm_up(
   )
   source = materializer_lib.Materializer(loader.store, loader.pool)
   policy = coord.policy
-  resumed = policy.sft_begin(source)
-  done = 0
-  if resumed is None:
-    summary = evaluate()
-    writer.write(first, summary)
-  else:  # a killed warm-up goes on after its checkpoint; later records go
-    done, data = resumed
-    loader.set_state(data)
-    writer.drop_after(first + done)
-    summary = {}
+  done, summary = _begin(policy, source, loader, writer, first, evaluate)
   log.info(
     "SFT warm-up: %d steps of %d samples (levels %s), lr %g; %s",
     s.steps,
@@ -317,9 +329,14 @@ def warm_up(
       metrics = policy.sft_train(sequences(samples, coord, s.chain_fraction))
       loader.release(samples)  # the store's copies of this batch's media
       record(delayed.push(k, metrics))
-      if s.checkpoint_every and k % s.checkpoint_every == 0 and k < s.steps:
+      stopping = bool(s.checkpoint_every and stop() and k < s.steps)
+      if s.checkpoint_every and (k % s.checkpoint_every == 0 or stopping) and k < s.steps:
         record(delayed.flush())  # its records are on disk before the checkpoint
         policy.sft_save(k, loader.get_state())
+      if stopping:
+        policy.sft_end()  # the checkpoint is written
+        log.warning("preempted: the warm-up stopped after step %d, checkpointed", k)
+        return {"sft/stopped_after": float(first + k)}
       if s.eval_every and k % s.eval_every == 0 and k < s.steps:
         policy.sft_finish(copy=True)  # the loop evaluates the final one at step 0
         coord.publish()

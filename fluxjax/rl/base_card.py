@@ -1,0 +1,262 @@
+"""The card of a pretrained base: what it does per task, level and response format.
+
+  python -m fluxjax.rl.base_card --base DIR --workdir PRETRAIN_WORKDIR [--samples 8]
+
+Run on the HF folder the pretraining command exported (configs/pretrain.py)
+and that run's held-out set (WORKDIR/data/eval), it writes DIR/card.json:
+how the base was made (command, commit, machine, seed, steps, wall time, read
+from the run's records) and, for every task and level:
+
+  choice         the model chooses its format: accuracy sampled (temperature
+                 1) and greedy, and `think_rate`, the share of sampled
+                 responses that open with <think> (greedy opens with it too
+                 or not: `greedy_thinks`)
+  think          "<think> " forced after the prompt: greedy accuracy and
+                 pass@k over `--samples` sampled responses
+  direct         "<answer>" forced: greedy accuracy
+  copy           teacher-forced: on the reference chain of an item whose
+                 chain copies from its question (keyed lists, census), the
+                 share of copied tokens (keys, colours, shapes) the model
+                 ranks first given the reference so far
+
+`marks` holds the pretraining issue's pass marks beside their figures. A
+fresh re-run of the command gives a statistically equivalent base, not the
+same bytes (XLA:CPU's reductions depend on the machine), and the card says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from fluxjax.data import cot_tasks, readers
+from fluxjax.data.meta import ToMeta
+from fluxjax.models import config as config_lib
+from fluxjax.models import hf_io, inputs, media, processor
+from fluxjax.models import tokenizer as tokenizer_lib
+from fluxjax.rl import evaluation, metrics, reward_fns, sft
+from fluxjax.rollout import engine as engine_lib
+from fluxjax.rollout.protocol import SamplingParams
+
+THINK, DIRECT = "<think> ", "<answer>"
+COPYING = ("colour_list", "pair_census", "colour_census")  # chains that copy their question
+MAX_NEW_TOKENS = 80
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+  task: str
+  level: str
+  answer: str
+  solution: str
+  prompt: inputs.SequenceInputs
+
+
+def load_items(manifest: str, proc: processor.VisionProcessorConfig, tok, cfg) -> list[Item]:
+  """The held-out rows as prompts, their media decoded and preprocessed."""
+  to_meta = ToMeta(proc)
+  items = []
+  for i, row in enumerate(readers.read_rows(manifest)):
+    meta = to_meta(i, row)
+    if meta.error is not None:
+      raise ValueError(f"held-out row {meta.id}: {meta.error}")
+    vision = [media.preprocess_file(m.kind, m.path, proc) for m in meta.media]
+    prompt = inputs.sequence_from_chat(meta.messages(), vision, tok, cfg)
+    items.append(Item(meta.task, meta.difficulty, meta.answer or "", meta.solution, prompt))
+  return items
+
+
+class Decoder:
+  """Greedy and sampled responses of the base, after an optional forced prefix."""
+
+  def __init__(self, model, tok, capacity: int, seed: int = 0):
+    self.tok = tok
+    self.engine = engine_lib.Engine(model, tok, num_slots=32, capacity=capacity, seed=seed)
+    self._n = 0
+
+  def texts(self, items: Sequence[Item], prefix: str, k: int, greedy: bool) -> list[list[str]]:
+    """k responses per item, each its prefix and what followed it."""
+    ids = self.tok.encode(prefix) if prefix else []
+    reqs = []
+    for item in items:
+      for _ in range(k):
+        self._n += 1
+        sampling = SamplingParams(
+          max_new_tokens=MAX_NEW_TOKENS,
+          top_k=1 if greedy else SamplingParams.top_k,
+          sampling_seed=self._n,
+        )
+        prompt = item.prompt.extend(ids) if ids else item.prompt
+        reqs.append(engine_lib.EngineRequest(f"card-{self._n}", prompt, sampling, False))
+    done = self.engine.generate(reqs)
+    out = [prefix + self.tok.decode(r.output_ids, skip_special_tokens=True) for r in done]
+    return [out[j * k : (j + 1) * k] for j in range(len(items))]
+
+
+def copy_accuracy(model, tok, cfg, item: Item) -> tuple[int, int]:
+  """(copied tokens ranked first, copied tokens) on the item's reference chain."""
+  response = sft.answer_ids(tok, item.answer, item.solution)
+  seq = item.prompt.extend(response)
+  logits = _logits(nnx.graphdef(model))(nnx.state(model), inputs.pack_row([seq], cfg))
+  predicted = np.asarray(jax.device_get(logits))[0].argmax(-1)
+  copied = {tok.encode(" " + w)[0] for w in (*cot_tasks.KEYS, *tokenizer_lib.COLORS)}
+  copied |= {tok.encode(" " + w)[0] for w in tokenizer_lib.SHAPES}
+  end = response.index(tok.encode("</")[0]) if tok.encode("</")[0] in response else len(response)
+  start = len(item.prompt)
+  hits = total = 0
+  for j, target in enumerate(response[:end]):
+    if target in copied:
+      total += 1
+      hits += int(predicted[start + j - 1] == target)
+  return hits, total
+
+
+_LOGITS: dict = {}
+
+
+def _logits(graphdef):
+  if graphdef not in _LOGITS:
+    _LOGITS[graphdef] = jax.jit(lambda state, row: nnx.merge(graphdef, state).logits(row))
+  return _LOGITS[graphdef]
+
+
+def evaluate(model, tok, cfg, items: Sequence[Item], samples: int) -> dict:
+  """The card's table: {task: {level: figures}}, and its marks."""
+  score = reward_fns.get("accuracy")
+  capacity = max(len(it.prompt) for it in items) + len(tok.encode(THINK)) + MAX_NEW_TOKENS
+  dec = Decoder(model, tok, capacity)
+  chains = [it for it in items if it.solution]
+  sampled = dec.texts(items, "", 1, greedy=False)
+  greedy = dec.texts(items, "", 1, greedy=True)
+  direct = dec.texts(items, DIRECT, 1, greedy=True)
+  think_greedy = dec.texts(chains, THINK, 1, greedy=True)
+  think_k = dec.texts(chains, THINK, samples, greedy=False)
+  rows: dict = collections.defaultdict(
+    lambda: collections.defaultdict(lambda: collections.defaultdict(list))
+  )
+  for it, s, g, d in zip(items, sampled, greedy, direct):
+    r = rows[it.task][it.level]
+    r["choice_sampled"].append(score(s[0], it.answer))
+    r["choice_greedy"].append(score(g[0], it.answer))
+    r["direct_greedy"].append(score(d[0], it.answer))
+    r["think_rate"].append(float(s[0].lstrip().startswith("<think>")))
+    r["greedy_thinks"].append(float(g[0].lstrip().startswith("<think>")))
+  for it, g, ks in zip(chains, think_greedy, think_k):
+    r = rows[it.task][it.level]
+    r["think_greedy"].append(score(g[0], it.answer))
+    c = sum(score(x, it.answer) >= 1.0 for x in ks)
+    r[f"think_pass@{samples}"].append(evaluation.pass_at_k(samples, c, samples))
+    if it.task in COPYING:
+      hits, total = copy_accuracy(model, tok, cfg, it)
+      r["copy_hits"].append(hits)
+      r["copy_tokens"].append(total)
+  table = {t: {lv: _figures(r) for lv, r in by.items()} for t, by in rows.items()}
+  return {"table": table, "marks": marks(rows, samples)}
+
+
+def _figures(r: dict) -> dict:
+  out = {k: float(np.mean(v)) for k, v in r.items() if k not in ("copy_hits", "copy_tokens")}
+  if r.get("copy_tokens"):
+    out["copy_token_accuracy"] = sum(r["copy_hits"]) / max(sum(r["copy_tokens"]), 1)
+  out["items"] = len(r["choice_sampled"])
+  return out
+
+
+def marks(rows: dict, samples: int) -> dict:
+  """The pass marks of a base (the pretraining issue) beside their figures."""
+  pool = collections.defaultdict(list)
+  for task, by in rows.items():
+    for level, r in by.items():
+      for k, v in r.items():
+        pool[(k, level if task in cot_tasks.TASKS else "direct_task")].extend(v)
+  hard = {k: v for (k, lv), v in pool.items() if lv == "hard"}
+  chain_levels = [lv for lv in ("easy", "medium", "hard") if ("think_rate", lv) in pool]
+  think_rate = float(np.mean([x for lv in chain_levels for x in pool[("think_rate", lv)]]))
+  copy_hits = sum(sum(v) for (k, _), v in pool.items() if k == "copy_hits")
+  copy_tokens = sum(sum(v) for (k, _), v in pool.items() if k == "copy_tokens")
+  greedy_thinks = float(np.mean([x for lv in chain_levels for x in pool[("greedy_thinks", lv)]]))
+  figures = {
+    "copy_token_accuracy": copy_hits / max(copy_tokens, 1),
+    "think_greedy_hard": float(np.mean(hard.get("think_greedy", [np.nan]))),
+    f"think_pass@{samples}_hard": float(np.mean(hard.get(f"think_pass@{samples}", [np.nan]))),
+    "think_rate_chain_tasks": think_rate,
+    "greedy_thinks_chain_tasks": greedy_thinks,
+  }
+  want = {
+    "copy_token_accuracy": ">= 0.98",
+    "think_greedy_hard": ">= 0.6",
+    f"think_pass@{samples}_hard": ">= 0.8",
+    "think_rate_chain_tasks": "0.15-0.35",
+    "greedy_thinks_chain_tasks": "low: greedy answers directly",
+  }
+  passed = {
+    "copy_token_accuracy": figures["copy_token_accuracy"] >= 0.98,
+    "think_greedy_hard": figures["think_greedy_hard"] >= 0.6,
+    f"think_pass@{samples}_hard": figures[f"think_pass@{samples}_hard"] >= 0.8,
+    "think_rate_chain_tasks": 0.15 <= think_rate <= 0.35,
+    "greedy_thinks_chain_tasks": greedy_thinks < 0.5,
+  }
+  return {k: {"figure": figures[k], "mark": want[k], "passed": bool(passed[k])} for k in figures}
+
+
+def provenance(workdir: str) -> dict:
+  """How the base was made, from the pretraining run's records."""
+  records = metrics.read_metrics(workdir)
+  seconds = next((r["sft/seconds"] for r in records if "sft/seconds" in r), None)
+  steps = sum(1 for r in records if "sft/loss" in r)
+  with open(os.path.join(workdir, "config.json")) as f:
+    config = json.load(f)
+  commit = subprocess.run(
+    ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+  ).stdout.strip()
+  return {
+    "command": "python -m fluxjax.train --config=configs/pretrain.py",
+    "commit": commit,
+    "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__},
+    "seed": config.get("seed"),
+    "sft_steps": steps,
+    "wall_time_s": seconds,
+    "reproducibility": "a fresh re-run gives a statistically equivalent base, not the same bytes",
+  }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--base", required=True, help="the exported HF folder")
+  p.add_argument("--workdir", required=True, help="the pretraining run's work directory")
+  p.add_argument("--samples", type=int, default=8, help="k of pass@k with the think prefix")
+  args = p.parse_args(argv)
+  with open(os.path.join(args.workdir, "config.json")) as f:  # the run's, as it ran
+    vision = json.load(f)["data"]["vision"]
+  proc = processor.VisionProcessorConfig(**vision)
+  tok = tokenizer_lib.resolve("", args.base)
+  cfg = config_lib.with_tokenizer_ids(
+    config_lib.load_hf_config(args.base),
+    tok.model_token_ids(),
+    tok.vocab_size,
+    from_checkpoint=True,
+  )
+  model = hf_io.load_hf_checkpoint(args.base, cfg)
+  items = load_items(os.path.join(args.workdir, "data", "eval", "manifest.jsonl"), proc, tok, cfg)
+  t0 = time.perf_counter()
+  card = {**provenance(args.workdir), **evaluate(model, tok, cfg, items, args.samples)}
+  card["card_seconds"] = time.perf_counter() - t0
+  with open(os.path.join(args.base, "card.json"), "w") as f:
+    json.dump(card, f, indent=1)
+  for k, m in card["marks"].items():
+    print(f"{k}: {m['figure']:.3f} (mark {m['mark']}): {'pass' if m['passed'] else 'FAIL'}")
+
+
+if __name__ == "__main__":
+  main()

@@ -156,23 +156,30 @@ def test_a_palette_scan_counts_the_colours_drawn_in_a_fixed_order(level):
     assert len(drawn) == present == counts[-1] and s.answer == str(present)
 
 
-def test_a_clip_lists_its_segments_and_counts_the_changes(tmp_path):
-  rng = np.random.default_rng(1)
+def _clips(tmp_path, seed):
+  """(changes, sample, MP4 path) of a count_changes clip per level and answer."""
+  rng = np.random.default_rng(seed)
   for level in visual_tasks.LEVELS:
     for changes in cot_tasks.TASKS["count_changes"].answers(level):
       s = cot_tasks.draw(rng, "count_changes", level, changes)
       path = str(tmp_path / f"{level}{changes}.mp4")
       f, h, w, _ = s.frames.shape
       synth.write_video(path, lambda i, fr=s.frames: fr[i], f, h, w, visual_tasks.VIDEO_FPS)
-      with av.open(path) as container:
-        frames = [x.to_ndarray(format="rgb24") for x in container.decode(video=0)]
-      assert len(frames) == cot_tasks.CHANGE_FRAMES
-      seen = [_colour_at(fr, h // 2, w // 2) for fr in frames]
-      assert all(seen[i] == seen[i + 1] for i in range(0, len(seen), 2))  # per temporal patch
-      segments = [c for c, _ in itertools.groupby(seen)]
-      colours, counts = _steps(s.solution)
-      assert colours == segments and counts == list(range(changes + 1))
-      assert s.answer == str(changes) == str(len(segments) - 1)
+      yield changes, s, path
+
+
+def test_a_clip_lists_its_segments_and_counts_the_changes(tmp_path):
+  for changes, s, path in _clips(tmp_path, 1):
+    _, h, w, _ = s.frames.shape
+    with av.open(path) as container:
+      frames = [x.to_ndarray(format="rgb24") for x in container.decode(video=0)]
+    assert len(frames) == cot_tasks.CHANGE_FRAMES
+    seen = [_colour_at(fr, h // 2, w // 2) for fr in frames]
+    assert all(seen[i] == seen[i + 1] for i in range(0, len(seen), 2))  # per temporal patch
+    segments = [c for c, _ in itertools.groupby(seen)]
+    colours, counts = _steps(s.solution)
+    assert colours == segments and counts == list(range(changes + 1))
+    assert s.answer == str(changes) == str(len(segments) - 1)
 
 
 def test_column_addition_carries_and_sums():
@@ -346,21 +353,16 @@ def test_a_clip_through_the_loaders_sampling_shows_every_change_between_patches(
   vision = Settings.of(config_args.load_config()).data.vision
   cfg = processor.VisionProcessorConfig(**dataclasses.asdict(vision))
   tp = cfg.temporal_patch_size
-  rng = np.random.default_rng(4)
-  for level in visual_tasks.LEVELS:
-    for changes in cot_tasks.TASKS["count_changes"].answers(level):
-      s = cot_tasks.draw(rng, "count_changes", level, changes)
-      path = str(tmp_path / f"{level}{changes}.mp4")
-      f, h, w, _ = s.frames.shape
-      synth.write_video(path, lambda i, fr=s.frames: fr[i], f, h, w, visual_tasks.VIDEO_FPS)
-      frames, _ = media.load_video(path, cfg)
-      patches = [
-        {_colour_at(fr, h // 2, w // 2) for fr in frames[i : i + tp]}
-        for i in range(0, len(frames), tp)
-      ]
-      assert all(len(p) == 1 for p in patches), (level, changes, patches)
-      segments = [c for c, _ in itertools.groupby(p.pop() for p in patches)]
-      assert segments == _steps(s.solution)[0] and len(segments) == changes + 1
+  for changes, s, path in _clips(tmp_path, 4):
+    _, h, w, _ = s.frames.shape
+    frames, _ = media.load_video(path, cfg)
+    patches = [
+      {_colour_at(fr, h // 2, w // 2) for fr in frames[i : i + tp]}
+      for i in range(0, len(frames), tp)
+    ]
+    assert all(len(p) == 1 for p in patches), (s.difficulty, changes, patches)
+    segments = [c for c, _ in itertools.groupby(p.pop() for p in patches)]
+    assert segments == _steps(s.solution)[0] and len(segments) == changes + 1
 
 
 @pytest.mark.parametrize("level", visual_tasks.LEVELS)

@@ -60,7 +60,8 @@ def test_two_processes_on_a_fleet_survive_a_follower_killed_mid_step(tmp_path):
   assert shares and all(0.0 < s <= 1.0 for s in shares)
   # Recycling discards no decode work and restarts no response.
   assert last["rollout/tokens_discarded_total"] == 0.0 and last["rollout/restarted_total"] == 0.0
-  assert any(abs(r["train/loss"]) > 1e-3 for r in recs.values()), "no step had a signal"
+  # A gradient, not the loss (about 0 at ratio 1 with signal): test_multiprocess.py.
+  assert any(r["train/grad_norm"] > 1e-3 for r in recs.values()), "no step had a signal"
   lag = config_args.load_config().coordinator.lag
   assert all(lag.min_lag <= r["async/allowed_lag"] <= lag.max_lag for r in recs.values())
   assert all(

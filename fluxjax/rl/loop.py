@@ -467,7 +467,7 @@ def _loop(
   )
   stack.callback(eval_loader.close)
   eval_samples = eval_loader.next_batch()
-  last = {}
+  last: dict[str, float] = {}
   if restored is None:
     # Warm-up for GRPO (none without RL steps); logged at steps -sft.steps..0.
     warm_up = sft.runs(settings.sft, settings.total_steps)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -104,15 +105,28 @@ class Decoder:
     return [out[j * k : (j + 1) * k] for j in range(len(items))]
 
 
-def copy_accuracy(model, tok, cfg, item: Item) -> tuple[int, int]:
-  """(copied tokens ranked first, copied tokens) on the item's reference chain."""
+@functools.cache
+def _copied_ids(tok) -> tuple[frozenset[int], int]:
+  """(the ids a chain copies from its question: keys, colours, shapes; the
+  id that opens </think>, where the chain ends)."""
+  words = (*cot_tasks.KEYS, *tokenizer_lib.COLORS, *tokenizer_lib.SHAPES)
+  return frozenset(tok.encode(" " + w)[0] for w in words), tok.encode("</")[0]
+
+
+@functools.cache
+def _logits(graphdef):
+  return jax.jit(lambda state, row: nnx.merge(graphdef, state).logits(row))
+
+
+def copy_accuracy(model, tok, cfg, item: Item, capacity: int | None = None) -> tuple[int, int]:
+  """(copied tokens ranked first, copied tokens) on the item's reference chain;
+  rows padded to `capacity` tokens compile once."""
   response = sft.answer_ids(tok, item.answer, item.solution)
-  seq = item.prompt.extend(response)
-  logits = _logits(nnx.graphdef(model))(nnx.state(model), inputs.pack_row([seq], cfg))
-  predicted = np.asarray(jax.device_get(logits))[0].argmax(-1)
-  copied = {tok.encode(" " + w)[0] for w in (*cot_tasks.KEYS, *tokenizer_lib.COLORS)}
-  copied |= {tok.encode(" " + w)[0] for w in tokenizer_lib.SHAPES}
-  end = response.index(tok.encode("</")[0]) if tok.encode("</")[0] in response else len(response)
+  row = inputs.pack_row([item.prompt.extend(response)], cfg, token_capacity=capacity)
+  predicted = np.asarray(jax.device_get(_logits(nnx.graphdef(model))(nnx.state(model), row)))
+  predicted = predicted[0].argmax(-1)
+  copied, closing = _copied_ids(tok)
+  end = response.index(closing) if closing in response else len(response)
   start = len(item.prompt)
   hits = total = 0
   for j, target in enumerate(response[:end]):
@@ -120,15 +134,6 @@ def copy_accuracy(model, tok, cfg, item: Item) -> tuple[int, int]:
       total += 1
       hits += int(predicted[start + j - 1] == target)
   return hits, total
-
-
-_LOGITS: dict = {}
-
-
-def _logits(graphdef):
-  if graphdef not in _LOGITS:
-    _LOGITS[graphdef] = jax.jit(lambda state, row: nnx.merge(graphdef, state).logits(row))
-  return _LOGITS[graphdef]
 
 
 def evaluate(model, tok, cfg, items: Sequence[Item], samples: int) -> dict:
@@ -158,7 +163,7 @@ def evaluate(model, tok, cfg, items: Sequence[Item], samples: int) -> dict:
     c = sum(score(x, it.answer) >= 1.0 for x in ks)
     r[f"think_pass@{samples}"].append(evaluation.pass_at_k(samples, c, samples))
     if it.task in COPYING:
-      hits, total = copy_accuracy(model, tok, cfg, it)
+      hits, total = copy_accuracy(model, tok, cfg, it, capacity)
       r["copy_hits"].append(hits)
       r["copy_tokens"].append(total)
   table = {t: {lv: _figures(r) for lv, r in by.items()} for t, by in rows.items()}
@@ -193,21 +198,17 @@ def marks(rows: dict, samples: int) -> dict:
     "think_rate_chain_tasks": think_rate,
     "greedy_thinks_chain_tasks": greedy_thinks,
   }
-  want = {
-    "copy_token_accuracy": ">= 0.98",
-    "think_greedy_hard": ">= 0.6",
-    f"think_pass@{samples}_hard": ">= 0.8",
-    "think_rate_chain_tasks": "0.15-0.35",
-    "greedy_thinks_chain_tasks": "low: greedy answers directly",
+  rules = {
+    "copy_token_accuracy": (">= 0.98", lambda x: x >= 0.98),
+    "think_greedy_hard": (">= 0.6", lambda x: x >= 0.6),
+    f"think_pass@{samples}_hard": (">= 0.8", lambda x: x >= 0.8),
+    "think_rate_chain_tasks": ("0.15-0.35", lambda x: 0.15 <= x <= 0.35),
+    "greedy_thinks_chain_tasks": ("low: greedy answers directly", lambda x: x < 0.5),
   }
-  passed = {
-    "copy_token_accuracy": figures["copy_token_accuracy"] >= 0.98,
-    "think_greedy_hard": figures["think_greedy_hard"] >= 0.6,
-    f"think_pass@{samples}_hard": figures[f"think_pass@{samples}_hard"] >= 0.8,
-    "think_rate_chain_tasks": 0.15 <= think_rate <= 0.35,
-    "greedy_thinks_chain_tasks": greedy_thinks < 0.5,
+  return {
+    k: {"figure": figures[k], "mark": mark, "passed": bool(ok(figures[k]))}
+    for k, (mark, ok) in rules.items()
   }
-  return {k: {"figure": figures[k], "mark": want[k], "passed": bool(passed[k])} for k in figures}
 
 
 def provenance(workdir: str) -> dict:

@@ -37,14 +37,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = config_args.load_config(os.path.join(REPO, "configs", "vlm.py"), "tiny")
   c.total_steps = 0  # the SFT path alone
   c.data.mix = "pretrain"
-  # A pool the 0.5M-parameter model cannot memorize in its 4 epochs (5,000
+  # A pool the 0.5M-parameter model cannot memorize in its 4 epochs (10,000
   # steps of 32).
-  c.data.synth_train, c.data.synth_eval = 40_000, 512
+  c.data.synth_train, c.data.synth_eval = 80_000, 512
   c.eval.prompts, c.eval.samples_per_prompt = 512, 1
   # The longest reference responses (hard colour_list and pair_census) run
   # to about 61 tokens.
   c.rl.max_new_tokens = 80
-  c.sft.steps = 5000
+  c.sft.steps = 10_000
   c.sft.batch_size = 32
   c.sft.lr, c.sft.warmup_steps, c.sft.end_lr_frac = 2e-3, 200, 0.05
   c.sft.chain_fraction = 0.25

@@ -38,6 +38,19 @@ Runs:
             Each run records its responses (coordinator.response_records):
             the table adds the mean truncated share and behaviour KL over
             steps and quantiles of the responses' mean importance weights.
+  speed     time to accuracy, per seed of --seeds, paired: sync (lag 0, no
+            tail batching: the baseline), tail (tail batching alone, the
+            default's eta 1.25 with recycling), lag (fixed lag --lag alone),
+            tail_lag (both) and adaptive (the Flux controller with tail
+            batching); --arms picks some of them. Each evaluation records
+            its wall time: the run's step time up to it (`step_s`,
+            evaluations and checkpoints left out) and its clock time since
+            the RL start (`clock_s`). The table gives each arm's time to 90%
+            of the baseline's mean final gain over seeds, its speed-up over
+            the baseline paired by seed, and a TOST of its final accuracy
+            against the baseline's (paired, margin --margin), for sampled
+            and greedy accuracy. Use --placement disjoint for wall times
+            that let running ahead pay.
   parity    the lag modes and tail batching at an equal number of trained
             samples, per seed of --seeds: sync (lag 0, no tail batching),
             recycle (the default: lag 0, eta 1.25 with recycling), fixed2
@@ -51,7 +64,9 @@ Runs:
 taskset on --rollout-cores, so that running ahead can pay in wall time.
 
 Baseline and fluxjax are in the same run: the controls are the baseline the
-default's gain is measured against.
+default's gain is measured against. `--tables FILE [FILE ...]` prints the
+tables again from recorded --json files (their runs pooled), so seeds added
+by a later invocation join the earlier ones.
 """
 
 from __future__ import annotations
@@ -72,28 +87,46 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import cores  # noqa: E402  (these two live next to this script)
+import cores  # noqa: E402  (these live next to this script)
 import runinfo  # noqa: E402
 from fluxjax import config_args  # noqa: E402
 from fluxjax.rl import loop, metrics  # noqa: E402
+from seedstats import t_interval, time_to_gain, tost  # noqa: E402
 
-PARITY = {
-  "sync": {"rollout.tail_batching.eta": 1.0},
+Arms = dict[str, dict[str, object]]  # arm -> its config overrides
+
+_NO_TAIL: dict[str, object] = {"rollout.tail_batching.eta": 1.0}
+PARITY: Arms = {
+  "sync": _NO_TAIL,
   "recycle": {},
   "fixed2": {"coordinator.lag.mode": "fixed", "coordinator.lag.fixed_lag": 2},
   "adaptive": {"coordinator.lag.mode": "adaptive"},
 }
-_LAG4 = {"coordinator.lag.mode": "fixed", "coordinator.lag.fixed_lag": 4}
-STRESS = {
+_LAG4: dict[str, object] = {"coordinator.lag.mode": "fixed", "coordinator.lag.fixed_lag": 4}
+STRESS: Arms = {
   "sync": PARITY["sync"],
   "lag4": _LAG4,
   "lag4_w1": {**_LAG4, "rl.is_mode": "off"},
   "lag4_mask": {**_LAG4, "rl.is_mode": "mask"},
 }
-# Two-sided 95% Student t quantiles by degrees of freedom.
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+# The arms of --runs speed; "{lag}" is --lag.
+SPEED: Arms = {
+  "sync": _NO_TAIL,
+  "tail": {},
+  "lag": {**_NO_TAIL, "coordinator.lag.mode": "fixed", "coordinator.lag.fixed_lag": "{lag}"},
+  "tail_lag": {"coordinator.lag.mode": "fixed", "coordinator.lag.fixed_lag": "{lag}"},
+  "adaptive": {"coordinator.lag.mode": "adaptive"},
+}
+# name: (arms, overrides every arm adds); sync is the baseline of each.
+PAIRED: dict[str, tuple[Arms, dict[str, object]]] = {
+  "parity": (PARITY, {}),
+  "stress": (STRESS, {"coordinator.response_records": True}),
+  "speed": (SPEED, {}),
+}
+# Time to accuracy is the time to this share of the baseline's mean final gain.
+GAIN_SHARE = 0.9
 
-CONTROLS = {
+CONTROLS: Arms = {
   "default": {},
   "reversed": {"rl.reward.fn": "accuracy_reversed"},
   "zeroed": {"rl.reward.fn": "constant"},
@@ -144,9 +177,13 @@ def run_one(name: str, seed: int, overrides: dict, keep: str | None) -> dict:
 def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: float) -> dict:
   """One run's figures from its work directory's metrics."""
   records = metrics.read_metrics(workdir)
+  step_time = _cumulative_step_seconds(records)
+  t_start = next(r["time"] for r in records if r["step"] == 0 and "eval/accuracy" in r)
   evals = [
     {
       "step": r["step"],
+      "step_s": step_time.get(r["step"], 0.0),
+      "clock_s": r["time"] - t_start,
       "accuracy": r["eval/accuracy"],
       "ci95": r.get("eval/accuracy_ci95", float("nan")),
       "greedy": r.get("eval/accuracy_greedy"),
@@ -197,14 +234,24 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
   }
 
 
-def main() -> None:
+def _cumulative_step_seconds(records: list[dict]) -> dict[int, float]:
+  """Step -> the run's step time up to and including it (perf/step_seconds:
+  rollout wait, training and publish; evaluations and checkpoints left out)."""
+  total, out = 0.0, {}
+  for r in sorted((r for r in records if "perf/step_seconds" in r), key=lambda r: r["step"]):
+    total += r["perf/step_seconds"]
+    out[r["step"]] = total
+  return out
+
+
+def _arguments() -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument(
     "--runs",
     default="default,reversed,zeroed",
-    help=f"comma list of {','.join(CONTROLS)},lr,sweep,parity,stress",
+    help=f"comma list of {','.join(CONTROLS)},lr,sweep,{','.join(PAIRED)}",
   )
-  p.add_argument("--seeds", default="0,1,2", help="seeds of the default run")
+  p.add_argument("--seeds", default="0,1,2", help="seeds of the default and paired runs")
   p.add_argument("--control-seeds", default="0", help="seeds of the control runs")
   p.add_argument("--lrs", default="1e-4,3e-4,1e-3", help="optim.lr values of the lr sweep")
   p.add_argument(
@@ -222,17 +269,33 @@ def main() -> None:
     metavar="KEY=VALUE",
     help="extra config override for every run (Python literal values), e.g. rl.temperature=0.7",
   )
+  p.add_argument("--lag", type=int, default=2, help="speed: the fixed lag of lag and tail_lag")
+  p.add_argument("--arms", help="speed, parity, stress: a comma list of their arms (default all)")
+  p.add_argument("--margin", type=float, default=0.05, help="speed: the TOST's equivalence margin")
   p.add_argument("--placement", choices=("shared", "disjoint"), default="shared")
   p.add_argument("--trainer-cores", default="0", help="disjoint: this process's cores")
   p.add_argument("--rollout-cores", default="1", help="disjoint: the server's cores (taskset)")
   p.add_argument("--keep", metavar="DIR", help="keep each run's work directory under DIR")
   p.add_argument("--json", metavar="PATH", help="write every run's figures here")
-  args = p.parse_args()
+  p.add_argument(
+    "--tables",
+    nargs="+",
+    metavar="FILE",
+    help="print the tables of recorded --json files; run nothing",
+  )
+  return p.parse_args()
 
+
+def build_plan(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
+  """(run name, seed, config overrides) for every run --runs asks for."""
   extra = dict(_parse(item) for item in args.set)
   seeds = [int(s) for s in args.seeds.split(",") if s]
   control_seeds = [int(s) for s in args.control_seeds.split(",") if s]
-  plan = []
+  arms = args.arms.split(",") if args.arms else None
+  known = {m for modes, _ in PAIRED.values() for m in modes}
+  if arms and set(arms) - known:
+    sys.exit(f"unknown arms {sorted(set(arms) - known)}; choose from {sorted(known)}")
+  plan: list[tuple[str, int, dict]] = []
   for name in args.runs.split(","):
     if name == "default":
       plan += [("default", s, dict(extra)) for s in seeds]
@@ -248,18 +311,30 @@ def main() -> None:
         (f"lr={lr}", control_seeds[0], {**extra, "optim.lr": float(lr)})
         for lr in args.lrs.split(",")
       ]
-    elif name in ("parity", "stress"):
-      modes = PARITY if name == "parity" else STRESS
-      records = {"coordinator.response_records": True} if name == "stress" else {}
+    elif name in PAIRED:
+      modes, added = PAIRED[name]
       plan += [
-        (mode, s, {**extra, **modes[mode], **records})
+        (mode, s, {**extra, **_with_lag(modes[mode], args.lag), **added})
         for s in seeds
         for mode in modes
-        if not any(m == mode and t == s for m, t, _ in plan)  # sync is in both
+        if (arms is None or mode in arms)
+        and not any(m == mode and t == s for m, t, _ in plan)  # sync is in each
       ]
     else:
       sys.exit(f"unknown run {name!r}")
+  return plan
 
+
+def _with_lag(overrides: dict, lag: int) -> dict:
+  return {k: lag if v == "{lag}" else v for k, v in overrides.items()}
+
+
+def main() -> None:
+  args = _arguments()
+  if args.tables:
+    print_tables([r for path in args.tables for r in _load(path)], [], args.margin)
+    return
+  plan = build_plan(args)
   servers = None
   if args.placement == "disjoint":
     servers, command = cores.pin_and_launch(
@@ -269,17 +344,36 @@ def main() -> None:
     for _, _, overrides in plan:
       overrides.update({"rollout.backend": "sglang", "rollout.urls": tuple(servers.urls)})
 
-  results = []
+  results: list[dict] = []
   try:
     run_plan(plan, args, results)
   finally:
     if servers is not None:
       servers.stop()
+  print_tables(results, args.runs.split(","), args.margin)
+
+
+def _load(path: str) -> list[dict]:
+  with open(path) as f:
+    record = json.load(f)
+  if record.get("bench") != "learning.py":
+    sys.exit(f"{path} is not a learning.py record (bench: {record.get('bench')!r})")
+  return record["runs"]
+
+
+def print_tables(results: list, runs: list[str], margin: float) -> None:
+  """The per-run table, the means over seeds, and each paired comparison that
+  `runs` names or (from recorded files) whose own arms the results hold."""
   print_table(results)
   print_means(results)
-  for name, modes in (("parity", PARITY), ("stress", STRESS)):
-    if name in args.runs.split(","):
-      print_paired(results, modes)
+  names = {r["name"] for r in results}
+  for name, (modes, _) in PAIRED.items():
+    others = {m for other, (ms, _) in PAIRED.items() if other != name for m in ms}
+    if name in runs or names & (set(modes) - others):
+      if name == "speed":
+        print_speed(results, margin)
+      else:
+        print_paired(results, modes)
 
 
 def run_plan(plan, args, results: list) -> None:
@@ -308,14 +402,6 @@ def print_table(results: list) -> None:
       f"{e['accuracy']:.3f} +- {e['ci95']:.3f} | {r['gain']:+.3f} +- {r['gain_ci95']:.3f} | "
       f"{greedy} | {r['seconds'] / 60:.1f} |"
     )
-
-
-def t_interval(values: list[float]) -> float:
-  """Half-width of the 95% Student t interval of the mean (nan for one value)."""
-  n = len(values)
-  if n < 2:
-    return float("nan")
-  return T95.get(n - 1, 1.96) * statistics.stdev(values) / math.sqrt(n)
 
 
 def print_means(results: list) -> None:
@@ -381,6 +467,59 @@ def print_paired(results: list, modes: dict) -> None:
       f"{minutes:.1f} | {avg('trained_gap'):.2f} | {avg('truncated_share'):.4f} | "
       f"{avg('behaviour_kl'):.4f} | {quantiles} |"
     )
+
+
+def print_speed(results: list, margin: float) -> None:
+  """Time to accuracy per arm against sync, paired by seed, with a TOST of the
+  final accuracies; for sampled and for greedy accuracy."""
+  by = {(r["name"], r["seed"]): r for r in results}
+  seeds = sorted({r["seed"] for r in results if r["name"] == "sync"})
+  base = [by[("sync", s)] for s in seeds]
+  if not base:
+    print("\n(speed: no sync runs, so no baseline)")
+    return
+  for key in ("accuracy", "greedy"):
+    gains = [r["end"][key] - r["start"][key] for r in base if r["end"].get(key) is not None]
+    if not gains:
+      continue
+    target = GAIN_SHARE * statistics.fmean(gains)
+    print(
+      f"\n{key}: time to {GAIN_SHARE:.0%} of sync's mean final gain ({target:+.3f} over the RL "
+      f"start); speed-up = sync's time / the arm's, paired by seed, mean +- 95% t; TOST of the "
+      f"final {key} minus sync's, margin {margin}"
+    )
+    print(
+      "| arm | seeds | final, mean | reached | step time to it, s | speed-up (step time) | "
+      "speed-up (clock) | final minus sync, 90% interval | TOST p | equivalent |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    if target <= 0:
+      print(f"| (sync gained nothing on {key}: no time to accuracy) |")
+      continue
+    for arm in SPEED:
+      pairs = [(by[(arm, s)], by[("sync", s)]) for s in seeds if (arm, s) in by]
+      if pairs:
+        print(_speed_row(arm, pairs, key, target, margin))
+
+
+def _speed_row(arm: str, pairs: list, key: str, target: float, margin: float) -> str:
+  def tta(r: dict, clock: str) -> float | None:
+    return time_to_gain(r["evals"], target, key, clock)
+
+  reached = [tta(r, "step_s") for r, _ in pairs]
+  ratios: dict[str, list[float]] = {}
+  for clock in ("step_s", "clock_s"):
+    times = [(tta(r, clock), tta(b, clock)) for r, b in pairs]
+    ratios[clock] = [b / t for t, b in times if t and b is not None]
+  test = tost([r["end"][key] - b["end"][key] for r, b in pairs], margin)
+  hit = [t for t in reached if t is not None]
+  fmt = lambda v: f"{statistics.fmean(v):.2f}x +- {t_interval(v):.2f}" if v else "-"
+  return (
+    f"| {arm} | {len(pairs)} | {statistics.fmean(r['end'][key] for r, _ in pairs):.3f} | "
+    f"{len(hit)}/{len(pairs)} | {statistics.fmean(hit) if hit else float('nan'):.0f} | "
+    f"{fmt(ratios['step_s'])} | {fmt(ratios['clock_s'])} | {test.mean:+.3f} "
+    f"[{test.low:+.3f}, {test.high:+.3f}] | {test.p:.3f} | {'yes' if test.equivalent else 'no'} |"
+  )
 
 
 if __name__ == "__main__":

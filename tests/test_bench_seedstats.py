@@ -1,0 +1,98 @@
+"""bench/seedstats.py against scipy's own tests, and bench/learning.py's speed table."""
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import pytest
+from scipy import stats
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+import learning
+import seedstats
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8, 12, 40])
+def test_t_interval_is_scipys_for_any_number_of_seeds(n):
+  values = np.random.default_rng(n).normal(0.1, 0.05, n).tolist()
+  low, high = stats.t.interval(0.95, n - 1, loc=np.mean(values), scale=stats.sem(values))
+  assert seedstats.t_interval(values) == pytest.approx((high - low) / 2, rel=1e-9)
+  assert np.isnan(seedstats.t_interval(values[:1]))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_tost_is_two_one_sided_scipy_tests(seed):
+  rng = np.random.default_rng(seed)
+  n = int(rng.integers(3, 12))
+  values = rng.normal(rng.uniform(-0.08, 0.08), rng.uniform(0.005, 0.06), n).tolist()
+  margin = 0.05
+  result = seedstats.tost(values, margin)
+  p_low = stats.ttest_1samp(values, -margin, alternative="greater").pvalue
+  p_high = stats.ttest_1samp(values, margin, alternative="less").pvalue
+  assert result.p == pytest.approx(max(p_low, p_high), rel=1e-9)
+  # Equivalent at alpha exactly when the 90% interval lies inside the margin.
+  assert result.equivalent == (-margin < result.low and result.high < margin)
+  assert result.equivalent == (result.p < 0.05)
+
+
+def test_tost_refuses_equivalence_without_spread_outside_the_margin():
+  assert seedstats.tost([0.01, 0.01, 0.01], 0.05).equivalent
+  assert not seedstats.tost([0.07, 0.07], 0.05).equivalent
+  assert not seedstats.tost([0.0], 0.05).equivalent  # one seed proves nothing
+
+
+def test_time_to_gain_is_the_first_evaluation_past_the_gain():
+  evals = [
+    {"accuracy": 0.30, "step_s": 0.0},
+    {"accuracy": 0.36, "step_s": 50.0},
+    {"accuracy": 0.41, "step_s": 100.0},
+    {"accuracy": 0.38, "step_s": 150.0},
+  ]
+  assert seedstats.time_to_gain(evals, 0.1, "accuracy", "step_s") == 100.0
+  assert seedstats.time_to_gain(evals, 0.2, "accuracy", "step_s") is None
+  assert seedstats.time_to_gain(evals, 0.05, "greedy", "step_s") is None
+
+
+def _args(**kw):
+  base = dict(runs="speed", seeds="0,1", control_seeds="0", set=[], arms=None, lag=3, sweep=[])
+  return argparse.Namespace(**{**base, **kw})
+
+
+def test_speed_plan_pairs_every_arm_with_sync_per_seed():
+  plan = learning.build_plan(_args())
+  assert [(n, s) for n, s, _ in plan] == [(arm, s) for s in (0, 1) for arm in learning.SPEED]
+  overrides = {(n, s): o for n, s, o in plan}
+  assert overrides[("lag", 0)]["coordinator.lag.fixed_lag"] == 3
+  assert overrides[("lag", 0)]["rollout.tail_batching.eta"] == 1.0
+  assert "rollout.tail_batching.eta" not in overrides[("tail_lag", 1)]
+  picked = learning.build_plan(_args(runs="parity,speed", arms="sync,adaptive", seeds="0"))
+  assert [n for n, _, _ in picked] == ["sync", "adaptive"]  # each once across both
+  with pytest.raises(SystemExit, match="unknown arms"):
+    learning.build_plan(_args(arms="sync,lag9"))
+
+
+def _run(name, seed, start, accuracies, seconds_per_eval):
+  evals = [
+    {"step": 10 * i, "accuracy": a, "greedy": a, "step_s": seconds_per_eval * i,
+     "clock_s": 2 * seconds_per_eval * i}
+    for i, a in enumerate([start, *accuracies])
+  ]  # fmt: skip
+  return {"name": name, "seed": seed, "start": evals[0], "end": evals[-1], "evals": evals}
+
+
+def test_speed_table_reads_time_to_accuracy_and_equivalence(capsys):
+  # sync gains 0.2 by its 4th evaluation; tail reaches 90% of that (0.18) at
+  # its 2nd, at the same seconds per evaluation: a 2x speed-up, same finals.
+  results = []
+  for seed, noise in enumerate([0.0, 0.004, -0.003, 0.002]):
+    results.append(_run("sync", seed, 0.3, [0.33, 0.40, 0.45, 0.5 + noise], 10.0))
+    results.append(_run("tail", seed, 0.3, [0.40, 0.49, 0.5, 0.5 - noise], 10.0))
+  learning.print_speed(results, margin=0.05)
+  out = capsys.readouterr().out
+  tail_rows = [line for line in out.splitlines() if line.startswith("| tail |")]
+  assert len(tail_rows) == 2  # sampled and greedy
+  cells = [c.strip() for c in tail_rows[0].split("|")[1:-1]]
+  assert cells[3] == "4/4" and cells[4] == "20"
+  assert cells[5].startswith("2.00x") and cells[6].startswith("2.00x")
+  assert cells[-1] == "yes"

@@ -456,9 +456,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # (kp, ki, kd on target - ema) of at most max_step; inside it the ratio holds.
   # The lag is min_lag + ratio * (max_lag - min_lag), its mean over steps kept
   # by error diffusion. A sync barrier (lag 0 until the rollouts in flight are
-  # trained and one batch comes from the current policy) is forced when ema >
-  # hard_bound or sync_interval steps (0: never) have passed since the last
-  # one. These are the Flux design's values; max_version_gap, which it leaves
+  # trained and one batch comes from the current policy, and while ema stays
+  # above hard_bound) is forced when ema > hard_bound or sync_interval steps
+  # (0: never) have passed since the last one. These are the Flux design's values; max_version_gap, which it leaves
   # open, is max_lag, and max_step is not in the design.
   c.coordinator.lag = ml_collections.ConfigDict(
     dict(

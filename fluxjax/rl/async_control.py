@@ -34,12 +34,13 @@ The adaptive controller, per training step:
   4. The lag is min_lag + ratio * (max_lag - min_lag), a real number:
      admission lets its fractional part of the next batch start before the
      update, so the mean version gap follows the ratio continuously.
-  5. A sync barrier is forced when ema passes hard_bound (once per
-     excursion above it), or when sync_interval steps have passed since the
-     last one: the lag is held at 0 until every
-     batch that rollouts admitted before the barrier belong to has been
-     trained (a full drain), so the next batch is admitted at the current
-     policy. Barriers are counted by cause (`barriers`).
+  5. A sync barrier is forced when ema passes hard_bound, or when
+     sync_interval steps have passed since the last one: the lag is held at
+     0 until every batch that rollouts admitted before the barrier belong to
+     has been trained (a full drain), so the next batch is admitted at the
+     current policy, and for as long as ema stays above hard_bound. Barriers
+     are counted by cause (`barriers`), a hard-bound one once per excursion
+     of the EMA above the bound.
 
 Where this differs from the design, and why:
   - The integral is anti-windup protected; the design integrates every error.
@@ -64,12 +65,6 @@ Where this differs from the design, and why:
     adaptive run of the default job: 76% of its steps in the band). On a
     simulated burst the hold keeps the ratio at 0.36 or more instead of 0.17
     and the EMA in the band 91% of the time instead of 81%.
-  - The hard bound forces one barrier per excursion of the EMA above it; the
-    design syncs at every step the EMA is above. After a drain every batch is
-    fresh, but the EMA remembers the stale ones for a few steps (0.9 a step:
-    4 steps from 0.31 down to 0.2), and the design's rule held the lag at 0
-    through all of them, one barrier after another (steps 87-94 of an
-    adaptive run of the default job). The PID lowers the ratio meanwhile.
   - KL is KL(behaviour || trainer), the k3 estimate on the rollout's own
     tokens (loss metric `behaviour_kl`); the design's KL(current || behaviour)
     would need samples of the current policy. The two agree to second order
@@ -340,9 +335,10 @@ class AdaptiveConfig:
 class AsyncController:
   """The Flux adaptive async controller: staleness EMA -> PID steps on the async ratio.
 
-  `update` is called once per training step with that step's staleness; it
-  moves the ratio and says whether a sync barrier is due, and why. The
-  barrier itself (holding the lag at 0 through a drain) is the admission
+  `update` is called once per training step with that step's staleness and
+  moves the EMA and the ratio; `barrier_due` then says whether a sync
+  barrier is due, and why. The barrier itself (holding the lag at 0 through
+  a drain and while the EMA is above the hard bound) is the admission
   controller's. `track` moves the EMA alone (the other modes' metric).
   """
 
@@ -374,14 +370,13 @@ class AsyncController:
     self.ema = self.cfg.ema_decay * self.ema + (1 - self.cfg.ema_decay) * s
     return s
 
-  def update(self, staleness_value: float, step: int) -> str | None:
-    """One control step after training step `step`.
+  @property
+  def above_bound(self) -> bool:
+    """The EMA is above the hard bound: no admission ahead of the trainer."""
+    return self.ema > self.cfg.hard_bound
 
-    Returns:
-      the cause of a sync barrier now due: "interval" (sync_interval steps
-      since the last one) or "hard_bound" (the EMA went above it); None if
-      none.
-    """
+  def update(self, staleness_value: float) -> None:
+    """One control step after a training step: the EMA and the ratio move."""
     c = self.cfg
     s = self.track(staleness_value)
     if s is not None:
@@ -390,8 +385,13 @@ class AsyncController:
         self._pid_step(e)
       else:  # this batch is already on the other side of the target: hold
         self.prev_error = e
-    above = self.ema > c.hard_bound
-    fire, self.bound_armed = above and self.bound_armed, not above
+
+  def barrier_due(self, step: int) -> str | None:
+    """The cause of a sync barrier due after training step `step`:
+    "interval" (sync_interval steps since the last one), "hard_bound" (the
+    EMA has just gone above it), or None."""
+    c = self.cfg
+    fire, self.bound_armed = self.above_bound and self.bound_armed, not self.above_bound
     if c.sync_interval > 0 and step - self.last_sync >= c.sync_interval:
       return "interval"
     return "hard_bound" if fire else None
@@ -555,11 +555,13 @@ class AdmissionController:
     out: dict[str, float] = {}
     if self.mode == "adaptive":
       assert ctl is not None
-      if self._sync_until is not None and step >= self._sync_until:
-        # Drained: the next batch is admitted, and trained, at this version.
+      ctl.update(staleness_value)
+      if self._sync_until is not None and step >= self._sync_until and not ctl.above_bound:
+        # Drained, and the EMA back under the hard bound: the next batch is
+        # admitted, and trained, at this version.
         self._sync_until = None
         ctl.last_sync = step
-      cause = ctl.update(staleness_value, step)
+      cause = ctl.barrier_due(step)
       if cause is not None and not self.syncing:
         # Hold lag 0 until every batch an earlier grant reaches has trained.
         granted = max(self._granted, self.started)

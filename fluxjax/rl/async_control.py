@@ -84,9 +84,20 @@ Where this differs from the design, and why:
     partial responses wait, not by the lag: charged to the lag, it raised the
     EMA every few steps whatever the lag, and barriers held the lag at 0. The
     KL and importance-weight terms still see those tokens.
-  - ema_decay is 0.9, as in the design's `update`; its `AdaptiveAsyncConfig`
-    lists `staleness_decay = 0.95`, which halves the EMA's bandwidth, so a
-    jump in staleness reaches the PID and the hard bound later.
+  - The importance correction is not the design's. Its unified correction
+    multiplies pi_current / mu by staleness_decay ** (version gap) (0.95 a
+    version, per trajectory and again per version segment), clamps to
+    [min_weight, max_weight] and may renormalize by the batch mean. fluxjax
+    uses AReaL's decoupled weights (rl/losses.py): w = pi_prox / mu,
+    truncated at rl.is_cap (or masked above it), with the PPO clip taken
+    around pi_prox. A decay by version scales a stale token's gradient down
+    whether or not the policy moved, so its bias grows with the lag while
+    pi_prox / mu already measures how far the policy moved; and a
+    batch-mean renormalization couples every sample's weight to the
+    batch's composition. staleness_decay is therefore unused here (the EMA
+    decay is ema_decay, 0.9, as in the design's `update`).
+    `bench/learning.py --runs stress` sets the weights against w = 1 and
+    masking at a fixed lag.
   - The design's `max_version_gap` has no value; configs/vlm.py sets max_lag.
   - A sync is forced once `sync_interval` steps have passed since the last
     one (the design tests `steps_since_sync > sync_interval`, one step later).

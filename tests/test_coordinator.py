@@ -339,9 +339,9 @@ def test_dynamic_sampling_trains_only_groups_with_signal(parts):
 
 
 def test_a_step_records_the_percentiles_of_its_response_lengths(parts):
-  """`rollout/response_len_{mean,p50,p99,max}` are over every trained
-  response: lengths 1..8 within each group, and one 60-token response, whose
-  tail moves p99 and the max but not the median."""
+  """`rollout/response_len_{mean,p50,p99,max}` and `rollout/reasoning_share`
+  are over every trained response: lengths 1..8 within each group, and one
+  60-token response, whose tail moves p99 and the max but not the median."""
 
   config = parts[0].copy_and_resolve_references()
   config.rl.prompts_per_step, config.rl.responses_per_prompt = 2, 8
@@ -357,7 +357,10 @@ def test_a_step_records_the_percentiles_of_its_response_lengths(parts):
     lengths.setdefault(group, []).append(n)
     return Act(tokens=n)
 
-  backend = ScriptedRollout(varied, tick=0.0, text=_rid_text)
+  def text(request, group, ids):  # responses of 5 tokens or more reason first
+    return ("<think> x</think>" if len(ids) >= 5 else "") + _rid_text(request, group, ids)
+
+  backend = ScriptedRollout(varied, tick=0.0, text=text)
   policy, data = _RecordingPolicy(parts[1]), _Data(samples)
   with _running(config, policy, data, backend, "fault_rewards:signal_unless_numeric") as c:
     result = c.step()
@@ -370,6 +373,7 @@ def test_a_step_records_the_percentiles_of_its_response_lengths(parts):
   assert m["rollout/response_len_p99"] == pytest.approx(np.percentile(trained, 99))
   assert m["rollout/response_len_p50"] < 8 < m["rollout/response_len_p99"] < 60
   assert m["rollout/response_len_max"] == 60
+  assert m["rollout/reasoning_share"] == pytest.approx(np.mean([n >= 5 for n in trained]))
 
 
 def test_refused_updates_publish_nothing_and_too_many_in_a_row_stop(parts, caplog):

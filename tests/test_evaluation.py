@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from fluxjax.rl import evaluation
+from fluxjax.rl import evaluation, reward_fns
 
 
 def test_pass_at_k_counts_draws_without_replacement():
@@ -53,3 +53,22 @@ def test_length_bands_of_the_reference_response():
   scores = [[1, 1], [0, 1], [0, 0]]
   out = evaluation.summarize(scores, bands=["00-16", "00-16", "49+"])
   assert out["eval/band/00-16"] == 0.75 and out["eval/band/49+"] == 0.0
+
+
+def test_reasoning_shares_overall_per_level_and_greedy():
+  texts = [
+    ["<think> a red1</think><answer>1</answer>", "<answer>2</answer>"],
+    ["  <think> b</think><answer>3</answer>", "<think> c</think><answer>3</answer>"],
+    ["<answer>red</answer>", "think first? <think>x</think>"],
+  ]
+  reasoning = [[reward_fns.reasons(t) for t in ts] for ts in texts]
+  out = evaluation.summarize(
+    [[1, 0], [1, 1], [0, 0]],
+    difficulties=["easy", "hard", "hard"],
+    reasoning=reasoning,
+    greedy_reasoning=[False, True, False],
+  )
+  assert out["eval/reasoning_share"] == pytest.approx(0.5)  # (0.5 + 1 + 0) / 3
+  assert out["eval/reasoning_share/easy"] == 0.5 and out["eval/reasoning_share/hard"] == 0.5
+  assert out["eval/reasoning_share_greedy"] == pytest.approx(1 / 3)
+  assert "eval/reasoning_share" not in evaluation.summarize([[1, 0]])

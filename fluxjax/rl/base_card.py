@@ -155,8 +155,8 @@ def evaluate(model, tok, cfg, items: Sequence[Item], samples: int) -> dict:
     r["choice_sampled"].append(score(s[0], it.answer))
     r["choice_greedy"].append(score(g[0], it.answer))
     r["direct_greedy"].append(score(d[0], it.answer))
-    r["think_rate"].append(float(s[0].lstrip().startswith("<think>")))
-    r["greedy_thinks"].append(float(g[0].lstrip().startswith("<think>")))
+    r["think_rate"].append(float(reward_fns.reasons(s[0])))
+    r["greedy_thinks"].append(float(reward_fns.reasons(g[0])))
   for it, g, ks in zip(chains, think_greedy, think_k):
     r = rows[it.task][it.level]
     r["think_greedy"].append(score(g[0], it.answer))

@@ -404,11 +404,13 @@ class Coordinator:
     groups = [k.group for k in kept]
     all_rewards = [r for g in groups for r in g.rewards]
     lengths = [len(c.output_ids) for g in groups for c in g.completions]
+    reasoning = [reward_fns.reasons(c.text) for g in groups for c in g.completions]
     elapsed = time.perf_counter() - t0
     host = {
       "rollout/reward_mean": float(np.mean(all_rewards)),
       "rollout/accuracy": float(np.mean([r >= 1.0 for r in all_rewards])),
       **response_length_metrics(lengths),
+      "rollout/reasoning_share": float(np.mean(reasoning)),
       "rollout/wait_seconds": t_rollout,
       "rollout/rounds": float(len(rounds)),
       "rollout/filtered_groups": float(filtered),
@@ -632,17 +634,25 @@ class Coordinator:
     samples, skipped = self._within_budget(samples)
     sampled = self.sample(samples, int(ev.samples_per_prompt))
     scores = [[score(c.text, s.answer or "") for c in cs] for s, cs in zip(samples, sampled)]
-    greedy = None
+    reasoning = [[reward_fns.reasons(c.text) for c in cs] for cs in sampled]
+    greedy = greedy_reasoning = None
     if ev.greedy:
       firsts = self.sample(samples, 1, greedy=True)
       greedy = [score(cs[0].text, s.answer or "") for s, cs in zip(samples, firsts)]
+      greedy_reasoning = [reward_fns.reasons(cs[0].text) for cs in firsts]
     log.debug("eval: %s", [(cs[0].text[:40], s.answer) for s, cs in zip(samples[:3], sampled)])
     bands = [
       evaluation.length_band(len(sft.answer_ids(self._tokenizer, s.answer or "", s.solution)))
       for s in samples
     ]
     out = evaluation.summarize(
-      scores, [s.difficulty for s in samples], greedy, [s.task for s in samples], bands
+      scores,
+      [s.difficulty for s in samples],
+      greedy,
+      [s.task for s in samples],
+      bands,
+      reasoning,
+      greedy_reasoning,
     )
     out["eval/skipped_too_long"] = float(skipped)
     return out

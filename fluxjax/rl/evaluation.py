@@ -14,6 +14,10 @@ asked, one greedy response; `summarize` turns their scores into metrics:
   eval/band/<b>          eval/accuracy of the prompts whose reference response
                          (reasoning and answer) is in length band b (tokens,
                          `length_band`)
+  eval/reasoning_share   share of sampled responses that reason first
+                         (reward_fns.reasons), also per difficulty
+                         (eval/reasoning_share/<d>) and of the greedy ones
+                         (eval/reasoning_share_greedy)
   eval/prompts, eval/samples
 
 Scores are the `accuracy` reward: 1 for a correct answer, else 0.
@@ -66,6 +70,8 @@ def summarize(
   greedy: Sequence[float] | None = None,
   tasks: Sequence[str] | None = None,
   bands: Sequence[str] | None = None,
+  reasoning: Sequence[Sequence[bool]] | None = None,
+  greedy_reasoning: Sequence[bool] | None = None,
 ) -> dict[str, float]:
   """Metrics of one evaluation (see the module docstring).
 
@@ -76,6 +82,8 @@ def summarize(
     greedy: per prompt, the score of its greedy response, or None.
     tasks: per prompt, its task name ("" = none), for a per-task breakdown.
     bands: per prompt, its reference length band ("" = none).
+    reasoning: per prompt, whether each sampled response reasons first.
+    greedy_reasoning: per prompt, whether its greedy response does.
   """
   if not scores:
     raise ValueError("nothing was evaluated")
@@ -107,4 +115,19 @@ def summarize(
       raise ValueError(f"{len(labels)} labels for {len(scores)} prompts")
     for label in sorted({x for x in labels if x}):
       out[prefix + label] = float(np.mean([p for p, x in zip(per_prompt, labels) if x == label]))
+  if reasoning is not None:
+    out.update(_reasoning_shares(reasoning, difficulties))
+  if greedy_reasoning is not None:
+    out["eval/reasoning_share_greedy"] = float(np.mean(greedy_reasoning))
+  return out
+
+
+def _reasoning_shares(
+  reasoning: Sequence[Sequence[bool]], difficulties: Sequence[str] | None
+) -> dict[str, float]:
+  share = [float(np.mean(r)) for r in reasoning]
+  out = {"eval/reasoning_share": float(np.mean(share))}
+  for label in sorted({x for x in difficulties or () if x}):
+    picked = [s for s, x in zip(share, difficulties or (), strict=True) if x == label]
+    out[f"eval/reasoning_share/{label}"] = float(np.mean(picked))
   return out

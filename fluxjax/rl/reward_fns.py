@@ -21,6 +21,9 @@ single number or word", and its corpus answers as "<answer>x</answer>",
 Controls (bench/learning.py): accuracy_reversed (1 - accuracy), random (a
 fair coin per call, independent of the response) and constant (0).
 
+`reasons` says whether a response reasons first: it opens with a <think>
+block (the chain-task format, `<think> {solution}</think><answer>x</answer>`).
+
 `extract_answer` takes, in order: the last <answer>...</answer>, the last
 "answer is x" / "Answer: x", else the last number (numeric reference) or
 the last word.
@@ -90,6 +93,11 @@ _WORD_RE = re.compile(r"[A-Za-z]+")
 _FORMAT_RE = re.compile(
   r"\s*(?:<think>(?:(?!</?think>).)*</think>\s*)?<answer>([^<]*)</answer>\s*", re.S
 )
+
+
+def reasons(response: str) -> bool:
+  """Whether the response opens with a <think> block (leading whitespace aside)."""
+  return response.lstrip().startswith("<think>")
 
 
 def extract_answer(response: str) -> str:

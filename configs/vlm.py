@@ -445,7 +445,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Per trained response, a record in WORKDIR/trained.jsonl ("responses"): its
   # length, reward, version gap, share of the update and the loss's metrics
   # over its tokens (fluxjax/rl/records.py). Costs a per-sequence sum of each
-  # loss metric in the train step; bench/tail_effects.py turns them on.
+  # loss metric in the train step; `bench/async.py --quintiles` and
+  # `bench/learning.py --runs stress` turn them on.
   c.coordinator.response_records = False
   # Adaptive, per step: the batch's staleness s = clip(kl_weight * KL /
   # kl_normalizer + iw_weight * log1p(Var w) / iw_normalizer + gap_weight *

@@ -4,8 +4,8 @@ With `coordinator.response_records` on, the train step sums every loss metric
 per sequence (train_step.sequence_sums) and the coordinator turns those sums,
 with what the host knows of each response, into one `ResponseRecord` per
 trained response; the loop writes them to trained.jsonl beside the step's
-sample ids. bench/tail_effects.py reads them to show what tail batching does
-to responses of each length (their version gap, truncated share, loss weight
+sample ids. `bench/async.py --quintiles` (bench/quintiles.py) reads them to
+show what tail batching does to responses of each length (their version gap, truncated share, loss weight
 and accuracy).
 """
 

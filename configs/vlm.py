@@ -182,6 +182,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.prompts = 256
   c.eval.samples_per_prompt = 4
   c.eval.greedy = True
+  # The reward that decides a held-out response is correct (its value reaches
+  # rl.reward.correct_threshold): "" = the run's rl.reward, or a spec of its
+  # own (rl/reward_spec.py), e.g. a strict checker beside a shaped training
+  # reward.
+  c.eval.reward = ""
 
   # Every `every` RL steps (0: none between) and at the last; also at step 0
   # after an SFT warm-up, so that a resumed run never repeats it.
@@ -420,12 +425,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # and are refilled, for up to max_refill_rounds rounds before training anyway.
   c.rl.dynamic_sampling = False
   c.rl.max_refill_rounds = 3
-  # Rewards (rl/reward_pool.py RewardScheduler): the function ("module:fn" for
-  # your own, veRL's custom_reward_function), worker processes, and Flexes'
-  # adaptive timeout T = min(max(t_min, anchor_factor * T_anchor), t_max)
-  # seconds; a reward >= correct_threshold counts as correct.
+  # Rewards (rl/reward_spec.py, run by rl/reward_pool.py): the function, or
+  # several comma-separated for their weighted sum: a registered name,
+  # "module:fn" or "path/to/file.py:fn" for your own (veRL's
+  # custom_reward_function; veRL's compute_score signature works), the
+  # worker processes, and Flexes' adaptive timeout T = min(max(t_min,
+  # anchor_factor * T_anchor), t_max) seconds; a reward >= correct_threshold
+  # counts as correct (in training metrics and in evaluation).
   c.rl.reward = ml_collections.ConfigDict()
   c.rl.reward.fn = "accuracy_with_format"
+  c.rl.reward.weights = ()  # one per function of rl.reward.fn; () = all 1
   c.rl.reward.num_workers = 4
   c.rl.reward.t_min = 2.0
   c.rl.reward.t_max = 30.0
@@ -459,8 +468,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # by error diffusion. A sync barrier (lag 0 until the rollouts in flight are
   # trained and one batch comes from the current policy, and while ema stays
   # above hard_bound) is forced when ema > hard_bound or sync_interval steps
-  # (0: never) have passed since the last one. These are the Flux design's values; max_version_gap, which it leaves
-  # open, is max_lag, and max_step is not in the design.
+  # (0: never) have passed since the last one. These are the Flux design's
+  # values; max_version_gap, which it leaves open, is max_lag, and max_step is
+  # not in the design.
   c.coordinator.lag = ml_collections.ConfigDict(
     dict(
       mode=v.lag_mode,

@@ -103,6 +103,7 @@ class Eval:
   prompts: int
   samples_per_prompt: int
   greedy: bool
+  reward: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +156,7 @@ class Optim:
 @dataclasses.dataclass(frozen=True)
 class Reward:
   fn: str
+  weights: tuple[float, ...]
   num_workers: int
   t_min: float
   t_max: float

@@ -25,7 +25,8 @@ from fluxjax.data import meta as meta_lib
 from fluxjax.data import store as store_lib
 from fluxjax.models import inputs
 from fluxjax.rl import coordinator as coordinator_lib
-from fluxjax.rl import loop, reward_pool, trajectories
+from fluxjax.rl import loop, reward_pool, reward_spec, trajectories
+from fluxjax.rl.reward_spec import RewardContext
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout import tensor_feed
 from fluxjax.rollout.publish import PublishReport
@@ -125,8 +126,18 @@ class _RecordingPolicy:
 
 
 class _Rewards:
-  def submit(self, text, answer, key=None):
-    return concurrent.futures.Future()
+  """The reward pool's interface, scoring in this process with the pool's code."""
+
+  def __init__(self, fn: str = "accuracy_with_format"):
+    self.fn = fn
+
+  def submit(self, text, answer, fn=None, key=None, tag=None, context=None):
+    terms = reward_spec.terms_of(fn or self.fn)
+    fns = [reward_spec.load(t.fn) for t in terms]
+    total, values = reward_spec.score(terms, fns, text, answer, context or RewardContext())
+    future = concurrent.futures.Future()
+    future.set_result(reward_pool.RewardResult(total, "ok", 0.0, 1.0, key, tag, terms=values))
+    return future
 
   def metrics(self):
     return {"reward/timeout": 0.0}
@@ -299,6 +310,33 @@ def test_evaluate_samples_at_the_training_temperature_and_summarizes(coord, part
                      tok.vision_end_id, tok.vision_pad_id}  # fmt: skip
 
 
+def test_evaluation_scores_with_its_own_reward_when_it_has_one(parts):
+  """eval.reward replaces the run's reward in evaluation: `constant` (0) marks
+  even the right answers wrong, where the run's reward marks them right."""
+  from fluxjax.models.tokenizer import Tokenizer
+
+  config = parts[0].copy_and_resolve_references()
+  config.eval.reward = "constant"
+  backend = _backend()
+  samples = [meta_lib.SampleMeta(uid=0, id="q0", prompt="Q?", answer="red", difficulty="easy")]
+  backend.text = lambda request, group, ids: "<answer>red</answer>"
+  with (
+    backend_lib.LoopThread() as thread,
+    thread.running(backend),
+    coordinator_lib.Coordinator(
+      Settings.of(config),
+      Tokenizer.default(),
+      parts[1],
+      _EmptyLoader(),
+      backend,
+      _Rewards(),
+      thread=thread,
+    ) as c,
+  ):
+    out = c.evaluate(samples)
+  assert out["eval/accuracy"] == 0.0 and out["eval/accuracy_greedy"] == 0.0
+
+
 def test_dynamic_sampling_trains_only_groups_with_signal(parts):
   """DAPO: groups whose rewards are all equal are dropped, counted and refilled.
 
@@ -374,6 +412,9 @@ def test_a_step_records_the_percentiles_of_its_response_lengths(parts):
   assert m["rollout/response_len_p50"] < 8 < m["rollout/response_len_p99"] < 60
   assert m["rollout/response_len_max"] == 60
   assert m["rollout/reasoning_share"] == pytest.approx(np.mean([n >= 5 for n in trained]))
+  # One reward function of weight 1: its own statistics are the reward's.
+  assert m["reward/signal_unless_numeric/mean"] == pytest.approx(m["rollout/reward_mean"])
+  assert m["reward/signal_unless_numeric/max"] <= 1.0
 
 
 def test_refused_updates_publish_nothing_and_too_many_in_a_row_stop(parts, caplog):

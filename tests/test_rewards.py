@@ -230,18 +230,17 @@ def test_a_reward_that_is_not_a_finite_number_is_a_counted_logged_error(make_sch
   bad.append(rs.submit("", "", fn=crash, key="sample-crash"))
   results = rs.gather(bad, timeout=20)
   assert [(r.reward, r.status) for r in results] == [(0.0, "error")] * 5
-  assert [r.error for r in results[:3]] == [
-    "non-finite reward nan",
-    "non-finite reward inf",
-    "non-finite reward -inf",
+  assert [r.error.strip().splitlines()[-1] for r in results[:3]] == [
+    f"ValueError: reward not_a_number returned a non-finite value {v}"
+    for v in ("nan", "inf", "-inf")
   ]
   assert "TypeError" in results[3].error
   m = rs.metrics()
   assert m["reward/error"] == 5 and m["reward/ok"] == 0 and m["reward/worker_restarts"] == 0
   logged = [r.getMessage() for r in caplog.records if r.name == "fluxjax.rl.reward_pool"]
   for key, why in [
-    ("sample-nan", "non-finite reward nan"),
-    ("sample-inf", "non-finite reward inf"),
+    ("sample-nan", "non-finite value nan"),
+    ("sample-inf", "non-finite value inf"),
     ("sample-none", "TypeError"),
     ("sample-crash", "RuntimeError: reward bug"),
   ]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Mapping
+from typing import Any
 
 from fluxjax.models import media as media_lib
 from fluxjax.models import processor
@@ -130,6 +132,8 @@ class SampleMeta:
     task: the row's task name ("" = none), for evaluation.
     solution: the reference reasoning before the answer ("" = none), which
       the SFT warm-up teaches.
+    extra: the row's other fields (JSON values), for a reward that asks for
+      them (rl/reward_spec.py).
   """
 
   uid: int
@@ -142,6 +146,7 @@ class SampleMeta:
   difficulty: str = ""
   task: str = ""
   solution: str = ""
+  extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def messages(self) -> list[dict]:
     """Chat messages for `fluxjax.models.inputs.sequence_from_chat`."""
@@ -246,6 +251,7 @@ class ToMeta:
       difficulty=row.get("difficulty", ""),
       task=row.get("task", ""),
       solution=row.get("solution", ""),
+      extra=row.get("extra", {}),
     )
     items: list[tuple[processor.Kind, str]] = [("image", p) for p in row.get("images", ())]
     items += [("video", p) for p in row.get("videos", ())]

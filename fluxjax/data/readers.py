@@ -6,7 +6,9 @@ accepted: `prompt` may be a string or chat messages; the answer may sit in
 `answer`, `ground_truth`, `solution` or `reward_model.ground_truth`; media may
 be a string, a list of strings, or dicts with a `path`. Relative media paths
 resolve against the dataset file's directory. Only paths are read: pixels are
-the preprocessor workers' business.
+the preprocessor workers' business. The row's other fields that are JSON
+values, with the contents of veRL's `extra_info`, are kept as `extra` for
+rewards that ask for them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,26 @@ from collections.abc import Sequence
 from typing import Any
 
 _ANSWER_KEYS = ("answer", "ground_truth", "solution")
+# The fields normalize_row reads; the others go to `extra`.
+_READ_KEYS = frozenset(
+  {*_ANSWER_KEYS, "id", "prompt", "question", "images", "image", "videos", "video"}
+  | {"source", "data_source", "task", "difficulty", "extra_info"}
+)
+
+
+def _extra(raw: dict) -> dict:
+  """The row's unread fields that are JSON values, then veRL's extra_info's."""
+  info = raw.get("extra_info")
+  fields = {k: v for k, v in raw.items() if k not in _READ_KEYS}
+  fields.update(info if isinstance(info, dict) else {})
+  out = {}
+  for key, value in fields.items():
+    try:
+      json.dumps(value)
+    except (TypeError, ValueError):
+      continue  # bytes, arrays: not a reward's business, and not checkpointable
+    out[str(key)] = value
+  return out
 
 
 def _text_of(prompt: Any) -> str:
@@ -53,7 +75,7 @@ def _paths(value: Any, base_dir: str) -> list[str]:
 
 def normalize_row(raw: dict, index: int, base_dir: str) -> dict:
   """One raw dataset row -> {id, prompt, answer, images, videos, source, task,
-  difficulty, solution}.
+  difficulty, solution, extra}.
 
   Args:
     raw: the row as stored.
@@ -77,6 +99,7 @@ def normalize_row(raw: dict, index: int, base_dir: str) -> dict:
     "difficulty": str(raw.get("difficulty", "")),  # evaluation breaks accuracy down by it
     # The reference reasoning before the answer (the SFT warm-up's <think> span).
     "solution": str(raw.get("solution") or ""),
+    "extra": _extra(raw),
   }
 
 

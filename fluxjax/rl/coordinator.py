@@ -39,7 +39,7 @@ import logging
 import math
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -61,6 +61,7 @@ from fluxjax.rl import (
   records,
   reward_fns,
   reward_pool,
+  reward_spec,
   sft,
   tail_batching,
   trajectories,
@@ -106,6 +107,17 @@ def response_length_metrics(lengths: Sequence[int]) -> dict[str, float]:
   }
 
 
+def reward_term_metrics(terms: Sequence[Mapping[str, float]]) -> dict[str, float]:
+  """reward/<name>/{mean,std,min,max} of each reward function over the responses
+  whose call succeeded (rl/reward_spec.py)."""
+  out = {}
+  for name in sorted({n for t in terms for n in t}):
+    v = np.asarray([t[name] for t in terms if name in t], np.float64)
+    stats = {"mean": v.mean(), "std": v.std(), "min": v.min(), "max": v.max()}
+    out.update({f"reward/{name}/{k}": float(x) for k, x in stats.items()})
+  return out
+
+
 class Coordinator:
   """Owns the per-step flow; the run loop (rl/loop.py) owns the schedule.
 
@@ -139,6 +151,9 @@ class Coordinator:
     self._loader = loader
     self._rollout = rollout
     self._rewards = reward_scheduler
+    # Evaluation's reward: its own, or the run's (None: the pool's default).
+    ev_reward = settings.eval.reward
+    self._eval_reward = reward_spec.parse(ev_reward) if ev_reward else None
     self._version = 0  # weight version published to rollout
     self._steps = 0  # RL updates applied
     # Every counted fault of the run (fluxjax/faults.py), checkpointed together.
@@ -403,12 +418,14 @@ class Coordinator:
     control = self._producer.call(self._observe(stale["staleness"], self._steps))
     groups = [k.group for k in kept]
     all_rewards = [r for g in groups for r in g.rewards]
+    correct = self._settings.rl.reward.correct_threshold
     lengths = [len(c.output_ids) for g in groups for c in g.completions]
     reasoning = [reward_fns.reasons(c.text) for g in groups for c in g.completions]
     elapsed = time.perf_counter() - t0
     host = {
       "rollout/reward_mean": float(np.mean(all_rewards)),
-      "rollout/accuracy": float(np.mean([r >= 1.0 for r in all_rewards])),
+      "rollout/accuracy": float(np.mean([r >= correct for r in all_rewards])),
+      **reward_term_metrics([t for g in groups for t in g.reward_terms]),
       **response_length_metrics(lengths),
       "rollout/reasoning_share": float(np.mean(reasoning)),
       "rollout/wait_seconds": t_rollout,
@@ -623,22 +640,23 @@ class Coordinator:
     return self._producer.call(self._responses(samples, responses, greedy=greedy))
 
   def evaluate(self, samples: Sequence[meta_lib.SampleMeta]) -> dict[str, float]:
-    """Held-out metrics of the rollout policy (rl/evaluation.py), scored by `accuracy`.
+    """Held-out metrics of the rollout policy (rl/evaluation.py).
 
     `eval.samples_per_prompt` responses per prompt at the training temperature,
-    and one greedy response each when `eval.greedy`. Prompts over the
-    rollout's prompt budget are left out, counted in eval/skipped_too_long.
+    and one greedy response each when `eval.greedy`, scored in the reward
+    pool: correct (1) when the reward (`eval.reward`, else the run's) reaches
+    rl.reward.correct_threshold. Prompts over the rollout's prompt budget are
+    left out, counted in eval/skipped_too_long.
     """
     ev = self._settings.eval
-    score = reward_fns.get("accuracy")
     samples, skipped = self._within_budget(samples)
     sampled = self.sample(samples, int(ev.samples_per_prompt))
-    scores = [[score(c.text, s.answer or "") for c in cs] for s, cs in zip(samples, sampled)]
+    scores = self._correct(samples, sampled)
     reasoning = [[reward_fns.reasons(c.text) for c in cs] for cs in sampled]
     greedy = greedy_reasoning = None
     if ev.greedy:
       firsts = self.sample(samples, 1, greedy=True)
-      greedy = [score(cs[0].text, s.answer or "") for s, cs in zip(samples, firsts)]
+      greedy = [s[0] for s in self._correct(samples, firsts)]
       greedy_reasoning = [reward_fns.reasons(cs[0].text) for cs in firsts]
     log.debug("eval: %s", [(cs[0].text[:40], s.answer) for s, cs in zip(samples[:3], sampled)])
     bands = [
@@ -656,6 +674,26 @@ class Coordinator:
     )
     out["eval/skipped_too_long"] = float(skipped)
     return out
+
+  def _correct(
+    self, samples: Sequence[meta_lib.SampleMeta], completions: Sequence[Sequence[Completion]]
+  ) -> list[list[float]]:
+    """Per prompt, 1.0 for each response whose evaluation reward is correct, else 0.0."""
+    futures = [
+      [
+        self._rewards.submit(
+          c.text,
+          s.answer or "",
+          fn=self._eval_reward,
+          key=s.id,
+          context=reward_spec.RewardContext.of(s),
+        )
+        for c in cs
+      ]
+      for s, cs in zip(samples, completions, strict=True)
+    ]
+    threshold = self._settings.rl.reward.correct_threshold
+    return [[float(f.result().reward >= threshold) for f in fs] for fs in futures]
 
   def _within_budget(self, samples):
     """(the held-out samples whose prompts fit the prompt budget, how many did

@@ -20,7 +20,9 @@ asked, one greedy response; `summarize` turns their scores into metrics:
                          (eval/reasoning_share_greedy)
   eval/prompts, eval/samples
 
-Scores are the `accuracy` reward: 1 for a correct answer, else 0.
+A score is 1 for a correct response, else 0: the coordinator scores with the
+evaluation's reward (`eval.reward`, else the run's `rl.reward`) and counts a
+response correct when its reward reaches rl.reward.correct_threshold.
 """
 
 from __future__ import annotations

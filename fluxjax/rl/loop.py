@@ -40,7 +40,7 @@ from fluxjax.models import hf_io, processor, sharded
 from fluxjax.models import media as media_lib
 from fluxjax.models import tokenizer as tokenizer_lib
 from fluxjax.parallel import multihost, strategies, train_step
-from fluxjax.rl import config_rules, reference, reward_fns, reward_pool, sft
+from fluxjax.rl import config_rules, reference, reward_pool, reward_spec, sft
 from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import metrics as metrics_lib
 from fluxjax.rl import preemption as preemption_lib
@@ -132,14 +132,25 @@ def validate(config) -> Validated:
         f"rl.ref_hf_path {ref_path} has a different architecture than the "
         "policy; the KL term compares the two models token by token"
       )
-  try:
-    reward_fns.get(settings.rl.reward.fn)
-  except KeyError as e:
-    raise ValueError(str(e)) from None
+  check_rewards(settings)
   factory.check_config(settings.rollout)
   mesh = mesh_lib.make_mesh(settings.mesh.data, settings.mesh.fsdp, strategy.sp_axes())
   config_rules.check(settings, cfg, strategy, mesh.size)
   return Validated(cfg, strategy, mesh, settings, tokenizer)
+
+
+def check_rewards(settings: settings_lib.Settings) -> None:
+  """Every reward function of the run and of its evaluation loads here, so a
+  typo stops the run before anything starts (the workers load their own)."""
+  specs = [reward_spec.parse(settings.rl.reward.fn, settings.rl.reward.weights)]
+  if settings.eval.reward:
+    specs.append(reward_spec.parse(settings.eval.reward))
+  for terms in specs:
+    for term in terms:
+      try:
+        reward_spec.load(term.fn)
+      except KeyError as e:
+        raise ValueError(e.args[0]) from None
 
 
 def export_base(

@@ -32,7 +32,7 @@ from typing import Any
 
 from fluxjax import faults as faults_lib
 from fluxjax.data import meta as meta_lib
-from fluxjax.rl import async_control, round_driver, tail_batching, trajectories
+from fluxjax.rl import async_control, reward_spec, round_driver, tail_batching, trajectories
 from fluxjax.rollout.backend import LoopThread, Sampler
 from fluxjax.rollout.protocol import Completion, GenerateRequest
 
@@ -253,9 +253,12 @@ class Producer:
     """Starts scoring a finished response while its round goes on."""
     sample = self.samples.get(uid)
     if sample is not None:
-      self.scores[completion.rid] = self.rewards.submit(
-        completion.text, sample.answer or "", key=sample.id
-      )
+      self.scores[completion.rid] = self._submit(sample, completion.text)
+
+  def _submit(self, sample: meta_lib.SampleMeta, response: str):
+    """A Future of the response's RewardResult (the prompt id anchors its timeout)."""
+    context = reward_spec.RewardContext.of(sample)
+    return self.rewards.submit(response, sample.answer or "", key=sample.id, context=context)
 
   def _prompt(self, uid: int):
     if uid not in self.prompts:
@@ -434,14 +437,15 @@ class Producer:
   async def _deliver(self, uid: int, completions: list, launch_version: int) -> None:
     sample = self.samples[uid]
     # Responses that finished in an earlier round (carried) are scored now.
-    futures = [
-      self.scores.pop(c.rid, None)
-      or self.rewards.submit(c.text, sample.answer or "", key=sample.id)
-      for c in completions
-    ]
+    futures = [self.scores.pop(c.rid, None) or self._submit(sample, c.text) for c in completions]
     scored = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
     group = trajectories.Group(
-      sample.id, self._prompt(uid), list(completions), [s.reward for s in scored], sample.answer
+      sample.id,
+      self._prompt(uid),
+      list(completions),
+      [s.reward for s in scored],
+      sample.answer,
+      [s.terms for s in scored],
     )
     self.prompts.pop(uid, None)
     self.out.put(KeptGroup(group, sample, launch_version))

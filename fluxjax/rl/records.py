@@ -5,8 +5,8 @@ per sequence (train_step.sequence_sums) and the coordinator turns those sums,
 with what the host knows of each response, into one `ResponseRecord` per
 trained response; the loop writes them to trained.jsonl beside the step's
 sample ids. `bench/async.py --quintiles` (bench/quintiles.py) reads them to
-show what tail batching does to responses of each length (their version gap, truncated share, loss weight
-and accuracy).
+show what tail batching does to responses of each length (their version gap,
+truncated share, loss weight and accuracy).
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """Reward functions: the registry and the built-in rewards.
 
-A reward function is `fn(response: str, answer: str) -> float` in
-[0, 1], registered by name (`register`, `get`, `REWARDS`). It must be a module-
-level function (or a functools.partial of one): it is pickled into spawned
-worker processes. Built in, matching the synthetic tasks (fluxjax/data/synth.py
+A built-in reward function is `fn(response: str, answer: str) -> float` in
+[0, 1], registered by name (`register`, `get`, `REWARDS`); rl/reward_spec.py
+says how a run names its rewards (these, a user's module or file, a weighted
+sum) and what else a function may ask for. A callable handed to the reward
+pool must be a module-level function (or a functools.partial of one): it is
+pickled into spawned worker processes. Built in, matching the synthetic tasks (fluxjax/data/synth.py
 answers are an integer or a colour/shape word; the system prompts of
 models/tokenizer.py ask for "the final answer inside <answer></answer>" or "a
 single number or word", and its corpus answers as "<answer>x</answer>",
@@ -33,7 +35,6 @@ rl/reward_pool.py runs them in worker processes.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import random
@@ -59,23 +60,13 @@ def register(name: str):
 
 
 def get(name_or_fn: str | RewardFn) -> RewardFn:
-  """A reward function: a registered name, "package.module:function", or a callable.
+  """A registered reward function by name (or a callable, returned as is).
 
-  The import path is how a user plugs in their own reward without editing
-  fluxjax (veRL's custom_reward_function): `--config.rl.reward.fn=my.mod:score`.
-  The module must be importable by the spawned reward workers.
+  A user's own reward, from a module or a file, and weighted sums of several
+  are rl/reward_spec.py's.
   """
   if callable(name_or_fn):
     return name_or_fn
-  if ":" in name_or_fn:
-    module_name, _, attr = name_or_fn.partition(":")
-    try:
-      fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-      raise KeyError(f"cannot load reward {name_or_fn!r}: {e}") from None
-    if not callable(fn):
-      raise KeyError(f"reward {name_or_fn!r} is not callable")
-    return fn
   try:
     return REWARDS[name_or_fn]
   except KeyError:

@@ -1,6 +1,7 @@
 """The asynchronous reward scheduler (Flexes section 4.3).
 
-`RewardScheduler` runs reward calls (rl/reward_fns.py, by name or function)
+`RewardScheduler` runs reward calls (the run's reward, rl/reward_spec.py: one
+function or a weighted sum, each called with the row's context it asks for)
 in a pool of spawned worker processes as responses arrive: `submit` returns a Future of a
 `RewardResult`, `poll` drains the results finished since the last poll, and
 `gather` waits. Each call gets the Flexes adaptive timeout
@@ -38,7 +39,8 @@ from typing import Any
 
 from fluxjax import faults
 from fluxjax import settings as settings_lib
-from fluxjax.rl.reward_fns import RewardFn, get
+from fluxjax.rl import reward_spec
+from fluxjax.rl.reward_spec import RewardContext, RewardFn, Term
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,8 @@ log = logging.getLogger(__name__)
 
 
 def _worker_main(conn) -> None:
-  """Loop of a spawned worker: (id, fn, response, answer) -> (id, status, value, secs)."""
+  """Loop of a spawned worker: (id, terms, response, answer, context) ->
+  (id, status, (reward, per-term values) or the error, secs)."""
   faults.leave_stop_signals_to_parent()
   conn.send(("ready",))
   while True:
@@ -57,14 +60,12 @@ def _worker_main(conn) -> None:
       return
     if msg is None:
       return
-    task_id, fn, response, answer = msg
+    task_id, terms, response, answer, context = msg
     start = time.perf_counter()
-    value: float | str  # the reward, or the error's description
+    value: tuple[float, dict[str, float]] | str  # the reward and its terms, or the error
     try:
-      reward = float(get(fn)(response, answer))
-      status, value = (
-        ("ok", reward) if math.isfinite(reward) else ("error", f"non-finite reward {reward}")
-      )
+      fns = [reward_spec.load(t.fn) for t in terms]
+      status, value = "ok", reward_spec.score(terms, fns, response, answer, context)
     except BaseException:
       status, value = "error", traceback.format_exc(limit=3)
     conn.send((task_id, status, value, time.perf_counter() - start))
@@ -101,6 +102,7 @@ class RewardResult:
     key: the anchor key given to submit.
     tag: caller's metadata, returned untouched (e.g. a sample id).
     error: traceback or reason for "error".
+    terms: each reward function's value (empty unless "ok").
   """
 
   reward: float
@@ -110,14 +112,16 @@ class RewardResult:
   key: Hashable = None
   tag: Any = None
   error: str = ""
+  terms: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
 class _Task:
   id: int
-  fn: str | RewardFn
+  terms: tuple[Term, ...]
   response: str
   answer: str
+  context: RewardContext
   key: Hashable
   tag: Any
   future: concurrent.futures.Future
@@ -131,13 +135,14 @@ class RewardScheduler:
   on exit.
 
     with RewardScheduler(num_workers=4) as rs:
-      fut = rs.submit(response, answer, fn="accuracy", key=prompt_id, tag=i)
+      fut = rs.submit(response, answer, key=prompt_id, tag=i)
       ...
       for result in rs.poll(): ...
 
   Args:
     num_workers: worker processes.
-    fn: default reward function (registry name or module-level callable).
+    fn: the default reward: a spec (rl/reward_spec.py), a module-level
+      callable, or terms.
     t_min, t_max, anchor_factor: the timeout T = min(max(t_min,
       anchor_factor * T_anchor), t_max) (Flexes: 2 s, 30 s, 1.5).
     correct_threshold: a call is "correct" (may move the anchor) when its
@@ -147,7 +152,7 @@ class RewardScheduler:
   def __init__(
     self,
     num_workers: int = 4,
-    fn: str | RewardFn = "accuracy_with_format",
+    fn: str | RewardFn | tuple[Term, ...] = "accuracy_with_format",
     t_min: float = 2.0,
     t_max: float = 30.0,
     anchor_factor: float = 1.5,
@@ -157,7 +162,8 @@ class RewardScheduler:
       raise ValueError(
         f"need num_workers >= 1 and 0 < t_min <= t_max, got {num_workers}, {t_min}, {t_max}"
       )
-    self.fn, self.t_min, self.t_max = fn, float(t_min), float(t_max)
+    self.terms = reward_spec.terms_of(fn)
+    self.t_min, self.t_max = float(t_min), float(t_max)
     self.anchor_factor, self.correct_threshold = float(anchor_factor), correct_threshold
     self._ctx = multiprocessing.get_context("spawn")
     self._lock = threading.Lock()
@@ -178,7 +184,7 @@ class RewardScheduler:
     """From the `rl.reward` section of the run config (configs/vlm.py)."""
     return cls(
       num_workers=cfg.num_workers,
-      fn=cfg.fn,
+      fn=reward_spec.parse(cfg.fn, cfg.weights),
       t_min=cfg.t_min,
       t_max=cfg.t_max,
       anchor_factor=cfg.anchor_factor,
@@ -196,17 +202,20 @@ class RewardScheduler:
     self,
     response: str,
     answer: str,
-    fn: str | RewardFn | None = None,
+    fn: str | RewardFn | tuple[Term, ...] | None = None,
     key: Hashable = None,
     tag: Any = None,
+    context: RewardContext | None = None,
   ) -> concurrent.futures.Future:
-    """Queues one reward call; returns a Future of its RewardResult."""
+    """Queues one reward call (`fn`: another reward than the default); returns
+    a Future of its RewardResult."""
     future: concurrent.futures.Future[RewardResult] = concurrent.futures.Future()
     with self._lock:
       if self._closed:
         raise RuntimeError("RewardScheduler is shut down")
+      terms = self.terms if fn is None else reward_spec.terms_of(fn)
       task = _Task(
-        self._next_id, fn if fn is not None else self.fn, response, answer, key, tag, future
+        self._next_id, terms, response, answer, context or RewardContext(), key, tag, future
       )
       self._next_id += 1
       self._pending.append(task)
@@ -329,7 +338,7 @@ class RewardScheduler:
         task = self._pending.popleft()
         task.timeout = self._timeout_locked(task.key)
       try:
-        w.conn.send((task.id, task.fn, task.response, task.answer))
+        w.conn.send((task.id, task.terms, task.response, task.answer, task.context))
       except Exception as e:
         self._finish(
           task,
@@ -365,7 +374,8 @@ class RewardScheduler:
     if task is None:
       return
     if status == "ok":
-      result = RewardResult(value, "ok", elapsed, task.timeout, task.key, task.tag)
+      reward, terms = value
+      result = RewardResult(reward, "ok", elapsed, task.timeout, task.key, task.tag, terms=terms)
     else:
       result = RewardResult(0.0, "error", elapsed, task.timeout, task.key, task.tag, str(value))
     self._finish(task, result)

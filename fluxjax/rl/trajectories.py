@@ -36,6 +36,8 @@ class Group:
     completions: the R responses, in any order.
     rewards: one reward per completion.
     answer: the reference answer (for metrics).
+    reward_terms: per completion, each reward function's value (empty
+      where the call failed), for metrics.
   """
 
   key: str
@@ -43,6 +45,7 @@ class Group:
   completions: list[Completion]
   rewards: list[float]
   answer: str | None = None
+  reward_terms: list[dict[str, float]] = dataclasses.field(default_factory=list)
 
 
 class MissingLogprobs(ValueError):

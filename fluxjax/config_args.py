@@ -63,3 +63,36 @@ def load_config(path: str = DEFAULT_CONFIG, arg: str | None = None) -> ml_collec
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config(arg) if arg is not None else module.get_config()
+
+
+def load_saved(path: str) -> tuple[ml_collections.ConfigDict, list[str]]:
+  """A run's saved config (its work directory's config.json) over today's
+  defaults of its variant, and notes on where the two differ in shape.
+
+  A field the saved config lacks (added since the run) takes today's
+  default; a saved field today's config has no more is dropped. Each is one
+  note ("rl.reward.weights: not in the saved config, default ()").
+  """
+  import json
+
+  with open(path) as f:
+    saved = json.load(f)
+  config = load_config(DEFAULT_CONFIG, str(saved.get("variant", "tiny")))
+  notes: list[str] = []
+  _overlay(config, saved, "", notes)
+  return config, notes
+
+
+def _overlay(config: ml_collections.ConfigDict, saved: dict, where: str, notes: list[str]) -> None:
+  for key in sorted(set(config.keys()) - set(saved)):
+    notes.append(f"{where}{key}: not in the saved config, default {config[key]!r}")
+  for key, value in saved.items():
+    if key not in config:
+      notes.append(f"{where}{key}: saved, but no longer a setting; dropped")
+    elif isinstance(config[key], ml_collections.ConfigDict) and isinstance(value, dict):
+      _overlay(config[key], value, f"{where}{key}.", notes)
+    else:
+      if isinstance(config[key], tuple) and isinstance(value, list):
+        value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
+      with config.ignore_type():
+        config[key] = value

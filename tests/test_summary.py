@@ -189,5 +189,8 @@ def test_report_writes_summary_json_and_logs_the_lines(tmp_path, caplog):
   assert logged == s.lines()
 
 
-def test_the_plot_command_quotes_the_work_directory():
-  assert _summary().plot_command == "python -m fluxjax.plot '/runs/my run'"
+def test_the_plot_and_export_commands_quote_the_work_directory():
+  s = _summary()
+  assert s.plot_command == "python -m fluxjax.plot '/runs/my run'"
+  export = "HF folder of the last checkpoint: python -m fluxjax.export '/runs/my run' OUT"
+  assert export in s.lines()

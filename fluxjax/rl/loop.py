@@ -153,20 +153,22 @@ def check_rewards(settings: settings_lib.Settings) -> None:
         raise ValueError(e.args[0]) from None
 
 
-def export_base(
+def export_hf(
   policy: worker_lib.PolicyWorker | worker_lib.LeaderWorker,
   path: str,
   tokenizer: tokenizer_lib.Tokenizer,
   proc: processor.VisionProcessorConfig,
+  dtype: str = "float32",
 ) -> None:
-  """The warmed-up policy as an HF folder at `path` (sft.export_dir): fp32
-  weights, config.json, the run's tokenizer and its vision preprocessing."""
+  """The policy as an HF folder at `path`: weights in `dtype`, config.json,
+  the run's tokenizer and its vision preprocessing (the warm-up's export,
+  sft.export_dir, and `python -m fluxjax.export`)."""
   files = {
     "tokenizer.json": tokenizer.backend.to_str(pretty=True).encode(),
     **{name: json.dumps(d, indent=2).encode() for name, d in proc.hf_files().items()},
   }
-  policy.export(os.path.abspath(path), files)
-  log.info("exported the warmed-up model to %s", path)
+  policy.export(os.path.abspath(path), files, dtype)
+  log.info("exported the policy to %s (%s)", path, dtype)
 
 
 def resolved_mesh(mesh: settings_lib.Mesh, cfg) -> settings_lib.Mesh:
@@ -501,7 +503,7 @@ def _loop(
       policy.save(0, *coord.get_state(), force=True)
     if warm_up and settings.sft.export_dir:
       path = os.path.join(workdir, settings.sft.export_dir)  # a relative one: in the workdir
-      export_base(policy, path, coord.tokenizer, built.proc)
+      export_hf(policy, path, coord.tokenizer, built.proc)
   if first < settings.total_steps:
     if reference.needed(settings.rl):
       policy.set_reference(fresh=first == 0)

@@ -175,6 +175,7 @@ class Summary:
       self._throughput(),
       "faults and skips: " + (", ".join(f"{k} {v:g}" for k, v in self.faults.items()) or "none"),
       f"curves: {self.plot_command} (PNGs into {os.path.join(self.workdir, 'plots')})",
+      f"HF folder of the last checkpoint: python -m fluxjax.export {shlex.quote(self.workdir)} OUT",
       "records: " + "; ".join(f"{k} {v}" for k, v in self.files.items()),
     ]
 

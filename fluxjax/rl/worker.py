@@ -351,11 +351,11 @@ class PolicyWorker:
       self._sft_ckpt.close()
       self._sft_ckpt = None
 
-  def export(self, path: str, files: dict[str, bytes]) -> None:
-    """Writes the policy's parameters as an HF folder at `path` in fp32, with
-    `files` (tokenizer.json, ...) beside them; every process takes part."""
+  def export(self, path: str, files: dict[str, bytes], dtype: str = "float32") -> None:
+    """Writes the policy's parameters as an HF folder at `path` in `dtype`,
+    with `files` (tokenizer.json, ...) beside them; every process takes part."""
     model = nnx.merge(self._graphdef, self._trainer.state.params)
-    hf_io.save_hf_checkpoint(model, path, dtype="float32", extra_files=files)
+    hf_io.save_hf_checkpoint(model, path, dtype=dtype, extra_files=files)
 
   def close(self) -> None:
     """Waits for checkpoints being written, then closes the checkpointer."""
@@ -462,9 +462,9 @@ class LeaderWorker:
     self.channel.send("sft_end")
     self.worker.sft_end()
 
-  def export(self, path: str, files: dict[str, bytes]) -> None:
-    self.channel.send("export", path, files)
-    self.worker.export(path, files)
+  def export(self, path: str, files: dict[str, bytes], dtype: str = "float32") -> None:
+    self.channel.send("export", path, files, dtype)
+    self.worker.export(path, files, dtype)
 
   def stop(self) -> None:
     """Ends every follower's `serve` (a run's last op)."""

@@ -96,3 +96,28 @@ def _overlay(config: ml_collections.ConfigDict, saved: dict, where: str, notes: 
         value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
       with config.ignore_type():
         config[key] = value
+
+
+def differences(path: str, config: ml_collections.ConfigDict) -> list[str]:
+  """ "field: saved -> now" for each setting where `config` differs from the
+  config a run saved at `path` (its config.json), in dotted-name order."""
+  import json
+
+  with open(path) as f:
+    saved = _flat(json.load(f))
+  now = _flat(json.loads(config.to_json_best_effort()))
+  return [
+    f"{k}: {saved.get(k, '(none)')!r} -> {now.get(k, '(none)')!r}"
+    for k in sorted(set(saved) | set(now))
+    if saved.get(k, "(none)") != now.get(k, "(none)")
+  ]
+
+
+def _flat(d: dict, where: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{where}{k}."))
+    else:
+      out[f"{where}{k}"] = v
+  return out

@@ -18,8 +18,18 @@ _CONFIG = config_flags.DEFINE_config_file(
   lock_config=True,
 )
 _WORKDIR = flags.DEFINE_string(
-  "workdir", "workdir/vlm", "Where metrics, config and checkpoints go."
+  "workdir",
+  "",
+  "Where metrics, config and checkpoints go; a run there resumes. Default: "
+  "workdir/<config file>[-<its arg>], e.g. workdir/vlm, workdir/vlm-qwen25_vl_7b-smoke.",
 )
+
+
+def default_workdir(config_flag: str) -> str:
+  """workdir/<config file's stem>[-<arg, commas as dashes>]: one per variant."""
+  path, _, arg = config_flag.partition(":")
+  stem = os.path.splitext(os.path.basename(path))[0]
+  return os.path.join("workdir", "-".join([stem, *filter(None, arg.split(","))]))
 
 
 def main(argv):
@@ -28,7 +38,7 @@ def main(argv):
   # Heavy imports after flag parsing, so --help stays fast.
   import jax
 
-  from fluxjax import logs
+  from fluxjax import config_args, logs
   from fluxjax import settings as settings_lib
   from fluxjax.parallel import multihost
   from fluxjax.rl import loop
@@ -47,10 +57,23 @@ def main(argv):
     validated = loop.validate(settings)
   except ValueError as e:
     sys.exit(f"fluxjax.train: bad configuration: {e}")
-  log_file = logs.add_file(_WORKDIR.value, process)
-  logging.getLogger("fluxjax.train").info("full log: %s", log_file)
+  config_flag = config_flags.get_config_filename(flags.FLAGS["config"])
+  workdir = _WORKDIR.value or default_workdir(config_flag)
+  log_file = logs.add_file(workdir, process)
+  log = logging.getLogger("fluxjax.train")
+  log.info("full log: %s", log_file)
+  saved = os.path.join(workdir, "config.json")
+  if process == 0 and os.path.exists(saved):
+    changed = config_args.differences(saved, config)
+    if changed:
+      log.warning(
+        "%s holds a run whose config differs from this one; it resumes from its checkpoints "
+        "with the new settings (a fresh run needs another --workdir): %s",
+        workdir,
+        "; ".join(changed),
+      )
   with multihost.fail_fast():
-    loop.run(config, _WORKDIR.value, validated)
+    loop.run(config, workdir, validated)
 
 
 if __name__ == "__main__":

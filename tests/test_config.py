@@ -2,6 +2,7 @@
 strategy builds a strategy and mesh from `sharding.strategy` alone."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -229,3 +230,39 @@ def test_a_field_the_sections_do_not_declare_names_its_flag():
   del c.rollout.tail_batching["eta"]
   with pytest.raises(ValueError, match=r"config\.rollout\.tail_batching\.eta missing"):
     Settings.of(c)
+
+
+def test_each_config_and_variant_has_its_own_default_workdir():
+  sys.path.insert(0, ROOT)
+  from fluxjax.train import default_workdir
+
+  assert default_workdir("configs/vlm.py") == os.path.join("workdir", "vlm")
+  assert default_workdir("/abs/configs/vlm.py:qwen25_vl_7b,smoke") == os.path.join(
+    "workdir", "vlm-qwen25_vl_7b-smoke"
+  )
+  assert default_workdir("configs/pretrain.py") == os.path.join("workdir", "pretrain")
+
+
+def test_a_saved_config_over_todays_defaults_and_its_differences(tmp_path):
+  """A run's config.json from before a setting existed reads back with the
+  setting's default and a note; a resume names each field that changed."""
+  config = config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"), "qwen25_vl_7b")
+  saved = json.loads(config.to_json_best_effort())
+  del saved["eval"]["reward"]
+  saved["rl"]["gone_setting"] = 1
+  saved["rl"]["temperature"] = 0.7
+  path = tmp_path / "config.json"
+  path.write_text(json.dumps(saved))
+  back, notes = config_args.load_saved(str(path))
+  assert back.variant == "qwen25_vl_7b" and back.rl.temperature == 0.7
+  assert back.eval.reward == config.eval.reward
+  assert notes == [
+    "eval.reward: not in the saved config, default ''",
+    "rl.gone_setting: saved, but no longer a setting; dropped",
+  ]
+  Settings.of(back)  # whole and typed (lists read back as tuples)
+  assert config_args.differences(str(path), config) == [
+    "eval.reward: '(none)' -> ''",
+    "rl.gone_setting: 1 -> '(none)'",
+    "rl.temperature: 0.7 -> 1.0",
+  ]

@@ -33,6 +33,7 @@ LAYERS = {
   "fluxjax.launch": (6, "entry"),
   "fluxjax.plot": (6, "entry"),
   "fluxjax.config_args": (6, "entry"),
+  "fluxjax.export": (6, "entry"),
   "fluxjax.logs": (6, "entry"),
   "fluxjax.rl": (5, "rl"),
   "fluxjax.data": (4, "data"),

@@ -32,8 +32,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_DIR = os.path.join(REPO, "fluxjax", "models", "assets", "base_tiny")
 
 
+MODIFIERS = {"smoke": "a few steps on a small pool, exported into the work directory"}
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = config_args.parse_arg(arg, smoke=False)
+  arg = config_args.parse_arg(arg, **dict.fromkeys(MODIFIERS, False))
   c = config_args.load_config(os.path.join(REPO, "configs", "vlm.py"), "tiny")
   c.total_steps = 0  # the SFT path alone
   c.data.mix = "pretrain"

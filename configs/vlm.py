@@ -107,12 +107,20 @@ VARIANTS = {
   "qwen25_vl_7b": dict(_GPU_FLEET, preset="7b"),
   "qwen25_vl_32b": dict(_GPU_FLEET, preset="32b"),
 }
+# `--config=configs/vlm.py:variant,modifier`: what each modifier does.
+MODIFIERS = {
+  "smoke": "the variant's every setting at CPU sizes, minutes on a CPU",
+  "fleet": "rollout on two launched servers behind sglang-router, weights over torch.distributed",
+}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = config_args.parse_arg(arg, variant="tiny", smoke=False, fleet=False)
+  arg = config_args.parse_arg(arg, variant="tiny", **dict.fromkeys(MODIFIERS, False))
   if arg.variant not in VARIANTS:
-    raise ValueError(f"unknown variant {arg.variant!r}; choose one of {tuple(VARIANTS)}")
+    raise ValueError(
+      f"unknown variant {arg.variant!r}; variants: {', '.join(VARIANTS)}; "
+      f"modifiers: {', '.join(MODIFIERS)}"
+    )
   v = ml_collections.ConfigDict(VARIANTS[arg.variant])
   c = ml_collections.ConfigDict()
   c.variant = arg.variant

@@ -8,6 +8,7 @@ value of a known variant name selects it (`vlm.py:qwen25_vl_7b`).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import ml_collections
@@ -73,8 +74,6 @@ def load_saved(path: str) -> tuple[ml_collections.ConfigDict, list[str]]:
   default; a saved field today's config has no more is dropped. Each is one
   note ("rl.reward.weights: not in the saved config, default ()").
   """
-  import json
-
   with open(path) as f:
     saved = json.load(f)
   config = load_config(DEFAULT_CONFIG, str(saved.get("variant", "tiny")))
@@ -101,8 +100,6 @@ def _overlay(config: ml_collections.ConfigDict, saved: dict, where: str, notes: 
 def differences(path: str, config: ml_collections.ConfigDict) -> list[str]:
   """ "field: saved -> now" for each setting where `config` differs from the
   config a run saved at `path` (its config.json), in dotted-name order."""
-  import json
-
   with open(path) as f:
     saved = _flat(json.load(f))
   now = _flat(json.loads(config.to_json_best_effort()))
@@ -121,3 +118,55 @@ def _flat(d: dict, where: str = "") -> dict:
     else:
       out[f"{where}{k}"] = v
   return out
+
+
+def check_command_line(argv: list[str], default: str = DEFAULT_CONFIG) -> str | None:
+  """A one-line reason why `--config=...` and its `--config.a.b=v` overrides
+  in `argv` cannot make a config, or None.
+
+  Loads the config file with its arg (an unknown variant or modifier is the
+  file's own ValueError) and checks that each override names a field,
+  suggesting the closest one.
+  """
+  import difflib
+
+  spec = default
+  overrides = []
+  for a in argv[1:]:
+    if a.startswith("--config="):
+      spec = a.partition("=")[2]
+    elif a.startswith("--config."):
+      overrides.append(a[len("--config.") :].partition("=")[0])
+  path, _, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    return f"--config={spec}: no config file {path}"
+  try:
+    config = load_config(path, arg or None)
+  except ValueError as e:
+    return f"--config={spec}: {e}"
+  known = sorted(_flat(json.loads(config.to_json_best_effort())))
+  for name in overrides:
+    if name not in known and not any(k.startswith(name + ".") for k in known):
+      section, _, leaf = name.rpartition(".")
+      siblings = [k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == section]
+      close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.75)
+      where = f"{section}." if section else ""
+      hint = f"; did you mean --config.{where}{close[0]}?" if close else ""
+      return f"--config.{name}: no such setting in {os.path.basename(path)}{hint}"
+  return None
+
+
+def describe(path: str = DEFAULT_CONFIG) -> str:
+  """The variants and modifiers a config file declares (for --help), from its
+  `VARIANTS` and `MODIFIERS` tables where it has them."""
+  spec = importlib.util.spec_from_file_location("fluxjax_config_help", path)
+  if spec is None or spec.loader is None:
+    return ""
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  parts = []
+  if hasattr(module, "VARIANTS"):
+    parts.append("variants: " + ", ".join(module.VARIANTS))
+  if hasattr(module, "MODIFIERS"):
+    parts.append("modifiers: " + "; ".join(f"{k} ({v})" for k, v in module.MODIFIERS.items()))
+  return ". ".join(parts)

@@ -11,11 +11,19 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from fluxjax import config_args
+
+_DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "vlm.py")
 _CONFIG = config_flags.DEFINE_config_file(
   "config",
-  os.path.join(os.path.dirname(__file__), "..", "configs", "vlm.py"),
-  "Run config file (configs/vlm.py[:variant]).",
+  _DEFAULT_CONFIG,
+  "Run config: a file[:variant][,modifier...], e.g. configs/vlm.py:qwen25_vl_7b,smoke "
+  f"(configs/vlm.py's {config_args.describe(_DEFAULT_CONFIG)}). Any field is a flag, "
+  "--config.section.field=value; --print_config lists them.",
   lock_config=True,
+)
+_PRINT_CONFIG = flags.DEFINE_bool(
+  "print_config", False, "Print the resolved config (every field, with overrides) and exit."
 )
 _WORKDIR = flags.DEFINE_string(
   "workdir",
@@ -32,13 +40,28 @@ def default_workdir(config_flag: str) -> str:
   return os.path.join("workdir", "-".join([stem, *filter(None, arg.split(","))]))
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a one-line error for a bad config, variant,
+  modifier, field or value instead of a traceback."""
+  problem = config_args.check_command_line(argv, _DEFAULT_CONFIG)
+  if problem:
+    sys.exit(f"fluxjax.train: {problem}")
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    sys.exit(f"fluxjax.train: {str(e).strip().splitlines()[0]}")
+
+
 def main(argv):
   del argv
   config = _CONFIG.value
+  if _PRINT_CONFIG.value:
+    print(config)
+    return
   # Heavy imports after flag parsing, so --help stays fast.
   import jax
 
-  from fluxjax import config_args, logs
+  from fluxjax import logs
   from fluxjax import settings as settings_lib
   from fluxjax.parallel import multihost
   from fluxjax.rl import loop
@@ -77,4 +100,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -266,3 +266,29 @@ def test_a_saved_config_over_todays_defaults_and_its_differences(tmp_path):
     "rl.gone_setting: 1 -> '(none)'",
     "rl.temperature: 0.7 -> 1.0",
   ]
+
+
+def test_a_bad_command_line_is_one_line_naming_the_cause():
+  vlm = os.path.join(ROOT, "configs", "vlm.py")
+  check = lambda *args: config_args.check_command_line(["train", *args], vlm)
+  assert check() is None and check(f"--config={vlm}:qwen25_vl_7b,smoke") is None
+  assert check("--config.rl.temperature=0.5", "--config.rl.reward.weights=(1.0,)") is None
+  assert "unknown variant 'qwen7b'; variants: tiny," in check(f"--config={vlm}:qwen7b")
+  assert "modifiers: smoke, fleet" in check(f"--config={vlm}:smoke,turbo")
+  assert check("--config.rl.temprature=0.5") == (
+    "--config.rl.temprature: no such setting in vlm.py; did you mean --config.rl.temperature?"
+  )
+  nope = "--config=configs/nope.py"
+  assert check(nope) == f"{nope}: no config file configs/nope.py"
+  assert "variants: tiny, qwen25_vl_3b" in config_args.describe(vlm)
+  out = subprocess.run(
+    [sys.executable, "-m", "fluxjax.train", f"--config={vlm}", "--config.rl.nope=1"],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=120,
+  )
+  assert out.returncode == 1
+  assert out.stderr.strip().splitlines() == [
+    "fluxjax.train: --config.rl.nope: no such setting in vlm.py"
+  ]

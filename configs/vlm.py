@@ -128,11 +128,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # A reference: the learning-rate schedule (optim.total_steps) follows overrides.
   c.total_steps = ml_collections.FieldReference(v.total_steps)
 
-  # Data: JSONL/Parquet files, or (train empty) a synthetic dataset generated
-  # into WORKDIR/data on first use.
+  # Data: JSONL, JSON or Parquet files (docs/data.md), or (train empty) a
+  # synthetic dataset generated into WORKDIR/data on first use. With train
+  # and no eval, `holdout` of the training rows (at most eval.prompts, drawn
+  # by data.seed) leave training for evaluation; 0 evaluates on training rows
+  # and the log and summary say so.
   c.data = ml_collections.ConfigDict()
   c.data.train = ""
   c.data.eval = ""
+  c.data.holdout = 0.05
   # image_heavy | video_heavy | only_video | text | shapes | reasoning |
   # reasoning_tiny | one task (fluxjax/data/synth.py MIXES). Tiny:
   # `reasoning_tiny`, the colour of a shape, how many shapes of a named colour

@@ -78,6 +78,7 @@ class Vision:
 class Data:
   train: str
   eval: str
+  holdout: float
   mix: str
   synth_train: int
   synth_eval: int

@@ -293,7 +293,7 @@ def test_truncated_mp4_probes_fine_and_fails_in_the_worker(data, tmp_path):
 def test_resume_neither_repeats_nor_loses_a_sample(data, tmp_path):
   _, rows = data
   rows = list(rows)
-  rows[5] = dict(rows[5], images=[str(tmp_path / "missing.png")], videos=[])
+  rows[5] = dict(rows[5], images=[str(tmp_path / "missing.png")], videos=[], media_order=["image"])
   kw = dict(num_workers=2, num_epochs=1, seed=11)
   with pipeline.ShadowLoader(rows, 3, CFG, **kw) as loader:
     seen = [s.id for _ in range(3) for s in loader.next_batch()]

@@ -77,9 +77,9 @@ def test_probing_is_cached_and_reads_no_pixels(rows, monkeypatch):
 
 def test_bad_headers_become_errors_not_exceptions(tmp_path, rows):
   (tmp_path / "junk.jpg").write_bytes(b"not an image")
-  row = dict(rows[0], images=[str(tmp_path / "junk.jpg")], videos=[])
+  row = dict(rows[0], images=[str(tmp_path / "junk.jpg")], videos=[], media_order=["image"])
   assert "cannot read image header" in meta.ToMeta(CFG)(0, row).error
-  row = dict(rows[0], images=[str(tmp_path / "nope.png")], videos=[])
+  row = dict(rows[0], images=[str(tmp_path / "nope.png")], videos=[], media_order=["image"])
   assert "file not found" in meta.ToMeta(CFG)(0, row).error
   img = next(r for r in rows if r["images"])
   small = meta.MediaLimits(max_image_pixels=100)

@@ -138,6 +138,11 @@ def test_readers_accept_rl_rows_in_jsonl_and_parquet(tmp_path):
     "task": "",
     "difficulty": "",
     "solution": "",
+    "extra": {"reward_model": {"ground_truth": 3}},
+    "turns": [
+      {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}
+    ],
+    "media_order": ["image"],
   }
   assert b["id"] == "x" and b["videos"] == ["/abs/v.mp4"]
   assert b["answer"] == "red" and b["prompt"] == "Which colour?"

@@ -126,7 +126,7 @@ class SampleMeta:
     prompt: prompt text.
     answer: reference answer for the reward, or None.
     source: dataset name of the row.
-    media: images then videos, in prompt order.
+    media: images and videos in prompt order.
     error: why the sample cannot be used (probing failed), else None.
     difficulty: the row's difficulty label ("" = none), for evaluation.
     task: the row's task name ("" = none), for evaluation.
@@ -134,6 +134,9 @@ class SampleMeta:
       the SFT warm-up teaches.
     extra: the row's other fields (JSON values), for a reward that asks for
       them (rl/reward_spec.py).
+    turns: the chat as the row gave it, each media item a {"type": kind}
+      part where it stands (data/readers.py); () = one user turn of `prompt`
+      after the media.
   """
 
   uid: int
@@ -147,9 +150,12 @@ class SampleMeta:
   task: str = ""
   solution: str = ""
   extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  turns: tuple[Mapping[str, Any], ...] = ()
 
   def messages(self) -> list[dict]:
     """Chat messages for `fluxjax.models.inputs.sequence_from_chat`."""
+    if self.turns:
+      return [{"role": t["role"], "content": [dict(p) for p in t["content"]]} for t in self.turns]
     content: list[dict[str, str]] = [{"type": m.kind} for m in self.media]
     content.append({"type": "text", "text": self.prompt})
     return [{"role": "user", "content": content}]
@@ -252,9 +258,20 @@ class ToMeta:
       task=row.get("task", ""),
       solution=row.get("solution", ""),
       extra=row.get("extra", {}),
+      turns=tuple(row.get("turns", ())),
     )
-    items: list[tuple[processor.Kind, str]] = [("image", p) for p in row.get("images", ())]
-    items += [("video", p) for p in row.get("videos", ())]
+    if row.get("error"):
+      return dataclasses.replace(base, error=row["error"])
+    images, videos = list(row.get("images", ())), list(row.get("videos", ()))
+    order = row.get("media_order") or ["image"] * len(images) + ["video"] * len(videos)
+    if (order.count("image"), order.count("video")) != (len(images), len(videos)):
+      why = f"media_order {order} does not match {len(images)} images and {len(videos)} videos"
+      return dataclasses.replace(base, error=why)
+    paths = {"image": iter(images), "video": iter(videos)}
+    items: list[tuple[processor.Kind, str]] = [
+      ("image", next(paths["image"])) if k == "image" else ("video", next(paths["video"]))
+      for k in order
+    ]
     try:
       media = tuple(
         media_ref(f"{index}/{k}", kind, path, self.cfg, self.limits)

@@ -28,6 +28,7 @@ import time
 from typing import NamedTuple
 
 import jax
+import numpy as np
 from flax import nnx
 
 from fluxjax import settings as settings_lib
@@ -55,15 +56,57 @@ from fluxjax.sharding import mesh as mesh_lib
 log = logging.getLogger(__name__)
 
 
+def dataset_rows(
+  settings: settings_lib.Settings, workdir: str
+) -> tuple[list[dict], list[dict], bool]:
+  """(training rows, evaluation rows, whether the evaluation rows are held out).
+
+  Media given as bytes are written once into WORKDIR/data/media. With no
+  data.eval, a seeded data.holdout share of data.train (at most eval.prompts
+  rows) leaves training for evaluation; with data.holdout 0 evaluation reads
+  training rows, and the log and the summary say so.
+  """
+  d = settings.data
+  train_path, eval_path = dataset_paths(d, workdir)
+  media_dir = os.path.join(workdir, "data", "media")
+  train = readers.read_rows(train_path, media_dir)
+  prompts = settings.eval.prompts
+  if eval_path:
+    return train, readers.read_rows(eval_path, media_dir)[:prompts], True
+  k = min(prompts, math.ceil(d.holdout * len(train)), len(train) - 1)
+  if k <= 0:
+    log.warning(
+      "data.eval is empty and data.holdout is 0: evaluation scores training rows of %s, "
+      "so its accuracy is not held out",
+      train_path,
+    )
+    return train, train[:prompts], False
+  held = set(np.random.default_rng([d.seed, 7]).choice(len(train), k, replace=False).tolist())
+  log.info(
+    "data.eval is empty: %d of the %d rows of %s are held out of training for evaluation "
+    "(data.holdout %g, data.seed %d)",
+    k,
+    len(train),
+    train_path,
+    d.holdout,
+    d.seed,
+  )
+  kept = [r for i, r in enumerate(train) if i not in held]
+  return kept, [train[i] for i in sorted(held)], True
+
+
 def dataset_paths(d: settings_lib.Data, workdir: str) -> tuple[str, str]:
-  """(train, eval) manifests of the `data` section: configured files, or
-  synthetic ones made once; with `data.blind`, copies of them whose media
-  carry no pixels."""
-  paths = (d.train, d.eval or d.train) if d.train else _synthetic_paths(d, workdir)
+  """(train, eval) files of the `data` section: configured ones (eval "" if
+  none is), or synthetic ones made once; with `data.blind`, copies of them
+  whose media carry no pixels."""
+  paths = (d.train, d.eval) if d.train else _synthetic_paths(d, workdir)
   if not d.blind:
     return paths
   blind = []
   for split, manifest in zip(("train", "eval"), paths):
+    if not manifest:
+      blind.append("")
+      continue
     out = os.path.join(workdir, "data_blind", split)
     if not os.path.exists(os.path.join(out, "manifest.jsonl")):
       log.info("writing a pixel-free copy of %s into %s", manifest, out)
@@ -190,7 +233,9 @@ class Built:
     policy: the policy worker the coordinator drives (a LeaderWorker in a
       multi-controller run).
     loader: the training data (the coordinator's).
-    eval_rows: held-out rows for evaluation.
+    train_rows: the rows it reads (the SFT warm-up's too).
+    eval_rows: rows for evaluation.
+    held_out: whether eval_rows are out of training (`dataset_rows`).
     proc: the vision processor settings.
     settings: the run's typed settings.
   """
@@ -198,7 +243,9 @@ class Built:
   coordinator: coordinator_lib.Coordinator
   policy: worker_lib.PolicyWorker | worker_lib.LeaderWorker
   loader: pipeline.ShadowLoader
+  train_rows: list[dict]
   eval_rows: list[dict]
+  held_out: bool
   proc: processor.VisionProcessorConfig
   settings: settings_lib.Settings
 
@@ -314,10 +361,11 @@ def build(
   validated = validated or validate(config)
   settings = validated.settings
   tokenizer = validated.tokenizer
-  train_path, eval_path = dataset_paths(settings.data, workdir)
+  train_rows, eval_rows, held_out = dataset_rows(settings, workdir)
+  log_rows(train_rows[:2])
   proc = processor_config(settings.data.vision)
   loader = pipeline.ShadowLoader(
-    train_path,
+    train_rows,
     settings.rl.prompts_per_step,
     proc,
     num_workers=settings.data.num_workers,
@@ -362,8 +410,26 @@ def build(
       settings, tokenizer, policy, loader, rollout, scheduler, thread=thread
     )
   )
-  eval_rows = readers.read_rows(eval_path)[: settings.eval.prompts]
-  return Built(coord, policy, loader, eval_rows, proc, settings)
+  return Built(coord, policy, loader, train_rows, eval_rows, held_out, proc, settings)
+
+
+def log_rows(rows: list[dict]) -> None:
+  """Logs rows as the run reads them: the prompt rendered by the chat
+  template, the media in prompt order, the answer (or the row's error)."""
+  from fluxjax.models import chat
+
+  for row in rows:
+    if row.get("error"):
+      log.info("row %s: skipped: %s", row["id"], row["error"])
+      continue
+    media = {"image": iter(row["images"]), "video": iter(row["videos"])}
+    log.info(
+      "row %s as parsed:\n%s\nmedia: %s\nanswer: %r",
+      row["id"],
+      chat.render_chat(row["turns"]),
+      [f"{k} {next(media[k])}" for k in row["media_order"]],
+      row["answer"],
+    )
 
 
 def follow(config, workdir: str, validated: Validated | None = None) -> int:
@@ -437,6 +503,7 @@ def run(config, workdir: str, validated: Validated | None = None) -> dict:
     resumed_from=first,
     total_steps=validated.settings.total_steps,
     preempted=preemption.stopped_at is not None,
+    held_out=built.held_out,
   )
   if preemption.stopped_at is not None:
     raise preemption_lib.Preempted(preemption.stopped_at)
@@ -488,7 +555,7 @@ def _loop(
       summary = sft.warm_up(
         coord,
         settings,
-        dataset_paths(settings.data, workdir)[0],
+        built.train_rows,
         built.proc,
         writer,
         lambda: coord.evaluate(eval_samples),

@@ -460,4 +460,4 @@ def sample_from_dict(d: dict) -> meta_lib.SampleMeta:
   media = tuple(
     meta_lib.MediaRef(**{**m, "full_grid": tuple(m["full_grid"])}) for m in d.get("media", ())
   )
-  return meta_lib.SampleMeta(**{**d, "media": media})
+  return meta_lib.SampleMeta(**{**d, "media": media, "turns": tuple(d.get("turns", ()))})

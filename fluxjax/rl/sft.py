@@ -46,7 +46,7 @@ from fluxjax import faults as faults_lib
 from fluxjax import settings as settings_lib
 from fluxjax.data import materializer as materializer_lib
 from fluxjax.data import meta as meta_lib
-from fluxjax.data import pipeline, readers, visual_tasks
+from fluxjax.data import pipeline, visual_tasks
 from fluxjax.models import media as media_lib
 from fluxjax.models.inputs import SequenceInputs
 from fluxjax.models.tokenizer import Tokenizer
@@ -251,7 +251,7 @@ def _begin(policy, source, loader, writer, first: int, evaluate) -> tuple[int, d
 def warm_up(
   coord: Rollout,
   settings: settings_lib.Settings,
-  train_path: str,
+  train_rows: Sequence[dict],
   proc,
   writer,
   evaluate: Callable[[], dict[str, float]],
@@ -269,7 +269,7 @@ def warm_up(
       runs the warm-up's ops) and its rollout engine gets the warmed-up
       weights (a new policy version).
     settings: the run's settings.
-    train_path: the training manifest (the warm-up samples its prompts).
+    train_rows: the run's training rows (the warm-up samples its prompts).
     proc: the vision processor config.
     writer: the run's MetricWriter.
     evaluate: held-out metrics of the rollout engine's current policy
@@ -281,7 +281,7 @@ def warm_up(
   # releasing warm-up media from the RL loader's store would evict the RL
   # batches that loader has already prefetched (the same files).
   loader = pipeline.ShadowLoader(
-    warm_up_rows(readers.read_rows(train_path), s.levels),
+    warm_up_rows(train_rows, s.levels),
     s.batch_size,
     proc,
     num_workers=max(1, settings.data.num_workers),

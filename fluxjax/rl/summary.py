@@ -132,6 +132,8 @@ class Summary:
     faults: every non-zero fault and skip counter.
     plot_command: the command that draws the curves.
     files: {label: path} of the run's records.
+    held_out: whether the evaluation rows are out of training (else the
+      accuracy lines say they are training rows).
   """
 
   workdir: str
@@ -149,6 +151,7 @@ class Summary:
   faults: dict[str, float]
   plot_command: str
   files: dict[str, str]
+  held_out: bool = True
 
   @property
   def samples_per_s(self) -> float | None:
@@ -190,10 +193,11 @@ class Summary:
   def _accuracy_lines(self) -> list[str]:
     start, end = self.start, self.end
     some = end or start
+    what = "held-out accuracy" if self.held_out else "accuracy on training rows (none held out)"
     if some is None:
-      return ["held-out accuracy: not evaluated"]
+      return [f"{what}: not evaluated"]
     out = [
-      f"held-out accuracy, {_at(start, 'no step-0 evaluation')} -> "
+      f"{what}, {_at(start, 'no step-0 evaluation')} -> "
       f"{_at(end, 'no later evaluation')} "
       f"({some.prompts} prompts, {some.samples} samples; ± 95% interval):",
     ]
@@ -281,6 +285,7 @@ def summarize(
   total_steps: int | None = None,
   preempted: bool = False,
   files: Collection[str] | None = None,
+  held_out: bool = True,
 ) -> Summary:
   """The summary of a run from its records.
 
@@ -295,6 +300,7 @@ def summarize(
     preempted: whether SIGTERM stopped the run (else an early stop means the
       data ran out).
     files: names (FILES) present in the work directory; None: all of them.
+    held_out: whether the evaluation rows are out of training.
   """
   evals = [e for r in records if (e := Evaluation.of(r)) is not None]
   mine = [r for r in records if r["step"] > resumed_from and "perf/step_seconds" in r]
@@ -316,6 +322,7 @@ def summarize(
     files={
       label: os.path.join(workdir, name) for label, name in FILES if files is None or name in files
     },
+    held_out=held_out,
   )
 
 

@@ -26,7 +26,7 @@ weight variance, measured in the step) feeds the admission controller, which
 in `adaptive` mode moves an async ratio, and with it the allowed lag, by
 small PID steps and forces sync barriers (rl/async_control.py).
 `coordinator.lag.mode = sync` makes rollout wait for each update: every round
-is admitted at the current version (README, "When training is on-policy").
+is admitted at the current version (docs/training-loop.md, "When training is on-policy").
 """
 
 from __future__ import annotations

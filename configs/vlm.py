@@ -152,19 +152,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.blind = False
   c.data.num_workers = v.data_workers
   # Vision preprocessing limits, shared by the loader's workers and the rollout
-  # engine (the prompt's pad-token counts depend on them). Tiny and smoke runs:
-  # a few tokens per image/frame so a CPU run stays small (a 7k-token prompt's
-  # prefill alone takes GBs with CPU attention); real shapes: Qwen2.5-VL's.
-  # 16 frames keep a count_changes clip whole: 8 temporal patches, so each
-  # of its up to 7 colour changes falls between two of them.
+  # servers (the prompt's pad-token counts depend on them). 0 = the
+  # checkpoint's (model.hf_path's preprocessor_config.json, which SGLang
+  # reads too), else Qwen2VLImageProcessor's defaults; a set value the
+  # checkpoint contradicts stops the run (rl/loop.py vision_settings). Tiny
+  # and smoke runs: a few tokens per image/frame so a CPU run stays small (a
+  # 7k-token prompt's prefill alone takes GBs with CPU attention). 16 frames
+  # keep a count_changes clip whole: 8 temporal patches, so each of its up to
+  # 7 colour changes falls between two of them.
   small_media = v.small_media or arg.smoke
   c.data.vision = ml_collections.ConfigDict(
     dict(
-      image_min_pixels=28 * 28 * 4 if small_media else 56 * 56,
-      image_max_pixels=112 * 112 if small_media else 28 * 28 * 1280,
-      video_min_pixels=28 * 28 * 4 if small_media else 128 * 28 * 28,
-      video_max_pixels=56 * 56 if small_media else 768 * 28 * 28,
-      video_max_frames=16 if small_media else 768,
+      image_min_pixels=28 * 28 * 4 if small_media else 0,
+      image_max_pixels=112 * 112 if small_media else 0,
+      video_min_pixels=28 * 28 * 4 if small_media else 0,
+      video_max_pixels=56 * 56 if small_media else 0,
+      video_max_frames=16 if small_media else 0,
     )
   )
   # Media size budgets (models/media.py MediaLimits), checked from each file's

@@ -292,3 +292,42 @@ def test_a_bad_command_line_is_one_line_naming_the_cause():
   assert out.stderr.strip().splitlines() == [
     "fluxjax.train: --config.rl.nope: no such setting in vlm.py"
   ]
+
+
+def test_vision_limits_come_from_the_checkpoint_or_the_run_refuses(tmp_path):
+  """0 takes the checkpoint's preprocessor config (what SGLang reads); a set
+  value it contradicts names both; a folder writes what it reads back."""
+  from fluxjax.models import processor
+
+  v = settings_lib.Vision(0, 0, 0, 0, 0)
+  defaults = processor.VisionProcessorConfig()
+  assert loop.vision_settings(v, "") == settings_lib.Vision(
+    defaults.image_min_pixels,
+    defaults.image_max_pixels,
+    defaults.video_min_pixels,
+    defaults.video_max_pixels,
+    defaults.video_max_frames,
+  )
+  (tmp_path / "preprocessor_config.json").write_text(
+    json.dumps({"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14})
+  )
+  got = loop.vision_settings(v, str(tmp_path))
+  assert (got.image_min_pixels, got.image_max_pixels) == (3136, 12845056)
+  assert got.video_max_pixels == defaults.video_max_pixels  # no video file: the default
+  same = dataclasses.replace(v, image_max_pixels=12845056)
+  assert loop.vision_settings(same, str(tmp_path)).image_max_pixels == 12845056
+  with pytest.raises(ValueError, match=r"image_max_pixels=1003520, but .* says 12845056"):
+    loop.vision_settings(dataclasses.replace(v, image_max_pixels=1003520), str(tmp_path))
+  # transformers' newer layout, and what our exports write.
+  (tmp_path / "preprocessor_config.json").write_text(
+    json.dumps({"size": {"shortest_edge": 3136, "longest_edge": 1000000}})
+  )
+  assert loop.vision_settings(v, str(tmp_path)).image_max_pixels == 1000000
+  small = processor.VisionProcessorConfig(image_max_pixels=12544, video_max_frames=16)
+  for name, d in small.hf_files().items():
+    (tmp_path / name).write_text(json.dumps(d))
+  back = processor.VisionProcessorConfig.read_hf_files(str(tmp_path))
+  assert back["image_max_pixels"] == 12544 and back["video_max_frames"] == 16
+  # The GPU variants take the checkpoint's; tiny sets its own small ones.
+  assert Settings.of(config_args.load_config(arg="qwen25_vl_7b")).data.vision == v
+  assert Settings.of(config_args.load_config()).data.vision.image_max_pixels == 112 * 112

@@ -11,7 +11,9 @@ P patch side, N patches (= grid t * h * w), D = C * T * P * P.
 """
 
 import dataclasses
+import json
 import math
+import os
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
@@ -109,6 +111,33 @@ class VisionProcessorConfig:
       "preprocessor_config.json": {**image, **shared},
       "video_preprocessor_config.json": {**video, **shared},
     }
+
+  @staticmethod
+  def read_hf_files(folder: str) -> dict[str, int]:
+    """The pixel and frame limits an HF checkpoint's preprocessor_config.json
+    (and video_preprocessor_config.json, where there is one) give, under this
+    class's field names; {} when the folder has neither."""
+    out: dict[str, int] = {}
+    for name, kind in (
+      ("preprocessor_config.json", "image"),
+      ("video_preprocessor_config.json", "video"),
+    ):
+      path = os.path.join(folder, name)
+      if not os.path.exists(path):
+        continue
+      with open(path) as f:
+        d = json.load(f)
+      size = d.get("size") or {}
+      for ours, theirs, alt in (
+        ("min_pixels", "min_pixels", "shortest_edge"),
+        ("max_pixels", "max_pixels", "longest_edge"),
+      ):
+        value = d.get(theirs, size.get(alt))
+        if value is not None:
+          out[f"{kind}_{ours}"] = int(value)
+      if kind == "video" and d.get("max_frames") is not None:
+        out["video_max_frames"] = int(d["max_frames"])
+    return out
 
   @property
   def factor(self) -> int:

@@ -145,6 +145,12 @@ def validate(config) -> Validated:
   """(model config, strategy, mesh, typed settings) of a run's ConfigDict (or
   its Settings); ValueError says what is wrong."""
   settings = settings_lib.Settings.of(config)
+  settings = dataclasses.replace(
+    settings,
+    data=dataclasses.replace(
+      settings.data, vision=vision_settings(settings.data.vision, settings.model.hf_path)
+    ),
+  )
   overrides = dict(
     dtype=settings.model.dtype,
     param_dtype=settings.model.param_dtype,
@@ -318,6 +324,27 @@ def build_policy(
 
 def processor_config(vision: settings_lib.Vision) -> processor.VisionProcessorConfig:
   return processor.VisionProcessorConfig(**dataclasses.asdict(vision))
+
+
+def vision_settings(vision: settings_lib.Vision, hf_path: str) -> settings_lib.Vision:
+  """`data.vision` with each 0 resolved: the checkpoint's value (its
+  preprocessor_config.json, which SGLang reads too), else the processor's
+  default. A set value the checkpoint contradicts is an error: trainer and
+  servers would count different vision tokens for the same image.
+  """
+  theirs = processor.VisionProcessorConfig.read_hf_files(hf_path) if hf_path else {}
+  defaults = processor.VisionProcessorConfig()
+  out = {}
+  for field in dataclasses.fields(vision):
+    ours, given = getattr(vision, field.name), theirs.get(field.name)
+    if ours and given is not None and ours != given:
+      raise ValueError(
+        f"data.vision.{field.name}={ours}, but {hf_path}'s preprocessor config says {given}: "
+        f"trainer and rollout servers would count different vision tokens; set "
+        f"--config.data.vision.{field.name}={given} or 0 (the checkpoint's)"
+      )
+    out[field.name] = ours or (given if given is not None else getattr(defaults, field.name))
+  return settings_lib.Vision(**{k: int(v) for k, v in out.items()})
 
 
 def served_model(model: settings_lib.Model, cfg) -> fleet_lib.ServedModel:

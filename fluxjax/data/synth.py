@@ -91,6 +91,15 @@ MIXES = {
   # solution grows with the list (up to about 57 tokens): short responses
   # with a long tail.
   "reasoning_tail": {"colour": 1, "count_colour": 1, "last_colour": 1, "colour_list": 1},
+  # The main job's post-training mix (configs/vlm.py, tiny): 55% prompts
+  # answered at once (the reasoning_tiny tasks) and 45% chain tasks, on which
+  # the base (configs/pretrain.py) may reason first or answer directly.
+  "post_train": {
+    **{task: 45 / len(cot_tasks.TASKS) for task in cot_tasks.TASKS},
+    "colour": 55 / 3,
+    "count_colour": 55 / 3,
+    "last_colour": 55 / 3,
+  },
   # The pretraining pool of the base model (configs/pretrain.py): every
   # chain task, the text-only copy drills, and the direct-answer tasks of
   # the post-training job at a lower weight.

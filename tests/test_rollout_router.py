@@ -38,10 +38,13 @@ ROUTER = [
 
 
 @pytest.fixture(scope="module")
-def routed():
-  servers = fleet_lib.launch_servers(TINY_SERVER, 2, env=server_env(), timeout_s=180)
+def routed(tmp_path_factory):
+  logs = tmp_path_factory.mktemp("logs")
+  servers = fleet_lib.launch_servers(TINY_SERVER, 2, env=server_env(), timeout_s=180, log_dir=logs)
   try:
-    servers.router = router_lib.launch_router(ROUTER, servers.urls)
+    servers.router = router_lib.launch_router(ROUTER, servers.urls, log_dir=str(logs))
+    # Each process writes to its own file in the run's log folder.
+    assert sorted(p.name for p in logs.iterdir()) == ["router0.log", "server0.log", "server1.log"]
     yield servers
   finally:
     servers.stop()

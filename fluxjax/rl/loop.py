@@ -426,9 +426,11 @@ def build(
     limits=media_limits(settings.data.limits),
     weights_root=publish_lib.weights_root(workdir),
     served_model=served_model(settings.model, validated.cfg),
+    log_dir=os.path.join(workdir, "logs"),
   )
   if launched is not None:
     stack.callback(launched.stop)
+    log.info("launched rollout processes log to %s", os.path.join(workdir, "logs"))
   stack.enter_context(thread.running(rollout))
   scheduler = reward_pool.RewardScheduler.from_config(settings.rl.reward)
   stack.callback(scheduler.shutdown)

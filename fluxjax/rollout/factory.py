@@ -116,6 +116,7 @@ def make_backend(
   limits: media.MediaLimits = media.DEFAULT_LIMITS,
   weights_root: str | None = None,
   served_model: fleet.ServedModel | None = None,
+  log_dir: str | None = None,
 ) -> tuple[RolloutBackend, fleet.LaunchedServers | None]:
   """Builds the backend of a `rollout` config section.
 
@@ -133,6 +134,8 @@ def make_backend(
     limits: the embedded engine's media size budgets (the loader's).
     weights_root: where a fleet's published versions are written.
     served_model: the trainer's model, which a fleet's servers must serve.
+    log_dir: where launched servers and a launched router write their
+      output (server<i>.log, router0.log).
 
   Returns:
     (backend, launched): the backend, and the servers this call started
@@ -176,13 +179,16 @@ def make_backend(
       list(cfg.launch) if launch is None else launch,
       int(cfg.num_servers),
       timeout_s=launch_s,
+      log_dir=log_dir,
     )
     urls = launched.urls
   if not cfg.router_launch:
     backend = fleet.Fleet(urls, health_interval_s=health_s, **sync)
     return backend, launched
   try:
-    routed = router.launch_router(list(cfg.router_launch), urls, timeout_s=launch_s)
+    routed = router.launch_router(
+      list(cfg.router_launch), urls, timeout_s=launch_s, log_dir=log_dir
+    )
   except BaseException:
     if launched is not None:
       launched.stop()

@@ -637,23 +637,27 @@ def launch_servers(
   env: dict | None = None,
   timeout_s: float = 300.0,
   log_dir: str | None = None,
+  log_name: str = "server",
 ) -> LaunchedServers:
   """Starts `cmd + --host H --port P` num_servers times and waits for /health.
 
   `cmd` is e.g. ["python", "-m", "sglang.launch_server", "--model-path", M]
   (or our `fluxjax.rollout.server`, which takes the same flags). The
   processes get `env` (default: this process's) with `MALLOC_TUNABLES`.
+  Each writes its output to `log_dir`/<log_name><i>.log (a run's
+  WORKDIR/logs; a new temporary folder when None).
   """
   import tempfile
   import urllib.request
 
   log_dir = log_dir or tempfile.mkdtemp(prefix="fluxjax-servers-")
+  os.makedirs(log_dir, exist_ok=True)
   urls, procs, logs = [], [], []
   cmd = [sys.executable if c == "python" else c for c in cmd]
   env = server_process_env(env)
   for i in range(num_servers):
     port = free_port(host)
-    path = os.path.join(log_dir, f"server{i}.log")
+    path = os.path.join(log_dir, f"{log_name}{i}.log")
     with open(path, "wb") as f:
       procs.append(
         subprocess.Popen(

@@ -226,5 +226,10 @@ def launch_router(
   if "--prometheus-port" not in cmd:
     cmd += ["--prometheus-port", str(free_port(host))]
   return launch_servers(
-    [*cmd, "--worker-urls", *worker_urls], 1, host=host, timeout_s=timeout_s, log_dir=log_dir
+    [*cmd, "--worker-urls", *worker_urls],
+    1,
+    host=host,
+    timeout_s=timeout_s,
+    log_dir=log_dir,
+    log_name="router",
   )

@@ -296,6 +296,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rollout.urls = ()
   c.rollout.launch = ()
   c.rollout.num_servers = 1
+  # The GPUs launched servers run on, split evenly among them in order, each
+  # server's CUDA_VISIBLE_DEVICES its share: the trainer and SGLang on one
+  # node, e.g. the trainer started with CUDA_VISIBLE_DEVICES=0,1,2,3 and
+  # server_gpus "4,5,6,7" (examples/one_node_8gpu.sh). "" = the servers
+  # inherit the trainer's environment.
+  c.rollout.server_gpus = ""
   # Behind the SGLang router (sglang-router): generation goes through it and
   # weight updates to each of its workers. router_url names a running router
   # (its workers are read from it); router_launch starts one in front of the

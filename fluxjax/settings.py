@@ -206,6 +206,7 @@ class Rollout:
   launch: tuple[str, ...]
   router_launch: tuple[str, ...]
   num_servers: int
+  server_gpus: str
   launch_timeout_s: float
   health_interval_s: float
   num_slots: int

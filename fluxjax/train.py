@@ -25,6 +25,12 @@ _CONFIG = config_flags.DEFINE_config_file(
 _PRINT_CONFIG = flags.DEFINE_bool(
   "print_config", False, "Print the resolved config (every field, with overrides) and exit."
 )
+_DRY_RUN = flags.DEFINE_bool(
+  "dry_run",
+  False,
+  "Validate the config on this machine (no GPU needed) and print what the run would do: "
+  "model, mesh, data, each launched server's command and GPUs, reward; start nothing.",
+)
 _WORKDIR = flags.DEFINE_string(
   "workdir",
   "",
@@ -82,6 +88,9 @@ def main(argv):
     sys.exit(f"fluxjax.train: bad configuration: {e}")
   config_flag = config_flags.get_config_filename(flags.FLAGS["config"])
   workdir = _WORKDIR.value or default_workdir(config_flag)
+  if _DRY_RUN.value:
+    print("\n".join(loop.plan_lines(validated, workdir)))
+    return
   log_file = logs.add_file(workdir, process)
   log = logging.getLogger("fluxjax.train")
   log.info("full log: %s", log_file)

@@ -34,6 +34,7 @@ LAYERS = {
   "fluxjax.plot": (6, "entry"),
   "fluxjax.config_args": (6, "entry"),
   "fluxjax.export": (6, "entry"),
+  "fluxjax.install_check": (6, "entry"),
   "fluxjax.logs": (6, "entry"),
   "fluxjax.rl": (5, "rl"),
   "fluxjax.data": (4, "data"),

@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import time
 from typing import NamedTuple
 
@@ -186,6 +187,52 @@ def validate(config) -> Validated:
   mesh = mesh_lib.make_mesh(settings.mesh.data, settings.mesh.fsdp, strategy.sp_axes())
   config_rules.check(settings, cfg, strategy, mesh.size)
   return Validated(cfg, strategy, mesh, settings, tokenizer)
+
+
+def plan_lines(validated: Validated, workdir: str) -> list[str]:
+  """What a run would do, as `fluxjax.train --dry_run` prints it: model,
+  mesh, data, rollout (each launched server's command and GPUs), weight
+  sync and reward; nothing is built or started."""
+  s, cfg = validated.settings, validated.cfg
+  params = sum(math.prod(shape) for _, shape in hf_io.hf_layout(cfg))
+  model = s.model.hf_path or f"preset {s.model.preset} (random weights)"
+  train, eval_ = (s.data.train, s.data.eval or f"a {s.data.holdout:g} share held out of train")
+  data = f"{train}, eval {eval_}" if train else f"synthetic {s.data.mix} into {workdir}/data"
+  lines = [
+    f"work directory: {workdir}",
+    f"model: {model}, {params / 1e6:,.1f}M parameters, {s.model.dtype}",
+    f"mesh {dict(validated.mesh.shape)} on {jax.device_count()} {jax.default_backend()} "
+    f"device(s); strategy {validated.strategy.name} (sp {validated.strategy.sp})",
+    f"data: {data}; vision limits {dataclasses.asdict(s.data.vision)}",
+    f"RL: {s.total_steps} steps of {s.rl.prompts_per_step} prompts x "
+    f"{s.rl.responses_per_prompt} responses, lag mode {s.coordinator.lag.mode}",
+  ]
+  r = s.rollout
+  if r.backend == "embedded":
+    return [*lines, "rollout: the embedded engine, in this process", _reward_line(s)]
+  if r.urls or r.router_url:
+    lines.append(f"rollout: servers at {list(r.urls) or r.router_url}")
+  else:
+    cmd = factory.launch_command(s)
+    gpus = factory.server_gpu_groups(r) or ["(inherited)"] * r.num_servers
+    lines += [
+      f"rollout server {i}: CUDA_VISIBLE_DEVICES={g} {shlex.join(cmd)} --host H --port P"
+      for i, g in enumerate(gpus)
+    ]
+  if r.router_launch:
+    lines.append(f"router: {shlex.join(r.router_launch)} --worker-urls ...")
+  lines.append(f"weights to the servers: {r.weight_sync} (logs in {workdir}/logs)")
+  return [*lines, _reward_line(s)]
+
+
+def _reward_line(s: settings_lib.Settings) -> str:
+  terms = reward_spec.parse(s.rl.reward.fn, s.rl.reward.weights)
+  evaluation = s.eval.reward or "the same"
+  return (
+    "reward: "
+    + " + ".join(f"{t.weight:g} x {t.name}" for t in terms)
+    + (f"; evaluation reward: {evaluation}")
+  )
 
 
 def check_rewards(settings: settings_lib.Settings) -> None:

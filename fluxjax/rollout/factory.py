@@ -47,6 +47,7 @@ def check_config(cfg) -> None:
     )
   if cfg.router_url and cfg.router_launch:
     raise ValueError("give rollout.router_url (a running router) or router_launch, not both")
+  server_gpu_groups(cfg)
   if cfg.weight_sync not in fleet.WEIGHT_SYNCS:
     raise ValueError(
       f"rollout.weight_sync={cfg.weight_sync!r}: set --config.rollout.weight_sync to one of "
@@ -60,6 +61,29 @@ def check_config(cfg) -> None:
   engine_lib.check_decode_steps(
     cfg.num_continuous_decode_steps, "--config.rollout.num_continuous_decode_steps"
   )
+
+
+def server_gpu_groups(cfg) -> list[str] | None:
+  """Each launched server's CUDA_VISIBLE_DEVICES from rollout.server_gpus
+  ("4,5,6,7" over 2 servers: "4,5" and "6,7"), or None (inherit).
+
+  Raises:
+    ValueError: GPUs that do not split evenly among rollout.num_servers, or
+      servers given GPUs but not launched.
+  """
+  gpus = [g.strip() for g in str(cfg.server_gpus).split(",") if g.strip()]
+  if not gpus:
+    return None
+  n = int(cfg.num_servers)
+  if cfg.urls or cfg.router_url or not cfg.launch:
+    raise ValueError("rollout.server_gpus places launched servers: set rollout.launch too")
+  if len(gpus) % n:
+    raise ValueError(
+      f"rollout.server_gpus={cfg.server_gpus!r}: {len(gpus)} GPUs do not split evenly "
+      f"among rollout.num_servers={n}"
+    )
+  k = len(gpus) // n
+  return [",".join(gpus[i * k : (i + 1) * k]) for i in range(n)]
 
 
 def server_command(settings: settings_lib.Settings) -> list[str]:
@@ -180,6 +204,7 @@ def make_backend(
       int(cfg.num_servers),
       timeout_s=launch_s,
       log_dir=log_dir,
+      gpu_groups=server_gpu_groups(cfg),
     )
     urls = launched.urls
   if not cfg.router_launch:

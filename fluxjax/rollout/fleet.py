@@ -638,6 +638,7 @@ def launch_servers(
   timeout_s: float = 300.0,
   log_dir: str | None = None,
   log_name: str = "server",
+  gpu_groups: Sequence[str] | None = None,
 ) -> LaunchedServers:
   """Starts `cmd + --host H --port P` num_servers times and waits for /health.
 
@@ -645,7 +646,8 @@ def launch_servers(
   (or our `fluxjax.rollout.server`, which takes the same flags). The
   processes get `env` (default: this process's) with `MALLOC_TUNABLES`.
   Each writes its output to `log_dir`/<log_name><i>.log (a run's
-  WORKDIR/logs; a new temporary folder when None).
+  WORKDIR/logs; a new temporary folder when None). With `gpu_groups`,
+  server i runs with CUDA_VISIBLE_DEVICES=gpu_groups[i].
   """
   import tempfile
   import urllib.request
@@ -658,10 +660,14 @@ def launch_servers(
   for i in range(num_servers):
     port = free_port(host)
     path = os.path.join(log_dir, f"{log_name}{i}.log")
+    own_env = env if gpu_groups is None else {**env, "CUDA_VISIBLE_DEVICES": gpu_groups[i]}
     with open(path, "wb") as f:
       procs.append(
         subprocess.Popen(
-          [*cmd, "--host", host, "--port", str(port)], stdout=f, stderr=subprocess.STDOUT, env=env
+          [*cmd, "--host", host, "--port", str(port)],
+          stdout=f,
+          stderr=subprocess.STDOUT,
+          env=own_env,
         )
       )
     urls.append(f"http://{host}:{port}")

@@ -24,6 +24,7 @@ from fluxjax.data import materializer as materializer_lib
 from fluxjax.data import meta as meta_lib
 from fluxjax.data import store as store_lib
 from fluxjax.models import inputs
+from fluxjax.parallel import train_step
 from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import loop, reward_pool, reward_spec, trajectories
 from fluxjax.rl.reward_spec import RewardContext
@@ -415,6 +416,10 @@ def test_a_step_records_the_percentiles_of_its_response_lengths(parts):
   # One reward function of weight 1: its own statistics are the reward's.
   assert m["reward/signal_unless_numeric/mean"] == pytest.approx(m["rollout/reward_mean"])
   assert m["reward/signal_unless_numeric/max"] <= 1.0
+  assert m["rollout/response_clip_ratio"] == pytest.approx(1 / 16)  # the one at max_new_tokens
+  # The first step's update runs at the schedule's first learning rate.
+  optim = Settings.of(config).optim
+  assert m["optim/lr"] == pytest.approx(float(train_step.lr_schedule(optim)(0)))
 
 
 def test_refused_updates_publish_nothing_and_too_many_in_a_row_stop(parts, caplog):

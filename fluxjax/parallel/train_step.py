@@ -49,7 +49,15 @@ class TrainState:
 
 
 def make_optimizer(cfg: settings_lib.Optim) -> optax.GradientTransformation:
-  """AdamW with global-norm clipping and warmup + cosine decay, times the
+  """AdamW with global-norm clipping and `lr_schedule`'s learning rate."""
+  return optax.chain(
+    optax.clip_by_global_norm(cfg.max_grad_norm),
+    optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay),
+  )
+
+
+def lr_schedule(cfg: settings_lib.Optim) -> optax.Schedule:
+  """Updates done -> learning rate: warmup + cosine decay, times the
   piecewise-constant scales `lr_scales[i]` once `lr_scale_steps[i]` updates
   are done."""
   if len(cfg.lr_scale_steps) != len(cfg.lr_scales):
@@ -71,10 +79,7 @@ def make_optimizer(cfg: settings_lib.Optim) -> optax.GradientTransformation:
   def schedule(count):
     return cosine(count) * scale(count)
 
-  return optax.chain(
-    optax.clip_by_global_norm(cfg.max_grad_norm),
-    optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay),
-  )
+  return schedule
 
 
 def create_train_state(

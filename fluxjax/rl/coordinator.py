@@ -39,7 +39,7 @@ import logging
 import math
 import queue
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -63,6 +63,7 @@ from fluxjax.rl import (
   reward_pool,
   reward_spec,
   sft,
+  step_metrics,
   tail_batching,
   trajectories,
 )
@@ -94,28 +95,6 @@ class StepResult:
   trained: list[str]  # sample ids trained this step, in order
   # One per trained response, with coordinator.response_records on.
   responses: list[records.ResponseRecord] = dataclasses.field(default_factory=list)
-
-
-def response_length_metrics(lengths: Sequence[int]) -> dict[str, float]:
-  """The step's response lengths in tokens: mean, median, 99th percentile, max."""
-  p50, p99 = np.percentile(lengths, [50, 99])
-  return {
-    "rollout/response_len_mean": float(np.mean(lengths)),
-    "rollout/response_len_p50": float(p50),
-    "rollout/response_len_p99": float(p99),
-    "rollout/response_len_max": float(np.max(lengths)),
-  }
-
-
-def reward_term_metrics(terms: Sequence[Mapping[str, float]]) -> dict[str, float]:
-  """reward/<name>/{mean,std,min,max} of each reward function over the responses
-  whose call succeeded (rl/reward_spec.py)."""
-  out = {}
-  for name in sorted({n for t in terms for n in t}):
-    v = np.asarray([t[name] for t in terms if name in t], np.float64)
-    stats = {"mean": v.mean(), "std": v.std(), "min": v.min(), "max": v.max()}
-    out.update({f"reward/{name}/{k}": float(x) for k, x in stats.items()})
-  return out
 
 
 class Coordinator:
@@ -155,7 +134,9 @@ class Coordinator:
     ev_reward = settings.eval.reward
     self._eval_reward = reward_spec.parse(ev_reward) if ev_reward else None
     self._version = 0  # weight version published to rollout
-    self._steps = 0  # RL updates applied
+    self._steps = 0  # RL steps taken
+    self._updates = 0  # optimizer updates applied (the learning-rate schedule's count)
+    self._lr = train_step.lr_schedule(settings.optim)
     # Every counted fault of the run (fluxjax/faults.py), checkpointed together.
     self.faults = faults_lib.Faults(settings.faults.limits())
     rl = settings.rl
@@ -417,17 +398,14 @@ class Coordinator:
     )
     control = self._producer.call(self._observe(stale["staleness"], self._steps))
     groups = [k.group for k in kept]
-    all_rewards = [r for g in groups for r in g.rewards]
-    correct = self._settings.rl.reward.correct_threshold
     lengths = [len(c.output_ids) for g in groups for c in g.completions]
-    reasoning = [reward_fns.reasons(c.text) for g in groups for c in g.completions]
+    lr = float(self._lr(self._updates))
+    self._updates += round(train.get("updates", 1.0) * (1.0 - train.get("nonfinite", 0.0)))
     elapsed = time.perf_counter() - t0
     host = {
-      "rollout/reward_mean": float(np.mean(all_rewards)),
-      "rollout/accuracy": float(np.mean([r >= correct for r in all_rewards])),
-      **reward_term_metrics([t for g in groups for t in g.reward_terms]),
-      **response_length_metrics(lengths),
-      "rollout/reasoning_share": float(np.mean(reasoning)),
+      **step_metrics.batch_metrics(groups, self._settings),
+      "optim/lr": lr,
+      **step_metrics.device_memory_metrics(),
       "rollout/wait_seconds": t_rollout,
       "rollout/rounds": float(len(rounds)),
       "rollout/filtered_groups": float(filtered),
@@ -726,6 +704,7 @@ class Coordinator:
     return {
       "version": self._version,
       "steps": self._steps,
+      "updates": self._updates,
       "filtered": self._filtered,
       "faults": self.faults.get_state(),
       **snap,
@@ -741,6 +720,8 @@ class Coordinator:
       raise RuntimeError("restore() after rollout started")
     self._version = int(state["version"])
     self._steps = int(state.get("steps", 0))
+    per_step = int(self._settings.rl.updates_per_batch)  # a checkpoint from before "updates"
+    self._updates = int(state.get("updates", self._steps * per_step))
     self._filtered = int(state.get("filtered", 0))
     self.faults.set_state(state.get("faults", {}))
     self._loader.set_state(data)

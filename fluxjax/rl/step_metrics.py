@@ -1,0 +1,106 @@
+"""What a GRPO step reports about the batch it trained (docs/metrics.md).
+
+Pure functions of the step's groups (prompt, responses, rewards) and the
+run's settings; the coordinator adds the timing, async and loss metrics.
+
+  rollout/reward_mean, rollout/accuracy      the weighted reward; the share
+                                             of responses at or above
+                                             rl.reward.correct_threshold
+  reward/<name>/{mean,std,min,max}           each reward function's value
+  rollout/advantage_{mean,std,min,max}       the GRPO advantages trained
+  rollout/response_len_{mean,p50,p99,max}    response lengths in tokens
+  rollout/response_clip_ratio                share of responses cut at
+                                             rl.max_new_tokens
+  rollout/reasoning_share                    share that reasons first
+                                             (reward_fns.reasons)
+  rollout/prompt_len_{mean,max}              prompt lengths in tokens
+                                             (vision pads included)
+  optim/lr                                   the learning rate of the
+                                             step's first update
+  perf/device_memory_{in_use,peak}_gb        the first local device's, where
+                                             the backend reports it (GPUs)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+
+from fluxjax import settings as settings_lib
+from fluxjax.rl import advantages as adv_lib
+from fluxjax.rl import reward_fns, trajectories
+
+
+def batch_metrics(
+  groups: Sequence[trajectories.Group], settings: settings_lib.Settings
+) -> dict[str, float]:
+  """Every batch metric of the module docstring but optim/lr and memory."""
+  rl = settings.rl
+  rewards = [r for g in groups for r in g.rewards]
+  completions = [c for g in groups for c in g.completions]
+  lengths = [len(c.output_ids) for c in completions]
+  advantages = adv_lib.group_advantages(
+    np.asarray(rewards),
+    np.repeat(np.arange(len(groups)), [len(g.rewards) for g in groups]),
+    std_normalize=rl.adv_std_normalize,
+    eps=rl.adv_eps,
+  )
+  prompts = [len(g.prompt.tokens_T) for g in groups]
+  return {
+    "rollout/reward_mean": float(np.mean(rewards)),
+    "rollout/accuracy": float(np.mean([r >= rl.reward.correct_threshold for r in rewards])),
+    **reward_term_metrics([t for g in groups for t in g.reward_terms]),
+    **_stats("rollout/advantage_", advantages),
+    **response_length_metrics(lengths),
+    "rollout/response_clip_ratio": float(np.mean([n >= rl.max_new_tokens for n in lengths])),
+    "rollout/reasoning_share": float(np.mean([reward_fns.reasons(c.text) for c in completions])),
+    "rollout/prompt_len_mean": float(np.mean(prompts)),
+    "rollout/prompt_len_max": float(np.max(prompts)),
+  }
+
+
+def _stats(prefix: str, values) -> dict[str, float]:
+  v = np.asarray(values, np.float64)
+  return {
+    f"{prefix}mean": float(v.mean()),
+    f"{prefix}std": float(v.std()),
+    f"{prefix}min": float(v.min()),
+    f"{prefix}max": float(v.max()),
+  }
+
+
+def response_length_metrics(lengths: Sequence[int]) -> dict[str, float]:
+  """The step's response lengths in tokens: mean, median, 99th percentile, max."""
+  p50, p99 = np.percentile(lengths, [50, 99])
+  return {
+    "rollout/response_len_mean": float(np.mean(lengths)),
+    "rollout/response_len_p50": float(p50),
+    "rollout/response_len_p99": float(p99),
+    "rollout/response_len_max": float(np.max(lengths)),
+  }
+
+
+def reward_term_metrics(terms: Sequence[Mapping[str, float]]) -> dict[str, float]:
+  """reward/<name>/{mean,std,min,max} of each reward function over the responses
+  whose call succeeded (rl/reward_spec.py)."""
+  out = {}
+  for name in sorted({n for t in terms for n in t}):
+    out.update(_stats(f"reward/{name}/", [t[name] for t in terms if name in t]))
+  return out
+
+
+def device_memory_metrics() -> dict[str, float]:
+  """perf/device_memory_{in_use,peak}_gb of the first local device; {} where
+  the backend reports no memory statistics (XLA:CPU)."""
+  try:
+    stats = jax.local_devices()[0].memory_stats()
+  except Exception:  # some backends raise instead of returning None
+    return {}
+  if not stats:
+    return {}
+  return {
+    "perf/device_memory_in_use_gb": stats.get("bytes_in_use", 0) / 2**30,
+    "perf/device_memory_peak_gb": stats.get("peak_bytes_in_use", 0) / 2**30,
+  }

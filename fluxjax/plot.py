@@ -1,19 +1,26 @@
-r"""python -m fluxjax.plot WORKDIR: PNG curves of a run's metrics.
+r"""python -m fluxjax.plot RUN [RUN ...] [--out DIR]: PNG curves of runs' metrics.
 
-Writes WORKDIR/plots/{reward,accuracy,accuracy_by_difficulty,
-accuracy_by_task,response_length,staleness,throughput,sft_loss}.png and a
-combined WORKDIR/plots/summary.png from WORKDIR/metrics.jsonl. Held-out
-accuracy is drawn with its 95% interval shaded, greedy accuracy and pass@k
-beside it. A run with an SFT warm-up (fluxjax/rl/sft.py) logs it at steps
--S..0; those steps are shaded and labelled in every panel, so the accuracy
-curve shows where the warm-up starts and where GRPO takes over.
+Writes one PNG per panel (PANELS: reward, held-out accuracy and its
+breakdowns, response length, staleness, throughput, the SFT loss, and the
+health panels: loss, entropy, KL, clip fraction, gradient norm, learning
+rate, importance weights) and a combined summary.png, from each
+RUN/metrics.jsonl, into RUN/plots for one run or --out (default ./plots)
+for several, whose curves are overlaid and labelled by the run's folder
+name. Held-out accuracy is drawn with its 95% interval shaded, greedy
+accuracy and pass@k beside it. A run with an SFT warm-up
+(fluxjax/rl/sft.py) logs it at steps -S..0; those steps are shaded in every
+panel, so the accuracy curve shows where the warm-up starts and where GRPO
+takes over. docs/metrics.md says what each metric means and what a healthy
+run shows.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import sys
+from collections.abc import Sequence
 
 from fluxjax.rl import metrics as metrics_lib
 
@@ -56,6 +63,14 @@ PANELS = (
   Panel("staleness", "staleness", ("async/staleness", "async/version_gap_mean")),
   Panel("throughput", "tokens / s", ("perf/tokens_per_s",)),
   Panel("sft_loss", "SFT warm-up loss", ("sft/loss",)),
+  # Health (docs/metrics.md).
+  Panel("loss", "loss", ("train/loss",), also=("train/pg_loss",)),
+  Panel("entropy", "token entropy", ("train/entropy",)),
+  Panel("kl", "KL", ("train/kl",), also=("train/behaviour_kl",)),
+  Panel("clipfrac", "PPO clip fraction", ("train/clipfrac",)),
+  Panel("grad_norm", "gradient norm", ("train/grad_norm",)),
+  Panel("lr", "learning rate", ("optim/lr",)),
+  Panel("is_weight", "importance weights", ("train/is_weight",), also=("train/is_truncated",)),
 )
 
 
@@ -96,48 +111,68 @@ def _curves(records, panel: Panel) -> list[tuple[str, list, list, list | None]]:
   return out
 
 
-def _draw(ax, curves, first_step, markers: bool) -> None:
-  for key, xs, ys, band in curves:
-    (line,) = ax.plot(xs, ys, marker="o" if markers and len(xs) < 40 else None, lw=1.5, label=key)
-    if band is not None:
-      lo = [y - h for y, h in zip(ys, band)]
-      hi = [y + h for y, h in zip(ys, band)]
-      ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
+def _draw(ax, runs, first_step, markers: bool) -> None:
+  """runs: (label prefix, curves) pairs, drawn on one axis."""
+  count = 0
+  for prefix, curves in runs:
+    for key, xs, ys, band in curves:
+      marker = "o" if markers and len(xs) < 40 else None
+      (line,) = ax.plot(xs, ys, marker=marker, lw=1.5, label=prefix + key)
+      count += 1
+      if band is not None:
+        lo = [y - h for y, h in zip(ys, band)]
+        hi = [y + h for y, h in zip(ys, band)]
+        ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
   ax.set_xlabel("step")
   ax.grid(alpha=0.3)
   _mark_warm_up(ax, first_step)
-  if len(curves) > 1 or first_step < 0:
+  if (count > 1 or first_step < 0) and (markers or count <= 8):  # the summary's stay legible
     ax.legend(loc="best", fontsize=7, frameon=False)
 
 
-def plot(workdir: str) -> list[str]:
-  """Writes the PNGs; returns their paths (panels with no data are skipped)."""
+def plot(workdirs: str | Sequence[str], out_dir: str | None = None) -> list[str]:
+  """Writes the PNGs of one run (into RUN/plots) or of several overlaid
+  (into out_dir, default ./plots); returns their paths (panels with no data
+  in any run are skipped)."""
   import matplotlib
 
   matplotlib.use("Agg")  # files only, no display
   import matplotlib.pyplot as plt
 
-  records = metrics_lib.read_metrics(workdir)
-  out_dir = os.path.join(workdir, "plots")
+  runs = [workdirs] if isinstance(workdirs, str) else list(workdirs)
+  records = {run: metrics_lib.read_metrics(run) for run in runs}
+  out_dir = out_dir or (os.path.join(runs[0], "plots") if len(runs) == 1 else "plots")
   os.makedirs(out_dir, exist_ok=True)
+  prefix = {
+    run: "" if len(runs) == 1 else f"{os.path.basename(os.path.normpath(run))}: " for run in runs
+  }
+  first_step = min((r["step"] for recs in records.values() for r in recs), default=0)
+  drawn = []
+  for panel in PANELS:
+    per_run = [(prefix[run], c) for run in runs if (c := _curves(records[run], panel))]
+    if per_run:
+      drawn.append((panel, per_run))
   written = []
-  first_step = min((r["step"] for r in records), default=0)
-  drawn = [(panel, curves) for panel in PANELS if (curves := _curves(records, panel))]
-  for panel, curves in drawn:
+  for panel, per_run in drawn:
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    _draw(ax, curves, first_step, markers=True)
+    _draw(ax, per_run, first_step, markers=True)
     ax.set_title(panel.title)
-    ax.set_ylabel(curves[0][0] if len(curves) == 1 else "")
+    single = len(per_run) == 1 and len(per_run[0][1]) == 1
+    ax.set_ylabel(per_run[0][1][0][0] if single else "")
     fig.tight_layout()
     path = os.path.join(out_dir, f"{panel.name}.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     written.append(path)
   if drawn:
-    fig, axes = plt.subplots(1, len(drawn), figsize=(4.2 * len(drawn), 3.2), squeeze=False)
-    for ax, (panel, curves) in zip(axes[0], drawn):
-      _draw(ax, curves, first_step, markers=False)
+    cols = min(len(drawn), 4)
+    rows = -(-len(drawn) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, (panel, per_run) in zip(axes.flat, drawn):
+      _draw(ax, per_run, first_step, markers=False)
       ax.set_title(panel.title)
+    for ax in list(axes.flat)[len(drawn) :]:
+      ax.set_visible(False)
     fig.tight_layout()
     path = os.path.join(out_dir, "summary.png")
     fig.savefig(path, dpi=110)
@@ -147,12 +182,14 @@ def plot(workdir: str) -> list[str]:
 
 
 def main(argv=None) -> None:
-  argv = sys.argv[1:] if argv is None else argv
-  if len(argv) != 1:
-    sys.exit("usage: python -m fluxjax.plot WORKDIR")
-  if not os.path.exists(os.path.join(argv[0], metrics_lib.JSONL)):
-    sys.exit(f"no {metrics_lib.JSONL} in {argv[0]}")
-  for path in plot(argv[0]):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("runs", nargs="+", metavar="RUN", help="a run's work directory")
+  p.add_argument("--out", help="where the PNGs go (default: RUN/plots, or ./plots for several)")
+  args = p.parse_args(sys.argv[1:] if argv is None else argv)
+  for run in args.runs:
+    if not os.path.exists(os.path.join(run, metrics_lib.JSONL)):
+      sys.exit(f"no {metrics_lib.JSONL} in {run}")
+  for path in plot(args.runs, args.out):
     print(path)
 
 

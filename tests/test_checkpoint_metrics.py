@@ -125,3 +125,22 @@ def test_accuracy_plots_carry_the_interval_greedy_pass_at_k_and_difficulties(tmp
   assert [c[0] for c in by_level] == ["eval/accuracy/easy", "eval/accuracy/hard"]
   names = sorted(os.path.basename(p) for p in plot.plot(str(tmp_path)))
   assert names == ["accuracy.png", "accuracy_by_difficulty.png", "summary.png"]
+
+
+def test_plot_overlays_runs_with_health_panels_and_has_help(tmp_path, capsys):
+  for name, lr in (("a", 1e-4), ("b", 3e-4)):
+    with metrics.MetricWriter(str(tmp_path / name)) as w:
+      for step in range(1, 4):
+        w.write(step, {"train/loss": 0.1 * step, "train/entropy": 1.0 / step, "optim/lr": lr})
+  runs = [str(tmp_path / "a"), str(tmp_path / "b")]
+  records = [metrics.read_metrics(r) for r in runs]
+  panels = {p.name: p for p in plot.PANELS}
+  assert [c[0] for c in plot._curves(records[0], panels["lr"])] == ["optim/lr"]
+  plot.main([*runs, "--out", str(tmp_path / "cmp")])
+  names = sorted(os.path.basename(p) for p in capsys.readouterr().out.split())
+  assert names == ["entropy.png", "loss.png", "lr.png", "summary.png"]
+  with pytest.raises(SystemExit) as done:
+    plot.main(["--help"])
+  assert done.value.code == 0 and "RUN [RUN ...]" in capsys.readouterr().out
+  with pytest.raises(SystemExit, match=r"no metrics\.jsonl"):
+    plot.main([str(tmp_path)])

@@ -27,6 +27,7 @@ from fluxjax.models import inputs
 from fluxjax.parallel import train_step
 from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import loop, reward_pool, reward_spec, trajectories
+from fluxjax.rl import producer as producer_lib
 from fluxjax.rl.reward_spec import RewardContext
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout import tensor_feed
@@ -336,6 +337,38 @@ def test_evaluation_scores_with_its_own_reward_when_it_has_one(parts):
   ):
     out = c.evaluate(samples)
   assert out["eval/accuracy"] == 0.0 and out["eval/accuracy_greedy"] == 0.0
+
+
+def test_a_group_that_waited_past_the_bound_is_generated_again(parts, caplog):
+  """Staleness is enforced when a group is trained, queue time included: in
+  sync mode (bound 0) a group handed over one version late, as if it had
+  waited in the queue through an update, is not trained; its prompt runs
+  again and trains once, and every step still trains P groups."""
+  config = parts[0].copy_and_resolve_references()
+  config.rl.prompts_per_step, config.rl.responses_per_prompt = 2, 2
+  config.rollout.tail_batching.eta = 1.0
+  samples = [
+    meta_lib.SampleMeta(uid=i, id=f"q{i}", prompt=f"Q{i}?", answer="red") for i in range(16)
+  ]
+  backend = _backend(tokens=3, text=_rid_text)
+  data, policy = _Data(samples), _RecordingPolicy(parts[1])
+  with _running(config, policy, data, backend, "fault_rewards:signal_unless_numeric") as c:
+    out, aged = c._producer.out, []
+    put = out.put
+
+    def age_the_third(item, *args, **kw):  # the queue time, simulated
+      if isinstance(item, producer_lib.KeptGroup) and item.sample.id == "q2" and not aged:
+        aged.append(item.sample.id)
+        item = dataclasses.replace(item, launch_version=item.launch_version - 1)
+      return put(item, *args, **kw)
+
+    out.put = age_the_third
+    results = [c.step() for _ in range(3)]
+  trained = [i for r in results for i in r.trained]
+  assert aged == ["q2"] and [len(r.trained) for r in results] == [2, 2, 2]
+  assert trained.count("q2") == 1 and len(set(trained)) == 6
+  assert sum(r.metrics["async/stale_requeued"] for r in results) == 1
+  assert "sample q2 waited 1 versions (more than 0)" in caplog.text
 
 
 def test_dynamic_sampling_trains_only_groups_with_signal(parts):

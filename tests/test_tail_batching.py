@@ -162,6 +162,22 @@ def test_short_round_shape_and_long_round():
   assert (plan.kind, plan.prompts, plan.responses) == ("long", (0, 5, 10, 15), 4)
 
 
+def test_a_requeued_prompt_runs_again_first_and_trains_once():
+  b = tb.TailBatcher(2, 2, 1.0)
+  b.start_epoch(range(6))
+  rnd = tb.Round(b.plan_round())
+  simulate_round(rnd, lambda k: k[1])
+  assert b.commit(rnd) == [0, 1]
+  b.requeue([1])  # its group went stale before training
+  assert b.trained == [0] and b.fresh[:2] == [1, 2]
+  rnd = tb.Round(b.plan_round())
+  assert rnd.plan.prompts == (1, 2)
+  simulate_round(rnd, lambda k: k[1])
+  assert b.commit(rnd) == [1, 2] and b.trained == [0, 1, 2]
+  with pytest.raises(ValueError, match="no round kept"):
+    b.requeue([5])
+
+
 def test_commit_rejects_stale_round():
   b = tb.TailBatcher(2, 1, 1.0)
   b.start_epoch([0, 1, 2, 3])

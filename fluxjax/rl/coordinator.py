@@ -137,6 +137,10 @@ class Coordinator:
     self._steps = 0  # RL steps taken
     self._updates = 0  # optimizer updates applied (the learning-rate schedule's count)
     self._lr = train_step.lr_schedule(settings.optim)
+    # The most versions a group may trail the policy it trains, queue time
+    # included: what admission allows (rl/async_control.py), whole versions.
+    lag = settings.coordinator.lag
+    self._max_gap = {"sync": 0, "fixed": int(lag.fixed_lag)}.get(lag.mode, math.ceil(lag.max_lag))
     # Every counted fault of the run (fluxjax/faults.py), checkpointed together.
     self.faults = faults_lib.Faults(settings.faults.limits())
     rl = settings.rl
@@ -327,7 +331,7 @@ class Coordinator:
     kept: list[producer_lib.KeptGroup] = []
     pending: list[producer_lib.KeptGroup] = []
     rounds: list[dict] = []
-    unrefilled = filtered = 0
+    unrefilled = filtered = requeued = 0
     while len(kept) + unrefilled < self._P:
       item = self._next_item()
       if isinstance(item, StopIteration):
@@ -341,6 +345,17 @@ class Coordinator:
         raise RuntimeError("rollout failed") from item
       if isinstance(item, producer_lib.RoundEnd):
         rounds.append(item.stats)
+        continue
+      if self._version - item.launch_version > self._max_gap:
+        # Queue time made it staler than admission allows: run it again.
+        log.warning(
+          "sample %s waited %d versions (more than %d) before training; generating it again",
+          item.sample.id,
+          self._version - item.launch_version,
+          self._max_gap,
+        )
+        self._producer.requeue(item.sample.uid)
+        requeued += 1
         continue
       if rl.dynamic_sampling and adv_lib.is_degenerate_group(item.group.rewards):
         # DAPO: a group whose rewards are all equal has no gradient; drop it
@@ -409,6 +424,7 @@ class Coordinator:
       "rollout/wait_seconds": t_rollout,
       "rollout/rounds": float(len(rounds)),
       "rollout/filtered_groups": float(filtered),
+      "async/stale_requeued": float(requeued),
       "perf/step_seconds": elapsed,
       "perf/tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
       "publish/seconds": t_publish,

@@ -186,6 +186,17 @@ class Producer:
     self._thread.call_soon(self.admission.on_cancelled, n)
     self._notify()
 
+  def requeue(self, uid: int) -> None:
+    """From the trainer thread: a kept prompt whose group went stale before
+    it was trained is launched again from scratch (its admission given back)."""
+
+    def back() -> None:
+      self.batcher.requeue([uid])
+      self.admission.on_cancelled(1)
+
+    self._thread.call_soon(back)
+    self._notify()
+
   def stop(self) -> None:
     """Stops producing: the running round is cancelled (its requests aborted).
 

@@ -263,6 +263,18 @@ class TailBatcher:
       raise ValueError("extend() would queue a prompt twice in one epoch")
     self.fresh.extend(new)
 
+  def requeue(self, prompt_ids: Sequence[PromptId]) -> None:
+    """Kept prompts that will not train after all (their group went stale
+    waiting to be trained) go back to the front of the fresh queue, to be
+    launched again from scratch."""
+    kept = set(self.trained)
+    missing = [p for p in prompt_ids if p not in kept]
+    if missing:
+      raise ValueError(f"requeue of prompts no round kept this epoch: {missing!r}")
+    back = set(prompt_ids)
+    self.trained = [p for p in self.trained if p not in back]
+    self.fresh = list(prompt_ids) + self.fresh
+
   def plan_round(self, limit: int | None = None) -> RoundPlan | None:
     """The next round, or None when the epoch is exhausted.
 

@@ -28,6 +28,7 @@ def _faults(**limits) -> dict:
 @dataclasses.dataclass
 class _Scored:
   reward: float
+  terms: dict = dataclasses.field(default_factory=dict)
 
 
 class _InstantRewards:
@@ -36,7 +37,7 @@ class _InstantRewards:
   def __init__(self):
     self.submitted = []
 
-  def submit(self, text, answer, key=None):
+  def submit(self, text, answer, key=None, context=None):
     self.submitted.append(key)
     future = concurrent.futures.Future()
     future.set_result(_Scored(float(len(text))))

@@ -30,10 +30,14 @@ Runs:
   sweep     the default with one setting changed per run (--sweep KEY=V1,V2:
             prompts per step, responses per prompt, KL, updates per batch).
   stress    the off-policy correction under stress, per seed of --seeds,
-            paired with sync as parity is: lag4 (fixed lag 4, the decoupled
-            weights truncated at rl.is_cap, the default), lag4_w1 (weights
-            fixed at 1: rl.is_mode=off), lag4_mask (rl.is_mode=mask); with
-            the learning rate raised by --set optim.lr=..., as in
+            paired with sync, every arm at sync's eta (1.0, no tail
+            batching, so lag is not confounded with it): stale (fixed lag
+            --stale-lag, default 4, the decoupled weights truncated at
+            rl.is_cap, the default), stale_w1 (weights fixed at 1:
+            rl.is_mode=off), stale_mask (rl.is_mode=mask), stale_coupled
+            (PPO-clip against the behaviour policy: rl.prox=batch); with
+            the learning rate raised by --set optim.lr=... and several
+            updates per batch by --set rl.updates_per_batch=2, as in
               python bench/learning.py --runs stress --seeds 0,1,2 --set optim.lr=9e-4
             Each run records its responses (coordinator.response_records):
             the table adds the mean truncated share and behaviour KL over
@@ -102,12 +106,17 @@ PARITY: Arms = {
   "fixed2": {"coordinator.lag.mode": "fixed", "coordinator.lag.fixed_lag": 2},
   "adaptive": {"coordinator.lag.mode": "adaptive"},
 }
-_LAG4: dict[str, object] = {"coordinator.lag.mode": "fixed", "coordinator.lag.fixed_lag": 4}
+_STALE: dict[str, object] = {
+  **_NO_TAIL,
+  "coordinator.lag.mode": "fixed",
+  "coordinator.lag.fixed_lag": "{stale_lag}",
+}
 STRESS: Arms = {
   "sync": PARITY["sync"],
-  "lag4": _LAG4,
-  "lag4_w1": {**_LAG4, "rl.is_mode": "off"},
-  "lag4_mask": {**_LAG4, "rl.is_mode": "mask"},
+  "stale": _STALE,
+  "stale_w1": {**_STALE, "rl.is_mode": "off"},
+  "stale_mask": {**_STALE, "rl.is_mode": "mask"},
+  "stale_coupled": {**_STALE, "rl.prox": "batch"},
 }
 # The arms of --runs speed; "{lag}" is --lag.
 SPEED: Arms = {
@@ -270,6 +279,7 @@ def _arguments() -> argparse.Namespace:
     help="extra config override for every run (Python literal values), e.g. rl.temperature=0.7",
   )
   p.add_argument("--lag", type=int, default=2, help="speed: the fixed lag of lag and tail_lag")
+  p.add_argument("--stale-lag", type=int, default=4, help="stress: the fixed lag of its arms")
   p.add_argument("--arms", help="speed, parity, stress: a comma list of their arms (default all)")
   p.add_argument("--margin", type=float, default=0.05, help="speed: the TOST's equivalence margin")
   p.add_argument("--placement", choices=("shared", "disjoint"), default="shared")
@@ -314,7 +324,7 @@ def build_plan(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
     elif name in PAIRED:
       modes, added = PAIRED[name]
       plan += [
-        (mode, s, {**extra, **_with_lag(modes[mode], args.lag), **added})
+        (mode, s, {**extra, **_with_lags(modes[mode], args), **added})
         for s in seeds
         for mode in modes
         if (arms is None or mode in arms)
@@ -325,8 +335,10 @@ def build_plan(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
   return plan
 
 
-def _with_lag(overrides: dict, lag: int) -> dict:
-  return {k: lag if v == "{lag}" else v for k, v in overrides.items()}
+def _with_lags(overrides: dict, args: argparse.Namespace) -> dict:
+  """The arm's overrides with "{lag}" and "{stale_lag}" set from the flags."""
+  lags = {"{lag}": args.lag, "{stale_lag}": args.stale_lag}
+  return {k: lags.get(v, v) if isinstance(v, str) else v for k, v in overrides.items()}
 
 
 def main() -> None:

@@ -55,7 +55,9 @@ def test_time_to_gain_is_the_first_evaluation_past_the_gain():
 
 
 def _args(**kw):
-  base = dict(runs="speed", seeds="0,1", control_seeds="0", set=[], arms=None, lag=3, sweep=[])
+  base = dict(
+    runs="speed", seeds="0,1", control_seeds="0", set=[], arms=None, lag=3, stale_lag=5, sweep=[]
+  )
   return argparse.Namespace(**{**base, **kw})
 
 
@@ -68,6 +70,11 @@ def test_speed_plan_pairs_every_arm_with_sync_per_seed():
   assert "rollout.tail_batching.eta" not in overrides[("tail_lag", 1)]
   picked = learning.build_plan(_args(runs="parity,speed", arms="sync,adaptive", seeds="0"))
   assert [n for n, _, _ in picked] == ["sync", "adaptive"]  # each once across both
+  stress = {(n, s): o for n, s, o in learning.build_plan(_args(runs="stress", seeds="0"))}
+  assert stress[("stale_coupled", 0)]["coordinator.lag.fixed_lag"] == 5
+  assert stress[("stale_coupled", 0)]["rl.prox"] == "batch"
+  # Every stress arm at sync's eta: the lag is not confounded with tail batching.
+  assert {o["rollout.tail_batching.eta"] for o in stress.values()} == {1.0}
   with pytest.raises(SystemExit, match="unknown arms"):
     learning.build_plan(_args(arms="sync,lag9"))
 

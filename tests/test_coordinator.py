@@ -179,13 +179,11 @@ def parts(devices, tmp_path_factory):
     yield config, policy
 
 
-@pytest.fixture
-def coord(parts):
-  config, policy = parts
+@contextlib.contextmanager
+def _idle(config, policy, backend):
+  """A coordinator of `config` with no training data, scoring in this process."""
   from fluxjax.models.tokenizer import Tokenizer
 
-  backend = _backend()
-  assert isinstance(backend, backend_lib.RolloutBackend)
   with (
     backend_lib.LoopThread() as thread,
     thread.running(backend),
@@ -199,6 +197,15 @@ def coord(parts):
       thread=thread,
     ) as c,
   ):
+    yield c
+
+
+@pytest.fixture
+def coord(parts):
+  config, policy = parts
+  backend = _backend()
+  assert isinstance(backend, backend_lib.RolloutBackend)
+  with _idle(config, policy, backend) as c:
     yield c, backend
 
 
@@ -315,26 +322,12 @@ def test_evaluate_samples_at_the_training_temperature_and_summarizes(coord, part
 def test_evaluation_scores_with_its_own_reward_when_it_has_one(parts):
   """eval.reward replaces the run's reward in evaluation: `constant` (0) marks
   even the right answers wrong, where the run's reward marks them right."""
-  from fluxjax.models.tokenizer import Tokenizer
-
   config = parts[0].copy_and_resolve_references()
   config.eval.reward = "constant"
   backend = _backend()
   samples = [meta_lib.SampleMeta(uid=0, id="q0", prompt="Q?", answer="red", difficulty="easy")]
   backend.text = lambda request, group, ids: "<answer>red</answer>"
-  with (
-    backend_lib.LoopThread() as thread,
-    thread.running(backend),
-    coordinator_lib.Coordinator(
-      Settings.of(config),
-      Tokenizer.default(),
-      parts[1],
-      _EmptyLoader(),
-      backend,
-      _Rewards(),
-      thread=thread,
-    ) as c,
-  ):
+  with _idle(config, parts[1], backend) as c:
     out = c.evaluate(samples)
   assert out["eval/accuracy"] == 0.0 and out["eval/accuracy_greedy"] == 0.0
 

@@ -250,47 +250,50 @@ def test_a_reward_that_is_not_a_finite_number_is_a_counted_logged_error(make_sch
 
 
 def test_adaptive_timeout(make_scheduler):
-  rs = make_scheduler(t_min=0.2, t_max=1.5, anchor_factor=1.5)
+  """T = min(max(t_min, 1.5 x the slowest correct call), t_max) per key. Every
+  sleep keeps a margin that holds at 3x slowdown of the machine: the
+  thresholds follow the measured times, never the nominal sleeps."""
+  rs = make_scheduler(t_min=0.2, t_max=6.0, anchor_factor=1.5)
   # Before any correct call: T = t_max.
-  assert rs.timeout_for("a") == 1.5
+  assert rs.timeout_for("a") == 6.0
   a, b = rs.gather(
     [
       rs.submit("0.6", "", fn=sleep_then_correct, key="a"),
-      rs.submit("1.2", "", fn=sleep_then_correct, key="b"),
+      rs.submit("4.2", "", fn=sleep_then_correct, key="b"),
     ],
-    timeout=20,
+    timeout=60,
   )
-  c = rs.submit("0", "", fn=sleep_then_correct, key="c").result(timeout=20)
-  assert (a.timeout, b.timeout, c.timeout) == (1.5, 1.5, 1.5)
-  # key a: anchor ~0.6 s -> T = 1.5 * 0.6 ~ 0.9 (between the bounds).
-  assert rs.timeout_for("a") == pytest.approx(1.5 * a.elapsed)
-  assert 0.9 <= rs.timeout_for("a") < 1.1
-  # key b: 1.5 * 1.2 = 1.8 -> clamped to t_max 1.5.
-  assert rs.timeout_for("b") == 1.5
-  # key c: 1.5 * ~0 -> clamped to t_min 0.2.
-  assert rs.timeout_for("c") == 0.2
+  c = rs.submit("0", "", fn=sleep_then_correct, key="c").result(timeout=60)
+  assert (a.timeout, b.timeout, c.timeout) == (6.0, 6.0, 6.0)
+  assert a.status == b.status == "ok"
+  # key a: anchor ~0.6 s -> T = 1.5 x the measured time (between the bounds).
   t_a = rs.timeout_for("a")
+  assert t_a == pytest.approx(1.5 * a.elapsed) and 0.9 <= t_a < 6.0
+  # key b: 1.5 x 4.2 = 6.3 -> clamped to t_max.
+  assert rs.timeout_for("b") == 6.0
+  # key c: 1.5 x ~0 -> clamped to t_min.
+  assert rs.timeout_for("c") == 0.2
   # A faster correct call and a slow wrong one leave the anchor where it is ...
   quick, wrong = rs.gather(
     [
-      rs.submit("0.05", "", fn=sleep_then_correct, key="a"),
-      rs.submit("0.7", "", fn=sleep_then_wrong, key="a"),
+      rs.submit("0.01", "", fn=sleep_then_correct, key="a"),
+      rs.submit(f"{0.5 * t_a:.3f}", "", fn=sleep_then_wrong, key="a"),
     ],
-    timeout=20,
+    timeout=60,
   )
   assert quick.timeout == t_a and wrong.status == "ok" and rs.timeout_for("a") == t_a
   # ... a call slower than T is cut at T with reward 0, while a slower correct
-  # call within T raises the anchor.
+  # call within T (0.8 T: 0.27 x 1.5 of headroom) raises the anchor.
   cut, slower = rs.gather(
     [
-      rs.submit("1.4", "", fn=sleep_then_correct, key="a"),
-      rs.submit("0.75", "", fn=sleep_then_correct, key="a"),
+      rs.submit(f"{3 * t_a:.3f}", "", fn=sleep_then_correct, key="a"),
+      rs.submit(f"{0.8 * t_a:.3f}", "", fn=sleep_then_correct, key="a"),
     ],
-    timeout=20,
+    timeout=60,
   )
   assert (cut.status, cut.reward, cut.timeout) == ("timeout", 0.0, t_a)
   assert slower.status == "ok" and slower.timeout == t_a
-  assert rs.timeout_for("a") == pytest.approx(min(1.5 * slower.elapsed, 1.5))
+  assert rs.timeout_for("a") == pytest.approx(min(1.5 * slower.elapsed, 6.0))
   assert rs.timeout_for("a") > t_a
   assert rs.metrics()["reward/timeout"] == 1
 

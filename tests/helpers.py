@@ -11,6 +11,9 @@ ROOT, train_command,                        the main job as a subprocess,
 run_launcher, process_alive                 python -m fluxjax.launch, stopped
                                             with its processes on a timeout;
                                             whether a pid still runs;
+InstantRewards                              the reward pool's interface,
+                                            scoring at once in this process
+                                            with the pool's own code;
 ScriptedRollout, Act, decode, rid_key,      the test kit's one fake rollout
     completion                              backend: a script says per request
                                             how it ends (length, stop, its own
@@ -42,7 +45,7 @@ from fluxjax.models import processor
 from fluxjax.parallel import random_batch, strategies
 from fluxjax.parallel.batch import TrainSequence
 from fluxjax.parallel.strategies import Strategy
-from fluxjax.rl import loop
+from fluxjax.rl import loop, reward_pool, reward_spec
 from fluxjax.rollout.backend import SlotStats
 from fluxjax.rollout.client import RequestRejected
 from fluxjax.rollout.protocol import Completion, GenerateRequest
@@ -472,3 +475,29 @@ def lying_png(height: int, width: int) -> bytes:
   data[16:24] = struct.pack(">II", width, height)
   data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
   return bytes(data)
+
+
+class InstantRewards:
+  """The reward pool's `submit`, scored at once in this process with the
+  pool's code (rl/reward_spec.py): `fn` is a spec or a module-level callable
+  (e.g. `lambda`-free `length`). `submitted` lists the keys, in order."""
+
+  def __init__(self, fn="accuracy_with_format"):
+    self.fn = fn
+    self.submitted: list = []
+
+  def submit(self, text, answer, fn=None, key=None, tag=None, context=None):
+    import concurrent.futures
+
+    self.submitted.append(key)
+    terms = reward_spec.terms_of(fn or self.fn)
+    fns = [reward_spec.load(t.fn) for t in terms]
+    total, values = reward_spec.score(
+      terms, fns, text, answer, context or reward_spec.RewardContext()
+    )
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(reward_pool.RewardResult(total, "ok", 0.0, 1.0, key, tag, terms=values))
+    return future
+
+  def metrics(self) -> dict:
+    return {"reward/timeout": 0.0}

@@ -9,7 +9,6 @@ parts.
 """
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -26,14 +25,13 @@ from fluxjax.data import store as store_lib
 from fluxjax.models import inputs
 from fluxjax.parallel import train_step
 from fluxjax.rl import coordinator as coordinator_lib
-from fluxjax.rl import loop, reward_pool, reward_spec, trajectories
+from fluxjax.rl import loop, reward_pool, trajectories
 from fluxjax.rl import producer as producer_lib
-from fluxjax.rl.reward_spec import RewardContext
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout import tensor_feed
 from fluxjax.rollout.publish import PublishReport
 from fluxjax.settings import Settings
-from helpers import Act, ScriptedRollout, completion
+from helpers import Act, InstantRewards, ScriptedRollout, completion
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -127,24 +125,6 @@ class _RecordingPolicy:
     return {"loss": np.float32(np.nan if refused else 0.0), "nonfinite": np.float32(refused)}
 
 
-class _Rewards:
-  """The reward pool's interface, scoring in this process with the pool's code."""
-
-  def __init__(self, fn: str = "accuracy_with_format"):
-    self.fn = fn
-
-  def submit(self, text, answer, fn=None, key=None, tag=None, context=None):
-    terms = reward_spec.terms_of(fn or self.fn)
-    fns = [reward_spec.load(t.fn) for t in terms]
-    total, values = reward_spec.score(terms, fns, text, answer, context or RewardContext())
-    future = concurrent.futures.Future()
-    future.set_result(reward_pool.RewardResult(total, "ok", 0.0, 1.0, key, tag, terms=values))
-    return future
-
-  def metrics(self):
-    return {"reward/timeout": 0.0}
-
-
 @contextlib.contextmanager
 def _running(config, policy, data, backend, reward_fn: str):
   """A coordinator of `config` over `backend` on its own loop thread, its
@@ -193,7 +173,7 @@ def _idle(config, policy, backend):
       policy,
       _EmptyLoader(),
       backend,
-      _Rewards(),
+      InstantRewards(),
       thread=thread,
     ) as c,
   ):
@@ -278,7 +258,13 @@ def test_sequences_honour_the_advantage_settings(parts):
     backend_lib.LoopThread() as thread,
     thread.running(backend),
     coordinator_lib.Coordinator(
-      settings, Tokenizer.default(), policy, _EmptyLoader(), backend, _Rewards(), thread=thread
+      settings,
+      Tokenizer.default(),
+      policy,
+      _EmptyLoader(),
+      backend,
+      InstantRewards(),
+      thread=thread,
     ) as c,
   ):
     prompt = inputs.sequence_from_tokens([5, 6, 7, 8], [], c.cfg)

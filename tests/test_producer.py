@@ -1,7 +1,5 @@
 """The rollout producer: rounds in a thread, each kept group scored and handed over."""
 
-import concurrent.futures
-import dataclasses
 import logging
 import time
 
@@ -12,7 +10,7 @@ from fluxjax.data.meta import SampleMeta
 from fluxjax.rl import async_control, reward_pool, tail_batching
 from fluxjax.rl import producer as producer_lib
 from fluxjax.rollout.protocol import GenerateRequest
-from helpers import OVER_CONTEXT, Act, ScriptedRollout, decode, rid_key
+from helpers import OVER_CONTEXT, Act, InstantRewards, ScriptedRollout, decode, rid_key
 
 FAULTS = config_args.load_config().faults
 
@@ -25,23 +23,9 @@ def _faults(**limits) -> dict:
   }
 
 
-@dataclasses.dataclass
-class _Scored:
-  reward: float
-  terms: dict = dataclasses.field(default_factory=dict)
-
-
-class _InstantRewards:
-  """A reward scheduler whose scores are ready at once (reward = response length)."""
-
-  def __init__(self):
-    self.submitted = []
-
-  def submit(self, text, answer, key=None, context=None):
-    self.submitted.append(key)
-    future = concurrent.futures.Future()
-    future.set_result(_Scored(float(len(text))))
-    return future
+def length(response: str, answer: str) -> float:
+  """The reward of the producer's tests: the response's length."""
+  return float(len(response))
 
 
 def late_speculation(late: tuple[str, str], late_s: float, slow_s: float) -> ScriptedRollout:
@@ -75,7 +59,7 @@ def test_a_late_speculative_response_of_a_forgotten_prompt_does_not_fail_the_rou
   # 3 prompts x 3 responses launched, 2 x 2 kept: prompt 0 is kept at once,
   # its late third response lands while prompts 1 and 2 still decode.
   rollout = late_speculation(("0", "2"), late_s=0.5, slow_s=1.5)
-  rewards = _InstantRewards()
+  rewards = InstantRewards(length)
   producer = producer_lib.Producer(
     rollout,
     rewards,
@@ -152,7 +136,7 @@ def test_recycled_responses_are_scored_whole_and_survive_a_snapshot():
         return got, item.stats
       got.append(item)
 
-  first = make([samples], ScriptedRollout(tick=2e-3), _InstantRewards())
+  first = make([samples], ScriptedRollout(tick=2e-3), InstantRewards(length))
   first.batcher.start_epoch([])
   first.start()
   try:
@@ -166,7 +150,7 @@ def test_recycled_responses_are_scored_whole_and_survive_a_snapshot():
   assert sorted(carried) == [(2, 0), (2, 1)] and all(0 < n < 200 for n in carried.values())
   assert snap["batcher"]["long"] == [2] and "2" in snap["samples"]
 
-  rollout, rewards = ScriptedRollout(tick=1e-4), _InstantRewards()
+  rollout, rewards = ScriptedRollout(tick=1e-4), InstantRewards(length)
   second = make([], rollout, rewards)
   second.restore(snap, step=1)
   second.start()
@@ -240,7 +224,9 @@ def test_a_prompt_that_fails_to_build_is_a_counted_logged_skip(caplog):
     SampleMeta(uid=2, id="s2", prompt="p", answer="a"),
   ]
   released = []
-  producer = _producer(samples, _InstantRewards(), 2, 2, prompt_fn=_tokenize, released=released)
+  producer = _producer(
+    samples, InstantRewards(length), 2, 2, prompt_fn=_tokenize, released=released
+  )
   (kept,) = _rounds(producer)
   assert sorted(k.sample.id for k in kept) == ["s0", "s2"]
   assert producer.prompt_errors.total == 1
@@ -255,7 +241,7 @@ def test_a_prompt_that_fails_to_build_is_a_counted_logged_skip(caplog):
 def test_prompts_failing_in_a_row_stop_the_run():
   """A tokenizer that fails on everything is a bug, not a dataset of bad samples."""
   samples = [SampleMeta(uid=i, id=f"s{i}", prompt="untokenizable", answer="a") for i in range(4)]
-  producer = _producer(samples, _InstantRewards(), 2, 2, prompt_fn=_tokenize, prompt_errors=3)
+  producer = _producer(samples, InstantRewards(length), 2, 2, prompt_fn=_tokenize, prompt_errors=3)
   producer.batcher.start_epoch([])
   producer.start()
   try:
@@ -292,7 +278,7 @@ def test_a_prompt_the_backend_refuses_is_a_counted_skip_and_its_place_refilled(c
   released = []
   producer = _producer(
     samples,
-    _InstantRewards(),
+    InstantRewards(length),
     2,
     2,
     prompt_fn=lambda sample: [1, 9] if sample.id == "s1" else [1, 2],
@@ -323,7 +309,7 @@ def test_a_loader_that_raises_stop_iteration_ends_the_stream():
 
   producer = _producer(
     samples,
-    _InstantRewards(),
+    InstantRewards(length),
     2,
     2,
     prompt_fn=_tokenize,

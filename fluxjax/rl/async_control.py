@@ -64,11 +64,9 @@ Where this differs from the design, and why:
   - The ratio moves only when the step's own staleness is on the same side
     of the target as the EMA. The EMA remembers a burst of staleness for
     about 10 steps after the batches are back under the target; acting on
-    that memory, the ratio kept falling to its minimum and the EMA then spent
-    20 steps under the band while the ratio climbed back (steps 112-150 of an
-    adaptive run of the default job: 76% of its steps in the band). On a
-    simulated burst the hold keeps the ratio at 0.36 or more instead of 0.17
-    and the EMA in the band 91% of the time instead of 81%.
+    that memory the ratio fell to its minimum and the EMA then stayed under
+    the band while it climbed back (bench/README.md, async.py, "Why the
+    ratio holds on the other side").
   - KL is KL(behaviour || trainer), the k3 estimate on the rollout's own
     tokens (loss metric `behaviour_kl`); the design's KL(current || behaviour)
     would need samples of the current policy. The two agree to second order

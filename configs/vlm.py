@@ -223,9 +223,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.attention_backend = "auto"
   # What each decoder/vision layer keeps for the backward pass
   # (models/layers.py REMAT_POLICIES): "none", "full" (28+ layers' activations
-  # do not fit otherwise), "save_dots" (keeps the projections' outputs: steps
-  # 6% shorter than "full" at 7B shapes with 8 layers, for 4.7 GB more memory
-  # at 8k-token rows, 12.8 GB at 16k; bench/README.md mfu.py),
+  # do not fit otherwise), "save_dots" (keeps the projections' outputs:
+  # shorter steps for GBs more memory, bench/README.md mfu.py),
   # "save_dots_attention".
   c.model.remat = v.remat
   c.model.logprob_vocab_chunk = v.logprob_vocab_chunk
@@ -268,8 +267,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # e.g. on 8 devices 4 for 7B (28 query heads) and 8 for tiny, 3B and 32B.
   c.sharding.sp = 0
   # Tokens/device/microbatch. Tiny: 256 (~4 sequences of the default task and
-  # their 256 patches); on a CPU a row's attention cost grows with its length
-  # (the tiny model's train step: 0.036 s at 256 keys, 0.20 s at 1024).
+  # their 256 patches); on a CPU a row's attention cost grows with its length.
   c.sharding.capacity = v.capacity
   # Static buffer sizes the step compiles for (largest = capacity); () = powers of 2.
   c.sharding.capacity_buckets = ()
@@ -321,11 +319,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # --num-continuous-decode-steps; an SGLang fleet takes its own flag): the
   # call's dispatch and the host's fetch of its tokens are paid once per this
   # many tokens, and a request that stops inside a call holds its slot to the
-  # call's end. The tiny job on 2 CPU cores trains as fast with 1 as with 4
-  # (its train step dominates). The GPU variants take 8: bench/rollout.py on a
-  # CPU gives 1.2-1.75x the tokens/s of 1 at 1-32 requests, and on an H200
-  # one call per token was host-bound (9-10 ms a token against a 1.4 ms
-  # bandwidth bound at batch 1). 8 is not yet measured on a GPU.
+  # call's end. The tiny job's train step dominates, so it takes 1; the GPU
+  # variants take 8, since one call per token was host-bound on an H200
+  # (bench/README.md rollout.py; 8 is not yet measured on a GPU).
   c.rollout.num_continuous_decode_steps = v.decode_steps
   # Embedded engine placement: 0 runs it on the trainer's mesh (one process)
   # or on all of process 0's devices (several processes); k > 0 runs it on
@@ -381,9 +377,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Where a deferred prompt's partial responses go on: "long_round" (with P
   # other deferred prompts, Flexes' order) or "next_round" (APRIL's order:
   # first in the next short round, so its early tokens are less stale). On
-  # the default job next_round halved the recycled tokens' extra age (0.43 ->
-  # 0.21 versions in sync) for 3-6% fewer trained samples/s, accuracy the
-  # same within its interval (bench/README.md, async.py).
+  # the default job next_round made recycled tokens younger for fewer trained
+  # samples/s at the same accuracy, so long_round stays (bench/README.md
+  # async.py).
   c.rollout.tail_batching.continue_in = "long_round"
 
   # RL algorithm (rl/losses.py has the loss formula): GRPO advantages, PPO
@@ -392,7 +388,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # reads every field from here (tests: config_args.load_config().rl).
   c.rl = ml_collections.ConfigDict()
   # Tiny: 16 prompts x 8 responses gained the most per minute of the sweep
-  # (bench/README.md): 16 responses gain more per step, 1.7x the wall time.
+  # (bench/README.md learning.py).
   c.rl.prompts_per_step = v.prompts_per_step
   c.rl.responses_per_prompt = 8
   c.rl.max_new_tokens = v.max_new_tokens
@@ -631,9 +627,8 @@ def _smoke(c: ml_collections.ConfigDict) -> None:
   c.rl.prompts_per_step = 1
   c.data.synth_train, c.data.synth_eval = 64, 8
   c.eval.prompts, c.eval.samples_per_prompt = 2, 2
-  # Tokens per device: a CPU trains one 2048-token row of the 7b smoke model
-  # in 1.5 s, and longer rows cost more; prompts are then bounded by the
-  # trainer's longest sequence.
+  # Tokens per device: 2048 keeps a CPU step of the 7b smoke model short;
+  # prompts are then bounded by the trainer's longest sequence.
   c.sharding.capacity = min(c.sharding.capacity, 2048)
   c.sharding.patch_capacity = min(c.sharding.patch_capacity, 4096)
   c.sft.steps, c.sft.eval_every = 4, 0

@@ -9,13 +9,10 @@ import pathlib
 import subprocess
 import tempfile
 
-# LLVM's -O1 for XLA:CPU: compiling is most of the suite's time, and -O1
-# halves it (the tiny model's init: 3.6 -> 1.8 s) while its programs run no
-# slower than at the default -O2 (a 10-step learning run: 79 s against 95 s).
-# XLA:CPU's MLIR fusion emitters compile loop fusions slower than the
-# elemental emitter they replace, and their programs run no faster here
-# (tests/test_strategy_swap.py 58 -> 45 s; a 32b-smoke decode step 38 -> 35
-# ms). Subprocesses the tests start inherit both.
+# LLVM's -O1 for XLA:CPU: compiling is most of the suite's time, -O1 halves
+# it and the programs run no slower; the MLIR fusion emitters compile slower
+# and run no faster here (docs/testing.md, the fake 8-device mesh).
+# Subprocesses the tests start inherit both.
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "")
   + " --xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
@@ -35,11 +32,9 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # the trainer dispatch at once (docs/testing.md).
 os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 # glibc's malloc hands XLA:CPU's large temporaries back to the kernel and
-# maps them anew each step: the 32b-smoke decode took 7.7M page faults and 17
-# s of system time in 70 s. One arena that keeps them makes its decode step
-# 23 -> 15 ms (peak RSS 811 -> 856 MB) and its smoke test 123 -> 106 s. glibc
-# reads these at process start: they reach the xdist workers and every
-# subprocess, not this process.
+# maps them anew each step; one arena that keeps them spares millions of page
+# faults (docs/testing.md, allocator settings). glibc reads these at process
+# start: they reach the xdist workers and every subprocess, not this process.
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
 os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(4 << 30))
 os.environ.setdefault("MALLOC_ARENA_MAX", "1")

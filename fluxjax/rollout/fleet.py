@@ -614,9 +614,9 @@ class LaunchedServers:
 # glibc malloc on transparent huge pages (appended to GLIBC_TUNABLES unless it
 # sets hugetlb; other C libraries ignore it). A decoding server allocates the
 # same large temporaries every step and glibc hands them back to the kernel,
-# so each step faults them in again 4 KiB at a time: 16k page faults a step
-# for a 32-slot CPU server, a third of its CPU time spent in the kernel.
-# With huge pages the faults drop 18x and the step takes 20% less time.
+# so each step faults them in again 4 KiB at a time, a third of a CPU
+# server's time in the kernel; huge pages spare most of it (docs/testing.md,
+# allocator settings).
 MALLOC_TUNABLES = "glibc.malloc.hugetlb=1"
 
 

@@ -108,6 +108,10 @@ def test_interleaved_kinds_keep_their_order_and_placeless_media_go_first(tmp_pat
     ({"prompt": "Q", "images": [b"\xff\xd8\xff"]}, "need a media directory"),
     ({"prompt": "Q", "images": [7]}, "must be a path, bytes"),
     ({"prompt": 5}, "prompt must be text or chat messages"),
+    (
+      {"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+      "a content part of type 'image_url'",
+    ),
   ],
 )
 def test_a_row_that_does_not_fit_is_a_counted_skip_naming_why(raw, why, tmp_path):

@@ -99,6 +99,8 @@ def _turns(prompt: Any) -> tuple[list[dict], list[tuple[str, Any]]]:
         source = next((part[k] for k in (kind, "path", "url", "bytes") if part.get(k)), None)
         if source is not None:
           inline.append((kind, source))
+      else:  # e.g. OpenAI's image_url: dropping it would train on a prompt without it
+        raise ValueError(f"a content part of type {part.get('type')!r} (want text, image, video)")
     turns.append({"role": str(message.get("role", "user")), "content": parts})
   return turns, inline
 

@@ -132,9 +132,12 @@ def check_command_line(argv: list[str], default: str = DEFAULT_CONFIG) -> str | 
 
   spec = default
   overrides = []
-  for a in argv[1:]:
+  args = list(argv[1:])
+  for i, a in enumerate(args):
     if a.startswith("--config="):
       spec = a.partition("=")[2]
+    elif a == "--config" and i + 1 < len(args):  # absl's "--config PATH" form
+      spec = args[i + 1]
     elif a.startswith("--config."):
       overrides.append(a[len("--config.") :].partition("=")[0])
   path, _, arg = spec.partition(":")

@@ -272,6 +272,7 @@ def test_a_bad_command_line_is_one_line_naming_the_cause():
   vlm = os.path.join(ROOT, "configs", "vlm.py")
   check = lambda *args: config_args.check_command_line(["train", *args], vlm)
   assert check() is None and check(f"--config={vlm}:qwen25_vl_7b,smoke") is None
+  assert "unknown variant" in check("--config", f"{vlm}:qwen7b")  # absl's spaced form
   assert check("--config.rl.temperature=0.5", "--config.rl.reward.weights=(1.0,)") is None
   assert "unknown variant 'qwen7b'; variants: tiny," in check(f"--config={vlm}:qwen7b")
   assert "modifiers: smoke, fleet" in check(f"--config={vlm}:smoke,turbo")

@@ -13,16 +13,8 @@ compute. The batch is --rows rows of --row-tokens tokens, each filled with
 sequences of --seq-tokens tokens that open with an image of --image-side^2
 patches (a quarter of them as merged tokens in the text).
 
-Model FLOPs (MaxText's convention: matmuls only, x3 for forward + backward,
-no rematerialization counted):
-  text      per token 2 x (D(N+2K)h + NhD + 3DF) per layer, plus the LM head
-            2DV; attention 4 N h per visible query-key pair (causal: s(s+1)/2
-            pairs per sequence of s tokens)
-  vision    per patch 2 x patch dim x Dv (the embedding) and 2 x (4 Dv^2 +
-            3 Dv Fv) per block; attention 4 Dv per
-            pair over the image (full blocks) or its windows; the merger
-            2 x (16 Dv^2 + 4 Dv D) per merged token
-MFU = model FLOPs / step time / peak, with the peak the dense bf16 rate of the
+Model FLOPs and peaks: fluxjax/models/flops.py (MaxText's convention). MFU =
+model FLOPs / step time / peak, with the peak the dense bf16 rate of the
 device's datasheet (H100/H200 SXM 989 TFLOP/s); --peak overrides it.
 """
 
@@ -48,47 +40,14 @@ import runinfo  # noqa: E402
 from fluxjax import config_args  # noqa: E402
 from fluxjax.models import config as config_lib  # noqa: E402
 from fluxjax.models import sharded  # noqa: E402
+from fluxjax.models.flops import (  # noqa: E402
+  datasheet_peak,
+  text_flops,
+  vision_flops,
+)
 from fluxjax.parallel import batch as batch_lib  # noqa: E402
 from fluxjax.parallel import random_batch, strategies, train_step  # noqa: E402
 from fluxjax.sharding import mesh as mesh_lib  # noqa: E402
-
-DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12, "B200": 2250e12}
-
-
-def datasheet_peak(device_kind: str) -> float | None:
-  return next((v for k, v in DATASHEET_BF16.items() if k in device_kind), None)
-
-
-def decoder_matmul_weights(t: config_lib.TextConfig) -> int:
-  """Matmul weights a token passes through: every decoder layer's (q, k, v, o,
-  gate, up, down) and the LM head; the embedding is a lookup."""
-  d, n, k, h, f = t.hidden_size, t.num_heads, t.num_kv_heads, t.head_dim, t.intermediate_size
-  return t.num_layers * (d * (n + 2 * k) * h + n * h * d + 3 * d * f) + d * t.vocab_size
-
-
-def text_flops(cfg: config_lib.ModelConfig, lengths) -> float:
-  """Training FLOPs of the decoder and LM head over sequences of `lengths` tokens."""
-  t = cfg.text
-  pairs = sum(s * (s + 1) // 2 for s in lengths)
-  attention = t.num_layers * 4 * t.num_heads * t.head_dim * pairs
-  return 3.0 * (2 * decoder_matmul_weights(t) * sum(lengths) + attention)
-
-
-def vision_flops(cfg: config_lib.ModelConfig, side: int, images: int) -> float:
-  """Training FLOPs of the vision tower over `images` images of side x side patches."""
-  v = cfg.vision
-  dv, fv, patches = v.hidden_size, v.intermediate_size, side * side
-  window = min(side, v.window_merged_units * v.spatial_merge_size)
-  windows = (side // window) ** 2
-  full = len(v.fullatt_block_indexes)
-  attn_pairs = full * patches**2 + (v.depth - full) * windows * window**4
-  per_image = (
-    patches * 2 * v.patch_dim * dv
-    + v.depth * patches * 2 * (4 * dv * dv + 3 * dv * fv)
-    + 4 * dv * attn_pairs
-    + patches // v.merge_unit * 2 * (16 * dv * dv + 4 * dv * v.out_hidden_size)
-  )
-  return 3.0 * per_image * images
 
 
 def make_batch(cfg, args):
@@ -160,7 +119,8 @@ def run(cfg, args, device, remat: str, attention: str) -> dict:
       state, metrics = jax.block_until_ready(compiled(state, batch))
     op_profile.report(trace_dir, where="device" if device.platform == "gpu" else "host")
   lengths = [len(s) for s in seqs]
-  flops = text_flops(cfg, lengths) + vision_flops(cfg, args.image_side, len(seqs))
+  grids = [(1, args.image_side, args.image_side)] * len(seqs)
+  flops = text_flops(cfg, lengths) + vision_flops(cfg, grids)
   step_s = statistics.median(times)
   return {
     "remat": remat,

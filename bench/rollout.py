@@ -46,13 +46,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import jax.numpy as jnp
-import mfu  # (lives next to this script)
 import numpy as np
 import op_profile
 from flax import nnx
 
 import runinfo
-from fluxjax.models import config, decode, inputs, vlm
+from fluxjax.models import config, decode, flops, inputs, vlm
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import engine as engine_lib
 from fluxjax.rollout import protocol
@@ -219,7 +218,7 @@ def main():
   kv_per_token = 2 * t.num_layers * t.num_kv_heads * t.head_dim * itemsize
   # What one decode step reads: the decoder layers and the LM head (the
   # vision tower and the embedding rows are not touched).
-  param_bytes = mfu.decoder_matmul_weights(t) * itemsize
+  param_bytes = flops.decoder_matmul_weights(t) * itemsize
   dev = jax.devices()[0]
   bandwidth = args.bandwidth or next(
     (v for k, v in BANDWIDTH.items() if k in dev.device_kind), None

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from fluxjax import config_args
+from fluxjax.models import config as model_config
+from fluxjax.models import flops
 from fluxjax.models.inputs import SequenceInputs
 from fluxjax.rl import advantages, step_metrics, trajectories
 from fluxjax.settings import Settings
@@ -48,3 +50,12 @@ def test_batch_metrics_of_two_groups():
   # A function's statistics cover the calls that returned it.
   assert (m["reward/acc/mean"], m["reward/acc/min"], m["reward/acc/max"]) == (0.5, 0.0, 1.0)
   assert step_metrics.device_memory_metrics() == {}  # XLA:CPU reports none
+
+
+def test_throughput_counts_each_trained_sequence_with_its_prompt():
+  cfg = model_config.preset("tiny")
+  groups = [_group("a", [1.0, 0.0], [3, 5], 20), _group("b", [0.5, 0.5], [4, 4], 30)]
+  m = step_metrics.throughput_metrics(groups, cfg, seconds=2.0, updates=2.0)
+  want = 2.0 * flops.text_flops(cfg, [23, 25, 34, 34]) / 2.0 / 1e12
+  assert m["perf/model_tflops_per_s"] == pytest.approx(want)
+  assert "perf/mfu" not in m  # a CPU has no datasheet peak

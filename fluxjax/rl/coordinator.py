@@ -426,6 +426,7 @@ class Coordinator:
       "rollout/filtered_groups": float(filtered),
       "async/stale_requeued": float(requeued),
       "perf/step_seconds": elapsed,
+      **step_metrics.throughput_metrics(groups, self.cfg, elapsed, train.get("updates", 1.0)),
       "perf/tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
       "publish/seconds": t_publish,
       **publish_wait,

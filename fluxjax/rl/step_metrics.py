@@ -19,6 +19,14 @@ run's settings; the coordinator adds the timing, async and loss metrics.
                                              step's first update
   perf/device_memory_{in_use,peak}_gb        the first local device's, where
                                              the backend reports it (GPUs)
+  perf/model_tflops_per_s, perf/mfu          the step's model FLOPs
+                                             (models/flops.py: the updates'
+                                             forward and backward; reference
+                                             and proximal forwards not
+                                             counted) over its wall time,
+                                             rollout wait included; MFU
+                                             against the devices' datasheet
+                                             peak, where it is known (GPUs)
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ import jax
 import numpy as np
 
 from fluxjax import settings as settings_lib
+from fluxjax.models import flops as flops_lib
+from fluxjax.models.config import ModelConfig
 from fluxjax.rl import advantages as adv_lib
 from fluxjax.rl import reward_fns, trajectories
 
@@ -88,6 +98,22 @@ def reward_term_metrics(terms: Sequence[Mapping[str, float]]) -> dict[str, float
   out = {}
   for name in sorted({n for t in terms for n in t}):
     out.update(_stats(f"reward/{name}/", [t[name] for t in terms if name in t]))
+  return out
+
+
+def throughput_metrics(
+  groups: Sequence[trajectories.Group], cfg: ModelConfig, seconds: float, updates: float
+) -> dict[str, float]:
+  """perf/model_tflops_per_s and, on devices with a known peak, perf/mfu."""
+  lengths = [len(g.prompt) + len(c.output_ids) for g in groups for c in g.completions]
+  grids = [m.grid_thw for g in groups for _ in g.completions for m in g.prompt.media]
+  model_flops = updates * (flops_lib.text_flops(cfg, lengths) + flops_lib.vision_flops(cfg, grids))
+  rate = model_flops / max(seconds, 1e-9)
+  out = {"perf/model_tflops_per_s": rate / 1e12}
+  devices = jax.devices()
+  peak = flops_lib.datasheet_peak(devices[0].device_kind)
+  if peak:
+    out["perf/mfu"] = rate / (peak * len(devices))
   return out
 
 

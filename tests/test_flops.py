@@ -1,11 +1,8 @@
-"""bench/mfu.py's FLOP counter against the model's own parameter shapes.
+"""The FLOP counter (fluxjax/models/flops.py) against the model's own parameter shapes.
 
 MFU is only as right as its numerator: every matmul weight a token (or patch)
 passes through must be counted once, x2 per multiply-add, x3 for training.
 """
-
-import os
-import sys
 
 import jax
 import numpy as np
@@ -13,9 +10,7 @@ import pytest
 from flax import nnx
 
 from fluxjax.models import config, vlm
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-import mfu
+from fluxjax.models import flops as mfu
 
 
 def _kernel_sizes(cfg) -> dict[str, int]:
@@ -45,7 +40,31 @@ def test_flops_count_every_weight_once(preset):
   patches = side * side
   attention = 3 * 4 * v.hidden_size * v.depth * patches**2
   matmuls = 6 * (patches * sizes["vision"] + patches // v.merge_unit * sizes["merger"])
-  assert mfu.vision_flops(cfg, side, 1) == attention + matmuls
+  assert mfu.vision_flops(cfg, [(1, side, side)]) == attention + matmuls
+  # A clip of 3 frame groups: attention stays within each one.
+  assert mfu.vision_flops(cfg, [(3, side, side)]) == 3 * (attention + matmuls)
+
+
+def test_window_blocks_attend_within_their_windows():
+  cfg = config.preset("7b")
+  v = cfg.vision
+  window = v.window_merged_units * v.spatial_merge_size
+  full = len(v.fullatt_block_indexes)
+  h, w = window + 2, 2 * window  # a remainder row of windows
+  one_frame = mfu.vision_flops(cfg, [(1, h, w)])
+  matmul_only = mfu.vision_flops(cfg, [(1, h, w)]) - 3 * 4 * v.hidden_size * (
+    full * (h * w) ** 2 + (v.depth - full) * (window**2 + 2**2) * (2 * window**2)
+  )
+  # Removing the attention leaves what the patches' matmuls alone cost.
+  patches = h * w
+  per_patch = 2 * v.patch_dim * v.hidden_size + v.depth * 2 * (
+    4 * v.hidden_size**2 + 3 * v.hidden_size * v.intermediate_size
+  )
+  merged = (
+    patches // v.merge_unit * 2 * (16 * v.hidden_size**2 + 4 * v.hidden_size * v.out_hidden_size)
+  )
+  assert matmul_only == 3 * (patches * per_patch + merged)
+  assert one_frame > matmul_only
 
 
 def test_attention_pairs_are_causal_per_sequence():

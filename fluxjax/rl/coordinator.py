@@ -324,63 +324,9 @@ class Coordinator:
       StopIteration: the data is exhausted and nothing is left to train.
     """
     self.start()
-    rl = self._settings.rl
-    chunk = max(1, int(self._settings.coordinator.stream_groups) or math.ceil(self._P / 2))
-    refills_left = int(rl.max_refill_rounds) * self._P if rl.dynamic_sampling else 0
     t0 = time.perf_counter()
-    kept: list[producer_lib.KeptGroup] = []
-    pending: list[producer_lib.KeptGroup] = []
-    rounds: list[dict] = []
-    unrefilled = filtered = requeued = 0
-    while len(kept) + unrefilled < self._P:
-      item = self._next_item()
-      if isinstance(item, StopIteration):
-        if kept or pending:
-          break
-        raise StopIteration
-      if isinstance(item, BaseException):
-        version = engine_lib.nonfinite_logits_version(item)
-        if version is not None:
-          raise self._nonfinite_policy(version, "the engine refused to sample") from item
-        raise RuntimeError("rollout failed") from item
-      if isinstance(item, producer_lib.RoundEnd):
-        rounds.append(item.stats)
-        continue
-      if self._version - item.launch_version > self._max_gap:
-        # Queue time made it staler than admission allows: run it again.
-        log.warning(
-          "sample %s waited %d versions (more than %d) before training; generating it again",
-          item.sample.id,
-          self._version - item.launch_version,
-          self._max_gap,
-        )
-        self._producer.requeue(item.sample.uid)
-        requeued += 1
-        continue
-      if rl.dynamic_sampling and adv_lib.is_degenerate_group(item.group.rewards):
-        # DAPO: a group whose rewards are all equal has no gradient; drop it
-        # and let one more prompt through admission while the budget lasts.
-        filtered += 1
-        self._consumed.add(item.sample.uid)
-        self._done_with([item])
-        if refills_left > 0:
-          refills_left -= 1
-          self._producer.give_back(1)
-        else:
-          unrefilled += 1
-        continue
-      kept.append(item)
-      pending.append(item)
-      if len(pending) >= chunk:
-        self._policy.add(self.sequences([k.group for k in pending]))
-        pending = []
-    if pending:
-      self._policy.add(self.sequences([k.group for k in pending]))
+    kept, rounds, filtered, requeued = self._collect()
     t_rollout = time.perf_counter() - t0
-    if not kept:
-      raise RuntimeError(
-        "dynamic sampling filtered every group of the step; raise rl.max_refill_rounds"
-      )
     trained_gap, admitted_gap = self._version_gaps(kept)
     publish_wait = self._settle_reads_timed()  # the update donates what a publish reads
     device_metrics = self._policy.apply()
@@ -437,16 +383,69 @@ class Coordinator:
       **{f"async/{k}": v for k, v in control.items()},
       **{f"train/{k}": v for k, v in train.items()},
     }
-    if rounds:
-      host["rollout/round_seconds"] = float(np.mean([r["wall_s"] for r in rounds]))
-      host["rollout/long_rounds"] = float(sum(r["kind"] == "long" for r in rounds))
-      for key in tail_batching.COUNTED_STATS:
-        host[f"rollout/{key}"] = float(sum(r.get(key, 0) for r in rounds))
-      idle = [r["slot_idle_fraction"] for r in rounds if "slot_idle_fraction" in r]
-      if idle:
-        host["rollout/slot_idle_fraction"] = float(np.mean(idle))
+    host.update(step_metrics.round_metrics(rounds))
     host.update(self.fault_counts())
     return StepResult(groups, host, [k.sample.id for k in kept], responses)
+
+  def _collect(self) -> tuple[list[producer_lib.KeptGroup], list[dict], int, int]:
+    """(the step's P groups, streamed to the trainer as they arrive; its
+    rounds' stats; groups DAPO filtered; stale groups sent back)."""
+    rl = self._settings.rl
+    chunk = max(1, int(self._settings.coordinator.stream_groups) or math.ceil(self._P / 2))
+    refills_left = int(rl.max_refill_rounds) * self._P if rl.dynamic_sampling else 0
+    kept: list[producer_lib.KeptGroup] = []
+    pending: list[producer_lib.KeptGroup] = []
+    rounds: list[dict] = []
+    unrefilled = filtered = requeued = 0
+    while len(kept) + unrefilled < self._P:
+      item = self._next_item()
+      if isinstance(item, StopIteration):
+        if kept or pending:
+          break
+        raise StopIteration
+      if isinstance(item, BaseException):
+        version = engine_lib.nonfinite_logits_version(item)
+        if version is not None:
+          raise self._nonfinite_policy(version, "the engine refused to sample") from item
+        raise RuntimeError("rollout failed") from item
+      if isinstance(item, producer_lib.RoundEnd):
+        rounds.append(item.stats)
+        continue
+      if self._version - item.launch_version > self._max_gap:
+        # Queue time made it staler than admission allows: run it again.
+        log.warning(
+          "sample %s waited %d versions (more than %d) before training; generating it again",
+          item.sample.id,
+          self._version - item.launch_version,
+          self._max_gap,
+        )
+        self._producer.requeue(item.sample.uid)
+        requeued += 1
+        continue
+      if rl.dynamic_sampling and adv_lib.is_degenerate_group(item.group.rewards):
+        # DAPO: a group whose rewards are all equal has no gradient; drop it
+        # and let one more prompt through admission while the budget lasts.
+        filtered += 1
+        self._consumed.add(item.sample.uid)
+        self._done_with([item])
+        if refills_left > 0:
+          refills_left -= 1
+          self._producer.give_back(1)
+        else:
+          unrefilled += 1
+        continue
+      kept.append(item)
+      pending.append(item)
+      if len(pending) >= chunk:
+        self._policy.add(self.sequences([k.group for k in pending]))
+        pending = []
+    if pending:
+      self._policy.add(self.sequences([k.group for k in pending]))
+    if not kept:
+      raise RuntimeError(
+        "dynamic sampling filtered every group of the step; raise rl.max_refill_rounds"
+      )
+    return kept, rounds, filtered, requeued
 
   def _response_records(self, kept, per_sequence, train) -> list[records.ResponseRecord]:
     rl = self._settings.rl

@@ -40,7 +40,7 @@ from fluxjax import settings as settings_lib
 from fluxjax.models import flops as flops_lib
 from fluxjax.models.config import ModelConfig
 from fluxjax.rl import advantages as adv_lib
-from fluxjax.rl import reward_fns, trajectories
+from fluxjax.rl import reward_fns, tail_batching, trajectories
 
 
 def batch_metrics(
@@ -114,6 +114,23 @@ def throughput_metrics(
   peak = flops_lib.datasheet_peak(devices[0].device_kind)
   if peak:
     out["perf/mfu"] = rate / (peak * len(devices))
+  return out
+
+
+def round_metrics(rounds: Sequence[Mapping]) -> dict[str, float]:
+  """The step's rollout rounds (tail_batching stats): mean wall time, long
+  rounds, the counted stats summed, the mean share of idle engine slots."""
+  if not rounds:
+    return {}
+  out = {
+    "rollout/round_seconds": float(np.mean([r["wall_s"] for r in rounds])),
+    "rollout/long_rounds": float(sum(r["kind"] == "long" for r in rounds)),
+  }
+  for key in tail_batching.COUNTED_STATS:
+    out[f"rollout/{key}"] = float(sum(r.get(key, 0) for r in rounds))
+  idle = [r["slot_idle_fraction"] for r in rounds if "slot_idle_fraction" in r]
+  if idle:
+    out["rollout/slot_idle_fraction"] = float(np.mean(idle))
   return out
 
 

@@ -248,25 +248,10 @@ def test_restore_before_start_only(coord):
 
 
 def test_sequences_honour_the_advantage_settings(parts):
-  from fluxjax.models.tokenizer import Tokenizer
-
   config, policy = parts
   settings = Settings.of(config)
   settings = dataclasses.replace(settings, rl=dataclasses.replace(settings.rl, adv_eps=1.0))
-  backend = _backend()
-  with (
-    backend_lib.LoopThread() as thread,
-    thread.running(backend),
-    coordinator_lib.Coordinator(
-      settings,
-      Tokenizer.default(),
-      policy,
-      _EmptyLoader(),
-      backend,
-      InstantRewards(),
-      thread=thread,
-    ) as c,
-  ):
+  with _idle(settings, policy, _backend()) as c:  # Settings.of takes settings as they are
     prompt = inputs.sequence_from_tokens([5, 6, 7, 8], [], c.cfg)
     group = trajectories.Group(
       "s1", prompt, [completion([10, 11], [-0.5, -1.0]), completion([12], [-2.0])], [1.0, 0.0]

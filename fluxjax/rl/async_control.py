@@ -540,6 +540,18 @@ class AdmissionController:
     assert self.controller is not None
     return 0.0 if self.syncing else self.controller.continuous_lag
 
+  @property
+  def max_gap(self) -> int:
+    """The most whole versions an admitted sample may trail the policy that
+    trains it: 0 in sync, fixed_lag, ceil(max_lag) adaptive."""
+    if self.mode == "sync":
+      return 0
+    if self.mode == "fixed":
+      assert self.fixed_lag is not None
+      return int(self.fixed_lag)
+    assert self.controller is not None
+    return math.ceil(self.controller.cfg.max_lag)
+
   def capacity(self, current_step: int) -> int:
     """How many rollouts may start after `current_step` updates (never negative)."""
     steps = current_step + self.allowed_lag + 1

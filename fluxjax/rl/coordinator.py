@@ -137,10 +137,6 @@ class Coordinator:
     self._steps = 0  # RL steps taken
     self._updates = 0  # optimizer updates applied (the learning-rate schedule's count)
     self._lr = train_step.lr_schedule(settings.optim)
-    # The most versions a group may trail the policy it trains, queue time
-    # included: what admission allows (rl/async_control.py), whole versions.
-    lag = settings.coordinator.lag
-    self._max_gap = {"sync": 0, "fixed": int(lag.fixed_lag)}.get(lag.mode, math.ceil(lag.max_lag))
     # Every counted fault of the run (fluxjax/faults.py), checkpointed together.
     self.faults = faults_lib.Faults(settings.faults.limits())
     rl = settings.rl
@@ -158,6 +154,8 @@ class Coordinator:
       settings.coordinator.lag, self._P, total_steps=int(settings.total_steps)
     )
     self._staleness_metric = async_control.StalenessMetric.from_config(settings.coordinator.lag)
+    # The most versions a group may trail the policy it trains, queue time included.
+    self._max_gap = admission.max_gap
     self._producer = producer_lib.Producer(
       rollout,
       reward_scheduler,

@@ -117,3 +117,13 @@ def test_readers_keep_a_rows_other_fields_for_the_reward(tmp_path):
     "split": "train",
     "index": 3,
   }
+
+
+def test_a_control_run_is_evaluated_with_the_task_reward_it_controls():
+  # A run trained on 1 - accuracy must show its accuracy fall: scored with
+  # its own reward, its held-out figure would rise as it unlearns.
+  for control in ("accuracy_reversed", "random", "constant"):
+    assert reward_spec.evaluation(control, "") == "accuracy"
+    assert reward_spec.evaluation(control, "exact") == "exact"  # a set eval.reward wins
+  assert reward_spec.evaluation("accuracy_with_format", "") == "accuracy_with_format"
+  assert reward_spec.evaluation("format,accuracy", "") == "format,accuracy"

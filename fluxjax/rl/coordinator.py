@@ -130,9 +130,9 @@ class Coordinator:
     self._loader = loader
     self._rollout = rollout
     self._rewards = reward_scheduler
-    # Evaluation's reward: its own, or the run's (None: the pool's default).
-    ev_reward = settings.eval.reward
-    self._eval_reward = reward_spec.parse(ev_reward) if ev_reward else None
+    # Evaluation's reward when it is not the run's (None: the pool's own).
+    ev_reward = reward_spec.evaluation(settings.rl.reward.fn, settings.eval.reward)
+    self._eval_reward = None if ev_reward == settings.rl.reward.fn else reward_spec.parse(ev_reward)
     self._version = 0  # weight version published to rollout
     self._steps = 0  # RL steps taken
     self._updates = 0  # optimizer updates applied (the learning-rate schedule's count)

@@ -227,7 +227,9 @@ def plan_lines(validated: Validated, workdir: str) -> list[str]:
 
 def _reward_line(s: settings_lib.Settings) -> str:
   terms = reward_spec.parse(s.rl.reward.fn, s.rl.reward.weights)
-  evaluation = s.eval.reward or "the same"
+  evaluation = reward_spec.evaluation(s.rl.reward.fn, s.eval.reward)
+  if evaluation == s.rl.reward.fn:
+    evaluation = "the same"
   return (
     "reward: "
     + " + ".join(f"{t.weight:g} x {t.name}" for t in terms)
@@ -238,9 +240,11 @@ def _reward_line(s: settings_lib.Settings) -> str:
 def check_rewards(settings: settings_lib.Settings) -> None:
   """Every reward function of the run and of its evaluation loads here, so a
   typo stops the run before anything starts (the workers load their own)."""
-  specs = [reward_spec.parse(settings.rl.reward.fn, settings.rl.reward.weights)]
-  if settings.eval.reward:
-    specs.append(reward_spec.parse(settings.eval.reward))
+  fn = settings.rl.reward.fn
+  specs = [
+    reward_spec.parse(fn, settings.rl.reward.weights),
+    reward_spec.parse(reward_spec.evaluation(fn, settings.eval.reward)),
+  ]
   for terms in specs:
     for term in terms:
       try:

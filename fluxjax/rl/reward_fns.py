@@ -21,7 +21,9 @@ single number or word", and its corpus answers as "<answer>x</answer>",
   accuracy_with_format  0.9 * accuracy + 0.1 * format (R1-style shaping).
 
 Controls (bench/learning.py): accuracy_reversed (1 - accuracy), random (a
-fair coin per call, independent of the response) and constant (0).
+fair coin per call, independent of the response) and constant (0). A control
+is trained on but never scored with: `CONTROLS` names the task reward its
+held-out evaluation uses (rl/reward_spec.evaluation).
 
 `reasons` says whether a response reasons first: it opens with a <think>
 block (the chain-task format, `<think> {solution}</think><answer>x</answer>`).
@@ -45,15 +47,20 @@ log = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str], float]
 REWARDS: dict[str, RewardFn] = {}
+# Control reward -> the task reward its runs are evaluated with.
+CONTROLS: dict[str, str] = {}
 
 
-def register(name: str):
-  """Decorator adding a reward function to REWARDS under `name`."""
+def register(name: str, control_of: str = ""):
+  """Decorator adding a reward function to REWARDS under `name`; a control
+  names the task reward `control_of` its evaluation scores with."""
 
   def wrap(fn):
     if name in REWARDS:
       raise ValueError(f"reward {name!r} is already registered")
     REWARDS[name] = fn
+    if control_of:
+      CONTROLS[name] = control_of
     return fn
 
   return wrap
@@ -174,13 +181,13 @@ def accuracy_with_format(response: str, answer: str) -> float:
 # Controls for showing that training follows the reward (bench/learning.py).
 
 
-@register("accuracy_reversed")
+@register("accuracy_reversed", control_of="accuracy")
 def accuracy_reversed(response: str, answer: str) -> float:
   """1 - accuracy: a policy trained on it must get worse at the task."""
   return 1.0 - accuracy(response, answer)
 
 
-@register("random")
+@register("random", control_of="accuracy")
 def random_reward(response: str, answer: str) -> float:
   """1 or 0 by a fair coin, independent of the response: GRPO then gets
   advantages of full size that carry no information about the task, so any
@@ -189,7 +196,7 @@ def random_reward(response: str, answer: str) -> float:
   return float(random.random() < 0.5)
 
 
-@register("constant")
+@register("constant", control_of="accuracy")
 def constant(response: str, answer: str) -> float:
   """0 for every response: GRPO advantages are all zero, the policy gets no signal."""
   del response, answer

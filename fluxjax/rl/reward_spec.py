@@ -148,6 +148,16 @@ def parse(fn: str, weights: Sequence[float] = ()) -> tuple[Term, ...]:
   return terms
 
 
+def evaluation(fn: str, eval_fn: str) -> str:
+  """The reward spec held-out responses are scored with: `eval_fn` when set,
+  else the run's `fn`, except that a control reward (reward_fns.CONTROLS) is
+  scored with the task reward it controls: a run trained on 1 - accuracy
+  must show its accuracy fall, not its reward rise."""
+  if eval_fn:
+    return eval_fn
+  return reward_fns.CONTROLS.get(fn.strip(), fn)
+
+
 def terms_of(fn: str | RewardFn | Sequence[Term]) -> tuple[Term, ...]:
   """Terms from a spec string, a callable (weight 1) or terms."""
   if isinstance(fn, str):

@@ -3,14 +3,15 @@ r"""Pretraining the base model that the main job post-trains.
   python -m fluxjax.train --config=configs/pretrain.py --workdir=workdir/pretrain
   python -m fluxjax.train --config=configs/pretrain.py:smoke --workdir=/tmp/pretrain
 
-The default run's tiny preset and settings (configs/vlm.py), trained by the
-SFT path alone: no RL steps, many warm-up steps on a pre-generated pool (the
-`pretrain` mix of fluxjax/data/synth.py: every chain task, the text-only
-copy drills, and the main job's direct-answer tasks), a cosine schedule,
-checkpoints every `sft.checkpoint_every` steps (a killed run resumes from
-the latest when started again with the same command), and at the end an HF
-folder (`sft.export_dir`: fp32 weights, config.json, the tokenizer and the
-vision preprocessing) that `--config.model.hf_path` loads.
+The default run's settings (configs/vlm.py) with the tiny preset 4 layers
+deep (`tiny4`), trained by the SFT path alone: no RL steps, many warm-up
+steps on a pre-generated pool (the `pretrain` mix of fluxjax/data/synth.py:
+every chain task, the text-only copy drills, and the main job's
+direct-answer tasks), a cosine schedule, checkpoints every
+`sft.checkpoint_every` steps (a killed run resumes from the latest when
+started again with the same command), and at the end an HF folder
+(`sft.export_dir`: fp32 weights, config.json, the tokenizer and the vision
+preprocessing) that `--config.model.hf_path` loads.
 
 Each chain-task sample shows its chain with a stable per-sample probability
 `sft.chain_fraction` and answers directly otherwise, so the base can reason
@@ -39,8 +40,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   arg = config_args.parse_arg(arg, **dict.fromkeys(MODIFIERS, False))
   c = config_args.load_config(os.path.join(REPO, "configs", "vlm.py"), "tiny")
   c.total_steps = 0  # the SFT path alone
+  c.model.preset = "tiny4"  # 2 layers did not form the copy by key (bench/README.md)
   c.data.mix = "pretrain"
-  # A pool the 0.5M-parameter model cannot memorize in its 4 epochs (10,000
+  # A pool the 0.8M-parameter model cannot memorize in its 4 epochs (10,000
   # steps of 32).
   c.data.synth_train, c.data.synth_eval = 80_000, 512
   c.eval.prompts, c.eval.samples_per_prompt = 512, 1

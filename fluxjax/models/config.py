@@ -259,6 +259,14 @@ def _smoke(base: ModelConfig) -> ModelConfig:
   return dataclasses.replace(tiny, text=text, vision=vision)
 
 
+def _preset_tiny4() -> ModelConfig:
+  """The tiny preset with 4 decoder layers: the committed base's architecture
+  (configs/pretrain.py), deep enough for the copy-by-key circuits that 2
+  layers do not form in 10,000 steps (bench/README.md, the base)."""
+  tiny = _preset_tiny()
+  return dataclasses.replace(tiny, text=dataclasses.replace(tiny.text, num_layers=4))
+
+
 _FULL: dict[str, Callable[[], ModelConfig]] = {
   "3b": _preset_3b,
   "7b": _preset_7b,
@@ -267,13 +275,14 @@ _FULL: dict[str, Callable[[], ModelConfig]] = {
 SMOKE_SUFFIX = "_smoke"
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
   "tiny": _preset_tiny,
+  "tiny4": _preset_tiny4,
   **_FULL,
   **{name + SMOKE_SUFFIX: functools.partial(lambda f: _smoke(f()), f) for name, f in _FULL.items()},
 }
 
 
 def preset(name: str, **overrides) -> ModelConfig:
-  """Returns a named preset (tiny, 3b, 7b, 32b, or a full one's `*_smoke`
+  """Returns a named preset (tiny, tiny4, 3b, 7b, 32b, or a full one's `*_smoke`
   version: see `_smoke`) with run-time overrides."""
   if name not in PRESETS:
     raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")

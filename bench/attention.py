@@ -59,9 +59,9 @@ import numpy as np  # noqa: E402
 import mixtures  # noqa: E402  (lives next to this script)
 import runinfo  # noqa: E402
 from fluxjax.models import attention as attn_lib  # noqa: E402
-from fluxjax.models import attention_pallas as ap  # noqa: E402
-from fluxjax.models import attention_xla  # noqa: E402
 from fluxjax.models import config as model_config  # noqa: E402
+from fluxjax.models.attention import pallas as ap  # noqa: E402
+from fluxjax.models.attention import xla  # noqa: E402
 from fluxjax.planning import balance  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
@@ -100,8 +100,8 @@ def kernel_flops(blocks: ap.BlockSizes, seg, pos) -> float:
     (True, blocks.dq_q, blocks.dq_k, 3),
     (False, blocks.dkv_q, blocks.dkv_k, 4),
   ):
-    q_ranges = attention_xla.block_ranges(seg, pos, bq)
-    k_ranges = attention_xla.block_ranges(seg, pos, bk)
+    q_ranges = xla.block_ranges(seg, pos, bq)
+    k_ranges = xla.block_ranges(seg, pos, bk)
     table = (
       ap._visit_table(q_ranges, k_ranges, True, True)
       if rows_q

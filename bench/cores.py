@@ -20,12 +20,12 @@ def _cores(spec: str) -> set[int]:
 
 def pin_and_launch(trainer_cores: str, rollout_cores: str, config):
   """Pins this process and starts the rollout server; returns (servers, command)."""
-  from fluxjax.rollout import factory, fleet
+  from fluxjax.rollout import factory, launcher
 
   os.sched_setaffinity(0, _cores(trainer_cores))
   cmd = ["taskset", "-c", rollout_cores, *factory.server_command(config)]
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  return fleet.launch_servers(cmd, 1, env=env, timeout_s=600), " ".join(cmd)
+  return launcher.launch_servers(cmd, 1, env=env, timeout_s=600), " ".join(cmd)
 
 
 def use_server(config, urls) -> None:

@@ -173,7 +173,7 @@ def main() -> None:
     help="comma-separated remat policies (models/layers.py REMAT_POLICIES)",
   )
   p.add_argument(
-    "--attention", default="auto", help="comma-separated attention backends (models/attention.py)"
+    "--attention", default="auto", help="comma-separated attention backends (models/attention/)"
   )
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--peak", type=float, default=None, help="peak FLOP/s; default: datasheet")

@@ -57,7 +57,7 @@ and the servers' pause. The
 baseline gathers the fp32 model onto every host (twice the bf16 bytes, and
 the whole fp32 model held per host) and writes the whole folder from one. The
 others gather each layer tensor in bf16 on every host, past
-hf_io.ROW_RUN_BYTES in runs of rows (an all-gather: each host receives
+hf_export.ROW_RUN_BYTES in runs of rows (an all-gather: each host receives
 (N-1)/N of the bf16 model) and hold at most one run, but for the broadcast's
 process 0, which holds the largest tensor whole (the protocol sends it so);
 the disk path then writes 1/N of the folder from each host at once and every
@@ -91,9 +91,9 @@ from flax import nnx
 
 import runinfo
 from fluxjax import settings as settings_lib
-from fluxjax.models import config, hf_delta, hf_io, sharded, vlm
+from fluxjax.models import config, hf_delta, hf_export, hf_load, sharded, vlm
 from fluxjax.rollout import fleet as fleet_lib
-from fluxjax.rollout import publish
+from fluxjax.rollout import launcher, publish
 from fluxjax.sharding import mesh as mesh_lib
 
 TRANSPORTS = ("gather0", "disk", "disk_delta", "distributed")
@@ -186,7 +186,7 @@ def _configure(fleet, transport: str) -> None:
 
 class GatherCount:
   """Bytes this process received in cross-process gathers: each gathered
-  array's bytes less its own shards' (hf_io._to_host's gathers and the
+  array's bytes less its own shards' (hf_load.to_host's gathers and the
   baseline's)."""
 
   received = 0
@@ -202,13 +202,13 @@ class GatherCount:
 
 
 def _count_to_host(x):
-  """hf_io._to_host, counting what its gathers bring this process."""
+  """hf_load.to_host, counting what its gathers bring this process."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     return GatherCount.gather(x)
   return np.asarray(jax.device_get(x))
 
 
-hf_io._to_host = _count_to_host
+hf_load.to_host = _count_to_host
 
 
 def gather0_write(model, root: str, version: int) -> str | None:
@@ -221,7 +221,7 @@ def gather0_write(model, root: str, version: int) -> str | None:
   if jax.process_index() != 0:
     return None
   path = publish.version_path(root, version)
-  return hf_io.save_hf_checkpoint(nnx.merge(graphdef, whole), path, dtype="bfloat16")
+  return hf_export.save_hf_checkpoint(nnx.merge(graphdef, whole), path, dtype="bfloat16")
 
 
 async def _publish_gather0(fleet, model, version: int) -> publish.PublishReport:
@@ -330,7 +330,7 @@ def _record_peaks(growth: dict, before: dict) -> None:
 def _start_folder(cfg: config.ModelConfig, size: str, workdir: str) -> str:
   start = os.path.join(workdir, f"{size}-start")
   if not os.path.exists(start):
-    hf_io.save_hf_checkpoint(random_model(cfg, 0), start, dtype="bfloat16")
+    hf_export.save_hf_checkpoint(random_model(cfg, 0), start, dtype="bfloat16")
   return start
 
 
@@ -340,7 +340,7 @@ def _publish_all(model, size: str, args) -> dict:
   start = _start_folder(model.cfg, size, workdir)
   cmd = ["python", "-m", "fluxjax.rollout.server", "--model-path", start, "--num-slots", "2"]
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  launched = fleet_lib.launch_servers(cmd, args.servers, env=env, timeout_s=900)
+  launched = launcher.launch_servers(cmd, args.servers, env=env, timeout_s=900)
   try:
 
     async def go():
@@ -427,11 +427,11 @@ def projection(args) -> list[dict]:
   """Seconds each transport takes for the published models (module docstring)."""
   rows = []
   largest = {  # the largest tensor in bf16: what a broadcast adds to a host
-    name: 2 * max(int(np.prod(shape)) for _, shape in hf_io.hf_layout(config.preset(name)))
+    name: 2 * max(int(np.prod(shape)) for _, shape in hf_load.hf_layout(config.preset(name)))
     for name in PROJECTED
   }
-  # The disk path takes a tensor past hf_io.ROW_RUN_BYTES in runs of rows.
-  disk_largest = {name: min(n, hf_io.ROW_RUN_BYTES) for name, n in largest.items()}
+  # The disk path takes a tensor past hf_export.ROW_RUN_BYTES in runs of rows.
+  disk_largest = {name: min(n, hf_export.ROW_RUN_BYTES) for name, n in largest.items()}
   for name, params in PROJECTED.items():
     bf16 = 2 * params
     for hosts in (1, 2, 4, 16):

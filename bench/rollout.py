@@ -54,7 +54,7 @@ import runinfo
 from fluxjax.models import config, decode, flops, inputs, vlm
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import engine as engine_lib
-from fluxjax.rollout import protocol
+from fluxjax.rollout import sampling_params
 
 # Device-to-device copy rates seen on this workplace's GPUs (bytes read + written).
 BANDWIDTH = {"H100": 3.0e12, "H200": 4.3e12}
@@ -95,7 +95,7 @@ def make_loop(model, capacity):
 
 
 def run_engine(engine, seqs, new_tokens, concurrency):
-  sp = protocol.SamplingParams(max_new_tokens=new_tokens, top_k=1, ignore_eos=True)
+  sp = sampling_params.SamplingParams(max_new_tokens=new_tokens, top_k=1, ignore_eos=True)
   pending = list(enumerate(seqs))
   inflight, done = [], 0
   tag = f"c{concurrency}-{time.time_ns()}"
@@ -113,7 +113,7 @@ def run_engine(engine, seqs, new_tokens, concurrency):
 def agreement(engine, seq, loop_out, new_tokens):
   """How many leading greedy tokens the engine and the loop share (a sanity
   check, not a timing)."""
-  sp = protocol.SamplingParams(max_new_tokens=new_tokens, top_k=1, ignore_eos=True)
+  sp = sampling_params.SamplingParams(max_new_tokens=new_tokens, top_k=1, ignore_eos=True)
   check = engine.generate([engine_lib.EngineRequest("check", seq, sp)])[0]
   return next((i for i, (a, b) in enumerate(zip(check.output_ids, loop_out)) if a != b), new_tokens)
 

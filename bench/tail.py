@@ -149,7 +149,7 @@ async def tail_epoch(rollout, prompts, P, R, eta, recycle, continue_in, make_req
       rollout, b, make_request, rid_prefix=tag, decode=rollout.tokenizer.decode
     )
   ) is not None:
-    s = res.stats
+    s = dataclasses.asdict(res.stats)
     s["busy"] = round((1 - s["slot_idle_fraction"]) * s["decode_steps"] * rollout.engine.num_slots)
     s["launched"] = len(res.plan.prompts) * res.plan.responses
     s["kept_len_sum"] = sum(len(c.output_ids) for g in res.groups.values() for c in g)

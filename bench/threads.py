@@ -36,7 +36,7 @@ from fluxjax.models import config as config_lib  # noqa: E402
 from fluxjax.models import inputs  # noqa: E402
 from fluxjax.models.tokenizer import Tokenizer  # noqa: E402
 from fluxjax.rollout import engine as engine_lib  # noqa: E402
-from fluxjax.rollout import protocol  # noqa: E402
+from fluxjax.rollout import sampling_params  # noqa: E402
 
 
 def train(compiled, state, batch, steps: int):
@@ -46,7 +46,7 @@ def train(compiled, state, batch, steps: int):
 
 
 def decode(engine, seqs, rounds: int, new_tokens: int) -> list[list[int]]:
-  sp = protocol.SamplingParams(max_new_tokens=new_tokens, top_k=1, ignore_eos=True)
+  sp = sampling_params.SamplingParams(max_new_tokens=new_tokens, top_k=1, ignore_eos=True)
   out = []
   for r in range(rounds):
     reqs = [engine_lib.EngineRequest(f"r{r}-{i}", s, sp) for i, s in enumerate(seqs)]

@@ -217,7 +217,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.tokenizer_path = ""  # "" = the shipped synthetic tokenizer (tiny) or hf_path's
   c.model.dtype = v.dtype
   c.model.param_dtype = "float32"
-  # models/attention.py: "auto" (on CPUs blockwise XLA for long rows, which
+  # models/attention/: "auto" (on CPUs blockwise XLA for long rows, which
   # skips the masked blocks of packed rows; else the XLA reference), "xla",
   # "xla_blocked", or a GPU kernel ("cudnn", "pallas_gpu", "tokamax_gpu").
   c.model.attention_backend = "auto"

@@ -14,6 +14,8 @@ run_launcher, process_alive                 python -m fluxjax.launch, stopped
 InstantRewards                              the reward pool's interface,
                                             scoring at once in this process
                                             with the pool's own code;
+ListLoader                                  the training data's interface
+                                            over a list of samples;
 ScriptedRollout, Act, decode, rid_key,      the test kit's one fake rollout
     completion                              backend: a script says per request
                                             how it ends (length, stop, its own
@@ -501,3 +503,34 @@ class InstantRewards:
 
   def metrics(self) -> dict:
     return {"reward/timeout": 0.0}
+
+
+class ListLoader:
+  """The training data (`producer.Loader`) over `samples`, `batch_size` at a
+  time: [] at the end, or StopIteration with `stop_at_end` (as the real
+  loader's last epoch ends). `released` lists what was released, in order."""
+
+  store = pool = None
+
+  def __init__(self, samples=(), batch_size: int | None = None, stop_at_end: bool = False):
+    self.samples = list(samples)
+    self.batch_size = batch_size or max(len(self.samples), 1)
+    self.stop_at_end = stop_at_end
+    self.position = 0
+    self.released: list = []
+
+  def next_batch(self) -> list:
+    if self.stop_at_end and self.position >= len(self.samples):
+      raise StopIteration
+    batch = self.samples[self.position : self.position + self.batch_size]
+    self.position += len(batch)
+    return batch
+
+  def release(self, batch) -> None:
+    self.released.extend(batch)
+
+  def get_state(self) -> dict:
+    return {"position": self.position}
+
+  def set_state(self, state: dict) -> None:
+    self.position = state.get("position", 0)

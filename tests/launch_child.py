@@ -129,11 +129,11 @@ def bf16_digest(model) -> str:
   in runs of rows, put together on process 0)."""
   import hashlib
 
-  from fluxjax.models import hf_io
+  from fluxjax.models import hf_load
   from fluxjax.rollout import publish
 
   digest = hashlib.sha256()
-  names = [name for name, _ in hf_io.hf_layout(model.cfg)]
+  names = [name for name, _ in hf_load.hf_layout(model.cfg)]
   for name, tensor in zip(names, publish.broadcast_tensors(model), strict=True):
     digest.update(name.encode() + tensor.tobytes())
   return digest.hexdigest()
@@ -145,7 +145,7 @@ def fleet_publish(flags: dict[str, str], root: str) -> None:
   import jax
   from flax import nnx
 
-  from fluxjax.models import config, hf_io, sharded
+  from fluxjax.models import config, hf_export, sharded
   from fluxjax.rollout import publish
   from fluxjax.sharding import mesh as mesh_lib
 
@@ -153,23 +153,23 @@ def fleet_publish(flags: dict[str, str], root: str) -> None:
   # Runs of rows of at most 4 KiB: the embedding, the LM head and every
   # kernel past that go to disk a slice at a time, each gathered across both
   # processes.
-  hf_io.ROW_RUN_BYTES = 4096
+  hf_export.ROW_RUN_BYTES = 4096
   mesh = mesh_lib.make_mesh(1, -1)
   model = sharded.create_sharded_model(config.preset("tiny"), mesh, seed=0, log_table=False)
-  assert hf_io.spans_processes(model)
+  assert hf_export.spans_processes(model)
   leader = jax.process_index() == 0
   if leader:
     publish.write_checkpoint(model, root, 3)
   else:
     publish.take_part(model, "disk", root, 3)
-  writer = hf_io.ShardWriter
+  writer = hf_export.ShardWriter
 
-  class DiskFull(hf_io.ShardWriter):
+  class DiskFull(hf_export.ShardWriter):
     def write(self, name, tensor, start=0):
       raise OSError(errno.ENOSPC, "No space left on device", self.path)
 
   if not leader:
-    hf_io.ShardWriter = DiskFull
+    hf_export.ShardWriter = DiskFull
   if leader:
     try:
       publish.write_checkpoint(model, root, 4)
@@ -177,7 +177,7 @@ def fleet_publish(flags: dict[str, str], root: str) -> None:
       print(f"refused={e}", flush=True)
   else:
     publish.take_part(model, "disk", root, 4)
-  hf_io.ShardWriter = writer
+  hf_export.ShardWriter = writer
   # Deferred: v5, one element of every parameter changed, carries its delta
   # from v3; v6 fails on process 1's full disk, as v4 did.
   changed = nnx.merge(
@@ -185,9 +185,9 @@ def fleet_publish(flags: dict[str, str], root: str) -> None:
   )
   deferred_publish(changed, root, 5)
   if not leader:
-    hf_io.ShardWriter = DiskFull
+    hf_export.ShardWriter = DiskFull
   deferred_publish(changed, root, 6)
-  hf_io.ShardWriter = writer
+  hf_export.ShardWriter = writer
   if leader:
     print(f"digest={bf16_digest(model)}", flush=True)
   else:

@@ -13,8 +13,8 @@ import pytest
 from attention_cases import assert_close, cross_batch, qkv, self_batch
 
 from fluxjax.models import attention as attn_lib
-from fluxjax.models import attention_blocked as ab
-from fluxjax.models import attention_xla as attn_xla
+from fluxjax.models.attention import blocked as ab
+from fluxjax.models.attention import xla as attn_xla
 
 
 def check(q, k, v, cot, kw, causal, block=16, tol=1e-5):

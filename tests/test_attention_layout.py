@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from fluxjax.models import attention as attn_lib
-from fluxjax.models import attention_layout as layout_lib
+from fluxjax.models.attention import layout as layout_lib
 
 
 def packed_row(rng, t, lengths, shuffle):

@@ -23,8 +23,8 @@ import pytest
 from attention_cases import assert_close, cross_batch, qkv, self_batch
 
 from fluxjax.models import attention as attn_lib
-from fluxjax.models import attention_pallas as ap
-from fluxjax.models import attention_xla as attn_xla
+from fluxjax.models.attention import pallas as ap
+from fluxjax.models.attention import xla as attn_xla
 
 INTERPRET = os.environ.get("FLUXJAX_PALLAS_INTERPRET", "1") != "0"
 # Small tiles so that short rows span several blocks and block skipping is

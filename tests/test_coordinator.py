@@ -31,7 +31,7 @@ from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout import tensor_feed
 from fluxjax.rollout.publish import PublishReport
 from fluxjax.settings import Settings
-from helpers import Act, InstantRewards, ScriptedRollout, completion
+from helpers import Act, InstantRewards, ListLoader, ScriptedRollout, completion
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,48 +59,9 @@ def _rid_text(request, group, ids) -> str:
   return f"<answer>{request.rid}</answer>"
 
 
-class _EmptyLoader:
-  """A loader whose data is exhausted; it keeps the state it is given."""
-
-  store = pool = None
-
-  def __init__(self):
-    self.state = {}
-
-  def next_batch(self):
-    return []
-
-  def release(self, samples):
-    pass
-
-  def get_state(self):
-    return dict(self.state)
-
-  def set_state(self, state):
-    self.state = dict(state)
-
-
-class _Data:
-  """A loader over SAMPLES in order, four at a time; it records what was released."""
-
-  store = pool = None
-
-  def __init__(self, samples):
-    self.samples, self.position, self.released = list(samples), 0, []
-
-  def next_batch(self):
-    batch = self.samples[self.position : self.position + 4]
-    self.position += len(batch)
-    return batch
-
-  def release(self, samples):
-    self.released.extend(s.uid for s in samples)
-
-  def get_state(self):
-    return {"position": self.position}
-
-  def set_state(self, state):
-    self.position = state["position"]
+def _data(samples) -> ListLoader:
+  """A loader over `samples` in order, four at a time."""
+  return ListLoader(samples, batch_size=4)
 
 
 class _RecordingPolicy:
@@ -171,7 +132,7 @@ def _idle(config, policy, backend):
       Settings.of(config),
       Tokenizer.default(),
       policy,
-      _EmptyLoader(),
+      ListLoader(),
       backend,
       InstantRewards(),
       thread=thread,
@@ -191,17 +152,7 @@ def coord(parts):
 
 def test_views_are_read_only(coord):
   c, _ = coord
-  for name in (
-    "state",
-    "state_shardings",
-    "version",
-    "steps",
-    "cfg",
-    "tokenizer",
-    "mesh",
-    "strategy",
-    "graphdef",
-  ):
+  for name in ("policy", "requests", "version", "steps"):
     with pytest.raises(AttributeError):
       setattr(c, name, None)
   assert (c.version, c.steps) == (0, 0)
@@ -215,7 +166,7 @@ def test_publish_hands_the_backend_a_copy_and_counts_versions(coord):
   from flax import nnx
 
   handed = jax.tree.leaves(nnx.state(backend.published[-1][0], nnx.Param))
-  own = jax.tree.leaves(c.state.params)
+  own = jax.tree.leaves(c.policy.state.params)
   assert len(handed) == len(own)
   # Its own buffers: the next update donates the trainer's.
   pointer = lambda x: x.addressable_shards[0].data.unsafe_buffer_pointer()
@@ -226,11 +177,11 @@ def test_publish_hands_the_backend_a_copy_and_counts_versions(coord):
 def test_load_params_replaces_the_parameters_only(coord, parts):
   c, _ = coord
   policy = parts[1]
-  before = c.state
+  before = c.policy.state
   params = jax.tree.map(lambda x: x + 1, before.params)
   policy.load_params(params)
-  assert c.state.params is params  # the coordinator reads its policy's state
-  assert c.state.opt_state is before.opt_state and c.state.step is before.step
+  assert c.policy.state.params is params  # the coordinator's policy is the run's
+  assert c.policy.state.opt_state is before.opt_state and c.policy.state.step is before.step
   policy.load_params(before.params)
 
 
@@ -252,7 +203,7 @@ def test_sequences_honour_the_advantage_settings(parts):
   settings = Settings.of(config)
   settings = dataclasses.replace(settings, rl=dataclasses.replace(settings.rl, adv_eps=1.0))
   with _idle(settings, policy, _backend()) as c:  # Settings.of takes settings as they are
-    prompt = inputs.sequence_from_tokens([5, 6, 7, 8], [], c.cfg)
+    prompt = inputs.sequence_from_tokens([5, 6, 7, 8], [], c.policy.cfg)
     group = trajectories.Group(
       "s1", prompt, [completion([10, 11], [-0.5, -1.0]), completion([12], [-2.0])], [1.0, 0.0]
     )
@@ -283,7 +234,7 @@ def test_evaluate_samples_at_the_training_temperature_and_summarizes(coord, part
   assert out["eval/accuracy/easy"] == out["eval/accuracy/hard"] == pytest.approx(1 / k)
   assert out["eval/prompts"] == 3 and out["eval/samples"] == 3 * k
   # Every request stops at EOS and at the vision markup ids.
-  tok = c.tokenizer
+  tok = c.requests.tokenizer
   for _, r in backend.requests:
     stops = set(r.sampling.stop_token_ids)
     assert stops == {*tok.eos_ids, tok.image_pad_id, tok.video_pad_id, tok.vision_start_id,
@@ -315,7 +266,7 @@ def test_a_group_that_waited_past_the_bound_is_generated_again(parts, caplog):
     meta_lib.SampleMeta(uid=i, id=f"q{i}", prompt=f"Q{i}?", answer="red") for i in range(16)
   ]
   backend = _backend(tokens=3, text=_rid_text)
-  data, policy = _Data(samples), _RecordingPolicy(parts[1])
+  data, policy = _data(samples), _RecordingPolicy(parts[1])
   with _running(config, policy, data, backend, "fault_rewards:signal_unless_numeric") as c:
     out, aged = c._producer.out, []
     put = out.put
@@ -356,7 +307,7 @@ def test_dynamic_sampling_trains_only_groups_with_signal(parts):
     for i in range(64)
   ]
   backend = _backend(tokens=3, text=_rid_text)
-  data, policy = _Data(samples), _RecordingPolicy(parts[1])
+  data, policy = _data(samples), _RecordingPolicy(parts[1])
   with _running(config, policy, data, backend, "fault_rewards:signal_unless_numeric") as c:
     results = [c.step() for _ in range(3)]
     counts = c.fault_counts()
@@ -371,7 +322,7 @@ def test_dynamic_sampling_trains_only_groups_with_signal(parts):
   # A dropped group's late speculative responses are discarded, not a fault.
   assert counts["faults/failed_rounds_total"] == 0.0
   # Dropped and trained samples are handed back to the loader.
-  assert {f"q{u}" for u in data.released} >= set(trained)
+  assert {s.id for s in data.released} >= set(trained)
 
 
 def test_a_step_records_the_percentiles_of_its_response_lengths(parts):
@@ -397,7 +348,7 @@ def test_a_step_records_the_percentiles_of_its_response_lengths(parts):
     return ("<think> x</think>" if len(ids) >= 5 else "") + _rid_text(request, group, ids)
 
   backend = ScriptedRollout(varied, tick=0.0, text=text)
-  policy, data = _RecordingPolicy(parts[1]), _Data(samples)
+  policy, data = _RecordingPolicy(parts[1]), _data(samples)
   with _running(config, policy, data, backend, "fault_rewards:signal_unless_numeric") as c:
     result = c.step()
   m = result.metrics
@@ -435,7 +386,7 @@ def test_refused_updates_publish_nothing_and_too_many_in_a_row_stop(parts, caplo
   backend = _backend()
   backend.text = _evaluation_text(backend, {s.id: s.answer for s in samples})
   policy = _RecordingPolicy(parts[1], nonfinite=[False, True, False, True, True])
-  with _running(config, policy, _Data(samples), backend, "constant") as c:
+  with _running(config, policy, _data(samples), backend, "constant") as c:
     c.publish(new_version=False)
     versions = []
     for _ in range(4):
@@ -563,7 +514,7 @@ def test_a_deferred_broadcast_holds_back_the_update_not_the_rollout(parts, reads
       events.append("apply")
       return super().apply()
 
-  with _running(config, Policy(parts[1]), _Data(samples), backend, "constant") as c:
+  with _running(config, Policy(parts[1]), _data(samples), backend, "constant") as c:
     c.publish(new_version=False)
     c.step()  # publishes version 1, its broadcast held at the gate
     assert len(gates) == 1 and "sent 1" not in events
@@ -661,7 +612,7 @@ def test_a_broadcast_from_several_processes_is_gathered_while_the_step_waits(par
   backend = _backend()
   backend.publish = _fed_broadcasts(events, count=6, take_s=0.02)
   policy = _GatherPolicy(parts[1], events)
-  with _running(_fed_config(parts), policy, _Data(_SAMPLES), backend, "constant") as c:
+  with _running(_fed_config(parts), policy, _data(_SAMPLES), backend, "constant") as c:
     c.publish(new_version=False)
     c.step()  # publishes version 1: nothing gathered yet
     assert not any(e.startswith("gather") for e in events), events
@@ -693,7 +644,7 @@ def test_a_failed_run_abandons_a_fed_broadcast_instead_of_gathering(parts):
   policy = _GatherPolicy(parts[1], events)
   with (
     pytest.raises(KeyboardInterrupt),
-    _running(_fed_config(parts), policy, _Data(_SAMPLES), backend, "constant") as c,
+    _running(_fed_config(parts), policy, _data(_SAMPLES), backend, "constant") as c,
   ):
     c.publish(new_version=False)
     c.step()

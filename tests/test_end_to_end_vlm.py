@@ -11,7 +11,7 @@ from PIL import Image, ImageDraw
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from fluxjax.models import hf_io, inputs, media, processor  # noqa: E402
+from fluxjax.models import hf_load, inputs, media, processor  # noqa: E402
 from fluxjax.models.tokenizer import Tokenizer  # noqa: E402
 from hf_peer import TOL, random_hf_model  # noqa: E402
 
@@ -52,7 +52,7 @@ def models(tmp_path_factory):
   hf.save_pretrained(folder)
   # Compare positions under transformers' rule; the default (SGLang's) rule is
   # tested separately in test_rope_index.py.
-  ours = hf_io.load_hf_checkpoint(str(folder))
+  ours = hf_load.load_hf_checkpoint(str(folder))
   ours.cfg = dataclasses.replace(ours.cfg, mrope_text_after_vision="grid_extent")
   return hf, ours
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from fluxjax.models import config as model_config
-from fluxjax.models import hf_io, vlm
+from fluxjax.models import hf_export, vlm
 from fluxjax.models.tokenizer import Tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -15,7 +15,7 @@ def _tiny_checkpoint(folder) -> str:
   """A tiny-preset HF folder with the shipped tokenizer (what an export writes)."""
   model = vlm.create_model(model_config.preset("tiny"), seed=0)
   tokenizer = Tokenizer.default().backend.to_str().encode()
-  hf_io.save_hf_checkpoint(
+  hf_export.save_hf_checkpoint(
     model, str(folder), dtype="float32", extra_files={"tokenizer.json": tokenizer}
   )
   return str(folder)

@@ -21,8 +21,7 @@ import pytest
 from fluxjax.data import readers, synth
 from fluxjax.rl import loop, metrics
 from fluxjax.rollout import client as client_lib
-from fluxjax.rollout import factory
-from fluxjax.rollout import fleet as fleet_lib
+from fluxjax.rollout import factory, launcher
 from fluxjax.settings import Settings
 from helpers import server_env, tiny_run_config
 
@@ -79,7 +78,7 @@ def test_server_killed_mid_round(tmp_path, monkeypatch):
   c.coordinator.lag.mode = "fixed"  # rounds keep running while the trainer steps
   c.rollout.num_slots = 4
   cmd = factory.server_command(Settings.of(c))
-  servers = fleet_lib.launch_servers(cmd, 2, env=server_env(), timeout_s=300)
+  servers = launcher.launch_servers(cmd, 2, env=server_env(), timeout_s=300)
   try:
     c.rollout.backend, c.rollout.urls = "sglang", tuple(servers.urls)
     # No health probe during the run: the fleet must learn of the death from

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from fluxjax.rl import metrics
-from fluxjax.rollout import factory
-from fluxjax.rollout import fleet as fleet_lib
+from fluxjax.rollout import factory, launcher
 from fluxjax.settings import Settings
 from helpers import assert_each_prompt_trained_once, server_env
 
@@ -25,7 +24,7 @@ def _servers():
   """A server as the fleet job launches them, shared by both runs (each run
   publishes its starting weights to it first)."""
   cmd = factory.server_command(Settings.of(runs.config("fleet", **SYNC)))
-  return fleet_lib.launch_servers(cmd, 1, env=server_env(), timeout_s=300)
+  return launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=300)
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 from fluxjax import launch
-from fluxjax.models import config, hf_delta, hf_io, sharded
+from fluxjax.models import config, hf_delta, hf_export, hf_load, sharded
 from fluxjax.sharding import mesh as mesh_lib
 from helpers import process_alive, run_launcher
 
@@ -373,7 +373,7 @@ def test_two_processes_publish_a_sharded_model_each_writing_its_own_files(child_
   # depend on the layout).
   mesh = mesh_lib.make_mesh(1, -1)
   model = sharded.create_sharded_model(config.preset("tiny"), mesh, seed=0, log_table=False)
-  plan = hf_io.write_plan(model.cfg, "bfloat16", 4 << 30, writers=2)
+  plan = hf_export.write_plan(model.cfg, "bfloat16", 4 << 30, writers=2)
   assert {f.writer for f in plan} == {0, 1}  # each process has files to write
   assert sorted(os.listdir(root)) == ["v3", "v5"]  # v4, v6 refused whole, no temporary folder
   written = sorted(f for f in os.listdir(root / "v3") if f.endswith(".safetensors"))
@@ -383,13 +383,13 @@ def test_two_processes_publish_a_sharded_model_each_writing_its_own_files(child_
   assert hf_delta.base_version(str(root / "v5")) == "3"
   deltas = sorted(os.listdir(root / "v5" / hf_delta.DELTA_DIR))
   assert deltas == sorted([hf_delta.MANIFEST, *written])
-  v3, v5 = hf_io.TensorIndex(str(root / "v3")), hf_io.TensorIndex(str(root / "v5"))
+  v3, v5 = hf_load.TensorIndex(str(root / "v3")), hf_load.TensorIndex(str(root / "v5"))
   changed = dict(hf_delta.apply(str(root / "v5"), v3.read, v5.read))
   assert changed
   for name in v5.where:
     got = changed.get(name, v3.read(name))
     np.testing.assert_array_equal(got.view(np.uint16), v5.read(name).view(np.uint16))
-  loaded = nnx.to_flat_state(nnx.state(hf_io.load_hf_checkpoint(str(root / "v3")), nnx.Param))
+  loaded = nnx.to_flat_state(nnx.state(hf_load.load_hf_checkpoint(str(root / "v3")), nnx.Param))
   expected = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
   for key, var in loaded:
     want = np.asarray(jax.device_get(expected[key].get_value())).astype(ml_dtypes.bfloat16)
@@ -400,6 +400,6 @@ def test_two_processes_publish_a_sharded_model_each_writing_its_own_files(child_
   assert all("processes [1] could not write their files" in r for r in refused), lines
   assert f"deferred={root / 'v5'}" in lines, lines
   # The deferred v5 holds the changed model's bf16 values.
-  for name, tensor in hf_io.hf_tensors(_changed(model), "bfloat16"):
+  for name, tensor in hf_export.hf_tensors(_changed(model), "bfloat16"):
     np.testing.assert_array_equal(v5.read(name).view(np.uint16), tensor.view(np.uint16))
   assert f"digest={launch_child.bf16_digest(model)}" in lines, lines

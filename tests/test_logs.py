@@ -32,7 +32,7 @@ def test_console_shows_fluxjax_progress_and_file_keeps_everything(tmp_path, rest
   logs.configure(console=console)
   path = logs.add_file(str(tmp_path))
   logging.getLogger("fluxjax.rl.loop").info("step 1/2 | reward 0.5")
-  logging.getLogger("fluxjax.rl.coordinator").debug("eval: answers")
+  logging.getLogger("fluxjax.rl.evaluation").debug("eval: answers")
   logging.getLogger("absl").info("orbax: 58 lines of checkpoint detail")
   logging.getLogger("absl").warning("orbax: internal layout note")
   logging.getLogger("absl").error("orbax: the save failed")

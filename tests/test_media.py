@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from fluxjax.data import pipeline
 from fluxjax.models import media
 from fluxjax.models import processor as vp
-from fluxjax.rollout import prompt, protocol
+from fluxjax.rollout import json_body, prompt, protocol, sampling_params
 from helpers import grey_level, lying_png, video_codec, write_video
 
 _CODEC = video_codec()
@@ -329,17 +329,17 @@ def test_request_media_are_held_to_the_budgets(media_dir):
   cfg = vp.VisionProcessorConfig()
 
   def request(**media_data):
-    return protocol.GenerateRequest("r", protocol.SamplingParams(), **media_data)
+    return protocol.GenerateRequest("r", sampling_params.SamplingParams(), **media_data)
 
-  with pytest.raises(protocol.ProtocolError, match="decompression-bomb"):
+  with pytest.raises(json_body.ProtocolError, match="decompression-bomb"):
     prompt.load_media(request(image_data=[f"data:image/png;base64,{bomb}"]), cfg)
   small = media.MediaLimits(max_image_pixels=100)
-  with pytest.raises(protocol.ProtocolError, match="37x53 image exceeds the limit of 100"):
+  with pytest.raises(json_body.ProtocolError, match="37x53 image exceeds the limit of 100"):
     prompt.load_media(request(image_data=[jpeg]), cfg, small)
   small = media.MediaLimits(max_video_frames=_FRAMES - 1)
-  with pytest.raises(protocol.ProtocolError, match=f"{_FRAMES} frames exceed"):
+  with pytest.raises(json_body.ProtocolError, match=f"{_FRAMES} frames exceed"):
     prompt.load_media(request(video_data=[str(media_dir / "a.mp4")]), cfg, small)
   (image,) = prompt.load_media(request(image_data=[jpeg]), cfg)
   assert image.kind == "image"
-  with pytest.raises(protocol.ProtocolError, match="file not found"):
+  with pytest.raises(json_body.ProtocolError, match="file not found"):
     prompt.load_media(request(image_data=[str(media_dir / ("x" * 64) / "gone.png")]), cfg)

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from fluxjax.models import config as config_lib
-from fluxjax.models import hf_io, vlm
+from fluxjax.models import hf_load, vlm
 from fluxjax.models import tokenizer as tokenizer_lib
 from fluxjax.sharding import axes
 
@@ -24,7 +24,7 @@ def _our_shapes(cfg):
   shapes = {}
   for key, var in nnx.to_flat_state(nnx.state(vlm.abstract_model(cfg), nnx.Param)):
     path = ".".join(map(str, key))
-    stack, template, _ = hf_io._leaf_rule(path)
+    stack, template, _ = hf_load.leaf_rule(path)
     shape = var.get_value().shape
     for i in range(shape[0] if stack else 1):
       shapes[template.format(i)] = int(np.prod(shape[1:] if stack else shape))
@@ -38,7 +38,7 @@ def test_presets_match_transformers_architecture(name):
   hf_cfg = transformers.Qwen2_5_VLConfig(**config_lib.to_hf_dict(cfg))
   with torch.device("meta"):
     hf = transformers.Qwen2_5_VLForConditionalGeneration(hf_cfg)
-  theirs = {hf_io.canonical_hf_name(k): v.numel() for k, v in hf.state_dict().items()}
+  theirs = {hf_load.canonical_hf_name(k): v.numel() for k, v in hf.state_dict().items()}
   if cfg.text.tie_word_embeddings:
     theirs.pop("lm_head.weight", None)
   ours = _our_shapes(cfg)

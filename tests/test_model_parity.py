@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import jax  # noqa: E402
 
-from fluxjax.models import hf_io, vision, vlm  # noqa: E402
+from fluxjax.models import hf_export, hf_load, vision, vlm  # noqa: E402
 from hf_peer import IMG, TOL, VEND, VID, VSTART, random_hf_model  # noqa: E402
 
 
@@ -24,7 +24,7 @@ def peer(tmp_path_factory):
   hf = random_hf_model()
   folder = tmp_path_factory.mktemp("hf_ckpt")
   hf.save_pretrained(folder)
-  ours = hf_io.load_hf_checkpoint(str(folder))
+  ours = hf_load.load_hf_checkpoint(str(folder))
   return hf, ours
 
 
@@ -185,11 +185,13 @@ def test_export_loads_into_transformers(tmp_path, tie):
   """Our export -> from_pretrained gives our logits; sharded export reads back."""
   hf = random_hf_model(tie=tie, seed=7)
   hf.save_pretrained(tmp_path / "src")
-  ours = hf_io.load_hf_checkpoint(str(tmp_path / "src"))
+  ours = hf_load.load_hf_checkpoint(str(tmp_path / "src"))
   assert ours.cfg.text.tie_word_embeddings == tie
   # Perturb our weights so the round trip cannot pass by reading the source back.
   ours.model.norm.weight[...] = ours.model.norm.weight[...] * 1.5
-  hf_io.save_hf_checkpoint(ours, str(tmp_path / "out"), dtype="float32", max_shard_bytes=200_000)
+  hf_export.save_hf_checkpoint(
+    ours, str(tmp_path / "out"), dtype="float32", max_shard_bytes=200_000
+  )
   files = sorted(p.name for p in (tmp_path / "out").iterdir())
   assert "model.safetensors.index.json" in files and "config.json" in files
   assert sum(f.endswith(".safetensors") for f in files) > 1
@@ -204,7 +206,7 @@ def test_export_loads_into_transformers(tmp_path, tie):
   np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
   before, _ = run_hf(hf, ids, types, images=[img])
   assert np.abs(before - want).max() > 1e-3, "export did not carry the perturbed weights"
-  reread = hf_io.load_hf_checkpoint(str(tmp_path / "out"))
+  reread = hf_load.load_hf_checkpoint(str(tmp_path / "out"))
   np.testing.assert_allclose(run_ours(reread, ids, pos, [img]), got, atol=1e-6, rtol=0)
 
 
@@ -223,7 +225,7 @@ def test_load_into_sharded_arrays(peer, tmp_path, devices):
     if dim is not None:
       spec[dim] = "fsdp"
     shardings[key] = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-  sharded = hf_io.load_hf_checkpoint(str(tmp_path), shardings=shardings)
+  sharded = hf_load.load_hf_checkpoint(str(tmp_path), shardings=shardings)
   want = dict(nnx.to_flat_state(nnx.state(ours, nnx.Param)))
   n_sharded = 0
   for key, var in nnx.to_flat_state(nnx.state(sharded, nnx.Param)):

@@ -30,7 +30,7 @@ from fluxjax.parallel import train_step
 from fluxjax.rl import coordinator as coordinator_lib
 from fluxjax.rl import loop, metrics, reward_pool, trajectories
 from fluxjax.rollout import backend as backend_lib
-from fluxjax.rollout import embedded, protocol
+from fluxjax.rollout import embedded, sampling_params
 from fluxjax.rollout import engine as engine_lib
 from fluxjax.rollout.protocol import GenerateRequest
 from fluxjax.settings import Settings
@@ -109,7 +109,7 @@ def test_the_engine_refuses_nonfinite_logits(model, steps):
     prefill_buckets=(16, 64),
     num_continuous_decode_steps=steps,
   )
-  sp = protocol.SamplingParams.from_dict(
+  sp = sampling_params.SamplingParams.from_dict(
     {"max_new_tokens": 20, "temperature": 1.0, "ignore_eos": True}
   )
   nan = jax.tree.map(lambda x: np.full(x.shape, np.nan, x.dtype), nnx.split(model)[1])

@@ -1,7 +1,9 @@
 """The rollout producer: rounds in a thread, each kept group scored and handed over."""
 
+import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import fault_rewards
 from fluxjax import config_args
@@ -10,9 +12,27 @@ from fluxjax.data.meta import SampleMeta
 from fluxjax.rl import async_control, reward_pool, tail_batching
 from fluxjax.rl import producer as producer_lib
 from fluxjax.rollout.protocol import GenerateRequest
-from helpers import OVER_CONTEXT, Act, InstantRewards, ScriptedRollout, decode, rid_key
+from helpers import OVER_CONTEXT, Act, InstantRewards, ListLoader, ScriptedRollout, decode, rid_key
 
 FAULTS = config_args.load_config().faults
+
+
+@dataclasses.dataclass
+class _Requests:
+  """The producer's `RequestSource` without a tokenizer: a prompt is a token list."""
+
+  prompt_fn: Callable = lambda sample: [1, 2, 3]
+  max_new_tokens: Callable = lambda sample: 4
+  prompt_budget: int = 16
+
+  def prompt(self, sample):
+    return self.prompt_fn(sample)
+
+  def request(self, sample, prompt, index=0, greedy=False):
+    return GenerateRequest.of(list(prompt), {"max_new_tokens": self.max_new_tokens(sample)})
+
+  def decode(self, ids, skip_special_tokens):
+    return decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def _faults(**limits) -> dict:
@@ -55,7 +75,6 @@ def test_a_late_speculative_response_of_a_forgotten_prompt_does_not_fail_the_rou
   round must go on: the late response is discarded, not scored, not a fault."""
   P, R = 2, 2
   samples = [SampleMeta(uid=i, id=f"s{i}", prompt="p", answer="a") for i in range(3)]
-  batches = [samples]
   # 3 prompts x 3 responses launched, 2 x 2 kept: prompt 0 is kept at once,
   # its late third response lands while prompts 1 and 2 still decode.
   rollout = late_speculation(("0", "2"), late_s=0.5, slow_s=1.5)
@@ -66,11 +85,8 @@ def test_a_late_speculative_response_of_a_forgotten_prompt_does_not_fail_the_rou
     # Flexes as published: speculative responses, the first R kept.
     tail_batching.TailBatcher(P, R, eta=1.5, recycle=False),
     async_control.AdmissionController(P, "sync"),
-    next_samples=lambda: batches.pop(0) if batches else [],
-    make_request=lambda sample, prompt, j: GenerateRequest.of([1, 2, 3], {"max_new_tokens": 4}),
-    prompt_fn=lambda sample: [1, 2, 3],
-    decode=decode,
-    max_prompt_tokens=16,
+    ListLoader(samples),
+    _Requests(),
     **_faults(),
   )
   producer.batcher.start_epoch([])
@@ -79,7 +95,7 @@ def test_a_late_speculative_response_of_a_forgotten_prompt_does_not_fail_the_rou
     got = []
     while len(got) < P:
       item = producer.out.get(timeout=30)
-      assert not isinstance(item, BaseException), item
+      assert not isinstance(item, producer_lib.Stopped), item
       if isinstance(item, producer_lib.KeptGroup):
         got.append(item)
         producer.done_with([item.sample.uid])  # trained: the producer forgets it
@@ -111,19 +127,14 @@ def test_recycled_responses_are_scored_whole_and_survive_a_snapshot():
   samples = [SampleMeta(uid=i, id=f"s{i}", prompt="p", answer="a") for i in range(3)]
   lengths = {0: 4, 1: 5, 2: 200}
 
-  def make(batches, rollout, rewards):
+  def make(samples, rollout, rewards):
     return producer_lib.Producer(
       rollout,
       rewards,
       tail_batching.TailBatcher(P, R, eta=1.5),
       async_control.AdmissionController(P, "sync"),
-      next_samples=lambda: batches.pop(0) if batches else [],
-      make_request=lambda sample, prompt, j: GenerateRequest.of(
-        [1, 2, 3], {"max_new_tokens": lengths[sample.uid]}
-      ),
-      prompt_fn=lambda sample: [1, 2, 3],
-      decode=decode,
-      max_prompt_tokens=16,
+      ListLoader(samples),
+      _Requests(max_new_tokens=lambda sample: lengths[sample.uid]),
       **_faults(),
     )
 
@@ -131,19 +142,19 @@ def test_recycled_responses_are_scored_whole_and_survive_a_snapshot():
     got = []
     while True:
       item = producer.out.get(timeout=30)
-      assert not isinstance(item, BaseException), item
+      assert not isinstance(item, producer_lib.Stopped), item
       if isinstance(item, producer_lib.RoundEnd):
         return got, item.stats
       got.append(item)
 
-  first = make([samples], ScriptedRollout(tick=2e-3), InstantRewards(length))
+  first = make(samples, ScriptedRollout(tick=2e-3), InstantRewards(length))
   first.batcher.start_epoch([])
   first.start()
   try:
     got, stats = drain(first)
     assert sorted(k.sample.uid for k in got) == [0, 1]
-    assert stats["tokens_discarded"] == 0 and stats["tokens_carried"] > 0
-    snap = first.snapshot(lambda: {}, consumed={0, 1})
+    assert stats.tokens_discarded == 0 and stats.tokens_carried > 0
+    snap = first.snapshot(consumed={0, 1})
   finally:
     first.stop()
   carried = {(p, j): n for p, j, _, c in snap["batcher"]["carried"] for n in [len(c["output_ids"])]}
@@ -159,7 +170,7 @@ def test_recycled_responses_are_scored_whole_and_survive_a_snapshot():
   finally:
     second.stop()
   (kept,) = got
-  assert kept.sample.uid == 2 and stats["resumed"] == 2 and stats["tokens_discarded"] == 0
+  assert kept.sample.uid == 2 and stats.resumed == 2 and stats.tokens_discarded == 0
   for j, c in enumerate(kept.group.completions):
     assert c.output_ids == [pos % 97 for pos in range(3, 203)]
     assert c.segments == 2
@@ -170,22 +181,15 @@ def test_recycled_responses_are_scored_whole_and_survive_a_snapshot():
   )
 
 
-def _producer(
-  samples, rewards, P, R, *, prompt_fn, released=None, rollout=None, admission=None, **limits
-):
-  """A producer over one loader batch of `samples` on the token backend."""
-  batches = [samples]
+def _producer(loader, rewards, P, R, *, prompt_fn, rollout=None, admission=None, **limits):
+  """A producer over `loader`'s samples on the token backend."""
   return producer_lib.Producer(
     rollout or ScriptedRollout(tick=1e-4),
     rewards,
     tail_batching.TailBatcher(P, R, eta=1.0),
     admission or async_control.AdmissionController(P, "sync"),
-    next_samples=lambda: batches.pop(0) if batches else [],
-    make_request=lambda sample, prompt, j: GenerateRequest.of(prompt, {"max_new_tokens": 4}),
-    prompt_fn=prompt_fn,
-    decode=decode,
-    max_prompt_tokens=16,
-    release=(released.extend if released is not None else lambda samples: None),
+    loader,
+    _Requests(prompt_fn=prompt_fn),
     **_faults(**limits),
   )
 
@@ -194,7 +198,7 @@ def _kept_until_round_end(producer) -> list:
   kept = []
   while True:
     item = producer.out.get(timeout=30)
-    assert not isinstance(item, BaseException), item
+    assert not isinstance(item, producer_lib.Stopped), item
     if isinstance(item, producer_lib.RoundEnd):
       return kept
     kept.append(item)
@@ -223,14 +227,12 @@ def test_a_prompt_that_fails_to_build_is_a_counted_logged_skip(caplog):
     SampleMeta(uid=1, id="s1", prompt="untokenizable", answer="a"),
     SampleMeta(uid=2, id="s2", prompt="p", answer="a"),
   ]
-  released = []
-  producer = _producer(
-    samples, InstantRewards(length), 2, 2, prompt_fn=_tokenize, released=released
-  )
+  loader = ListLoader(samples)
+  producer = _producer(loader, InstantRewards(length), 2, 2, prompt_fn=_tokenize)
   (kept,) = _rounds(producer)
   assert sorted(k.sample.id for k in kept) == ["s0", "s2"]
   assert producer.prompt_errors.total == 1
-  assert [s.id for s in released] == ["s1"]
+  assert [s.id for s in loader.released] == ["s1"]
   assert 1 not in producer.samples and 1 not in producer.prompts
   assert any(
     "skipping sample s1" in r.getMessage() and "UnicodeEncodeError" in r.getMessage()
@@ -241,13 +243,17 @@ def test_a_prompt_that_fails_to_build_is_a_counted_logged_skip(caplog):
 def test_prompts_failing_in_a_row_stop_the_run():
   """A tokenizer that fails on everything is a bug, not a dataset of bad samples."""
   samples = [SampleMeta(uid=i, id=f"s{i}", prompt="untokenizable", answer="a") for i in range(4)]
-  producer = _producer(samples, InstantRewards(length), 2, 2, prompt_fn=_tokenize, prompt_errors=3)
+  producer = _producer(
+    ListLoader(samples), InstantRewards(length), 2, 2, prompt_fn=_tokenize, prompt_errors=3
+  )
   producer.batcher.start_epoch([])
   producer.start()
   try:
-    error = producer.out.get(timeout=30)
+    stopped = producer.out.get(timeout=30)
   finally:
     producer.stop()
+  assert isinstance(stopped, producer_lib.Stopped), stopped
+  error = stopped.error
   assert isinstance(error, RuntimeError), error
   assert "3 prompts in a row failed to build" in str(error) and "s2" in str(error)
   assert producer.prompt_errors.total == 3
@@ -258,7 +264,7 @@ def test_rewards_that_raise_or_are_not_finite_score_zero_and_the_producer_goes_o
   answers = {"s0": "raise", "s1": "nan", "s2": "inf", "s3": "1"}
   samples = [SampleMeta(uid=i, id=f"s{i}", prompt="p", answer=answers[f"s{i}"]) for i in range(4)]
   with reward_pool.RewardScheduler(num_workers=1, fn=fault_rewards.fail_on_marked_answers) as rs:
-    producer = _producer(samples, rs, 4, 2, prompt_fn=lambda sample: [1, 2, 3])
+    producer = _producer(ListLoader(samples), rs, 4, 2, prompt_fn=lambda sample: [1, 2, 3])
     (kept,) = _rounds(producer)
     metrics = rs.metrics()
   rewards = {k.sample.id: k.group.rewards for k in kept}
@@ -275,14 +281,13 @@ def test_a_prompt_the_backend_refuses_is_a_counted_skip_and_its_place_refilled(c
   another prompt take its place."""
   caplog.set_level(logging.WARNING, logger="fluxjax.rl.producer")
   samples = [SampleMeta(uid=i, id=f"s{i}", prompt="p", answer="a") for i in range(3)]
-  released = []
+  loader = ListLoader(samples)
   producer = _producer(
-    samples,
+    loader,
     InstantRewards(length),
     2,
     2,
     prompt_fn=lambda sample: [1, 9] if sample.id == "s1" else [1, 2],
-    released=released,
     # Refuses every request whose prompt holds token 9 (over the server's context).
     rollout=ScriptedRollout(
       lambda r, g: Act(refuse=OVER_CONTEXT) if 9 in r.input_ids else Act(), tick=1e-4
@@ -292,7 +297,7 @@ def test_a_prompt_the_backend_refuses_is_a_counted_skip_and_its_place_refilled(c
   assert [k.sample.id for k in first] == ["s0"] and [k.sample.id for k in second] == ["s2"]
   assert producer.counts["data/skipped/rejected"] == 1
   assert producer.failed_rounds.total == 0
-  assert [s.id for s in released] == ["s1"] and 1 not in producer.samples
+  assert [s.id for s in loader.released] == ["s1"] and 1 not in producer.samples
   assert "skipping sample s1: the rollout backend refused its request" in caplog.text
 
 
@@ -300,26 +305,18 @@ def test_a_loader_that_raises_stop_iteration_ends_the_stream():
   """The real loader ends its last epoch with StopIteration (not []), raised
   in an executor thread: the producer must see the end of the data, not hang."""
   samples = [SampleMeta(uid=i, id=f"s{i}", prompt="p", answer="a") for i in range(2)]
-  batches = [samples]
-
-  def next_samples():
-    if not batches:
-      raise StopIteration
-    return batches.pop(0)
-
   producer = _producer(
-    samples,
+    ListLoader(samples, stop_at_end=True),
     InstantRewards(length),
     2,
     2,
     prompt_fn=_tokenize,
     admission=async_control.AdmissionController(2, "fixed", fixed_lag=1),
   )
-  producer.next_samples = next_samples
   producer.batcher.start_epoch([])
   producer.start()
   try:
     assert sorted(k.sample.id for k in _kept_until_round_end(producer)) == ["s0", "s1"]
-    assert isinstance(producer.out.get(timeout=30), StopIteration)
+    assert isinstance(producer.out.get(timeout=30), producer_lib.DataEnd)
   finally:
     producer.stop()

@@ -6,10 +6,11 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
-from fluxjax.rollout import protocol
-from fluxjax.rollout.protocol import Completion, GenerateRequest, SamplingParams
+from fluxjax.rollout import json_body, protocol, sampling_params
+from fluxjax.rollout.protocol import Completion, GenerateRequest
+from fluxjax.rollout.sampling_params import SamplingParams
 
-ids = st.lists(st.integers(0, protocol.MAX_TOKEN_ID), min_size=1, max_size=8)
+ids = st.lists(st.integers(0, sampling_params.MAX_TOKEN_ID), min_size=1, max_size=8)
 sampling = st.fixed_dictionaries(
   {},
   optional={
@@ -22,7 +23,7 @@ sampling = st.fixed_dictionaries(
     "ignore_eos": st.booleans(),
     "skip_special_tokens": st.booleans(),
     "no_stop_trim": st.booleans(),
-    "sampling_seed": st.integers(0, protocol.SEED_LIMIT - 1),
+    "sampling_seed": st.integers(0, sampling_params.SEED_LIMIT - 1),
     "logit_bias": st.dictionaries(st.integers(0, 1000).map(str), st.floats(-100, 100), max_size=3),
   },
 )
@@ -60,11 +61,11 @@ def test_a_continued_request_asks_for_the_rest():
 
 
 def test_a_request_is_refused_where_it_is_built():
-  with pytest.raises(protocol.ProtocolError, match="unknown sampling"):
+  with pytest.raises(json_body.ProtocolError, match="unknown sampling"):
     GenerateRequest.of([1], {"seed": 1})
-  with pytest.raises(protocol.ProtocolError, match="input_ids"):
+  with pytest.raises(json_body.ProtocolError, match="input_ids"):
     GenerateRequest.of([], {})
-  with pytest.raises(protocol.ProtocolError, match="top_p"):
+  with pytest.raises(json_body.ProtocolError, match="top_p"):
     GenerateRequest.of([1], {"top_p": 0.0})
 
 

@@ -35,9 +35,9 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from fluxjax.models import config, hf_io, vlm
+from fluxjax.models import config, hf_export, hf_load, vlm
 from fluxjax.rollout import fleet as fleet_lib
-from fluxjax.rollout import publish
+from fluxjax.rollout import launcher, publish
 from helpers import server_env
 
 SHARD_BYTES = 400_000  # the tiny model in float32 spans several shards
@@ -55,7 +55,7 @@ def random_model(seed: int) -> vlm.Qwen25VL:
 
 def assert_holds(path: str, model: vlm.Qwen25VL) -> None:
   """The folder loads, and holds exactly `model`'s parameters."""
-  loaded = hf_io.load_hf_checkpoint(path)
+  loaded = hf_load.load_hf_checkpoint(path)
   expected = nnx.to_flat_state(nnx.state(model, nnx.Param))
   got = dict(nnx.to_flat_state(nnx.state(loaded, nnx.Param)))
   for key, var in expected:
@@ -92,7 +92,7 @@ def folders(tmp_path_factory):
   """Two good versions, several shards each: {seed: folder}."""
   root = tmp_path_factory.mktemp("versions")
   return {
-    seed: hf_io.save_hf_checkpoint(
+    seed: hf_export.save_hf_checkpoint(
       random_model(seed), str(root / f"m{seed}"), dtype="float32", max_shard_bytes=SHARD_BYTES
     )
     for seed in (1, 2)
@@ -103,7 +103,7 @@ def folders(tmp_path_factory):
 def url(folders):
   cmd = ["python", "-m", "fluxjax.rollout.server", "--model-path", folders[1]]
   cmd += ["--weight-version", "1", "--num-slots", "2", "--context-length", "64"]
-  launched = fleet_lib.launch_servers(cmd, 1, env=server_env(), timeout_s=120)
+  launched = launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=120)
   yield launched.urls[0]
   launched.stop()
 
@@ -116,13 +116,15 @@ def test_a_failed_write_publishes_nothing_and_the_fleet_keeps_its_version(
   url, tmp_path, monkeypatch
 ):
   monkeypatch.setattr(
-    hf_io, "save_hf_checkpoint", partial(hf_io.save_hf_checkpoint, max_shard_bytes=SHARD_BYTES)
+    hf_export,
+    "save_hf_checkpoint",
+    partial(hf_export.save_hf_checkpoint, max_shard_bytes=SHARD_BYTES),
   )
   first, second = random_model(1), random_model(2)
   root = str(tmp_path)
   written = []
 
-  class ThirdFileFindsTheDiskFull(hf_io.ShardWriter):
+  class ThirdFileFindsTheDiskFull(hf_export.ShardWriter):
     def __init__(self, path, shapes, dtype):
       super().__init__(path, shapes, dtype)
       written.append(path)
@@ -139,7 +141,7 @@ def test_a_failed_write_publishes_nothing_and_the_fleet_keeps_its_version(
     async with fleet:
       good = await fleet.publish(first, 1)
       before = served(url)
-      monkeypatch.setattr(hf_io, "ShardWriter", ThirdFileFindsTheDiskFull)
+      monkeypatch.setattr(hf_export, "ShardWriter", ThirdFileFindsTheDiskFull)
       failed = await fleet.publish(second, 2)
       kept = served(url), fleet.published, sorted(os.listdir(root))
       monkeypatch.undo()
@@ -220,12 +222,12 @@ import os, resource, signal, sys, threading
 from functools import partial
 sys.path.insert(0, sys.argv[3])
 from test_publish_faults import SHARD_BYTES, random_model
-from fluxjax.models import hf_io
+from fluxjax.models import hf_export
 from fluxjax.rollout import publish
 
 scenario, root = sys.argv[1], sys.argv[2]
-hf_io.save_hf_checkpoint = partial(hf_io.save_hf_checkpoint, max_shard_bytes=SHARD_BYTES)
-Writer, replace = hf_io.ShardWriter, os.replace
+hf_export.save_hf_checkpoint = partial(hf_export.save_hf_checkpoint, max_shard_bytes=SHARD_BYTES)
+Writer, replace = hf_export.ShardWriter, os.replace
 model = random_model(2)
 opened = []
 
@@ -257,14 +259,14 @@ def aside_then_wait(src, dst):
 
 if scenario == "mid_write":
   signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-  hf_io.ShardWriter = ThirdFileRefused
+  hf_export.ShardWriter = ThirdFileRefused
   try:
     publish.write_checkpoint(model, root, 2, dtype="float32")
     print("written", flush=True)
   except OSError as e:
     print("error", e.errno, sorted(os.listdir(root)), flush=True)
   opened.clear()
-  hf_io.ShardWriter = ThirdFileThenWait
+  hf_export.ShardWriter = ThirdFileThenWait
   publish.write_checkpoint(model, root, 2, dtype="float32")
 else:  # v1 written again, stopped between its two renames
   os.replace = aside_then_wait
@@ -295,7 +297,9 @@ def lines_until_stopped(child: subprocess.Popen) -> list[str]:
 def test_a_writer_killed_mid_publish_leaves_the_previous_version(tmp_path, monkeypatch):
   """Both kills run at once in two children; each writes its own root."""
   monkeypatch.setattr(
-    hf_io, "save_hf_checkpoint", partial(hf_io.save_hf_checkpoint, max_shard_bytes=SHARD_BYTES)
+    hf_export,
+    "save_hf_checkpoint",
+    partial(hf_export.save_hf_checkpoint, max_shard_bytes=SHARD_BYTES),
   )
   first, second = random_model(1), random_model(2)
   script = tmp_path / "child.py"

@@ -13,7 +13,7 @@ from flax import nnx
 from fluxjax.models import config, inputs, processor, vlm
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import engine as engine_lib
-from fluxjax.rollout import protocol
+from fluxjax.rollout import json_body, protocol, sampling_params
 
 LOGPROB_TOL = 1e-4
 
@@ -41,7 +41,7 @@ def text_seq(cfg, n, seed):
 
 
 def params(**kw):
-  return protocol.SamplingParams.from_dict(kw)
+  return sampling_params.SamplingParams.from_dict(kw)
 
 
 _forward = nnx.jit(lambda m, row: m.logits(row))
@@ -166,7 +166,7 @@ def test_abort_returns_partial_output(model, engine):
 
 
 def test_prompt_longer_than_context_is_rejected(model, engine):
-  with pytest.raises(protocol.ProtocolError, match="longer than"):
+  with pytest.raises(json_body.ProtocolError, match="longer than"):
     engine.submit(engine_lib.EngineRequest("long", text_seq(model.cfg, 96, 0), params()))
   # max_new_tokens is clipped to the context that is left.
   (r,) = run(engine, [text_seq(model.cfg, 90, 1)], params(max_new_tokens=50, temperature=0), "clip")
@@ -210,7 +210,7 @@ def test_embedded_backend_from_config_and_in_process_publish(model, tok):
       slots1 = backend.slot_stats()
       report = publish.publish_in_process([backend], vlm.create_model(model.cfg, seed=2), 5)
       after = await backend.generate(body)
-      with pytest.raises(protocol.ProtocolError, match="unknown sampling"):
+      with pytest.raises(json_body.ProtocolError, match="unknown sampling"):
         protocol.GenerateRequest.of(ids, {"seed": 1})  # refused where it is built
       # The protocol's publish: the original weights back, as version 6.
       restored = await backend.publish(model, 6)
@@ -293,12 +293,12 @@ def test_logit_bias_bans_and_forces_tokens(model, engine):
   assert forced.output_ids == [17] * 5
   np.testing.assert_allclose(forced.output_logprobs, 0.0, atol=1e-4)
   too_many = {str(i): -1.0 for i in range(engine.max_logit_bias + 1)}
-  with pytest.raises(protocol.ProtocolError, match="at most"):
+  with pytest.raises(json_body.ProtocolError, match="at most"):
     engine.submit(engine_lib.EngineRequest("lb3", seq, params(logit_bias=too_many)))
-  with pytest.raises(protocol.ProtocolError, match="vocab_size"):
+  with pytest.raises(json_body.ProtocolError, match="vocab_size"):
     engine.submit(engine_lib.EngineRequest("lb4", seq, params(logit_bias={"100000": 1.0})))
   for bad in ({"x": 1.0}, {"-1": 1.0}, {"3": "big"}, [1, 2]):
-    with pytest.raises(protocol.ProtocolError, match="logit_bias"):
+    with pytest.raises(json_body.ProtocolError, match="logit_bias"):
       params(logit_bias=bad)
 
 

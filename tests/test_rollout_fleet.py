@@ -17,7 +17,7 @@ from flax import nnx
 
 from fluxjax import config_args
 from fluxjax.models import config, vlm
-from fluxjax.rollout import factory, publish
+from fluxjax.rollout import factory, launcher, publish
 from fluxjax.rollout import fleet as fleet_lib
 from helpers import TINY_SERVER, server_env
 from helpers import generate_request as body
@@ -71,16 +71,16 @@ def random_model(seed: int) -> vlm.Qwen25VL:
 
 
 def test_launched_servers_get_glibc_malloc_on_huge_pages(launched):
-  """Each launched process runs with fleet_lib.MALLOC_TUNABLES; a setting the
+  """Each launched process runs with launcher.MALLOC_TUNABLES; a setting the
   caller made is kept and a hugetlb choice of its own is not overridden."""
   for proc in launched.procs:
     with open(f"/proc/{proc.pid}/environ", "rb") as f:
       environ = f.read().split(b"\0")
-    assert f"GLIBC_TUNABLES={fleet_lib.MALLOC_TUNABLES}".encode() in environ
-  env = fleet_lib.server_process_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
-  assert env["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{fleet_lib.MALLOC_TUNABLES}"
+    assert f"GLIBC_TUNABLES={launcher.MALLOC_TUNABLES}".encode() in environ
+  env = launcher.server_process_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+  assert env["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{launcher.MALLOC_TUNABLES}"
   own = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
-  assert fleet_lib.server_process_env(own) == own
+  assert launcher.server_process_env(own) == own
 
 
 def test_publish_reaches_every_server(launched, tmp_path):

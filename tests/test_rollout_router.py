@@ -16,6 +16,7 @@ from flax import nnx
 
 from fluxjax.models import config, vlm
 from fluxjax.rollout import fleet as fleet_lib
+from fluxjax.rollout import launcher
 from fluxjax.rollout import router as router_lib
 from fluxjax.rollout.protocol import GenerateRequest
 from helpers import TINY_SERVER, server_env
@@ -40,7 +41,7 @@ ROUTER = [
 @pytest.fixture(scope="module")
 def routed(tmp_path_factory):
   logs = tmp_path_factory.mktemp("logs")
-  servers = fleet_lib.launch_servers(TINY_SERVER, 2, env=server_env(), timeout_s=180, log_dir=logs)
+  servers = launcher.launch_servers(TINY_SERVER, 2, env=server_env(), timeout_s=180, log_dir=logs)
   try:
     servers.router = router_lib.launch_router(ROUTER, servers.urls, log_dir=str(logs))
     # Each process writes to its own file in the run's log folder.
@@ -172,7 +173,7 @@ def test_a_worker_added_later_that_preprocesses_otherwise_is_taken_out(routed):
 
   theirs = asyncio.run(limits())
   frames = str(theirs["video_max_frames"] + 1)
-  other = fleet_lib.launch_servers(
+  other = launcher.launch_servers(
     [*TINY_SERVER, "--video-max-frames", frames], 1, env=server_env(), timeout_s=180
   )
 
@@ -200,7 +201,7 @@ def test_a_worker_added_later_that_preprocesses_otherwise_is_taken_out(routed):
 def test_a_router_that_lists_no_worker_is_waited_for_then_named():
   """A router adds the workers it was started with only once they answer; the
   fleet waits `workers_timeout_s` for one, then names the router and the wait."""
-  port = fleet_lib.free_port("127.0.0.1")  # nothing listens there
+  port = launcher.free_port("127.0.0.1")  # nothing listens there
   router = router_lib.launch_router(ROUTER, [f"http://127.0.0.1:{port}"])
   try:
 

@@ -18,11 +18,11 @@ import pytest
 from flax import nnx
 from PIL import Image
 
-from fluxjax.models import chat, config, hf_io, inputs, media, processor, vlm
+from fluxjax.models import chat, config, hf_export, hf_load, inputs, media, processor, vlm
 from fluxjax.models import tokenizer as tokenizer_lib
 from fluxjax.rollout import client as client_lib
 from fluxjax.rollout import fleet as fleet_lib
-from fluxjax.rollout import protocol, publish
+from fluxjax.rollout import json_body, launcher, protocol, publish, sampling_params
 from fluxjax.rollout.protocol import GenerateRequest
 from helpers import SERVER_CONTEXT, server_env
 
@@ -54,7 +54,7 @@ def http(url, path, body=None, method=None):
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory, tiny_model):
   path = str(tmp_path_factory.mktemp("rollout") / "v0")
-  hf_io.save_hf_checkpoint(
+  hf_export.save_hf_checkpoint(
     tiny_model, path, dtype="float32", extra_files={"tokenizer.json": tokenizer_lib.ASSET_PATH}
   )
   return path
@@ -62,7 +62,7 @@ def ckpt(tmp_path_factory, tiny_model):
 
 @pytest.fixture(scope="module")
 def model(ckpt):
-  return hf_io.load_hf_checkpoint(ckpt)
+  return hf_load.load_hf_checkpoint(ckpt)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def url(ckpt):
     "--video-max-pixels",
     str(PIXELS),
   ]
-  launched = fleet_lib.launch_servers(cmd, 1, env=server_env(), timeout_s=120)
+  launched = launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=120)
   yield launched.urls[0]
   launched.stop()
 
@@ -373,11 +373,11 @@ def test_weight_update_changes_outputs_and_version(url, ckpt, tmp_path):
 
 
 def test_protocol_rejects_unsupported_sampling_values():
-  with pytest.raises(protocol.ProtocolError, match="not supported"):
-    protocol.SamplingParams.from_dict({"n": 2})
-  sp = protocol.SamplingParams.from_dict({"temperature": 0.0})
+  with pytest.raises(json_body.ProtocolError, match="not supported"):
+    sampling_params.SamplingParams.from_dict({"n": 2})
+  sp = sampling_params.SamplingParams.from_dict({"temperature": 0.0})
   assert sp.greedy and sp.temperature == 1.0
-  assert protocol.SamplingParams.from_dict({}).max_new_tokens == 128
+  assert sampling_params.SamplingParams.from_dict({}).max_new_tokens == 128
 
 
 def test_generate_fields_are_used_ignored_or_refused_as_documented():
@@ -392,7 +392,7 @@ def test_generate_fields_are_used_ignored_or_refused_as_documented():
   reqs, _ = protocol.parse_generate({"input_ids": ids, **protocol.DEFAULT_ONLY_FIELDS})
   assert reqs[0].input_ids == ids
   for key in protocol.DEFAULT_ONLY_FIELDS:
-    with pytest.raises(protocol.ProtocolError, match=key):
+    with pytest.raises(json_body.ProtocolError, match=key):
       protocol.parse_generate({"input_ids": ids, key: 3})
 
 

@@ -29,7 +29,7 @@ from schemathesis import checks
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import client as client_lib
 from fluxjax.rollout import fleet as fleet_lib
-from fluxjax.rollout import openapi, protocol, server
+from fluxjax.rollout import launcher, openapi, protocol, sampling_params, server
 from helpers import SERVER_CONTEXT, TINY_SERVER, generate_body, generate_request, server_env
 
 CONTEXT = SERVER_CONTEXT
@@ -64,7 +64,7 @@ def url(fd_limit):
     "--idle-timeout",
     str(IDLE_TIMEOUT),
   ]
-  launched = fleet_lib.launch_servers(cmd, 1, env=server_env(), timeout_s=120)
+  launched = launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=120)
   yield launched.urls[0]
   launched.stop()
 
@@ -215,7 +215,7 @@ def test_openapi_describes_exactly_the_served_routes(url):
   fields = spec["components"]["schemas"]["GenerateReqInput"]["properties"]
   assert set(fields) == protocol.GENERATE_FIELDS
   sampling = spec["components"]["schemas"]["SamplingParams"]["properties"]
-  assert set(sampling) == set(protocol.SAMPLING_DEFAULTS)
+  assert set(sampling) == set(sampling_params.SAMPLING_DEFAULTS)
 
 
 def test_body_over_the_limit_is_413_before_it_is_read(url):

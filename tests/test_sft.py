@@ -18,7 +18,7 @@ from flax import nnx
 
 from fluxjax import config_args
 from fluxjax.data import drawing, readers
-from fluxjax.models import hf_io, inputs, processor, sharded
+from fluxjax.models import hf_load, inputs, processor, sharded
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import train_step
 from fluxjax.rl import base_card, loop, preemption, reward_fns, sft
@@ -276,5 +276,5 @@ def test_a_killed_pretraining_resumes_to_the_same_base(tmp_path, monkeypatch, ca
   c.model.hf_path = str(cut / "base")
   validated = loop.validate(c)
   assert validated.cfg.image_token_id == validated.tokenizer.image_pad_id
-  model = hf_io.load_hf_checkpoint(c.model.hf_path, validated.cfg)
+  model = hf_load.load_hf_checkpoint(c.model.hf_path, validated.cfg)
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state(model)))

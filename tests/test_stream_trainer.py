@@ -26,7 +26,7 @@ from fluxjax.parallel import train_step
 from fluxjax.parallel.stream_trainer import StreamTrainer
 from fluxjax.rl import losses, trajectories
 from fluxjax.rollout import engine as engine_lib
-from fluxjax.rollout import protocol
+from fluxjax.rollout import sampling_params
 from helpers import PATCHES, completion, make_strategy, mixed_batch
 from helpers import TINY as CFG
 
@@ -284,7 +284,7 @@ def test_on_policy_importance_weights_are_one_at_the_sampling_temperature(
       engine_lib.EngineRequest(
         f"t{g}{j}",
         prompt,
-        protocol.SamplingParams.from_dict(
+        sampling_params.SamplingParams.from_dict(
           {"max_new_tokens": 6, "temperature": temperature, "sampling_seed": 11 + 2 * g + j}
         ),
       )

@@ -207,8 +207,8 @@ def test_run_round_against_fake_rollout():
     )
     # The short round ends before prompt 3's 600 ms responses could finish
     # (about 0.1 s alone; a loaded 2-core machine has taken 0.48 s).
-    assert res.stats["wall_s"] < 0.6 and res.stats["max_kept_len"] <= 10
-    assert res.stats["aborted"] == len(rollout.aborts) > 0
+    assert res.stats.wall_s < 0.6 and res.stats.max_kept_len <= 10
+    assert res.stats.aborted == len(rollout.aborts) > 0
     rest = []
     while (r := await rd.run_round(rollout, b, make)) is not None:
       rest.append(r)
@@ -227,12 +227,12 @@ def test_round_slot_statistics_come_from_the_backends_counters():
   res = asyncio.run(rd.run_round(ScriptedRollout(num_slots=8), b, make, decode=decode))
   # 2 x 3 + 2 x 4 tokens = 14 decode steps; each response's first token is
   # the prefill's, so 2 x 2 + 2 x 3 = 10 busy slot-steps of 14 x 8.
-  assert res.stats["decode_steps"] == 14
-  assert res.stats["slot_idle_fraction"] == pytest.approx(1.0 - 10 / (14 * 8))
+  assert res.stats.decode_steps == 14
+  assert res.stats.slot_idle_fraction == pytest.approx(1.0 - 10 / (14 * 8))
   b = tb.TailBatcher(2, 2, 1.0)
   b.start_epoch(range(2))
   res = asyncio.run(rd.run_round(ScriptedRollout(), b, make, decode=decode))
-  assert "decode_steps" not in res.stats and "slot_idle_fraction" not in res.stats
+  assert res.stats.decode_steps is None and res.stats.slot_idle_fraction is None
 
 
 def test_failed_round_keeps_what_it_finished_and_requeues_the_rest():
@@ -291,12 +291,12 @@ def test_recycling_continues_aborted_responses_and_discards_nothing():
   short = asyncio.run(rd.run_round(rollout, b, make, version="1", decode=decode))
   assert (len(short.plan.prompts), short.plan.responses) == (5, 2)
   assert sorted(short.groups) == [0, 1, 2] and b.long == [3, 4]
-  assert short.stats["tokens_discarded"] == 0 and short.stats["tokens_carried"] > 0
+  assert short.stats.tokens_discarded == 0 and short.stats.tokens_carried > 0
   paused = {(p, j): c for p, cs in b.carried.items() for j, c in cs.items()}
   assert sorted(paused) == [(3, 0), (3, 1), (4, 0), (4, 1)]
   assert all(not c.finished and c.completion["output_ids"] for c in paused.values())
   carried_tokens = sum(len(c.completion["output_ids"]) for c in paused.values())
-  assert carried_tokens == short.stats["tokens_carried"]
+  assert carried_tokens == short.stats.tokens_carried
 
   # A checkpoint between the rounds keeps the partial responses.
   resumed = tb.TailBatcher(3, 2, 1.5)
@@ -306,8 +306,8 @@ def test_recycling_continues_aborted_responses_and_discards_nothing():
   sent = len(rollout.requests)
   rest = asyncio.run(rd.run_round(rollout, resumed, make, version="2", decode=decode))
   assert rest.plan.kind == "long" and sorted(rest.groups) == [3, 4, 5]
-  assert rest.stats["resumed"] == 4 and rest.stats["tokens_resumed"] == carried_tokens
-  assert rest.stats["tokens_discarded"] == 0
+  assert rest.stats.resumed == 4 and rest.stats.tokens_resumed == carried_tokens
+  assert rest.stats.tokens_discarded == 0
   for p in (3, 4):
     for j, c in enumerate(rest.groups[p]):
       m = len(paused[(p, j)].completion["output_ids"])
@@ -333,7 +333,7 @@ def test_discarded_work_without_recycling_and_deterministic_ties():
   b = tb.TailBatcher(3, 2, 1.5, recycle=False)
   b.start_epoch(range(6))
   res = asyncio.run(rd.run_round(ScriptedRollout(), b, make, decode=decode))
-  assert res.stats["tokens_discarded"] > 0 and not b.carried
+  assert res.stats.tokens_discarded > 0 and not b.carried
   # Equal-length responses finish in the same loop turns: the kept order is
   # the request order, run after run.
   orders = []
@@ -359,12 +359,12 @@ def test_a_refused_continuation_is_generated_again_and_counted():
     )
   )
   short = asyncio.run(rd.run_round(rollout, b, make, decode=decode))
-  carried = short.stats["tokens_carried"]
+  carried = short.stats.tokens_carried
   assert b.long == [3] and carried > 0
   rest = asyncio.run(rd.run_round(rollout, b, make, decode=decode))
   (c,) = rest.groups[3]
   assert c.output_ids == [pos % 97 for pos in range(3, 203)]  # whole, from scratch
-  assert rest.stats["restarted"] == 1 and rest.stats["tokens_discarded"] == carried
+  assert rest.stats.restarted == 1 and rest.stats.tokens_discarded == carried
 
 
 def pauses_every(tokens: int):
@@ -389,7 +389,7 @@ def test_backend_pauses_are_continued_not_counted_as_failures(recycle):
   res = asyncio.run(run)
   for (c,) in res.groups.values():  # 4 pieces of 6, 6, 6 and 2 tokens
     assert c.output_ids == [pos % 97 for pos in range(3, 23)] and c.segments == 4
-  assert res.stats["tokens_discarded"] == 0 and res.stats["resumed"] == 6
+  assert res.stats.tokens_discarded == 0 and res.stats.resumed == 6
 
 
 def test_next_round_continuation_races_deferred_prompts_first():
@@ -426,7 +426,7 @@ def test_a_prompt_the_backend_refuses_is_dropped_and_the_round_goes_on(eta):
     return rounds
 
   rounds = asyncio.run(main())
-  assert rounds[0].rejected == [1] and rounds[0].stats["rejected"] == 1
+  assert rounds[0].rejected == [1] and rounds[0].stats.rejected == 1
   assert 1 not in rounds[0].deferred and 1 not in rounds[0].groups
   assert len(rounds[0].groups) == (3 if eta > 1.0 else 2)
   assert all(r.rejected == [] for r in rounds[1:])

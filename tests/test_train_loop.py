@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from fluxjax.rl import coordinator, loop, metrics
+from fluxjax.rl import loop, metrics, requests
 from helpers import tiny_run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +29,7 @@ def test_sampling_seeds_are_derived_per_response():
   """A request's seed depends only on (run seed, sample position, response
   index): the same response gets the same seed in any run, and the responses
   of a group, the samples of a stream and two runs' seeds all differ."""
-  seed = coordinator.sampling_seed
+  seed = requests.sampling_seed
   assert seed(0, 7, 3) == seed(0, 7, 3)
   seeds = {seed(run, uid, j) for run in range(2) for uid in range(64) for j in range(8)}
   assert len(seeds) == 2 * 64 * 8

@@ -7,7 +7,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given
 
-from fluxjax.models import config, hf_io
+from fluxjax.models import config, hf_export
 from fluxjax.rollout import publish, weight_group
 
 
@@ -21,7 +21,7 @@ def test_each_server_gets_as_many_ranks_as_it_has_gpus():
 
 @given(st.lists(st.integers(0, 6000), max_size=30), st.integers(1, 5000))
 def test_byte_runs_cover_every_tensor_in_order_within_the_cap(nbytes, max_bytes):
-  runs = hf_io.byte_runs(nbytes, max_bytes)
+  runs = hf_export.byte_runs(nbytes, max_bytes)
   assert [i for run in runs for i in run] == list(range(len(nbytes)))
   sizes = [[nbytes[i] for i in run] for run in runs]
   for run in sizes:
@@ -31,9 +31,9 @@ def test_byte_runs_cover_every_tensor_in_order_within_the_cap(nbytes, max_bytes)
 
 
 def test_the_7b_model_goes_in_buckets_of_at_most_512_mib():
-  sizes = [n for _, n in hf_io.tensor_bytes(config.preset("7b"), "bfloat16")]
+  sizes = [n for _, n in hf_export.tensor_bytes(config.preset("7b"), "bfloat16")]
   cap = 512 * 2**20
-  runs = hf_io.byte_runs(sizes, cap)
+  runs = hf_export.byte_runs(sizes, cap)
   assert max(sizes) > cap and len(runs) > 16  # the embedding, 1.09 GB in bf16
   assert all(sum(sizes[i] for i in run) <= cap for run in runs if len(run) > 1)
 

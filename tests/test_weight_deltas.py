@@ -14,9 +14,8 @@ from flax import nnx
 from safetensors import safe_open
 from test_publish_faults import http, random_model, served
 
-from fluxjax.models import config, hf_delta, hf_io, sharded
-from fluxjax.rollout import fleet as fleet_lib
-from fluxjax.rollout import publish
+from fluxjax.models import config, hf_delta, hf_export, hf_load, sharded
+from fluxjax.rollout import launcher, publish
 from fluxjax.sharding import mesh as mesh_lib
 from helpers import server_env
 
@@ -99,7 +98,7 @@ def _files(folder: str) -> dict[str, bytes]:
 def test_large_tensors_go_to_disk_in_runs_of_rows_and_write_the_same_folder(
   tmp_path, monkeypatch, devices
 ):
-  """Past hf_io.ROW_RUN_BYTES a 2-D tensor (the embedding, a kernel) is sliced,
+  """Past hf_export.ROW_RUN_BYTES a 2-D tensor (the embedding, a kernel) is sliced,
   cast, gathered and written a run of rows at a time, from FSDP-sharded
   parameters: the folder and its delta are the bytes of the whole-tensor
   write, and no run is larger than the bound."""
@@ -117,15 +116,15 @@ def test_large_tensors_go_to_disk_in_runs_of_rows_and_write_the_same_folder(
   ]
 
   pieces = []
-  rows = hf_io.hf_tensor_rows
+  rows = hf_export.hf_tensor_rows
 
   def spy(*args, **kwargs):
     for name, start, x in rows(*args, **kwargs):
       pieces.append((name, start, x.ndim, x.nbytes))
       yield name, start, x
 
-  monkeypatch.setattr(hf_io, "hf_tensor_rows", spy)
-  monkeypatch.setattr(hf_io, "ROW_RUN_BYTES", 4096)
+  monkeypatch.setattr(hf_export, "hf_tensor_rows", spy)
+  monkeypatch.setattr(hf_export, "ROW_RUN_BYTES", 4096)
   runs = [publish.write_checkpoint(m, str(tmp_path / "runs"), v, deltas=True) for v, m in versions]
   for a, b in zip(whole, runs):
     folder = lambda path: {k: v for k, v in _files(path).items() if not k.startswith("delta")}
@@ -133,7 +132,7 @@ def test_large_tensors_go_to_disk_in_runs_of_rows_and_write_the_same_folder(
   # The delta applies to v1 as the whole-tensor one does; a tensor whose
   # entries pass the bound is read from the folder instead.
   assert hf_delta.base_version(runs[1]) == "1"
-  v1, v2 = hf_io.TensorIndex(runs[0]), hf_io.TensorIndex(runs[1])
+  v1, v2 = hf_load.TensorIndex(runs[0]), hf_load.TensorIndex(runs[1])
   applied = dict(hf_delta.apply(runs[1], v1.read, v2.read))
   whole_applied = dict(hf_delta.apply(whole[1], v1.read, v2.read))
   assert set(applied) == set(whole_applied)
@@ -157,21 +156,21 @@ def test_large_tensors_go_to_disk_in_runs_of_rows_and_write_the_same_folder(
 
 
 def test_runs_of_rows_put_together_are_the_whole_tensors(devices):
-  """What a broadcast from several processes sends (`hf_io.whole_tensors` of
+  """What a broadcast from several processes sends (`hf_export.whole_tensors` of
   runs of rows, here of at most 4 KiB from FSDP-sharded parameters): the
   whole-tensor export's bytes, in its order; `hf_row_count` counts the runs."""
   del devices
   model = sharded.create_sharded_model(
     config.preset("tiny"), mesh_lib.make_mesh(), seed=0, log_table=False
   )
-  runs = list(hf_io.hf_tensor_rows(model, "bfloat16", run_bytes=4096))
+  runs = list(hf_export.hf_tensor_rows(model, "bfloat16", run_bytes=4096))
   assert (
     len(runs)
-    == hf_io.hf_row_count(model, "bfloat16", run_bytes=4096)
-    > len(hf_io.hf_layout(model.cfg))
+    == hf_export.hf_row_count(model, "bfloat16", run_bytes=4096)
+    > len(hf_load.hf_layout(model.cfg))
   )
-  whole = list(hf_io.hf_tensors(model, "bfloat16"))
-  put_together = list(hf_io.whole_tensors(iter(runs), model.cfg))
+  whole = list(hf_export.hf_tensors(model, "bfloat16"))
+  put_together = list(hf_export.whole_tensors(iter(runs), model.cfg))
   assert len(put_together) == len(whole)
   for (name, want), got in zip(whole, put_together, strict=True):
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16), err_msg=name)
@@ -186,16 +185,16 @@ def test_a_folder_carries_its_changes_from_the_previous_version(tmp_path):
   assert not os.path.exists(os.path.join(v1, hf_delta.DELTA_DIR))  # nothing before v1
   assert hf_delta.base_version(v2) == "1"
   # The folder alone is the model (strict: the delta is not among its tensors).
-  loaded = hf_io.load_hf_checkpoint(v2)
+  loaded = hf_load.load_hf_checkpoint(v2)
   for (_, a), (_, b) in zip(
     nnx.to_flat_state(nnx.state(loaded, nnx.Param)),
     nnx.to_flat_state(nnx.state(second, nnx.Param)),
   ):
     np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()).astype(BF16))
   # Applied to v1's tensors, the delta gives v2's, bit for bit.
-  before, after = hf_io.TensorIndex(v1), hf_io.TensorIndex(v2)
+  before, after = hf_load.TensorIndex(v1), hf_load.TensorIndex(v2)
   # The delta writer's positioned reads give the memory-mapped bytes.
-  unmapped = hf_io.TensorIndex(v1, mapped=False)
+  unmapped = hf_load.TensorIndex(v1, mapped=False)
   for name in before.where:
     np.testing.assert_array_equal(unmapped.read(name), before.read(name), err_msg=name)
     assert unmapped.read(name).dtype == before.read(name).dtype
@@ -214,7 +213,7 @@ def test_a_folder_carries_its_changes_from_the_previous_version(tmp_path):
   # Most elements changed: every tensor is marked to be read from the folder,
   # so the delta adds no copy of it.
   v3 = publish.write_checkpoint(nudged(second, share=0.6), root, 3, deltas=True)
-  third = hf_io.TensorIndex(v3)
+  third = hf_load.TensorIndex(v3)
   changed = dict(hf_delta.apply(v3, after.read, third.read))
   assert set(changed) == set(third.where)
   for name in third.where:
@@ -232,7 +231,7 @@ def test_an_unreadable_base_leaves_the_folder_without_a_delta(tmp_path):
         out.truncate(64)
   v2 = publish.write_checkpoint(random_model(2), root, 2, deltas=True)
   assert not os.path.exists(os.path.join(v2, hf_delta.DELTA_DIR))
-  hf_io.load_hf_checkpoint(v2)
+  hf_load.load_hf_checkpoint(v2)
 
 
 @pytest.fixture
@@ -244,7 +243,7 @@ def server(tmp_path):
   v2 = publish.write_checkpoint(nudged(first, 0.01), root, 2, dtype="bfloat16", deltas=True)
   cmd = ["python", "-m", "fluxjax.rollout.server", "--model-path", v1]
   cmd += ["--weight-version", "1", "--num-slots", "2", "--context-length", "64"]
-  launched = fleet_lib.launch_servers(cmd, 1, env=server_env(), timeout_s=120)
+  launched = launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=120)
   yield launched.urls[0], v1, v2
   launched.stop()
 

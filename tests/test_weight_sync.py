@@ -3,15 +3,17 @@ group, two real server processes on loopback receive bf16 tensors over it
 (SGLang's init_weights_update_group + update_weights_from_distributed)."""
 
 import asyncio
+import time
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from fluxjax.models import config, hf_io, vlm
+import http_proxy
+from fluxjax.models import config, hf_export, hf_load, vlm
 from fluxjax.rollout import fleet as fleet_lib
-from fluxjax.rollout import protocol, publish, weight_group
+from fluxjax.rollout import launcher, protocol, publish, weight_group, weight_protocol
 from helpers import TINY_SERVER, server_env
 
 pytestmark = pytest.mark.slow
@@ -20,7 +22,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def servers():
   cmd = [*TINY_SERVER, "--weight-group-timeout", "60"]
-  launched = fleet_lib.launch_servers(cmd, 2, env=server_env(), timeout_s=300)
+  launched = launcher.launch_servers(cmd, 2, env=server_env(), timeout_s=300)
   yield launched
   launched.stop()
 
@@ -71,11 +73,11 @@ def test_a_distributed_publish_serves_what_the_disk_path_serves(servers, tmp_pat
   each. The group is made once and reused; a second model moves every server
   to it; closing the fleet takes the servers out of it."""
   first, second = random_model(3), random_model(4)
-  layout = hf_io.hf_layout(first.cfg)
+  layout = hf_load.hf_layout(first.cfg)
   bf16_bytes = sum(2 * int(np.prod(shape)) for _, shape in layout)
   bucket_bytes = bf16_bytes // 5
-  sizes = [n for _, n in hf_io.tensor_bytes(first.cfg, "bfloat16")]
-  want_buckets = len(hf_io.byte_runs(sizes, bucket_bytes))
+  sizes = [n for _, n in hf_export.tensor_bytes(first.cfg, "bfloat16")]
+  want_buckets = len(hf_export.byte_runs(sizes, bucket_bytes))
 
   async def go():
     async with fleet_lib.Fleet(
@@ -122,7 +124,9 @@ def test_a_distributed_publish_serves_what_the_disk_path_serves(servers, tmp_pat
   async def left():
     """Closing the fleet took every server out of the group."""
     async with fleet_lib.Fleet(servers.urls) as fleet:
-      probe = protocol.DistributedUpdate(("x",), ("float32",), ((1,),), protocol.WEIGHT_GROUP_NAME)
+      probe = weight_protocol.DistributedUpdate(
+        ("x",), ("float32",), ((1,),), weight_protocol.WEIGHT_GROUP_NAME
+      )
       for s in fleet.servers:
         with pytest.raises(Exception, match="no weight update group"):
           await s.client.update_weights_from_distributed(probe, 10)
@@ -153,8 +157,12 @@ def test_an_update_the_server_cannot_use_is_refused_after_its_tensors_arrived(se
     ) as fleet:
       await fleet.publish(model, 8)
       before = await _greedy(fleet)
-      bad = protocol.DistributedUpdate(
-        ("model.layers.0.no_such.weight",), ("float32",), ((3,),), protocol.WEIGHT_GROUP_NAME, "9"
+      bad = weight_protocol.DistributedUpdate(
+        ("model.layers.0.no_such.weight",),
+        ("float32",),
+        ((3,),),
+        weight_protocol.WEIGHT_GROUP_NAME,
+        "9",
       )
       client = fleet.servers[0].client
       sending = asyncio.get_running_loop().run_in_executor(
@@ -179,12 +187,12 @@ def test_a_malformed_group_request_is_refused_before_any_rendezvous(servers):
   async def go():
     async with fleet_lib.Fleet([client_url]) as fleet:
       client = fleet.servers[0].client
-      bad = protocol.InitWeightsGroup("127.0.0.1", 1, 3, 2, "g", "gloo")  # rank >= world
+      bad = weight_protocol.InitWeightsGroup("127.0.0.1", 1, 3, 2, "g", "gloo")  # rank >= world
       with pytest.raises(Exception, match="rank_offset"):
         await client.init_weights_update_group(bad, 10)
       with pytest.raises(Exception, match="no weight update group"):
         await client.update_weights_from_distributed(
-          protocol.DistributedUpdate(("x",), ("float32",), ((1,),), "missing"), 10
+          weight_protocol.DistributedUpdate(("x",), ("float32",), ((1,),), "missing"), 10
         )
 
   asyncio.run(go())
@@ -216,3 +224,124 @@ def test_a_server_that_missed_a_broadcast_stays_out_until_the_next_one(servers):
   assert health == [True, False] and served == "11" and kept_out == (False, True)
   assert not caught_up.failed and set(versions.values()) == {"13"}
   assert late.healthy and not late.awaiting_update
+
+
+def test_a_bucket_refused_by_one_server_leaves_no_server_serving_a_mix(servers):
+  """One of two servers refuses the third bucket of a broadcast, when the
+  other already holds two new buckets. Every answer given during and after
+  that publish is, token for token, what one complete version gives, under
+  that version's number: the server that refused is taken out, not resumed,
+  until the next broadcast; the other receives the whole version."""
+  old, new = random_model(21), random_model(22)
+  layout = hf_load.hf_layout(old.cfg)
+  bucket_bytes = sum(2 * int(np.prod(shape)) for _, shape in layout) // 6
+  proxied = {"armed": False, "buckets": 0}
+
+  def refuse_third(path: str, body):
+    """The third bucket's first tensor renamed to one the model lacks: the
+    real server receives the bucket's tensors, then refuses it (400)."""
+    if path == "/update_weights_from_distributed" and body is not None and proxied["armed"]:
+      proxied["buckets"] += 1
+      if proxied["buckets"] == 3:
+        body = {**body, "names": ["model.layers.0.no_such.weight", *body["names"][1:]]}
+    return body
+
+  async def answers(fleet, n: int) -> list[tuple[int, protocol.Completion]]:
+    sampling = {"max_new_tokens": 6, "temperature": 0.0}
+    asked = [i % len(PROMPTS) for i in range(n)]
+    got = await asyncio.gather(
+      *(fleet.generate(protocol.GenerateRequest.of(PROMPTS[i], sampling)) for i in asked)
+    )
+    return list(zip(asked, got))
+
+  async def go(proxy_url: str):
+    async with fleet_lib.Fleet(
+      [servers.urls[0], proxy_url],
+      weight_sync="distributed",
+      weight_group_timeout_s=60,
+      weight_bucket_bytes=bucket_bytes,
+      health_interval_s=600,
+    ) as fleet:
+      await fleet.publish(old, 31)
+      reference = {"31": (await _greedy(fleet))[0]}
+      proxied["armed"] = True
+      during = asyncio.ensure_future(answers(fleet, 24))
+      refused = await fleet.publish(new, 32)
+      proxied["armed"] = False
+      served = [*await during, *await answers(fleet, 12)]
+      taken_out = (fleet.servers[1].healthy, fleet.servers[1].awaiting_update)
+      again = await fleet.publish(new, 33)
+      reference["32"] = (await _greedy(fleet))[0]
+      return refused, served, taken_out, again, reference, await fleet.refresh_versions()
+
+  with http_proxy.Proxy(servers.urls[1], on_request=refuse_third) as proxy:
+    refused, served, taken_out, again, reference, versions = asyncio.run(go(proxy.url))
+  assert proxied["buckets"] >= 3 and refused.buckets >= 5, refused
+  assert any("no_such" in f for f in refused.failed), refused.failed
+  assert reference["31"] != reference["32"]
+  for prompt, c in served:
+    assert c.weight_version in reference, c.weight_version
+    assert c.output_ids == reference[c.weight_version][prompt], (c.weight_version, c.server)
+  assert taken_out == (False, True)
+  assert not again.failed and set(versions.values()) == {"33"}
+  assert {c.weight_version for _, c in served} >= {"32"}  # the other server took all of it
+
+
+def test_a_server_with_data_parallel_replicas_is_refused(servers):
+  """dp_size 2: the replicas would join the update group under the same
+  ranks, so the broadcast is refused with the cause, not attempted."""
+
+  def two_replicas(path: str, body):
+    if path in ("/get_server_info", "/server_info") and isinstance(body, dict):
+      body = {**body, "dp_size": 2}
+    return body
+
+  async def go(url: str):
+    async with fleet_lib.Fleet([url], weight_sync="distributed", weight_group_timeout_s=60) as f:
+      await f.publish(random_model(23), 40)
+
+  with (
+    http_proxy.Proxy(servers.urls[0], on_response=two_replicas) as proxy,
+    pytest.raises(publish.UnsupportedServer, match="dp_size=2"),
+  ):
+    asyncio.run(go(proxy.url))
+
+
+def test_a_weight_sync_that_hangs_is_cut_at_its_timeout_naming_server_and_stage(servers):
+  """A server that never answers its second bucket (nor joins its
+  broadcast): the publish ends at the sync's timeout with that server and
+  stage named, instead of waiting on the server. The broadcast it left
+  broken holds the other server too: both are out, paused, until a refit
+  brings them a whole version; neither serves a mix."""
+  model = random_model(24)
+  layout = hf_load.hf_layout(model.cfg)
+  bucket_bytes = sum(2 * int(np.prod(shape)) for _, shape in layout) // 4
+  proxied = {"armed": False, "buckets": 0}
+
+  def hang_on_second(path: str, body):
+    if path == "/update_weights_from_distributed" and body is not None and proxied["armed"]:
+      proxied["buckets"] += 1
+      if proxied["buckets"] == 2:
+        return http_proxy.Hold(60)
+    return body
+
+  async def go(proxy_url: str):
+    async with fleet_lib.Fleet(
+      [servers.urls[0], proxy_url],
+      weight_sync="distributed",
+      weight_group_timeout_s=15,
+      weight_bucket_bytes=bucket_bytes,
+      health_interval_s=600,
+    ) as fleet:
+      await fleet.publish(random_model(25), 50)
+      proxied["armed"] = True
+      t = time.perf_counter()
+      hung = await fleet.publish(model, 51)
+      seconds = time.perf_counter() - t
+      return hung, seconds, [(s.healthy, s.awaiting_update) for s in fleet.servers]
+
+  with http_proxy.Proxy(servers.urls[1], on_request=hang_on_second) as proxy:
+    hung, seconds, states = asyncio.run(go(proxy.url))
+  assert seconds < 50, seconds  # cut at the sync's timeout, not at the held request's 60 s
+  assert any(f.startswith("bucket 2 of") and proxy.url in f for f in hung.failed), hung.failed
+  assert states == [(False, True), (False, True)]

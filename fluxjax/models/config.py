@@ -90,7 +90,7 @@ class ModelConfig:
   # Run-time choices.
   dtype: str = "float32"  # compute dtype; "bfloat16" on GPU
   param_dtype: str = "float32"
-  attention_backend: str = "auto"  # fluxjax/models/attention.py: auto, xla, xla_blocked, cudnn, ...
+  attention_backend: str = "auto"  # fluxjax/models/attention/: auto, xla, xla_blocked, cudnn, ...
   # What each scanned layer keeps for the backward pass (layers.REMAT_POLICIES):
   # "none", "full" (recompute everything), "save_dots", "save_dots_attention".
   remat: str = "none"

@@ -19,7 +19,7 @@ entries would pass the writer's bound (`TensorDelta`'s `max_bytes`).
                                "<name>::folder" (empty: read it whole)
 
 Each process that writes files of the folder writes their deltas
-(hf_io.save_hf_checkpoint); process 0 writes delta.json last, so a folder
+(hf_export.save_hf_checkpoint); process 0 writes delta.json last, so a folder
 without it has no usable delta.
 """
 

@@ -16,7 +16,7 @@ from flax import nnx
 Initializer = jax.nn.initializers.Initializer
 _policies = jax.checkpoint_policies
 
-# The name attention's output carries (models/attention.py), for the policy
+# The name attention's output carries (models/attention/), for the policy
 # that keeps it.
 ATTENTION_OUT = "attention_out"
 

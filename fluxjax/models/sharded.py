@@ -91,7 +91,7 @@ def model_shardings(
   max_replicated_bytes: int = 1 << 20,
   log_table: bool = True,
 ) -> dict[tuple, jax.sharding.Sharding]:
-  """{state path: sharding} for `hf_io.load_hf_checkpoint(shardings=...)`.
+  """{state path: sharding} for `hf_load.load_hf_checkpoint(shardings=...)`.
 
   The same table, log line and replication check as `create_sharded_model`:
   a checkpoint loads into the layout a random init would have.

@@ -32,10 +32,7 @@ From lengths only, for one microbatch on D devices:
      the touched devices below the old peak and keeps M_th. It stops at 1%
      above a lower bound (the mean load; the longest sequence at p_max).
 
-A training step has several microbatches and a device's work is its total
-over them (`plan_flex_step`): each microbatch is placed on top of the load
-the earlier ones left, then one sweep revisits each microbatch against the
-others' final loads (local search, and a fresh placement if that is better).
+A training step's microbatches are placed jointly (`plan_flex_step`).
 
 Groups are aligned blocks of p consecutive devices, so groups of different
 degrees nest: a degree-2^j group is the last j binary mesh axes. The paper's
@@ -349,8 +346,6 @@ def _baseline(s: _State) -> bool:
   sp_size = _sp_sizes(s, c_star)
   for i in np.lexsort((np.arange(len(s.h)), -s.h)).tolist():
     h, p = groups.h[i], sp_size[i]
-    # Among groups with room, the least loaded in compute (the paper takes the
-    # most available memory; on the bench mixtures this balances better).
     g = groups.least_loaded(p, h / p)
     while g < 0 and p < s.p_max:
       p *= 2
@@ -468,16 +463,13 @@ def _short_item_reorder(s: _State) -> None:
 
 
 def _improve(s: _State, max_steps: int, target: float) -> None:
-  """Local search on the most loaded device t (ours, beyond the paper).
+  """Local search on the most loaded device t (step 4 of the module docstring).
 
-  Each step takes the few items with the largest share on t and tries
-  (a) moving one to any aligned group of the same or twice its degree, and
-  (b) swapping one with a shorter item of the same degree in another group,
-  keeping every device under M_th. The move whose touched devices end with the
-  smallest maximum wins (ties: less communication); it is applied only if
-  that maximum is below t's load, so the sorted load vector decreases and the
-  search ends. When nothing qualifies, `_make_room` gets one try. Stops early
-  once the peak reaches `target`.
+  Each step tries the moves and swaps of t's IMPROVE_CANDIDATES items with the
+  largest share on t. The one whose touched devices end with the smallest
+  maximum wins (ties: less communication), applied only below t's load, so
+  the sorted load vector decreases and the search ends. Stops early once the
+  peak reaches `target`.
   """
   degrees = [1 << k for k in range(s.p_max.bit_length())]
   lim = s.m_th + _EPS

@@ -46,11 +46,11 @@ from flax import nnx
 from fluxjax.data import cot_tasks, readers, synth
 from fluxjax.data.meta import ToMeta
 from fluxjax.models import config as config_lib
-from fluxjax.models import hf_io, inputs, media, processor
+from fluxjax.models import hf_load, inputs, media, processor
 from fluxjax.models import tokenizer as tokenizer_lib
 from fluxjax.rl import evaluation, metrics, reward_fns, sft
 from fluxjax.rollout import engine as engine_lib
-from fluxjax.rollout.protocol import SamplingParams
+from fluxjax.rollout.sampling_params import SamplingParams
 
 THINK, DIRECT = "<think> ", "<answer>"
 # A fixed set the suite scores the committed base on again (tests/test_base.py):
@@ -152,7 +152,7 @@ def load_base(base: str):
   )
   limits: dict[str, Any] = dict(processor.VisionProcessorConfig.read_hf_files(base))
   proc = dataclasses.replace(processor.VisionProcessorConfig(), **limits)
-  return hf_io.load_hf_checkpoint(base, cfg), tok, cfg, proc
+  return hf_load.load_hf_checkpoint(base, cfg), tok, cfg, proc
 
 
 def fixed_prompt_accuracy(model, tok, cfg, proc, out_dir: str) -> float:

@@ -1,8 +1,9 @@
-"""Held-out evaluation statistics: accuracy with its interval, pass@k, per difficulty.
+"""Held-out evaluation: the rollout policy's responses to held-out prompts, scored.
 
-The coordinator samples `samples_per_prompt` responses per held-out prompt at
-the training temperature (what the policy does when it trains) and, when
-asked, one greedy response; `summarize` turns their scores into metrics:
+`Evaluator.evaluate` samples `eval.samples_per_prompt` responses per prompt at
+the training temperature (what the policy does when it trains) and, with
+`eval.greedy`, one greedy response each, outside the training stream (no
+admission, nothing trained); `summarize` turns their scores into metrics:
 
   eval/accuracy          mean over prompts of the prompt's mean score
   eval/accuracy_ci95     1.96 x its standard error over prompts: samples of
@@ -19,22 +20,159 @@ asked, one greedy response; `summarize` turns their scores into metrics:
                          (eval/reasoning_share/<d>) and of the greedy ones
                          (eval/reasoning_share_greedy)
   eval/prompts, eval/samples
+  eval/skipped_too_long  held-out prompts over the rollout's prompt budget,
+                         left out
 
-A score is 1 for a correct response, else 0: the coordinator scores with the
-evaluation's reward (`eval.reward`, else the run's `rl.reward`) and counts a
-response correct when its reward reaches rl.reward.correct_threshold.
+A score is 1 for a correct response, else 0: a response is scored in the
+reward pool with the evaluation's reward (`eval.reward`, else the run's
+`rl.reward`; reward_spec.evaluation) and is correct when its reward reaches
+rl.reward.correct_threshold.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 from collections.abc import Sequence
 
 import numpy as np
 
+from fluxjax import settings as settings_lib
+from fluxjax.data import meta as meta_lib
+from fluxjax.rl import reward_fns, reward_pool, reward_spec, sft
+from fluxjax.rl.requests import Requests
+from fluxjax.rollout.backend import LoopThread, Sampler
+from fluxjax.rollout.protocol import Completion
+
+log = logging.getLogger(__name__)
+
 Z95 = 1.959964  # two-sided 95% normal quantile
 # Upper ends (tokens) of the reference-response length bands; longer is the last band.
 LENGTH_BANDS = (16, 32, 48)
+
+
+class Evaluator:
+  """Held-out metrics of the rollout policy (the module docstring).
+
+  Sampling reads whatever version rollout serves: the caller settles a
+  deferred publish first (`Coordinator.evaluate`).
+
+  Args:
+    settings: the run's settings (`eval`, `rl.reward`).
+    requests: prompts and requests, as training asks them.
+    rollout: the backend, open on `thread`'s loop.
+    rewards: the reward pool.
+    thread: the rollout thread's loop; every backend call runs on it.
+  """
+
+  def __init__(
+    self,
+    settings: settings_lib.Settings,
+    requests: Requests,
+    rollout: Sampler,
+    rewards: reward_pool.RewardScheduler,
+    thread: LoopThread,
+  ):
+    self._eval = settings.eval
+    self._threshold = settings.rl.reward.correct_threshold
+    self._requests = requests
+    self._rollout = rollout
+    self._rewards = rewards
+    self._thread = thread
+    # Evaluation's reward when it is not the run's (None: the pool's own).
+    spec = reward_spec.evaluation(settings.rl.reward.fn, settings.eval.reward)
+    self._reward = None if spec == settings.rl.reward.fn else reward_spec.parse(spec)
+
+  def evaluate(self, samples: Sequence[meta_lib.SampleMeta]) -> dict[str, float]:
+    """`summarize` of the samples that fit the prompt budget, and how many did not."""
+    samples, skipped = self._within_budget(samples)
+    sampled = self.sample(samples, int(self._eval.samples_per_prompt))
+    scores = self._correct(samples, sampled)
+    reasoning = [[reward_fns.reasons(c.text) for c in cs] for cs in sampled]
+    greedy = greedy_reasoning = None
+    if self._eval.greedy:
+      firsts = self.sample(samples, 1, greedy=True)
+      greedy = [s[0] for s in self._correct(samples, firsts)]
+      greedy_reasoning = [reward_fns.reasons(cs[0].text) for cs in firsts]
+    log.debug("eval: %s", [(cs[0].text[:40], s.answer) for s, cs in zip(samples[:3], sampled)])
+    tok = self._requests.tokenizer
+    bands = [length_band(len(sft.answer_ids(tok, s.answer or "", s.solution))) for s in samples]
+    out = summarize(
+      scores,
+      [s.difficulty for s in samples],
+      greedy,
+      [s.task for s in samples],
+      bands,
+      reasoning,
+      greedy_reasoning,
+    )
+    out["eval/skipped_too_long"] = float(skipped)
+    return out
+
+  def sample(
+    self, samples: Sequence[meta_lib.SampleMeta], responses: int, *, greedy: bool = False
+  ) -> list[list[Completion]]:
+    """`responses` completions per sample, all requests at once (no admission, no rewards)."""
+    return self._thread.call(self._responses(samples, responses, greedy))
+
+  async def _responses(
+    self, samples: Sequence[meta_lib.SampleMeta], responses: int, greedy: bool
+  ) -> list[list[Completion]]:
+    prompts = [self._requests.prompt(s) for s in samples]
+
+    async def one(sample, prompt, j):
+      request = self._requests.request(sample, prompt, index=j, greedy=greedy)
+      return await self._rollout.generate(request, sample.id)
+
+    done = await asyncio.gather(
+      *(asyncio.gather(*(one(s, p, j) for j in range(responses))) for s, p in zip(samples, prompts))
+    )
+    return [list(d) for d in done]
+
+  def _correct(
+    self, samples: Sequence[meta_lib.SampleMeta], completions: Sequence[Sequence[Completion]]
+  ) -> list[list[float]]:
+    """Per prompt, 1.0 for each response whose evaluation reward is correct, else 0.0."""
+    futures = [
+      [
+        self._rewards.submit(
+          c.text,
+          s.answer or "",
+          fn=self._reward,
+          key=s.id,
+          context=reward_spec.RewardContext.of(s),
+        )
+        for c in cs
+      ]
+      for s, cs in zip(samples, completions, strict=True)
+    ]
+    return [[float(f.result().reward >= self._threshold) for f in fs] for fs in futures]
+
+  def _within_budget(
+    self, samples: Sequence[meta_lib.SampleMeta]
+  ) -> tuple[list[meta_lib.SampleMeta], int]:
+    """(the held-out samples whose prompts fit the prompt budget, how many did
+    not); the backend would refuse those, as in training."""
+    budget = self._requests.prompt_budget
+    fits = [s for s in samples if len(self._requests.prompt(s)) <= budget]
+    skipped = len(samples) - len(fits)
+    if skipped:
+      log.warning(
+        "evaluation skips %d of %d held-out prompts longer than %d tokens "
+        "(config_rules.prompt_budget)",
+        skipped,
+        len(samples),
+        budget,
+      )
+    if not fits:
+      raise ValueError(
+        f"every one of the {len(samples)} held-out prompts is longer than {budget} tokens "
+        "(the rollout context or the trainer's longest sequence, less rl.max_new_tokens; "
+        "config_rules.prompt_budget); raise --config.rollout.context_length or "
+        "--config.sharding.capacity, or use shorter evaluation data"
+      )
+    return fits, skipped
 
 
 def length_band(tokens: int) -> str:

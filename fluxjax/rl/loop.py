@@ -38,7 +38,7 @@ from fluxjax.data import pipeline, readers, synth
 from fluxjax.data import store as store_lib
 from fluxjax.data import workers as workers_lib
 from fluxjax.models import config as model_config
-from fluxjax.models import hf_io, processor, sharded
+from fluxjax.models import hf_load, processor, sharded
 from fluxjax.models import media as media_lib
 from fluxjax.models import tokenizer as tokenizer_lib
 from fluxjax.parallel import multihost, strategies, train_step
@@ -194,7 +194,7 @@ def plan_lines(validated: Validated, workdir: str) -> list[str]:
   mesh, data, rollout (each launched server's command and GPUs), weight
   sync and reward; nothing is built or started."""
   s, cfg = validated.settings, validated.cfg
-  params = sum(math.prod(shape) for _, shape in hf_io.hf_layout(cfg))
+  params = sum(math.prod(shape) for _, shape in hf_load.hf_layout(cfg))
   model = s.model.hf_path or f"preset {s.model.preset} (random weights)"
   train, eval_ = (s.data.train, s.data.eval or f"a {s.data.holdout:g} share held out of train")
   data = f"{train}, eval {eval_}" if train else f"synthetic {s.data.mix} into {workdir}/data"
@@ -274,7 +274,7 @@ def export_hf(
 def resolved_mesh(mesh: settings_lib.Mesh, cfg) -> settings_lib.Mesh:
   """The `mesh` section with mesh.data 0 (auto) resolved by the cost model
   (sharding/mesh.py `data_axis`) for this model on these devices."""
-  params = sum(math.prod(shape) for _, shape in hf_io.hf_layout(cfg))
+  params = sum(math.prod(shape) for _, shape in hf_load.hf_layout(cfg))
   # Any policy counts as regathering the weights: which ones XLA regathers
   # for is not measured.
   remat = cfg.remat != "none"
@@ -349,7 +349,7 @@ def build_policy(
   max_replicated = settings.sharding.max_replicated_bytes
   if settings.model.hf_path:
     shardings = sharded.model_shardings(cfg, mesh, max_replicated_bytes=max_replicated)
-    model = hf_io.load_hf_checkpoint(settings.model.hf_path, cfg, shardings=shardings)
+    model = hf_load.load_hf_checkpoint(settings.model.hf_path, cfg, shardings=shardings)
   else:
     model = sharded.create_sharded_model(
       cfg, mesh, seed=settings.seed, max_replicated_bytes=max_replicated
@@ -650,7 +650,7 @@ def _loop(
       policy.save(0, *coord.get_state(), force=True)
     if warm_up and settings.sft.export_dir:
       path = os.path.join(workdir, settings.sft.export_dir)  # a relative one: in the workdir
-      export_hf(policy, path, coord.tokenizer, built.proc)
+      export_hf(policy, path, coord.requests.tokenizer, built.proc)
   if first < settings.total_steps:
     if reference.needed(settings.rl):
       policy.set_reference(fresh=first == 0)

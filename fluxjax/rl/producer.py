@@ -5,11 +5,11 @@ It tops a `TailBatcher` up with prompts from the data loader, runs rounds on
 the rollout backend (`EmbeddedRollout` or `Fleet`), scores each response in the
 reward pool the moment it finishes, and hands every kept group to the
 trainer through a queue as soon as its last reward is in, while the round
-goes on. Before each round it asks the `AdmissionController` for room: at
-trainer step s (updates applied) at most (s + lag + 1) * P prompts may have
-started, so with
-lag 0 (sync) a round starts only after the previous batch's update, and with
-lag k rollout runs up to k batches ahead. Finished groups are never dropped.
+goes on (the queue's items: `RolloutItem`). Before each round it asks the
+`AdmissionController` for room: at trainer step s (updates applied) at most
+(s + lag + 1) * P prompts may have started, so with lag 0 (sync) a round
+starts only after the previous batch's update, and with lag k rollout runs
+up to k batches ahead. Finished groups are never dropped.
 
 Faults: a round stopped by a backend error (a server killed mid-round, with no
 other server to retry on) keeps what it finished, re-queues the rest and is
@@ -27,19 +27,39 @@ import collections
 import dataclasses
 import logging
 import queue
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from fluxjax import faults as faults_lib
+from fluxjax import settings as settings_lib
 from fluxjax.data import meta as meta_lib
 from fluxjax.rl import async_control, reward_spec, round_driver, tail_batching, trajectories
+from fluxjax.rl.requests import RequestSource
 from fluxjax.rollout.backend import LoopThread, Sampler
 from fluxjax.rollout.protocol import Completion, GenerateRequest
 
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
+class Loader(Protocol):
+  """The training data (a ShadowLoader)."""
+
+  def next_batch(self) -> list[meta_lib.SampleMeta]:
+    """The next samples; [] or StopIteration once the data is exhausted."""
+    ...
+
+  def release(self, batch: Sequence[meta_lib.SampleMeta]) -> None:
+    """Frees the media of samples that will not train."""
+    ...
+
+  def get_state(self) -> dict:
+    """Where the data stands (JSON), to resume after the last sample handed out."""
+    ...
+
+  def set_state(self, state: dict) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
 class KeptGroup:
   """A prompt's R scored responses, ready to train.
 
@@ -54,11 +74,27 @@ class KeptGroup:
   launch_version: int
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RoundEnd:
-  """Marks the end of a round in the queue, with its statistics."""
+  """A round ended; what it did."""
 
-  stats: dict
+  stats: round_driver.RoundStats
+
+
+@dataclasses.dataclass(frozen=True)
+class DataEnd:
+  """The data is exhausted: no round follows."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stopped:
+  """The producer stopped on `error`: no item follows."""
+
+  error: BaseException
+
+
+# What the producer queues for the trainer, in order.
+RolloutItem = KeptGroup | RoundEnd | DataEnd | Stopped
 
 
 class Producer:
@@ -69,16 +105,12 @@ class Producer:
     reward_scheduler: rl/reward_pool.RewardScheduler.
     batcher: the tail batcher (P prompts, R responses, eta).
     admission: the admission controller (batch size P prompts).
-    next_samples: () -> the loader's next batch of SampleMeta ([] or
-      StopIteration at the end of the data).
-    make_request: (sample, prompt inputs, response index) -> its request.
-    prompt_fn: sample -> its prompt SequenceInputs.
-    decode: the tokenizer's `decode(ids, skip_special_tokens=...)`: the text
-      of a response continued from a partial one (recycling).
-    max_prompt_tokens: longer prompts are skipped (counted).
-    release: called with samples the producer drops (skips), to free media.
+    loader: the training data; samples the producer drops (skips) are
+      released to it.
+    requests: each sample's prompt and requests; prompts longer than its
+      `prompt_budget` are skipped (counted).
     faults: the run's fault streaks: `failed_rounds` (rounds a backend error
-      stopped) and `prompt_errors` (samples whose prompt_fn raised, each a
+      stopped) and `prompt_errors` (samples whose prompt cannot be built, each a
       skip: that many in a row is a broken tokenizer or template, not bad
       samples); their limits stop the run.
     request_retries: backend aborts of one response without progress that are
@@ -93,34 +125,26 @@ class Producer:
     reward_scheduler,
     batcher: tail_batching.TailBatcher,
     admission: async_control.AdmissionController,
+    loader: Loader,
+    requests: RequestSource,
     *,
-    next_samples,
-    make_request,
-    prompt_fn,
-    decode: Callable[..., str],
-    max_prompt_tokens: int,
-    release=lambda samples: None,
     faults: faults_lib.Faults,
     request_retries: int,
     thread: LoopThread | None = None,
   ):
     self.rollout = rollout
-    self.decode = decode
     self.scores: dict[str, Any] = {}  # rid -> reward future of a finished response
     self.rewards = reward_scheduler
     self.batcher = batcher
     self.admission = admission
-    self.next_samples = next_samples
-    self.make_request = make_request
-    self.prompt_fn = prompt_fn
-    self.max_prompt_tokens = max_prompt_tokens
-    self.release = release
+    self.loader = loader
+    self.requests = requests
     self.failed_rounds = faults.streak("failed_rounds")
     self.prompt_errors = faults.streak("prompt_errors")
     self.request_retries = request_retries
     self.samples: dict[int, meta_lib.SampleMeta] = {}
     self.prompts: dict[int, Any] = {}
-    self.out: queue.Queue = queue.Queue()
+    self.out: queue.Queue[RolloutItem] = queue.Queue()
     self.version = 0  # the weight version rollouts sample from (tags)
     self.step = 0  # updates applied by the trainer (admission)
     self.counts: collections.Counter = collections.Counter()
@@ -131,6 +155,44 @@ class Producer:
     self._task: asyncio.Task | None = None
     self._stop = False
     self._exhausted = False
+
+  @classmethod
+  def of(
+    cls,
+    settings: settings_lib.Settings,
+    rollout: Sampler,
+    reward_scheduler,
+    loader: Loader,
+    requests: RequestSource,
+    faults: faults_lib.Faults,
+    thread: LoopThread,
+  ) -> Producer:
+    """The run's producer: its batcher (rollout.tail_batching) on a streamed
+    epoch, its admission (coordinator.lag)."""
+    P = int(settings.rl.prompts_per_step)
+    tail = settings.rollout.tail_batching
+    batcher = tail_batching.TailBatcher(
+      P,
+      int(settings.rl.responses_per_prompt),
+      float(tail.eta),
+      recycle=bool(tail.recycle),
+      continue_in=str(tail.continue_in),
+    )
+    batcher.start_epoch([])  # a streamed epoch: topped up from the loader
+    admission = async_control.AdmissionController.from_config(
+      settings.coordinator.lag, P, total_steps=int(settings.total_steps)
+    )
+    return cls(
+      rollout,
+      reward_scheduler,
+      batcher,
+      admission,
+      loader,
+      requests,
+      faults=faults,
+      request_retries=int(settings.faults.request_retries),
+      thread=thread,
+    )
 
   # -- thread plumbing -----------------------------------------------------------
   def start_loop(self) -> None:
@@ -181,6 +243,15 @@ class Producer:
       self.step = step
     self._notify()
 
+  def observe(self, staleness: float, step: int) -> dict:
+    """Admission's control after trainer step `step` of that staleness (on the
+    rollout loop, where admission is read)."""
+
+    async def observe() -> dict:
+      return self.admission.observe(staleness, step)
+
+    return self.call(observe())
+
   def give_back(self, n: int) -> None:
     """Returns admission for `n` prompts that will not train (DAPO refill)."""
     self._thread.call_soon(self.admission.on_cancelled, n)
@@ -213,7 +284,7 @@ class Producer:
       self._thread.stop()
 
   # -- state ---------------------------------------------------------------------
-  def snapshot(self, loader_state: Callable[[], dict], consumed: set) -> dict:
+  def snapshot(self, consumed: set) -> dict:
     """Coordinator state for a checkpoint, consistent with the loader's.
 
     Prompts the producer kept but the trainer has not consumed go back to the
@@ -224,7 +295,6 @@ class Producer:
     the snapshot there sees it whole.
 
     Args:
-      loader_state: the data loader's get_state.
       consumed: uids of this epoch the trainer has trained (updates applied).
     """
 
@@ -238,7 +308,7 @@ class Producer:
         live = set(b["fresh"]) | set(b["long"])
         return {
           "batcher": b,
-          "loader": loader_state(),
+          "loader": self.loader.get_state(),
           "admission": self.admission.get_state(),
           "samples": {str(u): sample_to_dict(self.samples[u]) for u in live},
           "counts": dict(self.counts),
@@ -273,7 +343,7 @@ class Producer:
 
   def _prompt(self, uid: int):
     if uid not in self.prompts:
-      self.prompts[uid] = self.prompt_fn(self.samples[uid])
+      self.prompts[uid] = self.requests.prompt(self.samples[uid])
     return self.prompts[uid]
 
   async def _top_up(self) -> None:
@@ -288,54 +358,63 @@ class Producer:
       if not batch:
         self._exhausted = True
         break
-      fresh, skipped = [], []
+      fresh: list[meta_lib.SampleMeta] = []
+      skipped: list[meta_lib.SampleMeta] = []
       for sample in batch:
         self.samples[sample.uid] = sample
         try:
-          n = len(self._prompt(sample.uid))
-        except Exception as e:
-          # Whatever the chat template or tokenizer raises on this sample's
-          # prompt is the sample's fault: a counted skip, not a stopped run.
-          stop = self.prompt_errors.fail()
-          log.warning(
-            "skipping sample %s (uid %d): cannot build its prompt: %s: %s",
-            sample.id,
-            sample.uid,
-            type(e).__name__,
-            e,
-          )
-          skipped.append(sample)
-          self.forget(sample.uid)
-          if stop:
-            self.release(skipped)
-            raise RuntimeError(
-              f"{self.prompt_errors.in_a_row} prompts in a row failed to build"
-              f" (last: sample {sample.id}: {type(e).__name__}: {e})"
-            ) from e
-          continue
-        self.prompt_errors.ok()
-        if n > self.max_prompt_tokens:
-          # The engine would reject it; a counted skip, not a failed round.
-          log.warning(
-            "skipping sample %s: prompt of %d tokens > %d (config_rules.prompt_budget)",
-            sample.id,
-            n,
-            self.max_prompt_tokens,
-          )
-          self.counts["data/skipped/prompt_too_long"] += 1
-          skipped.append(sample)
-          self.forget(sample.uid)
-        else:
-          fresh.append(sample.uid)
+          fits = self._fits(sample)
+        except RuntimeError:  # the run stops: the skips so far are freed first
+          self.loader.release(skipped + [sample])
+          raise
+        (fresh if fits else skipped).append(sample)
       if skipped:
-        self.release(skipped)
-      self.batcher.extend(fresh)
+        self.loader.release(skipped)
+      self.batcher.extend([s.uid for s in fresh])
+
+  def _fits(self, sample: meta_lib.SampleMeta) -> bool:
+    """Whether the sample can be asked for: a prompt that cannot be built or is
+    over the budget is a counted, logged skip (forgotten); too many prompts in
+    a row that cannot be built raise."""
+    try:
+      n = len(self._prompt(sample.uid))
+    except Exception as e:
+      # Whatever the chat template or tokenizer raises on this sample's
+      # prompt is the sample's fault: a counted skip, not a stopped run.
+      stop = self.prompt_errors.fail()
+      log.warning(
+        "skipping sample %s (uid %d): cannot build its prompt: %s: %s",
+        sample.id,
+        sample.uid,
+        type(e).__name__,
+        e,
+      )
+      self.forget(sample.uid)
+      if stop:
+        raise RuntimeError(
+          f"{self.prompt_errors.in_a_row} prompts in a row failed to build"
+          f" (last: sample {sample.id}: {type(e).__name__}: {e})"
+        ) from e
+      return False
+    self.prompt_errors.ok()
+    if n <= self.requests.prompt_budget:
+      return True
+    # The engine would reject it; a counted skip, not a failed round.
+    log.warning(
+      "skipping sample %s: prompt of %d tokens > %d (config_rules.prompt_budget)",
+      sample.id,
+      n,
+      self.requests.prompt_budget,
+    )
+    self.counts["data/skipped/prompt_too_long"] += 1
+    self.forget(sample.uid)
+    return False
 
   def _next_or_none(self) -> list:
     """The loader's next batch, [] once it is exhausted: a StopIteration
     cannot cross an executor's future (asyncio would hang on it)."""
     try:
-      return self.next_samples()
+      return self.loader.next_batch()
     except StopIteration:
       return []
 
@@ -347,7 +426,7 @@ class Producer:
       self.counts["data/skipped/rejected"] += 1
       self.forget(sample.uid)
     if samples:
-      self.release(samples)
+      self.loader.release(samples)
 
   def forget(self, uid: int) -> None:
     """Drops a sample the trainer is done with (call on the rollout loop)."""
@@ -386,64 +465,75 @@ class Producer:
           await self._top_up()
           plan = self.batcher.plan_round(limit=allowed)
         if plan is None:
-          self.out.put(StopIteration())
+          self.out.put(DataEnd())
           return
-        self.admission.on_started(plan.keep_prompts)
-        launch_version = self.version
-        pending: list[asyncio.Task] = []
-
-        def on_kept(uid, completions, launch_version=launch_version, pending=pending):
-          pending.append(asyncio.ensure_future(self._deliver(uid, completions, launch_version)))
-
-        def request(uid: tail_batching.PromptId, j: int) -> GenerateRequest:
-          assert isinstance(uid, int), "the producer's prompt ids are sample uids"
-          return self.make_request(self.samples[uid], self._prompt(uid), j)
-
-        def on_finished(uid: tail_batching.PromptId, completion: Completion) -> None:
-          assert isinstance(uid, int), "the producer's prompt ids are sample uids"
-          self._score(uid, completion)
-
-        try:
-          result = await round_driver.run_round(
-            self.rollout,
-            self.batcher,
-            request,
-            on_kept=on_kept,
-            on_finished=on_finished,
-            plan=plan,
-            version=str(launch_version),
-            decode=self.decode,
-            max_retries=self.request_retries,
-          )
-        except round_driver.RoundFailed as e:
-          stop = self.failed_rounds.fail()
-          self.admission.on_cancelled(plan.keep_prompts - len(e.kept))
-          self._drop_rejected(e.rejected)
-          log.warning("rollout round failed (%d in a row): %s", self.failed_rounds.in_a_row, e)
-          await asyncio.gather(*pending)
-          self.scores.clear()
-          if stop:
-            raise
-          await asyncio.sleep(min(2.0**self.failed_rounds.in_a_row, 30.0))
-          continue
-        self.failed_rounds.ok()
-        assert result is not None, "a round with a plan always returns"
-        # Admission a round could not use: prompts the backend refused left
-        # it fewer than it reserved.
-        self.admission.on_cancelled(plan.keep_prompts - len(result.groups))
-        self._drop_rejected(result.rejected)
-        await asyncio.gather(*pending)
-        # Responses that finished but were not kept (their prompt was already
-        # complete, or lost the race): a carried one is scored when it is kept.
-        self.scores.clear()
-        for key in tail_batching.COUNTED_STATS:
-          self.counts[f"rollout/{key}_total"] += result.stats.get(key, 0)
-        self.out.put(RoundEnd(dict(result.stats)))
+        await self._round(plan)
     except asyncio.CancelledError:
       raise
     except BaseException as e:
       log.exception("rollout producer stopped")
-      self.out.put(e)
+      self.out.put(Stopped(e))
+
+  async def _round(self, plan: tail_batching.RoundPlan) -> None:
+    """Runs one admitted round; each kept group is queued as its rewards come in."""
+    self.admission.on_started(plan.keep_prompts)
+    launch_version = self.version
+    pending: list[asyncio.Task] = []
+
+    def on_kept(uid, completions):
+      pending.append(asyncio.ensure_future(self._deliver(uid, completions, launch_version)))
+
+    def request(uid: tail_batching.PromptId, j: int) -> GenerateRequest:
+      assert isinstance(uid, int), "the producer's prompt ids are sample uids"
+      return self.requests.request(self.samples[uid], self._prompt(uid), j)
+
+    def on_finished(uid: tail_batching.PromptId, completion: Completion) -> None:
+      assert isinstance(uid, int), "the producer's prompt ids are sample uids"
+      self._score(uid, completion)
+
+    try:
+      result = await round_driver.run_round(
+        self.rollout,
+        self.batcher,
+        request,
+        on_kept=on_kept,
+        on_finished=on_finished,
+        plan=plan,
+        version=str(launch_version),
+        decode=self.requests.decode,
+        max_retries=self.request_retries,
+      )
+    except round_driver.RoundFailed as e:
+      await self._failed(plan, e, pending)
+      return
+    self.failed_rounds.ok()
+    assert result is not None, "a round with a plan always returns"
+    # Admission a round could not use: prompts the backend refused left
+    # it fewer than it reserved.
+    self.admission.on_cancelled(plan.keep_prompts - len(result.groups))
+    self._drop_rejected(result.rejected)
+    await asyncio.gather(*pending)
+    # Responses that finished but were not kept (their prompt was already
+    # complete, or lost the race): a carried one is scored when it is kept.
+    self.scores.clear()
+    for key, n in result.stats.counts().items():
+      self.counts[f"rollout/{key}_total"] += n
+    self.out.put(RoundEnd(result.stats))
+
+  async def _failed(
+    self, plan: tail_batching.RoundPlan, e: round_driver.RoundFailed, pending: list[asyncio.Task]
+  ) -> None:
+    """A round a backend error stopped: counted, what it kept delivered, then
+    a pause before the next; too many in a row raise."""
+    stop = self.failed_rounds.fail()
+    self.admission.on_cancelled(plan.keep_prompts - len(e.kept))
+    self._drop_rejected(e.rejected)
+    log.warning("rollout round failed (%d in a row): %s", self.failed_rounds.in_a_row, e)
+    await asyncio.gather(*pending)
+    self.scores.clear()
+    if stop:
+      raise e
+    await asyncio.sleep(min(2.0**self.failed_rounds.in_a_row, 30.0))
 
   async def _deliver(self, uid: int, completions: list, launch_version: int) -> None:
     sample = self.samples[uid]

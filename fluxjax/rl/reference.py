@@ -26,7 +26,7 @@ import jax
 from flax import nnx
 
 from fluxjax import settings as settings_lib
-from fluxjax.models import hf_io
+from fluxjax.models import hf_export, hf_load
 from fluxjax.rl import sft
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def reference_params(
     # The policy as RL begins; its own buffers (the update donates the policy's).
     params = jax.tree.map(lambda x: x.copy(), policy_params)
     if snapshot:
-      hf_io.save_hf_checkpoint(nnx.merge(graphdef, params), path, dtype="float32")
+      hf_export.save_hf_checkpoint(nnx.merge(graphdef, params), path, dtype="float32")
       log.info("reference model: the policy at the start of RL, saved to %s", path)
     return params
   if not os.path.exists(os.path.join(path, "config.json")):
@@ -84,6 +84,6 @@ def reference_params(
     k: v.get_value() if isinstance(v, nnx.Variable) else v
     for k, v in nnx.to_flat_state(param_shardings)
   }
-  model = hf_io.load_hf_checkpoint(path, model_cfg, shardings=shardings)
+  model = hf_load.load_hf_checkpoint(path, model_cfg, shardings=shardings)
   log.info("reference model: read from %s", path)
   return nnx.state(model, nnx.Param)

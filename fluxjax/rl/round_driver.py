@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 from fluxjax.rl.tail_batching import Carried, Key, PromptId, Round, RoundPlan, TailBatcher
 from fluxjax.rollout import protocol
@@ -29,6 +30,67 @@ from fluxjax.rollout.client import RequestRejected
 from fluxjax.rollout.protocol import Completion, GenerateRequest
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundStats:
+  """What one committed round did.
+
+  Attributes:
+    kind: "short" (speculative) or "long".
+    wall_s: the round's wall time in seconds.
+    prompts: prompts launched.
+    requests: requests sent, retries and continuations included.
+    aborted: requests the round aborted.
+    retried: requests sent again after the backend aborted them.
+    deferred: launched prompts not kept.
+    resumed: requests that continued a response.
+    restarted: continuations the backend refused, generated again from scratch.
+    rejected: prompts the backend refused (dropped from the epoch).
+    tokens_kept: every token of the kept responses.
+    tokens_generated: tokens decoded in this round.
+    tokens_resumed: tokens carried into the round by the responses it continued.
+    tokens_carried: tokens carried out of it.
+    tokens_discarded: tokens decoded, in this round or, for a restarted
+      response, before it, and neither kept nor carried.
+    max_kept_len: the longest kept response, in tokens.
+    decode_steps, slot_idle_fraction: the engine's decode steps in the round
+      and the share of its slot-steps idle (`_slot_usage`); None where the
+      backend reports no slot counters.
+  """
+
+  # The statistics that are counts, summed over rounds into run totals.
+  COUNTED: ClassVar[tuple[str, ...]] = (
+    "aborted",
+    "deferred",
+    "resumed",
+    "restarted",
+    "tokens_discarded",
+    "tokens_carried",
+  )
+
+  kind: str
+  wall_s: float
+  prompts: int
+  requests: int
+  aborted: int
+  retried: int
+  deferred: int
+  resumed: int
+  restarted: int
+  rejected: int
+  tokens_kept: int
+  tokens_generated: int
+  tokens_resumed: int
+  tokens_carried: int
+  tokens_discarded: int
+  max_kept_len: int
+  decode_steps: int | None = None
+  slot_idle_fraction: float | None = None
+
+  def counts(self) -> dict[str, int]:
+    """The counted statistics (`COUNTED`) by name."""
+    return {name: getattr(self, name) for name in self.COUNTED}
 
 
 @dataclasses.dataclass
@@ -41,24 +103,16 @@ class RoundResult:
       the prompts completed.
     deferred: launched prompts not kept (to the long-prompt queue, or with
       continue_in="next_round" to the front of the fresh queue).
+    stats: what the round did.
     rejected: launched prompts a backend refused (RequestRejected on a fresh
       request: it cannot succeed on any server); dropped from the epoch, for
       the caller to count and release.
-    stats: kind, wall_s, prompts, requests, aborted, retried, deferred,
-      resumed (requests that continued a response), tokens_kept (every token
-      of the kept responses), tokens_generated (decoded in this round),
-      tokens_resumed (carried into the round by the responses it continued),
-      tokens_carried (carried out of it), tokens_discarded (decoded, in this
-      round or, for a restarted response, before it, and neither kept nor
-      carried), restarted (continuations the backend refused, generated again
-      from scratch), max_kept_len, and with a
-      slot-reporting backend decode_steps and slot_idle_fraction.
   """
 
   plan: RoundPlan
   groups: dict
   deferred: list
-  stats: dict
+  stats: RoundStats
   rejected: list = dataclasses.field(default_factory=list)
 
 
@@ -229,7 +283,7 @@ class RoundDriver:
     stats = self._stats(kept, groups, carry, wall)
     slots1 = self.rollout.slot_stats()
     if slots0 is not None and slots1 is not None:
-      stats.update(_slot_usage(slots0, slots1, self.segments))
+      stats = dataclasses.replace(stats, **_slot_usage(slots0, slots1, self.segments))
     return RoundResult(self.plan, groups, self.rnd.deferred, stats, list(self.rnd.rejected))
 
   # --- requests ---------------------------------------------------------------------
@@ -382,33 +436,33 @@ class RoundDriver:
           carry[(p, j)] = Carried(False, self.so_far[(p, j)].to_dict())
     return carry
 
-  def _stats(self, kept: list, groups: dict, carry: dict[Key, Carried], wall: float) -> dict:
+  def _stats(self, kept: list, groups: dict, carry: dict[Key, Carried], wall: float) -> RoundStats:
     saved = [(p, j) for p in kept for j in self.rnd.kept[p]] + list(carry)
     generated = sum(len(c.output_ids) for c in self.segments)
     new_saved = sum(self.new_tokens.get(k, 0) for k in saved)
     kept_lens = [len(c.output_ids) for g in groups.values() for c in g]
     requests = sum(self.tries.values())
-    return {
-      "kind": self.plan.kind,
-      "wall_s": wall,
-      "prompts": len(self.plan.prompts),
-      "requests": requests,
-      "aborted": len(self.aborted_rids),
-      "retried": requests - len(self.tries),
-      "deferred": len(self.rnd.deferred),
-      "resumed": self.events["resumed"],
-      "restarted": self.events["restarted"],
-      "rejected": len(self.rnd.rejected),
-      "tokens_kept": sum(kept_lens),
-      "tokens_generated": generated,
-      "tokens_resumed": self.tokens_resumed,
-      "tokens_carried": sum(len(c.completion["output_ids"]) for c in carry.values()),
-      "tokens_discarded": generated - new_saved + self.events["lost_tokens"],
-      "max_kept_len": max(kept_lens, default=0),
-    }
+    return RoundStats(
+      kind=self.plan.kind,
+      wall_s=wall,
+      prompts=len(self.plan.prompts),
+      requests=requests,
+      aborted=len(self.aborted_rids),
+      retried=requests - len(self.tries),
+      deferred=len(self.rnd.deferred),
+      resumed=self.events["resumed"],
+      restarted=self.events["restarted"],
+      rejected=len(self.rnd.rejected),
+      tokens_kept=sum(kept_lens),
+      tokens_generated=generated,
+      tokens_resumed=self.tokens_resumed,
+      tokens_carried=sum(len(c.completion["output_ids"]) for c in carry.values()),
+      tokens_discarded=generated - new_saved + self.events["lost_tokens"],
+      max_kept_len=max(kept_lens, default=0),
+    )
 
 
-def _slot_usage(before: SlotStats, after: SlotStats, outputs: Sequence) -> dict:
+def _slot_usage(before: SlotStats, after: SlotStats, outputs: Sequence) -> dict[str, Any]:
   """decode_steps and slot_idle_fraction of a round from the engine's counters.
 
   Slot-steps: every decode step computes all slots; a slot is busy for one

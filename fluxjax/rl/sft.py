@@ -56,6 +56,7 @@ from fluxjax.parallel.layout_steps import LayoutSteps
 from fluxjax.planning.plan import Plan
 from fluxjax.rl import checkpoint as checkpoint_lib
 from fluxjax.rl import policy as policy_lib
+from fluxjax.rl.requests import Requests
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,9 @@ class Rollout(Protocol):
   """What the warm-up needs from the run's coordinator: prompts, publishing, the worker."""
 
   @property
-  def tokenizer(self) -> Tokenizer: ...
+  def requests(self) -> Requests:
+    """The run's prompts, as rollout sees them, and its tokenizer."""
+    ...
 
   @property
   def policy(self) -> policy_lib.WarmUpOps: ...
@@ -116,10 +119,6 @@ class Rollout(Protocol):
   @property
   def faults(self) -> faults_lib.Faults:
     """The run's fault streaks (the warm-up's refused steps count as the run's)."""
-    ...
-
-  def prompt(self, sample: meta_lib.SampleMeta) -> SequenceInputs:
-    """The sample's prompt, as rollout sees it."""
     ...
 
   def publish(self, new_version: bool = True) -> float:
@@ -138,10 +137,10 @@ def sequences(
 ) -> list[batch_lib.TrainSequence]:
   """The warm-up sequences of `samples`: each prompt as rollout sees it, then its
   reference response (reasoning, for `chain_fraction` of the samples, and answer)."""
-  tok = rollout.tokenizer
+  tok = rollout.requests.tokenizer
   return [
     sft_sequence(
-      rollout.prompt(s),
+      rollout.requests.prompt(s),
       answer_ids(tok, s.answer or "", s.solution if shows_reasoning(s.id, chain_fraction) else ""),
     )
     for s in samples

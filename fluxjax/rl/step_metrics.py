@@ -1,7 +1,9 @@
-"""What a GRPO step reports about the batch it trained (docs/metrics.md).
+"""What a GRPO step reports (docs/metrics.md).
 
-Pure functions of the step's groups (prompt, responses, rewards) and the
-run's settings; the coordinator adds the timing, async and loss metrics.
+`step_metrics` is a pure function of what the coordinator measured in a step
+(`StepFacts`), the run's settings and its model config: the step's timing,
+async, publish, round and loss (train/*) metrics, the run's totals, and
+these, of the batch it trained:
 
   rollout/reward_mean, rollout/accuracy      the weighted reward; the share
                                              of responses at or above
@@ -31,6 +33,7 @@ run's settings; the coordinator adds the timing, async and loss metrics.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -40,7 +43,78 @@ from fluxjax import settings as settings_lib
 from fluxjax.models import flops as flops_lib
 from fluxjax.models.config import ModelConfig
 from fluxjax.rl import advantages as adv_lib
-from fluxjax.rl import reward_fns, tail_batching, trajectories
+from fluxjax.rl import reward_fns, trajectories
+from fluxjax.rl.round_driver import RoundStats
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFacts:
+  """What the coordinator measured in one step.
+
+  Attributes:
+    groups: the trained groups.
+    rounds: the rollout rounds that ended while the step waited.
+    update: the update's own metrics, host floats (logged as train/*).
+    lr: the learning rate of its first optimizer update.
+    memory: `device_memory_metrics()` after the update.
+    version: the policy version after the step's publish.
+    wait_s, step_s, publish_s: seconds waiting for rollouts, in the whole
+      step, publishing.
+    publish_wait: what `Publisher.settle_reads` measured before the update.
+    filtered, requeued: groups DAPO dropped; groups staler than the lag
+      bound, generated again.
+    staleness: `async_control.combine_staleness` of the batch.
+    trained_gap: `async_control.version_gap` of its tokens (mean, max).
+    control: what admission reported after observing the staleness.
+    totals: the run's counted events so far (`Coordinator.fault_counts`).
+  """
+
+  groups: Sequence[trajectories.Group]
+  rounds: Sequence[RoundStats]
+  update: Mapping[str, float]
+  lr: float
+  memory: Mapping[str, float]
+  version: int
+  wait_s: float
+  step_s: float
+  publish_s: float
+  publish_wait: Mapping[str, float]
+  filtered: int
+  requeued: int
+  staleness: Mapping[str, float]
+  trained_gap: Mapping[str, float]
+  control: Mapping[str, float]
+  totals: Mapping[str, float]
+
+
+def step_metrics(
+  facts: StepFacts, settings: settings_lib.Settings, cfg: ModelConfig
+) -> dict[str, float]:
+  """Every metric a step logs, by name."""
+  tokens = sum(len(c.output_ids) for g in facts.groups for c in g.completions)
+  updates = facts.update.get("updates", 1.0)
+  return {
+    **batch_metrics(facts.groups, settings),
+    "optim/lr": facts.lr,
+    **facts.memory,
+    "rollout/wait_seconds": facts.wait_s,
+    "rollout/rounds": float(len(facts.rounds)),
+    "rollout/filtered_groups": float(facts.filtered),
+    "async/stale_requeued": float(facts.requeued),
+    "perf/step_seconds": facts.step_s,
+    **throughput_metrics(facts.groups, cfg, facts.step_s, updates),
+    "perf/tokens_per_s": tokens / max(facts.step_s, 1e-9),
+    "publish/seconds": facts.publish_s,
+    **facts.publish_wait,
+    "policy/version": float(facts.version),
+    **{f"async/{k}": v for k, v in facts.staleness.items()},
+    "async/trained_gap": facts.trained_gap["mean"],
+    "async/trained_gap_max": facts.trained_gap["max"],
+    **{f"async/{k}": v for k, v in facts.control.items()},
+    **{f"train/{k}": v for k, v in facts.update.items()},
+    **round_metrics(facts.rounds),
+    **facts.totals,
+  }
 
 
 def batch_metrics(
@@ -117,18 +191,18 @@ def throughput_metrics(
   return out
 
 
-def round_metrics(rounds: Sequence[Mapping]) -> dict[str, float]:
-  """The step's rollout rounds (tail_batching stats): mean wall time, long
-  rounds, the counted stats summed, the mean share of idle engine slots."""
+def round_metrics(rounds: Sequence[RoundStats]) -> dict[str, float]:
+  """The step's rollout rounds: mean wall time, long rounds, the counted
+  stats summed, the mean share of idle engine slots."""
   if not rounds:
     return {}
   out = {
-    "rollout/round_seconds": float(np.mean([r["wall_s"] for r in rounds])),
-    "rollout/long_rounds": float(sum(r["kind"] == "long" for r in rounds)),
+    "rollout/round_seconds": float(np.mean([r.wall_s for r in rounds])),
+    "rollout/long_rounds": float(sum(r.kind == "long" for r in rounds)),
   }
-  for key in tail_batching.COUNTED_STATS:
-    out[f"rollout/{key}"] = float(sum(r.get(key, 0) for r in rounds))
-  idle = [r["slot_idle_fraction"] for r in rounds if "slot_idle_fraction" in r]
+  for key in RoundStats.COUNTED:
+    out[f"rollout/{key}"] = float(sum(r.counts()[key] for r in rounds))
+  idle = [r.slot_idle_fraction for r in rounds if r.slot_idle_fraction is not None]
   if idle:
     out["rollout/slot_idle_fraction"] = float(np.mean(idle))
   return out

@@ -47,15 +47,6 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 PromptId = Hashable  # int or str: it goes into JSON checkpoints
-# Round statistics that are counts, summed over rounds into run totals.
-COUNTED_STATS = (
-  "aborted",
-  "deferred",
-  "resumed",
-  "restarted",
-  "tokens_discarded",
-  "tokens_carried",
-)
 Key = tuple[Any, int]  # (prompt id, response index)
 
 

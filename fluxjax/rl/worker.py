@@ -45,7 +45,7 @@ from flax import nnx
 
 from fluxjax import settings as settings_lib
 from fluxjax.data import materializer as materializer_lib
-from fluxjax.models import hf_io
+from fluxjax.models import hf_export
 from fluxjax.models.config import ModelConfig
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import multihost, train_step
@@ -219,7 +219,7 @@ class PolicyWorker:
 
   def _check_gathered(self) -> None:
     """The update donates the arrays a deferred publish gathers from: the
-    leader has announced every gather before it (`Coordinator.settle_reads`)."""
+    leader has announced every gather before it (`Publisher.settle_reads`)."""
     if self._publishing is not None:
       raise RuntimeError(
         f"the update came {self._publishing.remaining} gathers before the end of a deferred publish"
@@ -355,7 +355,7 @@ class PolicyWorker:
     """Writes the policy's parameters as an HF folder at `path` in `dtype`,
     with `files` (tokenizer.json, ...) beside them; every process takes part."""
     model = nnx.merge(self._graphdef, self._trainer.state.params)
-    hf_io.save_hf_checkpoint(model, path, dtype=dtype, extra_files=files)
+    hf_export.save_hf_checkpoint(model, path, dtype=dtype, extra_files=files)
 
   def close(self) -> None:
     """Waits for checkpoints being written, then closes the checkpointer."""

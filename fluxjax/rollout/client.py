@@ -14,12 +14,8 @@ from typing import Any
 
 import aiohttp
 
-from fluxjax.rollout.protocol import (
-  Completion,
-  DistributedUpdate,
-  GenerateRequest,
-  InitWeightsGroup,
-)
+from fluxjax.rollout.protocol import Completion, GenerateRequest
+from fluxjax.rollout.weight_protocol import DistributedUpdate, InitWeightsGroup
 
 
 class RequestRejected(ValueError):

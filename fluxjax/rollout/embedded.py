@@ -14,7 +14,7 @@ import asyncio
 from fluxjax.models import media, processor, vlm
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import engine as engine_lib
-from fluxjax.rollout import prompt, protocol
+from fluxjax.rollout import json_body, prompt, protocol
 from fluxjax.rollout import publish as publish_lib
 from fluxjax.rollout.backend import SlotStats
 from fluxjax.rollout.client import RequestRejected
@@ -89,7 +89,7 @@ class EmbeddedRollout:
           on_event=on_event,
         )
       )
-    except protocol.ProtocolError as e:
+    except json_body.ProtocolError as e:
       raise RequestRejected(str(e)) from e
     try:
       await done

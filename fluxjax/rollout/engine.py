@@ -39,11 +39,12 @@ import numpy as np
 from flax import nnx
 
 from fluxjax.models import config as config_lib
-from fluxjax.models import decode, hf_delta, hf_io, vision, vlm
+from fluxjax.models import decode, hf_delta, hf_load, vision, vlm
 from fluxjax.models.inputs import SequenceInputs
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import protocol, sampling
-from fluxjax.rollout.protocol import ProtocolError, SamplingParams
+from fluxjax.rollout.json_body import ProtocolError
+from fluxjax.rollout.sampling_params import SamplingParams
 from fluxjax.sharding import rules
 
 log = logging.getLogger(__name__)
@@ -407,21 +408,21 @@ class Engine:
 
     All or nothing: every tensor is read and checked before one swap of
     parameters and version between steps; a bad one raises
-    hf_io.CheckpointFormatError and the engine serves on unchanged.
+    hf_load.CheckpointFormatError and the engine serves on unchanged.
     """
     with self._step_lock:
       state = self._state
-    self.update_params(hf_io.with_hf_tensors(state, self.cfg, named), weight_version)
+    self.update_params(hf_load.with_hf_tensors(state, self.cfg, named), weight_version)
 
   def load_weights_from_disk(self, path: str, weight_version: str) -> None:
     """Reads an HF checkpoint folder (same architecture) and swaps it in.
 
     All or nothing: the folder is checked whole and read completely
-    (hf_io.load_hf_checkpoint) before one swap of parameters and version
+    (hf_load.load_hf_checkpoint) before one swap of parameters and version
     between steps. A folder whose delta applies to the served version
     (models/hf_delta.py) is read as that delta instead, also all or nothing;
     a delta that fails leaves the folder to be loaded. A folder that fails
-    (ProtocolError: another architecture; hf_io.CheckpointFormatError: a
+    (ProtocolError: another architecture; hf_load.CheckpointFormatError: a
     file or tensor missing, truncated or misshapen; OSError: unreadable)
     raises, and the engine serves on with the weights and version it had.
     """
@@ -434,14 +435,14 @@ class Engine:
       with self._step_lock:
         state = self._state
       try:
-        current = hf_io.hf_tensor_reader(state, self.cfg)
-        named = hf_delta.apply(path, current, hf_io.TensorIndex(path).read)
+        current = hf_load.hf_tensor_reader(state, self.cfg)
+        named = hf_delta.apply(path, current, hf_load.TensorIndex(path).read)
         self.load_hf_tensors(named, weight_version)
         self.deltas_applied += 1
         return
       except (ValueError, KeyError, OSError) as e:  # the folder itself may still load
         log.warning("the delta in %s was not applied (%s); loading the folder", path, e)
-    model = hf_io.load_hf_checkpoint(path, self.cfg)
+    model = hf_load.load_hf_checkpoint(path, self.cfg)
     self.update_params(nnx.split(model)[1], weight_version)
 
   # --- the loop ---------------------------------------------------------------------

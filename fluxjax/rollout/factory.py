@@ -23,7 +23,7 @@ from fluxjax import settings as settings_lib
 from fluxjax.models import media, vlm
 from fluxjax.models.processor import VisionProcessorConfig
 from fluxjax.models.tokenizer import Tokenizer
-from fluxjax.rollout import embedded, fleet, protocol, router
+from fluxjax.rollout import embedded, fleet, launcher, protocol, router, weight_protocol
 from fluxjax.rollout import engine as engine_lib
 from fluxjax.rollout.backend import RolloutBackend
 
@@ -53,10 +53,10 @@ def check_config(cfg) -> None:
       f"rollout.weight_sync={cfg.weight_sync!r}: set --config.rollout.weight_sync to one of "
       f"{fleet.WEIGHT_SYNCS}"
     )
-  if cfg.weight_group_backend not in protocol.WEIGHT_GROUP_BACKENDS:
+  if cfg.weight_group_backend not in weight_protocol.WEIGHT_GROUP_BACKENDS:
     raise ValueError(
       f"rollout.weight_group_backend={cfg.weight_group_backend!r}: set "
-      f"--config.rollout.weight_group_backend to one of {protocol.WEIGHT_GROUP_BACKENDS}"
+      f"--config.rollout.weight_group_backend to one of {weight_protocol.WEIGHT_GROUP_BACKENDS}"
     )
   engine_lib.check_decode_steps(
     cfg.num_continuous_decode_steps, "--config.rollout.num_continuous_decode_steps"
@@ -141,7 +141,7 @@ def make_backend(
   weights_root: str | None = None,
   served_model: fleet.ServedModel | None = None,
   log_dir: str | None = None,
-) -> tuple[RolloutBackend, fleet.LaunchedServers | None]:
+) -> tuple[RolloutBackend, launcher.LaunchedServers | None]:
   """Builds the backend of a `rollout` config section.
 
   Args:
@@ -199,7 +199,7 @@ def make_backend(
   urls = list(cfg.urls)
   launched = None
   if not urls:
-    launched = fleet.launch_servers(
+    launched = launcher.launch_servers(
       list(cfg.launch) if launch is None else launch,
       int(cfg.num_servers),
       timeout_s=launch_s,
@@ -219,7 +219,7 @@ def make_backend(
       launched.stop()
     raise
   if launched is None:
-    launched = fleet.LaunchedServers([], [], [])
+    launched = launcher.LaunchedServers([], [], [])
   launched.router = routed
   return router.RoutedFleet(
     routed.urls[0], workers_timeout_s=launch_s, health_interval_s=health_s, **sync

@@ -1,4 +1,4 @@
-"""A fleet of rollout servers: routing, retries, health, weight versions, launching.
+"""A fleet of rollout servers: routing, retries, health, weight versions.
 
 Requests are fanned out one response per HTTP call (n = 1), so each can be
 aborted by rid. Routing:
@@ -32,9 +32,6 @@ Where this differs from the Flux design's weight-sync manager, and why:
     against. A server that missed versions (down, restarted, a failed
     update) goes straight to the newest: the folder on disk when it
     answers /health again, the next broadcast otherwise.
-
-`launch_servers` starts server processes (`python -m sglang.launch_server ...`
-or ours) on free ports and waits for their health.
 """
 
 from __future__ import annotations
@@ -46,8 +43,6 @@ import json
 import logging
 import os
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.parse
@@ -57,9 +52,10 @@ from typing import TYPE_CHECKING, Any, Self
 import aiohttp
 
 from fluxjax.models import config as config_lib
-from fluxjax.rollout import protocol
+from fluxjax.rollout import protocol, sampling_params, weight_protocol
 from fluxjax.rollout.backend import SlotStats
 from fluxjax.rollout.client import RequestRejected, ServerUnavailable, SGLangClient
+from fluxjax.rollout.launcher import free_port
 from fluxjax.rollout.protocol import Completion, GenerateRequest
 
 if TYPE_CHECKING:  # JAX model code: loaded by `publish` only
@@ -77,8 +73,11 @@ class ServerState:
   inflight: set = dataclasses.field(default_factory=set)
   weight_version: str | None = None
   completed: int = 0
-  # Back after missing a broadcast update: kept out until the next one.
+  # Its weights are not a whole published version (it missed a broadcast, or
+  # failed part way through an update): kept out until a refit brings it one.
   awaiting_update: bool = False
+  # Generate calls sent to it, by rid: cancelled when it is taken out.
+  calls: dict = dataclasses.field(default_factory=dict)
 
   @property
   def url(self) -> str:
@@ -87,7 +86,26 @@ class ServerState:
 
 def _cost(request: GenerateRequest) -> int:
   prompt = len(request.input_ids or ()) or len(request.text or "") // 4 + 1
-  return prompt + (request.sampling.max_new_tokens or protocol.SAMPLING_DEFAULTS["max_new_tokens"])
+  return prompt + (
+    request.sampling.max_new_tokens or sampling_params.SAMPLING_DEFAULTS["max_new_tokens"]
+  )
+
+
+async def tracked_call(calls: dict, client: SGLangClient, request: GenerateRequest) -> Completion:
+  """`client`'s answer to `request`, the call kept in `calls` meanwhile;
+  ServerUnavailable when the fleet cancels it there (`Fleet._take_out`),
+  as the server it waits in holds weights of no one version."""
+  call = asyncio.ensure_future(client.generate(request))
+  calls[request.rid] = call
+  try:
+    return await call
+  except asyncio.CancelledError:
+    task = asyncio.current_task()
+    if call.cancelled() and task is not None and not task.cancelling():
+      raise ServerUnavailable(f"{client.url}: taken out while it held {request.rid}") from None
+    raise
+  finally:
+    calls.pop(request.rid, None)
 
 
 def prompt_key(request: GenerateRequest) -> str:
@@ -170,7 +188,7 @@ class Fleet:
       gathers the tensors (`PublishReport.feed`) and the write or broadcast
       and the servers' load run in `PublishReport.pending`.
     weight_bucket_bytes: with "distributed", the most bytes one update call
-      carries (hf_io.byte_runs).
+      carries (hf_export.byte_runs).
   """
 
   def __init__(
@@ -181,7 +199,7 @@ class Fleet:
     request_timeout_s: float = 3600.0,
     max_attempts: int | None = None,
     weights_root: str | None = None,
-    weights_dtype: str = protocol.PUBLISHED_DTYPE,
+    weights_dtype: str = weight_protocol.PUBLISHED_DTYPE,
     vision_limits: Mapping[str, int] | None = None,
     served_model: ServedModel | None = None,
     weight_sync: str = "disk",
@@ -320,7 +338,7 @@ class Fleet:
   async def close(self) -> None:
     if self.weight_group is not None:  # the servers leave it, then this process
       members = [s for s in self.servers if s.client.url in self.weight_group.urls]
-      name = protocol.WEIGHT_GROUP_NAME
+      name = weight_protocol.WEIGHT_GROUP_NAME
       await self.broadcast(lambda c: c.destroy_weights_update_group(name), members)
       self.weight_group.close()
       self.weight_group = None
@@ -373,7 +391,7 @@ class Fleet:
       server.inflight.add(rid)
       self.where[rid] = server
       try:
-        out = await server.client.generate(request)
+        out = await self._send(server, request)
         server.weight_version = out.weight_version
         server.completed += 1
         return out
@@ -389,6 +407,9 @@ class Fleet:
         server.inflight.discard(rid)
         self.where.pop(rid, None)
     raise NoServerAvailable(f"request {rid} failed on every server: {last}")
+
+  async def _send(self, server: ServerState, request: GenerateRequest) -> Completion:
+    return await tracked_call(server.calls, server.client, request)
 
   async def generate_many(
     self, requests: Sequence[GenerateRequest], groups: Sequence[str | None] | None = None
@@ -458,8 +479,8 @@ class Fleet:
 
     In-flight requests return `abort` with their partial output (pause mode
     "abort"); requests sent meanwhile wait in the servers. A server that
-    fails a phase is marked down (and refit when it rejoins) but still
-    continued, never left paused.
+    fails a phase is marked down and refit when it rejoins; one that failed
+    the update itself stays paused until then (`_refit`).
 
     Returns:
       Seconds per phase (the slowest server counts) and the failures.
@@ -497,9 +518,13 @@ class Fleet:
     self, servers: Sequence[ServerState], version: str, pause_mode: str, update
   ) -> tuple[dict[str, float], list[str]]:
     """The update sequence on `servers`; a phase runs on those that passed the
-    ones before it, and continue on all of them. Call under `_control`."""
+    ones before it. A version is served whole or not at all: a server that
+    failed the update phase holds weights of no one version, so it is taken
+    out, paused, until a refit brings it a whole one (`_take_out`); every
+    other server is continued. Call under `_control`."""
     seconds: dict[str, float] = {}
     failed: dict[ServerState, str] = {}
+    updated: list[ServerState] = []
     phases = (
       ("pause", lambda targets: self.broadcast(lambda c: c.pause(pause_mode), targets)),
       ("flush", lambda targets: self.broadcast(lambda c: c.flush_cache(), targets)),
@@ -508,7 +533,15 @@ class Fleet:
     )
     for name, fn in phases:
       t = time.perf_counter()
-      targets = servers if name == "resume" else [s for s in servers if s not in failed]
+      if name == "resume":
+        mixed = [s for s in servers if s in failed and s in updated]
+        for s in mixed:
+          await self._take_out(s, f"its weight update failed part way: {failed[s]}")
+        targets = [s for s in servers if s not in mixed]
+      else:
+        targets = [s for s in servers if s not in failed]
+      if name == "update":
+        updated = targets
       for s, r in zip(targets, await fn(targets)):
         if isinstance(r, Exception):
           failed.setdefault(s, str(r))
@@ -517,6 +550,14 @@ class Fleet:
       if s not in failed:
         s.weight_version = version
     return seconds, list(failed.values())
+
+  async def _take_out(self, server: ServerState, why: str) -> None:
+    """Keeps `server` out of generation, paused, until a refit brings it a
+    whole version; the requests waiting in it go to other servers."""
+    self._mark_down(server, why)
+    server.awaiting_update = True
+    for call in list(server.calls.values()):
+      call.cancel()
 
   async def _rejoin(self, server: ServerState) -> bool:
     """Refits a server that answers /health again to the published weights
@@ -544,7 +585,7 @@ class Fleet:
           log.info("rollout server %s refit to weight version %s", server.url, version)
     if failed:
       return False
-    server.weight_version = version
+    server.weight_version, server.awaiting_update = version, False
     return True
 
   async def check_health(self) -> list[bool]:
@@ -576,124 +617,3 @@ class Fleet:
         await self.check_health()
       except Exception:
         log.exception("health check loop")
-
-
-# --- launching ----------------------------------------------------------------------
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-  with socket.socket() as s:
-    s.bind((host, 0))
-    return s.getsockname()[1]
-
-
-@dataclasses.dataclass
-class LaunchedServers:
-  """Server processes started by `launch_servers`; `stop()` ends them."""
-
-  urls: list[str]
-  procs: list[subprocess.Popen]
-  logs: list[str]
-  # A router launched in front of these servers (rollout.router_launch).
-  router: LaunchedServers | None = None
-
-  def stop(self) -> None:
-    if self.router is not None:
-      self.router.stop()
-    for p in self.procs:
-      if p.poll() is None:
-        p.terminate()
-    for p in self.procs:
-      try:
-        p.wait(timeout=10)
-      except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
-
-
-# glibc malloc on transparent huge pages (appended to GLIBC_TUNABLES unless it
-# sets hugetlb; other C libraries ignore it). A decoding server allocates the
-# same large temporaries every step and glibc hands them back to the kernel,
-# so each step faults them in again 4 KiB at a time, a third of a CPU
-# server's time in the kernel; huge pages spare most of it (docs/testing.md,
-# allocator settings).
-MALLOC_TUNABLES = "glibc.malloc.hugetlb=1"
-
-
-def server_process_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-  """`env` (default: this process's) with `MALLOC_TUNABLES` added."""
-  env = dict(os.environ if env is None else env)
-  tunables = env.get("GLIBC_TUNABLES", "")
-  if "glibc.malloc.hugetlb" not in tunables:
-    env["GLIBC_TUNABLES"] = ":".join(t for t in (tunables, MALLOC_TUNABLES) if t)
-  return env
-
-
-def launch_servers(
-  cmd: Sequence[str],
-  num_servers: int,
-  *,
-  host: str = "127.0.0.1",
-  env: dict | None = None,
-  timeout_s: float = 300.0,
-  log_dir: str | None = None,
-  log_name: str = "server",
-  gpu_groups: Sequence[str] | None = None,
-) -> LaunchedServers:
-  """Starts `cmd + --host H --port P` num_servers times and waits for /health.
-
-  `cmd` is e.g. ["python", "-m", "sglang.launch_server", "--model-path", M]
-  (or our `fluxjax.rollout.server`, which takes the same flags). The
-  processes get `env` (default: this process's) with `MALLOC_TUNABLES`.
-  Each writes its output to `log_dir`/<log_name><i>.log (a run's
-  WORKDIR/logs; a new temporary folder when None). With `gpu_groups`,
-  server i runs with CUDA_VISIBLE_DEVICES=gpu_groups[i].
-  """
-  import tempfile
-  import urllib.request
-
-  log_dir = log_dir or tempfile.mkdtemp(prefix="fluxjax-servers-")
-  os.makedirs(log_dir, exist_ok=True)
-  urls, procs, logs = [], [], []
-  cmd = [sys.executable if c == "python" else c for c in cmd]
-  env = server_process_env(env)
-  for i in range(num_servers):
-    port = free_port(host)
-    path = os.path.join(log_dir, f"{log_name}{i}.log")
-    own_env = env if gpu_groups is None else {**env, "CUDA_VISIBLE_DEVICES": gpu_groups[i]}
-    with open(path, "wb") as f:
-      procs.append(
-        subprocess.Popen(
-          [*cmd, "--host", host, "--port", str(port)],
-          stdout=f,
-          stderr=subprocess.STDOUT,
-          env=own_env,
-        )
-      )
-    urls.append(f"http://{host}:{port}")
-    logs.append(path)
-  launched = LaunchedServers(urls, procs, logs)
-  deadline = time.time() + timeout_s
-  pending = set(range(num_servers))
-  try:
-    while pending:
-      for i in list(pending):
-        if procs[i].poll() is not None:
-          raise RuntimeError(
-            f"rollout server {i} exited with {procs[i].returncode}; "
-            f"log: {open(logs[i]).read()[-2000:]}"
-          )
-        try:
-          with urllib.request.urlopen(urls[i] + "/health", timeout=2) as r:
-            if r.status == 200:
-              pending.discard(i)
-        except OSError:
-          pass
-      if pending and time.time() > deadline:
-        raise TimeoutError(f"rollout servers {sorted(pending)} not healthy in {timeout_s}s")
-      if pending:
-        time.sleep(0.25)
-  except BaseException:
-    launched.stop()
-    raise
-  return launched

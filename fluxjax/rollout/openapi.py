@@ -2,10 +2,11 @@
 
 SGLang's FastAPI server serves its own description at the same path. This one
 is built from the tables the server itself runs on, so the two cannot drift:
-the server registers exactly the routes of `ENDPOINTS`, and the /generate body
+the server registers exactly the routes of `ENDPOINTS`, the /generate body
 is described from protocol.py's field lists (USED_FIELDS, IGNORED_FIELDS,
-DEFAULT_ONLY_FIELDS) and SamplingParams' keys (SAMPLING_DEFAULTS). A field or
-key added there without a schema here fails at import.
+DEFAULT_ONLY_FIELDS) and sampling_params.py's keys (SAMPLING_DEFAULTS), and the
+weight group's backends and dtypes from weight_protocol.py. A field or key
+added there without a schema here fails at import.
 
 The schemas say what this server accepts, which is what schemathesis holds it
 to: a value outside them is answered 4xx, never 5xx. Some requests inside
@@ -19,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from fluxjax.rollout import protocol
+from fluxjax.rollout import protocol, sampling_params, weight_protocol
 
 OPENAPI_VERSION = "3.1.0"
 _JSON = "application/json"
@@ -96,7 +97,7 @@ def _default_only(default: Any) -> dict[str, Any]:
   return {"anyOf": [accepted, {"type": "array", "items": accepted}]}
 
 
-_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": protocol.MAX_TOKEN_ID}
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": sampling_params.MAX_TOKEN_ID}
 _TOKEN_IDS = {"type": "array", "items": _TOKEN_ID, "minItems": 1}
 _MEDIA = {
   "description": "a path, a data URI or raw base64 per item; a list per request in a batch",
@@ -162,7 +163,7 @@ _USED_FIELD_SCHEMAS: dict[str, dict[str, Any]] = {
 
 def _sampling_key_schema(key: str, default: Any) -> dict[str, Any]:
   """The schema of one SamplingParams key, as SamplingParams.from_dict checks it."""
-  if key in protocol.BOOL_SAMPLING_KEYS:
+  if key in sampling_params.BOOL_SAMPLING_KEYS:
     return {"type": "boolean"}
   special: dict[str, dict[str, Any]] = {
     "max_new_tokens": {
@@ -192,12 +193,12 @@ def _sampling_key_schema(key: str, default: Any) -> dict[str, Any]:
     "sampling_seed": {
       "type": ["integer", "null"],
       "minimum": 0,
-      "maximum": protocol.SEED_LIMIT - 1,
+      "maximum": sampling_params.SEED_LIMIT - 1,
     },
   }
   if key in special:
     return special[key]
-  if key in protocol.UNSUPPORTED_SAMPLING_KEYS:
+  if key in sampling_params.UNSUPPORTED_SAMPLING_KEYS:
     return {"description": "not supported: accepted at its default only", "enum": [default]}
   raise AssertionError(f"sampling parameter {key!r} has no schema")
 
@@ -207,7 +208,8 @@ def _sampling_params_schema() -> dict[str, Any]:
     "type": "object",
     "description": "SGLang's SamplingParams; an unknown key is an error, as in SGLang",
     "properties": {
-      key: _sampling_key_schema(key, default) for key, default in protocol.SAMPLING_DEFAULTS.items()
+      key: _sampling_key_schema(key, default)
+      for key, default in sampling_params.SAMPLING_DEFAULTS.items()
     },
     "additionalProperties": False,
   }
@@ -461,7 +463,7 @@ def _weight_endpoints() -> tuple[Endpoint, ...]:
         "required": ["model_path"],
         "properties": {
           "model_path": {"type": "string"},
-          "load_format": {"enum": ["auto", "safetensors", None]},
+          "load_format": {"enum": list(weight_protocol.DISK_LOAD_FORMATS)},
           "flush_cache": _NULLABLE_FLAG,
           "abort_all_requests": _NULLABLE_FLAG,
           "weight_version": {"type": ["string", "null"]},
@@ -517,7 +519,7 @@ def _weight_group_endpoints() -> tuple[Endpoint, ...]:
           "rank_offset": {"type": "integer", "minimum": 1},
           "world_size": {"type": "integer", "minimum": 2},
           "group_name": {"type": "string", "minLength": 1},
-          "backend": {"enum": list(protocol.WEIGHT_GROUP_BACKENDS)},
+          "backend": {"enum": list(weight_protocol.WEIGHT_GROUP_BACKENDS)},
         },
       },
       _weights_result("joined", "not joined"),
@@ -533,7 +535,7 @@ def _weight_group_endpoints() -> tuple[Endpoint, ...]:
         "required": ["names", "dtypes", "shapes", "group_name"],
         "properties": {
           "names": {"type": "array", "items": {"type": "string", "minLength": 1}},
-          "dtypes": {"type": "array", "items": {"enum": list(protocol.WEIGHT_DTYPES)}},
+          "dtypes": {"type": "array", "items": {"enum": list(weight_protocol.WEIGHT_DTYPES)}},
           "shapes": {
             "type": "array",
             "items": {"type": "array", "items": {"type": "integer", "minimum": 0}},

@@ -25,7 +25,8 @@ from fluxjax.models import inputs, media, processor
 from fluxjax.models.config import ModelConfig
 from fluxjax.models.inputs import SequenceInputs
 from fluxjax.models.tokenizer import Tokenizer
-from fluxjax.rollout.protocol import GenerateRequest, ProtocolError
+from fluxjax.rollout.json_body import ProtocolError
+from fluxjax.rollout.protocol import GenerateRequest
 
 
 def _materialize(item: str, kind: str, tmpdir: str, index: int) -> str:

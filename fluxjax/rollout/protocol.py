@@ -1,4 +1,4 @@
-"""The subset of SGLang's native HTTP API that RL rollout uses (sglang_api.md).
+"""The generate side of SGLang's native HTTP API that RL rollout uses (sglang_api.md).
 
 Our client and our server both speak exactly this, so the client works
 against a real SGLang fleet and is always tested against a real server.
@@ -8,87 +8,22 @@ against a real SGLang fleet and is always tested against a real server.
   POST /pause_generation     {"mode": "abort" | "in_place" | "retract"}
   POST /continue_generation  {}
   GET|POST /flush_cache
-  POST /update_weights_from_disk  {model_path, load_format, flush_cache,
-                                   abort_all_requests, weight_version}
-  POST /init_weights_update_group, /update_weights_from_distributed,
-       /destroy_weights_update_group  InitWeightsGroup, DistributedUpdate
-                                   (the tensors follow over torch.distributed)
   GET /health, /health_generate, /get_model_info, /model_info,
       /get_server_info, /server_info, /get_weight_version, /get_load
 
-Errors carry `{"error": {"message": ...}}` (`error_body`): 400 for a bad
-request (malformed JSON, a wrong type, a prompt over the context), as SGLang
-answers; the server adds 404, 405, 408, 413, 500 and 503 in the same shape.
+Sampling parameters are in sampling_params.py, weight updates in weight_protocol.py;
+bodies and errors follow json_body.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-# SamplingParams keys and defaults (sampling_params.py). An unknown key is an
-# error, as in SGLang (it builds SamplingParams(**dict)).
-SAMPLING_DEFAULTS: dict[str, Any] = {
-  "max_new_tokens": 128,
-  "temperature": 1.0,
-  "top_p": 1.0,
-  "top_k": -1,
-  "min_p": 0.0,
-  "frequency_penalty": 0.0,
-  "presence_penalty": 0.0,
-  "repetition_penalty": 1.0,
-  "min_new_tokens": 0,
-  "stop": None,
-  "stop_token_ids": None,
-  "stop_regex": None,
-  "ignore_eos": False,
-  "skip_special_tokens": True,
-  "spaces_between_special_tokens": True,
-  "no_stop_trim": False,
-  "n": 1,
-  "json_schema": None,
-  "regex": None,
-  "ebnf": None,
-  "structural_tag": None,
-  "logit_bias": None,
-  "custom_params": None,
-  "stream_interval": None,
-  "sampling_seed": None,
-}
-# Known keys our engine does not implement: accepted only at their defaults, so
-# a request never silently gets different sampling than it asked for.
-UNSUPPORTED_SAMPLING_KEYS = (
-  "min_p",
-  "frequency_penalty",
-  "presence_penalty",
-  "repetition_penalty",
-  "min_new_tokens",
-  "stop_regex",
-  "n",
-  "json_schema",
-  "regex",
-  "ebnf",
-  "structural_tag",
-  "custom_params",
-)
-# Sampling keys that must be JSON booleans (SGLang's SamplingParams types).
-BOOL_SAMPLING_KEYS = (
-  "ignore_eos",
-  "skip_special_tokens",
-  "spaces_between_special_tokens",
-  "no_stop_trim",
-)
-GREEDY_EPS = 1e-6
-TOP_K_ALL = 1 << 30  # SGLang stores top_k = -1 as 1 << 30
-# Token ids are int32 on the way to the model; larger ones are refused before
-# they reach numpy (the vocabulary check follows in the engine).
-MAX_TOKEN_ID = (1 << 31) - 1
-# The engine's seeded sampler keys each slot with a uint32 seed.
-SEED_LIMIT = 1 << 32
+from fluxjax.rollout.json_body import ProtocolError, is_json_int, json_equal, json_flag
+from fluxjax.rollout.sampling_params import MAX_TOKEN_ID, SamplingParams
 
 # Top-level GenerateReqInput fields (io_struct.py), in three kinds.
 #
@@ -180,35 +115,6 @@ DEFAULT_ONLY_FIELDS: dict[str, Any] = {
 GENERATE_FIELDS = USED_FIELDS | IGNORED_FIELDS | set(DEFAULT_ONLY_FIELDS)
 
 
-class ProtocolError(ValueError):
-  """A malformed request; the server answers 400 with this message."""
-
-
-def _is_int(x: Any) -> bool:
-  """A JSON integer (true and false are not numbers, as in JSON Schema)."""
-  return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_finite_number(x: Any) -> bool:
-  """A JSON number that fits a float (NaN, infinities and 10**400 do not)."""
-  if isinstance(x, bool) or not isinstance(x, (int, float)):
-    return False
-  try:
-    return math.isfinite(float(x))
-  except OverflowError:
-    return False
-
-
-def json_equal(a: Any, b: Any) -> bool:
-  """Equality of two JSON values, their types kept apart as JSON Schema keeps
-  them (false is not 0, 1.0 is 1)."""
-  if isinstance(a, bool) != isinstance(b, bool):
-    return False
-  if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-    return a == b
-  return type(a) is type(b) and a == b
-
-
 def default_equivalents(default: Any) -> list[Any]:
   """The values that count as a DEFAULT_ONLY field's default: the default, and
   for a null default `{}` too (an empty object asks for nothing), for a 0
@@ -225,140 +131,6 @@ def _is_default(value: Any, default: Any) -> bool:
   if isinstance(value, list):
     return all(any(json_equal(v, a) for a in accepted) for v in value)
   return any(json_equal(value, a) for a in accepted)
-
-
-def _flag(value: Any, key: str) -> bool:
-  """A boolean field: a JSON boolean, or null for false."""
-  if value is None:
-    return False
-  if not isinstance(value, bool):
-    raise ProtocolError(f"{key} must be a boolean, got {value!r}")
-  return value
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-  """Validated sampling parameters, after SGLang's normalization."""
-
-  max_new_tokens: int | None = 128
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = TOP_K_ALL
-  stop: tuple[str, ...] = ()
-  stop_token_ids: tuple[int, ...] = ()
-  ignore_eos: bool = False
-  skip_special_tokens: bool = True
-  no_stop_trim: bool = False
-  sampling_seed: int | None = None
-  # (token id, bias) pairs added to the logits before temperature, as
-  # SGLang's logit_bias {str(token_id): bias}; the sampled token's logprob is
-  # under the biased distribution (the one it was drawn from).
-  logit_bias: tuple[tuple[int, float], ...] = ()
-
-  @property
-  def greedy(self) -> bool:
-    return self.top_k == 1
-
-  @classmethod
-  def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-    d = {} if d is None else d
-    if not isinstance(d, dict):
-      raise ProtocolError(f"sampling_params must be an object, got {type(d).__name__}")
-    unknown = sorted(set(d) - set(SAMPLING_DEFAULTS))
-    if unknown:
-      raise ProtocolError(
-        f"unknown sampling parameter(s) {unknown}; SGLang accepts {sorted(SAMPLING_DEFAULTS)}"
-      )
-    p = {**SAMPLING_DEFAULTS, **d}
-    for key in UNSUPPORTED_SAMPLING_KEYS:
-      if not json_equal(p[key], SAMPLING_DEFAULTS[key]):
-        raise ProtocolError(
-          f"sampling parameter {key!r}={p[key]!r} is not supported by "
-          f"this server (only the default {SAMPLING_DEFAULTS[key]!r})"
-        )
-    for key in BOOL_SAMPLING_KEYS:
-      if not isinstance(p[key], bool):
-        raise ProtocolError(f"sampling parameter {key!r} must be a boolean, got {p[key]!r}")
-    max_new = p["max_new_tokens"]
-    if max_new is not None and (not _is_int(max_new) or max_new < 0):
-      raise ProtocolError(f"max_new_tokens must be a non-negative int or null, got {max_new!r}")
-    temperature, top_p, top_k = p["temperature"], p["top_p"], p["top_k"]
-    if not _is_finite_number(temperature) or temperature < 0:
-      raise ProtocolError(f"temperature must be a number >= 0, got {temperature!r}")
-    if not _is_finite_number(top_p) or not 0 < top_p <= 1:
-      raise ProtocolError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not _is_int(top_k) or (top_k != -1 and top_k < 1):
-      raise ProtocolError(f"top_k must be -1 (all) or >= 1, got {top_k!r}")
-    top_k = TOP_K_ALL if top_k == -1 else top_k
-    if temperature < GREEDY_EPS:  # SGLang's greedy rewrite
-      temperature, top_k = 1.0, 1
-    stop = p["stop"]
-    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
-    if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
-      raise ProtocolError(f"stop must be a non-empty string or a list of them, got {p['stop']!r}")
-    stop_ids = () if p["stop_token_ids"] is None else p["stop_token_ids"]
-    if not isinstance(stop_ids, (list, tuple)) or not all(
-      _is_int(i) and 0 <= i <= MAX_TOKEN_ID for i in stop_ids
-    ):
-      raise ProtocolError(f"stop_token_ids must be a list of token ids, got {stop_ids!r}")
-    interval = p["stream_interval"]
-    if interval is not None and (not _is_int(interval) or interval < 1):
-      raise ProtocolError(f"stream_interval must be a positive int or null, got {interval!r}")
-    seed = p["sampling_seed"]
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < SEED_LIMIT):
-      raise ProtocolError(f"sampling_seed must be an int in [0, 2**32), got {seed!r}")
-    bias = _logit_bias(p["logit_bias"])
-    return cls(
-      max_new_tokens=max_new,
-      temperature=float(temperature),
-      top_p=float(top_p),
-      top_k=int(top_k),
-      stop=tuple(stop),
-      stop_token_ids=tuple(stop_ids),
-      ignore_eos=p["ignore_eos"],
-      skip_special_tokens=p["skip_special_tokens"],
-      no_stop_trim=p["no_stop_trim"],
-      sampling_seed=seed,
-      logit_bias=bias,
-    )
-
-  def to_dict(self) -> dict[str, Any]:
-    """SGLang's sampling_params for these values (`from_dict` reads it back
-    to equal parameters): the fields at their defaults are left out."""
-    d: dict[str, Any] = {
-      "max_new_tokens": self.max_new_tokens,
-      "temperature": self.temperature,
-      "top_p": self.top_p,
-      "top_k": -1 if self.top_k == TOP_K_ALL else self.top_k,
-    }
-    if self.stop:
-      d["stop"] = list(self.stop)
-    if self.stop_token_ids:
-      d["stop_token_ids"] = list(self.stop_token_ids)
-    for key in BOOL_SAMPLING_KEYS:
-      if key != "spaces_between_special_tokens" and getattr(self, key) != SAMPLING_DEFAULTS[key]:
-        d[key] = getattr(self, key)
-    if self.sampling_seed is not None:
-      d["sampling_seed"] = self.sampling_seed
-    if self.logit_bias:
-      d["logit_bias"] = {str(i): b for i, b in self.logit_bias}
-    return d
-
-
-def _logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
-  """SGLang's logit_bias {str(token_id): bias} as sorted (id, bias) pairs."""
-  if raw is None:
-    return ()
-  if not isinstance(raw, dict):
-    raise ProtocolError(f"logit_bias must map token ids to floats, got {type(raw).__name__}")
-  out = []
-  for key, value in raw.items():
-    if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
-      raise ProtocolError(f"logit_bias key {key!r} is not a token id")
-    if not _is_finite_number(value):
-      raise ProtocolError(f"logit_bias[{key!r}] must be a number, got {value!r}")
-    out.append((int(key), float(value)))
-  return tuple(sorted(out))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -650,7 +422,7 @@ def _media_per_item(body: dict, key: str, n: int, batched: bool) -> list[list[st
 def _check_ids(ids: Any) -> list[int]:
   if not isinstance(ids, list) or not ids:
     raise ProtocolError("input_ids must be a non-empty list of ints")
-  if not all(_is_int(i) and 0 <= i <= MAX_TOKEN_ID for i in ids):
+  if not all(is_json_int(i) and 0 <= i <= MAX_TOKEN_ID for i in ids):
     raise ProtocolError(f"input_ids must hold token ids (ints in [0, {MAX_TOKEN_ID}])")
   return ids
 
@@ -710,7 +482,7 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
   n = len(prompts)
   if n == 0:
     raise ProtocolError("the batch is empty")
-  stream = _flag(body.get("stream"), "stream")
+  stream = json_flag(body.get("stream"), "stream")
   if stream and batched:
     raise ProtocolError("streaming a batched /generate is not supported; stream one per prompt")
   rids = _rids(body.get("rid"), n, batched)
@@ -722,8 +494,8 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], bool]:
     if batched and isinstance(sampling, list)
     else [sampling] * n
   )
-  logprobs = [_flag(x, "return_logprob") for x in _per_item(body, "return_logprob", n, False)]
-  text_in_logprobs = _flag(body.get("return_text_in_logprobs"), "return_text_in_logprobs")
+  logprobs = [json_flag(x, "return_logprob") for x in _per_item(body, "return_logprob", n, False)]
+  text_in_logprobs = json_flag(body.get("return_text_in_logprobs"), "return_text_in_logprobs")
   images = _media_per_item(body, "image_data", n, batched)
   videos = _media_per_item(body, "video_data", n, batched)
   params = [SamplingParams.from_dict(s) for s in samplings]  # each a dict or None from here
@@ -779,7 +551,7 @@ def parse_abort(body: dict) -> tuple[str | None, bool]:
   rid = body.get("rid")
   if rid is not None and not isinstance(rid, str):
     raise ProtocolError(f"rid must be a string, got {rid!r}")
-  return rid, _flag(body.get("abort_all"), "abort_all")
+  return rid, json_flag(body.get("abort_all"), "abort_all")
 
 
 def parse_pause(body: dict) -> str:
@@ -788,162 +560,6 @@ def parse_pause(body: dict) -> str:
   mode = "abort" if mode is None else mode
   check_pause_mode(mode)
   return mode
-
-
-def parse_update_weights(body: dict) -> tuple[str, str | None, bool]:
-  """(model_path, weight_version, abort_all_requests) of an
-  /update_weights_from_disk body; flush_cache is accepted (a no-op here)."""
-  path = body.get("model_path")
-  if not isinstance(path, str):
-    raise ProtocolError("model_path (a checkpoint folder) is required")
-  if body.get("load_format") not in (None, "auto", "safetensors"):
-    raise ProtocolError(f"load_format {body['load_format']!r} is not supported")
-  version = body.get("weight_version")
-  if version is not None and not isinstance(version, str):
-    raise ProtocolError(f"weight_version must be a string, got {version!r}")
-  _flag(body.get("flush_cache"), "flush_cache")
-  return path, version, _flag(body.get("abort_all_requests"), "abort_all_requests")
-
-
-WEIGHT_GROUP_BACKENDS = ("gloo", "nccl")
-# The group fluxjax's trainer makes (a server may hold others).
-WEIGHT_GROUP_NAME = "fluxjax_weights"
-# dtype names of a distributed update (torch's, without the `torch.` prefix).
-WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
-# What the trainer publishes in, on disk and on the wire.
-PUBLISHED_DTYPE = "bfloat16"
-
-
-@dataclasses.dataclass(frozen=True)
-class InitWeightsGroup:
-  """An /init_weights_update_group body: the trainer is rank 0; this server's
-  ranks (its GPUs, tp x pp) start at `rank_offset` (publish.rank_layout)."""
-
-  master_address: str
-  master_port: int
-  rank_offset: int
-  world_size: int
-  group_name: str
-  backend: str
-
-  def to_body(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class DistributedUpdate:
-  """An /update_weights_from_distributed body: the tensors rank 0 then
-  broadcasts, in order (names, dtypes, shapes only)."""
-
-  names: tuple[str, ...]
-  dtypes: tuple[str, ...]
-  shapes: tuple[tuple[int, ...], ...]
-  group_name: str
-  weight_version: str | None = None
-  flush_cache: bool = True
-  abort_all_requests: bool = False
-
-  def to_body(self) -> dict[str, Any]:
-    body = dataclasses.asdict(self)
-    body["names"], body["dtypes"] = list(self.names), list(self.dtypes)
-    body["shapes"] = [list(s) for s in self.shapes]
-    body["load_format"] = None
-    return body
-
-
-def _name(body: dict, key: str) -> str:
-  value = body.get(key)
-  if not isinstance(value, str) or not value:
-    raise ProtocolError(f"{key} (a non-empty string) is required, got {value!r}")
-  return value
-
-
-def parse_init_weights_group(body: dict) -> InitWeightsGroup:
-  port: Any = body.get("master_port")
-  offset: Any = body.get("rank_offset")
-  size: Any = body.get("world_size")
-  if not _is_int(port) or not 0 < port < 65536:
-    raise ProtocolError(f"master_port must be a port number, got {port!r}")
-  if not _is_int(size) or size < 2:
-    raise ProtocolError(f"world_size must be an int >= 2 (the trainer and a server), got {size!r}")
-  if not _is_int(offset) or not 0 < offset < size:
-    raise ProtocolError(f"rank_offset must be in [1, world_size), got {offset!r}")
-  backend = body.get("backend", "nccl")
-  if backend not in WEIGHT_GROUP_BACKENDS:
-    raise ProtocolError(f"backend must be one of {WEIGHT_GROUP_BACKENDS}, got {backend!r}")
-  return InitWeightsGroup(
-    _name(body, "master_address"), port, offset, size, _name(body, "group_name"), backend
-  )
-
-
-def parse_distributed_update(body: dict) -> DistributedUpdate:
-  names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-  if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
-    raise ProtocolError("names must be a list of tensor names")
-  if not isinstance(dtypes, list) or len(dtypes) != len(names):
-    raise ProtocolError(f"dtypes must be a list of {len(names)} dtype names")
-  if any(d not in WEIGHT_DTYPES for d in dtypes):
-    raise ProtocolError(f"dtypes must be among {WEIGHT_DTYPES}, got {sorted(set(dtypes))}")
-  if not isinstance(shapes, list) or len(shapes) != len(names):
-    raise ProtocolError(f"shapes must be a list of {len(names)} shapes")
-  if not all(isinstance(s, list) and all(_is_int(d) and d >= 0 for d in s) for s in shapes):
-    raise ProtocolError("each shape must be a list of non-negative ints")
-  if body.get("load_format") is not None:
-    raise ProtocolError(f"load_format {body['load_format']!r} is not supported (only null)")
-  version = body.get("weight_version")
-  if version is not None and not isinstance(version, str):
-    raise ProtocolError(f"weight_version must be a string, got {version!r}")
-  return DistributedUpdate(
-    tuple(names),
-    tuple(dtypes),
-    tuple(tuple(s) for s in shapes),
-    _name(body, "group_name"),
-    version,
-    _flag(body.get("flush_cache", True), "flush_cache"),
-    _flag(body.get("abort_all_requests"), "abort_all_requests"),
-  )
-
-
-def parse_group_name(body: dict) -> str:
-  """The group of a /destroy_weights_update_group body."""
-  return _name(body, "group_name")
-
-
-def parse_update_weight_version(body: dict) -> tuple[str, bool]:
-  """(new_version, abort_all_requests) of an /update_weight_version body."""
-  version = body.get("new_version")
-  if not isinstance(version, str):
-    raise ProtocolError(f"new_version (a string) is required, got {version!r}")
-  return version, _flag(body.get("abort_all_requests"), "abort_all_requests")
-
-
-def _refuse_constant(name: str) -> Any:
-  raise ProtocolError(f"the body is not valid JSON: {name} is not a JSON number")
-
-
-def decode_body(raw: bytes) -> dict:
-  """A request body as a JSON object; empty or `null` bodies count as {}
-  (verl sends those).
-
-  Strict JSON, as SGLang's orjson reads it: NaN and Infinity are refused, so
-  is a nesting too deep to parse and text that is not UTF-8.
-
-  Raises:
-    ProtocolError: the body is not a JSON object.
-  """
-  if not raw.strip():
-    return {}
-  try:
-    body = json.loads(raw, parse_constant=_refuse_constant)
-  except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, int digits
-    if isinstance(e, ProtocolError):
-      raise
-    raise ProtocolError(f"the body is not valid JSON: {e}") from None
-  if body is None:
-    return {}
-  if not isinstance(body, dict):
-    raise ProtocolError("the body must be a JSON object")
-  return body
 
 
 def unknown_fields(body: dict) -> list[str]:
@@ -1005,10 +621,6 @@ def output_text(
     cut = text.find(reason["matched"])
     text = text[:cut] if cut >= 0 else text
   return text
-
-
-def error_body(message: str) -> dict:
-  return {"error": {"message": message}}
 
 
 def server_flag(key: str) -> str:

@@ -2,7 +2,7 @@
 
 Remote servers (ours or SGLang) get the refit sequence slime and AReaL use:
   write   HF-layout safetensors to <root>/v<version>, atomically (a temp folder
-          renamed into place by hf_io.save_hf_checkpoint), so a server never
+          renamed into place by hf_export.save_hf_checkpoint), so a server never
           reads a half-written checkpoint;
   pause   POST /pause_generation (mode "abort": in-flight requests return
           their partial output with finish_reason abort, which the
@@ -30,22 +30,24 @@ broadcast, or a thread that writes the folder (each process its own files,
 `deferred_write`), after which the servers load it. One exception: a
 one-process trainer's broadcast reads the arrays from its own thread, each
 tensor moved to one device first so that no collective runs
-(`hf_io.hf_tensors`).
+(`hf_export.hf_tensors`).
 
 A write that fails (a full disk) ends the publish before any server hears of
 it: the fleet keeps serving the previous version, whose folder is untouched,
 and the report says why. What a writer killed mid-write leaves under the root
-is cleared by the next write there (`hf_io.remove_interrupted_writes`): a root
+is cleared by the next write there (`hf_export.remove_interrupted_writes`): a root
 has one writer, the run that publishes into it.
 
 The distributed transport (`publish_distributed`, sglang_api.md 4.2) makes a
 torch.distributed group of the trainer (rank 0) and every server's GPUs
 (`rank_layout`: tp x pp ranks each, from /get_server_info) and sends the
-model in buckets (`hf_io.byte_runs`), one /update_weights_from_distributed per
+model in buckets (`hf_export.byte_runs`), one /update_weights_from_distributed per
 bucket, so a server holds one bucket's receive buffers at a time; the last
-bucket sets the version and flushes the cache. A bucket that fails leaves
-every server with part of the version: all are marked failed and rejoin at
-the next broadcast.
+bucket sets the version and flushes the cache. A version is served whole or
+not at all: a bucket one server fails leaves the others with part of it, so
+they get the whole version again (when this process alone holds the model),
+and the fleet keeps every server whose update failed out, paused, until a
+refit brings it a whole version (`Fleet._refit`).
 
 In-process engines skip the disk: `publish_in_process` swaps the arrays.
 """
@@ -69,9 +71,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from fluxjax.models import hf_io, vlm
+from fluxjax.models import hf_export, hf_load, vlm
 from fluxjax.models import tokenizer as tokenizer_lib
-from fluxjax.rollout import protocol, tensor_feed, weight_group
+from fluxjax.rollout import json_body, tensor_feed, weight_group, weight_protocol
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +121,7 @@ def write_checkpoint(
   root: str,
   version: int | str,
   *,
-  dtype: str = protocol.PUBLISHED_DTYPE,
+  dtype: str = weight_protocol.PUBLISHED_DTYPE,
   extra_files: Mapping[str, str | bytes] | None = None,
   deltas: bool = False,
 ) -> str:
@@ -127,7 +129,7 @@ def write_checkpoint(
 
   First clears what a writer killed mid-write left under `root` (process
   0, before the write's first collective). A model sharded across processes
-  needs every process to call this (`hf_io.save_hf_checkpoint`). With
+  needs every process to call this (`hf_export.save_hf_checkpoint`). With
   `deltas` the folder also holds its changes from the latest earlier version
   under `root` (`delta_base`), which a server serving that version loads
   instead (models/hf_delta.py).
@@ -136,7 +138,7 @@ def write_checkpoint(
     OSError: the folder could not be written; nothing under `root` changed.
   """
   path, extra, delta_from = _prepare_write(root, version, extra_files, deltas)
-  return hf_io.save_hf_checkpoint(
+  return hf_export.save_hf_checkpoint(
     model, path, dtype=dtype, extra_files=extra, delta_from=delta_from
   )
 
@@ -147,7 +149,7 @@ def _prepare_write(root: str, version: int | str, extra_files, deltas: bool):
   writer killed mid-write left there (before the write's first collective)."""
   extra = {"tokenizer.json": tokenizer_lib.ASSET_PATH} if extra_files is None else extra_files
   if jax.process_index() == 0:
-    hf_io.remove_interrupted_writes(root)
+    hf_export.remove_interrupted_writes(root)
   base = delta_base(root, version) if deltas else None
   delta_from = (version_path(root, base), base) if base is not None else None
   return version_path(root, version), extra, delta_from
@@ -197,7 +199,7 @@ def take_part(
   if weight_sync == "distributed":
     if defer:
       return _row_feed(model, consumed=False)
-    collections.deque(hf_io.hf_tensor_rows(model, protocol.PUBLISHED_DTYPE), 0)
+    collections.deque(hf_export.hf_tensor_rows(model, weight_protocol.PUBLISHED_DTYPE), 0)
     return None
   if defer:
     return deferred_write(model, root, version, deltas=deltas)[0]
@@ -209,23 +211,25 @@ def take_part(
 
 
 def _row_feed(
-  model: vlm.Qwen25VL, dtype: str = protocol.PUBLISHED_DTYPE, **kwargs
+  model: vlm.Qwen25VL, dtype: str = weight_protocol.PUBLISHED_DTYPE, **kwargs
 ) -> tensor_feed.TensorFeed:
   """A feed of `model`'s published tensors in runs of rows
-  (`hf_io.hf_tensor_rows`), each gathered when the feed asks for it."""
-  items = hf_io.hf_tensor_rows(model, dtype)
-  return tensor_feed.TensorFeed(items, hf_io.hf_row_count(model, dtype), **kwargs)
+  (`hf_export.hf_tensor_rows`), each gathered when the feed asks for it."""
+  items = hf_export.hf_tensor_rows(model, dtype)
+  return tensor_feed.TensorFeed(items, hf_export.hf_row_count(model, dtype), **kwargs)
 
 
 def broadcast_tensors(model: vlm.Qwen25VL) -> Iterator[np.ndarray]:
-  """The broadcast's tensors in `hf_io.hf_layout` order, each gathered when
+  """The broadcast's tensors in `hf_load.hf_layout` order, each gathered when
   asked for. A model that spans processes is gathered in runs of rows (each
   a collective), so that a process holds at most a run of what it gathers
   (`take_part`), and process 0 puts each tensor together whole, as the
   protocol sends it."""
-  if hf_io.spans_processes(model):
-    return hf_io.whole_tensors(hf_io.hf_tensor_rows(model, protocol.PUBLISHED_DTYPE), model.cfg)
-  return (x for _, x in hf_io.hf_tensors(model, protocol.PUBLISHED_DTYPE))
+  if hf_export.spans_processes(model):
+    return hf_export.whole_tensors(
+      hf_export.hf_tensor_rows(model, weight_protocol.PUBLISHED_DTYPE), model.cfg
+    )
+  return (x for _, x in hf_export.hf_tensors(model, weight_protocol.PUBLISHED_DTYPE))
 
 
 async def publish_to_fleet(
@@ -234,7 +238,7 @@ async def publish_to_fleet(
   root: str,
   version: int | str,
   *,
-  dtype: str = protocol.PUBLISHED_DTYPE,
+  dtype: str = weight_protocol.PUBLISHED_DTYPE,
   pause_mode: str = "abort",
   extra_files: Mapping[str, str | bytes] | None = None,
   deltas: bool = False,
@@ -308,7 +312,7 @@ def deferred_write(
   root: str,
   version: int | str,
   *,
-  dtype: str = protocol.PUBLISHED_DTYPE,
+  dtype: str = weight_protocol.PUBLISHED_DTYPE,
   extra_files: Mapping[str, str | bytes] | None = None,
   deltas: bool = False,
 ) -> tuple[tensor_feed.TensorFeed, concurrent.futures.Future]:
@@ -322,7 +326,7 @@ def deferred_write(
     OSError: the temporary folder could not be made.
   """
   path, extra, delta_from = _prepare_write(root, version, extra_files, deltas)
-  writer = hf_io.FolderWriter(model, path, dtype, extra_files=extra, delta_from=delta_from)
+  writer = hf_export.FolderWriter(model, path, dtype, extra_files=extra, delta_from=delta_from)
   written: concurrent.futures.Future = concurrent.futures.Future()
 
   def write_all() -> None:
@@ -378,16 +382,34 @@ def rank_layout(ranks_per_server: Sequence[int]) -> tuple[list[int], int]:
   return offsets, next_rank
 
 
+class PartOfVersion(RuntimeError):
+  """A server took every bucket sent, but another server failed one: it holds
+  part of the new version."""
+
+
+class UnsupportedServer(Exception):
+  """A server the distributed transport cannot update; no retry helps, so the
+  run stops with this error rather than counting it as a failed publish."""
+
+
 async def _server_ranks(fleet, servers) -> list[int]:
   """Each server's rank count in the group: tp_size x pp_size from its
-  /get_server_info (ours reports 1 x 1)."""
+  /get_server_info (ours reports 1 x 1); a server with data-parallel
+  replicas (dp_size > 1) is refused, as its replicas would take the same ranks."""
 
   async def ranks(server) -> int:
     info = await server.client.server_info()
-    tp, pp = info.get("tp_size", 1), info.get("pp_size", 1)
-    if not (isinstance(tp, int) and isinstance(pp, int)):
-      raise protocol.ProtocolError(
-        f"{server.client.url}/get_server_info gives tp_size={tp!r}, pp_size={pp!r}: need ints"
+    tp, pp, dp = (info.get(k, 1) for k in ("tp_size", "pp_size", "dp_size"))
+    if not all(isinstance(n, int) for n in (tp, pp, dp)):
+      raise json_body.ProtocolError(
+        f"{server.client.url}/get_server_info gives tp_size={tp!r}, pp_size={pp!r}, "
+        f"dp_size={dp!r}: need ints"
+      )
+    if dp != 1:
+      raise UnsupportedServer(
+        f"{server.client.url} runs dp_size={dp}: its data-parallel replicas would join the "
+        "weight update group under the same ranks; start one server per replica "
+        "(--dp-size 1) or use rollout.weight_sync=disk"
       )
     return tp * pp
 
@@ -404,12 +426,14 @@ async def _join(fleet, servers) -> list:
   address, port = fleet.weight_group_endpoint()
   try:
     offsets, world = rank_layout(await _server_ranks(fleet, servers))
-  except (protocol.ProtocolError, ValueError, OSError, RuntimeError) as e:
+  except (json_body.ProtocolError, ValueError, OSError, RuntimeError) as e:
     log.error("the weight update group was not made: %s", e)
     return [e] * len(servers)
-  timeout, name = fleet.weight_group_timeout_s, protocol.WEIGHT_GROUP_NAME
+  timeout, name = fleet.weight_group_timeout_s, weight_protocol.WEIGHT_GROUP_NAME
   bodies = {
-    s: protocol.InitWeightsGroup(address, port, offset, world, name, fleet.weight_group_backend)
+    s: weight_protocol.InitWeightsGroup(
+      address, port, offset, world, name, fleet.weight_group_backend
+    )
     for s, offset in zip(servers, offsets)
   }
   mine = asyncio.get_running_loop().run_in_executor(
@@ -460,7 +484,7 @@ async def publish_distributed(
   """
   if not defer:
     return await _broadcast_version(fleet, model, version)
-  feed = _row_feed(model) if hf_io.spans_processes(model) else None
+  feed = _row_feed(model) if hf_export.spans_processes(model) else None
   pending = asyncio.create_task(_broadcast_version(fleet, model, version, feed))
   return PublishReport(str(version), None, {}, [], pending=pending, reads_params=True, feed=feed)
 
@@ -472,17 +496,17 @@ async def _broadcast_version(
   given) in buckets of at most `fleet.weight_bucket_bytes`, one
   /update_weights_from_distributed each; the last sets the version and
   flushes the cache."""
-  layout = hf_io.hf_layout(model.cfg)
+  layout = hf_load.hf_layout(model.cfg)
   # One update call per bucket: a server holds one bucket's receive buffers
   # at a time, not the whole model's.
-  sizes = hf_io.tensor_bytes(model.cfg, protocol.PUBLISHED_DTYPE)
-  runs = hf_io.byte_runs([n for _, n in sizes], fleet.weight_bucket_bytes)
+  sizes = hf_export.tensor_bytes(model.cfg, weight_protocol.PUBLISHED_DTYPE)
+  runs = hf_export.byte_runs([n for _, n in sizes], fleet.weight_bucket_bytes)
   updates = [
-    protocol.DistributedUpdate(
+    weight_protocol.DistributedUpdate(
       names=tuple(layout[i][0] for i in run),
-      dtypes=(protocol.PUBLISHED_DTYPE,) * len(run),
+      dtypes=(weight_protocol.PUBLISHED_DTYPE,) * len(run),
       shapes=tuple(layout[i][1] for i in run),
-      group_name=protocol.WEIGHT_GROUP_NAME,
+      group_name=weight_protocol.WEIGHT_GROUP_NAME,
       weight_version=str(version) if last else None,
       flush_cache=last,
     )
@@ -494,42 +518,67 @@ async def _broadcast_version(
   # process takes part in (`take_part`): a publish that sends none or only
   # some of them still runs them all (the `finally` below, `send`'s finish),
   # unless a feed gathers them, which then drops what is not taken.
-  tensors = hf_io.whole_tensors(feed, model.cfg) if feed is not None else broadcast_tensors(model)
-  spans = hf_io.spans_processes(model) and feed is None
+  tensors = (
+    hf_export.whole_tensors(feed, model.cfg) if feed is not None else broadcast_tensors(model)
+  )
+  spans = hf_export.spans_processes(model) and feed is None
   device = weight_group.tensor_device(fleet.weight_group_backend)
 
-  async def send_bucket(servers, group, update: protocol.DistributedUpdate) -> list:
+  async def send_bucket(servers, group, update, source) -> list:
     nonlocal sent
     timeout = fleet.weight_group_timeout_s
     send = functools.partial(weight_group.send, device=device, finish=spans)
-    bucket = itertools.islice(tensors, len(update.names))
+    bucket = itertools.islice(source, len(update.names))
     mine = asyncio.get_running_loop().run_in_executor(None, send, group, bucket)
     results = await fleet.broadcast(
       lambda c: c.update_weights_from_distributed(update, timeout), servers
     )
-    sent += await mine
+    try:
+      sent += await mine
+    except RuntimeError as e:  # torch's DistBackendError: a member never took its part
+      why = RuntimeError(f"the trainer's broadcast failed: {e}")
+      return [r if isinstance(r, Exception) else why for r in results]
     return results
 
-  async def broadcast(servers):
+  async def send_version(servers, source) -> list:
+    """The group (made anew when its servers change), then every bucket;
+    per server None, or why its update failed, naming the stage."""
     nonlocal join_s
     t = time.perf_counter()
     urls = tuple(s.client.url for s in servers)
-    joined = None
+    joined: list = [None] * len(servers)
     if fleet.weight_group is None or fleet.weight_group.urls != urls:
       joined = await _join(fleet, servers)
-    join_s = time.perf_counter() - t
+    join_s += time.perf_counter() - t
     if fleet.weight_group is None:
-      return [r if isinstance(r, Exception) else RuntimeError("group not made") for r in joined]
-    results: list = [None] * len(servers)
+      return [RuntimeError(f"joining the weight update group: {r or 'not made'}") for r in joined]
     for k, update in enumerate(updates):
-      results = await send_bucket(servers, fleet.weight_group.group, update)
+      results = await send_bucket(servers, fleet.weight_group.group, update, source)
       if any(isinstance(r, Exception) for r in results):  # the group may be broken: make it anew
         fleet.weight_group.close()
         fleet.weight_group = None
-        if k < len(updates) - 1:  # every server holds part of the version
-          partly = RuntimeError(f"bucket {k + 1} of {len(updates)} failed on another server")
-          return [r if isinstance(r, Exception) else partly for r in results]
-        return results
+        stage = f"bucket {k + 1} of {len(updates)}"
+        return [
+          RuntimeError(f"{stage}: {r}")
+          if isinstance(r, Exception)
+          else PartOfVersion(f"{stage} failed on another server")
+          for r in results
+        ]
+    return results
+
+  async def broadcast(servers) -> list:
+    """The version to `servers`. Those that took every bucket up to one
+    another server refused hold part of it: when this process can read the
+    tensors again (it alone holds the model), they get the whole version once
+    more, without the servers that failed; else they wait for the next one."""
+    results = await send_version(servers, tensors)
+    part = [s for s, r in zip(servers, results) if isinstance(r, PartOfVersion)]
+    if part and feed is None and not spans:
+      log.warning(
+        "weight version %s: sent again to %d servers that hold part of it", version, len(part)
+      )
+      again = dict(zip(part, await send_version(part, broadcast_tensors(model))))
+      results = [again.get(s, r) for s, r in zip(servers, results)]
     return results
 
   try:

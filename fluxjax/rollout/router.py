@@ -26,16 +26,10 @@ import logging
 import time
 from collections.abc import Sequence
 
-from fluxjax.rollout import protocol
+from fluxjax.rollout import weight_protocol
 from fluxjax.rollout.client import RequestRejected, ServerUnavailable, SGLangClient
-from fluxjax.rollout.fleet import (
-  Fleet,
-  LaunchedServers,
-  NoServerAvailable,
-  ServerState,
-  free_port,
-  launch_servers,
-)
+from fluxjax.rollout.fleet import Fleet, NoServerAvailable, ServerState, tracked_call
+from fluxjax.rollout.launcher import LaunchedServers, free_port, launch_servers
 from fluxjax.rollout.protocol import Completion, GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -64,7 +58,7 @@ class RoutedFleet(Fleet):
     request_timeout_s: float = 3600.0,
     max_attempts: int = 12,
     weights_root: str | None = None,
-    weights_dtype: str = protocol.PUBLISHED_DTYPE,
+    weights_dtype: str = weight_protocol.PUBLISHED_DTYPE,
     workers_timeout_s: float = 60.0,
     **weight_sync,
   ):
@@ -79,6 +73,7 @@ class RoutedFleet(Fleet):
     )
     self.router = SGLangClient(router_url, timeout_s=request_timeout_s)
     self._attempt_rid: dict[str, str] = {}  # rid -> rid of its current attempt
+    self._routed_calls: dict = {}  # attempt rid -> its call through the router
     self.workers_timeout_s = workers_timeout_s
     self._worker_ids: dict[str, str] = {}  # url -> the router's id of the worker
     self._parked: dict[str, ServerState] = {}  # taken out of the router by the fleet
@@ -173,7 +168,8 @@ class RoutedFleet(Fleet):
         current = rid if attempt == 0 else f"{rid}-retry{attempt}"
         self._attempt_rid[rid] = current
         try:
-          return await self.router.generate(dataclasses.replace(request, rid=current))
+          attempt_request = dataclasses.replace(request, rid=current)
+          return await tracked_call(self._routed_calls, self.router, attempt_request)
         except ServerUnavailable as e:
           last = e
           self.retries += 1
@@ -181,6 +177,16 @@ class RoutedFleet(Fleet):
     finally:
       self._attempt_rid.pop(rid, None)
     raise NoServerAvailable(f"request {rid} failed through the router {self.router.url}: {last}")
+
+  async def _take_out(self, server: ServerState, why: str) -> None:
+    """Out of the router too, at once; as the router does not say which
+    worker holds which request, every request through it is sent again (a
+    take-out comes while every worker is paused, so none has made progress
+    since its pause returned the partial outputs)."""
+    await super()._take_out(server, why)
+    await self._park(server)
+    for call in list(self._routed_calls.values()):
+      call.cancel()
 
   async def abort(self, rid: str) -> None:
     """Aborts `rid` on every worker (the router does not say which holds it)."""

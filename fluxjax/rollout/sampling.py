@@ -5,7 +5,7 @@ arrays, so one compiled step serves any mix of requests.
 
 Semantics follow SGLang's sampler (`python/sglang/srt/layers/sampler.py`):
   * temperature < 1e-6 is greedy: temperature 1 and top-k 1 (the rewrite in
-    SGLang's `SamplingParams`), applied by the caller (protocol.py);
+    SGLang's `SamplingParams`), applied by the caller (sampling_params.py);
   * the returned logprob is that of the sampled token under
     log_softmax(logits / temperature), i.e. after temperature and *before*
     top-p/top-k truncation. With temperature 1 and no truncation this is the

@@ -41,12 +41,20 @@ from aiohttp import web
 from flax import nnx
 
 from fluxjax.models import config as config_lib
-from fluxjax.models import hf_io, processor, vlm
+from fluxjax.models import hf_load, processor, vlm
 from fluxjax.models import tokenizer as tokenizer_lib
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import engine as engine_lib
-from fluxjax.rollout import openapi, prompt, protocol, weight_group
-from fluxjax.rollout.protocol import ProtocolError
+from fluxjax.rollout import (
+  json_body,
+  openapi,
+  prompt,
+  protocol,
+  sampling_params,
+  weight_group,
+  weight_protocol,
+)
+from fluxjax.rollout.json_body import ProtocolError
 
 log = logging.getLogger("fluxjax.rollout.server")
 VERSION = "fluxjax-0.1"
@@ -59,7 +67,7 @@ MAX_UNKNOWN_LOGGED = 64
 
 
 def _error(message: str, status: int = 400, headers: dict | None = None) -> web.Response:
-  return web.json_response(protocol.error_body(message), status=status, headers=headers)
+  return web.json_response(json_body.error_body(message), status=status, headers=headers)
 
 
 def _update_result(success: bool, message: str, **extra) -> web.Response:
@@ -165,7 +173,7 @@ class RolloutServer:
       raise web.HTTPRequestTimeout(
         text=f"the request body did not arrive within {timeout:g} s (--body-timeout)"
       ) from None
-    return protocol.decode_body(raw)
+    return json_body.decode_body(raw)
 
   async def openapi_json(self, request: web.Request) -> web.Response:
     return web.json_response(self.openapi_spec)
@@ -190,7 +198,7 @@ class RolloutServer:
         from_checkpoint=bool(a.model_path),
       )
       if a.model_path:
-        model = hf_io.load_hf_checkpoint(a.model_path, cfg)
+        model = hf_load.load_hf_checkpoint(a.model_path, cfg)
       else:
         model = vlm.create_model(cfg, a.seed)
         # Committed to one device like a loaded checkpoint, so that a later
@@ -211,7 +219,7 @@ class RolloutServer:
       warm = engine_lib.EngineRequest(
         "warmup-" + uuid.uuid4().hex,
         _text_sequence([tokenizer.im_start_id], model.cfg),
-        protocol.SamplingParams(max_new_tokens=2, top_k=1),
+        sampling_params.SamplingParams(max_new_tokens=2, top_k=1),
       )
       engine.submit(warm)
       warm.done.wait()
@@ -336,7 +344,7 @@ class RolloutServer:
       raise
     except Exception as e:  # the headers are out: report it in the stream, as SGLang does
       log.exception("streaming %s failed", ereq.rid)
-      error = protocol.error_body(f"{type(e).__name__}: {e}")
+      error = json_body.error_body(f"{type(e).__name__}: {e}")
       await resp.write(f"data: {json.dumps(error)}\n\n".encode())
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
@@ -372,7 +380,9 @@ class RolloutServer:
   async def update_weights_from_disk(self, request: web.Request) -> web.Response:
     engine = self._ready()
     try:
-      path, version, abort_all = protocol.parse_update_weights(await self._json_body(request))
+      path, version, abort_all = weight_protocol.parse_update_weights(
+        await self._json_body(request)
+      )
       if abort_all:
         engine.abort(abort_all=True, message="Abort: weight update")
       version = engine.weight_version if version is None else version
@@ -388,7 +398,7 @@ class RolloutServer:
     answers once every member has joined, or the rendezvous timed out."""
     self._ready()
     try:
-      req = protocol.parse_init_weights_group(await self._json_body(request))
+      req = weight_protocol.parse_init_weights_group(await self._json_body(request))
       old = self._weight_groups.pop(req.group_name, None)
       if old is not None:  # a restarted trainer makes its group anew
         log.warning("weight update group %r replaced by a new one", req.group_name)
@@ -416,7 +426,7 @@ class RolloutServer:
     (the broadcast must complete for every member of the group)."""
     engine = self._ready()
     try:
-      req = protocol.parse_distributed_update(await self._json_body(request))
+      req = weight_protocol.parse_distributed_update(await self._json_body(request))
       group = self._weight_groups.get(req.group_name)
       if group is None:
         raise ProtocolError(f"no weight update group {req.group_name!r}; init it first")
@@ -437,7 +447,7 @@ class RolloutServer:
 
   async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
     self._ready()
-    name = protocol.parse_group_name(await self._json_body(request))
+    name = weight_protocol.parse_group_name(await self._json_body(request))
     group = self._weight_groups.pop(name, None)
     if group is None:
       return _update_result(False, "The group to be destroyed does not exist.")
@@ -446,7 +456,7 @@ class RolloutServer:
 
   async def update_weight_version(self, request: web.Request) -> web.Response:
     engine = self._ready()
-    version, abort_all = protocol.parse_update_weight_version(await self._json_body(request))
+    version, abort_all = weight_protocol.parse_update_weight_version(await self._json_body(request))
     if abort_all:
       engine.abort(abort_all=True)
     engine.weight_version = version
@@ -464,7 +474,7 @@ class RolloutServer:
     ereq = engine_lib.EngineRequest(
       "health-" + uuid.uuid4().hex,
       _text_sequence([self._tokenizer().im_start_id], engine.cfg),
-      protocol.SamplingParams(max_new_tokens=1, top_k=1),
+      sampling_params.SamplingParams(max_new_tokens=1, top_k=1),
     )
     engine.submit(ereq)
     ok = await asyncio.get_running_loop().run_in_executor(None, ereq.done.wait, 20.0)

@@ -2,7 +2,7 @@
 
 The trainer is rank 0 of a process group of its own; server i's ranks (one
 per GPU, tp x pp) start at its `rank_offset` (publish.rank_layout). Per
-update call, one bucket of tensors (hf_io.byte_runs), the HTTP call carries
+update call, one bucket of tensors (hf_export.byte_runs), the HTTP call carries
 names, dtypes and shapes only, and the trainer then broadcasts each tensor,
 in the same order, from rank 0. Both sides make the group as SGLang's `init_custom_process_group`
 does (a TCP rendezvous at `tcp://master_address:master_port`, a store

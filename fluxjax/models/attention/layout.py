@@ -1,7 +1,7 @@
 """Contiguous layout of a packed buffer, for kernels that mask by ranges.
 
 The model's attention contract masks by segment ids and in-sequence positions
-(`attention_xla`), so tokens may sit in any buffer order. Vendor kernels
+(`attention.xla`), so tokens may sit in any buffer order. Vendor kernels
 (cuDNN's packed THD layout, tokamax's Mosaic GPU kernel) instead take each
 sequence as a contiguous range of the buffer, in position order. This module
 sorts a row by (segment, position), with padding (segment 0) gathered into one

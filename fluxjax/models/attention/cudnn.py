@@ -1,6 +1,6 @@
 """Packed-segment attention on cuDNN's fused flash kernels (GPU only).
 
-Sorts the buffer into contiguous segments (`attention_layout`) and calls
+Sorts the buffer into contiguous segments (`attention.layout`) and calls
 JAX's cuDNN SDPA in its packed (THD) form: per-segment lengths and offsets
 with a padding(-causal) mask. Needs a Hopper or newer GPU, bf16 or fp16
 inputs, head dim <= 256 and a multiple of 8. `max_segments` is the largest
@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fluxjax.models import attention_layout as layout_lib
+from fluxjax.models.attention import layout as layout_lib
 
 DEFAULT_MAX_SEGMENTS = 64
 

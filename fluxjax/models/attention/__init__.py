@@ -1,23 +1,23 @@
 """Attention over packed sequences, behind one backend switch.
 
 Every backend takes the same arguments and masks the same way as the `xla`
-reference (`fluxjax.models.attention_xla`): segment ids and in-sequence
+reference (`fluxjax.models.attention.xla`): segment ids and in-sequence
 positions decide visibility, never buffer indices. Built in:
   auto        pallas_gpu on GPUs; on CPUs xla_blocked for rows of more than
               512 keys, else xla (`default_backend`).
   xla         the reference; any platform.
   xla_blocked blockwise with masked blocks skipped, plain XLA
-              (`fluxjax.models.attention_blocked`); any platform, the fast
+              (`fluxjax.models.attention.blocked`); any platform, the fast
               one on CPUs, where it runs packed rows several times faster.
   pallas_gpu  packed-segment flash attention in Pallas/Triton
-              (`fluxjax.models.attention_pallas`).
+              (`fluxjax.models.attention.pallas`).
   cudnn       cuDNN's fused flash attention in its packed (THD) layout
-              (`fluxjax.models.attention_cudnn`); Hopper or newer.
+              (`fluxjax.models.attention.cudnn`); Hopper or newer.
   tokamax_gpu tokamax's Mosaic GPU flash kernel with per-query key ranges
-              (`fluxjax.models.attention_tokamax`); needs `tokamax`.
+              (`fluxjax.models.attention.tokamax`); needs `tokamax`.
 GPU backends load on first use, so CPU-only users never import their
 lowerings. The cudnn and tokamax_gpu backends sort the buffer into contiguous
-segments first (`fluxjax.models.attention_layout`) and serve self-attention
+segments first (`fluxjax.models.attention.layout`) and serve self-attention
 only. Other backends register with `register_backend`.
 """
 
@@ -28,8 +28,8 @@ from collections.abc import Callable
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from fluxjax.models.attention_blocked import blocked_attention
-from fluxjax.models.attention_xla import decode_attention, segment_mask, xla_attention
+from fluxjax.models.attention.blocked import blocked_attention
+from fluxjax.models.attention.xla import decode_attention, segment_mask, xla_attention
 from fluxjax.models.layers import ATTENTION_OUT
 
 __all__ = [
@@ -53,17 +53,17 @@ _GPU_BACKENDS = ("pallas_gpu", "cudnn", "tokamax_gpu")
 
 def _builtin(name: str) -> Callable | None:
   if name == "pallas_gpu":
-    from fluxjax.models import attention_pallas
+    from fluxjax.models.attention import pallas
 
-    return attention_pallas.pallas_attention
+    return pallas.pallas_attention
   if name == "cudnn":
-    from fluxjax.models import attention_cudnn
+    from fluxjax.models.attention import cudnn
 
-    return attention_cudnn.cudnn_attention
+    return cudnn.cudnn_attention
   if name == "tokamax_gpu":
-    from fluxjax.models import attention_tokamax
+    from fluxjax.models.attention import tokamax
 
-    return attention_tokamax.tokamax_attention
+    return tokamax.tokamax_attention
   return None
 
 

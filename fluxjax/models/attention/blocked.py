@@ -8,7 +8,7 @@ some key (`lax.cond` executes one branch). Its backward pass recomputes each
 visible block from the saved log-sum-exp, so it keeps O(T) beside the inputs.
 Masks and results are the reference's (tests/test_attention_blocked.py).
 
-Which pairs run is `attention_xla.blocks_may_see`, the rule the Pallas kernel
+Which pairs run is `attention.xla.blocks_may_see`, the rule the Pallas kernel
 skips by: conservative (a kept pair may still be fully masked, which the
 per-element mask handles), exact for contiguously packed sequences. The rows
 stay inside each block, so sharding over rows needs no gather; a pair runs if
@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fluxjax.models import attention_xla
-from fluxjax.models.attention_xla import _NEG_INF
+from fluxjax.models.attention import xla
+from fluxjax.models.attention.xla import _NEG_INF
 
 DEFAULT_BLOCK = 64
 
@@ -45,7 +45,7 @@ def blocked_attention(
   causal: bool,
   block: int = DEFAULT_BLOCK,
 ) -> jax.Array:
-  """The reference's attention (attention_xla.xla_attention), blockwise."""
+  """The reference's attention (attention.xla.xla_attention), blockwise."""
   b, t, n, h = q_BTNH.shape
   s, kv_heads = k_BSKH.shape[1], k_BSKH.shape[2]
   if n % kv_heads:
@@ -87,18 +87,18 @@ def _ids_to_blocks(seg_BT, pos_BT, block: int) -> tuple:
   b, t = seg_BT.shape
   seg = jnp.moveaxis(seg_BT.reshape(b, t // block, block), 1, 0)
   pos = jnp.moveaxis(pos_BT.reshape(b, t // block, block), 1, 0)
-  ranges = tuple(r.T for r in attention_xla.block_ranges(seg_BT, pos_BT, block))
+  ranges = tuple(r.T for r in xla.block_ranges(seg_BT, pos_BT, block))
   return seg, pos, ranges
 
 
 def _visible(q_ids, kv_ids, causal: bool) -> jax.Array:
   """Whether a (query block, key block) pair may hold a visible entry in any row."""
-  return attention_xla.blocks_may_see(q_ids[2], kv_ids[2], causal).any()
+  return xla.blocks_may_see(q_ids[2], kv_ids[2], causal).any()
 
 
 def _scores(q_BKGQH, k_BKCH, q_ids, kv_ids, causal: bool):
   """(fp32 scaled scores, masked entries at _NEG_INF; the mask), [B, K, G, Q, C]."""
-  mask = attention_xla.segment_mask(q_ids[0], kv_ids[0], q_ids[1], kv_ids[1], causal)
+  mask = xla.segment_mask(q_ids[0], kv_ids[0], q_ids[1], kv_ids[1], causal)
   mask = mask[:, None, None]
   s = jnp.einsum("bkgqh,bkch->bkgqc", q_BKGQH, k_BKCH, preferred_element_type=jnp.float32)
   return jnp.where(mask, s * q_BKGQH.shape[-1] ** -0.5, _NEG_INF), mask

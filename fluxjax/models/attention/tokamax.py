@@ -1,6 +1,6 @@
 """Packed-segment attention on tokamax's Mosaic GPU flash kernel (GPU only).
 
-Sorts the buffer into contiguous segments (`attention_layout`) and gives the
+Sorts the buffer into contiguous segments (`attention.layout`) and gives the
 kernel each query's key range [k_start, k_end) plus, when causal, its
 diagonal. Padding is one trailing segment whose output is zeroed, so it
 contributes nothing to any gradient. Needs the `tokamax` package and an
@@ -13,7 +13,7 @@ import functools
 
 import jax
 
-from fluxjax.models import attention_layout as layout_lib
+from fluxjax.models.attention import layout as layout_lib
 
 
 @functools.cache

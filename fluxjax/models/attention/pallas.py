@@ -52,7 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fluxjax.models import attention_xla
+from fluxjax.models.attention import xla
 
 # Masked logits take this finite value, not -inf: the running max of a row
 # that has seen only masked keys stays finite, so exp2(m_old - m_new) never
@@ -146,12 +146,12 @@ def _visit_table(rows, cols, causal: bool, rows_are_queries: bool) -> jax.Array:
   """int32 [B, R, 1 + C]: per row block, the count of column blocks that may hold a
   visible pair, then their indices (ascending), then the others.
 
-  `rows` / `cols` are `attention_xla.block_ranges` of the blocks one program holds and of
+  `rows` / `cols` are `attention.xla.block_ranges` of the blocks one program holds and of
   the blocks it streams.
   """
   r = tuple(x[:, :, None] for x in rows)
   c = tuple(x[:, None, :] for x in cols)
-  may_see = attention_xla.blocks_may_see
+  may_see = xla.blocks_may_see
   visit = may_see(r, c, causal) if rows_are_queries else may_see(c, r, causal)
   count = visit.sum(-1, dtype=jnp.int32)
   order = jnp.argsort(~visit, axis=-1, stable=True).astype(jnp.int32)
@@ -162,7 +162,7 @@ def _visit_table(rows, cols, causal: bool, rows_are_queries: bool) -> jax.Array:
 
 
 def _mask(q_seg, q_pos, k_seg, k_pos, causal: bool):
-  """bool [bq, bk] visibility, exactly as `attention_xla.segment_mask`."""
+  """bool [bq, bk] visibility, exactly as `attention.xla.segment_mask`."""
   mask = (q_seg[:, None] == k_seg[None, :]) & (q_seg[:, None] != 0)
   if causal:
     mask &= k_pos[None, :] <= q_pos[:, None]
@@ -349,8 +349,8 @@ def _forward(st: _Static, q, k, v, q_seg, k_seg, q_pos, k_pos):
   groups = n // kv_heads
   bq, bk = st.blocks.fwd_q, st.blocks.fwd_k
   table = _visit_table(
-    attention_xla.block_ranges(q_seg, q_pos, bq),
-    attention_xla.block_ranges(k_seg, k_pos, bk),
+    xla.block_ranges(q_seg, q_pos, bq),
+    xla.block_ranges(k_seg, k_pos, bk),
     st.causal,
     rows_are_queries=True,
   )
@@ -389,8 +389,8 @@ def _backward(st: _Static, q, k, v, out, lse, do, q_seg, k_seg, q_pos, k_pos):
 
   bq, bk = st.blocks.dq_q, st.blocks.dq_k
   table = _visit_table(
-    attention_xla.block_ranges(q_seg, q_pos, bq),
-    attention_xla.block_ranges(k_seg, k_pos, bk),
+    xla.block_ranges(q_seg, q_pos, bq),
+    xla.block_ranges(k_seg, k_pos, bk),
     st.causal,
     rows_are_queries=True,
   )
@@ -422,8 +422,8 @@ def _backward(st: _Static, q, k, v, out, lse, do, q_seg, k_seg, q_pos, k_pos):
 
   bq, bk = st.blocks.dkv_q, st.blocks.dkv_k
   table = _visit_table(
-    attention_xla.block_ranges(k_seg, k_pos, bk),
-    attention_xla.block_ranges(q_seg, q_pos, bq),
+    xla.block_ranges(k_seg, k_pos, bk),
+    xla.block_ranges(q_seg, q_pos, bq),
     st.causal,
     rows_are_queries=False,
   )
@@ -495,7 +495,7 @@ def pallas_attention(
   interpret: bool = False,
   block_sizes: BlockSizes | None = None,
 ) -> jax.Array:
-  """Flash attention over packed segments; same contract as `attention_xla.xla_attention`.
+  """Flash attention over packed segments; same contract as `attention.xla.xla_attention`.
 
   Args:
     q_BTNH, k_BSKH, v_BSKH: queries [B, T, N, H] and keys/values [B, S, K, H]
@@ -518,7 +518,7 @@ def pallas_attention(
     raise ValueError("causal attention needs query and key positions")
   if t < MIN_QUERY_LEN or h > MAX_HEAD_DIM:
     # Decode-sized queries or oversized heads: see MIN_QUERY_LEN / MAX_HEAD_DIM.
-    return attention_xla.xla_attention(
+    return xla.xla_attention(
       q_BTNH,
       k_BSKH,
       v_BSKH,

@@ -38,9 +38,11 @@ auto, the largest degree the model's heads and the devices allow; set it (e.g.
 Reading this file imports no JAX (tests/test_config.py checks).
 """
 
+import dataclasses
+
 import ml_collections
 
-from fluxjax import config_args
+from fluxjax import config_args, settings
 
 # What the variants set differently; every other default is shared. `tiny`
 # runs on one CPU machine (the tiny preset, the embedded engine, synthetic
@@ -172,19 +174,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       video_max_frames=16 if small_media else 0,
     )
   )
-  # Media size budgets (models/media.py MediaLimits), checked from each file's
-  # header before anything is decoded, by the loader's probe, its workers and
-  # the embedded engine: a file outside them is a counted skip
-  # (data/skipped/size).
-  c.data.limits = ml_collections.ConfigDict(
-    dict(
-      max_image_pixels=64_000_000,
-      min_side=1,
-      max_video_frames=1_000_000,
-      max_frame_pixels=36_000_000,
-      max_sampled_video_pixels=2_000_000_000,
-    )
-  )
+  # Media size budgets (fluxjax/settings.py MediaLimits says what each bounds;
+  # its defaults), checked from each file's header before anything is
+  # decoded, by the loader's probe, its workers and the embedded engine: a
+  # file outside them is a counted skip (data/skipped/size).
+  c.data.limits = ml_collections.ConfigDict(dataclasses.asdict(settings.MediaLimits()))
 
   # Held-out evaluation (rl/evaluation.py): samples_per_prompt responses per
   # prompt at the training temperature give eval/accuracy with its 95%

@@ -16,34 +16,34 @@ import ml_collections
 
 def parse_arg(arg: str | None, lazy: bool = False, **spec) -> ml_collections.ConfigDict:
   """Parses "k1=v1,k2,..." into a ConfigDict with the types of `spec`'s defaults."""
-  cfg = ml_collections.ConfigDict(spec)
+  parsed = ml_collections.ConfigDict(spec)
   if not arg:
-    return cfg
+    return parsed
   for item in arg.split(","):
     if not item:
       continue
     key, eq, value = item.partition("=")
     if not eq:
       if key in spec and isinstance(spec[key], bool):
-        cfg[key] = True
+        parsed[key] = True
         continue
       if "variant" in spec:  # a bare name is the variant: vlm.py:qwen25_vl_7b
-        cfg.variant = key
+        parsed.variant = key
         continue
       raise ValueError(f"config arg {key!r} is not a boolean field of {sorted(spec)}")
     if key not in spec:
       if lazy:
-        cfg[key] = value
+        parsed[key] = value
         continue
       raise ValueError(f"unknown config arg {key!r}; known: {sorted(spec)}")
     default = spec[key]
     if isinstance(default, bool):
-      cfg[key] = value.lower() in ("1", "true", "yes", "on")
+      parsed[key] = value.lower() in ("1", "true", "yes", "on")
     elif default is None:
-      cfg[key] = value
+      parsed[key] = value
     else:
-      cfg[key] = type(default)(value)
-  return cfg
+      parsed[key] = type(default)(value)
+  return parsed
 
 
 # The default run's config file: the one place the defaults of every section live.

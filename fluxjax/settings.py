@@ -1,16 +1,19 @@
 """A run's configuration as typed, frozen sections.
 
 configs/vlm.py is the one source of every default and says what each field
-means; this module holds each section's shape once, with no defaults, and
+means; this module holds each section's shape once, with no defaults (but
+`MediaLimits`, a domain class whose defaults vlm.py reads), and
 `Settings.of(config)` reads a resolved ConfigDict into it: a field the config
-lacks or a key no section declares is an error naming the flag. Library code
-receives the sections it needs (`settings.rl`, `settings.rollout`, ...);
-only the entry points and the run's composition root see the whole.
+lacks, a key no section declares or a value not of its field's type is an
+error naming the flag. Library code receives the sections it needs
+(`settings.rl`, `settings.rollout`, ...); only the entry points and the
+run's composition root see the whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -25,6 +28,9 @@ class Checkpoint:
 
 @dataclasses.dataclass(frozen=True)
 class Lag:
+  """`coordinator.lag`: the admission mode, and the adaptive controller and
+  staleness metric that rl/async_control.py runs on this section as it is."""
+
   mode: str
   fixed_lag: int
   min_lag: int
@@ -57,12 +63,33 @@ class Coordinator:
 
 
 @dataclasses.dataclass(frozen=True)
-class Limits:
-  max_image_pixels: int
-  max_frame_pixels: int
-  max_video_frames: int
-  max_sampled_video_pixels: int
-  min_side: int
+class MediaLimits:
+  """What a media file may claim in its header; anything outside is a bad file
+  (the `data.limits` section; configs/vlm.py takes these defaults).
+
+  Checked from header facts before any pixel buffer is allocated, by the
+  metadata probe (`fluxjax.data.meta.media_ref`) and again by every decode
+  (`models/media.py` `load_image`, `load_video`), which may run where no
+  probe did (a rollout server decoding a request's media).
+
+  Attributes:
+    max_image_pixels: largest image (height * width). PIL refuses more than
+      2 * PIL.Image.MAX_IMAGE_PIXELS (about 179M) on its own, so a larger
+      value has no effect.
+    min_side: smallest side of an image or a video frame, in pixels.
+    max_video_frames: most frames in a video file; every frame up to the last
+      sampled one is decoded, so this bounds a decode's work.
+    max_frame_pixels: largest video frame (height * width).
+    max_sampled_video_pixels: most pixels of the frames a decode keeps
+      (sampled frames * height * width): the uint8 RGB array `load_video`
+      returns takes 3 bytes per pixel (6 GB at the default).
+  """
+
+  max_image_pixels: int = 64_000_000
+  min_side: int = 1
+  max_video_frames: int = 1_000_000
+  max_frame_pixels: int = 36_000_000  # 8K UHD (7680 x 4320) fits
+  max_sampled_video_pixels: int = 2_000_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +112,7 @@ class Data:
   seed: int
   num_workers: int
   blind: bool
-  limits: Limits
+  limits: MediaLimits
   vision: Vision
 
 
@@ -286,7 +313,8 @@ class Settings:
 
 
 def section(cls: type[T], values: Mapping[str, Any], where: str = "") -> T:
-  """`cls` (a section above) from a mapping with exactly its fields."""
+  """`cls` (a section above) from a mapping with exactly its fields, each
+  value of its field's type (an int is taken for a float, as 1 for 1.0)."""
   hints = typing.get_type_hints(cls)
   names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]  # cls is a section
   unknown = sorted(set(values.keys()) - set(names))
@@ -301,8 +329,33 @@ def section(cls: type[T], values: Mapping[str, Any], where: str = "") -> T:
   for name in names:
     kind, value = hints[name], values[name]
     if isinstance(kind, type) and dataclasses.is_dataclass(kind):
-      value = section(kind, value, f"{where}{name}.")
-    elif typing.get_origin(kind) is tuple:
-      value = tuple(value)
-    out[name] = value
+      out[name] = section(kind, value, f"{where}{name}.")
+    else:
+      out[name] = _typed(kind, value, f"--config.{where}{name}")
   return cls(**out)
+
+
+def _typed(kind: Any, value: Any, flag: str) -> Any:
+  """`value` as a field of type `kind` holds it: a scalar (int, float, bool,
+  str) or a tuple of one of them; a value of another type is an error naming
+  `flag`."""
+  if typing.get_origin(kind) is tuple:
+    item = typing.get_args(kind)[0]  # tuple[X, ...], the one tuple sections declare
+    if isinstance(value, (tuple, list)) and all(_is(item, v) for v in value):
+      return tuple(item(v) for v in value)
+    raise ValueError(f"{flag}: expected a tuple of {item.__name__}, got {value!r}")
+  if not _is(kind, value):
+    raise ValueError(f"{flag}: expected {kind.__name__}, got {value!r}")
+  return kind(value)
+
+
+def _is(kind: type, value: Any) -> bool:
+  """Whether `value` is a `kind` (int, float, bool or str): a bool is not a
+  number, and an int is a float (--config.optim.lr=1 means 1.0)."""
+  if kind is bool or isinstance(value, bool):
+    return kind is bool and isinstance(value, bool)
+  if kind is float:
+    return isinstance(value, numbers.Real)
+  if kind is int:
+    return isinstance(value, numbers.Integral)
+  return isinstance(value, kind)

@@ -64,20 +64,21 @@ def main(argv):
   if _PRINT_CONFIG.value:
     print(config)
     return
-  # Heavy imports after flag parsing, so --help stays fast.
+  from fluxjax import settings as settings_lib
+
+  try:
+    settings = settings_lib.Settings.of(config)
+  except ValueError as e:  # a configuration mistake: say what, not where
+    sys.exit(f"fluxjax.train: bad configuration: {e}")
+  # Heavy imports after the settings are read, so --help and a bad value stay fast.
   import jax
 
   from fluxjax import logs
-  from fluxjax import settings as settings_lib
   from fluxjax.parallel import multihost
   from fluxjax.rl import loop
   from fluxjax.sharding import mesh as mesh_lib
 
   logs.configure()
-  try:
-    settings = settings_lib.Settings.of(config)
-  except ValueError as e:  # a configuration mistake: say what, not where
-    sys.exit(f"fluxjax.train: bad configuration: {e}")
   mesh_lib.maybe_initialize_distributed(settings.distributed)
   process = jax.process_index()
   if process:

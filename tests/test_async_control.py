@@ -13,13 +13,14 @@ import pytest
 from hypothesis import strategies as st
 
 from fluxjax import config_args
+from fluxjax import settings as settings_lib
 from fluxjax.rl import async_control as ac
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "vlm.py")
 LAG = config_args.load_config(CONFIG, "qwen25_vl_3b").coordinator.lag
-CFG = ac.AdaptiveConfig.from_config(LAG)
-METRIC = ac.StalenessMetric.from_config(LAG)
+# The typed section: what the controller and the staleness metric read.
+SECTION = settings_lib.section(settings_lib.Lag, LAG)
 SETTLE = 100  # steps of transient before the settled window
 
 
@@ -33,13 +34,13 @@ def test_config_is_the_flux_design():
     assert LAG[k] == pytest.approx(v), k
 
 
-@pytest.mark.parametrize("key", sorted(LAG.keys()))
-def test_every_field_is_read_from_config(key):
-  # No second default in code: building from a section without the field fails.
-  partial = ml_collections.ConfigDict({k: v for k, v in LAG.items() if k != key})
-  with pytest.raises((KeyError, AttributeError)):  # what the coordinator builds from it
-    ac.AdmissionController.from_config(partial, 4)
-    ac.StalenessMetric.from_config(partial)
+def test_every_field_is_read_from_config():
+  # No second default in code: the controller and the metric read the section
+  # itself, and a section without one of its fields cannot be read.
+  for key in LAG:
+    partial = ml_collections.ConfigDict({k: v for k, v in LAG.items() if k != key})
+    with pytest.raises(ValueError, match=rf"config\.{key} missing"):
+      settings_lib.section(settings_lib.Lag, partial)
 
 
 def test_version_tags_and_gap():
@@ -59,32 +60,32 @@ def test_version_tags_and_gap():
 def test_staleness_zero_on_policy_and_grows_with_drift():
   rng = np.random.default_rng(0)
   b = -rng.uniform(0.5, 3.0, 1000)
-  fresh = ac.staleness(b, b, np.full(1000, 4), 4, METRIC)
+  fresh = ac.staleness(b, b, np.full(1000, 4), 4, SECTION)
   assert fresh["staleness"] == 0.0 and fresh["kl"] == 0.0 and fresh["iw_var"] == 0.0
   prev = 0.0
   for drift, gap in ((0.05, 1), (0.2, 2), (0.4, 3)):
-    s = ac.staleness(b, b + rng.normal(0, drift, 1000), np.full(1000, 4 - gap), 4, METRIC)
+    s = ac.staleness(b, b + rng.normal(0, drift, 1000), np.full(1000, 4 - gap), 4, SECTION)
     assert s["kl"] > 0 and s["iw_var"] > 0 and 0 < s["staleness"] < 1
     assert s["staleness"] > prev
     prev = s["staleness"]
   # k3 matches the exact KL of a known pair: behaviour N(0,1) vs current N(mu,1).
   x = rng.normal(0, 1, 200_000)
   mu = 0.3
-  est = ac.staleness(-(x**2) / 2, -((x - mu) ** 2) / 2, np.zeros_like(x), 0, METRIC)["kl"]
+  est = ac.staleness(-(x**2) / 2, -((x - mu) ** 2) / 2, np.zeros_like(x), 0, SECTION)["kl"]
   assert est == pytest.approx(mu**2 / 2, rel=0.05)
   # Masked and non-finite tokens are ignored.
-  s = ac.staleness([-1.0, np.nan, -1.0], [-1.0, -1.0, -9.0], [0, 0, 0], 0, METRIC, [1, 1, 0])
+  s = ac.staleness([-1.0, np.nan, -1.0], [-1.0, -1.0, -9.0], [0, 0, 0], 0, SECTION, [1, 1, 0])
   assert s["staleness"] == 0.0
 
 
 def test_staleness_combination_is_the_designs():
   # Each signal at its normalizer contributes its weight; the sum is clipped to 1.
-  assert ac.combine_staleness(4.0, 4.0, 0.0, 0.0, METRIC)["staleness"] == pytest.approx(0.3)
-  assert ac.combine_staleness(0.0, 0.0, 0.1, 0.0, METRIC)["staleness"] == pytest.approx(0.4)
+  assert ac.combine_staleness(4.0, 4.0, 0.0, 0.0, SECTION)["staleness"] == pytest.approx(0.3)
+  assert ac.combine_staleness(0.0, 0.0, 0.1, 0.0, SECTION)["staleness"] == pytest.approx(0.4)
   iw = np.expm1(2.0)  # log1p(var) = iw_normalizer
-  assert ac.combine_staleness(0.0, 0.0, 0.0, iw, METRIC)["staleness"] == pytest.approx(0.3)
-  assert ac.combine_staleness(9.0, 9.0, 5.0, 50.0, METRIC)["staleness"] == 1.0
-  bad = ac.combine_staleness(2.0, 3.0, np.nan, -1e-9, METRIC)  # rounding in E[w^2] - E[w]^2
+  assert ac.combine_staleness(0.0, 0.0, 0.0, iw, SECTION)["staleness"] == pytest.approx(0.3)
+  assert ac.combine_staleness(9.0, 9.0, 5.0, 50.0, SECTION)["staleness"] == 1.0
+  bad = ac.combine_staleness(2.0, 3.0, np.nan, -1e-9, SECTION)  # rounding in E[w^2] - E[w]^2
   assert bad["staleness"] == pytest.approx(0.15) and bad["version_gap_max"] == 3.0
 
 
@@ -101,7 +102,7 @@ def simulate(
   noise=0.2,
   seed=0,
   race=False,
-  metric=METRIC,
+  metric=SECTION,
   carried=None,
 ):
   """Rollout admitted by `adm` and trained in order, one batch of B prompts a step.
@@ -153,7 +154,7 @@ def simulate(
 
 
 def adaptive(**overrides):
-  cfg = dataclasses.replace(CFG, **overrides)
+  cfg = dataclasses.replace(SECTION, **overrides)
   return ac.AdmissionController(B, "adaptive", controller=ac.AsyncController(cfg))
 
 
@@ -165,7 +166,7 @@ def reversals(ratio) -> int:
 
 
 def in_band(ema) -> np.ndarray:
-  return np.abs(ema - CFG.target_staleness) <= CFG.tolerance + 1e-12
+  return np.abs(ema - SECTION.target_staleness) <= SECTION.tolerance + 1e-12
 
 
 @hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
@@ -174,19 +175,19 @@ def in_band(ema) -> np.ndarray:
   kl_rate=st.floats(0.0, 0.08),
   noise=st.floats(0.0, 0.4),
   race=st.booleans(),
-  sync_interval=st.sampled_from([0, CFG.sync_interval]),
+  sync_interval=st.sampled_from([0, SECTION.sync_interval]),
 )
 def test_settles_inside_the_band_without_oscillating(seed, kl_rate, noise, race, sync_interval):
   adm = adaptive(sync_interval=sync_interval)
   r = simulate(adm, SETTLE + 200, lambda s: kl_rate, noise=noise, seed=seed, race=race)
   ema, ratio, lag = r[SETTLE:, 3], r[SETTLE:, 4], r[:, 5]
   assert in_band(ema).mean() >= 0.95
-  assert ema.max() <= CFG.hard_bound + CFG.tolerance
+  assert ema.max() <= SECTION.hard_bound + SECTION.tolerance
   assert reversals(ratio) <= 2
   assert np.ptp(ratio) <= 0.1  # settled: the ratio barely moves
-  assert ((lag >= CFG.min_lag) & (lag <= CFG.max_lag)).all()
-  assert r[:, 7].max() <= CFG.max_lag  # no prompt older than max_lag versions
-  assert ((r[:, 4] >= CFG.min_async_ratio) & (r[:, 4] <= CFG.max_async_ratio)).all()
+  assert ((lag >= SECTION.min_lag) & (lag <= SECTION.max_lag)).all()
+  assert r[:, 7].max() <= SECTION.max_lag  # no prompt older than max_lag versions
+  assert ((r[:, 4] >= SECTION.min_async_ratio) & (r[:, 4] <= SECTION.max_async_ratio)).all()
 
 
 def test_follows_drift_and_a_step_change():
@@ -210,22 +211,22 @@ def test_follows_drift_and_a_step_change():
 def test_no_windup_when_the_gap_alone_cannot_reach_the_target():
   # A target out of reach: KL 0 and a version-gap term below target even at
   # max_lag (a controller without anti-windup ramps to max_lag here and stays).
-  weak_gap = dataclasses.replace(METRIC, max_version_gap=16.0)  # at most 0.075 at gap 4
+  weak_gap = dataclasses.replace(SECTION, max_version_gap=16.0)  # at most 0.075 at gap 4
   adm = adaptive(sync_interval=0)
   r = simulate(adm, 480, lambda s: 0.0 if s < 400 else 0.02, noise=0.0, metric=weak_gap)
   ratio = r[:, 4]
-  assert r[399, 3] < CFG.target_staleness - CFG.tolerance  # below the band all along
+  assert r[399, 3] < SECTION.target_staleness - SECTION.tolerance  # below the band all along
   # The ratio pins at its upper bound, the lag at max_async_ratio * max_lag ...
-  assert (ratio[200:400] == CFG.max_async_ratio).all()
-  assert np.allclose(r[200:400, 5], CFG.max_async_ratio * CFG.max_lag)
+  assert (ratio[200:400] == SECTION.max_async_ratio).all()
+  assert np.allclose(r[200:400, 5], SECTION.max_async_ratio * SECTION.max_lag)
   # ... and when the policy starts moving it leaves the bound within 3 steps
   # (the EMA needs 2 to leave the band) and keeps falling: nothing wound up.
   # It holds while the hard bound holds the lag at 0 (fresh batches), so it
   # falls in stages, and the EMA is back in the band within 60 steps.
-  assert ratio[403] < CFG.max_async_ratio
+  assert ratio[403] < SECTION.max_async_ratio
   assert (np.diff(ratio[402:480]) <= 1e-12).all() and ratio[440] < 0.6
   assert in_band(r[460:, 3]).all()
-  assert abs(adm.controller.integral * CFG.ki) <= CFG.max_step + 1e-12
+  assert abs(adm.controller.integral * SECTION.ki) <= SECTION.max_step + 1e-12
 
 
 # Up to this drift (async/kl over trained_gap^2 in an adaptive run of the
@@ -244,7 +245,7 @@ SPIKE_KL_RATE = 0.004
   noise=st.floats(0.0, 0.4),
   race=st.booleans(),
   share=st.floats(0.2, 0.6),
-  sync_interval=st.sampled_from([0, CFG.sync_interval]),
+  sync_interval=st.sampled_from([0, SECTION.sync_interval]),
 )
 def test_recycling_spikes_and_the_fresh_start(seed, kl_rate, noise, race, share, sync_interval):
   # Every 5th batch continues responses that waited up to 4 rounds (their
@@ -257,7 +258,7 @@ def test_recycling_spikes_and_the_fresh_start(seed, kl_rate, noise, race, share,
   assert (r[4::5, 8] > r[4::5, 1]).all()  # carried tokens older than their round's launch
   assert in_band(r[10:, 3]).mean() >= 0.9
   assert adm.barriers["hard_bound"] <= steps // 20
-  assert r[:, 7].max() <= CFG.max_lag  # admission still bounds what it admits
+  assert r[:, 7].max() <= SECTION.max_lag  # admission still bounds what it admits
 
 
 def test_spikes_past_the_bound_still_force_barriers():
@@ -267,8 +268,8 @@ def test_spikes_past_the_bound_still_force_barriers():
   adm = adaptive(sync_interval=0)
   r = simulate(adm, 200, lambda s: 0.08, seed=5, carried=(5, 0.5))
   assert adm.barriers["hard_bound"] >= 1
-  assert (r[100:, 4] == CFG.min_async_ratio).all()
-  assert (r[100:, 3] > CFG.target_staleness + CFG.tolerance).mean() > 0.5
+  assert (r[100:, 4] == SECTION.min_async_ratio).all()
+  assert (r[100:, 3] > SECTION.target_staleness + SECTION.tolerance).mean() > 0.5
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -282,7 +283,7 @@ def test_a_burst_does_not_drive_the_ratio_to_its_bound(seed):
 
   adm = adaptive()
   r = simulate(adm, 180, kl_rate, seed=seed, carried=(5, 0.4))
-  assert r[100:110, 3].max() > CFG.hard_bound  # the burst left the band
+  assert r[100:110, 3].max() > SECTION.hard_bound  # the burst left the band
   assert r[100:140, 4].min() >= 0.3
   assert in_band(r[10:, 3]).mean() >= 0.9
 
@@ -294,25 +295,25 @@ def test_a_fresh_start_does_not_raise_the_ratio():
   # rises in the first steps.
   adm = adaptive(sync_interval=0)
   r = simulate(adm, 60, lambda s: 0.03, noise=0.0, seed=6)
-  assert r[0, 2] < CFG.target_staleness - CFG.tolerance  # the fresh first batch
-  assert (r[:20, 4] <= CFG.initial_ratio + 1e-12).all()
-  assert r[-1, 4] < CFG.initial_ratio
+  assert r[0, 2] < SECTION.target_staleness - SECTION.tolerance  # the fresh first batch
+  assert (r[:20, 4] <= SECTION.initial_ratio + 1e-12).all()
+  assert r[-1, 4] < SECTION.initial_ratio
 
 
 @pytest.mark.parametrize("first,then", [(0.0, 0.9), (0.9, 0.0)])
 def test_no_windup_at_either_ratio_bound(first, then):
   # 500 steps against one bound (an error of 0.15 or 0.75 each step) ...
-  ctl = ac.AsyncController(dataclasses.replace(CFG, sync_interval=0))
+  ctl = ac.AsyncController(dataclasses.replace(SECTION, sync_interval=0))
   for _ in range(500):
     ctl.update(first)
   bound = ctl.ratio
-  assert bound == (CFG.max_async_ratio if first == 0.0 else CFG.min_async_ratio)
-  assert abs(CFG.ki * ctl.integral) <= CFG.max_step + 1e-12
+  assert bound == (SECTION.max_async_ratio if first == 0.0 else SECTION.min_async_ratio)
+  assert abs(SECTION.ki * ctl.integral) <= SECTION.max_step + 1e-12
   # ... then the process turns: the ratio leaves the bound at the first step
   # the EMA is past the band on the other side, and keeps going.
   for step in range(501, 601):  # noqa: B007  (the step it left at)
     ctl.update(then)
-    if abs(ctl.error()) > CFG.tolerance and (ctl.error() > 0) == (then == 0.0):
+    if abs(ctl.error()) > SECTION.tolerance and (ctl.error() > 0) == (then == 0.0):
       break
   assert step < 600 and ctl.ratio != bound
   for _ in range(5):
@@ -335,7 +336,7 @@ def test_no_windup_at_either_ratio_bound(first, then):
 def test_respects_both_bounds(meas, min_lag, span, ratios, target, tolerance, gains, max_step):
   lo, init, hi = ratios
   cfg = dataclasses.replace(
-    CFG,
+    SECTION,
     min_lag=min_lag,
     max_lag=min_lag + span,
     min_async_ratio=lo,
@@ -371,7 +372,7 @@ def test_hard_bound_forces_a_drain_and_an_on_policy_batch():
     ends = np.flatnonzero(np.diff(barrier) < 0) + 1
     assert len(starts) >= 1 and len(ends) >= 1
     # Forced at once when the EMA goes above the bound.
-    over = (ema > CFG.hard_bound) & (np.roll(ema, 1) <= CFG.hard_bound)
+    over = (ema > SECTION.hard_bound) & (np.roll(ema, 1) <= SECTION.hard_bound)
     over &= np.roll(barrier, 1) == 0
     over[0] = False
     assert over.any() and (barrier[over] == 1).all() and (lag[over] == 0).all()
@@ -398,10 +399,10 @@ def test_hard_bound_holds_lag_0_until_the_ema_is_back_under():
   lag = np.array([o["allowed_lag"] for o in out])
   released = np.flatnonzero((barrier[:-1] == 1) & (barrier[1:] == 0)) + 1
   assert adm.barriers == {"hard_bound": 2, "interval": 0}
-  assert (lag[ema > CFG.hard_bound] == 0).all()
-  assert len(released) == 2 and (ema[released] <= CFG.hard_bound).all()
+  assert (lag[ema > SECTION.hard_bound] == 0).all()
+  assert len(released) == 2 and (ema[released] <= SECTION.hard_bound).all()
   # Released at the first step the EMA is back under (the drain is shorter).
-  assert (ema[released - 1] > CFG.hard_bound).all()
+  assert (ema[released - 1] > SECTION.hard_bound).all()
   assert (lag[released] > 0).all()
   assert out[-1]["hard_bound_barriers_total"] == 2.0
 
@@ -470,7 +471,7 @@ def test_sync_and_fixed_modes():
   assert fixed.capacity(0) == 3
 
   for mode in ("sync", "fixed"):
-    built = ac.AdmissionController.from_config(ml_collections.ConfigDict({**LAG, "mode": mode}), 4)
+    built = ac.AdmissionController.from_config(dataclasses.replace(SECTION, mode=mode), 4)
     assert built.allowed_lag == (0 if mode == "sync" else LAG.fixed_lag)
     # The EMA is tracked (a metric) from the target; the lag does not move.
     emas = [built.observe(1.0, step)["staleness_ema"] for step in range(1, 40)]

@@ -15,7 +15,8 @@ from fluxjax import settings as settings_lib
 from fluxjax.models import config as model_config
 from fluxjax.parallel import strategies
 from fluxjax.rl import loop
-from fluxjax.rollout import factory
+from fluxjax.rollout import factory, publish
+from fluxjax.rollout import fleet as fleet_lib
 from fluxjax.settings import Settings
 from fluxjax.sharding import mesh as mesh_lib
 
@@ -220,6 +221,26 @@ def test_the_decode_steps_per_call_reach_our_server_and_are_checked():
     factory.check_config(Settings.of(c).rollout)
 
 
+@pytest.mark.parametrize(
+  "field, registry",
+  [("backend", factory.BACKENDS), ("weight_sync", publish.WEIGHT_TRANSPORTS)],
+)
+def test_an_unknown_backend_or_transport_is_one_line_listing_the_registered(field, registry):
+  """rollout.backend and rollout.weight_sync name entries of a registry: the
+  check takes the allowed names from it, as a fleet does its transport."""
+  assert set(factory.BACKENDS) == {"embedded", "sglang"}
+  assert set(publish.WEIGHT_TRANSPORTS) == {"disk", "distributed"}
+  c = _config("tiny")
+  factory.check_config(Settings.of(c).rollout)
+  c.rollout[field] = "bogus"
+  with pytest.raises(ValueError) as e:
+    factory.check_config(Settings.of(c).rollout)
+  assert str(e.value) == f"unknown rollout.{field} 'bogus'; choose one of {sorted(registry)}"
+  if field == "weight_sync":
+    with pytest.raises(ValueError, match=r"^unknown rollout.weight_sync 'bogus'; choose one"):
+      fleet_lib.Fleet(["http://127.0.0.1:1"], weight_sync="bogus")
+
+
 def test_a_field_the_sections_do_not_declare_names_its_flag():
   c = config_args.load_config()
   with c.unlocked():
@@ -230,6 +251,72 @@ def test_a_field_the_sections_do_not_declare_names_its_flag():
   del c.rollout.tail_batching["eta"]
   with pytest.raises(ValueError, match=r"config\.rollout\.tail_batching\.eta missing"):
     Settings.of(c)
+
+
+@pytest.mark.parametrize(
+  "field, value, expected",
+  [
+    ("rl.prompts_per_step", 2.5, "expected int, got 2.5"),
+    ("rl.max_new_tokens", True, "expected int, got True"),  # a bool is no number
+    ("eval.greedy", 3, "expected bool, got 3"),
+    ("optim.lr", "fast", "expected float, got 'fast'"),
+    ("data.train", 7, "expected str, got 7"),
+    ("rl.reward.weights", (1.0, "a"), "expected a tuple of float, got (1.0, 'a')"),
+    ("sharding.capacity_buckets", (256.0,), "expected a tuple of int, got (256.0,)"),
+  ],
+)
+def test_a_wrongly_typed_setting_is_one_line_naming_its_flag(field, value, expected):
+  """What the flags' parser lets through (a tuple's items, a saved config, a
+  config file's own values) is checked against its section's type."""
+  c = config_args.load_config()
+  *path, leaf = field.split(".")
+  section = c
+  for key in path:
+    section = section[key]
+  with section.ignore_type():
+    section[leaf] = value
+  with pytest.raises(ValueError) as e:
+    Settings.of(c)
+  assert str(e.value) == f"--config.{field}: {expected}"
+
+
+def test_an_int_for_a_float_setting_is_that_float():
+  """--config.optim.lr=1 means 1.0, in a tuple too."""
+  c = config_args.load_config()
+  c.rl.reward.weights = (1, 2)
+  s = Settings.of(c)
+  assert s.rl.reward.weights == (1.0, 2.0) and all(type(w) is float for w in s.rl.reward.weights)
+  optim = settings_lib.section(settings_lib.Optim, {**c.optim, "lr": 1}, "optim.")
+  assert optim.lr == 1.0 and type(optim.lr) is float
+
+
+@pytest.mark.parametrize(
+  "override",
+  [
+    "--config.rl.prompts_per_step=2.5",
+    "--config.eval.greedy=3",
+    "--config.rl.reward.weights=(1.0,'a')",
+  ],
+)
+def test_a_wrongly_typed_override_stops_the_run_in_one_line(override):
+  """The command line: absl's parser refuses a scalar, the settings a tuple's
+  items; either way one line naming the flag, before JAX is imported."""
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "fluxjax.train",
+      f"--config={os.path.join(ROOT, 'configs', 'vlm.py')}",
+      override,
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=120,
+  )
+  lines = out.stderr.strip().splitlines()
+  assert out.returncode == 1 and len(lines) == 1, out.stderr[-2000:]
+  assert lines[0].startswith("fluxjax.train: ") and override.partition("=")[0] in lines[0]
 
 
 def test_each_config_and_variant_has_its_own_default_workdir():

@@ -5,13 +5,15 @@
   gradient: state bitwise unchanged, sharded or not;
 * finite but huge weights (1e8) give NaN logits: the coordinator's probe
   refuses to publish them, naming the RL step;
-* the engine samples nothing from non-finite logits and says so, and a
-  response whose logprobs are null or absent is an error naming why;
+* the engine samples nothing from non-finite logits and says so, in process
+  and over HTTP (the client raises the typed error again), and a response
+  whose logprobs are null or absent is an error naming why;
 * the main job at lr 1e8 stops with an error naming the step, before that
   step's weights are published or checkpointed.
 """
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -32,7 +34,8 @@ from fluxjax.rl import loop, metrics, reward_pool, trajectories
 from fluxjax.rollout import backend as backend_lib
 from fluxjax.rollout import embedded, sampling_params
 from fluxjax.rollout import engine as engine_lib
-from fluxjax.rollout.protocol import GenerateRequest
+from fluxjax.rollout.client import SGLangClient
+from fluxjax.rollout.protocol import GenerateRequest, NonFiniteLogits
 from fluxjax.settings import Settings
 from helpers import ScriptedRollout, completion, make_strategy, tiny_run_config
 
@@ -124,17 +127,19 @@ def test_the_engine_refuses_nonfinite_logits(model, steps):
       eng.update_params(nan, "v-nan")
 
   req = engine_lib.EngineRequest("r-decode", _seq(model.cfg), sp, on_event=swap_after_twelve)
-  with pytest.raises(engine_lib.NonFiniteLogits, match="weight version v-nan") as refused:
+  with pytest.raises(NonFiniteLogits, match="weight version v-nan") as refused:
     eng.generate([req])
   first_refused = 1 + steps * -(-11 // steps)
   assert refused.value.rid == "r-decode" and refused.value.token == first_refused
   assert len(req.output_ids) == first_refused and np.isfinite(req.output_logprobs).all()
   out = engine_lib.response(req, tok, eng.weight_version)
   assert out.finish_type == "abort" and "non-finite logits" in out.finish_reason["message"]
-  assert engine_lib.nonfinite_logits_version(RuntimeError(out.finish_reason["message"])) == "v-nan"
+  # The abort carries the refusal's fields, which the HTTP client raises again.
+  again = NonFiniteLogits.of(out)
+  assert (again.rid, again.weight_version, again.token) == ("r-decode", "v-nan", first_refused)
   # Finite weights of 1e8: the prompt's padded prefill gives NaN logits, refused.
   eng.update_params(nnx.split(_huge(model))[1], "v-huge")
-  with pytest.raises(engine_lib.NonFiniteLogits, match="'r-prefill' \\(output token 0\\)"):
+  with pytest.raises(NonFiniteLogits, match="'r-prefill' \\(output token 0\\)"):
     eng.generate([engine_lib.EngineRequest("r-prefill", _seq(model.cfg), sp)])
   # Good weights again: the slot serves in full (no NaN left in its cache).
   eng.update_params(nnx.split(model)[1], "v-good")
@@ -148,15 +153,40 @@ def test_the_embedded_backend_raises_the_refusal(model):
   rollout.engine.weight_version = "7"
   request = GenerateRequest.of([5, 6, 7, 8], {"max_new_tokens": 4}, rid="r1")
   try:
-    with pytest.raises(engine_lib.NonFiniteLogits, match="weight version 7") as refused:
+    with pytest.raises(NonFiniteLogits, match="weight version 7") as refused:
       asyncio.run(rollout.generate(request))
   finally:
     asyncio.run(rollout.close())
   try:
     raise RuntimeError("rollout round failed") from refused.value
   except RuntimeError as chained:
-    assert engine_lib.nonfinite_logits_version(chained) == "7"
-  assert engine_lib.nonfinite_logits_version(RuntimeError("an unrelated failure")) is None
+    assert NonFiniteLogits.among_causes(chained) is refused.value
+  assert NonFiniteLogits.among_causes(RuntimeError("an unrelated failure")) is None
+
+
+def test_the_http_client_raises_the_refusal_its_server_answered():
+  """A server's engine refused the request: its answer is an abort carrying
+  the refusal's fields, which the client reads once into the typed error; an
+  abort for another reason (a pause) stays a completion."""
+  refusal = NonFiniteLogits("r1", "7", 2)
+  answer = completion([5, 6], [-1.0, -2.0], version="7")
+  client = SGLangClient("http://127.0.0.1:1")
+
+  def answering(finish_reason):
+    body = dataclasses.replace(answer, rid="r1", finish_reason=finish_reason).to_body(True)
+
+    async def request(method, path, body_sent=None, timeout_s=None):
+      return 200, json.loads(json.dumps(body))
+
+    client.request = request
+
+  request = GenerateRequest.of([5, 6, 7, 8], {"max_new_tokens": 4}, rid="r1")
+  answering(refusal.finish_reason())
+  with pytest.raises(NonFiniteLogits, match="weight version 7") as e:
+    asyncio.run(client.generate(request))
+  assert (e.value.rid, e.value.weight_version, e.value.token) == ("r1", "7", 2)
+  answering({"type": "abort", "message": str(refusal), "status_code": None, "err_type": None})
+  assert asyncio.run(client.generate(request)).finish_type == "abort"
 
 
 def test_a_response_without_logprobs_names_why():

@@ -197,7 +197,7 @@ def test_embedded_backend_from_config_and_in_process_publish(model, tok):
   cfg = config_args.load_config().rollout
   cfg.backend, cfg.num_slots, cfg.context_length = "embedded", 4, 96
   cfg.num_continuous_decode_steps = 2
-  backend, launched = factory.make_backend(cfg, model=model, tokenizer=tok)
+  backend, launched = factory.make_backend(cfg, factory.BackendInputs(model=model, tokenizer=tok))
   assert launched is None and backend.engine.num_continuous_decode_steps == 2
   assert isinstance(backend, backend_lib.RolloutBackend)
   ids = [int(i) for i in text_seq(model.cfg, 8, 9).tokens_T]
@@ -229,8 +229,8 @@ def test_embedded_backend_from_config_and_in_process_publish(model, tok):
   assert slots[0].num_slots == 4
   assert slots[1].decode_steps - slots[0].decode_steps == 2 * -(-(len(before.output_ids) - 1) // 2)
   assert backend.metrics() == {}
-  with pytest.raises(ValueError, match="embedded or sglang"):
-    cfg.backend = "vllm"
+  cfg.backend = "vllm"
+  with pytest.raises(ValueError, match=r"unknown rollout.backend 'vllm'; choose one of \["):
     factory.make_backend(cfg)
 
 

@@ -19,9 +19,7 @@ from typing import Any
 
 from fluxjax.models import media as media_lib
 from fluxjax.models import processor
-
-# The loader's size budgets: defined with the decoders that enforce them.
-MediaLimits = media_lib.MediaLimits
+from fluxjax.settings import MediaLimits
 
 
 @dataclasses.dataclass(frozen=True)

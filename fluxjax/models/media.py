@@ -24,6 +24,7 @@ import PIL.Image
 import PIL.ImageOps
 
 from fluxjax.models import processor
+from fluxjax.settings import MediaLimits
 
 # EXIF orientations 5-8 rotate by 90 degrees, swapping height and width.
 _EXIF_ORIENTATION = 0x0112
@@ -79,35 +80,8 @@ def bad_file(path: str | os.PathLike, what: str) -> Iterator[None]:
     raise MediaError(path, f"cannot {what}: {type(e).__name__}: {e}") from e
 
 
-@dataclasses.dataclass(frozen=True)
-class MediaLimits:
-  """What a file may claim in its header; anything outside is a bad file.
-
-  Checked from header facts before any pixel buffer is allocated, by the
-  metadata probe (`fluxjax.data.meta.media_ref`) and again by every decode
-  (`load_image`, `load_video`), which may run where no probe did (a rollout
-  server decoding a request's media).
-
-  Attributes:
-    max_image_pixels: largest image (height * width). PIL refuses more than
-      2 * PIL.Image.MAX_IMAGE_PIXELS (about 179M) on its own, so a larger
-      value has no effect.
-    min_side: smallest side of an image or a video frame, in pixels.
-    max_video_frames: most frames in a video file; every frame up to the last
-      sampled one is decoded, so this bounds a decode's work.
-    max_frame_pixels: largest video frame (height * width).
-    max_sampled_video_pixels: most pixels of the frames a decode keeps
-      (sampled frames * height * width): the uint8 RGB array `load_video`
-      returns takes 3 bytes per pixel (6 GB at the default).
-  """
-
-  max_image_pixels: int = 64_000_000
-  min_side: int = 1
-  max_video_frames: int = 1_000_000
-  max_frame_pixels: int = 36_000_000  # 8K UHD (7680 x 4320) fits
-  max_sampled_video_pixels: int = 2_000_000_000
-
-
+# The size budgets every decode checks are the run's `data.limits` section
+# (settings.MediaLimits); a decode outside a run takes their defaults.
 DEFAULT_LIMITS = MediaLimits()
 
 

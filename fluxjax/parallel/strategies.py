@@ -219,18 +219,18 @@ def strategy_class(name: str) -> type[Strategy]:
   return STRATEGIES[name]
 
 
-def _buckets(cfg) -> tuple[int, ...]:
-  buckets = tuple(sorted(cfg.capacity_buckets))
-  if buckets and buckets[-1] != cfg.capacity:
+def _buckets(sharding) -> tuple[int, ...]:
+  buckets = tuple(sorted(sharding.capacity_buckets))
+  if buckets and buckets[-1] != sharding.capacity:
     raise ValueError(
       f"the largest of sharding.capacity_buckets {buckets} must equal "
-      f"sharding.capacity {cfg.capacity}"
+      f"sharding.capacity {sharding.capacity}"
     )
   return buckets
 
 
-def _sync(cfg) -> str:
-  mode = cfg.sync
+def _sync(sharding) -> str:
+  mode = sharding.sync
   if mode not in ("layer", "minibatch"):
     raise ValueError(f"sharding.sync must be 'layer' or 'minibatch', got {mode!r}")
   return mode
@@ -239,15 +239,15 @@ def _sync(cfg) -> str:
 AUTO = 0  # sharding.sp = 0: the largest degree that fits
 
 
-def _make(cls: type[Strategy], degree: int, cfg, model_cfg) -> Strategy:
+def _make(cls: type[Strategy], degree: int, sharding, model_cfg) -> Strategy:
   """The fields every strategy reads the same way from the sharding section."""
   return cls(
     degree,
-    cfg.capacity,
+    sharding.capacity,
     model_cfg,
-    _buckets(cfg),
-    _sync(cfg),
-    bool(cfg.balance_vision),
+    _buckets(sharding),
+    _sync(sharding),
+    sharding.balance_vision,
   )
 
 
@@ -261,29 +261,29 @@ def sp_choices(model_cfg: ModelConfig, room: int) -> tuple[int, ...]:
 
 
 def resolve_sp(
-  cfg: settings_lib.Sharding,
+  sharding: settings_lib.Sharding,
   model_cfg: ModelConfig,
   num_devices: int,
-  mesh_cfg: settings_lib.Mesh | None = None,
+  mesh: settings_lib.Mesh | None = None,
   max_auto: int | None = None,
 ) -> int:
-  """The sequence-parallel degree `cfg.sp` asks for on this mesh (module docstring).
+  """The sequence-parallel degree `sharding.sp` asks for on this mesh (module docstring).
 
   Args:
-    cfg: the `sharding` section; sp = 0 is auto.
+    sharding: the `sharding` section; sp = 0 is auto.
     model_cfg: the model (its query and kv heads bound the degree).
     num_devices: devices of the whole mesh.
-    mesh_cfg: the `mesh` section (data, fsdp); None = the default data 1, fsdp -1.
+    mesh: the `mesh` section (data, fsdp); None = the default data 1, fsdp -1.
     max_auto: the largest degree auto may pick (one host's devices); None = no cap.
 
   Raises:
     ValueError naming the flag to change and the values that fit.
   """
-  data, fsdp = (mesh_cfg.data, mesh_cfg.fsdp) if mesh_cfg is not None else (1, -1)
+  data, fsdp = (mesh.data, mesh.fsdp) if mesh is not None else (1, -1)
   room = mesh_lib.sp_room(num_devices, data, fsdp)
   fits = sp_choices(model_cfg, room)
   auto = max(p for p in fits if max_auto is None or p <= max(max_auto, 1))
-  sp = cfg.sp
+  sp = sharding.sp
   if sp == AUTO:
     return auto
   if sp in fits:
@@ -295,38 +295,38 @@ def resolve_sp(
   )
   hint = "" if fsdp == -1 else ", or --config.mesh.fsdp=-1 to leave sp the devices it needs"
   raise ValueError(
-    f"sharding.sp={sp} does not fit {cfg.strategy}: {reason}; set "
+    f"sharding.sp={sp} does not fit {sharding.strategy}: {reason}; set "
     f"--config.sharding.sp to one of {list(fits)}, or 0 (auto: {auto} here)"
     f"{hint}"
   )
 
 
 def get_strategy(
-  cfg: settings_lib.Sharding,
+  sharding: settings_lib.Sharding,
   model_cfg: ModelConfig,
-  mesh_cfg: settings_lib.Mesh | None = None,
+  mesh: settings_lib.Mesh | None = None,
   num_devices: int | None = None,
 ) -> Strategy:
-  """The strategy named by `cfg.strategy` (a `sharding` config section).
+  """The strategy named by `sharding.strategy` (a `sharding` config section).
 
   Args:
-    cfg: the `sharding` section.
+    sharding: the `sharding` section.
     model_cfg: the model config.
-    mesh_cfg: the `mesh` section; auto sp leaves room for mesh.data and
+    mesh: the `mesh` section; auto sp leaves room for mesh.data and
       mesh.fsdp. None = the default mesh (data 1, fsdp -1).
     num_devices: devices of the mesh; None = jax.device_count(). Auto sp is
       capped at jax.local_device_count() either way.
   """
-  cls = strategy_class(cfg.strategy)
-  if hasattr(cfg, "p_max"):  # a programmatic section (Settings.of refuses it too)
+  cls = strategy_class(sharding.strategy)
+  if hasattr(sharding, "p_max"):  # a programmatic section (Settings.of refuses it too)
     raise ValueError(
       "sharding.p_max is not a setting: flex_ulysses' largest degree is "
       "sharding.sp (e.g. --config.sharding.sp=8; 0 = auto)"
     )
   num_devices = jax.device_count() if num_devices is None else num_devices
   degree = (
-    resolve_sp(cfg, model_cfg, num_devices, mesh_cfg, jax.local_device_count())
+    resolve_sp(sharding, model_cfg, num_devices, mesh, jax.local_device_count())
     if cls.uses_sp
     else 1
   )
-  return _make(cls, degree, cfg, model_cfg)
+  return _make(cls, degree, sharding, model_cfg)

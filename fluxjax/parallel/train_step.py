@@ -48,32 +48,34 @@ class TrainState:
   step: jax.Array
 
 
-def make_optimizer(cfg: settings_lib.Optim) -> optax.GradientTransformation:
+def make_optimizer(optim: settings_lib.Optim) -> optax.GradientTransformation:
   """AdamW with global-norm clipping and `lr_schedule`'s learning rate."""
   return optax.chain(
-    optax.clip_by_global_norm(cfg.max_grad_norm),
-    optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay),
+    optax.clip_by_global_norm(optim.max_grad_norm),
+    optax.adamw(
+      lr_schedule(optim), b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay
+    ),
   )
 
 
-def lr_schedule(cfg: settings_lib.Optim) -> optax.Schedule:
+def lr_schedule(optim: settings_lib.Optim) -> optax.Schedule:
   """Updates done -> learning rate: warmup + cosine decay, times the
   piecewise-constant scales `lr_scales[i]` once `lr_scale_steps[i]` updates
   are done."""
-  if len(cfg.lr_scale_steps) != len(cfg.lr_scales):
+  if len(optim.lr_scale_steps) != len(optim.lr_scales):
     raise ValueError(
-      f"optim.lr_scale_steps {cfg.lr_scale_steps} and optim.lr_scales {cfg.lr_scales}: "
+      f"optim.lr_scale_steps {optim.lr_scale_steps} and optim.lr_scales {optim.lr_scales}: "
       "give one scale per step"
     )
   cosine = optax.warmup_cosine_decay_schedule(
     init_value=0.0,
-    peak_value=cfg.lr,
-    warmup_steps=cfg.warmup_steps,
-    decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1),
-    end_value=cfg.lr * cfg.end_lr_frac,
+    peak_value=optim.lr,
+    warmup_steps=optim.warmup_steps,
+    decay_steps=max(optim.total_steps, optim.warmup_steps + 1),
+    end_value=optim.lr * optim.end_lr_frac,
   )
   scale = optax.piecewise_constant_schedule(
-    1.0, dict(zip(map(int, cfg.lr_scale_steps), map(float, cfg.lr_scales), strict=True))
+    1.0, dict(zip(optim.lr_scale_steps, optim.lr_scales, strict=True))
   )
 
   def schedule(count):

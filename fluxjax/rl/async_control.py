@@ -117,7 +117,6 @@ Where this differs from the design, and why:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
@@ -182,43 +181,12 @@ def admission_gap(tags_T, launch_T, current_version: int) -> dict:
 # --- the staleness metric -----------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class StalenessMetric:
-  """How the three signals combine into one staleness in [0, 1] (Flux).
-
-  s = clip(kl_weight * kl / kl_normalizer
-           + iw_weight * log1p(iw_var) / iw_normalizer
-           + gap_weight * gap_mean / max_version_gap, 0, 1).
-  A normalizer is the value of its signal that counts as fully stale.
-  """
-
-  kl_weight: float
-  iw_weight: float
-  gap_weight: float
-  kl_normalizer: float
-  iw_normalizer: float
-  max_version_gap: float
-
-  def __post_init__(self):
-    if min(self.kl_weight, self.iw_weight, self.gap_weight) < 0:
-      raise ValueError("coordinator.lag staleness weights must be >= 0")
-    if min(self.kl_normalizer, self.iw_normalizer, self.max_version_gap) <= 0:
-      raise ValueError(
-        "coordinator.lag.kl_normalizer, iw_normalizer and max_version_gap must be > 0"
-      )
-
-  @classmethod
-  def from_config(cls, c: settings_lib.Lag) -> StalenessMetric:
-    """From the `coordinator.lag` section."""
-    return cls(**{f.name: float(getattr(c, f.name)) for f in dataclasses.fields(cls)})
-
-
 def staleness(
   behaviour_logp_T,
   current_logp_T,
   tags_T,
   current_version: int,
-  metric: StalenessMetric,
+  lag: settings_lib.Lag,
   mask_T=None,
 ) -> dict:
   """The staleness of a batch of tokens, with its parts.
@@ -232,7 +200,7 @@ def staleness(
     current_logp_T: logprobs of the same tokens under the current policy.
     tags_T: the policy version that generated each token.
     current_version: the trainer's version.
-    metric: the combination.
+    lag: the `coordinator.lag` section (the combination's weights).
     mask_T: which tokens count (response tokens); all if None.
 
   Returns:
@@ -252,7 +220,7 @@ def staleness(
     iw_var = float(np.var(rho))
   else:
     kl = iw_var = 0.0
-  return combine_staleness(gap["mean"], gap["max"], kl, iw_var, metric)
+  return combine_staleness(gap["mean"], gap["max"], kl, iw_var, lag)
 
 
 def combine_staleness(
@@ -260,16 +228,22 @@ def combine_staleness(
   gap_max: float,
   kl: float,
   iw_var: float,
-  metric: StalenessMetric,
+  lag: settings_lib.Lag,
 ) -> dict:
-  """The staleness from its three signals (already reduced over tokens).
+  """The staleness from its three signals (already reduced over tokens), in
+  [0, 1] as Flux combines them with `lag`'s weights and normalizers:
 
+    s = clip(kl_weight * kl / kl_normalizer
+             + iw_weight * log1p(iw_var) / iw_normalizer
+             + gap_weight * gap_mean / max_version_gap, 0, 1).
+
+  A normalizer is the value of its signal that counts as fully stale.
   The train step reduces KL and the weight moments on device (loss metrics
   `behaviour_kl`, `is_weight`, `is_weight_sq`), so the coordinator combines
   those here instead of fetching per-token arrays. A non-finite signal counts
   as 0 and a negative one (rounding in E[w^2] - E[w]^2) as 0.
   """
-  m = metric
+  m = lag
 
   def clean(x: float) -> float:
     return float(x) if math.isfinite(x) and x > 0 else 0.0
@@ -291,58 +265,28 @@ def combine_staleness(
 # --- the async controller -----------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class AdaptiveConfig:
-  """The adaptive controller's settings (`coordinator.lag`; the module docstring)."""
+def check_lag(lag: settings_lib.Lag) -> None:
+  """The `coordinator.lag` section's own rules, whatever its mode.
 
-  target_staleness: float
-  tolerance: float
-  hard_bound: float
-  min_async_ratio: float
-  max_async_ratio: float
-  initial_ratio: float
-  kp: float
-  ki: float
-  kd: float
-  max_step: float
-  ema_decay: float
-  sync_interval: int
-  min_lag: int
-  max_lag: int
-
-  def __post_init__(self):
-    if not 0 <= self.min_async_ratio <= self.initial_ratio <= self.max_async_ratio <= 1:
-      raise ValueError(
-        "coordinator.lag needs 0 <= min_async_ratio <= initial_ratio <= max_async_ratio <= 1"
-      )
-    if not 0 <= self.min_lag <= self.max_lag:
-      raise ValueError("coordinator.lag needs 0 <= min_lag <= max_lag")
-    if self.tolerance < 0 or self.hard_bound < self.target_staleness + self.tolerance:
-      raise ValueError("coordinator.lag needs tolerance >= 0 and hard_bound >= target + tolerance")
-    if min(self.kp, self.ki, self.kd) < 0 or self.max_step <= 0:
-      raise ValueError("coordinator.lag needs kp, ki, kd >= 0 and max_step > 0")
-    if not 0 <= self.ema_decay < 1 or self.sync_interval < 0:
-      raise ValueError("coordinator.lag needs 0 <= ema_decay < 1 and sync_interval >= 0")
-
-  @classmethod
-  def from_config(cls, c: settings_lib.Lag) -> AdaptiveConfig:
-    """From the `coordinator.lag` section."""
-    return cls(
-      target_staleness=float(c.target_staleness),
-      tolerance=float(c.tolerance),
-      hard_bound=float(c.hard_bound),
-      min_async_ratio=float(c.min_async_ratio),
-      max_async_ratio=float(c.max_async_ratio),
-      initial_ratio=float(c.initial_ratio),
-      kp=float(c.kp),
-      ki=float(c.ki),
-      kd=float(c.kd),
-      max_step=float(c.max_step),
-      ema_decay=float(c.ema_decay),
-      sync_interval=int(c.sync_interval),
-      min_lag=int(c.min_lag),
-      max_lag=int(c.max_lag),
+  Raises:
+    ValueError: a rule broken, naming its fields.
+  """
+  if not 0 <= lag.min_async_ratio <= lag.initial_ratio <= lag.max_async_ratio <= 1:
+    raise ValueError(
+      "coordinator.lag needs 0 <= min_async_ratio <= initial_ratio <= max_async_ratio <= 1"
     )
+  if not 0 <= lag.min_lag <= lag.max_lag:
+    raise ValueError("coordinator.lag needs 0 <= min_lag <= max_lag")
+  if lag.tolerance < 0 or lag.hard_bound < lag.target_staleness + lag.tolerance:
+    raise ValueError("coordinator.lag needs tolerance >= 0 and hard_bound >= target + tolerance")
+  if min(lag.kp, lag.ki, lag.kd) < 0 or lag.max_step <= 0:
+    raise ValueError("coordinator.lag needs kp, ki, kd >= 0 and max_step > 0")
+  if not 0 <= lag.ema_decay < 1 or lag.sync_interval < 0:
+    raise ValueError("coordinator.lag needs 0 <= ema_decay < 1 and sync_interval >= 0")
+  if min(lag.kl_weight, lag.iw_weight, lag.gap_weight) < 0:
+    raise ValueError("coordinator.lag staleness weights must be >= 0")
+  if min(lag.kl_normalizer, lag.iw_normalizer, lag.max_version_gap) <= 0:
+    raise ValueError("coordinator.lag.kl_normalizer, iw_normalizer and max_version_gap must be > 0")
 
 
 class AsyncController:
@@ -353,12 +297,15 @@ class AsyncController:
   barrier is due, and why. The barrier itself (holding the lag at 0 through
   a drain and while the EMA is above the hard bound) is the admission
   controller's. `track` moves the EMA alone (the other modes' metric).
+  Its settings are the `coordinator.lag` section's (`check_lag` holds them
+  to its rules).
   """
 
-  def __init__(self, cfg: AdaptiveConfig):
-    self.cfg = cfg
-    self.ratio = cfg.initial_ratio
-    self.ema = cfg.target_staleness
+  def __init__(self, lag: settings_lib.Lag):
+    check_lag(lag)
+    self.lag = lag
+    self.ratio = lag.initial_ratio
+    self.ema = lag.target_staleness
     self.integral = 0.0
     self.prev_error: float | None = None
     self.last_sync = 0  # the step of the last completed sync (training starts synced)
@@ -366,12 +313,12 @@ class AsyncController:
 
   @property
   def continuous_lag(self) -> float:
-    c = self.cfg
+    c = self.lag
     return c.min_lag + self.ratio * (c.max_lag - c.min_lag)
 
   def error(self) -> float:
     """target - ema."""
-    return self.cfg.target_staleness - self.ema
+    return self.lag.target_staleness - self.ema
 
   def track(self, staleness_value: float) -> float | None:
     """Folds one staleness into the EMA; returns it clipped to [0, 1]. A
@@ -380,17 +327,17 @@ class AsyncController:
     if not math.isfinite(staleness_value):
       return None
     s = min(max(float(staleness_value), 0.0), 1.0)
-    self.ema = self.cfg.ema_decay * self.ema + (1 - self.cfg.ema_decay) * s
+    self.ema = self.lag.ema_decay * self.ema + (1 - self.lag.ema_decay) * s
     return s
 
   @property
   def above_bound(self) -> bool:
     """The EMA is above the hard bound: no admission ahead of the trainer."""
-    return self.ema > self.cfg.hard_bound
+    return self.ema > self.lag.hard_bound
 
   def update(self, staleness_value: float) -> None:
     """One control step after a training step: the EMA and the ratio move."""
-    c = self.cfg
+    c = self.lag
     s = self.track(staleness_value)
     if s is not None:
       e = self.error()
@@ -403,14 +350,14 @@ class AsyncController:
     """The cause of a sync barrier due after training step `step`:
     "interval" (sync_interval steps since the last one), "hard_bound" (the
     EMA has just gone above it), or None."""
-    c = self.cfg
+    c = self.lag
     fire, self.bound_armed = self.above_bound and self.bound_armed, not self.above_bound
     if c.sync_interval > 0 and step - self.last_sync >= c.sync_interval:
       return "interval"
     return "hard_bound" if fire else None
 
   def _pid_step(self, e: float) -> None:
-    c = self.cfg
+    c = self.lag
     d = 0.0 if self.prev_error is None else e - self.prev_error
     self.prev_error = e
     if abs(e) <= c.tolerance:
@@ -508,14 +455,14 @@ class AdmissionController:
 
   @classmethod
   def from_config(
-    cls, c: settings_lib.Lag, batch_size: int, total_steps: int | None = None
+    cls, lag: settings_lib.Lag, batch_size: int, total_steps: int | None = None
   ) -> AdmissionController:
-    """From the `coordinator.lag` section (every field is read, in every mode)."""
+    """From the `coordinator.lag` section (held to its rules in every mode)."""
     return cls(
       batch_size,
-      c.mode,
-      fixed_lag=int(c.fixed_lag),
-      controller=AsyncController(AdaptiveConfig.from_config(c)),
+      lag.mode,
+      fixed_lag=lag.fixed_lag,
+      controller=AsyncController(lag),
       total_steps=total_steps,
     )
 
@@ -548,9 +495,9 @@ class AdmissionController:
       return 0
     if self.mode == "fixed":
       assert self.fixed_lag is not None
-      return int(self.fixed_lag)
+      return self.fixed_lag
     assert self.controller is not None
-    return math.ceil(self.controller.cfg.max_lag)
+    return math.ceil(self.controller.lag.max_lag)
 
   def capacity(self, current_step: int) -> int:
     """How many rollouts may start after `current_step` updates (never negative)."""

@@ -43,9 +43,8 @@ from fluxjax.rl import producer as producer_lib
 from fluxjax.rl import publisher as publisher_lib
 from fluxjax.rl.policy import Policy
 from fluxjax.rl.requests import Requests
-from fluxjax.rollout import engine as engine_lib
 from fluxjax.rollout.backend import LoopThread, RolloutBackend
-from fluxjax.rollout.protocol import Completion
+from fluxjax.rollout.protocol import Completion, NonFiniteLogits
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +126,10 @@ class Coordinator:
     self._lr = train_step.lr_schedule(settings.optim)
     # Every counted fault of the run (fluxjax/faults.py), checkpointed together.
     self.faults = faults_lib.Faults(settings.faults.limits())
-    self._P = int(settings.rl.prompts_per_step)
+    self._P = settings.rl.prompts_per_step
     self._producer = producer_lib.Producer.of(
       settings, rollout, reward_scheduler, loader, self._requests, self.faults, thread
     )
-    self._staleness_metric = async_control.StalenessMetric.from_config(settings.coordinator.lag)
     # The most versions a group may trail the policy it trains, queue time included.
     self._max_gap = self._producer.admission.max_gap
     self._publisher = publisher_lib.Publisher(policy, rollout, thread, self._producer, self.faults)
@@ -215,8 +213,8 @@ class Coordinator:
     the pending update as it arrives (rollout goes on meanwhile)."""
     t = time.perf_counter()
     rl = self._settings.rl
-    chunk = max(1, int(self._settings.coordinator.stream_groups) or math.ceil(self._P / 2))
-    batch = _Batch(refills=int(rl.max_refill_rounds) * self._P if rl.dynamic_sampling else 0)
+    chunk = max(1, self._settings.coordinator.stream_groups or math.ceil(self._P / 2))
+    batch = _Batch(refills=rl.max_refill_rounds * self._P if rl.dynamic_sampling else 0)
     pending: list[producer_lib.KeptGroup] = []
     while len(batch.kept) + batch.unrefilled < self._P:
       match self._next_item():
@@ -290,9 +288,9 @@ class Coordinator:
 
   def _rollout_failed(self, error: BaseException) -> Exception:
     """The error to stop on when the producer stopped on `error`."""
-    version = engine_lib.nonfinite_logits_version(error)
-    if version is not None:
-      return self._publisher.nonfinite_error(version, "the engine refused to sample")
+    refusal = NonFiniteLogits.among_causes(error)
+    if refusal is not None:
+      return self._publisher.nonfinite_error(refusal.weight_version, "the engine refused to sample")
     return RuntimeError("rollout failed")
 
   def sequences(self, groups: Sequence[trajectories.Group]) -> list[batch_lib.TrainSequence]:
@@ -375,7 +373,7 @@ class Coordinator:
       batch.admitted_gap["max"],
       train.get("behaviour_kl", 0.0),
       iw_var,
-      self._staleness_metric,
+      self._settings.coordinator.lag,
     )
     return stale, self._producer.observe(stale["staleness"], self._steps)
 
@@ -438,7 +436,7 @@ class Coordinator:
       raise RuntimeError("restore() after rollout started")
     self._publisher.restore(int(state["version"]))
     self._steps = int(state.get("steps", 0))
-    per_step = int(self._settings.rl.updates_per_batch)  # a checkpoint from before "updates"
+    per_step = self._settings.rl.updates_per_batch  # a checkpoint from before "updates"
     self._updates = int(state.get("updates", self._steps * per_step))
     self._filtered = int(state.get("filtered", 0))
     self.faults.set_state(state.get("faults", {}))

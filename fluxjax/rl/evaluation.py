@@ -87,7 +87,7 @@ class Evaluator:
   def evaluate(self, samples: Sequence[meta_lib.SampleMeta]) -> dict[str, float]:
     """`summarize` of the samples that fit the prompt budget, and how many did not."""
     samples, skipped = self._within_budget(samples)
-    sampled = self.sample(samples, int(self._eval.samples_per_prompt))
+    sampled = self.sample(samples, self._eval.samples_per_prompt)
     scores = self._correct(samples, sampled)
     reasoning = [[reward_fns.reasons(c.text) for c in cs] for cs in sampled]
     greedy = greedy_reasoning = None

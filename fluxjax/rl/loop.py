@@ -39,7 +39,6 @@ from fluxjax.data import store as store_lib
 from fluxjax.data import workers as workers_lib
 from fluxjax.models import config as model_config
 from fluxjax.models import hf_load, processor, sharded
-from fluxjax.models import media as media_lib
 from fluxjax.models import tokenizer as tokenizer_lib
 from fluxjax.parallel import multihost, strategies, train_step
 from fluxjax.rl import config_rules, reference, reward_pool, reward_spec, sft
@@ -254,7 +253,7 @@ def check_rewards(settings: settings_lib.Settings) -> None:
 
 
 def export_hf(
-  policy: worker_lib.PolicyWorker | worker_lib.LeaderWorker,
+  policy: worker_lib.PolicyWorker,
   path: str,
   tokenizer: tokenizer_lib.Tokenizer,
   proc: processor.VisionProcessorConfig,
@@ -287,8 +286,8 @@ class Built:
 
   Attributes:
     coordinator: the run's Coordinator.
-    policy: the policy worker the coordinator drives (a LeaderWorker in a
-      multi-controller run).
+    policy: the policy worker the coordinator drives (it leads the other
+      processes in a multi-controller run).
     loader: the training data (the coordinator's).
     train_rows: the rows it reads (the SFT warm-up's too).
     eval_rows: rows for evaluation.
@@ -298,7 +297,7 @@ class Built:
   """
 
   coordinator: coordinator_lib.Coordinator
-  policy: worker_lib.PolicyWorker | worker_lib.LeaderWorker
+  policy: worker_lib.PolicyWorker
   loader: pipeline.ShadowLoader
   train_rows: list[dict]
   eval_rows: list[dict]
@@ -405,22 +404,18 @@ def served_model(model: settings_lib.Model, cfg) -> fleet_lib.ServedModel:
   return fleet_lib.ServedModel.of(name, cfg)
 
 
-def media_limits(limits: settings_lib.Limits) -> media_lib.MediaLimits:
-  return media_lib.MediaLimits(**dataclasses.asdict(limits))
-
-
 def media_source(
   settings: settings_lib.Settings, stack: contextlib.ExitStack
 ) -> materializer_lib.Materializer:
   """A follower's pixels: its own store, filled by its own decoders on demand."""
   store = store_lib.MetaStore()
   stack.callback(store.close)
-  workers = max(1, int(settings.data.num_workers))
+  workers = max(1, settings.data.num_workers)
   pool = workers_lib.WorkerPool(
     workers,
     processor_config(settings.data.vision),
     store,
-    limits=media_limits(settings.data.limits),
+    limits=settings.data.limits,
   )
   stack.callback(pool.close)
   return materializer_lib.Materializer(store, pool)
@@ -448,10 +443,10 @@ def build(
     proc,
     num_workers=settings.data.num_workers,
     seed=settings.seed,
-    limits=media_limits(settings.data.limits),
+    limits=settings.data.limits,
   )
   stack.callback(loader.close)
-  worker = build_policy(
+  policy = build_policy(
     settings,
     workdir,
     stack,
@@ -459,26 +454,25 @@ def build(
     owns_media=False,
     validated=validated,
   )
-  policy: worker_lib.PolicyWorker | worker_lib.LeaderWorker = worker
   if jax.process_count() > 1:
-    policy = worker_lib.LeaderWorker(worker, multihost.Channel())
+    policy.lead(multihost.Channel())
   # Every backend call runs on this loop: a fleet's HTTP session belongs to it.
   thread = stack.enter_context(backend_lib.LoopThread("rollout"))
   engine_model = None
   if settings.rollout.backend == "embedded":  # the engine's own copy of the weights
-    engine_model = nnx.merge(worker.graphdef, policy.stage())
-  rollout, launched = factory.make_backend(
-    settings.rollout,
+    engine_model = nnx.merge(policy.graphdef, policy.stage())
+  inputs = factory.BackendInputs(
     launch=factory.launch_command(settings),
     model=engine_model,
     tokenizer=tokenizer,
     seed=settings.seed,
     proc_cfg=proc,
-    limits=media_limits(settings.data.limits),
+    limits=settings.data.limits,
     weights_root=publish_lib.weights_root(workdir),
     served_model=served_model(settings.model, validated.cfg),
     log_dir=os.path.join(workdir, "logs"),
   )
+  rollout, launched = factory.make_backend(settings.rollout, inputs)
   if launched is not None:
     stack.callback(launched.stop)
     log.info("launched rollout processes log to %s", os.path.join(workdir, "logs"))
@@ -569,11 +563,9 @@ def run(config, workdir: str, validated: Validated | None = None) -> dict:
     try:
       last, first = _loop(validated.settings, workdir, built, stack, preemption)
     except BaseException as e:
-      if isinstance(policy, worker_lib.LeaderWorker):
-        policy.abort(repr(e))
+      policy.abort(repr(e))  # the followers stop too (nothing with one process)
       raise
-    if isinstance(policy, worker_lib.LeaderWorker):
-      policy.stop()
+    policy.stop()
   # After the stack closed: the records are flushed, the checkpoints complete.
   summary_lib.report(
     workdir,
@@ -623,7 +615,7 @@ def _loop(
     num_workers=0,
     shuffle=False,
     num_epochs=1,
-    limits=media_limits(settings.data.limits),
+    limits=settings.data.limits,
   )
   stack.callback(eval_loader.close)
   eval_samples = eval_loader.next_batch()

@@ -1,6 +1,6 @@
 """PPO/GRPO token loss with decoupled importance correction and KL to a reference.
 
-`make_loss_fn(cfg.rl)` returns the `LossFn` the train step calls per
+`make_loss_fn(settings.rl)` returns the `LossFn` the train step calls per
 microbatch (fluxjax/parallel/train_step.py): `loss_fn(logp_BT, entropy_BT, mb) ->
 (per_token_loss_BT, {name: per-token metric [B, T]})`. The step multiplies
 both by `mb.loss_mask` and divides by the global sum of the mask, so every
@@ -103,25 +103,24 @@ def importance_weights(
   return w, over.astype(w.dtype)
 
 
-def make_loss_fn(cfg: settings_lib.RL) -> LossFn:
+def make_loss_fn(rl: settings_lib.RL) -> LossFn:
   """The PPO-clip / GRPO token loss for the train step (module docstring).
 
   Args:
-    cfg: the `rl` config section (configs/vlm.py); every field it reads must be set.
+    rl: the `rl` config section (configs/vlm.py); every field it reads must be set.
 
   Returns:
     loss_fn(logp_BT, entropy_BT, mb) -> (per-token loss, per-token metrics).
   """
-  clip_low, clip_high, clip_c = float(cfg.clip_low), float(cfg.clip_high), float(cfg.clip_c)
-  kl_coef, estimator = float(cfg.kl_coef), str(cfg.kl_estimator)
-  kl_clamp = float(cfg.kl_clamp)
-  is_cap, is_mode = float(cfg.is_cap), str(cfg.is_mode)
-  entropy_coef = float(cfg.entropy_coef)
-  prox_source = str(cfg.prox)
+  clip_low, clip_high, clip_c = rl.clip_low, rl.clip_high, rl.clip_c
+  kl_coef, estimator, kl_clamp = rl.kl_coef, rl.kl_estimator, rl.kl_clamp
+  is_cap, is_mode = rl.is_cap, rl.is_mode
+  entropy_coef = rl.entropy_coef
+  prox_source = rl.prox
   if prox_source not in PROX_SOURCES:
     raise ValueError(f"rl.prox must be one of {PROX_SOURCES}, got {prox_source!r}")
   # One update per batch: the policy being differentiated is pi_prox itself.
-  prox_is_logp = prox_source == "trainer" and int(cfg.updates_per_batch) == 1
+  prox_is_logp = prox_source == "trainer" and rl.updates_per_batch == 1
   if estimator not in KL_ESTIMATORS:
     raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
   if is_mode not in IS_MODES:

@@ -1,6 +1,6 @@
 """The run's policy as its users see it: typed seams, no implementation.
 
-The run's `PolicyWorker` (rl/worker.py; a `LeaderWorker` with several
+The run's `PolicyWorker` (rl/worker.py; leading the others with several
 processes) implements all of them; the coordinator drives a `Policy`, the
 SFT warm-up's trainer reads and replaces a `PolicyState`, and the warm-up
 runs its steps through `WarmUpOps` on every process.
@@ -68,7 +68,7 @@ class WarmUpOps(Protocol):
 
 
 class Policy(PolicyView, WarmUpOps, Protocol):
-  """The policy as the coordinator and the warm-up drive it (a PolicyWorker or a LeaderWorker)."""
+  """The policy as the coordinator and the warm-up drive it (the run's PolicyWorker)."""
 
   @property
   def state_shardings(self) -> train_step.TrainState: ...

@@ -169,18 +169,18 @@ class Producer:
   ) -> Producer:
     """The run's producer: its batcher (rollout.tail_batching) on a streamed
     epoch, its admission (coordinator.lag)."""
-    P = int(settings.rl.prompts_per_step)
+    P = settings.rl.prompts_per_step
     tail = settings.rollout.tail_batching
     batcher = tail_batching.TailBatcher(
       P,
-      int(settings.rl.responses_per_prompt),
-      float(tail.eta),
-      recycle=bool(tail.recycle),
-      continue_in=str(tail.continue_in),
+      settings.rl.responses_per_prompt,
+      tail.eta,
+      recycle=tail.recycle,
+      continue_in=tail.continue_in,
     )
     batcher.start_epoch([])  # a streamed epoch: topped up from the loader
     admission = async_control.AdmissionController.from_config(
-      settings.coordinator.lag, P, total_steps=int(settings.total_steps)
+      settings.coordinator.lag, P, total_steps=settings.total_steps
     )
     return cls(
       rollout,
@@ -190,7 +190,7 @@ class Producer:
       loader,
       requests,
       faults=faults,
-      request_retries=int(settings.faults.request_retries),
+      request_retries=settings.faults.request_retries,
       thread=thread,
     )
 

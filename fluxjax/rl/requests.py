@@ -85,9 +85,9 @@ class Requests:
     return cls(
       tokenizer,
       cfg,
-      int(rl.max_new_tokens),
-      float(rl.temperature),
-      int(settings.seed) if settings.rollout.seeded else None,
+      rl.max_new_tokens,
+      rl.temperature,
+      settings.seed if settings.rollout.seeded else None,
       config_rules.prompt_budget(settings, strategy),
     )
 

@@ -180,15 +180,15 @@ class RewardScheduler:
     self._thread.start()
 
   @classmethod
-  def from_config(cls, cfg: settings_lib.Reward) -> RewardScheduler:
+  def from_config(cls, reward: settings_lib.Reward) -> RewardScheduler:
     """From the `rl.reward` section of the run config (configs/vlm.py)."""
     return cls(
-      num_workers=cfg.num_workers,
-      fn=reward_spec.parse(cfg.fn, cfg.weights),
-      t_min=cfg.t_min,
-      t_max=cfg.t_max,
-      anchor_factor=cfg.anchor_factor,
-      correct_threshold=cfg.correct_threshold,
+      num_workers=reward.num_workers,
+      fn=reward_spec.parse(reward.fn, reward.weights),
+      t_min=reward.t_min,
+      t_max=reward.t_max,
+      anchor_factor=reward.anchor_factor,
+      correct_threshold=reward.correct_threshold,
     )
 
   # --- public API ---------------------------------------------------------

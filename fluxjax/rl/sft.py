@@ -47,7 +47,6 @@ from fluxjax import settings as settings_lib
 from fluxjax.data import materializer as materializer_lib
 from fluxjax.data import meta as meta_lib
 from fluxjax.data import pipeline, visual_tasks
-from fluxjax.models import media as media_lib
 from fluxjax.models.inputs import SequenceInputs
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import batch as batch_lib
@@ -85,20 +84,20 @@ def nll_loss(logp, entropy, mb: batch_lib.TrainBatch):
   return -logp, {"entropy": entropy}
 
 
-def runs(s: settings_lib.SFT, total_steps: int) -> bool:
+def runs(sft: settings_lib.SFT, total_steps: int) -> bool:
   """Whether a fresh run warms up: enabled, with steps, and RL steps to warm
   up for or a base to export."""
-  return bool(s.enabled and s.steps and (total_steps > 0 or s.export_dir))
+  return bool(sft.enabled and sft.steps and (total_steps > 0 or sft.export_dir))
 
 
-def optimizer_config(optim: settings_lib.Optim, s: settings_lib.SFT) -> settings_lib.Optim:
+def optimizer_config(optim: settings_lib.Optim, sft: settings_lib.SFT) -> settings_lib.Optim:
   """The RL `optim` with the warm-up's lr and schedule (clipping, betas shared)."""
   return dataclasses.replace(
     optim,
-    lr=s.lr,
-    warmup_steps=s.warmup_steps,
-    total_steps=s.steps,
-    end_lr_frac=s.end_lr_frac,
+    lr=sft.lr,
+    warmup_steps=sft.warmup_steps,
+    total_steps=sft.steps,
+    end_lr_frac=sft.end_lr_frac,
     weight_decay=0.0,
     lr_scale_steps=(),
     lr_scales=(),
@@ -274,28 +273,28 @@ def warm_up(
     evaluate: held-out metrics of the rollout engine's current policy
       (`Coordinator.evaluate`).
   """
-  s = settings.sft
-  first = -int(s.steps)
+  sft = settings.sft
+  first = -sft.steps
   # Its own loader, store and Materializer rather than coord.patch_source:
   # releasing warm-up media from the RL loader's store would evict the RL
   # batches that loader has already prefetched (the same files).
   loader = pipeline.ShadowLoader(
-    warm_up_rows(train_rows, s.levels),
-    s.batch_size,
+    warm_up_rows(train_rows, sft.levels),
+    sft.batch_size,
     proc,
     num_workers=max(1, settings.data.num_workers),
     seed=settings.seed + 1,
-    limits=media_lib.MediaLimits(**dataclasses.asdict(settings.data.limits)),
+    limits=settings.data.limits,
   )
   source = materializer_lib.Materializer(loader.store, loader.pool)
   policy = coord.policy
   done, summary = _begin(policy, source, loader, writer, first, evaluate)
   log.info(
     "SFT warm-up: %d steps of %d samples (levels %s), lr %g; %s",
-    s.steps,
-    s.batch_size,
-    ", ".join(s.levels) or "all",
-    s.lr,
+    sft.steps,
+    sft.batch_size,
+    ", ".join(sft.levels) or "all",
+    sft.lr,
     f"resumed after step {done}" if done else f"accuracy before {summary['eval/accuracy']:.3f}",
   )
   delayed = train_step.DelayedMetrics()
@@ -318,25 +317,25 @@ def warm_up(
           "sft/nonfinite": m["nonfinite"],
         },
       )
-      if k == 1 or k % 10 == 0 or k == s.steps:
-        log.info("SFT step %d/%d | loss %.4g", k, s.steps, m["loss"])
+      if k == 1 or k % 10 == 0 or k == sft.steps:
+        log.info("SFT step %d/%d | loss %.4g", k, sft.steps, m["loss"])
 
   try:
-    for k in range(done + 1, s.steps + 1):
+    for k in range(done + 1, sft.steps + 1):
       samples = loader.next_batch()
       batch_ids[k] = [x.id for x in samples]
-      metrics = policy.sft_train(sequences(samples, coord, s.chain_fraction))
+      metrics = policy.sft_train(sequences(samples, coord, sft.chain_fraction))
       loader.release(samples)  # the store's copies of this batch's media
       record(delayed.push(k, metrics))
-      stopping = bool(s.checkpoint_every and stop() and k < s.steps)
-      if s.checkpoint_every and (k % s.checkpoint_every == 0 or stopping) and k < s.steps:
+      stopping = bool(sft.checkpoint_every and stop() and k < sft.steps)
+      if sft.checkpoint_every and (k % sft.checkpoint_every == 0 or stopping) and k < sft.steps:
         record(delayed.flush())  # its records are on disk before the checkpoint
         policy.sft_save(k, loader.get_state())
       if stopping:
         policy.sft_end()  # the checkpoint is written
         log.warning("preempted: the warm-up stopped after step %d, checkpointed", k)
         return {"sft/stopped_after": float(first + k)}
-      if s.eval_every and k % s.eval_every == 0 and k < s.steps:
+      if sft.eval_every and k % sft.eval_every == 0 and k < sft.steps:
         policy.sft_finish(copy=True)  # the loop evaluates the final one at step 0
         coord.publish()
         writer.write(first + k, evaluate())

@@ -5,28 +5,15 @@ the leader) decides: which prompts, which responses, which groups make a part
 of the batch, when to update, publish and save. The policy worker computes:
 it owns the train state, the stream trainer, the SFT warm-up's trainer, the
 reference model and the checkpointer, and runs their jitted programs on the
-global mesh. Its methods are the ops:
-
-  add(seqs)             a part of the batch: planned from lengths, local
-                        rows materialized, gradients accumulated
-  apply()               the optimizer update(s) of the batch
-  stage(version)        a copy of the weights for the rollout backend
-  publish_part(version) a follower's part in publishing them to a fleet
-  publish_gather(n)     the next n gathers of a deferred publish's part
-  restore(step)         the train state of a checkpoint (or none)
-  save(step, ...)       a checkpoint
-  set_reference(fresh)  the KL term's reference model
-  sft_begin / sft_train(seqs) / sft_save(step, data) / sft_finish(copy) /
-  sft_end               the warm-up (resumed from its own checkpoints)
-  export(path, files)   the policy as an HF folder
+global mesh. Its methods marked `op` are the ops, and `OPS` is their table.
 
 In a one-process run the coordinator calls the worker directly. In a
 multi-controller run (parallel/multihost.py) every process has a worker: the
-leader's coordinator holds a `LeaderWorker`, which sends each op on the
-channel and then runs it, and every other process runs `serve`, which runs
-the ops it receives, in order, on its own worker. All processes thus launch
-the same global programs in the same order; each materializes only its own
-devices' rows, decoding their media itself.
+leader's worker leads (`PolicyWorker.lead`): it sends each op on the channel
+and then runs it, and every other process runs `serve`, which runs the ops it
+receives, in order, on its own worker. All processes thus launch the same
+global programs in the same order; each materializes only its own devices'
+rows, decoding their media itself.
 
 Every op is issued from the main thread of each process: a program on the
 global mesh launched from another thread (the rollout loop) could interleave
@@ -36,9 +23,12 @@ differently on different processes and deadlock their collectives.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import logging
 import os
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast, overload
 
 import jax
 from flax import nnx
@@ -58,6 +48,83 @@ from fluxjax.rollout import publish as publish_lib
 from fluxjax.rollout import tensor_feed
 
 log = logging.getLogger(__name__)
+
+STOP, ABORT = "stop", "abort"  # the leader's last word to its followers: not ops
+
+# (worker, a call's arguments) -> (the op its followers run, that op's arguments).
+Message = Callable[..., tuple[str, tuple]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  """A PolicyWorker method that every process runs, in the leader's order.
+
+  Attributes:
+    name: the method, which followers run under this name.
+    message: what a leading worker sends for a call: by default the call's
+      own arguments, bound in the method's order.
+  """
+
+  name: str
+  message: Message
+
+
+# The ops by name (`op`): what a leading worker sends, and what `serve` runs.
+OPS: dict[str, Op] = {}
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+@overload
+def op(method: _Method) -> _Method: ...
+
+
+@overload
+def op(*, message: Message) -> Callable[[_Method], _Method]: ...
+
+
+def op(method=None, *, message=None):
+  """Method decorator: makes a PolicyWorker method an op (`OPS`). A leading
+  worker sends each call to its followers, then runs it. `message` replaces
+  what is sent (an argument only the leader has, or another op for the
+  followers). An op calls no other op on the leader."""
+
+  def register(body):
+    signature = inspect.signature(body)
+
+    def own_arguments(worker: PolicyWorker, *args, **kwargs) -> tuple[str, tuple]:
+      bound = signature.bind(worker, *args, **kwargs)
+      bound.apply_defaults()
+      return body.__name__, bound.args[1:]
+
+    spec = OPS[body.__name__] = Op(body.__name__, message or own_arguments)
+
+    @functools.wraps(body)
+    def run(worker: PolicyWorker, *args, **kwargs):
+      if worker._channel is not None:
+        name, sent = spec.message(worker, *args, **kwargs)
+        worker._last_sent = worker._channel.send(name, *sent)
+      return body(worker, *args, **kwargs)
+
+    return cast(_Method, run)
+
+  return register if method is None else register(method)
+
+
+def _stage_message(worker: PolicyWorker, version: int | None = None) -> tuple[str, tuple]:
+  """With a fleet, the followers' op is their part in publishing `version`
+  (`PolicyWorker.publish_part`)."""
+  if worker.settings.rollout.backend == "embedded":
+    return "stage", ()
+  if version is None:
+    raise ValueError("a fleet publish needs the version it publishes")
+  return "publish_part", (version,)
+
+
+def _sft_begin_message(worker: PolicyWorker, patch_source=None) -> tuple[str, tuple]:
+  """The leader's `patch_source` stays its own: followers read pixels from their own store."""
+  del worker, patch_source
+  return "sft_begin", ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,17 +208,20 @@ class PolicyWorker:
       tx,
       losses.make_loss_fn(settings.rl),
       patch_source=self._read_patches,
-      temperature=float(settings.rl.temperature),
-      updates_per_batch=int(settings.rl.updates_per_batch),
+      temperature=settings.rl.temperature,
+      updates_per_batch=settings.rl.updates_per_batch,
       loss_normalizer=adv_lib.loss_normalizer(
         settings.rl.loss_agg_mode, responses_per_step, settings.rl.max_new_tokens
       ),
       sequence_slots=responses_per_step if settings.coordinator.response_records else 0,
     )
-    self.ckpt = checkpoint_lib.Checkpointer(workdir, save_every=int(settings.checkpoint.every))
-    self.rng = jax.random.key(int(settings.seed))
+    self.ckpt = checkpoint_lib.Checkpointer(workdir, save_every=settings.checkpoint.every)
+    self.rng = jax.random.key(settings.seed)
     self._sft: sft.Trainer | None = None
     self._sft_ckpt: checkpoint_lib.Checkpointer | None = None
+    # Where a leading worker sends its ops (`lead`), and the number of the last one sent.
+    self._channel: multihost.Channel | None = None
+    self._last_sent = -1
 
   # -- read-only views -------------------------------------------------------
   @property
@@ -192,6 +262,22 @@ class PolicyWorker:
     self._patch_source.release(self._read)
     self._read = []
 
+  # -- leading (the leader of a multi-controller run) ------------------------
+  def lead(self, channel: multihost.Channel) -> None:
+    """Makes this worker the leader's: from now on each op is sent on
+    `channel` to every follower's `serve`, then run here."""
+    self._channel = channel
+
+  def stop(self) -> None:
+    """Ends every follower's `serve` (the run's last word to them)."""
+    if self._channel is not None:
+      self._channel.send(STOP)
+
+  def abort(self, reason: str) -> None:
+    """Ends every follower's `serve` with an error (the leader failed)."""
+    if self._channel is not None:
+      self._channel.send(ABORT, reason)
+
   # -- local (not ops: every process calls them itself, inside an op) --------
   def load_params(self, params: nnx.State) -> None:
     """Makes `params` the policy's parameters; optimizer state and step stay."""
@@ -206,15 +292,22 @@ class PolicyWorker:
     return self.ckpt.latest_step()
 
   # -- ops -------------------------------------------------------------------
+  @op
   def add(self, seqs: Sequence[batch_lib.TrainSequence]) -> None:
     """Adds a part's gradients (dispatched; returns before they finish)."""
     self._trainer.add(seqs)
 
+  @op
   def apply(self) -> dict:
     """The batch's update(s); returns device metrics (replicated scalars)."""
     self._check_gathered()
     metrics = self._trainer.apply()
     self._release_media()
+    if self._channel is not None:
+      # The update is a collective every follower has joined: they have read
+      # every op up to it.
+      metrics = jax.block_until_ready(metrics)
+      self._channel.forget_through(self._last_sent)
     return metrics
 
   def _check_gathered(self) -> None:
@@ -225,6 +318,7 @@ class PolicyWorker:
         f"the update came {self._publishing.remaining} gathers before the end of a deferred publish"
       )
 
+  @op(message=_stage_message)
   def stage(self, version: int | None = None) -> nnx.State | None:
     """The parameters for the rollout backend.
 
@@ -233,7 +327,7 @@ class PolicyWorker:
     training mesh without `rollout_shardings`, otherwise placed on the
     leader's devices (gathered across processes in a multi-controller run;
     None on the other processes). `version` (what the copy is published as)
-    matters only to a `LeaderWorker`'s followers.
+    matters only to a leading worker's followers (`_stage_message`).
     """
     del version
     params = self._trainer.state.params
@@ -247,6 +341,7 @@ class PolicyWorker:
       return jax.device_put(params, self._rollout_shardings, may_alias=False)
     return multihost.gather_to_leader(params, self._rollout_shardings)
 
+  @op
   def publish_part(self, version: int) -> None:
     """A follower's part in publishing weight `version` to a fleet.
 
@@ -268,6 +363,7 @@ class PolicyWorker:
       model, r.weight_sync, root, version, r.weight_deltas, r.defer_updates
     )
 
+  @op
   def publish_gather(self, n: int) -> None:
     """Runs the next `n` gathers of the deferred publish in progress."""
     if self._publishing is None:
@@ -277,8 +373,13 @@ class PolicyWorker:
       self._publishing = None
 
   def announce_gathers(self, n: int) -> None:
-    """One process: no other runs the gathers of its deferred publish."""
+    """Has every follower run its next `n` gathers (`publish_gather`) of the
+    deferred publish whose feed this process runs (`PublishReport.feed`);
+    nothing when it leads no other."""
+    if self._channel is not None:
+      self._channel.send("publish_gather", n)
 
+  @op
   def restore(self, step: int | None) -> Restored | None:
     """Loads checkpoint `step`'s train state (None: a fresh run, nothing to load)."""
     if step is None:
@@ -289,10 +390,12 @@ class PolicyWorker:
     self._trainer.load_state(train_state)
     return Restored(first, coord_state, data_state)
 
+  @op
   def save(self, step: int, coordinator: dict, data: dict, force: bool = False) -> bool:
     """Queues checkpoint `step` (every process writes its own shards)."""
     return self.ckpt.save(step, self._trainer.state, self.rng, coordinator, data, force=force)
 
+  @op
   def set_reference(self, fresh: bool) -> None:
     """Loads (or, on a fresh run, copies) the KL term's reference model."""
     self._trainer.set_reference(
@@ -307,6 +410,7 @@ class PolicyWorker:
       )
     )
 
+  @op(message=_sft_begin_message)
   def sft_begin(self, patch_source: Callable | None = None) -> tuple[int, dict] | None:
     """Starts the warm-up's trainer (pixels from `patch_source`, default this
     worker's); with `sft.checkpoint_every`, from its latest checkpoint under
@@ -322,12 +426,14 @@ class PolicyWorker:
     )
     return self._sft.restore(self._sft_ckpt)
 
+  @op
   def sft_save(self, step: int, data: dict) -> None:
     """Queues warm-up checkpoint `step` (with `data`, the loader's state)."""
     if self._sft is None or self._sft_ckpt is None:
       raise RuntimeError("sft_save() without a warm-up checkpointer (sft.checkpoint_every)")
     self._sft.save(self._sft_ckpt, step, data)
 
+  @op
   def sft_train(self, seqs: Sequence[batch_lib.TrainSequence]) -> dict:
     """One warm-up step; returns its device metrics."""
     if self._sft is None:
@@ -337,12 +443,14 @@ class PolicyWorker:
       self._release_media()
     return metrics
 
+  @op
   def sft_finish(self, copy: bool = False) -> None:
     """Hands the warmed-up parameters to the policy (see `sft.Trainer.finish`)."""
     if self._sft is None:
       raise RuntimeError("sft_finish() before sft_begin()")
     self._sft.finish(copy=copy)
 
+  @op
   def sft_end(self) -> None:
     """Drops the warm-up's trainer and its optimizer state (its checkpoints
     written first)."""
@@ -351,6 +459,7 @@ class PolicyWorker:
       self._sft_ckpt.close()
       self._sft_ckpt = None
 
+  @op
   def export(self, path: str, files: dict[str, bytes], dtype: str = "float32") -> None:
     """Writes the policy's parameters as an HF folder at `path` in `dtype`,
     with `files` (tokenizer.json, ...) beside them; every process takes part."""
@@ -372,131 +481,6 @@ class PolicyWorker:
       log.warning("not waiting for checkpoint writes after a failure")
       return
     self.close()
-
-
-class LeaderWorker:
-  """The leader's worker in a multi-controller run: each op is sent, then run.
-
-  The followers run the same op from `serve`, in the order it was sent.
-
-  Args:
-    worker: the leader's own PolicyWorker.
-    channel: the op stream to the other processes.
-  """
-
-  def __init__(self, worker: PolicyWorker, channel: multihost.Channel):
-    self.worker = worker
-    self.channel = channel
-
-  cfg = property(lambda self: self.worker.cfg)
-  mesh = property(lambda self: self.worker.mesh)
-  strategy = property(lambda self: self.worker.strategy)
-  graphdef = property(lambda self: self.worker.graphdef)
-  state = property(lambda self: self.worker.state)
-  state_shardings = property(lambda self: self.worker.state_shardings)
-  patch_source = property(lambda self: self.worker.patch_source)
-
-  def should_save(self, step: int) -> bool:
-    return self.worker.should_save(step)
-
-  def latest_step(self) -> int | None:
-    return self.worker.latest_step()
-
-  def add(self, seqs: Sequence[batch_lib.TrainSequence]) -> None:
-    self.channel.send("add", list(seqs))
-    self.worker.add(seqs)
-
-  def apply(self) -> dict:
-    n = self.channel.send("apply")
-    metrics = jax.block_until_ready(self.worker.apply())
-    # The update is a collective every follower has joined: they have read
-    # every op up to it.
-    self.channel.forget_through(n)
-    return metrics
-
-  def stage(self, version: int | None = None) -> nnx.State | None:
-    """Sends the op, then stages: with a fleet, the followers' op is their
-    part in publishing `version` (`PolicyWorker.publish_part`)."""
-    if self.worker.settings.rollout.backend == "embedded":
-      self.channel.send("stage")
-    elif version is None:
-      raise ValueError("a fleet publish needs the version it publishes")
-    else:
-      self.channel.send("publish_part", version)
-    return self.worker.stage()
-
-  def announce_gathers(self, n: int) -> None:
-    """Has every follower run its next `n` gathers (`publish_gather`); the
-    leader's own feed its publish (`PublishReport.feed`)."""
-    self.channel.send("publish_gather", n)
-
-  def restore(self, step: int | None) -> Restored | None:
-    self.channel.send("restore", step)
-    return self.worker.restore(step)
-
-  def save(self, step: int, coordinator: dict, data: dict, force: bool = False) -> bool:
-    self.channel.send("save", step, coordinator, data, force)
-    return self.worker.save(step, coordinator, data, force)
-
-  def set_reference(self, fresh: bool) -> None:
-    self.channel.send("set_reference", fresh)
-    self.worker.set_reference(fresh)
-
-  def sft_begin(self, patch_source: Callable | None = None) -> tuple[int, dict] | None:
-    self.channel.send("sft_begin")  # followers read pixels from their own store
-    return self.worker.sft_begin(patch_source)
-
-  def sft_save(self, step: int, data: dict) -> None:
-    self.channel.send("sft_save", step, data)
-    self.worker.sft_save(step, data)
-
-  def sft_train(self, seqs: Sequence[batch_lib.TrainSequence]) -> dict:
-    self.channel.send("sft_train", list(seqs))
-    return self.worker.sft_train(seqs)
-
-  def sft_finish(self, copy: bool = False) -> None:
-    self.channel.send("sft_finish", copy)
-    self.worker.sft_finish(copy)
-
-  def sft_end(self) -> None:
-    self.channel.send("sft_end")
-    self.worker.sft_end()
-
-  def export(self, path: str, files: dict[str, bytes], dtype: str = "float32") -> None:
-    self.channel.send("export", path, files, dtype)
-    self.worker.export(path, files, dtype)
-
-  def stop(self) -> None:
-    """Ends every follower's `serve` (a run's last op)."""
-    self.channel.send(STOP)
-
-  def abort(self, reason: str) -> None:
-    """Ends every follower's `serve` with an error (the leader failed)."""
-    self.channel.send(ABORT, reason)
-
-  def close(self) -> None:
-    self.worker.close()
-
-
-STOP, ABORT = "stop", "abort"
-OPS = frozenset(
-  {
-    "add",
-    "apply",
-    "stage",
-    "publish_part",
-    "publish_gather",
-    "restore",
-    "save",
-    "set_reference",
-    "sft_begin",
-    "sft_train",
-    "sft_save",
-    "sft_finish",
-    "sft_end",
-    "export",
-  }
-)
 
 
 class LeaderFailed(RuntimeError):

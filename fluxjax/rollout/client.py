@@ -2,7 +2,9 @@
 
 Errors are split by what the caller should do about them:
   RequestRejected  the server answered 400: the request is bad, do not retry;
-  ServerUnavailable  connection refused/reset, timeout, 5xx: try another server.
+  ServerUnavailable  connection refused/reset, timeout, 5xx: try another server;
+  NonFiniteLogits  the served weights are broken (the abort that says so is
+                   read here, once, into the typed error).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from fluxjax.rollout.protocol import Completion, GenerateRequest
+from fluxjax.rollout.protocol import Completion, GenerateRequest, NonFiniteLogits
 from fluxjax.rollout.weight_protocol import DistributedUpdate, InitWeightsGroup
 
 
@@ -59,6 +61,14 @@ def _json_request(body: Any) -> dict[str, Any]:
     "headers": {"Content-Type": "application/json"},
     "expect100": len(payload) > EXPECT_CONTINUE_BYTES,
   }
+
+
+def _unless_refused(completion: Completion) -> Completion:
+  """`completion`, unless it is a refusal for non-finite logits: that is raised."""
+  refusal = NonFiniteLogits.of(completion)
+  if refusal is not None:
+    raise refusal
+  return completion
 
 
 class SGLangClient:
@@ -107,13 +117,14 @@ class SGLangClient:
     status, data = await self.request("POST", "/generate", {**request.to_body(), "stream": False})
     if status != 200:
       raise RequestRejected(f"{self.url}/generate: HTTP {status}")
-    return Completion.from_body(data, self.url)
+    return _unless_refused(Completion.from_body(data, self.url))
 
   async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[Completion]:
     """Yields SGLang's cumulative SSE chunks (the last has a finish_reason).
 
     Raises:
       ServerUnavailable: the server reported an error mid-stream.
+      NonFiniteLogits: the served weights gave non-finite logits for it.
     """
     session = await self.session()
     body = {**request.to_body(), "stream": True}
@@ -139,7 +150,7 @@ class SGLangClient:
           chunk = json.loads(payload)
           if "error" in chunk:
             raise ServerUnavailable(f"{self.url}/generate: {chunk['error'].get('message')}")
-          yield Completion.from_body(chunk, self.url)
+          yield _unless_refused(Completion.from_body(chunk, self.url))
     except _CONNECTION_ERRORS as e:
       raise ServerUnavailable(f"{self.url}/generate: {type(e).__name__}: {e}") from e
 

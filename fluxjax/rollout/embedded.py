@@ -56,7 +56,7 @@ class EmbeddedRollout:
     self.engine.start()
 
   async def generate(self, request: GenerateRequest, group: str | None = None) -> Completion:
-    """The request's completion; raises `engine.NonFiniteLogits` if the weights
+    """The request's completion; raises `protocol.NonFiniteLogits` if the weights
     gave non-finite logits for it (a broken policy, not a refused request)."""
     del group  # one engine: every group shares it
     loop = asyncio.get_running_loop()

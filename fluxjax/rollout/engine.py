@@ -13,8 +13,8 @@ tokens are paid once per call, not per token; in exchange a request that
 stops inside a call (EOS, a stop string) holds its slot to the call's end,
 and requests join between calls only. Per-slot sampling parameters
 are arrays (rollout/sampling.py). A slot whose logits are non-finite samples
-nothing: its request finishes as an abort that names the weight version
-(`NonFiniteLogits`, which `generate` and the embedded backend raise).
+nothing: its request finishes as an abort that carries a `NonFiniteLogits`
+(protocol.py), which `generate`, the embedded backend and the HTTP client raise.
 
 The engine is thread-safe: `submit`, `abort`, `pause`, `resume` and
 `update_params` may be called from any thread while `run_forever` steps in a
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import threading
 import time
 from collections import deque
@@ -44,49 +43,11 @@ from fluxjax.models.inputs import SequenceInputs
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import protocol, sampling
 from fluxjax.rollout.json_body import ProtocolError
+from fluxjax.rollout.protocol import NonFiniteLogits
 from fluxjax.rollout.sampling_params import SamplingParams
 from fluxjax.sharding import rules
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteLogits(RuntimeError):
-  """The served weights gave non-finite logits for a request: nothing was sampled.
-
-  Attributes:
-    rid: the request.
-    weight_version: the weights that gave them.
-    token: the index of the output token that was to be sampled.
-  """
-
-  def __init__(self, rid: str, weight_version: str, token: int):
-    super().__init__(
-      f"non-finite logits from weight version {weight_version} for request {rid!r}"
-      f" (output token {token}): the engine samples nothing from them, so those"
-      " weights are unusable"
-    )
-    self.rid, self.weight_version, self.token = rid, weight_version, token
-
-
-_NONFINITE_RE = re.compile(r"non-finite logits from weight version (\S+) for request")
-
-
-def nonfinite_logits_version(exc: BaseException | None) -> str | None:
-  """The weight version a `NonFiniteLogits` in `exc`'s chain names, else None.
-
-  Over HTTP the refusal arrives as an abort whose message is the error's, so
-  an exception quoting that message counts too.
-  """
-  seen: set[int] = set()
-  while exc is not None and id(exc) not in seen:
-    seen.add(id(exc))
-    if isinstance(exc, NonFiniteLogits):
-      return exc.weight_version
-    match = _NONFINITE_RE.search(str(exc))
-    if match:
-      return match.group(1)
-    exc = exc.__cause__ or exc.__context__
-  return None
 
 
 @dataclasses.dataclass(eq=False)
@@ -670,7 +631,7 @@ class Engine:
       self._slots[req.slot] = None
       self._tokens_S[req.slot] = 0
       self._lengths_S[req.slot] = 0
-      self._finish(req, protocol.finish_abort(str(req.error)))
+      self._finish(req, req.error.finish_reason())
 
   def _finish_reason(self, req: EngineRequest) -> dict | None:
     """SGLang's `check_finished` order: length, then stop token, then stop string."""

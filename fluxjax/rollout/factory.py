@@ -1,34 +1,24 @@
 """The rollout backend a run config's `rollout` section names.
 
-backend = "embedded"  the JAX engine in this process (rollout/embedded.py),
-                      serving the trainer's model;
-backend = "sglang"    a `Fleet` of servers speaking SGLang's native API:
-                      `urls` of running servers, or `launch` (a command
-                      such as ["python", "-m", "sglang.launch_server",
-                      "--model-path", M], given --port; `OWN_SERVER` is
-                      `python -m fluxjax.rollout.server` serving the run's
-                      model) started `num_servers` times. With `router_url` (a running
-                      SGLang router) or `router_launch` (a router command,
-                      given --worker-urls and --port), a `RoutedFleet`:
-                      generation through the router, weight updates to
-                      each worker.
+`rollout.backend` names a registered backend (`BACKENDS`): each checks its
+section before any model is built and then builds its `RolloutBackend`, with
+the servers it launched. How its weights reach a fleet, `rollout.weight_sync`,
+names a registered transport (`publish.WEIGHT_TRANSPORTS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from fluxjax import settings as settings_lib
 from fluxjax.models import media, vlm
 from fluxjax.models.processor import VisionProcessorConfig
 from fluxjax.models.tokenizer import Tokenizer
-from fluxjax.rollout import embedded, fleet, launcher, protocol, router, weight_protocol
+from fluxjax.rollout import embedded, fleet, launcher, protocol, publish, router, weight_protocol
 from fluxjax.rollout import engine as engine_lib
 from fluxjax.rollout.backend import RolloutBackend
-
-BACKENDS = ("embedded", "sglang")
-
 
 # `rollout.launch = OWN_SERVER`: our server, serving the run's model (`server_command`).
 OWN_SERVER = ("fluxjax.rollout.server",)
@@ -37,22 +27,11 @@ OWN_SERVER = ("fluxjax.rollout.server",)
 def check_config(cfg) -> None:
   """Raises ValueError for a rollout section that cannot start, before any
   model is built (a 7B run should not load its weights to learn this)."""
-  if cfg.backend not in BACKENDS:
-    raise ValueError(f"rollout.backend must be embedded or sglang, got {cfg.backend!r}")
-  if cfg.backend == "sglang" and not (cfg.urls or cfg.launch or cfg.router_url):
-    raise ValueError(
-      "rollout.backend=sglang needs rollout.urls (running servers), "
-      "rollout.launch (a command that starts one, given --port; "
-      f"{OWN_SERVER!r} starts fluxjax's own) or rollout.router_url (a running SGLang router)"
-    )
+  backend_kind(cfg.backend).check(cfg)
   if cfg.router_url and cfg.router_launch:
     raise ValueError("give rollout.router_url (a running router) or router_launch, not both")
   server_gpu_groups(cfg)
-  if cfg.weight_sync not in fleet.WEIGHT_SYNCS:
-    raise ValueError(
-      f"rollout.weight_sync={cfg.weight_sync!r}: set --config.rollout.weight_sync to one of "
-      f"{fleet.WEIGHT_SYNCS}"
-    )
+  publish.weight_transport(cfg.weight_sync)
   if cfg.weight_group_backend not in weight_protocol.WEIGHT_GROUP_BACKENDS:
     raise ValueError(
       f"rollout.weight_group_backend={cfg.weight_group_backend!r}: set "
@@ -71,10 +50,10 @@ def server_gpu_groups(cfg) -> list[str] | None:
     ValueError: GPUs that do not split evenly among rollout.num_servers, or
       servers given GPUs but not launched.
   """
-  gpus = [g.strip() for g in str(cfg.server_gpus).split(",") if g.strip()]
+  gpus = [g.strip() for g in cfg.server_gpus.split(",") if g.strip()]
   if not gpus:
     return None
-  n = int(cfg.num_servers)
+  n = cfg.num_servers
   if cfg.urls or cfg.router_url or not cfg.launch:
     raise ValueError("rollout.server_gpus places launched servers: set rollout.launch too")
   if len(gpus) % n:
@@ -96,7 +75,7 @@ def server_command(settings: settings_lib.Settings) -> list[str]:
   SGLang is at hand.
   """
   cmd = ["python", "-m", "fluxjax.rollout.server"]
-  cmd += ["--preset", str(settings.model.preset), "--dtype", str(settings.model.dtype)]
+  cmd += ["--preset", settings.model.preset, "--dtype", settings.model.dtype]
   cmd += ["--seed", str(settings.seed), "--num-slots", str(settings.rollout.num_slots)]
   cmd += ["--context-length", str(settings.rollout.context_length)]
   steps = settings.rollout.num_continuous_decode_steps
@@ -129,27 +108,13 @@ def launch_command(settings: settings_lib.Settings) -> list[str]:
   return launch
 
 
-def make_backend(
-  cfg: settings_lib.Rollout,
-  *,
-  launch: list[str] | None = None,
-  model: vlm.Qwen25VL | None = None,
-  tokenizer: Tokenizer | None = None,
-  seed: int = 0,
-  proc_cfg: VisionProcessorConfig | None = None,
-  limits: media.MediaLimits = media.DEFAULT_LIMITS,
-  weights_root: str | None = None,
-  served_model: fleet.ServedModel | None = None,
-  log_dir: str | None = None,
-) -> tuple[RolloutBackend, launcher.LaunchedServers | None]:
-  """Builds the backend of a `rollout` config section.
+@dataclasses.dataclass(frozen=True)
+class BackendInputs:
+  """What a backend is built from besides its `rollout` section.
 
-  Args:
-    cfg: the `rollout` section (backend, num_slots, context_length, urls,
-      launch, num_servers, launch_timeout_s, health_interval_s, router_url,
-      router_launch).
+  Attributes:
     launch: the fleet's server command when it has no urls (`launch_command`
-      of the run config); None = `cfg.launch` as given.
+      of the run config); None = `rollout.launch` as given.
     model, tokenizer: what the embedded backend serves (the trainer's).
     seed: the embedded engine's sampling seed.
     proc_cfg: the trainer's vision processing: the embedded engine's, and
@@ -160,37 +125,128 @@ def make_backend(
     served_model: the trainer's model, which a fleet's servers must serve.
     log_dir: where launched servers and a launched router write their
       output (server<i>.log, router0.log).
+  """
+
+  launch: list[str] | None = None
+  model: vlm.Qwen25VL | None = None
+  tokenizer: Tokenizer | None = None
+  seed: int = 0
+  proc_cfg: VisionProcessorConfig | None = None
+  limits: media.MediaLimits = media.DEFAULT_LIMITS
+  weights_root: str | None = None
+  served_model: fleet.ServedModel | None = None
+  log_dir: str | None = None
+
+
+# A built backend and the servers its build launched (to stop after it closes), or None.
+Built = tuple[RolloutBackend, launcher.LaunchedServers | None]
+Build = Callable[[settings_lib.Rollout, BackendInputs], Built]
+Check = Callable[[settings_lib.Rollout], None]
+
+
+def _no_check(cfg: settings_lib.Rollout) -> None:
+  del cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendKind:
+  """A registered `rollout.backend`.
+
+  Attributes:
+    name: its `rollout.backend` value.
+    build: (the `rollout` section, inputs) -> `Built`.
+    check: raises ValueError for a section it cannot start from.
+  """
+
+  name: str
+  build: Build
+  check: Check = _no_check
+
+
+# The backends `rollout.backend` names, by name (`register_backend`).
+BACKENDS: dict[str, BackendKind] = {}
+
+
+def register_backend(name: str, check: Check = _no_check) -> Callable[[Build], Build]:
+  """Function decorator: makes the build function the backend
+  `rollout.backend=name` picks, its section first vetted by `check`."""
+
+  def register(build: Build) -> Build:
+    if not name or name in BACKENDS:
+      raise ValueError(f"a rollout backend needs a name of its own, got {name!r}")
+    BACKENDS[name] = BackendKind(name, build, check)
+    return build
+
+  return register
+
+
+def backend_kind(name: str) -> BackendKind:
+  """The registered backend `name`."""
+  if name not in BACKENDS:
+    raise ValueError(f"unknown rollout.backend {name!r}; choose one of {sorted(BACKENDS)}")
+  return BACKENDS[name]
+
+
+def make_backend(cfg: settings_lib.Rollout, inputs: BackendInputs | None = None) -> Built:
+  """Builds the backend of a `rollout` config section from `inputs`.
 
   Returns:
     (backend, launched): the backend, and the servers this call started
     (to stop after the backend closes), or None.
   """
   check_config(cfg)
-  if cfg.backend == "embedded":
-    if model is None or tokenizer is None:
-      raise ValueError("the embedded backend needs the model and tokenizer")
-    return embedded.EmbeddedRollout(
-      model,
-      tokenizer,
-      num_slots=cfg.num_slots,
-      context_length=cfg.context_length,
-      num_continuous_decode_steps=cfg.num_continuous_decode_steps,
-      seed=seed,
-      proc_cfg=proc_cfg,
-      limits=limits,
-    ), None
-  health_s, launch_s = float(cfg.health_interval_s), float(cfg.launch_timeout_s)
+  return backend_kind(cfg.backend).build(cfg, inputs or BackendInputs())
+
+
+@register_backend("embedded")
+def _embedded(cfg: settings_lib.Rollout, inputs: BackendInputs) -> Built:
+  """The JAX engine in this process (rollout/embedded.py), serving the trainer's model."""
+  if inputs.model is None or inputs.tokenizer is None:
+    raise ValueError("the embedded backend needs the model and tokenizer")
+  return embedded.EmbeddedRollout(
+    inputs.model,
+    inputs.tokenizer,
+    num_slots=cfg.num_slots,
+    context_length=cfg.context_length,
+    num_continuous_decode_steps=cfg.num_continuous_decode_steps,
+    seed=inputs.seed,
+    proc_cfg=inputs.proc_cfg,
+    limits=inputs.limits,
+  ), None
+
+
+def _check_fleet(cfg: settings_lib.Rollout) -> None:
+  if not (cfg.urls or cfg.launch or cfg.router_url):
+    raise ValueError(
+      "rollout.backend=sglang needs rollout.urls (running servers), "
+      "rollout.launch (a command that starts one, given --port; "
+      f"{OWN_SERVER!r} starts fluxjax's own) or rollout.router_url (a running SGLang router)"
+    )
+
+
+@register_backend("sglang", check=_check_fleet)
+def _fleet(cfg: settings_lib.Rollout, inputs: BackendInputs) -> Built:
+  """A `Fleet` of servers speaking SGLang's native API: `urls` of running
+  servers, or `launch` (a command such as ["python", "-m",
+  "sglang.launch_server", "--model-path", M], given --port; `OWN_SERVER` is
+  `python -m fluxjax.rollout.server` serving the run's model) started
+  `num_servers` times. With `router_url` (a running SGLang router) or
+  `router_launch` (a router command, given --worker-urls and --port), a
+  `RoutedFleet`: generation through the router, weight updates to each worker.
+  """
+  health_s, launch_s = cfg.health_interval_s, cfg.launch_timeout_s
+  proc_cfg = inputs.proc_cfg
   sync: dict[str, Any] = dict(
-    weights_root=weights_root,
-    weight_sync=str(cfg.weight_sync),
-    weight_deltas=bool(cfg.weight_deltas),
-    defer_updates=bool(cfg.defer_updates),
-    weight_group_backend=str(cfg.weight_group_backend),
-    weight_group_address=str(cfg.weight_group_address),
-    weight_group_timeout_s=float(cfg.weight_group_timeout_s),
-    weight_bucket_bytes=int(float(cfg.weight_bucket_mb) * 2**20),
+    weights_root=inputs.weights_root,
+    weight_sync=cfg.weight_sync,
+    weight_deltas=cfg.weight_deltas,
+    defer_updates=cfg.defer_updates,
+    weight_group_backend=cfg.weight_group_backend,
+    weight_group_address=cfg.weight_group_address,
+    weight_group_timeout_s=cfg.weight_group_timeout_s,
+    weight_bucket_bytes=int(cfg.weight_bucket_mb * 2**20),
     vision_limits=dataclasses.asdict(proc_cfg) if proc_cfg is not None else None,
-    served_model=served_model,
+    served_model=inputs.served_model,
   )
   if cfg.router_url:
     return router.RoutedFleet(
@@ -200,19 +256,18 @@ def make_backend(
   launched = None
   if not urls:
     launched = launcher.launch_servers(
-      list(cfg.launch) if launch is None else launch,
-      int(cfg.num_servers),
+      list(cfg.launch) if inputs.launch is None else inputs.launch,
+      cfg.num_servers,
       timeout_s=launch_s,
-      log_dir=log_dir,
+      log_dir=inputs.log_dir,
       gpu_groups=server_gpu_groups(cfg),
     )
     urls = launched.urls
   if not cfg.router_launch:
-    backend = fleet.Fleet(urls, health_interval_s=health_s, **sync)
-    return backend, launched
+    return fleet.Fleet(urls, health_interval_s=health_s, **sync), launched
   try:
     routed = router.launch_router(
-      list(cfg.router_launch), urls, timeout_s=launch_s, log_dir=log_dir
+      list(cfg.router_launch), urls, timeout_s=launch_s, log_dir=inputs.log_dir
     )
   except BaseException:
     if launched is not None:

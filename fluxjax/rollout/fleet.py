@@ -116,11 +116,6 @@ def prompt_key(request: GenerateRequest) -> str:
   return h.hexdigest()
 
 
-# How weights reach the servers: a versioned folder each loads, or bf16
-# tensors broadcast over a torch.distributed group (rollout/weight_group.py).
-WEIGHT_SYNCS = ("disk", "distributed")
-
-
 class NoServerAvailable(ServerUnavailable):
   """Every server is down."""
 
@@ -181,7 +176,8 @@ class Fleet:
     weights_root: folder `publish` writes the versions into, which every
       server must be able to read (default: fluxjax_weights in the temp dir).
     weights_dtype: tensor dtype of the published checkpoints.
-    weight_sync: "disk" or "distributed" (`publish`).
+    weight_sync: how weights reach the servers: the name of a registered
+      transport (`publish.WEIGHT_TRANSPORTS`).
     weight_deltas: with "disk", each folder also holds its changes from the
       previous one, which servers at that version (ours) load instead.
     defer_updates: `publish` returns at once; the trainer's main thread
@@ -217,8 +213,9 @@ class Fleet:
     self.served_model = served_model
     self.weights_root = weights_root or os.path.join(tempfile.gettempdir(), "fluxjax_weights")
     self.weights_dtype = weights_dtype
-    if weight_sync not in WEIGHT_SYNCS:
-      raise ValueError(f"weight_sync {weight_sync!r}: choose one of {WEIGHT_SYNCS}")
+    from fluxjax.rollout import publish  # local: the checkpoint writer is JAX code
+
+    publish.weight_transport(weight_sync)  # an unknown name fails here
     self.weight_sync = weight_sync
     self.weight_deltas = weight_deltas
     self.defer_updates = defer_updates
@@ -256,9 +253,9 @@ class Fleet:
     return None
 
   async def publish(self, model: vlm.Qwen25VL, version: int) -> PublishReport:
-    """Writes <weights_root>/v<version>, then pause -> update -> continue
-    everywhere; with `weight_sync` "distributed", broadcasts the tensors to
-    every server instead (publish.publish_distributed).
+    """Publishes `model` as `version` by the `weight_sync` transport: a folder
+    under weights_root, then pause -> update -> continue everywhere
+    (publish.publish_to_fleet), or a broadcast (publish.publish_distributed).
 
     A write that fails (a full disk) is reported in `failed` with no server
     told anything: the fleet serves on with the previous version, and
@@ -266,17 +263,7 @@ class Fleet:
     """
     from fluxjax.rollout import publish  # local: the checkpoint writer is JAX code
 
-    if self.weight_sync == "distributed":
-      return await publish.publish_distributed(self, model, version, defer=self.defer_updates)
-    return await publish.publish_to_fleet(
-      self,
-      model,
-      self.weights_root,
-      version,
-      dtype=self.weights_dtype,
-      deltas=self.weight_deltas,
-      defer=self.defer_updates,
-    )
+    return await publish.weight_transport(self.weight_sync).publish(self, model, version)
 
   async def __aenter__(self) -> Self:
     await self.start()

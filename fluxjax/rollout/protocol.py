@@ -586,6 +586,54 @@ def finish_abort(message: str = "Abort") -> dict:
   return {"type": "abort", "message": message, "status_code": None, "err_type": None}
 
 
+class NonFiniteLogits(RuntimeError):
+  """The served weights gave non-finite logits for a request: nothing was sampled.
+
+  The engine raises it in process; over HTTP its fields travel in the
+  request's abort (`finish_reason`) and the client raises it again (`of`).
+
+  Attributes:
+    rid: the request.
+    weight_version: the weights that gave them.
+    token: the index of the output token that was to be sampled.
+  """
+
+  ERR_TYPE = "NonFiniteLogits"  # the abort's `err_type`
+
+  def __init__(self, rid: str, weight_version: str, token: int):
+    super().__init__(
+      f"non-finite logits from weight version {weight_version} for request {rid!r}"
+      f" (output token {token}): the engine samples nothing from them, so those"
+      " weights are unusable"
+    )
+    self.rid, self.weight_version, self.token = rid, weight_version, token
+
+  def finish_reason(self) -> dict:
+    """The abort a request refused for it finishes with, its fields beside the message."""
+    reason = finish_abort(str(self))
+    reason.update(err_type=self.ERR_TYPE, weight_version=self.weight_version, token=self.token)
+    return reason
+
+  @classmethod
+  def of(cls, completion: Completion) -> NonFiniteLogits | None:
+    """The refusal a completion's abort carries (`finish_reason`), else None."""
+    reason = completion.finish_reason or {}
+    if reason.get("type") != "abort" or reason.get("err_type") != cls.ERR_TYPE:
+      return None
+    return cls(completion.rid, str(reason["weight_version"]), int(reason["token"]))
+
+  @classmethod
+  def among_causes(cls, error: BaseException | None) -> NonFiniteLogits | None:
+    """The refusal in `error` or its chain of causes (a failed round wraps it), else None."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+      if isinstance(error, cls):
+        return error
+      seen.add(id(error))
+      error = error.__cause__ or error.__context__
+    return None
+
+
 ABORT_WAITING = "Abort in waiting queue"
 
 PAUSE_MODES = ("abort", "in_place", "retract")

@@ -66,7 +66,7 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
@@ -187,27 +187,14 @@ def take_part(
 ) -> tensor_feed.TensorFeed | None:
   """A follower's part in a fleet publish of `model` (sharded across
   processes), while process 0 publishes it: the same collectives in the same
-  order. With the disk transport it writes its run of the folder's files
-  (a failure is logged here; process 0 reports it); with the distributed
-  one, process 0 broadcasts what the gathers bring it.
+  order, as the `weight_sync` transport takes them (`WeightTransport.take_part`).
 
   Returns:
     None when the part is done; deferred, a feed whose gathers the caller
     runs (`TensorFeed.take`) as the leader announces them, the leader's main
     thread feeding its own part (`PublishReport.feed`).
   """
-  if weight_sync == "distributed":
-    if defer:
-      return _row_feed(model, consumed=False)
-    collections.deque(hf_export.hf_tensor_rows(model, weight_protocol.PUBLISHED_DTYPE), 0)
-    return None
-  if defer:
-    return deferred_write(model, root, version, deltas=deltas)[0]
-  try:
-    write_checkpoint(model, root, version, deltas=deltas)
-  except OSError as e:
-    log.error("weight version %s: this process's files were not written: %s", version, e)
-  return None
+  return weight_transport(weight_sync).take_part(model, root, version, deltas=deltas, defer=defer)
 
 
 def _row_feed(
@@ -217,6 +204,98 @@ def _row_feed(
   (`hf_export.hf_tensor_rows`), each gathered when the feed asks for it."""
   items = hf_export.hf_tensor_rows(model, dtype)
   return tensor_feed.TensorFeed(items, hf_export.hf_row_count(model, dtype), **kwargs)
+
+
+class WeightTransport:
+  """How a fleet publish brings the tensors to the servers (`rollout.weight_sync`).
+
+  `publish` is process 0's whole publish; `take_part` the part of every other
+  process when the trainer spans processes (the same collectives, in order).
+  """
+
+  name: ClassVar[str] = ""
+
+  async def publish(self, fleet, model: vlm.Qwen25VL, version: int | str) -> PublishReport:
+    """Publishes `model` as `version` to `fleet` (a `fleet.Fleet`), as its settings ask."""
+    raise NotImplementedError
+
+  def take_part(
+    self, model: vlm.Qwen25VL, root: str, version: int | str, *, deltas: bool, defer: bool
+  ) -> tensor_feed.TensorFeed | None:
+    """A follower's part in the publish (`take_part`, the module function)."""
+    raise NotImplementedError
+
+
+# The transports `rollout.weight_sync` names, by name (`register_transport`).
+WEIGHT_TRANSPORTS: dict[str, WeightTransport] = {}
+
+
+def register_transport(cls: type[WeightTransport]) -> type[WeightTransport]:
+  """Class decorator: makes `cls` the transport `rollout.weight_sync=cls.name` picks."""
+  if not cls.name or cls.name in WEIGHT_TRANSPORTS:
+    raise ValueError(f"a weight transport needs a name of its own, got {cls.name!r}")
+  WEIGHT_TRANSPORTS[cls.name] = cls()
+  return cls
+
+
+def weight_transport(name: str) -> WeightTransport:
+  """The registered transport `name`."""
+  if name not in WEIGHT_TRANSPORTS:
+    raise ValueError(
+      f"unknown rollout.weight_sync {name!r}; choose one of {sorted(WEIGHT_TRANSPORTS)}"
+    )
+  return WEIGHT_TRANSPORTS[name]
+
+
+@register_transport
+class DiskTransport(WeightTransport):
+  """A versioned folder every server loads (`publish_to_fleet`)."""
+
+  name = "disk"
+
+  async def publish(self, fleet, model: vlm.Qwen25VL, version: int | str) -> PublishReport:
+    return await publish_to_fleet(
+      fleet,
+      model,
+      fleet.weights_root,
+      version,
+      dtype=fleet.weights_dtype,
+      deltas=fleet.weight_deltas,
+      defer=fleet.defer_updates,
+    )
+
+  def take_part(
+    self, model: vlm.Qwen25VL, root: str, version: int | str, *, deltas: bool, defer: bool
+  ) -> tensor_feed.TensorFeed | None:
+    """Writes this process's run of the folder's files (a failure is logged
+    here; process 0 reports it)."""
+    if defer:
+      return deferred_write(model, root, version, deltas=deltas)[0]
+    try:
+      write_checkpoint(model, root, version, deltas=deltas)
+    except OSError as e:
+      log.error("weight version %s: this process's files were not written: %s", version, e)
+    return None
+
+
+@register_transport
+class DistributedTransport(WeightTransport):
+  """bf16 tensors broadcast over a torch.distributed group (`publish_distributed`)."""
+
+  name = "distributed"
+
+  async def publish(self, fleet, model: vlm.Qwen25VL, version: int | str) -> PublishReport:
+    return await publish_distributed(fleet, model, version, defer=fleet.defer_updates)
+
+  def take_part(
+    self, model: vlm.Qwen25VL, root: str, version: int | str, *, deltas: bool, defer: bool
+  ) -> tensor_feed.TensorFeed | None:
+    """Runs the gathers whose tensors process 0 broadcasts."""
+    del root, version, deltas
+    if defer:
+      return _row_feed(model, consumed=False)
+    collections.deque(hf_export.hf_tensor_rows(model, weight_protocol.PUBLISHED_DTYPE), 0)
+    return None
 
 
 def broadcast_tensors(model: vlm.Qwen25VL) -> Iterator[np.ndarray]:

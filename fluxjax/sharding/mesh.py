@@ -81,28 +81,30 @@ def cluster_job(environ: Mapping[str, str]) -> str | None:
 
 
 def distributed_arguments(
-  cfg: settings_lib.Distributed | None, environ: Mapping[str, str]
+  distributed: settings_lib.Distributed | None, environ: Mapping[str, str]
 ) -> dict[str, Any] | None:
   """The jax.distributed.initialize arguments for this run, or None for a
   single-process run.
 
-  A run is multi-process when `cfg.coordinator_address` or the
-  JAX_COORDINATOR_ADDRESS variable is set, or when `cfg.auto` is on and
+  A run is multi-process when `distributed.coordinator_address` or the
+  JAX_COORDINATOR_ADDRESS variable is set, or when `distributed.auto` is on and
   `cluster_job` detects a job. Unset fields (-1, "") become None, which JAX
   fills in from the launcher's environment (Slurm, Open MPI, TPU, Kubernetes;
   JAX_COORDINATOR_ADDRESS and JAX_LOCAL_DEVICE_IDS).
 
   Args:
-    cfg: the config's `distributed` section (see configs/vlm.py), or None.
+    distributed: the config's `distributed` section (see configs/vlm.py), or None.
     environ: the process environment.
   """
-  if cfg is None:
+  if distributed is None:
     return None
-  address = cfg.coordinator_address or None
-  if not (address or environ.get("JAX_COORDINATOR_ADDRESS") or (cfg.auto and cluster_job(environ))):
+  address = distributed.coordinator_address or None
+  if not (
+    address or environ.get("JAX_COORDINATOR_ADDRESS") or (distributed.auto and cluster_job(environ))
+  ):
     return None
-  num_processes, process_id = cfg.num_processes, cfg.process_id
-  device_ids = cfg.local_device_ids
+  num_processes, process_id = distributed.num_processes, distributed.process_id
+  device_ids = distributed.local_device_ids
   return {
     "coordinator_address": address,
     "num_processes": None if num_processes == -1 else num_processes,
@@ -112,7 +114,7 @@ def distributed_arguments(
 
 
 def maybe_initialize_distributed(
-  cfg: settings_lib.Distributed | None, environ: Mapping[str, str] | None = None
+  distributed: settings_lib.Distributed | None, environ: Mapping[str, str] | None = None
 ) -> None:
   """Starts jax.distributed when this process is one of a multi-process run
   (see `distributed_arguments`); a single-process run is left alone.
@@ -121,12 +123,12 @@ def maybe_initialize_distributed(
   initialized jax.distributed itself, does nothing.
 
   Args:
-    cfg: the config's `distributed` section, or None.
+    distributed: the config's `distributed` section, or None.
     environ: the process environment; os.environ when None.
   """
   if jax.distributed.is_initialized():
     return
-  arguments = distributed_arguments(cfg, os.environ if environ is None else environ)
+  arguments = distributed_arguments(distributed, os.environ if environ is None else environ)
   if arguments is None:
     return
   jax.distributed.initialize(**arguments)

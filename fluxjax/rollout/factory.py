@@ -24,25 +24,25 @@ from fluxjax.rollout.backend import RolloutBackend
 OWN_SERVER = ("fluxjax.rollout.server",)
 
 
-def check_config(cfg) -> None:
+def check_config(rollout) -> None:
   """Raises ValueError for a rollout section that cannot start, before any
   model is built (a 7B run should not load its weights to learn this)."""
-  backend_kind(cfg.backend).check(cfg)
-  if cfg.router_url and cfg.router_launch:
+  backend_kind(rollout.backend).check(rollout)
+  if rollout.router_url and rollout.router_launch:
     raise ValueError("give rollout.router_url (a running router) or router_launch, not both")
-  server_gpu_groups(cfg)
-  publish.weight_transport(cfg.weight_sync)
-  if cfg.weight_group_backend not in weight_protocol.WEIGHT_GROUP_BACKENDS:
+  server_gpu_groups(rollout)
+  publish.weight_transport(rollout.weight_sync)
+  if rollout.weight_group_backend not in weight_protocol.WEIGHT_GROUP_BACKENDS:
     raise ValueError(
-      f"rollout.weight_group_backend={cfg.weight_group_backend!r}: set "
+      f"rollout.weight_group_backend={rollout.weight_group_backend!r}: set "
       f"--config.rollout.weight_group_backend to one of {weight_protocol.WEIGHT_GROUP_BACKENDS}"
     )
   engine_lib.check_decode_steps(
-    cfg.num_continuous_decode_steps, "--config.rollout.num_continuous_decode_steps"
+    rollout.num_continuous_decode_steps, "--config.rollout.num_continuous_decode_steps"
   )
 
 
-def server_gpu_groups(cfg) -> list[str] | None:
+def server_gpu_groups(rollout) -> list[str] | None:
   """Each launched server's CUDA_VISIBLE_DEVICES from rollout.server_gpus
   ("4,5,6,7" over 2 servers: "4,5" and "6,7"), or None (inherit).
 
@@ -50,15 +50,15 @@ def server_gpu_groups(cfg) -> list[str] | None:
     ValueError: GPUs that do not split evenly among rollout.num_servers, or
       servers given GPUs but not launched.
   """
-  gpus = [g.strip() for g in cfg.server_gpus.split(",") if g.strip()]
+  gpus = [g.strip() for g in rollout.server_gpus.split(",") if g.strip()]
   if not gpus:
     return None
-  n = cfg.num_servers
-  if cfg.urls or cfg.router_url or not cfg.launch:
+  n = rollout.num_servers
+  if rollout.urls or rollout.router_url or not rollout.launch:
     raise ValueError("rollout.server_gpus places launched servers: set rollout.launch too")
   if len(gpus) % n:
     raise ValueError(
-      f"rollout.server_gpus={cfg.server_gpus!r}: {len(gpus)} GPUs do not split evenly "
+      f"rollout.server_gpus={rollout.server_gpus!r}: {len(gpus)} GPUs do not split evenly "
       f"among rollout.num_servers={n}"
     )
   k = len(gpus) // n
@@ -144,8 +144,8 @@ Build = Callable[[settings_lib.Rollout, BackendInputs], Built]
 Check = Callable[[settings_lib.Rollout], None]
 
 
-def _no_check(cfg: settings_lib.Rollout) -> None:
-  del cfg
+def _no_check(rollout: settings_lib.Rollout) -> None:
+  del rollout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,36 +187,36 @@ def backend_kind(name: str) -> BackendKind:
   return BACKENDS[name]
 
 
-def make_backend(cfg: settings_lib.Rollout, inputs: BackendInputs | None = None) -> Built:
+def make_backend(rollout: settings_lib.Rollout, inputs: BackendInputs | None = None) -> Built:
   """Builds the backend of a `rollout` config section from `inputs`.
 
   Returns:
     (backend, launched): the backend, and the servers this call started
     (to stop after the backend closes), or None.
   """
-  check_config(cfg)
-  return backend_kind(cfg.backend).build(cfg, inputs or BackendInputs())
+  check_config(rollout)
+  return backend_kind(rollout.backend).build(rollout, inputs or BackendInputs())
 
 
 @register_backend("embedded")
-def _embedded(cfg: settings_lib.Rollout, inputs: BackendInputs) -> Built:
+def _embedded(rollout: settings_lib.Rollout, inputs: BackendInputs) -> Built:
   """The JAX engine in this process (rollout/embedded.py), serving the trainer's model."""
   if inputs.model is None or inputs.tokenizer is None:
     raise ValueError("the embedded backend needs the model and tokenizer")
   return embedded.EmbeddedRollout(
     inputs.model,
     inputs.tokenizer,
-    num_slots=cfg.num_slots,
-    context_length=cfg.context_length,
-    num_continuous_decode_steps=cfg.num_continuous_decode_steps,
+    num_slots=rollout.num_slots,
+    context_length=rollout.context_length,
+    num_continuous_decode_steps=rollout.num_continuous_decode_steps,
     seed=inputs.seed,
     proc_cfg=inputs.proc_cfg,
     limits=inputs.limits,
   ), None
 
 
-def _check_fleet(cfg: settings_lib.Rollout) -> None:
-  if not (cfg.urls or cfg.launch or cfg.router_url):
+def _check_fleet(rollout: settings_lib.Rollout) -> None:
+  if not (rollout.urls or rollout.launch or rollout.router_url):
     raise ValueError(
       "rollout.backend=sglang needs rollout.urls (running servers), "
       "rollout.launch (a command that starts one, given --port; "
@@ -225,7 +225,7 @@ def _check_fleet(cfg: settings_lib.Rollout) -> None:
 
 
 @register_backend("sglang", check=_check_fleet)
-def _fleet(cfg: settings_lib.Rollout, inputs: BackendInputs) -> Built:
+def _fleet(rollout: settings_lib.Rollout, inputs: BackendInputs) -> Built:
   """A `Fleet` of servers speaking SGLang's native API: `urls` of running
   servers, or `launch` (a command such as ["python", "-m",
   "sglang.launch_server", "--model-path", M], given --port; `OWN_SERVER` is
@@ -234,40 +234,40 @@ def _fleet(cfg: settings_lib.Rollout, inputs: BackendInputs) -> Built:
   `router_launch` (a router command, given --worker-urls and --port), a
   `RoutedFleet`: generation through the router, weight updates to each worker.
   """
-  health_s, launch_s = cfg.health_interval_s, cfg.launch_timeout_s
+  health_s, launch_s = rollout.health_interval_s, rollout.launch_timeout_s
   proc_cfg = inputs.proc_cfg
   sync: dict[str, Any] = dict(
     weights_root=inputs.weights_root,
-    weight_sync=cfg.weight_sync,
-    weight_deltas=cfg.weight_deltas,
-    defer_updates=cfg.defer_updates,
-    weight_group_backend=cfg.weight_group_backend,
-    weight_group_address=cfg.weight_group_address,
-    weight_group_timeout_s=cfg.weight_group_timeout_s,
-    weight_bucket_bytes=int(cfg.weight_bucket_mb * 2**20),
+    weight_sync=rollout.weight_sync,
+    weight_deltas=rollout.weight_deltas,
+    defer_updates=rollout.defer_updates,
+    weight_group_backend=rollout.weight_group_backend,
+    weight_group_address=rollout.weight_group_address,
+    weight_group_timeout_s=rollout.weight_group_timeout_s,
+    weight_bucket_bytes=int(rollout.weight_bucket_mb * 2**20),
     vision_limits=dataclasses.asdict(proc_cfg) if proc_cfg is not None else None,
     served_model=inputs.served_model,
   )
-  if cfg.router_url:
+  if rollout.router_url:
     return router.RoutedFleet(
-      cfg.router_url, workers_timeout_s=launch_s, health_interval_s=health_s, **sync
+      rollout.router_url, workers_timeout_s=launch_s, health_interval_s=health_s, **sync
     ), None
-  urls = list(cfg.urls)
+  urls = list(rollout.urls)
   launched = None
   if not urls:
     launched = launcher.launch_servers(
-      list(cfg.launch) if inputs.launch is None else inputs.launch,
-      cfg.num_servers,
+      list(rollout.launch) if inputs.launch is None else inputs.launch,
+      rollout.num_servers,
       timeout_s=launch_s,
       log_dir=inputs.log_dir,
-      gpu_groups=server_gpu_groups(cfg),
+      gpu_groups=server_gpu_groups(rollout),
     )
     urls = launched.urls
-  if not cfg.router_launch:
+  if not rollout.router_launch:
     return fleet.Fleet(urls, health_interval_s=health_s, **sync), launched
   try:
     routed = router.launch_router(
-      list(cfg.router_launch), urls, timeout_s=launch_s, log_dir=inputs.log_dir
+      list(rollout.router_launch), urls, timeout_s=launch_s, log_dir=inputs.log_dir
     )
   except BaseException:
     if launched is not None:

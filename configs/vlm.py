@@ -544,9 +544,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # run when total_steps is 0 (build, evaluate, stop).
   c.sft = ml_collections.ConfigDict()
   c.sft.enabled = v.sft
-  # Tiny: 60 steps teach the format and part of the task, leaving held-out
-  # accuracy near 0.17 sampled (0.37 greedy) for GRPO to raise; on the shapes
-  # mix 80 left 0.37 and a smaller gain, 300 left no headroom (bench/README.md).
+  # Tiny: long enough to teach the format and part of the task, short
+  # enough to leave GRPO headroom; a longer warm-up left less gain
+  # (bench/README.md, the sweep that chose the defaults).
   c.sft.steps = 60
   c.sft.batch_size = 32
   # The difficulty labels the warm-up teaches; training rows with another
@@ -571,10 +571,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # Optimizer: AdamW + global-norm clipping + warmup/cosine.
   c.optim = ml_collections.ConfigDict()
-  # Tiny: a constant 3e-4 from the first step (bench/learning.py's lr sweep,
-  # bench/README.md: 1e-3 knocked held-out accuracy down first and ended
-  # lower, 1e-4 gained half as much); a warmup that starts at 0 and a cosine
-  # spent most of a short run's lr budget idle.
+  # Tiny: a constant lr from the first step (bench/README.md, the sweep that
+  # chose the defaults: a higher one knocked held-out accuracy down first);
+  # a warmup that starts at 0 and a cosine spent most of a short run's lr
+  # budget idle.
   c.optim.lr = v.lr
   c.optim.warmup_steps = v.warmup_steps
   c.optim.total_steps = c.get_ref("total_steps")

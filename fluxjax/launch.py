@@ -2,52 +2,11 @@
 
   python -m fluxjax.launch --processes N [options] -- <fluxjax.train arguments>
 
-starts N local processes, each running
-
-  python -m fluxjax.train <arguments> \\
-    --config.distributed.coordinator_address=127.0.0.1:PORT \\
-    --config.distributed.num_processes=N --config.distributed.process_id=i
-
-Several nodes (torchrun's convention): run the same command on each node with
---num_nodes M --node_rank R --coordinator_address HOST:PORT (node 0's host, a
-port free there); node R's processes are R*N .. R*N+N-1 of M*N, and process 0,
-on node 0, runs the coordinator service.
-
-The launcher owns the --config.distributed.* flags and refuses them after `--`.
-Options:
-  --processes N         how many processes (required, >= 1).
-  --cpu_devices K       0: leave the platform alone. K > 0: each process runs on
-                        K fake CPU devices (JAX_PLATFORMS=cpu, gloo collectives,
-                        --xla_force_host_platform_device_count=K in XLA_FLAGS,
-                        replacing any count already there; NPROC=24 unless set,
-                        so XLA:CPU's thread pool has room for every process's
-                        devices on a small machine, see docs/testing.md).
-  --gpus_per_process G  0: leave the devices alone. G > 0: process i uses local
-                        GPUs i*G .. (i+1)*G-1 (JAX_LOCAL_DEVICE_IDS).
-  --port P              the coordinator's port on 127.0.0.1; 0 picks a free one
-                        (one node, without --coordinator_address).
-  --num_nodes M         nodes of the run, each running this launcher (1).
-  --node_rank R         this node's index, 0 .. M-1 (0).
-  --coordinator_address HOST:PORT
-                        process 0's coordinator service; required when M > 1.
-  --grace_s S           seconds between SIGTERM and SIGKILL when stopping (10).
-  --module M            the module each process runs (fluxjax.train).
-
-Each process starts in its own session, so stopping it also stops the worker
-processes it started. When one process fails (nonzero exit or a signal), the
-launcher stops the others: SIGTERM to every process group, SIGKILL after
---grace_s. SIGINT and SIGTERM sent to the launcher (a preemption) go to the
-processes alone, their groups getting SIGKILL after --grace_s: a preempted
-run finishes its step with the rollout servers it launched still up,
-checkpoints, and stops them itself.
-
-Exit code: 0 when every process exits 0; otherwise the first failing process's
-exit code, or 128 + the signal number when a signal ended it (SIGKILL: 137);
-128 + the signal number when the launcher itself was interrupted; 2 for a
-usage error.
-
-On Slurm no launcher is needed: srun starts one task per node or per GPU, and
-fluxjax.train's jax.distributed set-up detects the Slurm step by itself.
+starts N local processes of `python -m fluxjax.train <arguments>`, each with its
+--config.distributed.* flags (the launcher owns them and refuses them after `--`);
+`--help` lists the options. Entry points: `main`, `child_env`, `child_args`,
+`supervise`, `stop`. Several nodes, Slurm, and what a signal does are told in
+docs/fleet.md, "More than one process", and docs/reliability.md, "Preemption".
 """
 
 from __future__ import annotations
@@ -100,6 +59,13 @@ def child_env(
     cpu_devices: fake CPU devices per process; 0 leaves the platform alone.
     gpus_per_process: local GPUs per process; 0 leaves the devices alone.
       CUDA_VISIBLE_DEVICES is kept, so the ids index the GPUs it shows.
+
+  With cpu_devices K > 0 the process runs on K fake CPU devices (JAX_PLATFORMS=cpu,
+  gloo collectives, --xla_force_host_platform_device_count=K in XLA_FLAGS, replacing
+  any count already there; NPROC=24 unless set, so XLA:CPU's thread pool has room for
+  every process's devices on a small machine, see docs/testing.md). With
+  gpus_per_process G > 0 process i uses local GPUs i*G .. (i+1)*G-1
+  (JAX_LOCAL_DEVICE_IDS).
   """
   env = dict(environ)
   if cpu_devices > 0:
@@ -209,8 +175,19 @@ def supervise(
     interrupted: returns the signal the launcher received, or None.
     poll_s: seconds between checks.
 
+  Each process starts in its own session, so stopping it also stops the worker
+  processes it started. When one process fails (nonzero exit or a signal), the
+  others are stopped: SIGTERM to every process group, SIGKILL after grace_s.
+  SIGINT and SIGTERM sent to the launcher (a preemption) go to the processes
+  alone, their groups getting SIGKILL after grace_s: a preempted run finishes
+  its step with the rollout servers it launched still up, checkpoints, and
+  stops them itself.
+
   Returns:
-    The launcher's exit code (see the module docstring).
+    The launcher's exit code: 0 when every process exits 0; otherwise the first
+    failing process's exit code, or 128 + the signal number when a signal ended it
+    (SIGKILL: 137); 128 + the signal number when the launcher itself was
+    interrupted. A usage error exits 2 (argparse).
   """
   while True:
     signum = interrupted()

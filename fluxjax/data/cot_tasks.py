@@ -1,76 +1,10 @@
 """Tasks with a worked solution whose length grows with the instance.
 
-The `reasoning_cot` mix of fluxjax/data/synth.py. Each sample carries its
-reference chain of thought (`Sample.solution`), written before the answer as
-`<think> {solution}</think><answer>{answer}</answer>`
-(visual_tasks.reference_response):
-the SFT warm-up teaches it on the easy level, and RL has the longer levels
-to learn.
-
-Every step of a solution has one form, an item and the running count so
-far ("red0 blue1 red1"). The space after <think> makes the first item the
-same token as the item in the question (" blue", not "bl" + "ue"), and every
-item a chain copies from its question is unique there: the census tasks
-name distinct items, and the lists that repeat colours or share words key
-each item with its own letter ("a red, b blue, c red"), so a copy is a
-lookup of one key. Each task asks in words of its own, never another
-task's question.
-
-  scan_count    (image) how many shapes of a named colour: the solution lists
-                the colour of every shape in reading order with the running
-                count of the named colour ("blue0 red1 green1 red2"); easy
-                1-3 shapes, medium 4-8, hard 9-16 (up to the whole 4 x 4 grid).
-  count_changes (video) how many times one shape changes colour: the
-                solution lists the colour of each segment with the running
-                count of changes ("red0 blue1 red2"); easy 1-2 changes,
-                medium 3-4, hard 5-7. Segments span whole temporal patches of
-                the frames the processor samples (CHANGE_FRAMES, all of them
-                at the tiny limits).
-  pair_census   (image) how many of k named (colour, shape) pairs the image
-                holds, each pair keyed ("a red circle, b blue star"): the
-                solution goes through the keys in order with the running
-                count of the pairs present ("a red circle1 b blue star1"), so
-                every step is a copy from the question, a look for that pair
-                and an increment; easy k 2-3, medium 5-7, hard 9-12 (0 .. 9
-                present).
-  colour_census the same with distinct colours alone (any shape), unkeyed:
-                k 2-3, 4-5, 6-8.
-  colour_list   (image) how many of a keyed list of k colours, repeats
-                allowed, appear in the image: the same running count over
-                the list ("a red1 b blue1 c red2"); each mention present
-                counts, so chains grow past the 8 colours: k 1-3, 6-10, 12-15
-                (answers 0-2, 0-5, 0-9). Steps are copies at a constant
-                offset and looks by colour, as in colour_census.
-  palette_scan  (image) how many different colours the image holds: the
-                solution goes through the 8 colours in a fixed order, each
-                with the running count of those drawn ("red0 green1 blue2"),
-                so no step copies from the question and each is a look by
-                colour; always 8 steps (about 27 tokens); easy 1-2 colours,
-                medium 3-4, hard 5-7.
-  add_columns   (text, no pixels: the control that learning here needs no
-                vision) the sum of two numbers of d digits: the solution adds
-                column by column from the right, carries written
-                ("7+5=12 3+4+1=8"); easy d = 1, medium 2-3, hard 4-6.
-
-Two text-only drills (`DRILLS`) exercise the copy alone, with no chain to
-show: cheap pretraining data for the circuit every chain step needs (an
-item found by its key, the next item after the previous one).
-
-  key_lookup    which colour a key names in a keyed list ("... g green ...":
-                green); lists of 3-5, 6-10, 11-15.
-  list_repeat   the keyed list repeated without its commas ("a red b blue");
-                lists of 2-4, 5-8, 9-12.
-
-Answer priors are balanced at every level: the caller picks the answer from
-the level's answers (`answers`) and the instance is built around it (the
-count of the named colour, the number of changes; for sums of two or more
-digits, a draw uniform over the level's range of sums). `AnswerDecks` deals
-the answers of each (task, level) from shuffled decks, so each answer holds
-floor(n/k) or ceil(n/k) of a level's n items.
-
-Image cells and video frames follow visual_tasks.py: one shape per
-CELL = 28 px cell (one merged vision token), colour changes between
-temporal patches (2 frames); a clip has CHANGE_FRAMES frames.
+The `reasoning_cot` mix of fluxjax/data/synth.py: one generator per task (`scan_count`,
+`count_changes`, `pair_census`, `colour_census`, `colour_list`, `palette_scan`,
+`add_columns`, the `DRILLS`), each level's answers dealt by `AnswerDecks`. Each sample
+carries its reference chain of thought (`Sample.solution`). The tasks, their levels and
+the form of a solution step are told in docs/data.md, "The `reasoning_cot` tasks".
 """
 
 from __future__ import annotations
@@ -364,7 +298,11 @@ ALL: dict[str, Task] = {**TASKS, **DRILLS}
 
 
 class AnswerDecks:
-  """Deals each (task, level)'s answers from shuffled decks (module docstring)."""
+  """Deals each (task, level)'s answers from shuffled decks.
+
+  Each answer holds floor(n/k) or ceil(n/k) of a level's n items (docs/data.md,
+  "The `reasoning_cot` tasks").
+  """
 
   def __init__(self, rng: np.random.Generator):
     self._rng = rng

@@ -1,44 +1,9 @@
 """Synthetic multimodal RL datasets: real JPEG/PNG images and H.264 MP4 videos.
 
-Run:
-  python -m fluxjax.data.synth --out DIR --mix image_heavy --n 64 --seed 0
-
-Every task is verifiable: its answer is computed from what was drawn.
-  geo3k    (image) count the shapes of one colour, or read an arithmetic
-           expression rendered in the image.
-  nextqa   (short video) which colour appears last in the clip.
-  longvila (long video) which colour (or shape) appears last in the clip.
-  text     (no media) arithmetic in the prompt.
-  shapes   (small image) the colour of the one shape drawn, or how many
-           shapes (1-4) there are; a fixed-size picture (default 112 x 112
-           px, the tiny preset's largest image) so that a model of a few
-           hundred thousand parameters can learn it from the pixels in
-           minutes on a CPU.
-  reasoning (small image or short video) tasks with difficulty levels that
-           combine what the pixels show: count the shapes of a colour, is
-           one shape left of another, which is bigger, the sum of two drawn
-           digits, how often a shape changes colour (data/visual_tasks.py).
-
-Sizes follow the distributions of bench/mixtures.py (the balance benchmark's
-token-count models), which document their sources:
-  Geo3K: longer side log-normal, median 420 px, p99 1100 px, in [100, 2000];
-    short/long side ratio uniform in [0.5, 1] (ASSUMED there and here).
-  NExT-QA: duration log-normal, median 40 s, p99 115 s, in [5, 180] (mean
-    44 s, Xiao et al. 2021); 640x480 or 640x360, equally likely (ASSUMED).
-  LongVILA-Reason: duration log-normal, median 300 s, p99 1800 s, in
-    [30, 3600]; 360p/480p/720p/1080p 16:9 with p 0.2/0.3/0.4/0.1 (ASSUMED).
-Mix weights are FlexRL's (section 5.1): image_heavy 5:2:1, video_heavy 1:2:5,
-only_video LongVILA-Reason only; `text` has no media (a control); `shapes`
-weighs its two tasks 1:1.
-
-Two knobs keep files small enough that `--n 64` writes in seconds; both are
-ASSUMED and documented in the manifest rows (`fps`, `scale`): videos are
-written at `--fps` (default 1) frames per second of their sampled duration
-rather than a camera's 30, and video resolutions are multiplied by
-`--video-scale` (default 0.25). Durations, hence frame counts, are kept, and
-capped at `--max-seconds` (default 600) so one draw cannot write an hour.
-The processor samples at 2 fps and caps frames (64 in FlexRL's 7B runs), so
-frames beyond what it samples still cost decode time, as real files do.
+Run: python -m fluxjax.data.synth --out DIR --mix image_heavy --n 64 --seed 0
+Every task is verifiable: its answer is computed from what was drawn. The tasks,
+their size distributions (bench/mixtures.py), the mix weights and the two knobs
+that keep files small are told in docs/data.md, "Synthetic data".
 """
 
 from __future__ import annotations
@@ -126,7 +91,7 @@ LONGVILA_RES_P = distributions.LONGVILA_RES_P
 
 @dataclasses.dataclass(frozen=True)
 class SynthConfig:
-  """Knobs of the generator (see the module docstring for why they exist).
+  """Knobs of the generator (why they exist: docs/data.md, "Synthetic data").
 
   Attributes:
     fps: frames written per second of video.

@@ -1,33 +1,10 @@
 """Small-picture tasks with headroom: read the pixels, then combine what they show.
 
-The `reasoning` mix of fluxjax/data/synth.py. Every sample is a 112 px PNG or
-a short 56 px MP4 with a verifiable answer computed from what was drawn, and
-a difficulty level that sets how much there is to tell apart:
-
-  colour_of_shape (image) the colour of the named kind of shape; easy 1
-                  shape, medium 2, hard 3 (of distinct kinds and colours).
-  count_colour    (image) how many shapes of a named colour, among others;
-                  easy 2-3 shapes, medium 4-6, hard 7-9.
-  left_of         (image) is the {c1} shape left of the {c2} shape (yes/no);
-                  columns apart easy 2-3, medium 1-2, hard 1, with 0 / 1 / 2
-                  distractor shapes.
-  bigger          (image) which of two shapes of one kind, named by colour, is
-                  bigger; size ratio easy 2, medium 1.5, hard 1.25.
-  digit_sum       (image) the sum of two digits drawn in the picture; digits
-                  easy 0-4, medium 0-6, hard 0-9, smaller glyphs when harder.
-  colour_changes  (video) how many times one shape changes colour over the
-                  clip; easy 1, medium 2, hard 3 changes.
-  last_colour     (video) the shape's colour at the end of the clip; easy 1,
-                  medium 2, hard 3 colour changes before it.
-
-Shapes sit one per cell of a GRID x GRID grid of CELL = 28 px cells: one cell
-is one merged vision token of Qwen2.5-VL (2 x 2 patches of 14 px), so no shape
-is split between tokens. Video colour changes fall between frame pairs, so
-each temporal patch (2 frames) shows one colour.
-
-Answers are one token of the tiny tokenizer's vocabulary or a small number,
-so the `accuracy` reward is exact; the prompt asks for the answer in
-<answer></answer> and leaves room for a short <think> span before it.
+The `reasoning` mix of fluxjax/data/synth.py: one generator per task, each sample a
+112 px PNG or a short 56 px MP4 with a verifiable answer computed from what was drawn
+and a difficulty level; `reference_response` writes a sample's reference answer. The
+tasks, their levels and the grid of CELL px cells are told in docs/data.md, "The
+`reasoning` tasks".
 """
 
 from __future__ import annotations

@@ -1,35 +1,9 @@
 """M-RoPE position ids for Qwen2.5-VL sequences (host-side numpy).
 
-Text tokens get one position shared by the three rotary sections
-(temporal, height, width). A vision span of grid (t, h, w) (patch units) has
-t * (h/m) * (w/m) tokens (m = spatial merge size) whose positions start at the
-current text position `s`:
-
-  temporal = s + floor(k * interval)   k = 0..t-1
-  height   = s + i                      i = 0..h/m-1
-  width    = s + j                      j = 0..w/m-1
-
-with interval = tokens_per_second * second_per_grid_t for videos and 1 for
-images. The product is taken in float32 before truncation, as transformers
-does with its float32 `second_per_grid_ts` tensor (a power-of-two
-tokens_per_second, Qwen2.5-VL's 2, makes SGLang's `k * spg * tps` order give
-identical results). Images always have t == 1, so SGLang's image interval of 0
-and transformers' 1 agree.
-
-Where the text after a vision span starts is the one rule the implementations
-disagree on, selected by `text_after_vision`:
-
-  "max_plus_one" (default): at max(all positions so far) + 1. This is the
-      original Qwen2.5-VL rule, used by SGLang, vLLM and veRL.
-  "grid_extent": at s + max(h, w) / m, transformers 5.x's rule.
-
-They agree for text and images, and differ for videos whose temporal
-positions (t-1) * interval run past the spatial extent. The trainer must use
-the rule of the rollout server that produced the behaviour logprobs; ours is
-SGLang-compatible, hence the default.
-
-`mrope_delta` = max(position) + 1 - len(sequence): decoding continues with
-text position len + delta.
+Entry points: `get_rope_index` (one sequence; its docstring gives the rule for text
+and vision spans and the `text_after_vision` choice), `get_rope_index_batch`,
+`text_positions`, `vision_positions`. `mrope_delta` = max(position) + 1 -
+len(sequence): decoding continues with text position len + delta.
 
 Names: T tokens, B batch rows, 3 rotary sections.
 """
@@ -177,6 +151,34 @@ def get_rope_index(
 ) -> tuple[np.ndarray, int]:
   """M-RoPE positions of one unpadded sequence.
 
+  Text tokens get one position shared by the three rotary sections
+  (temporal, height, width). A vision span of grid (t, h, w) (patch units) has
+  t * (h/m) * (w/m) tokens (m = spatial merge size) whose positions start at the
+  current text position `s`:
+
+    temporal = s + floor(k * interval)   k = 0..t-1
+    height   = s + i                      i = 0..h/m-1
+    width    = s + j                      j = 0..w/m-1
+
+  with interval = tokens_per_second * second_per_grid_t for videos and 1 for
+  images. The product is taken in float32 before truncation, as transformers
+  does with its float32 `second_per_grid_ts` tensor (a power-of-two
+  tokens_per_second, Qwen2.5-VL's 2, makes SGLang's `k * spg * tps` order give
+  identical results). Images always have t == 1, so SGLang's image interval of 0
+  and transformers' 1 agree.
+
+  Where the text after a vision span starts is the one rule the implementations
+  disagree on, selected by `text_after_vision`:
+
+    "max_plus_one" (default): at max(all positions so far) + 1. This is the
+        original Qwen2.5-VL rule, used by SGLang, vLLM and veRL.
+    "grid_extent": at s + max(h, w) / m, transformers 5.x's rule.
+
+  They agree for text and images, and differ for videos whose temporal
+  positions (t-1) * interval run past the spatial extent. The trainer must use
+  the rule of the rollout server that produced the behaviour logprobs; ours is
+  SGLang-compatible, hence the default.
+
   Args:
     input_ids_T: token ids, vision pads already expanded.
     image_grid_thw: (t, h, w) per image, in order of appearance.
@@ -190,7 +192,7 @@ def get_rope_index(
     mm_token_type_ids_T: 0 text / 1 image / 2 video per token; derived from
       the pad ids when not given.
     text_after_vision: "max_plus_one" (SGLang, default) or "grid_extent"
-      (transformers 5.x); see the module docstring.
+      (transformers 5.x); see above.
 
   Returns:
     positions_3T: int32 [3, T].

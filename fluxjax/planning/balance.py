@@ -2,30 +2,9 @@
 
 Everything here works from sequence lengths alone (host-side numpy, no jax),
 so the controller can plan a step before any pixel or token is materialized.
-
-Cost model (forward FLOPs of the Qwen2 decoder; a training step costs about
-three times as much, which no ratio below depends on):
-
-  attention_cost(L) = layers * 2 matmuls (QK^T, PV) * 2 flops per MAC
-                      * L(L+1)/2 causal query-key pairs * heads * head_dim
-  linear_cost(L)    = 2 flops per MAC * matmul parameters per token * L
-
-GQA shrinks K and V but not the score and value matmuls, which run once per
-query head, so `num_kv_heads` enters only the linear term. The vision tower is
-balanced separately (by patch count) and is not part of a sequence's cost.
-
-Balancing:
-  karmarkar_karp  k-way largest differencing (the multiway LDM that veRL's
-                  `get_seqlen_balanced_partitions` runs), optionally with equal
-                  item counts per part.
-  lb_micro        ODC's LB-Micro: balance a minibatch over devices, then split
-                  every device into the same number of microbatches (what
-                  per-layer FSDP collectives require).
-  lb_mini         ODC's LB-Mini: balance a minibatch over devices, then each
-                  device packs its own items into as many microbatches as its
-                  token cap needs (possible once sync is per minibatch).
-  bubble_rate     the idle fraction ODC reports, under per-layer or
-                  per-minibatch synchronization.
+Entry points: `sequence_cost` (the cost model, told in its docstring),
+`karmarkar_karp` (veRL's multiway LDM), `lb_micro` and `lb_mini` (ODC's balancers)
+and `bubble_rate` (ODC's idle fraction).
 """
 
 from __future__ import annotations
@@ -107,7 +86,19 @@ def linear_cost(length, shape: CostShape):
 
 
 def sequence_cost(length, shape: CostShape):
-  """attention_cost + linear_cost: the work a sequence puts on its devices."""
+  """attention_cost + linear_cost: the work a sequence puts on its devices.
+
+  Cost model (forward FLOPs of the Qwen2 decoder; a training step costs about
+  three times as much, which no balance ratio depends on):
+
+    attention_cost(L) = layers * 2 matmuls (QK^T, PV) * 2 flops per MAC
+                        * L(L+1)/2 causal query-key pairs * heads * head_dim
+    linear_cost(L)    = 2 flops per MAC * matmul parameters per token * L
+
+  GQA shrinks K and V but not the score and value matmuls, which run once per
+  query head, so `num_kv_heads` enters only the linear term. The vision tower is
+  balanced separately (by patch count) and is not part of a sequence's cost.
+  """
   return attention_cost(length, shape) + linear_cost(length, shape)
 
 

@@ -1,44 +1,8 @@
 """FlexUlysses placement (FlexRL Algorithm 2): a sharding degree per sequence.
 
-From lengths only, for one microbatch on D devices:
-  1. Baseline split-place. M* = total tokens / D, M_th = 1.1 M*. Longest
-     first, each sequence takes the smallest power-of-two degree p (GETSPSIZE,
-     which the paper leaves open: h/p under M_th and h^2/p at most the mean
-     per-device attention load) that has an aligned group of p devices with
-     room under M_th; degrees double while no group has room, up to p_max. Of
-     the groups with room, the least loaded in compute wins (the paper: most
-     available memory; compute balances better on our mixtures).
-  2. Merge passes (the paper's), p = p_max ... 4: inside one p-group, two to
-     four of its smallest degree-p sequences are split two ways and moved to
-     the group's halves at degree p/2 when memory stays under M_th and the
-     maximum load does not grow; the cheapest (least max load, then least
-     communication) is applied. Groups are visited in order and each is merged
-     until it has no candidate left (the paper takes the global best each
-     time; per group is linear time and finds the same merges when groups do
-     not interact, which they do only through the global maximum). The
-     paper's p = 2 pass is left out: step 3 re-places every sequence it could
-     produce, and on the bench mixtures the plans are the same without it.
-  3. Short-item reorder (the paper's): sequences of degree <= 2 are re-placed
-     whole, longest first, each on the least-loaded device with room.
-     Deviations: sequences longer than M_th, which no device can hold whole,
-     stay where they are; a sequence no single device has room for keeps
-     degree 2 (the paper's fallback would overfill a device and break M_th).
-  4. Local search (ours; the paper's objective, max over devices of
-     sum h^2/p, which its stages approach by memory only): on the most loaded
-     device, move one of its sequences to another group of the same or twice
-     its degree, or swap it with a shorter same-degree sequence elsewhere;
-     failing that, make room for such a move by moving whole degree-1
-     sequences off the full devices of the target group. Every step lowers
-     the touched devices below the old peak and keeps M_th. It stops at 1%
-     above a lower bound (the mean load; the longest sequence at p_max).
-
-A training step's microbatches are placed jointly (`plan_flex_step`).
-
-Groups are aligned blocks of p consecutive devices, so groups of different
-degrees nest: a degree-2^j group is the last j binary mesh axes. The paper's
-SplitCost(h, p) = h (p-1) / p^2 (x16 beyond p = 8) is a per-device all-to-all
-volume; summed over the p devices that carry it, a merge p -> p/2 always lowers
-it, which is what makes merges "cheaper".
+Entry points: `plan_flex` places one microbatch from lengths only (its docstring
+gives the algorithm, the paper's stages and where this departs from them);
+`plan_flex_step` places a training step's microbatches jointly.
 """
 
 from __future__ import annotations
@@ -463,7 +427,7 @@ def _short_item_reorder(s: _State) -> None:
 
 
 def _improve(s: _State, max_steps: int, target: float) -> None:
-  """Local search on the most loaded device t (step 4 of the module docstring).
+  """Local search on the most loaded device t (step 4 of `plan_flex`'s docstring).
 
   Each step tries the moves and swaps of t's IMPROVE_CANDIDATES items with the
   largest share on t. The one whose touched devices end with the smallest
@@ -705,7 +669,46 @@ def _placement(s: _State, lens: tuple[int, ...], feasible: bool) -> FlexPlacemen
 
 
 def plan_flex(lengths: Sequence[int], num_devices: int, p_max: int) -> FlexPlacement:
-  """Places one microbatch (see module docstring)."""
+  """Places one microbatch.
+
+  From lengths only, for one microbatch on D devices:
+    1. Baseline split-place. M* = total tokens / D, M_th = 1.1 M*. Longest
+       first, each sequence takes the smallest power-of-two degree p (GETSPSIZE,
+       which the paper leaves open: h/p under M_th and h^2/p at most the mean
+       per-device attention load) that has an aligned group of p devices with
+       room under M_th; degrees double while no group has room, up to p_max. Of
+       the groups with room, the least loaded in compute wins (the paper: most
+       available memory; compute balances better on our mixtures).
+    2. Merge passes (the paper's), p = p_max ... 4: inside one p-group, two to
+       four of its smallest degree-p sequences are split two ways and moved to
+       the group's halves at degree p/2 when memory stays under M_th and the
+       maximum load does not grow; the cheapest (least max load, then least
+       communication) is applied. Groups are visited in order and each is merged
+       until it has no candidate left (the paper takes the global best each
+       time; per group is linear time and finds the same merges when groups do
+       not interact, which they do only through the global maximum). The
+       paper's p = 2 pass is left out: step 3 re-places every sequence it could
+       produce, and on the bench mixtures the plans are the same without it.
+    3. Short-item reorder (the paper's): sequences of degree <= 2 are re-placed
+       whole, longest first, each on the least-loaded device with room.
+       Deviations: sequences longer than M_th, which no device can hold whole,
+       stay where they are; a sequence no single device has room for keeps
+       degree 2 (the paper's fallback would overfill a device and break M_th).
+    4. Local search (ours; the paper's objective, max over devices of
+       sum h^2/p, which its stages approach by memory only): on the most loaded
+       device, move one of its sequences to another group of the same or twice
+       its degree, or swap it with a shorter same-degree sequence elsewhere;
+       failing that, make room for such a move by moving whole degree-1
+       sequences off the full devices of the target group. Every step lowers
+       the touched devices below the old peak and keeps M_th. It stops at 1%
+       above a lower bound (the mean load; the longest sequence at p_max).
+
+  Groups are aligned blocks of p consecutive devices, so groups of different
+  degrees nest: a degree-2^j group is the last j binary mesh axes. The paper's
+  SplitCost(h, p) = h (p-1) / p^2 (x16 beyond p = 8) is a per-device all-to-all
+  volume; summed over the p devices that carry it, a merge p -> p/2 always lowers
+  it, which is what makes merges "cheaper".
+  """
   _check(num_devices, p_max)
   lens = tuple(map(int, lengths))
   s, feasible = _place(lens, num_devices, p_max, np.zeros(num_devices))

@@ -1,60 +1,12 @@
 """GRPO advantages, DAPO dynamic sampling and loss-aggregation weights.
 
 Host-side numpy: the coordinator computes these per completed group, before
-`fluxjax.parallel.batch.materialize` packs them into the train batch.
+`fluxjax.parallel.batch.materialize` packs them into the train batch. Entry points:
+`group_advantages` (GRPO), `filter_groups` (DAPO), `aggregation_weights`,
+`aggregation_scale` and `loss_normalizer` (veRL's `loss_agg_mode`).
 
 Shape letters: B sequences (responses) in a batch, G groups, R responses per
 group, T tokens of one sequence.
-
-GRPO (Shao et al. 2024, veRL `compute_grpo_outcome_advantage`): each prompt is
-sampled R times; response i of a group with rewards r_1..r_R gets
-
-  A_i = (r_i - mean(r)) / (std(r) + eps)    (std_normalize=True)
-  A_i =  r_i - mean(r)                      (std_normalize=False, Dr. GRPO)
-
-with the *unbiased* std (ddof=1), as torch.std in veRL and TRL computes it. A
-group of one response has no baseline: mean = r, so A = 0 (veRL instead sets
-mean 0, std 1; a lone response carries no relative signal and we do not invent
-one). The sequence advantage is then broadcast over the response tokens.
-
-DAPO dynamic sampling (Yu et al. 2025, veRL `algorithm.filter_groups`): a
-group whose rewards are all equal has A = 0 for every response, hence no
-policy gradient; such groups are dropped and the coordinator samples more
-prompts until the batch is full.
-
-Loss aggregation (veRL's `loss_agg_mode`). With l_it the per-token loss of
-token t of sequence i, L_i the response length of sequence i and N the number
-of sequences with L_i > 0, veRL's aggregates are
-
-  token-mean:           sum_i sum_t l_it / sum_i L_i
-  seq-mean-token-mean:  (1/N) sum_i [ (1/L_i) sum_t l_it ]
-  seq-mean-token-sum:   (1/N) sum_i sum_t l_it
-
-and Dr. GRPO's constant normalizer (veRL's seq-mean-token-sum-norm), with
-N_step = prompts_per_step * responses_per_prompt and L_max = max_new_tokens:
-
-  token-sum-norm:       sum_i sum_t l_it / (N_step L_max)
-
-Every token of token-sum-norm weighs the same whatever batch it lands in.
-Token-mean divides by the batch's own token count: where tail batching sorts
-batches by length (a long round's responses are long), a long response's
-tokens weigh less than in a mixed batch and a short one's more.
-
-The train step computes sum w_it l_it / sum w_it over the GLOBAL batch, where
-w is `loss_mask` (see fluxjax/parallel/train_step.py). `aggregation_weights` gives w:
-
-  token-mean:           w_it = 1                 -> exactly the aggregate
-  seq-mean-token-mean:  w_it = 1 / L_i           -> sum w = N, exactly
-  seq-mean-token-sum:   w_it = 1                 -> token-mean, i.e. the
-                        aggregate divided by c = sum_i L_i / N
-  token-sum-norm:       w_it = 1, and the train step divides by the
-                        constant `loss_normalizer` instead of sum w
-
-A weighted mean cannot express a sum, so seq-mean-token-sum comes out as
-token-mean, which has the same gradient direction and is smaller by the
-batch's mean response length c; `aggregation_scale` returns c. Multiply the
-normalized loss by c to get veRL's value; under Adam, a constant
-scale changes only the eps and grad-clip interplay.
 """
 
 from __future__ import annotations
@@ -70,7 +22,18 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-s
 def group_advantages(
   rewards_B: np.ndarray, group_ids_B: np.ndarray, *, std_normalize: bool = True, eps: float = 1e-6
 ) -> np.ndarray:
-  """GRPO group-normalized advantage of each sequence (module docstring).
+  """GRPO group-normalized advantage of each sequence.
+
+  GRPO (Shao et al. 2024, veRL `compute_grpo_outcome_advantage`): each prompt is
+  sampled R times; response i of a group with rewards r_1..r_R gets
+
+    A_i = (r_i - mean(r)) / (std(r) + eps)    (std_normalize=True)
+    A_i =  r_i - mean(r)                      (std_normalize=False, Dr. GRPO)
+
+  with the *unbiased* std (ddof=1), as torch.std in veRL and TRL computes it. A
+  group of one response has no baseline: mean = r, so A = 0 (veRL instead sets
+  mean 0, std 1; a lone response carries no relative signal and we do not invent
+  one). The sequence advantage is then broadcast over the response tokens.
 
   Args:
     rewards_B: scalar reward of each response.
@@ -154,6 +117,11 @@ def filter_groups(
 ) -> GroupFilter:
   """DAPO dynamic sampling: splits completed groups into keep and refill.
 
+  DAPO dynamic sampling (Yu et al. 2025, veRL `algorithm.filter_groups`): a
+  group whose rewards are all equal has A = 0 for every response, hence no
+  policy gradient; such groups are dropped and the coordinator samples more
+  prompts until the batch is full.
+
   The coordinator calls this as groups complete and, while the kept groups
   fall short of the batch, samples replacement prompts for `refill` (bounded
   by `rl.max_refill_rounds`, after which it trains on what it has).
@@ -179,7 +147,41 @@ def filter_groups(
 
 
 def aggregation_weights(response_mask_T: np.ndarray, mode: str) -> np.ndarray:
-  """Per-token loss weights of one sequence for `loss_agg_mode` (see above).
+  """Per-token loss weights of one sequence for `loss_agg_mode`.
+
+  Loss aggregation (veRL's `loss_agg_mode`). With l_it the per-token loss of
+  token t of sequence i, L_i the response length of sequence i and N the number
+  of sequences with L_i > 0, veRL's aggregates are
+
+    token-mean:           sum_i sum_t l_it / sum_i L_i
+    seq-mean-token-mean:  (1/N) sum_i [ (1/L_i) sum_t l_it ]
+    seq-mean-token-sum:   (1/N) sum_i sum_t l_it
+
+  and Dr. GRPO's constant normalizer (veRL's seq-mean-token-sum-norm), with
+  N_step = prompts_per_step * responses_per_prompt and L_max = max_new_tokens:
+
+    token-sum-norm:       sum_i sum_t l_it / (N_step L_max)
+
+  Every token of token-sum-norm weighs the same whatever batch it lands in.
+  Token-mean divides by the batch's own token count: where tail batching sorts
+  batches by length (a long round's responses are long), a long response's
+  tokens weigh less than in a mixed batch and a short one's more.
+
+  The train step computes sum w_it l_it / sum w_it over the GLOBAL batch, where
+  w is `loss_mask` (see fluxjax/parallel/train_step.py). `aggregation_weights` gives w:
+
+    token-mean:           w_it = 1                 -> exactly the aggregate
+    seq-mean-token-mean:  w_it = 1 / L_i           -> sum w = N, exactly
+    seq-mean-token-sum:   w_it = 1                 -> token-mean, i.e. the
+                          aggregate divided by c = sum_i L_i / N
+    token-sum-norm:       w_it = 1, and the train step divides by the
+                          constant `loss_normalizer` instead of sum w
+
+  A weighted mean cannot express a sum, so seq-mean-token-sum comes out as
+  token-mean, which has the same gradient direction and is smaller by the
+  batch's mean response length c; `aggregation_scale` returns c. Multiply the
+  normalized loss by c to get veRL's value; under Adam, a constant
+  scale changes only the eps and grad-clip interplay.
 
   Goes into `TrainSequence.loss_mask_T`; the train step's division by the
   global sum of weights then yields the mode's aggregate.

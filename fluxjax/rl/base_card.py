@@ -2,26 +2,11 @@
 
   python -m fluxjax.rl.base_card --base DIR --workdir PRETRAIN_WORKDIR [--samples 8]
 
-Run on the HF folder the pretraining command exported (configs/pretrain.py)
-and that run's held-out set (WORKDIR/data/eval), it writes DIR/card.json:
-how the base was made (command, commit, machine, seed, steps, wall time, read
-from the run's records) and, for every task and level:
-
-  choice         the model chooses its format: accuracy sampled (temperature
-                 1) and greedy, and `think_rate`, the share of sampled
-                 responses that open with <think> (greedy opens with it too
-                 or not: `greedy_thinks`)
-  think          "<think> " forced after the prompt: greedy accuracy and
-                 pass@k over `--samples` sampled responses
-  direct         "<answer>" forced: greedy accuracy
-  copy           teacher-forced: on the reference chain of an item whose
-                 chain copies from its question (keyed lists, census), the
-                 share of copied tokens (keys, colours, shapes) the model
-                 ranks first given the reference so far
-
-`marks` holds the pretraining issue's pass marks beside their figures. A
-fresh re-run of the command gives a statistically equivalent base, not the
-same bytes (XLA:CPU's reductions depend on the machine), and the card says so.
+Run on the HF folder the pretraining command exported (configs/pretrain.py) and that
+run's held-out set (WORKDIR/data/eval), it writes DIR/card.json: how the base was made
+(`provenance`), the figures per task, level and format (`evaluate`) and the pretraining
+issue's pass marks beside them (`marks`). docs/config.md, "Pretraining the base", says
+what a re-run gives.
 """
 
 from __future__ import annotations
@@ -169,7 +154,22 @@ def fixed_prompt_accuracy(model, tok, cfg, proc, out_dir: str) -> float:
 
 
 def evaluate(model, tok, cfg, items: Sequence[Item], samples: int) -> dict:
-  """The card's table: {task: {level: figures}}, and its marks."""
+  """The card's table: {task: {level: figures}}, and its marks.
+
+  The figures of every task and level:
+
+  choice         the model chooses its format: accuracy sampled (temperature
+                 1) and greedy, and `think_rate`, the share of sampled
+                 responses that open with <think> (greedy opens with it too
+                 or not: `greedy_thinks`)
+  think          "<think> " forced after the prompt: greedy accuracy and
+                 pass@k over `--samples` sampled responses
+  direct         "<answer>" forced: greedy accuracy
+  copy           teacher-forced: on the reference chain of an item whose
+                 chain copies from its question (keyed lists, census), the
+                 share of copied tokens (keys, colours, shapes) the model
+                 ranks first given the reference so far
+  """
   score = reward_fns.get("accuracy")
   capacity = max(len(it.prompt) for it in items) + len(tok.encode(THINK)) + MAX_NEW_TOKENS
   dec = Decoder(model, tok, capacity)

@@ -1,32 +1,10 @@
 """Held-out evaluation: the rollout policy's responses to held-out prompts, scored.
 
-`Evaluator.evaluate` samples `eval.samples_per_prompt` responses per prompt at
-the training temperature (what the policy does when it trains) and, with
-`eval.greedy`, one greedy response each, outside the training stream (no
-admission, nothing trained); `summarize` turns their scores into metrics:
-
-  eval/accuracy          mean over prompts of the prompt's mean score
-  eval/accuracy_ci95     1.96 x its standard error over prompts: samples of
-                         one prompt are correlated, so the prompt is the unit
-  eval/accuracy_greedy   mean greedy score
-  eval/pass@k            unbiased pass@k (Chen et al. 2021) with k = samples
-  eval/accuracy/<d>      eval/accuracy of the prompts of difficulty d
-  eval/task/<t>          eval/accuracy of the prompts of task t
-  eval/band/<b>          eval/accuracy of the prompts whose reference response
-                         (reasoning and answer) is in length band b (tokens,
-                         `length_band`)
-  eval/reasoning_share   share of sampled responses that reason first
-                         (reward_fns.reasons), also per difficulty
-                         (eval/reasoning_share/<d>) and of the greedy ones
-                         (eval/reasoning_share_greedy)
-  eval/prompts, eval/samples
-  eval/skipped_too_long  held-out prompts over the rollout's prompt budget,
-                         left out
-
-A score is 1 for a correct response, else 0: a response is scored in the
-reward pool with the evaluation's reward (`eval.reward`, else the run's
-`rl.reward`; reward_spec.evaluation) and is correct when its reward reaches
-rl.reward.correct_threshold.
+`Evaluator.evaluate` samples responses per held-out prompt at the training temperature
+(and, with `eval.greedy`, one greedy each) outside the training stream, and scores them
+in the reward pool; `summarize` turns the scores into metrics. The metrics are listed in
+docs/metrics.md, "Evaluation metrics"; how a response is scored in docs/rewards.md,
+"Evaluation".
 """
 
 from __future__ import annotations
@@ -53,7 +31,7 @@ LENGTH_BANDS = (16, 32, 48)
 
 
 class Evaluator:
-  """Held-out metrics of the rollout policy (the module docstring).
+  """Held-out metrics of the rollout policy (docs/metrics.md, "Evaluation metrics").
 
   Sampling reads whatever version rollout serves: the caller settles a
   deferred publish first (`Coordinator.evaluate`).
@@ -213,7 +191,7 @@ def summarize(
   reasoning: Sequence[Sequence[bool]] | None = None,
   greedy_reasoning: Sequence[bool] | None = None,
 ) -> dict[str, float]:
-  """Metrics of one evaluation (see the module docstring).
+  """Metrics of one evaluation (docs/metrics.md, "Evaluation metrics").
 
   Args:
     scores: per prompt, the scores of its sampled responses (same count each).

@@ -4,52 +4,9 @@
 microbatch (fluxjax/parallel/train_step.py): `loss_fn(logp_BT, entropy_BT, mb) ->
 (per_token_loss_BT, {name: per-token metric [B, T]})`. The step multiplies
 both by `mb.loss_mask` and divides by the global sum of the mask, so every
-term here is per token and unaggregated (see rl/advantages.py for the
-aggregation modes, which live in the mask's weights).
-
-Per token, with pi = current policy (logp, differentiated), pi_prox = the
-trainer's policy before this update (`prox_logprobs`), mu = the behaviour
-policy that sampled the token (`old_logprobs`, from the rollout engine),
-pi_ref = the reference (`ref_logprobs`) and A the advantage:
-
-  ratio = exp(logp - prox)                                   PPO ratio
-  w     = sg(min(exp(prox - old), is_cap))                   decoupled IS
-  pg    = w * max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
-  pg    = min(pg, -A * w * clip_c)      where A < 0, if clip_c > 0 (dual clip)
-  kl    = k1: logp - ref
-          k3: exp(ref - logp) - (ref - logp) - 1             (Schulman's k3)
-  loss  = pg + kl_coef * kl - entropy_coef * entropy
-
-Decoupled PPO (Hilton et al. 2022; AReaL `use_decoupled_loss`): the trust
-region is taken around pi_prox, which the trainer controls, while w corrects
-for the tokens having been sampled from mu (an older or numerically different
-engine policy). Truncating w at is_cap (veRL/Tunix truncated IS) bounds the
-variance a very stale token can add. With `is_mode = "mask"` tokens whose
-weight exceeds the cap are dropped instead (AReaL's rejection); `"off"` sets
-w = 1, the uncorrected control.
-
-Where pi_prox comes from (`prox`): "trainer" (default) is the trainer's
-policy before the batch's first update. With one update per batch
-(`updates_per_batch = 1`) that is sg(logp), the policy being differentiated:
-AReaL's extra forward pass is not needed, the ratio is 1 where the gradient
-is taken (nothing is clipped), and w = pi_current / mu carries all of the
-staleness. With several updates the stream trainer fills `prox_logprobs`
-with a forward of that policy, so later updates are clipped around it
-(PPO epochs). "batch" reads `prox_logprobs` from the batch; when a sequence
-carries none, `materialize` sets prox = old, so w = 1 and this is standard
-PPO-clip against the behaviour policy.
-
-Config: the `rl` section of configs/vlm.py, where every field is written out
-with its meaning and its only default. The loss reads clip_low, clip_high,
-clip_c, kl_coef, kl_estimator, kl_clamp, is_cap, is_mode, prox, updates_per_batch and
-entropy_coef; the coordinator, the reference and the reward scheduler read
-the rest.
-
-Metrics (per token, averaged by the step over trained tokens): pg_loss,
-ratio, clipfrac (the clipped branch was taken), is_weight, is_weight_sq (with
-is_weight gives the weight variance the staleness controller uses),
-is_truncated, behaviour_kl (k3 estimate of KL(mu || pi_prox), the staleness
-signal), entropy, and kl when kl_coef > 0.
+term here is per token and unaggregated (the aggregation modes live in the mask's
+weights: rl/advantages.py, `aggregation_weights`). The loss, its terms and its
+metrics are told in `make_loss_fn`.
 """
 
 from __future__ import annotations
@@ -104,7 +61,51 @@ def importance_weights(
 
 
 def make_loss_fn(rl: settings_lib.RL) -> LossFn:
-  """The PPO-clip / GRPO token loss for the train step (module docstring).
+  """The PPO-clip / GRPO token loss for the train step.
+
+  Per token, with pi = current policy (logp, differentiated), pi_prox = the
+  trainer's policy before this update (`prox_logprobs`), mu = the behaviour
+  policy that sampled the token (`old_logprobs`, from the rollout engine),
+  pi_ref = the reference (`ref_logprobs`) and A the advantage:
+
+    ratio = exp(logp - prox)                                   PPO ratio
+    w     = sg(min(exp(prox - old), is_cap))                   decoupled IS
+    pg    = w * max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
+    pg    = min(pg, -A * w * clip_c)      where A < 0, if clip_c > 0 (dual clip)
+    kl    = k1: logp - ref
+            k3: exp(ref - logp) - (ref - logp) - 1             (Schulman's k3)
+    loss  = pg + kl_coef * kl - entropy_coef * entropy
+
+  Decoupled PPO (Hilton et al. 2022; AReaL `use_decoupled_loss`): the trust
+  region is taken around pi_prox, which the trainer controls, while w corrects
+  for the tokens having been sampled from mu (an older or numerically different
+  engine policy). Truncating w at is_cap (veRL/Tunix truncated IS) bounds the
+  variance a very stale token can add. With `is_mode = "mask"` tokens whose
+  weight exceeds the cap are dropped instead (AReaL's rejection); `"off"` sets
+  w = 1, the uncorrected control.
+
+  Where pi_prox comes from (`prox`): "trainer" (default) is the trainer's
+  policy before the batch's first update. With one update per batch
+  (`updates_per_batch = 1`) that is sg(logp), the policy being differentiated:
+  AReaL's extra forward pass is not needed, the ratio is 1 where the gradient
+  is taken (nothing is clipped), and w = pi_current / mu carries all of the
+  staleness. With several updates the stream trainer fills `prox_logprobs`
+  with a forward of that policy, so later updates are clipped around it
+  (PPO epochs). "batch" reads `prox_logprobs` from the batch; when a sequence
+  carries none, `materialize` sets prox = old, so w = 1 and this is standard
+  PPO-clip against the behaviour policy.
+
+  Config: the `rl` section of configs/vlm.py, where every field is written out
+  with its meaning and its only default. The loss reads clip_low, clip_high,
+  clip_c, kl_coef, kl_estimator, kl_clamp, is_cap, is_mode, prox, updates_per_batch and
+  entropy_coef; the coordinator, the reference and the reward scheduler read
+  the rest.
+
+  Metrics (per token, averaged by the step over trained tokens): pg_loss,
+  ratio, clipfrac (the clipped branch was taken), is_weight, is_weight_sq (with
+  is_weight gives the weight variance the staleness controller uses),
+  is_truncated, behaviour_kl (k3 estimate of KL(mu || pi_prox), the staleness
+  signal), entropy, and kl when kl_coef > 0.
 
   Args:
     rl: the `rl` config section (configs/vlm.py); every field it reads must be set.

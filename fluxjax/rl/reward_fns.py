@@ -1,38 +1,11 @@
 """Reward functions: the registry and the built-in rewards.
 
-A built-in reward function is `fn(response: str, answer: str) -> float` in
-[0, 1], registered by name (`register`, `get`, `REWARDS`); rl/reward_spec.py
-says how a run names its rewards (these, a user's module or file, a weighted
-sum) and what else a function may ask for. A callable handed to the reward
-pool must be a module-level function (or a functools.partial of one): it is
-pickled into spawned worker processes. Built in, matching the synthetic tasks (fluxjax/data/synth.py
-answers are an integer or a colour/shape word; the system prompts of
-models/tokenizer.py ask for "the final answer inside <answer></answer>" or "a
-single number or word", and its corpus answers as "<answer>x</answer>",
-"Answer: x", "The answer is x." or a bare "x"):
-
-  exact                 extracted answer == reference, case- and
-                        punctuation-insensitive.
-  numeric               both parse as numbers and |x - y| <= abs_tol +
-                        rel_tol * |y| (defaults 1e-6, 1e-6).
-  accuracy              numeric when the reference is a number, else exact.
-  format                1 iff the response is `[<think>...</think>] <answer>
-                        x</answer>` and nothing else.
-  accuracy_with_format  0.9 * accuracy + 0.1 * format (R1-style shaping).
-
-Controls (bench/learning.py): accuracy_reversed (1 - accuracy), random (a
-fair coin per call, independent of the response) and constant (0). A control
-is trained on but never scored with: `CONTROLS` names the task reward its
-held-out evaluation uses (rl/reward_spec.evaluation).
-
-`reasons` says whether a response reasons first: it opens with a <think>
-block (the chain-task format, `<think> {solution}</think><answer>x</answer>`).
-
-`extract_answer` takes, in order: the last <answer>...</answer>, the last
-"answer is x" / "Answer: x", else the last number (numeric reference) or
-the last word.
-
-rl/reward_pool.py runs them in worker processes.
+A built-in reward function is `fn(response: str, answer: str) -> float` in [0, 1],
+registered by name (`register`, `get`, `REWARDS`); rl/reward_spec.py says how a run
+names its rewards. A callable handed to the reward pool must be a module-level function
+(or a functools.partial of one): it is pickled into spawned worker processes
+(rl/reward_pool.py). The built-in rewards, the controls and the order `extract_answer`
+reads an answer in are told in docs/rewards.md, "Built-in rewards".
 """
 
 from __future__ import annotations
@@ -99,7 +72,11 @@ def reasons(response: str) -> bool:
 
 
 def extract_answer(response: str) -> str:
-  """The answer part of a response (see the module docstring for the order)."""
+  """The answer part of a response.
+
+  In order: the last <answer>...</answer>, the last "answer is x" / "Answer: x", else
+  the last number (numeric reference) or the last word.
+  """
   tags = _TAG_RE.findall(response)
   if tags:
     return tags[-1].strip()

@@ -1,29 +1,10 @@
 """A run's reward: which functions, with which weights, called with what.
 
-`rl.reward.fn` names one reward function, or several separated by commas,
-each one of
-  - a registered name (rl/reward_fns.py: accuracy, format, ...),
-  - "package.module:function", importable where the run starts, or
-  - "path/to/file.py:function", a file each reward worker loads itself,
-and `rl.reward.weights` gives one weight per function (empty: all 1). The
-run's reward is the weighted sum; each function's own value is logged per
-step as reward/<name>/{mean,std,min,max} (<name>: the registered name or the
-function's). A value that is not a finite number is an error of that call,
-scored 0 (rl/reward_pool.py counts it).
-
-A function is called with what it asks for, by parameter name:
-
-  response, solution_str     the response text
-  answer, ground_truth       the row's reference answer ("" if it has none)
-  prompt                     the row's prompt text
-  task                       the row's task ("" if none)
-  data_source                the row's dataset (its `source`)
-  extra, extra_info          the row's other fields (a dict)
-
-A function that names none of these is called fn(response, answer), as
-fluxjax's own are; one with **kwargs also gets every name it does not list.
-veRL's `compute_score(data_source, solution_str, ground_truth, extra_info)`
-therefore runs unchanged.
+Entry points: `parse` (`rl.reward.fn` and `rl.reward.weights` into `Term`s), `load`
+(a registered name, "package.module:function" or "path/to/file.py:function"), `call`
+and `score` (a function called with the arguments it names, from a `RewardContext`)
+and `evaluation` (the reward held-out responses are scored with). What a spec may
+name and what a function is called with are told in docs/rewards.md.
 """
 
 from __future__ import annotations
@@ -177,7 +158,7 @@ def _absolute(spec: str) -> str:
 
 
 def call(fn: RewardFn, response: str, answer: str, context: RewardContext) -> float:
-  """`fn` called with the arguments it names (see the module docstring)."""
+  """`fn` called with the arguments it names (docs/rewards.md, "What a function is called with")."""
   values = {
     "response": response,
     "answer": answer,

@@ -1,32 +1,9 @@
 """Supervised warm-up before GRPO: teach the answer format (and a first skill).
 
-A randomly initialized model never emits `<answer>x</answer>`, so every GRPO
-reward is 0 and every advantage is 0: RL has no signal. The warm-up trains on
-train-set prompts with their reference answers as the response, formatted the
-way `reward_fns.accuracy_with_format` scores full marks
-(`<answer>{answer}</answer>` followed by `<|im_end|>`, the token that ends a
-Qwen assistant turn and a stop token of the rollout engine).
-
-It uses the RL path end to end: `TrainSequence`s (the prompt from
-`sequence_from_chat`, exactly as the coordinator builds it, extended with the
-answer tokens; loss mask and advantage 1 on the answer tokens only) planned by
-the run's strategy, materialized with pixels from a worker store, and one
-jitted step per plan layout (parallel/layout_steps.py) from `strategy.accumulate_fn`
-with a token NLL.
-
-Optimizer: the warm-up has its own AdamW (`sft` section: lr, warmup, cosine to
-`end_lr_frac`) and its own moments. Afterwards the RL train state gets the
-warmed-up parameters with its optimizer state untouched, i.e. still fresh:
-SFT moments are scaled to NLL gradients, which are orders of magnitude larger
-and point elsewhere than policy gradients, and the RL warmup/cosine schedule
-counts its own steps, so it starts at RL step 1 rather than part-way through.
-
-Metrics: the warm-up occupies steps -S..0 of the run's metrics (S =
-`sft.steps`): held-out accuracy before it at step -S, `sft/loss` of SFT
-step k at step k - S, held-out accuracy every `sft.eval_every` SFT steps (each
-snapshot is published to the rollout engine as a policy version), and the
-loop's own evaluation at step 0 is the accuracy after it, where GRPO starts.
-`fluxjax.plot` shades the x < 0 region.
+Entry points: `runs` (whether a run warms up), `warm_up` (the loop, steps -S..0 of the
+run's metrics) and `Trainer` (its own AdamW over the RL path: `TrainSequence`s planned
+by the run's strategy, one jitted step per plan layout, a token NLL). Why it exists,
+its optimizer and its metrics are told in docs/training-loop.md, "The SFT warm-up".
 """
 
 from __future__ import annotations
@@ -255,7 +232,7 @@ def warm_up(
   evaluate: Callable[[], dict[str, float]],
   stop: Callable[[], bool] = lambda: False,
 ) -> dict[str, float]:
-  """Runs the warm-up (see the module docstring); returns a summary.
+  """Runs the warm-up (docs/training-loop.md, "The SFT warm-up"); returns a summary.
 
   With `sft.checkpoint_every`, once `stop()` (a SIGTERM, rl/preemption.py)
   the warm-up ends after the step in progress with a checkpoint of it, and

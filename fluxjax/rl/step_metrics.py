@@ -1,34 +1,10 @@
-"""What a GRPO step reports (docs/metrics.md).
+"""What a GRPO step reports.
 
 `step_metrics` is a pure function of what the coordinator measured in a step
 (`StepFacts`), the run's settings and its model config: the step's timing,
-async, publish, round and loss (train/*) metrics, the run's totals, and
-these, of the batch it trained:
-
-  rollout/reward_mean, rollout/accuracy      the weighted reward; the share
-                                             of responses at or above
-                                             rl.reward.correct_threshold
-  reward/<name>/{mean,std,min,max}           each reward function's value
-  rollout/advantage_{mean,std,min,max}       the GRPO advantages trained
-  rollout/response_len_{mean,p50,p99,max}    response lengths in tokens
-  rollout/response_clip_ratio                share of responses cut at
-                                             rl.max_new_tokens
-  rollout/reasoning_share                    share that reasons first
-                                             (reward_fns.reasons)
-  rollout/prompt_len_{mean,max}              prompt lengths in tokens
-                                             (vision pads included)
-  optim/lr                                   the learning rate of the
-                                             step's first update
-  perf/device_memory_{in_use,peak}_gb        the first local device's, where
-                                             the backend reports it (GPUs)
-  perf/model_tflops_per_s, perf/mfu          the step's model FLOPs
-                                             (models/flops.py: the updates'
-                                             forward and backward; reference
-                                             and proximal forwards not
-                                             counted) over its wall time,
-                                             rollout wait included; MFU
-                                             against the devices' datasheet
-                                             peak, where it is known (GPUs)
+async, publish, round and loss (train/*) metrics, the run's totals, and the
+metrics of the batch it trained (`batch_metrics`). Each metric, what it means and
+what a healthy run shows: docs/metrics.md, "The health metrics, one by one".
 """
 
 from __future__ import annotations
@@ -120,7 +96,7 @@ def step_metrics(
 def batch_metrics(
   groups: Sequence[trajectories.Group], settings: settings_lib.Settings
 ) -> dict[str, float]:
-  """Every batch metric of the module docstring but optim/lr and memory."""
+  """Every rollout/* and reward/* batch metric (docs/metrics.md), not optim/lr or memory."""
   rl = settings.rl
   rewards = [r for g in groups for r in g.rewards]
   completions = [c for g in groups for c in g.completions]

@@ -1,39 +1,12 @@
 """Flexes tail batching: speculative short rounds, deferred long prompts.
 
-A short round launches ceil(eta*P) prompts, keeps the first P prompts to
-finish and aborts the rest. Prompts that lose the race go to a long-prompt
-queue; once it holds P prompts a long round runs them without speculation.
-Each prompt of an epoch is trained exactly once; at the end of the epoch
-whatever is left runs without speculation. eta = 1.0 disables speculation and
-gives plain batching in dataset order.
-
-Two modes (`recycle`):
-  recycle=True, the default (partial rollouts: APRIL, the Flux design). eta
-    widens the prompts only: every launched prompt runs exactly R responses
-    and a kept prompt is all of them, so which responses train does not
-    depend on their length. The responses of a prompt that loses the race
-    are aborted and kept as they stand (tokens, behaviour logprobs, per-token
-    versions: finished ones whole), and a later round continues each
-    unfinished one from prompt + its tokens. A response the backend aborts on
-    its own (a weight-update pause) is continued the same way. No decode work
-    is discarded. The carried responses are part of the batcher's
-    (checkpointed) state.
-  recycle=False (Flexes as published): a short round also launches
-    ceil(eta*R) responses per prompt and keeps a prompt's first R to finish;
-    aborted work is discarded and a deferred prompt is generated again from
-    scratch. The kept responses are biased towards short ones
-    (bench/tail.py measures it).
-
-`continue_in` says where a deferred prompt's carried responses go on:
-"long_round" (Flexes' order: it waits in the long-prompt queue until P
-have gathered, so its first tokens may be several policy versions old when
-it trains) or "next_round" (APRIL's order: it goes to the front of the
-fresh queue and races again, with its head start, in the very next short
-round instead of waiting for P others).
-
-The scheduling here (`TailBatcher`, `Round`) is pure and synchronous so that
-it can be property-tested; rl/round_driver.py `run_round` is the asyncio
-driver that runs a round on a rollout backend.
+A short round launches ceil(eta*P) prompts, keeps the first P prompts to finish and
+defers the rest to a long-prompt queue; `recycle` keeps a loser's partial responses
+(APRIL, the Flux design) and `continue_in` says where they go on. The modes are told
+in docs/training-loop.md, "One step" (Producer). The scheduling here (`TailBatcher`,
+`Round`) is pure and synchronous so that it can be property-tested;
+rl/round_driver.py `run_round` is the asyncio driver that runs a round on a rollout
+backend.
 """
 
 from __future__ import annotations
@@ -181,9 +154,9 @@ class TailBatcher:
     prompts_per_round: P, the prompts a round keeps (the GRPO batch).
     responses_per_prompt: R, the responses of a kept prompt.
     eta: the speculation factor (>= 1; 1 disables it).
-    recycle: partial-rollout recycling (see the module docstring).
+    recycle: partial-rollout recycling (docs/training-loop.md, "One step").
     continue_in: "long_round" or "next_round": where deferred prompts go on
-      (see the module docstring); without recycling always the long round.
+      (docs/training-loop.md, "One step"); without recycling always the long round.
   """
 
   def __init__(

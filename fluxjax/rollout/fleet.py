@@ -1,37 +1,10 @@
 """A fleet of rollout servers: routing, retries, health, weight versions.
 
-Requests are fanned out one response per HTTP call (n = 1), so each can be
-aborted by rid. Routing:
-  * prompt affinity: requests with the same group key (a GRPO group; by
-    default the prompt itself) go to the server the group first went to, so
-    the group shares that server's prefix cache;
-  * otherwise the healthy server with the fewest outstanding tokens
-    (prompt + max_new_tokens of its in-flight requests).
-A server that fails (connection refused or reset, 5xx) is marked down, its
-groups are re-homed, and the request is retried from scratch elsewhere. A
-background task re-checks `/health` and brings servers back; one that missed a
-weight update (down during it, or restarted) is first refit to the last
-published folder, or, with broadcast updates (nothing on disk to refit
-from), kept out until the next broadcast brings it to the newest version,
-so no server rejoins with stale weights.
-
-`Fleet` implements `backend.RolloutBackend`: a new policy version is
-published as a versioned HF folder under `weights_root` that every server
-loads (rollout/publish.py).
-
-Where this differs from the Flux design's weight-sync manager, and why:
-  * Every healthy server takes every version when it is published, not
-    lazily when a request first needs it. A disk publish carries the
-    changes from the previous version (`weight_deltas`), which only a
-    server at that version can apply: one that skipped a version reads the
-    whole folder instead, 7.9x the bytes at 366M (bench/README.md,
-    publish.py: 93 MB of delta against 733 MB) and a pause of 8.3 s against
-    0.25 s projected for Qwen2.5-VL-7B. A broadcast reaches every server
-    in the update group at once, as one collective. Staying in lockstep
-    also keeps the version a request samples the one admission launched it
-    against. A server that missed versions (down, restarted, a failed
-    update) goes straight to the newest: the folder on disk when it
-    answers /health again, the next broadcast otherwise.
+`Fleet` implements `backend.RolloutBackend` over several servers: requests are fanned
+out one response per HTTP call (n = 1, so each can be aborted by rid), and a new policy
+version is published as a versioned HF folder under `weights_root` that every server
+loads (rollout/publish.py). Routing, retries, health and the deviations from the Flux
+design, and why, are told in docs/fleet.md, "A fleet".
 """
 
 from __future__ import annotations
@@ -166,7 +139,7 @@ class ServedModel:
 
 
 class Fleet:
-  """Async client over several servers (see module docstring).
+  """Async client over several servers (docs/fleet.md, "A fleet").
 
   Args:
     urls: the servers.

@@ -1,55 +1,10 @@
 """Weight publishing: trainer parameters -> versioned HF folder -> every server.
 
-Remote servers (ours or SGLang) get the refit sequence slime and AReaL use:
-  write   HF-layout safetensors to <root>/v<version>, atomically (a temp folder
-          renamed into place by hf_export.save_hf_checkpoint), so a server never
-          reads a half-written checkpoint;
-  pause   POST /pause_generation (mode "abort": in-flight requests return
-          their partial output with finish_reason abort, which the
-          coordinator continues; requests sent while paused wait in the
-          server, as SGLang holds them);
-  flush   POST /flush_cache (retried until idle);
-  update  POST /update_weights_from_disk {model_path, weight_version};
-  resume  POST /continue_generation, on every server that was paused.
-Each phase is timed across the fleet (the slowest server counts);
-`Fleet.update_weights` runs the sequence.
-
-Deferred (`defer`, the trainer's default), a publish returns at once and
-runs beside the next step's rollout and gradients; the next update, which
-donates the arrays the publish reads, waits for what is left of the reading
-(`PublishReport.reads_params`: holding a bf16 copy instead would cost the
-whole model in memory). The reads are the trainer's to run on its main
-thread: each tensor of a trainer that spans processes is a collective, which
-must keep its order against the training step's, and even on one process a
-program launched from another thread could interleave with the step's. So
-the main thread gathers each tensor (or run of rows) between the step's ops
-as the publish's consumer makes room for it (`PublishReport.feed`,
-rollout/tensor_feed.py), announcing each run to the other processes, which
-run the same gathers from their op stream (`take_part`); the consumer is the
-broadcast, or a thread that writes the folder (each process its own files,
-`deferred_write`), after which the servers load it. One exception: a
-one-process trainer's broadcast reads the arrays from its own thread, each
-tensor moved to one device first so that no collective runs
-(`hf_export.hf_tensors`).
-
-A write that fails (a full disk) ends the publish before any server hears of
-it: the fleet keeps serving the previous version, whose folder is untouched,
-and the report says why. What a writer killed mid-write leaves under the root
-is cleared by the next write there (`hf_export.remove_interrupted_writes`): a root
-has one writer, the run that publishes into it.
-
-The distributed transport (`publish_distributed`, sglang_api.md 4.2) makes a
-torch.distributed group of the trainer (rank 0) and every server's GPUs
-(`rank_layout`: tp x pp ranks each, from /get_server_info) and sends the
-model in buckets (`hf_export.byte_runs`), one /update_weights_from_distributed per
-bucket, so a server holds one bucket's receive buffers at a time; the last
-bucket sets the version and flushes the cache. A version is served whole or
-not at all: a bucket one server fails leaves the others with part of it, so
-they get the whole version again (when this process alone holds the model),
-and the fleet keeps every server whose update failed out, paused, until a
-refit brings it a whole version (`Fleet._refit`).
-
-In-process engines skip the disk: `publish_in_process` swaps the arrays.
+Entry points: `publish_to_fleet` (write, then `Fleet.update_weights`: pause, flush,
+update, resume), `publish_distributed` (torch.distributed buckets), `publish_in_process`
+(swaps an embedded engine's arrays), `deferred_write` and `PublishReport`. The
+refit sequence, a failed write, the distributed transport and the deferred publish
+are told in docs/fleet.md, "Weight sync" and "Deferred publish".
 """
 
 from __future__ import annotations
@@ -555,7 +510,7 @@ async def publish_distributed(
     defer: return at once, the broadcast running in `PublishReport.pending`
       (`reads_params`: it reads `model`'s arrays until it is done); when
       `model` spans processes, the caller's main thread gathers the tensors
-      (`PublishReport.feed`; module docstring).
+      (`PublishReport.feed`; docs/fleet.md, "Deferred publish").
 
   Returns:
     The report: seconds per phase, failed servers (marked down; a rejoining

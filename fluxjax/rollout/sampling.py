@@ -1,26 +1,9 @@
 """Per-slot sampling inside the jitted decode step.
 
 Every slot carries its own temperature, top-p, top-k, seed and step counter as
-arrays, so one compiled step serves any mix of requests.
-
-Semantics follow SGLang's sampler (`python/sglang/srt/layers/sampler.py`):
-  * temperature < 1e-6 is greedy: temperature 1 and top-k 1 (the rewrite in
-    SGLang's `SamplingParams`), applied by the caller (sampling_params.py);
-  * the returned logprob is that of the sampled token under
-    log_softmax(logits / temperature), i.e. after temperature and *before*
-    top-p/top-k truncation. With temperature 1 and no truncation this is the
-    model's distribution, which is what the trainer recomputes.
-
-Logit bias (SGLang's logit_bias): up to K (token id, bias) pairs per slot are
-added to the logits before temperature; padding pairs carry bias 0. The
-returned logprob is under the biased distribution, the one sampled from.
-
-Randomness: the key of the token sampled at position n of the sequence
-(prompt included) is fold_in(key(seed), n), as SGLang's seeded sampler hashes
-(seed, position). So a request with a given `sampling_seed` produces the same
-tokens whatever else is batched with it, and a paused response continued from
-prompt + its partial tokens (`GenerateRequest.continued`, rollout/protocol.py) draws what
-the uninterrupted one would have.
+arrays, so one compiled step serves any mix of requests. Entry points: `sample`
+(SGLang's sampler semantics and seeded randomness, told in its docstring),
+`apply_logit_bias`, `finite_rows`.
 
 Shapes: S slots, V vocabulary.
 """
@@ -59,7 +42,12 @@ def finite_rows(logits_SV: jax.Array) -> jax.Array:
 
 
 def apply_logit_bias(logits_SV: jax.Array, bias_ids_SK: jax.Array, bias_SK: jax.Array):
-  """Adds each slot's (id, bias) pairs to its logits (bias 0 pairs are no-ops)."""
+  """Adds each slot's (id, bias) pairs to its logits (bias 0 pairs are no-ops).
+
+  Logit bias (SGLang's logit_bias): up to K (token id, bias) pairs per slot are
+  added to the logits before temperature; padding pairs carry bias 0. The
+  returned logprob is under the biased distribution, the one sampled from.
+  """
   rows_S1 = jnp.arange(logits_SV.shape[0])[:, None]
   return logits_SV.at[rows_S1, bias_ids_SK].add(bias_SK)
 
@@ -73,6 +61,21 @@ def sample(
   position_S: jax.Array,
 ):
   """Samples one token per slot.
+
+  Semantics follow SGLang's sampler (`python/sglang/srt/layers/sampler.py`):
+    * temperature < 1e-6 is greedy: temperature 1 and top-k 1 (the rewrite in
+      SGLang's `SamplingParams`), applied by the caller (sampling_params.py);
+    * the returned logprob is that of the sampled token under
+      log_softmax(logits / temperature), i.e. after temperature and *before*
+      top-p/top-k truncation. With temperature 1 and no truncation this is the
+      model's distribution, which is what the trainer recomputes.
+
+  Randomness: the key of the token sampled at position n of the sequence
+  (prompt included) is fold_in(key(seed), n), as SGLang's seeded sampler hashes
+  (seed, position). So a request with a given `sampling_seed` produces the same
+  tokens whatever else is batched with it, and a paused response continued from
+  prompt + its partial tokens (`GenerateRequest.continued`, rollout/protocol.py) draws what
+  the uninterrupted one would have.
 
   Args:
     logits_SV: fp32 logits.

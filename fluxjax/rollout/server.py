@@ -4,25 +4,9 @@
   python -m fluxjax.rollout.server --preset tiny --seed S --port N   # random weights
 
 The HTTP side is aiohttp on the main thread's event loop; the engine steps in a
-background thread and reports tokens back through `call_soon_threadsafe`.
-The port opens at once and `/health` answers 503 until the model is loaded
-and warmed up (prefill + decode compiled), as SGLang's does while loading.
-The routes are those of openapi.ENDPOINTS, described at GET /openapi.json.
-
-Every refusal is `{"error": {"message": ...}}` (SGLang's error body) and
-never reaches the engine:
-  400  malformed JSON, a field of the wrong type or value, a prompt that
-       cannot be built, or one over the context: a prompt of --context-length
-       tokens or more, or prompt + an explicit max_new_tokens over it (SGLang's
-       check and wording; an absent or null max_new_tokens is clipped to the
-       context left, as SGLang's scheduler clips it);
-  404  an unknown path; 405 a method the path does not take;
-  408  a body not received within --body-timeout of its headers;
-  413  a body over --max-request-bytes (checked on Content-Length before
-       anything is read, and again while reading a chunked one);
-  503  the model is not loaded yet.
-A connection that sends no complete request for --idle-timeout seconds is
-closed, so stalled clients cannot pile up.
+background thread and reports tokens back through `call_soon_threadsafe`. The routes
+are those of openapi.ENDPOINTS; what the server accepts and refuses is told in
+docs/fleet.md, "The server's API".
 """
 
 from __future__ import annotations

@@ -1,43 +1,9 @@
 """Packed-segment flash attention on GPUs: Pallas kernels, Triton lowering.
 
-The `pallas_gpu` backend of `fluxjax.models.attention`, with the same masking
-as the `xla` reference:
-  key j is visible to query i  iff  seg[i] == seg[j] != 0  (and, when causal,
-  pos_kv[j] <= pos_q[i]),
-where positions are in-sequence positions, never buffer indices: a sharding
-strategy may reorder tokens, so nothing here assumes that a token's buffer
-index says anything about its causal order. Queries that see no key (padding,
-segment 0) return zeros.
-
-Structure (FlashAttention-2, after jax/experimental/pallas/ops/gpu/attention.py,
-which masks causality by index and so cannot serve packed, reordered rows):
-  forward   grid (query blocks, B, N): online softmax over the key blocks,
-            stores the base-2 logsumexp for the backward pass;
-  dq        grid (query blocks, B, N): recomputes the probabilities per key
-            block;
-  dk, dv    grid (key blocks, B, K): loops over the G = N / K query heads of
-            its kv head and their query blocks, so GQA never materializes
-            repeated K/V (nor per-query-head dK/dV).
-Softmax statistics and accumulators are fp32. fp32 inputs use IEEE fp32 dots
-(Triton's default for fp32 would be tf32, too coarse for the parity checks);
-bf16 inputs use the tensor cores with fp32 accumulation.
-
-Block skipping: before the kernels run, XLA reduces every block of queries
-and of keys to [min, max] of its nonzero segment ids and of its positions. A
-(query block, key block) pair can hold a visible pair only if
-  - both blocks hold a non-padding token,
-  - their segment-id ranges overlap (equal ids need overlapping ranges), and
-  - when causal, min pos over the key block <= max pos over the query block
-    (otherwise every key position exceeds every query position, whatever the
-    segments and the token order).
-Each test is a necessary condition for visibility in any token order, so a
-skipped pair never holds a visible key; the element mask inside a visited
-pair decides the rest. Each program loops only over the list of the blocks
-that pass (built per row with a stable argsort), so a packed row of short
-sequences costs about its block-diagonal, not T x S.
-
-T and S are padded internally to block multiples with segment id 0, and the
-head dim to a power of two (at least 16, Triton's smallest dot) with zeros.
+The `pallas_gpu` backend of `fluxjax.models.attention`, with the same masking as the
+`xla` reference (segment ids and in-sequence positions, never buffer indices; queries
+that see no key return zeros). Entry point: `pallas_attention`, whose docstring tells
+the kernels, the block skipping and the padding.
 """
 
 from __future__ import annotations
@@ -496,6 +462,36 @@ def pallas_attention(
   block_sizes: BlockSizes | None = None,
 ) -> jax.Array:
   """Flash attention over packed segments; same contract as `attention.xla.xla_attention`.
+
+  Structure (FlashAttention-2, after jax/experimental/pallas/ops/gpu/attention.py,
+  which masks causality by index and so cannot serve packed, reordered rows):
+    forward   grid (query blocks, B, N): online softmax over the key blocks,
+              stores the base-2 logsumexp for the backward pass;
+    dq        grid (query blocks, B, N): recomputes the probabilities per key
+              block;
+    dk, dv    grid (key blocks, B, K): loops over the G = N / K query heads of
+              its kv head and their query blocks, so GQA never materializes
+              repeated K/V (nor per-query-head dK/dV).
+  Softmax statistics and accumulators are fp32. fp32 inputs use IEEE fp32 dots
+  (Triton's default for fp32 would be tf32, too coarse for the parity checks);
+  bf16 inputs use the tensor cores with fp32 accumulation.
+
+  Block skipping: before the kernels run, XLA reduces every block of queries
+  and of keys to [min, max] of its nonzero segment ids and of its positions. A
+  (query block, key block) pair can hold a visible pair only if
+    - both blocks hold a non-padding token,
+    - their segment-id ranges overlap (equal ids need overlapping ranges), and
+    - when causal, min pos over the key block <= max pos over the query block
+      (otherwise every key position exceeds every query position, whatever the
+      segments and the token order).
+  Each test is a necessary condition for visibility in any token order, so a
+  skipped pair never holds a visible key; the element mask inside a visited
+  pair decides the rest. Each program loops only over the list of the blocks
+  that pass (built per row with a stable argsort), so a packed row of short
+  sequences costs about its block-diagonal, not T x S.
+
+  T and S are padded internally to block multiples with segment id 0, and the
+  head dim to a power of two (at least 16, Triton's smallest dot) with zeros.
 
   Args:
     q_BTNH, k_BSKH, v_BSKH: queries [B, T, N, H] and keys/values [B, S, K, H]

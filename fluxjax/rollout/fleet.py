@@ -43,14 +43,13 @@ class ServerState:
   client: SGLangClient
   healthy: bool = True
   outstanding_tokens: int = 0
-  inflight: set = dataclasses.field(default_factory=set)
+  # Generate calls in it, by rid (`tracked_call`): cancelled when it is taken out.
+  inflight: dict = dataclasses.field(default_factory=dict)
   weight_version: str | None = None
   completed: int = 0
   # Its weights are not a whole published version (it missed a broadcast, or
   # failed part way through an update): kept out until a refit brings it one.
   awaiting_update: bool = False
-  # Generate calls sent to it, by rid: cancelled when it is taken out.
-  calls: dict = dataclasses.field(default_factory=dict)
 
   @property
   def url(self) -> str:
@@ -348,10 +347,9 @@ class Fleet:
     for attempt in range(self.max_attempts):
       server = self._pick(group, tried)
       server.outstanding_tokens += cost
-      server.inflight.add(rid)
       self.where[rid] = server
       try:
-        out = await self._send(server, request)
+        out = await tracked_call(server.inflight, server.client, request)
         server.weight_version = out.weight_version
         server.completed += 1
         return out
@@ -364,12 +362,8 @@ class Fleet:
           await asyncio.sleep(0.05 * attempt)
       finally:
         server.outstanding_tokens -= cost
-        server.inflight.discard(rid)
         self.where.pop(rid, None)
     raise NoServerAvailable(f"request {rid} failed on every server: {last}")
-
-  async def _send(self, server: ServerState, request: GenerateRequest) -> Completion:
-    return await tracked_call(server.calls, server.client, request)
 
   async def generate_many(
     self, requests: Sequence[GenerateRequest], groups: Sequence[str | None] | None = None
@@ -484,28 +478,24 @@ class Fleet:
     other server is continued. Call under `_control`."""
     seconds: dict[str, float] = {}
     failed: dict[ServerState, str] = {}
-    updated: list[ServerState] = []
-    phases = (
-      ("pause", lambda targets: self.broadcast(lambda c: c.pause(pause_mode), targets)),
-      ("flush", lambda targets: self.broadcast(lambda c: c.flush_cache(), targets)),
-      ("update", update),
-      ("resume", lambda targets: self.broadcast(lambda c: c.resume(), targets)),
-    )
-    for name, fn in phases:
+
+    async def phase(name: str, fn, targets: Sequence[ServerState]) -> None:
       t = time.perf_counter()
-      if name == "resume":
-        mixed = [s for s in servers if s in failed and s in updated]
-        for s in mixed:
-          await self._take_out(s, f"its weight update failed part way: {failed[s]}")
-        targets = [s for s in servers if s not in mixed]
-      else:
-        targets = [s for s in servers if s not in failed]
-      if name == "update":
-        updated = targets
       for s, r in zip(targets, await fn(targets)):
         if isinstance(r, Exception):
           failed.setdefault(s, str(r))
       seconds[name] = time.perf_counter() - t
+
+    await phase("pause", lambda ts: self.broadcast(lambda c: c.pause(pause_mode), ts), servers)
+    flushing = [s for s in servers if s not in failed]
+    await phase("flush", lambda ts: self.broadcast(lambda c: c.flush_cache(), ts), flushing)
+    updated = [s for s in servers if s not in failed]
+    await phase("update", update, updated)
+    mixed = [s for s in updated if s in failed]
+    for s in mixed:
+      await self._take_out(s, f"its weight update failed part way: {failed[s]}")
+    resumed = [s for s in servers if s not in mixed]
+    await phase("resume", lambda ts: self.broadcast(lambda c: c.resume(), ts), resumed)
     for s in servers:
       if s not in failed:
         s.weight_version = version
@@ -516,7 +506,7 @@ class Fleet:
     whole version; the requests waiting in it go to other servers."""
     self._mark_down(server, why)
     server.awaiting_update = True
-    for call in list(server.calls.values()):
+    for call in list(server.inflight.values()):
       call.cancel()
 
   async def _rejoin(self, server: ServerState) -> bool:

@@ -580,12 +580,11 @@ async def _broadcast_version(
     nonlocal join_s
     t = time.perf_counter()
     urls = tuple(s.client.url for s in servers)
-    joined: list = [None] * len(servers)
     if fleet.weight_group is None or fleet.weight_group.urls != urls:
       joined = await _join(fleet, servers)
-    join_s += time.perf_counter() - t
-    if fleet.weight_group is None:
-      return [RuntimeError(f"joining the weight update group: {r or 'not made'}") for r in joined]
+      join_s += time.perf_counter() - t
+      if fleet.weight_group is None:
+        return [RuntimeError(f"joining the weight update group: {r or 'not made'}") for r in joined]
     for k, update in enumerate(updates):
       results = await send_bucket(servers, fleet.weight_group.group, update, source)
       if any(isinstance(r, Exception) for r in results):  # the group may be broken: make it anew
@@ -607,7 +606,7 @@ async def _broadcast_version(
     more, without the servers that failed; else they wait for the next one."""
     results = await send_version(servers, tensors)
     part = [s for s, r in zip(servers, results) if isinstance(r, PartOfVersion)]
-    if part and feed is None and not spans:
+    if part and not hf_export.spans_processes(model):
       log.warning(
         "weight version %s: sent again to %d servers that hold part of it", version, len(part)
       )

@@ -1,24 +1,12 @@
-"""Readers of RL dataset rows (JSONL or Parquet) into one normalized form.
+"""Readers of RL dataset rows (JSONL, a JSON array or Parquet) into one normalized form.
 
-A row is a dict with `id`, `turns` (the chat as given: system, user and
-assistant turns, each image or video part where it stands), `prompt` (the
-user turns' text), `answer`, `images` and `videos` (absolute paths) and
-`media_order` (their kinds in prompt order). Both the synth manifest and the
-usual RL dataset layouts (HF datasets, veRL's preprocessing) are accepted:
-`prompt` may be a string or chat messages whose content is a string or typed
-parts; `<image>` / `<video>` placeholders in the text become media parts
-where they stand (a prompt without any gets its media first, images then
-videos); the answer may sit in `answer`, `ground_truth`, `solution` or
-`reward_model.ground_truth`; media may be a path, bytes, HF datasets'
-`{"bytes", "path"}`, or a list of them, in `images`/`image`,
-`videos`/`video` or inline in a part. Relative media paths resolve against
-the dataset file's directory; bytes are written once, under their hash, to
-the media directory the caller names. A row whose placeholders do not match
-its media, or whose media entry is none of these, comes back with `error`
-set, which the loader counts and logs as a skip. Only paths are read: pixels are
-the preprocessor workers' business. The row's other fields that are JSON
-values, with the contents of veRL's `extra_info`, are kept as `extra` for
-rewards that ask for them.
+`read_rows` takes the synth manifest and the usual RL layouts (HF datasets, veRL's
+preprocessing); `normalize_row` turns each row into the dict its docstring lists: the
+chat `turns` with each image or video part where it stands, `prompt` (the user turns'
+text), `answer`, absolute media paths with their kinds in prompt order, and `extra`
+for rewards, or `error` set for a row the loader counts and logs as a skip. Only paths
+are read: pixels are the preprocessor workers' business. The fields and forms accepted,
+and where media go in the prompt, are told in docs/data.md.
 """
 
 from __future__ import annotations

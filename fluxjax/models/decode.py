@@ -1,27 +1,14 @@
 """KV-cache inference for `vlm.Qwen25VL`: prefill into a slot, decode all slots.
 
-The rollout engine keeps one cache for a fixed number of slots; each slot holds
-one request. Prefill runs a prompt (padded to a bucket length) through the
-decoder, writes its keys/values into the slot and returns the logits of the
-last prompt token. A decode step feeds one token to each of the first S slots,
-writes its key/value at the slot's current length and returns their next-token
-logits; it reads only the first `window` cache entries of those slots.
-
-Everything is built from the model's own submodules (embedding, vision tower,
-the stacked decoder layers, final norm, LM head), so numbers match the
-training forward (`Qwen25VL.hidden_states`) up to summation order.
-
-Cache layout and masks: entries are stored in causal order, so for decode the
-cache index is the causal position: key j is visible to a query at index i iff
-j <= i. M-RoPE positions are separate: a decoded token's rotary position is
-`len(tokens so far) + mrope_delta` (rope_index.py), the same for all three
-sections, given by the caller.
-
-Shapes: L layers, S slots, C cache capacity (tokens per slot), K kv heads,
-H head dim, N query heads, D width, V vocabulary, P prefill bucket length.
-The cache is kv-head-major, [L, S, K, C, H] (FlashInfer's HND): a decode
-step's two products then batch over (slot, kv head) without transposing
-what it reads.
+One cache holds the rollout engine's slots, one request each. `prefill` runs a prompt
+(padded to a bucket length) and writes its keys/values into its slot; `decode_step`
+feeds one token to each of the first S slots, reading only the first `window` cache
+entries. Both are built from the model's own submodules (embedding to LM head), so
+numbers match `Qwen25VL.hidden_states` up to summation order. The cache index is the
+causal position; M-RoPE positions are the caller's (rope_index.py). Shapes: L layers,
+S slots, C cache capacity, K kv heads, H head dim, N query heads, D width, V vocabulary,
+P prefill bucket; the cache is [L, S, K, C, H], kv-head-major (FlashInfer's HND), so a
+decode step's two products batch over (slot, kv head) without transposing what it reads.
 """
 
 from __future__ import annotations
@@ -207,7 +194,7 @@ def decode_step(
     lengths_S: int [S] tokens already cached per slot: the new token's
       key/value goes to this index, and it attends to indices <= it.
     rope_pos_S: int [S] M-RoPE text position of the fed token
-      (length + mrope_delta).
+      (length + mrope_delta), the same in all three sections.
     window: static; attention reads only the first `window` cache entries,
       which must hold every slot's (lengths_S < window). None = the whole
       capacity. Decode cost then follows the longest live sequence, not the

@@ -1,26 +1,12 @@
 """Sparse weight deltas: a published version as the elements that changed.
 
-One RL step leaves most bf16 weights as they were: the fp32 master weights
-move by less than half a bf16 step. A published folder `v<n>` may carry, in
-`delta/`, its tensors as changes from an earlier published version `v<b>`
-(the base): per tensor, the flat indices (HF layout) of the elements whose
-bytes differ and their new values, exactly, so applying them to `v<b>` gives
-`v<n>` bit for bit. A server that serves `v<b>` reads these instead of the
-folder; any other server, and SGLang (which reads the folder's
-`*.safetensors` and their index, not a subfolder), loads the folder. A tensor
-with more than `DENSE_SHARE` of its elements changed is marked to be read
-from the folder: its indices would cost more than the tensor; so is one whose
-entries would pass the writer's bound (`TensorDelta`'s `max_bytes`).
-
-  delta/delta.json             {"format": FORMAT, "base_version": "<b>"}
-  delta/<a file of the folder> per tensor of that file with changes:
-                               "<name>::index" (int32, or int64 past 2^31
-                               elements) and "<name>::value", or
-                               "<name>::folder" (empty: read it whole)
-
-Each process that writes files of the folder writes their deltas
-(hf_export.save_hf_checkpoint); process 0 writes delta.json last, so a folder
-without it has no usable delta.
+A published folder `v<n>` may carry, in `delta/`, its tensors as changes from an earlier
+version `v<b>`: per tensor, the flat indices (HF layout) and exact new values of the
+elements whose bytes differ, so applying them to `v<b>` gives `v<n>` bit for bit. Past
+`DENSE_SHARE` of its elements changed, or past the writer's bound (`TensorDelta`'s
+`max_bytes`), a tensor is marked to be read from the folder. `TensorDelta` builds the
+entries, `write_file` and `write_manifest` write them, `base_version` and `apply` read
+them. Why, who reads them and the files' layout: docs/fleet.md, "Weight deltas".
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """Several JAX processes, one run: process 0 decides, every process computes.
 
-A multi-controller run (jax.distributed) has one global mesh over every
-process's devices, and every jitted program on it must be launched by every
-process, in the same order. Decisions that depend on timing or on I/O only
-one process does (rollout, rewards, admission, which groups make a part of
-the batch) are made once, on process 0, the leader. The leader sends each
-decision as an op on a `Channel`, an ordered stream over the coordination
-service's key-value store, and then runs it itself; the other processes
-receive the ops in order and run the same programs on their shards
-(rl/worker.py).
-
-The channel is not a device collective: a follower waiting for the next op
-(while the leader's rollout runs for minutes) sits in a key-value get, not
-inside a gloo/NCCL collective that could time out. Payloads are pickled (the
-ops carry metadata and per-token arrays, never pixels: each process decodes
-its own devices' media) and split into chunks the gRPC service accepts.
-
-`gather_to_leader` brings a sharded tree whole to the leader's host, a run of
-rows at a time: how the leader's rollout engine gets its own copy of the
-weights (rollout programs are process-local, so they need no cross-process
-ordering).
+In a multi-controller run (jax.distributed) every jitted program on the one global mesh
+must be launched by every process, in the same order. Decisions that depend on timing
+or on I/O only one process does are made once, on process 0, the leader, which sends
+each as an op on a `Channel` and then runs it; the others run the ops in order
+(rl/worker.py). The channel is an ordered stream over the coordination service's
+key-value store, not a device collective (why: docs/design.md, section 3,
+"Multi-controller runs"); payloads are pickled and split into chunks the gRPC service
+accepts. `gather_to_leader` brings a sharded tree whole to the leader's host, a run of
+rows at a time: the leader's rollout engine gets its own copy of the weights that way.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """The placement plan: which tokens go where, computed from lengths only.
 
-A plan is plain data (ints and tuples) made on the controller, printable,
-testable and cheap to broadcast to other processes. Strategies produce plans;
-`fluxjax/parallel/batch.py` turns a plan and the sequences into device buffers.
-
-Vocabulary:
-  device     an index into the flattened data-parallel devices (0..D-1), in the
-             order of the mesh's device array.
-  row        the sequences one attention group processes together in one
-             microbatch: their tokens are concatenated (segment ids tell them
-             apart) and the stream is cut into `len(devices)` equal contiguous
-             slices of `capacity` tokens, slice k on devices[k]. A row of degree
-             1 is plain packing (packed_dp); degree sp is Ulysses.
-  microbatch every device takes part in exactly one row per microbatch (a row
-             may be empty); gradients accumulate over microbatches.
-  level      FlexUlysses plans have several degrees at once: the device buffer
-             is cut into one section per degree, highest first, and a device
-             takes part in one row per level. `levels` lists (degree, capacity)
-             of the sections; a plan without levels has one section holding all
-             of `capacity`, whatever its rows' degree.
+A plan is plain data (ints and tuples) made on the controller: printable, testable and
+cheap to broadcast. Strategies make plans; `fluxjax/parallel/batch.py` turns a plan and
+the sequences into device buffers. A device is an index into the flattened data-parallel
+devices (0..D-1), in the order of the mesh's device array. A row is the sequences one
+attention group processes together in a microbatch: their tokens concatenated (segment
+ids tell them apart) and cut into `len(devices)` contiguous slices of `capacity` tokens,
+slice k on devices[k]; degree 1 is plain packing (packed_dp), degree sp Ulysses. Every
+device is in one row per microbatch (one per level in FlexUlysses plans, `Plan.levels`;
+a row may be empty); gradients accumulate over microbatches.
 """
 
 from __future__ import annotations
@@ -49,6 +39,9 @@ class Plan:
     microbatches: microbatches[m] = rows of microbatch m; every device appears
       in exactly one row of each microbatch.
     lengths: token count of every sequence of the batch (for checks and costs).
+    levels: (degree, capacity) of each buffer section, highest degree first
+      (FlexUlysses: a device takes part in one row per level); () = one
+      section holding all of `capacity`, whatever its rows' degree.
   """
 
   strategy: str

@@ -1,24 +1,14 @@
 """One Orbax checkpoint per saved step: everything a run needs to resume exactly.
 
-Items:
-  state        model parameters, optimizer state and step (TrainState), saved
-               from their shards and restored onto an abstract target that
-               carries the *current* shardings (so a restore also reshards);
-  rng          the run's PRNG key data;
-  coordinator  JSON: long-prompt queue, prompts in flight to re-issue, async
-               controller state, policy versions, counters;
-  data         JSON: the data iterator's state (Grain), so a resumed run
-               continues with the next unseen sample.
-A killed run resumes from the latest complete checkpoint in its work
-directory. Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames
-it to `<step>` once every item is on disk, so a save killed or failed midway
-is never picked up: `latest_step` reads the committed steps from disk, and a
-new Checkpointer removes the temporary folders such saves left behind.
-
-Saves are asynchronous: a write that fails in the background (a full disk)
-surfaces as CheckpointWriteError from the next `wait`, `save` or `close`,
-whichever comes first, naming the step that was not saved. Nothing swallows
-it; the earlier checkpoints stay as they were.
+`Checkpointer` saves the items `ITEMS` under `workdir/checkpoints`: the TrainState
+(parameters, optimizer state and step), saved from its shards and restored onto an
+abstract target with the current shardings (`abstract_like`), so a restore also
+reshards; the PRNG key data; the coordinator's state as JSON (long-prompt queue,
+prompts in flight to re-issue, async controller state, policy versions, counters);
+the Grain iterator's state as JSON, so a resumed run continues with the next unseen
+sample. Saves are asynchronous and atomic: `latest_step` is the newest step committed
+on disk, and a failed background write raises `CheckpointWriteError`. How that holds
+is told in docs/reliability.md, "Resume".
 """
 
 from __future__ import annotations

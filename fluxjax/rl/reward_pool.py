@@ -1,25 +1,14 @@
 """The asynchronous reward scheduler (Flexes section 4.3).
 
-`RewardScheduler` runs reward calls (the run's reward, rl/reward_spec.py: one
-function or a weighted sum, each called with the row's context it asks for)
-in a pool of spawned worker processes as responses arrive: `submit` returns a Future of a
-`RewardResult`, `poll` drains the results finished since the last poll, and
-`gather` waits. Each call gets the Flexes adaptive timeout
-
-  T = min(max(t_min, anchor_factor * T_anchor), t_max)
-
-where T_anchor is the slowest *correct* call (reward >= correct_threshold)
-seen so far for the call's `key` (e.g. the prompt id: Flexes anchors per test
-case; key None shares one anchor). Before any correct call T = t_max: there is
-no evidence yet of how long a correct answer takes, so nothing is cut early.
-A call that exceeds T has its worker killed (SIGKILL: a hung sandbox may ignore
-SIGTERM) and replaced, and yields reward 0 with status "timeout"; a call that
-raises, returns a value that is not a finite number, or whose worker dies,
-yields 0 with status "error". Each such call is logged with its key and tag
-(the producer's key is the sample id) and counted (`reward/timeout`,
-`reward/error`). The pool keeps serving either way. Durations are measured
-inside the worker (compute time, not queueing); the deadline is counted from
-dispatch to a worker that has already finished starting up.
+`RewardScheduler` runs the run's reward (rl/reward_spec.py) in a pool of spawned worker
+processes as responses arrive: `submit` returns a Future of a `RewardResult`, `poll`
+drains the results finished since the last poll, and `gather` waits. Each call gets
+Flexes' adaptive timeout T = min(max(t_min, anchor_factor * T_anchor), t_max), T_anchor
+being the slowest correct call (reward >= correct_threshold) seen so far for its `key`
+(None shares one anchor), and t_max before any. A call past T (its worker killed and
+replaced), or one that raises, returns no finite number or loses its worker, yields 0
+with status "timeout" or "error", logged with its key and tag and counted; the pool
+keeps serving. Why t_max first, and how calls are timed: docs/rewards.md.
 """
 
 from __future__ import annotations

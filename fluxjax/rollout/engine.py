@@ -1,26 +1,14 @@
 """The embedded rollout engine: slot-based continuous batching in JAX.
 
-A fixed number of slots share one KV cache (models/decode.py). Between steps,
-waiting requests join free slots (one prefill each, its length padded to a
-bucket so that few shapes compile) and finished or aborted requests leave.
-Each step is one jitted call that decodes and samples a token for every slot
-up to the highest busy one, idle ones among them included: the slot count and
-the cache entries read come in a few buckets (one compiled program each), so
-decode cost follows the live load, not the engine's size. A call may run
-several such steps (`num_continuous_decode_steps`, SGLang's
---num-continuous-decode-steps): the dispatch and the host's fetch of the
-tokens are paid once per call, not per token; in exchange a request that
-stops inside a call (EOS, a stop string) holds its slot to the call's end,
-and requests join between calls only. Per-slot sampling parameters
-are arrays (rollout/sampling.py). A slot whose logits are non-finite samples
-nothing: its request finishes as an abort that carries a `NonFiniteLogits`
-(protocol.py), which `generate`, the embedded backend and the HTTP client raise.
-
-The engine is thread-safe: `submit`, `abort`, `pause`, `resume` and
-`update_params` may be called from any thread while `run_forever` steps in a
-background thread (the server) or the caller steps it (`generate`).
-Weights are swapped between steps; the jitted functions take the parameter
-state as an argument, so a swap never recompiles.
+A fixed number of slots share one KV cache (models/decode.py). Between calls, waiting
+requests join free slots (one prefill each, padded to a bucket length) and finished or
+aborted ones leave. A jitted call runs `num_continuous_decode_steps` decode steps over
+the slots up to the highest busy one and the cache entries they reach, both in buckets,
+so cost follows the live load; a request that stops inside a call holds its slot to its
+end. Sampling parameters are per-slot arrays (rollout/sampling.py); non-finite logits end
+a request as an abort carrying a `NonFiniteLogits`. Thread-safe: `submit`, `abort`,
+`pause`, `resume` and `update_params` from any thread while `run_forever` (the server)
+or `generate` steps it; weights swap between steps as a jitted argument: no recompile.
 """
 
 from __future__ import annotations

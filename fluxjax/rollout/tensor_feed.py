@@ -1,24 +1,14 @@
 """The items of a deferred publish, gathered on the trainer's main thread.
 
-Each published tensor of a trainer that spans processes is a collective
-gather that every process runs, and collectives must meet in one order on
-every process: the training step's own are launched from each process's
-main thread, in the order the leader's ops arrive. A publish that overlaps
-training therefore cannot gather from another thread. A `TensorFeed` splits
-the work: the main thread gathers (the leader: `pump` between the step's
-ops while it waits for rollouts, `finish` before the update that donates the
-arrays, each run announced first so that the other processes run the same
-gathers at the same point of their op stream; another process: `take`, as
-the leader's announcement arrives), and a consumer on another thread takes
-each item as it comes (iterating the feed): the broadcast, or a process's
-part of a folder write. At most `capacity` gathered items wait between the
-two, so a process holds the item being consumed plus `capacity` more, as an
-undeferred publish does. `after_last` runs on the gathering thread right
-after the last gather, at the same point on every process (a folder write's
-closing collective).
-
-A process with one device set needs no announcements; the same feed then
-keeps the trainer's main thread the only one that launches programs.
+Across processes each published tensor is a collective gather, and collectives must
+meet in one order: the training step's are launched from each main thread in op order,
+so a publish that overlaps training cannot gather from another thread (docs/fleet.md,
+"Deferred publish"). A `TensorFeed` splits the work: the main thread gathers (the
+leader: `pump` while it waits for rollouts, `finish` before the update that donates the
+arrays, each run announced first; another process: `take`, as announced), and a
+consumer thread iterates the feed, with at most `capacity` gathered items between them.
+`after_last` runs on the gathering thread after the last gather. A one-process trainer
+needs no announcements: the feed keeps its main thread the only one launching programs.
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """The device mesh: built from config, entered with `jax.set_mesh`.
 
-Axes, outermost first:
-  data   replicas of the model (parameters replicated across them; HSDP);
-         mesh.data 0 lets `data_axis` choose one per host (a hybrid mesh,
-         built by `make_mesh` so that each replica is one host's devices);
-  fsdp   parameters, gradients and optimizer state sharded across it;
-  sp...  the sequence-parallel factorization the strategy needs: one `sp` axis
-         for fixed-degree Ulysses, binary `sp_0, sp_1, ...` for FlexUlysses.
-         Parameters are sharded across these too: every device of a replica
-         holds a 1/N slice (ZeRO-3 over fsdp x sp).
-`data` and `fsdp` always exist (size 1 allowed); the sequence axes are the
-strategy's (none on a single device), so only code that knows the strategy
-names them: parameter and batch specs go through `param_axes` / `batch_axes`.
-
-Axis types are Auto: parameters, optimizer state and batches are placed with
-explicit NamedShardings (jit in/out shardings), and the partitioner inserts
-FSDP's per-layer all-gathers and gradient reduce-scatters. Explicit axes would
-make every weight use a hand-written reshard; where we need exact control of
-communication (Ulysses all-to-alls, minibatch-level sync) we use shard_map.
-The flattened device index used by plans is the row-major position in
-`mesh.devices`; batch arrays shard their leading axis over all axes in order.
+Axes, outermost first: `data` (replicas; HSDP), `fsdp`, then the strategy's sequence
+axes; parameters are sharded over all but `data` (ZeRO-3; docs/config.md, "Sharding").
+`data` and `fsdp` always exist (size 1 allowed); the sequence axes are the strategy's,
+so only code that knows it names them: specs go through `param_axes` / `batch_axes`.
+Axes are Auto: explicit NamedShardings place arrays and the partitioner inserts FSDP's
+per-layer all-gathers and gradient reduce-scatters (Explicit axes would make every
+weight use a hand-written reshard); where communication needs exact control (Ulysses
+all-to-alls, minibatch-level sync) we use shard_map. Plans' device d is
+`mesh.devices.flat[d]`: batch arrays shard their leading axis over all axes in order.
 """
 
 from __future__ import annotations

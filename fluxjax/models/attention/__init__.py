@@ -1,24 +1,13 @@
-"""Attention over packed sequences, behind one backend switch.
+"""Attention over packed sequences, behind one backend switch (`model.attention_backend`).
 
-Every backend takes the same arguments and masks the same way as the `xla`
-reference (`fluxjax.models.attention.xla`): segment ids and in-sequence
-positions decide visibility, never buffer indices. Built in:
-  auto        pallas_gpu on GPUs; on CPUs xla_blocked for rows of more than
-              512 keys, else xla (`default_backend`).
-  xla         the reference; any platform.
-  xla_blocked blockwise with masked blocks skipped, plain XLA
-              (`fluxjax.models.attention.blocked`); any platform, the fast
-              one on CPUs, where it runs packed rows several times faster.
-  pallas_gpu  packed-segment flash attention in Pallas/Triton
-              (`fluxjax.models.attention.pallas`).
-  cudnn       cuDNN's fused flash attention in its packed (THD) layout
-              (`fluxjax.models.attention.cudnn`); Hopper or newer.
-  tokamax_gpu tokamax's Mosaic GPU flash kernel with per-query key ranges
-              (`fluxjax.models.attention.tokamax`); needs `tokamax`.
-GPU backends load on first use, so CPU-only users never import their
-lowerings. The cudnn and tokamax_gpu backends sort the buffer into contiguous
-segments first (`fluxjax.models.attention.layout`) and serve self-attention
-only. Other backends register with `register_backend`.
+Every backend takes the arguments of the `xla` reference (xla.py) and masks as it does:
+segment ids and in-sequence positions decide visibility, never buffer indices. Built in:
+`xla`, `xla_blocked` (blocked.py, any platform), `pallas_gpu` (pallas.py), `cudnn`
+(cudnn.py) and `tokamax_gpu` (tokamax.py), each module saying what it needs; `auto` is
+`default_backend`'s pick by platform and row length. docs/design.md, section 6, compares
+them. GPU backends load on first use, so CPU-only users never import their lowerings;
+cudnn and tokamax_gpu sort the buffer into contiguous segments first (layout.py) and
+serve self-attention only. Other backends register with `register_backend`.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import math
 import queue
+import threading
 import time
 from collections.abc import Sequence
 
@@ -127,12 +128,16 @@ class Coordinator:
     # Every counted fault of the run (fluxjax/faults.py), checkpointed together.
     self.faults = faults_lib.Faults(settings.faults.limits())
     self._P = settings.rl.prompts_per_step
+    # The trainer's one wait while a deferred publish gathers: a rollout item or room.
+    self._wake = threading.Event()
     self._producer = producer_lib.Producer.of(
-      settings, rollout, reward_scheduler, loader, self._requests, self.faults, thread
+      settings, rollout, reward_scheduler, loader, self._requests, self.faults, thread, self._wake
     )
     # The most versions a group may trail the policy it trains, queue time included.
     self._max_gap = self._producer.admission.max_gap
-    self._publisher = publisher_lib.Publisher(policy, rollout, thread, self._producer, self.faults)
+    self._publisher = publisher_lib.Publisher(
+      policy, rollout, thread, self._producer, self.faults, self._wake
+    )
     self._evaluator = evaluation.Evaluator(
       settings, self._requests, rollout, reward_scheduler, thread
     )
@@ -246,9 +251,9 @@ class Coordinator:
 
   def _next_item(self) -> producer_lib.RolloutItem:
     """The rollout thread's next item. Meanwhile a deferred publish's gathers
-    run here, each as its consumer makes room (the publisher wakes on each
-    take), with a look at the queue between them."""
+    run here, each as its consumer makes room; `_wake` is set by either event."""
     while True:
+      self._wake.clear()
       gathering = self._publisher.pump()
       try:
         return self._producer.out.get(block=not gathering, timeout=5.0)
@@ -256,7 +261,7 @@ class Coordinator:
         if not self._producer.alive:
           raise RuntimeError("the rollout thread died") from None
       if gathering:
-        self._publisher.wait_for_room()
+        self._wake.wait(5.0)
 
   def _trains(self, item: producer_lib.KeptGroup, batch: _Batch) -> bool:
     """Whether a kept group trains this step. One that waited in the queue

@@ -27,6 +27,7 @@ import collections
 import dataclasses
 import logging
 import queue
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -131,6 +132,7 @@ class Producer:
     faults: faults_lib.Faults,
     request_retries: int,
     thread: LoopThread | None = None,
+    wake: threading.Event | None = None,
   ):
     self.rollout = rollout
     self.scores: dict[str, Any] = {}  # rid -> reward future of a finished response
@@ -145,6 +147,8 @@ class Producer:
     self.samples: dict[int, meta_lib.SampleMeta] = {}
     self.prompts: dict[int, Any] = {}
     self.out: queue.Queue[RolloutItem] = queue.Queue()
+    # Set on each item put on `out`, for a consumer that waits on other events too.
+    self.wake = threading.Event() if wake is None else wake
     self.version = 0  # the weight version rollouts sample from (tags)
     self.step = 0  # updates applied by the trainer (admission)
     self.counts: collections.Counter = collections.Counter()
@@ -166,6 +170,7 @@ class Producer:
     requests: RequestSource,
     faults: faults_lib.Faults,
     thread: LoopThread,
+    wake: threading.Event | None = None,
   ) -> Producer:
     """The run's producer: its batcher (rollout.tail_batching) on a streamed
     epoch, its admission (coordinator.lag)."""
@@ -192,9 +197,14 @@ class Producer:
       faults=faults,
       request_retries=settings.faults.request_retries,
       thread=thread,
+      wake=wake,
     )
 
   # -- thread plumbing -----------------------------------------------------------
+  def _emit(self, item: RolloutItem) -> None:
+    self.out.put(item)
+    self.wake.set()
+
   def start_loop(self) -> None:
     """Starts the rollout thread's event loop (all backend calls run on it)."""
     self._thread.start()
@@ -465,14 +475,14 @@ class Producer:
           await self._top_up()
           plan = self.batcher.plan_round(limit=allowed)
         if plan is None:
-          self.out.put(DataEnd())
+          self._emit(DataEnd())
           return
         await self._round(plan)
     except asyncio.CancelledError:
       raise
     except BaseException as e:
       log.exception("rollout producer stopped")
-      self.out.put(Stopped(e))
+      self._emit(Stopped(e))
 
   async def _round(self, plan: tail_batching.RoundPlan) -> None:
     """Runs one admitted round; each kept group is queued as its rewards come in."""
@@ -518,7 +528,7 @@ class Producer:
     self.scores.clear()
     for key, n in result.stats.counts().items():
       self.counts[f"rollout/{key}_total"] += n
-    self.out.put(RoundEnd(result.stats))
+    self._emit(RoundEnd(result.stats))
 
   async def _failed(
     self, plan: tail_batching.RoundPlan, e: round_driver.RoundFailed, pending: list[asyncio.Task]
@@ -549,7 +559,7 @@ class Producer:
       [s.terms for s in scored],
     )
     self.prompts.pop(uid, None)
-    self.out.put(KeptGroup(group, sample, launch_version))
+    self._emit(KeptGroup(group, sample, launch_version))
 
 
 def sample_to_dict(sample: meta_lib.SampleMeta) -> dict:

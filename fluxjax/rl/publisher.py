@@ -26,10 +26,6 @@ from fluxjax.rollout.tensor_feed import TensorFeed
 
 log = logging.getLogger(__name__)
 
-# The longest `wait_for_room` waits: how late the trainer, waiting for
-# rollouts while a deferred publish still has gathers left, sees a group.
-ROOM_WAIT_S = 0.02
-
 
 class Served(Protocol):
   """Told each version once rollout serves it (the producer: admission opens)."""
@@ -46,6 +42,8 @@ class Publisher:
     thread: the rollout thread's loop; every backend call runs on it.
     served: told each version, with the RL steps it had, once rollout serves it.
     faults: the run's fault streaks (`unwritten_publishes`).
+    wake: set when a fed publish's consumer takes an item (room to gather);
+      the trainer waits on it, and rollout sets it too on each finished item.
   """
 
   def __init__(
@@ -55,6 +53,7 @@ class Publisher:
     thread: LoopThread,
     served: Served,
     faults: faults_lib.Faults,
+    wake: threading.Event,
   ):
     self._policy = policy
     self._rollout = rollout
@@ -66,7 +65,7 @@ class Publisher:
     self._version_steps: dict[str, int] = {}
     self._unwritten = faults.streak("unwritten_publishes")  # reached no server
     self._deferred: PublishReport | None = None  # a publish whose servers' part is pending
-    self._took = threading.Event()  # a fed publish's consumer took an item: room to gather
+    self._wake = wake
 
   @property
   def version(self) -> int:
@@ -101,7 +100,7 @@ class Publisher:
       self._served.set_version(version, steps)
     else:  # the servers load it while training goes on
       if report.feed is not None:
-        report.feed.on_take = self._took.set
+        report.feed.on_take = self._wake.set
       report.pending.add_done_callback(lambda _: self._served.set_version(version, steps))
       self._deferred = report
     return time.perf_counter() - t
@@ -115,17 +114,12 @@ class Publisher:
   # -- a deferred publish ------------------------------------------------------
   def pump(self) -> bool:
     """Gathers the items a fed publish's consumer has room for, without
-    waiting; returns whether gathers are left."""
+    waiting; returns whether gathers are left (the next room sets `wake`)."""
     feed = self._feed()
     if feed is None or not feed.remaining:
       return False
-    self._took.clear()
     feed.pump(self._policy.announce_gathers)
     return feed.remaining > 0
-
-  def wait_for_room(self, timeout: float = ROOM_WAIT_S) -> None:
-    """Waits until the consumer takes an item (since `pump`), at most `timeout` seconds."""
-    self._took.wait(timeout)
 
   def settle_reads(self) -> dict[str, float]:
     """Waits for a deferred publish that still reads the trainer's arrays

@@ -395,3 +395,19 @@ def test_the_pretraining_pool_holds_chains_drills_and_direct_tasks(tmp_path):
     assert (r["task"] in cot_tasks.TASKS) == bool(r.get("solution"))
     if r["task"] in cot_tasks.DRILLS:
       assert not r["images"] and not r["videos"]
+
+
+def test_a_mix_key_may_name_the_level_of_its_task(tmp_path, monkeypatch):
+  monkeypatch.setitem(
+    synth.MIXES, "levelled", {"scan_count@hard": 1, "count_colour@easy": 1, "colour": 1}
+  )
+  rows = readers.read_rows(synth.generate(str(tmp_path), "levelled", 30, 0))
+  levels = collections.Counter((r["task"], r.get("difficulty", "")) for r in rows)
+  assert set(levels) == {("scan_count", "hard"), ("count_colour", "easy"), ("colour", "")}
+  for bad, why in (("scan_count@expert", "names no level"), ("colour@hard", "names no level")):
+    monkeypatch.setitem(synth.MIXES, "bad", {bad: 1})
+    with pytest.raises(ValueError, match=why):
+      synth.generate(str(tmp_path / "bad"), "bad", 1, 0)
+  monkeypatch.setitem(synth.MIXES, "bad", {"scan": 1})
+  with pytest.raises(ValueError, match="unknown task 'scan'"):
+    synth.generate(str(tmp_path / "bad"), "bad", 1, 0)

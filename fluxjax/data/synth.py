@@ -432,15 +432,31 @@ def _task_row(
   i: int, task: str, seed: int, out_dir: str, cfg: SynthConfig, prefix: str, decks
 ) -> dict:
   """Row i of a task-weighted mix; its own generator, so rows do not depend on
-  how many draws earlier rows made (the CoT answer decks aside)."""
+  how many draws earlier rows made (the CoT answer decks aside). `task` may
+  name its level ("scan_count@hard"); otherwise the level is drawn."""
   child = np.random.default_rng([seed, i])
+  task, _, level = task.partition("@")
   if task in cot_tasks.ALL:
-    level = str(child.choice(visual_tasks.LEVELS, p=cot_tasks.LEVEL_P))
+    level = level or str(child.choice(visual_tasks.LEVELS, p=cot_tasks.LEVEL_P))
     sample = cot_tasks.draw(child, task, level, decks.deal(task, level))
     return make_reasoning_sample(i, sample, out_dir, prefix, source="reasoning_cot")
   if task in visual_tasks.TASKS:
-    return make_reasoning_sample(i, visual_tasks.draw(child, task), out_dir, prefix)
+    return make_reasoning_sample(i, visual_tasks.draw(child, task, level or None), out_dir, prefix)
   return make_shapes_sample(i, task, child, out_dir, cfg, prefix)
+
+
+def check_mix_weights(name: str, weights: dict[str, float]) -> None:
+  """Raises ValueError unless each key of a task-weighted mix is a task, or a
+  task with levels and one of its levels ("scan_count@hard")."""
+  for key in weights:
+    task, at, level = key.partition("@")
+    leveled = (*cot_tasks.ALL, *visual_tasks.TASKS)
+    if task not in (*leveled, *SHAPES_TASKS):
+      raise ValueError(f"mix {name!r}: unknown task {task!r} in {key!r}")
+    if at and (task not in leveled or level not in visual_tasks.LEVELS):
+      raise ValueError(
+        f"mix {name!r}: {key!r} names no level of a task with levels ({visual_tasks.LEVELS})"
+      )
 
 
 def _row(i: int, mix: str, rng, seed: int, out_dir: str, cfg: SynthConfig, decks) -> dict:
@@ -486,6 +502,8 @@ def generate(
   """
   if mix not in MIXES:
     raise ValueError(f"mix must be one of {sorted(MIXES)}, got {mix!r}")
+  if isinstance(MIXES[mix], dict):
+    check_mix_weights(mix, MIXES[mix])
   os.makedirs(os.path.join(out_dir, "media"), exist_ok=True)
   rng = np.random.default_rng(seed)
   # The answer decks draw from a stream of their own (rows use [seed, i]).

@@ -5,19 +5,21 @@ version `v<b>`: per tensor, the flat indices (HF layout) and exact new values of
 elements whose bytes differ, so applying them to `v<b>` gives `v<n>` bit for bit. Past
 `DENSE_SHARE` of its elements changed, or past the writer's bound (`TensorDelta`'s
 `max_bytes`), a tensor is marked to be read from the folder. `TensorDelta` builds the
-entries, `write_file` and `write_manifest` write them, `base_version` and `apply` read
-them. Why, who reads them and the files' layout: docs/fleet.md, "Weight deltas".
+entries, `FileWriter` (a tensor's entries at a time) and `write_manifest` write them,
+`base_version` and `apply` read them. Why, who reads them and the files' layout:
+docs/fleet.md, "Weight deltas".
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+import struct
+from collections.abc import Callable, Iterator, Sequence
 
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 DELTA_DIR = "delta"
 MANIFEST = "delta.json"
@@ -26,6 +28,15 @@ FORMAT = "sparse-v1"
 # index and a bf16 value cost 3 times one bf16 element).
 DENSE_SHARE = 1 / 3
 _SEP = "::"
+# safetensors' names of the dtypes a delta file holds.
+_CODES = {
+  np.dtype(np.uint8): "U8",
+  np.dtype(np.int32): "I32",
+  np.dtype(np.int64): "I64",
+  np.dtype(np.float16): "F16",
+  np.dtype(np.float32): "F32",
+  np.dtype(ml_dtypes.bfloat16): "BF16",
+}
 
 
 class DeltaFormatError(ValueError):
@@ -68,6 +79,7 @@ class TensorDelta:
     self._max_bytes = max_bytes
     self._index: list[np.ndarray] = []
     self._value: list[np.ndarray] = []
+    self._value_dtype = np.dtype(np.uint8)  # the new version's, from the first run
     self._count = 0
     self._dense = False
 
@@ -80,6 +92,7 @@ class TensorDelta:
       )
     if self._dense:
       return
+    self._value_dtype = new.dtype
     bits = np.dtype(f"u{new.dtype.itemsize}")
     flat = np.ascontiguousarray(new).reshape(-1)
     changed = np.flatnonzero(flat.view(bits) != np.ascontiguousarray(old).reshape(-1).view(bits))
@@ -92,22 +105,85 @@ class TensorDelta:
     self._index.append((changed + offset).astype(self._index_dtype))
     self._value.append(flat[changed])
 
+  def parts(self) -> list[tuple[str, np.dtype, list[np.ndarray]]]:
+    """Its entries as (key, dtype, the pieces that make it up, in order)."""
+    if self._dense:
+      return [(f"{self.name}{_SEP}folder", np.dtype(np.uint8), [])]
+    if self._count == 0:
+      return []
+    return [
+      (f"{self.name}{_SEP}index", np.dtype(self._index_dtype), self._index),
+      (f"{self.name}{_SEP}value", self._value_dtype, self._value),
+    ]
+
   def entries(self) -> dict[str, np.ndarray]:
     """Its entries: the changed elements, the whole tensor (from the folder), or none."""
-    if self._dense:
-      return {f"{self.name}{_SEP}folder": np.zeros(0, np.uint8)}
-    if self._count == 0:
-      return {}
     return {
-      f"{self.name}{_SEP}index": np.concatenate(self._index),
-      f"{self.name}{_SEP}value": np.concatenate(self._value),
+      key: np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+      for key, dtype, pieces in self.parts()
     }
 
 
-def write_file(folder: str, file_name: str, tensors: dict[str, np.ndarray]) -> None:
-  """Writes one file's delta entries (possibly none) to folder/delta/file_name."""
-  os.makedirs(os.path.join(folder, DELTA_DIR), exist_ok=True)
-  save_file(tensors, os.path.join(folder, DELTA_DIR, file_name), metadata={"format": FORMAT})
+class FileWriter:
+  """One file's delta entries, folder/delta/file_name, written a tensor's at
+  a time (`add`), so the builder holds one tensor's entries at most, not the
+  file's: the safetensors header's room is kept at the start for every
+  entry the file's tensors may have, and `close` fills it in.
+
+  Args:
+    folder: the version's folder.
+    file_name: the folder's file these are the deltas of.
+    names: the HF names of that file's tensors.
+    value_dtype: the tensors' dtype.
+  """
+
+  def __init__(self, folder: str, file_name: str, names: Sequence[str], value_dtype):
+    os.makedirs(os.path.join(folder, DELTA_DIR), exist_ok=True)
+    self.path = os.path.join(folder, DELTA_DIR, file_name)
+    self._header: dict = {"__metadata__": {"format": FORMAT}}
+    self._offset = 0
+    self._room = _header_room(names, np.dtype(value_dtype))
+    self._file = open(self.path, "wb")  # closed by `close` or `abort`
+    self._file.seek(8 + self._room)
+
+  def add(self, delta: TensorDelta) -> None:
+    """Writes one tensor's entries (none when it did not change)."""
+    for key, dtype, pieces in delta.parts():
+      start = self._offset
+      for piece in pieces:
+        self._file.write(np.ascontiguousarray(piece, dtype).view(np.uint8).data)
+        self._offset += piece.size * dtype.itemsize
+      count = (self._offset - start) // dtype.itemsize
+      self._header[key] = {
+        "dtype": _CODES[dtype],
+        "shape": [count],
+        "data_offsets": [start, self._offset],
+      }
+
+  def close(self) -> None:
+    """Writes the header into its room and closes the file."""
+    raw = json.dumps(self._header, separators=(",", ":")).encode()
+    if len(raw) > self._room:
+      raise ValueError(f"{self.path}: a header of {len(raw)} bytes past its {self._room}")
+    self._file.seek(0)
+    self._file.write(struct.pack("<Q", self._room) + raw + b" " * (self._room - len(raw)))
+    self._file.close()
+
+  def abort(self) -> None:
+    self._file.close()
+
+
+def _header_room(names: Sequence[str], value_dtype: np.dtype) -> int:
+  """The most bytes a delta file's header can take for tensors `names`: each with
+  an index and a value entry, every offset at the most digits (a multiple of
+  8, so the data starts aligned)."""
+  most = 2**64 - 1
+  header: dict = {"__metadata__": {"format": FORMAT}}
+  for name in names:
+    for key, code in (("index", "I64"), ("value", _CODES[value_dtype])):
+      header[f"{name}{_SEP}{key}"] = {"dtype": code, "shape": [most], "data_offsets": [most, most]}
+  size = len(json.dumps(header, separators=(",", ":")).encode())
+  return size + -size % 8
 
 
 def write_manifest(folder: str, base_version: str) -> None:

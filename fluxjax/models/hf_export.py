@@ -348,7 +348,7 @@ class FolderWriter:
     self.own = _OwnFiles()
     self._file: ShardWriter | None = None
     self._base: hf_load.TensorIndex | None = None
-    self._delta: dict[str, np.ndarray] = {}
+    self._delta_file: hf_delta.FileWriter | None = None
     self._tensor_delta: hf_delta.TensorDelta | None = None
 
   def write(self, name: str, start: int, rows: np.ndarray) -> None:
@@ -366,31 +366,50 @@ class FolderWriter:
       self._file.write(name, rows, start)
     except OSError as e:
       self.own.failure = e
-      if self._file is not None:
-        self._file.close()
+      self._close_files()
       return
     if self._delta_from is not None and self.own.delta_failure is None:
-      self._write_delta(name, start, rows, file.name)
+      self._write_delta(name, start, rows, file)
     if self._file.done:
-      self._file, self._delta = None, {}
+      self._file = None
 
-  def _write_delta(self, name: str, start: int, rows: np.ndarray, file_name: str) -> None:
+  def _write_delta(self, name: str, start: int, rows: np.ndarray, file: ShardFile) -> None:
+    """Adds `rows`' changes to the tensor's delta; a finished tensor's go to
+    its file's delta file at once, so a process holds one tensor's at most
+    (`hf_delta.TensorDelta`'s bound, ROW_RUN_BYTES)."""
     assert self._delta_from is not None and self._file is not None
     try:
       self._base = self._base or hf_load.TensorIndex(self._delta_from[0], mapped=False)
       shape = self._shapes[name]
+      if self._delta_file is None:
+        self._delta_file = hf_delta.FileWriter(self._tmp, file.name, file.tensors, rows.dtype)
       if start == 0:
         base_shape = self._base.shape_and_dtype(name)[0]
         self._tensor_delta = hf_delta.TensorDelta(name, shape, base_shape, ROW_RUN_BYTES)
       assert self._tensor_delta is not None
       self._tensor_delta.add(start, rows, self._base.read(name, (start, start + rows.shape[0])))
       if start + rows.shape[0] == shape[0]:
-        self._delta.update(self._tensor_delta.entries())
+        self._delta_file.add(self._tensor_delta)
+        self._tensor_delta = None
       if self._file.done:
-        hf_delta.write_file(self._tmp, file_name, self._delta)
+        self._delta_file.close()
+        self._delta_file = None
     except (OSError, ValueError, KeyError) as e:
       log.warning("no delta from %s: %s", self._delta_from[0], e)
       self.own.delta_failure = e
+      self._close_delta()
+
+  def _close_files(self) -> None:
+    """Closes the files being written, unfinished."""
+    if self._file is not None:
+      self._file.close()
+    self._close_delta()
+
+  def _close_delta(self) -> None:
+    if self._delta_file is not None:
+      self._delta_file.abort()
+      self._delta_file = None
+    self._tensor_delta = None
 
   def finish(self) -> str:
     """Shares every process's failures (a collective when several write);
@@ -422,8 +441,7 @@ class FolderWriter:
 
   def abort(self) -> None:
     """Ends the write unfinished: process 0 removes the temporary folder."""
-    if self._file is not None:
-      self._file.close()
+    self._close_files()
     if self._leader:
       shutil.rmtree(self._tmp, ignore_errors=True)
 

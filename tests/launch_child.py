@@ -18,7 +18,8 @@ Process i does ACTION_i:
             prints `sum=<value>`. Then the leader's op channel: process 0 sends
             a small op and one of several chunks, the other prints what it
             received as `ops=<name>:<count>,...`; and the global array gathered
-            onto process 0's devices, which prints `gathered=<values>`.
+            onto process 0's devices, which prints `gathered=<values>` and
+            `received=<bytes the other process sent it>`.
   publish:ROOT  jax.distributed as for `jax`, the tiny model (seed 0) sharded
             over the 4 devices, then a fleet publish's parts: process 0
             writes ROOT/v3 as `publish.write_checkpoint` and the other takes
@@ -27,7 +28,9 @@ Process i does ACTION_i:
             `refused=<message>`); then ROOT/v5, one element of each
             parameter changed, with its delta from v3; then the distributed
             transport's gathers, process 0 printing `digest=<sha256 of every
-            bf16 tensor>`.
+            bf16 tensor>`. Process k prints what its gathers brought it for
+            v3 and for the broadcast: `written<k>=` and `broadcast<k>=`
+            `<bytes>,<the largest gather's bytes>`.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ def leader_channel(array) -> None:
   import numpy as np
 
   from fluxjax.parallel import multihost
+  from fluxjax.sharding import gather
 
   channel = multihost.Channel(prefix="test/ops", timeout_s=60, chunk_bytes=1024)
   big = np.arange(CHANNEL_BIG, dtype=np.int32)  # 40 KiB: 40 chunks
@@ -109,9 +113,11 @@ def leader_channel(array) -> None:
   gathered = multihost.gather_to_leader({"x": array}, {"x": local}, chunk_bytes=24)
   if not multihost.is_leader():
     assert gathered is None
+    assert gather.COUNTS.host_bytes == 0, gather.COUNTS  # nothing came here
     return
   assert gathered["x"].sharding == local
   print("gathered=" + ",".join(str(int(v)) for v in np.asarray(gathered["x"])), flush=True)
+  print(f"received={gather.COUNTS.received_bytes}", flush=True)
   channel.forget_through(last)
   from jax._src.distributed import global_state
 
@@ -147,6 +153,7 @@ def fleet_publish(flags: dict[str, str], root: str) -> None:
 
   from fluxjax.models import config, hf_export, sharded
   from fluxjax.rollout import publish
+  from fluxjax.sharding import gather
   from fluxjax.sharding import mesh as mesh_lib
 
   start_distributed(flags)
@@ -158,10 +165,12 @@ def fleet_publish(flags: dict[str, str], root: str) -> None:
   model = sharded.create_sharded_model(config.preset("tiny"), mesh, seed=0, log_table=False)
   assert hf_export.spans_processes(model)
   leader = jax.process_index() == 0
+  gather.COUNTS.reset()
   if leader:
     publish.write_checkpoint(model, root, 3)
   else:
     publish.take_part(model, "disk", root, 3)
+  print_counts("written")
   writer = hf_export.ShardWriter
 
   class DiskFull(hf_export.ShardWriter):
@@ -188,10 +197,22 @@ def fleet_publish(flags: dict[str, str], root: str) -> None:
     hf_export.ShardWriter = DiskFull
   deferred_publish(changed, root, 6)
   hf_export.ShardWriter = writer
+  gather.COUNTS.reset()
   if leader:
     print(f"digest={bf16_digest(model)}", flush=True)
   else:
     publish.take_part(model, "distributed", root, 7)
+  print_counts("broadcast")
+
+
+def print_counts(what: str) -> None:
+  """Prints `<what><process>=<bytes gathered here>,<the largest gather>`."""
+  import jax
+
+  from fluxjax.sharding import gather
+
+  c = gather.COUNTS
+  print(f"{what}{jax.process_index()}={c.host_bytes},{c.largest}", flush=True)
 
 
 def deferred_publish(model, root: str, version: int) -> None:

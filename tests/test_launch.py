@@ -312,6 +312,7 @@ def test_two_processes_run_one_jax_distributed_program(child_module):
   # The leader's op channel (40 chunks for the big op) and the gather to the leader.
   assert "ops=small:2,big:1" in lines, out.stdout
   assert "gathered=" + ",".join(map(str, range(16))) in lines, out.stdout
+  assert "received=32" in lines, out.stdout  # process 1's 8 float32s, sent to process 0 alone
   assert sorted(_pids(out.stderr)) == [0, 1]
 
 
@@ -403,3 +404,20 @@ def test_two_processes_publish_a_sharded_model_each_writing_its_own_files(child_
   for name, tensor in hf_export.hf_tensors(_changed(model), "bfloat16"):
     np.testing.assert_array_equal(v5.read(name).view(np.uint16), tensor.view(np.uint16))
   assert f"digest={launch_child.bf16_digest(model)}" in lines, lines
+  _assert_each_gathered_its_own(model, plan, lines)
+
+
+def _assert_each_gathered_its_own(model, plan, lines: list[str]) -> None:
+  """What each process's gathers brought it (launch_child prints it): for
+  v3, the bytes of its own files, each gather at most a run of 4 KiB or a
+  tensor not cut into runs; for the broadcast, the model to process 0 and
+  nothing to process 1."""
+  writer = {name: f.writer for f in plan for name in f.tensors}
+  items = list(hf_export.hf_tensor_rows(model, "bfloat16", run_bytes=4096))
+  counts = dict(line.split("=") for line in lines if line.startswith(("written", "broadcast")))
+  for k in (0, 1):
+    mine = [rows.nbytes for name, _, rows in items if writer[name] == k]
+    assert counts[f"written{k}"] == f"{sum(mine)},{max(mine)}", (k, counts)
+  total = sum(n for _, n in hf_export.tensor_bytes(model.cfg, "bfloat16"))
+  assert counts["broadcast0"] == f"{total},{max(r.nbytes for _, _, r in items)}", counts
+  assert counts["broadcast1"] == "0,0", counts

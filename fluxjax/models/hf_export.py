@@ -1,9 +1,9 @@
 """HF safetensors out: a model's tensors in the published layout, and folders of them.
 
 `hf_tensors` / `hf_tensor_rows` gather a model's tensors one layer tensor (or
-run of rows) at a time, for a broadcast or a file. `save_hf_checkpoint` writes
-a folder under a hidden temporary name and renames it into place once every
-file is closed, so a reader never sees half a checkpoint.
+run of rows) at a time, each to the process that sends or writes it.
+`save_hf_checkpoint` writes a folder under a hidden temporary name and renames
+it into place once every file is closed, so a reader never sees half a checkpoint.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -27,6 +27,7 @@ from flax import nnx
 from fluxjax.models import config as config_lib
 from fluxjax.models import hf_delta, hf_load, vlm
 from fluxjax.models.hf_load import Array
+from fluxjax.sharding import gather
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,8 @@ def _export(x: Array, np_dtype, layout) -> np.ndarray:
 
 
 def hf_tensors(model: vlm.Qwen25VL, dtype: str = "bfloat16"):
-  """Yields (HF name, numpy tensor) one layer tensor at a time, in `dtype`."""
+  """Yields (HF name, numpy tensor) one layer tensor at a time, in `dtype`
+  (of a model that spans processes, on process 0; None elsewhere)."""
   for name, _, tensor in hf_tensor_rows(model, dtype, run_bytes=math.inf):
     yield name, tensor
 
@@ -123,31 +125,60 @@ def _slice_rows(x: Array, n_in: int, start: int, stop: int) -> Array:
   return x.reshape(math.prod(x.shape[:n_in]), -1)[:, start:stop]
 
 
-def hf_tensor_rows(model: vlm.Qwen25VL, dtype: str = "bfloat16", run_bytes: float | None = None):
+def hf_tensor_rows(
+  model: vlm.Qwen25VL,
+  dtype: str = "bfloat16",
+  run_bytes: float | None = None,
+  consumer: Callable[[str], int] | None = None,
+):
   """Yields (HF name, first row, rows) in `dtype`: `hf_tensors`' tensors, one
   past `run_bytes` (default ROW_RUN_BYTES) whose rows are a slice of ours in
-  runs of at most that size, each sliced before it is cast or gathered (the
-  others whole, from row 0); `hf_row_count` items in all."""
+  runs of at most that size (the others whole, from row 0); `hf_row_count`
+  items in all.
+
+  A model held by this process alone: each run is sliced before it is cast
+  and brought to the host. A model that spans processes: each tensor is
+  cast and laid out where its shards are, and its rows go to the process
+  `consumer(name)` names (default 0) and to no other (`gather.gather_to`),
+  which yields them; the others yield None as the rows, having taken part.
+  """
   run_bytes = ROW_RUN_BYTES if run_bytes is None else run_bytes
   np_dtype = hf_load.NUMPY_DTYPES[dtype]
   itemsize = np.dtype(np_dtype).itemsize
+  spans = spans_processes(model)
   for name, shape, get, kind, leaf_path in _layer_tensors(model):
     runs = _row_runs(shape, kind, leaf_path, itemsize, run_bytes)
-    if runs is None:
-      whole = functools.partial(hf_load.ours_to_hf, kind=kind, path=leaf_path, cfg=model.cfg)
+    whole = functools.partial(hf_load.ours_to_hf, kind=kind, path=leaf_path, cfg=model.cfg)
+    if spans:
+      to = 0 if consumer is None else consumer(name)
+      yield from _gathered_rows(name, whole(get().astype(np_dtype)), runs, to)
+    elif runs is None:
       yield name, 0, _export(get(), np_dtype, whole)
-      continue
-    rows, n_in, per_run = runs
-    layout = _transposed if kind == "kernel" else _as_is
-    x = get()
-    for start in range(0, rows, per_run):
-      yield name, start, _export(_slice_rows(x, n_in, start, start + per_run), np_dtype, layout)
+    else:
+      rows, n_in, per_run = runs
+      layout = _transposed if kind == "kernel" else _as_is
+      x = get()
+      for start in range(0, rows, per_run):
+        yield name, start, _export(_slice_rows(x, n_in, start, start + per_run), np_dtype, layout)
+
+
+def _gathered_rows(name: str, tensor: Array, runs, consumer: int):
+  """`hf_tensor_rows`' items of a published `tensor` that spans processes:
+  it whole, or its runs of rows, on process `consumer` (None elsewhere)."""
+  assert isinstance(tensor, jax.Array), f"{name}: a model that spans processes holds jax.Arrays"
+  if runs is None:
+    yield name, 0, gather.gather_to(tensor, consumer)
+    return
+  rows, _, per_run = runs
+  for start in range(0, rows, per_run):
+    yield name, start, gather.gather_to(tensor, consumer, (start, min(rows, start + per_run)))
 
 
 def whole_tensors(items, cfg: config_lib.ModelConfig) -> Iterator[np.ndarray]:
   """The published tensors whole, in `hf_load.hf_layout` order, from
-  `hf_tensor_rows`' items: one that came whole passes through, one in runs
-  of rows is copied into a buffer of its shape as they come."""
+  `hf_tensor_rows`' items on the process that consumes them: one that came
+  whole passes through, one in runs of rows is copied into a buffer of its
+  shape as they come."""
   shapes = dict(hf_load.hf_layout(cfg))
   buffer = None
   for name, start, rows in items:
@@ -275,12 +306,14 @@ def save_hf_checkpoint(
   `remove_interrupted_writes` clears.
 
   A model sharded across processes needs every process to call this, in the
-  same order (each tensor is gathered in `dtype` by a collective, one layer
-  tensor at a time), and each process writes its own run of the files
-  (`write_plan`) into the folder, which must be on a filesystem they share;
-  process 0 then writes the index and config.json and renames the folder
-  into place. Files are streamed a tensor at a time (`ShardWriter`), so no
-  process holds more than one layer tensor of the export. A model held by
+  same order, and each process writes its own run of the files
+  (`write_plan`) into the folder, which must be on a filesystem they share:
+  each tensor (or run of rows) goes in `dtype` to the process that writes
+  its file and to no other (`hf_tensor_rows`). Process 0 then writes the
+  index and config.json and renames the folder into place. Files and their
+  deltas are streamed a tensor at a time (`ShardWriter`,
+  `hf_delta.FileWriter`), so no process holds more than one layer tensor,
+  or run of rows, of the export. A model held by
   one process (a rollout engine's copy) is written by that process alone.
   A failed file write does not stop the others at once: every process goes
   on gathering, the failure is shared at the end, and process 0 removes the
@@ -307,7 +340,7 @@ def save_hf_checkpoint(
   """
   writer = FolderWriter(model, path, dtype, max_shard_bytes, extra_files, delta_from)
   try:
-    for name, start, rows in hf_tensor_rows(model, dtype):
+    for name, start, rows in hf_tensor_rows(model, dtype, consumer=writer.writer_of):
       writer.write(name, start, rows)
   except BaseException:
     writer.abort()
@@ -351,13 +384,19 @@ class FolderWriter:
     self._delta_file: hf_delta.FileWriter | None = None
     self._tensor_delta: hf_delta.TensorDelta | None = None
 
-  def write(self, name: str, start: int, rows: np.ndarray) -> None:
+  def writer_of(self, name: str) -> int:
+    """The process that writes tensor `name` (its file's), the one its rows go to."""
+    return self._file_of[name].writer
+
+  def write(self, name: str, start: int, rows: np.ndarray | None) -> None:
     """Writes `rows` of tensor `name` from row `start` when its file is this
-    process's, with its delta from the base version. After a failure it
-    writes nothing more (or no more deltas)."""
+    process's, with its delta from the base version (rows of another
+    process's file, None here, are skipped). After a failure it writes
+    nothing more (or no more deltas)."""
     file = self._file_of[name]
     if file.writer != self._me or self.own.failure is not None:
       return
+    assert rows is not None, f"{name}: rows of this process's file did not come here"
     try:
       if self._file is None:
         os.makedirs(self._tmp, exist_ok=True)  # made by process 0 before the first gather

@@ -7,8 +7,9 @@ each as an op on a `Channel` and then runs it; the others run the ops in order
 (rl/worker.py). The channel is an ordered stream over the coordination service's
 key-value store, not a device collective (why: docs/design.md, section 3,
 "Multi-controller runs"); payloads are pickled and split into chunks the gRPC service
-accepts. `gather_to_leader` brings a sharded tree whole to the leader's host, a run of
-rows at a time: the leader's rollout engine gets its own copy of the weights that way.
+accepts. `gather_to_leader` places a sharded tree on the leader's devices, a run of rows
+at a time and to the leader alone: the leader's rollout engine gets its own copy of the
+weights that way.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from fluxjax.sharding import gather
 
 log = logging.getLogger(__name__)
 
@@ -133,22 +137,23 @@ def fail_fast() -> Iterator[None]:
     os._exit(1)
 
 
-GATHER_CHUNK_BYTES = 64 << 20  # what `gather_to_leader` brings every host at once
+GATHER_CHUNK_BYTES = 64 << 20  # the most of a leaf `gather_to_leader` moves at once
 
 
 def gather_to_leader(tree, shardings, chunk_bytes: int = GATHER_CHUNK_BYTES):
   """A copy of a sharded tree placed with `shardings` on the leader's devices.
 
   Collective: every process calls it, with the same tree structure, in the
-  same order. Each leaf is gathered in runs of rows (its leading axis: a
-  stacked leaf's layers) of at most `chunk_bytes` (one row if a row is
-  larger): the leader fills its host copy of the leaf run by run and places
-  it; the other processes hold one run at a time and drop it.
+  same order. Each leaf goes to the leader alone (`gather.gather_to`) in runs
+  of rows (its leading axis: a stacked leaf's layers) of at most
+  `chunk_bytes` (one row if a row is larger), and the leader writes each run
+  into its devices' blocks of the copy as it comes: its host holds one run
+  at a time, and no other process receives anything.
 
   Args:
     tree: jax.Arrays sharded over the global mesh.
     shardings: a tree like `tree` of shardings on leader devices only.
-    chunk_bytes: the most one gather brings each host.
+    chunk_bytes: the most one gather brings the leader.
 
   Returns:
     On the leader the placed copy; None on every other process.
@@ -157,37 +162,50 @@ def gather_to_leader(tree, shardings, chunk_bytes: int = GATHER_CHUNK_BYTES):
   leaves, treedef = jax.tree.flatten(tree)
   if len(flat_shardings) != len(leaves):
     raise ValueError(f"{len(flat_shardings)} shardings for {len(leaves)} arrays")
-  placed = []
-  for leaf, sharding in zip(leaves, flat_shardings):
-    host = _gather_rows(leaf, chunk_bytes)
-    if is_leader():
-      placed.append(jax.device_put(host, sharding))
+  placed = [_gather_leaf(leaf, s, chunk_bytes) for leaf, s in zip(leaves, flat_shardings)]
   return jax.tree.unflatten(treedef, placed) if is_leader() else None
 
 
-def _gather_rows(leaf: jax.Array, chunk_bytes: int) -> np.ndarray | None:
-  """`leaf` whole on the leader's host (None elsewhere), gathered in runs of rows."""
+def _gather_leaf(leaf: jax.Array, sharding, chunk_bytes: int) -> jax.Array | None:
+  """`leaf` placed with `sharding` on the leader (None elsewhere), a run of rows at a time."""
   if leaf.ndim == 0:
-    from jax.experimental import multihost_utils
-
-    host = np.asarray(multihost_utils.process_allgather(leaf))
-    return host if is_leader() else None
+    host = gather.gather_to(leaf, LEADER)
+    return None if host is None else jax.device_put(host, sharding)
   rows = leaf.shape[0]
   run = max(1, chunk_bytes // max(1, leaf.nbytes // max(rows, 1)))
-  mesh = getattr(leaf.sharding, "mesh", None)
-  if mesh is None:
-    raise TypeError(f"gather_to_leader needs NamedSharding arrays, got {leaf.sharding}")
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  out = np.empty(leaf.shape, leaf.dtype) if is_leader() else None
+  blocks = _empty_blocks(leaf, sharding) if is_leader() else None
+  index = {
+    d: (i[0].indices(rows)[:2], i[1:]) for d, i in sharding.devices_indices_map(leaf.shape).items()
+  }
   for start in range(0, rows, run):
-    size = min(run, rows - start)
-    part = _row_run(leaf, start, size, replicated)  # on every device: read a local copy
-    if out is not None:
-      out[start : start + size] = np.asarray(part.addressable_data(0))
-  return out
+    host = gather.gather_to(leaf, LEADER, (start, min(rows, start + run)))
+    if blocks is not None:
+      assert host is not None
+      _write_run(blocks, index, host, start)
+  if blocks is None:
+    return None
+  return jax.make_array_from_single_device_arrays(leaf.shape, sharding, list(blocks.values()))
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _row_run(x: jax.Array, start, size: int, replicated) -> jax.Array:
-  """Rows [start, start + size) of `x`, replicated (`x` on a mesh of Auto axes)."""
-  return jax.lax.with_sharding_constraint(jax.lax.dynamic_slice_in_dim(x, start, size), replicated)
+def _empty_blocks(leaf: jax.Array, sharding) -> dict[jax.Device, jax.Array]:
+  """Each of `sharding`'s devices' block of `leaf`, zeros, on that device."""
+  shape = sharding.shard_shape(leaf.shape)
+  return {d: jnp.zeros(shape, leaf.dtype, device=d) for d in sharding.addressable_devices}
+
+
+def _write_run(blocks: dict, index: dict, host: np.ndarray, start: int) -> None:
+  """Writes rows [start, start + len(host)) of the leaf into each device's
+  block, in place (`index`: {device: (its block's rows, its other slices)})."""
+  stop = start + host.shape[0]
+  for device, block in blocks.items():
+    (first, last), rest = index[device]
+    lo, hi = max(first, start), min(last, stop)
+    if lo < hi:
+      piece = host[(slice(lo - start, hi - start), *rest)]
+      blocks[device] = _set_rows(block, jax.device_put(piece, device), lo - first)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_rows(block: jax.Array, rows: jax.Array, start) -> jax.Array:
+  """`block` with `rows` from row `start` (in place: the block is donated)."""
+  return jax.lax.dynamic_update_slice_in_dim(block, rows, start, 0)

@@ -325,8 +325,9 @@ class PolicyWorker:
     A fleet gets the trainer's own arrays (it is sent them before the next
     update). An embedded engine gets a copy with its own buffers: on the
     training mesh without `rollout_shardings`, otherwise placed on the
-    leader's devices (gathered across processes in a multi-controller run;
-    None on the other processes). `version` (what the copy is published as)
+    leader's devices (in a multi-controller run gathered to the leader
+    alone, a run of rows at a time, `multihost.gather_to_leader`; None on
+    the other processes). `version` (what the copy is published as)
     matters only to a leading worker's followers (`_stage_message`).
     """
     del version

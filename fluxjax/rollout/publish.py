@@ -20,7 +20,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -153,11 +153,15 @@ def take_part(
 
 
 def _row_feed(
-  model: vlm.Qwen25VL, dtype: str = weight_protocol.PUBLISHED_DTYPE, **kwargs
+  model: vlm.Qwen25VL,
+  dtype: str = weight_protocol.PUBLISHED_DTYPE,
+  consumer: Callable[[str], int] | None = None,
+  **kwargs,
 ) -> tensor_feed.TensorFeed:
   """A feed of `model`'s published tensors in runs of rows
-  (`hf_export.hf_tensor_rows`), each gathered when the feed asks for it."""
-  items = hf_export.hf_tensor_rows(model, dtype)
+  (`hf_export.hf_tensor_rows`), each gathered when the feed asks for it, to
+  the process `consumer(name)` names (default 0)."""
+  items = hf_export.hf_tensor_rows(model, dtype, consumer=consumer)
   return tensor_feed.TensorFeed(items, hf_export.hf_row_count(model, dtype), **kwargs)
 
 
@@ -255,10 +259,9 @@ class DistributedTransport(WeightTransport):
 
 def broadcast_tensors(model: vlm.Qwen25VL) -> Iterator[np.ndarray]:
   """The broadcast's tensors in `hf_load.hf_layout` order, each gathered when
-  asked for. A model that spans processes is gathered in runs of rows (each
-  a collective), so that a process holds at most a run of what it gathers
-  (`take_part`), and process 0 puts each tensor together whole, as the
-  protocol sends it."""
+  asked for. A model that spans processes is gathered to process 0 alone in
+  runs of rows (each a collective the others run in `take_part`), and process
+  0 puts each tensor together whole, as the protocol sends it."""
   if hf_export.spans_processes(model):
     return hf_export.whole_tensors(
       hf_export.hf_tensor_rows(model, weight_protocol.PUBLISHED_DTYPE), model.cfg
@@ -386,7 +389,7 @@ def deferred_write(
         log.error("weight version %s: this process's files were not written: %s", version, e)
       written.set_exception(e)
 
-  feed = _row_feed(model, dtype, after_last=finish)
+  feed = _row_feed(model, dtype, writer.writer_of, after_last=finish)
   thread.start()
   return feed, written
 

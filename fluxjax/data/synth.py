@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 
 import av
 import numpy as np
@@ -445,7 +446,7 @@ def _task_row(
   return make_shapes_sample(i, task, child, out_dir, cfg, prefix)
 
 
-def check_mix_weights(name: str, weights: dict[str, float]) -> None:
+def check_mix_weights(name: str, weights: Mapping[str, float]) -> None:
   """Raises ValueError unless each key of a task-weighted mix is a task, or a
   task with levels and one of its levels ("scan_count@hard")."""
   for key in weights:
@@ -502,8 +503,9 @@ def generate(
   """
   if mix not in MIXES:
     raise ValueError(f"mix must be one of {sorted(MIXES)}, got {mix!r}")
-  if isinstance(MIXES[mix], dict):
-    check_mix_weights(mix, MIXES[mix])
+  weights = MIXES[mix]
+  if isinstance(weights, dict):
+    check_mix_weights(mix, weights)
   os.makedirs(os.path.join(out_dir, "media"), exist_ok=True)
   rng = np.random.default_rng(seed)
   # The answer decks draw from a stream of their own (rows use [seed, i]).

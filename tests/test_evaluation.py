@@ -39,6 +39,9 @@ def test_greedy_and_difficulty_breakdown():
   assert out["eval/accuracy_greedy"] == 0.5
   assert out["eval/accuracy/easy"] == 0.75 and out["eval/accuracy/hard"] == 0.0
   assert out["eval/task/a"] == 1.0 and out["eval/task/b"] == pytest.approx(1 / 3)
+  assert out["eval/task_level/b@easy"] == 0.5 and out["eval/task_level/b@hard"] == 0.0
+  assert "eval/task_level/b@" not in out  # the unlabelled prompt of b
+  assert out["eval/task_greedy/a"] == 1.0 and out["eval/task_greedy/b"] == pytest.approx(1 / 3)
   assert not any(k.endswith("/") for k in out)  # unlabelled prompts are not a level
   assert evaluation.summarize([[1.0]])["eval/accuracy_ci95"] == 0.0
   with pytest.raises(ValueError, match="same, non-zero number"):
@@ -72,3 +75,12 @@ def test_reasoning_shares_overall_per_level_and_greedy():
   assert out["eval/reasoning_share/easy"] == 0.5 and out["eval/reasoning_share/hard"] == 0.5
   assert out["eval/reasoning_share_greedy"] == pytest.approx(1 / 3)
   assert "eval/reasoning_share" not in evaluation.summarize([[1, 0]])
+
+
+def test_a_tasks_answer_prior_is_its_most_common_answers_share():
+  tasks = ["count", "count", "count", "count", "colour", "colour"]
+  answers = ["2", "3", "2", "2", "red", "blue"]
+  out = evaluation.summarize([[0.0]] * 6, tasks=tasks, answers=answers)
+  assert out["eval/prior/count"] == 0.75 and out["eval/prior/colour"] == 0.5
+  with pytest.raises(ValueError, match="5 labels for 6 prompts"):
+    evaluation.summarize([[0.0]] * 6, tasks=tasks, answers=answers[:5])

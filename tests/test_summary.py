@@ -35,6 +35,9 @@ def _records():
         0.1,
         0.5,
         eval__task__count=0.2,
+        eval__task_greedy__count=0.3,
+        eval__prior__count=0.25,
+        **{"eval__task_level__count@hard": 0.1},
         eval__accuracy__easy=0.4,
         **{"eval__band__17-32": 0.1},
       ),
@@ -113,6 +116,9 @@ def test_per_task_and_per_difficulty_rows():
   assert "  task colour        - -> 0.600" in lines
   assert "  difficulty easy    0.400 -> 0.700  (+0.300)" in lines
   assert "  length band 17-32  0.100 -> 0.350  (+0.250)" in lines
+  assert "  greedy count       0.300 -> -" in lines
+  assert "  count@hard         0.100 -> -" in lines
+  assert "  answer priors (each task's most common answer): count 0.250" in lines
   assert _summary().end.by_task == {"colour": 0.6, "count": 0.4}
 
 

@@ -10,6 +10,7 @@ docs/metrics.md, "Evaluation metrics"; how a response is scored in docs/rewards.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 from collections.abc import Sequence
@@ -84,6 +85,7 @@ class Evaluator:
       bands,
       reasoning,
       greedy_reasoning,
+      [s.answer or "" for s in samples],
     )
     out["eval/skipped_too_long"] = float(skipped)
     return out
@@ -190,6 +192,7 @@ def summarize(
   bands: Sequence[str] | None = None,
   reasoning: Sequence[Sequence[bool]] | None = None,
   greedy_reasoning: Sequence[bool] | None = None,
+  answers: Sequence[str] | None = None,
 ) -> dict[str, float]:
   """Metrics of one evaluation (docs/metrics.md, "Evaluation metrics").
 
@@ -202,6 +205,7 @@ def summarize(
     bands: per prompt, its reference length band ("" = none).
     reasoning: per prompt, whether each sampled response reasons first.
     greedy_reasoning: per prompt, whether its greedy response does.
+    answers: per prompt, its reference answer, for each task's answer prior.
   """
   if not scores:
     raise ValueError("nothing was evaluated")
@@ -222,21 +226,43 @@ def summarize(
     if len(greedy) != len(scores):
       raise ValueError(f"{len(greedy)} greedy scores for {len(scores)} prompts")
     out["eval/accuracy_greedy"] = float(np.mean(greedy))
-  for prefix, labels in (
-    ("eval/accuracy/", difficulties),
-    ("eval/task/", tasks),
-    ("eval/band/", bands),
-  ):
-    if labels is None:
-      continue
-    if len(labels) != len(scores):
+  for labels in (difficulties, tasks, bands, answers):
+    if labels is not None and len(labels) != len(scores):
       raise ValueError(f"{len(labels)} labels for {len(scores)} prompts")
-    for label in sorted({x for x in labels if x}):
-      out[prefix + label] = float(np.mean([p for p, x in zip(per_prompt, labels) if x == label]))
+  out.update(_by_label("eval/accuracy/", difficulties, per_prompt))
+  out.update(_by_label("eval/task/", tasks, per_prompt))
+  out.update(_by_label("eval/band/", bands, per_prompt))
+  if tasks is not None and difficulties is not None:
+    both = [f"{t}@{d}" if t and d else "" for t, d in zip(tasks, difficulties, strict=True)]
+    out.update(_by_label("eval/task_level/", both, per_prompt))
+  if tasks is not None and greedy is not None:
+    out.update(_by_label("eval/task_greedy/", tasks, [float(g) for g in greedy]))
+  if tasks is not None and answers is not None:
+    out.update(answer_priors(tasks, answers))
   if reasoning is not None:
     out.update(_reasoning_shares(reasoning, difficulties))
   if greedy_reasoning is not None:
     out["eval/reasoning_share_greedy"] = float(np.mean(greedy_reasoning))
+  return out
+
+
+def _by_label(prefix: str, labels: Sequence[str] | None, values: Sequence[float]) -> dict:
+  """prefix + label: the mean of `values` over the prompts with that label ("" = none)."""
+  if labels is None:
+    return {}
+  return {
+    prefix + label: float(np.mean([v for v, x in zip(values, labels) if x == label]))
+    for label in sorted({x for x in labels if x})
+  }
+
+
+def answer_priors(tasks: Sequence[str], answers: Sequence[str]) -> dict[str, float]:
+  """eval/prior/<task>: the share of the task's prompts whose answer is its
+  most common one, what always giving one answer would score at best."""
+  out = {}
+  for task in sorted({t for t in tasks if t}):
+    counts = collections.Counter(a for t, a in zip(tasks, answers, strict=True) if t == task)
+    out[f"eval/prior/{task}"] = max(counts.values()) / sum(counts.values())
   return out
 
 

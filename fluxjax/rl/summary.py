@@ -75,6 +75,9 @@ class Evaluation:
     prompts, samples: how much was evaluated.
     by_task, by_difficulty, by_band: eval/task/<t>, eval/accuracy/<d> and
       eval/band/<b> (the reference response's length band).
+    by_task_level, by_task_greedy: eval/task_level/<t>@<d> and
+      eval/task_greedy/<t>.
+    priors: eval/prior/<t>, each task's most common answer's share.
   """
 
   step: int
@@ -87,6 +90,9 @@ class Evaluation:
   by_task: dict[str, float]
   by_difficulty: dict[str, float]
   by_band: dict[str, float]
+  by_task_level: dict[str, float]
+  by_task_greedy: dict[str, float]
+  priors: dict[str, float]
 
   @classmethod
   def of(cls, record: Mapping) -> Evaluation | None:
@@ -110,6 +116,9 @@ class Evaluation:
       by_task=starting("eval/task/"),
       by_difficulty=starting("eval/accuracy/"),
       by_band=starting("eval/band/"),
+      by_task_level=starting("eval/task_level/"),
+      by_task_greedy=starting("eval/task_greedy/"),
+      priors=starting("eval/prior/"),
     )
 
 
@@ -207,11 +216,17 @@ class Summary:
       ("greedy", lambda e: {"": e.greedy} if e.greedy is not None else {}),
       ("", lambda e: e.pass_at),
       ("task ", lambda e: e.by_task),
+      ("greedy ", lambda e: e.by_task_greedy),
+      ("", lambda e: e.by_task_level),
       ("difficulty ", lambda e: e.by_difficulty),
       ("length band ", lambda e: e.by_band),
     ):
       was, now = (part(e) if e is not None else {} for e in (start, end))
       out.extend(_row(label + k, was.get(k), now.get(k)) for k in sorted(was.keys() | now.keys()))
+    known = next((e.priors for e in (end, start) if e is not None and e.priors), {})
+    if known:
+      priors = ", ".join(f"{k} {v:.3f}" for k, v in known.items())
+      out.append(f"  answer priors (each task's most common answer): {priors}")
     if self.warm_up is not None:
       w = self.warm_up
       out.append(f"  before the SFT warm-up (step {w.step}): {_value(w.accuracy, w.ci95)}")

@@ -229,6 +229,8 @@ def test_an_unknown_backend_or_transport_is_one_line_listing_the_registered(fiel
   """rollout.backend and rollout.weight_sync name entries of a registry: the
   check takes the allowed names from it, as a fleet does its transport."""
   assert set(factory.BACKENDS) == {"embedded", "sglang"}
+  # Only the embedded engine runs in the trainer's process, on a copy of its weights.
+  assert [k.name for k in factory.BACKENDS.values() if k.in_process] == ["embedded"]
   assert set(publish.WEIGHT_TRANSPORTS) == {"disk", "distributed"}
   c = _config("tiny")
   factory.check_config(Settings.of(c).rollout)

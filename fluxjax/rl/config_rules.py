@@ -16,6 +16,7 @@ from fluxjax import settings as settings_lib
 from fluxjax.models.config import ModelConfig
 from fluxjax.parallel.strategies import Strategy
 from fluxjax.rl import async_control
+from fluxjax.rollout import factory
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def _check_lengths(
   if longest < context:
     log.info("prompts are limited to %d tokens by %s", prompt_budget(settings, strategy), trainer)
   positions = model_cfg.text.max_position_embeddings
-  if settings.rollout.backend == "embedded" and context > positions:
+  if factory.in_process(settings.rollout) and context > positions:
     raise ValueError(
       f"rollout.context_length={context} exceeds the model's {positions} positions; "
       f"set --config.rollout.context_length to at most {positions}"

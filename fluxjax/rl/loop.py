@@ -207,7 +207,7 @@ def plan_lines(validated: Validated, workdir: str) -> list[str]:
     f"{s.rl.responses_per_prompt} responses, lag mode {s.coordinator.lag.mode}",
   ]
   r = s.rollout
-  if r.backend == "embedded":
+  if factory.in_process(r):
     return [*lines, "rollout: the embedded engine, in this process", _reward_line(s)]
   if r.urls or r.router_url:
     lines.append(f"rollout: servers at {list(r.urls) or r.router_url}")
@@ -316,7 +316,7 @@ def rollout_shardings(settings: settings_lib.Settings, cfg, mesh):
   programs must not span other processes.
   """
   k = settings.rollout.embedded_devices
-  if settings.rollout.backend != "embedded" or (jax.process_count() == 1 and k == 0):
+  if not factory.in_process(settings.rollout) or (jax.process_count() == 1 and k == 0):
     return None
   devices = multihost.leader_devices()
   if k > len(devices):
@@ -459,7 +459,7 @@ def build(
   # Every backend call runs on this loop: a fleet's HTTP session belongs to it.
   thread = stack.enter_context(backend_lib.LoopThread("rollout"))
   engine_model = None
-  if settings.rollout.backend == "embedded":  # the engine's own copy of the weights
+  if factory.in_process(settings.rollout):  # the engine's own copy of the weights
     engine_model = nnx.merge(policy.graphdef, policy.stage())
   inputs = factory.BackendInputs(
     launch=factory.launch_command(settings),

@@ -44,8 +44,8 @@ from fluxjax.parallel.stream_trainer import StreamTrainer
 from fluxjax.rl import advantages as adv_lib
 from fluxjax.rl import checkpoint as checkpoint_lib
 from fluxjax.rl import losses, reference, sft
+from fluxjax.rollout import factory, tensor_feed
 from fluxjax.rollout import publish as publish_lib
-from fluxjax.rollout import tensor_feed
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def op(method=None, *, message=None):
 def _stage_message(worker: PolicyWorker, version: int | None = None) -> tuple[str, tuple]:
   """With a fleet, the followers' op is their part in publishing `version`
   (`PolicyWorker.publish_part`)."""
-  if worker.settings.rollout.backend == "embedded":
+  if factory.in_process(worker.settings.rollout):
     return "stage", ()
   if version is None:
     raise ValueError("a fleet publish needs the version it publishes")
@@ -332,7 +332,7 @@ class PolicyWorker:
     """
     del version
     params = self._trainer.state.params
-    if self.settings.rollout.backend != "embedded":
+    if not factory.in_process(self.settings.rollout):
       # A fleet publish has read them (one layer tensor at a time) before the
       # next update donates them, and keeps nothing: no copy.
       return params

@@ -156,25 +156,32 @@ class BackendKind:
     name: its `rollout.backend` value.
     build: (the `rollout` section, inputs) -> `Built`.
     check: raises ValueError for a section it cannot start from.
+    in_process: rollout runs in the trainer's leader process, on its own
+      copy of the trainer's weights (`BackendInputs.model`), on the leader's
+      devices; otherwise on servers the weights are published to.
   """
 
   name: str
   build: Build
   check: Check = _no_check
+  in_process: bool = False
 
 
 # The backends `rollout.backend` names, by name (`register_backend`).
 BACKENDS: dict[str, BackendKind] = {}
 
 
-def register_backend(name: str, check: Check = _no_check) -> Callable[[Build], Build]:
+def register_backend(
+  name: str, check: Check = _no_check, in_process: bool = False
+) -> Callable[[Build], Build]:
   """Function decorator: makes the build function the backend
-  `rollout.backend=name` picks, its section first vetted by `check`."""
+  `rollout.backend=name` picks, its section first vetted by `check`
+  (`BackendKind` says what `in_process` means)."""
 
   def register(build: Build) -> Build:
     if not name or name in BACKENDS:
       raise ValueError(f"a rollout backend needs a name of its own, got {name!r}")
-    BACKENDS[name] = BackendKind(name, build, check)
+    BACKENDS[name] = BackendKind(name, build, check, in_process)
     return build
 
   return register
@@ -185,6 +192,11 @@ def backend_kind(name: str) -> BackendKind:
   if name not in BACKENDS:
     raise ValueError(f"unknown rollout.backend {name!r}; choose one of {sorted(BACKENDS)}")
   return BACKENDS[name]
+
+
+def in_process(rollout: settings_lib.Rollout) -> bool:
+  """Whether the section's backend runs in the trainer's process (`BackendKind`)."""
+  return backend_kind(rollout.backend).in_process
 
 
 def make_backend(rollout: settings_lib.Rollout, inputs: BackendInputs | None = None) -> Built:
@@ -198,7 +210,7 @@ def make_backend(rollout: settings_lib.Rollout, inputs: BackendInputs | None = N
   return backend_kind(rollout.backend).build(rollout, inputs or BackendInputs())
 
 
-@register_backend("embedded")
+@register_backend("embedded", in_process=True)
 def _embedded(rollout: settings_lib.Rollout, inputs: BackendInputs) -> Built:
   """The JAX engine in this process (rollout/embedded.py), serving the trainer's model."""
   if inputs.model is None or inputs.tokenizer is None:

@@ -19,7 +19,8 @@ Process i does ACTION_i:
             a small op and one of several chunks, the other prints what it
             received as `ops=<name>:<count>,...`; and the global array gathered
             onto process 0's devices, which prints `gathered=<values>` and
-            `received=<bytes the other process sent it>`.
+            `received=<bytes the other process sent it>` (also of a 2-D
+            array placed by rows on its 2 devices, checked there).
   publish:ROOT  jax.distributed as for `jax`, the tiny model (seed 0) sharded
             over the 4 devices, then a fleet publish's parts: process 0
             writes ROOT/v3 as `publish.write_checkpoint` and the other takes
@@ -109,13 +110,25 @@ def leader_channel(array) -> None:
   # The gather is a collective: once it is done on the leader, the follower
   # has read both ops (as a run's leader forgets after an update).
   local = jax.sharding.SingleDeviceSharding(multihost.leader_devices()[0])
-  # Runs of 6 float32 rows (24 bytes): 6, 6 and 4 of the 16.
-  gathered = multihost.gather_to_leader({"x": array}, {"x": local}, chunk_bytes=24)
+  # x in runs of 6 float32 rows (24 bytes): 6, 6 and 4 of the 16. w [4, 8],
+  # its columns over the 4 devices, to the leader's 2 devices by rows: each
+  # 32-byte row in runs of 6 and 2 of its elements.
+  P = jax.sharding.PartitionSpec
+  w_values = np.arange(32, dtype=np.float32).reshape(4, 8)
+  w = jax.make_array_from_callback(
+    (4, 8), jax.sharding.NamedSharding(array.sharding.mesh, P(None, "x")), lambda i: w_values[i]
+  )
+  by_rows = jax.sharding.NamedSharding(
+    jax.sharding.Mesh(multihost.leader_devices(), ("y",)), P("y")
+  )
+  shardings = {"x": local, "w": by_rows}
+  gathered = multihost.gather_to_leader({"x": array, "w": w}, shardings, chunk_bytes=24)
   if not multihost.is_leader():
     assert gathered is None
     assert gather.COUNTS.host_bytes == 0, gather.COUNTS  # nothing came here
     return
-  assert gathered["x"].sharding == local
+  assert gathered["x"].sharding == local and gathered["w"].sharding == by_rows
+  np.testing.assert_array_equal(np.asarray(gathered["w"]), w_values)
   print("gathered=" + ",".join(str(int(v)) for v in np.asarray(gathered["x"])), flush=True)
   print(f"received={gather.COUNTS.received_bytes}", flush=True)
   channel.forget_through(last)

@@ -312,7 +312,8 @@ def test_two_processes_run_one_jax_distributed_program(child_module):
   # The leader's op channel (40 chunks for the big op) and the gather to the leader.
   assert "ops=small:2,big:1" in lines, out.stdout
   assert "gathered=" + ",".join(map(str, range(16))) in lines, out.stdout
-  assert "received=32" in lines, out.stdout  # process 1's 8 float32s, sent to process 0 alone
+  # Process 1's 8 float32s of x and 16 of w, sent to process 0 alone.
+  assert "received=96" in lines, out.stdout
   assert sorted(_pids(out.stderr)) == [0, 1]
 
 

@@ -58,22 +58,41 @@ def _on_one_device(x: Array) -> Array:
 ROW_RUN_BYTES = 64 << 20
 
 
-def _layer_tensors(model: vlm.Qwen25VL):
-  """(HF name, our layer tensor's shape, a function returning it, kind, leaf
-  path) of every published tensor, in order; nothing runs until it is called."""
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+  """One published tensor: its HF name, our layer tensor's shape, its kind
+  and leaf path, and where it lies (the leaf's value and its layer; None:
+  the leaf whole). Nothing runs until `get` or a gather."""
+
+  name: str
+  shape: tuple[int, ...]
+  kind: str
+  leaf_path: str
+  value: Array
+  layer: int | None
+
+  def get(self) -> Array:
+    # The layer axis is never sharded: indexing it is no collective.
+    return self.value if self.layer is None else self.value[self.layer]
+
+  def box(self, axis: int = 0, lo: int = 0, hi: int | None = None) -> gather.Bounds:
+    """Its place in the leaf, entries [lo, hi) of our axis `axis` (all by default)."""
+    dims = [(0, n) for n in self.shape]
+    if dims:
+      dims[axis] = (lo, dims[axis][1] if hi is None else hi)
+    layer = () if self.layer is None else ((self.layer, self.layer + 1),)
+    return (*layer, *dims)
+
+
+def _layer_tensors(model: vlm.Qwen25VL) -> Iterator[_Tensor]:
+  """Every published tensor, in order."""
   for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     leaf_path = ".".join(map(str, key))
     stack, template, kind = hf_load.leaf_rule(leaf_path)
     value = var.get_value()
     for i in range(value.shape[0]) if stack else [None]:
-      # The layer axis is never sharded: indexing it is no collective.
-      get = functools.partial(_layer, value, i)
-      shape = value.shape if i is None else value.shape[1:]
-      yield template.format(i) if stack else template, shape, get, kind, leaf_path
-
-
-def _layer(value: Array, i: int | None) -> Array:
-  return value if i is None else value[i]
+      shape = tuple(value.shape if i is None else value.shape[1:])
+      yield _Tensor(template.format(i) if stack else template, shape, kind, leaf_path, value, i)
 
 
 def _export(x: Array, np_dtype, layout) -> np.ndarray:
@@ -89,26 +108,38 @@ def hf_tensors(model: vlm.Qwen25VL, dtype: str = "bfloat16"):
     yield name, tensor
 
 
-def _row_runs(shape, kind: str, leaf_path: str, itemsize: int, run_bytes: float):
-  """(rows, input axes, rows per run) when the published tensor of our
-  `shape` goes in runs of rows: past `run_bytes`, with its rows a slice of
-  ours (an embedding table's rows, 0 input axes; a kernel's output columns:
-  HF [out, in] = ours [in..., out...] flattened and transposed, as
-  `hf_load.ours_to_hf`); else None, whole (also vectors and the patch embedding's
-  5-D layout)."""
+@dataclasses.dataclass(frozen=True)
+class _Runs:
+  """How a published tensor goes in runs of rows: its `rows` HF rows are
+  entries of our axis `axis` (an embedding's rows, one row each; a kernel's
+  first output axis, `inner` rows each: HF [out, in] = ours [in..., out...]
+  flattened and transposed, as `hf_load.ours_to_hf`), `per_run` rows a run
+  (whole entries: a multiple of `inner`)."""
+
+  rows: int
+  axis: int
+  inner: int
+  per_run: int
+
+
+def _row_runs(shape, kind: str, leaf_path: str, itemsize: int, run_bytes: float) -> _Runs | None:
+  """How the published tensor of our `shape` goes in runs of rows when it
+  is past `run_bytes` and its rows are a slice of ours; else None, whole
+  (also vectors and the patch embedding's 5-D layout)."""
   if kind != "kernel":
     if len(shape) != 2:
       return None
-    rows, n_in = shape[0], 0
+    rows, axis, inner = shape[0], 0, 1
   elif leaf_path == "visual.patch_embed.kernel":
     return None
   else:
-    n_in = 2 if leaf_path.endswith(hf_load.TWO_INPUT_AXES) else 1
-    rows = math.prod(shape[n_in:])
+    axis = 2 if leaf_path.endswith(hf_load.TWO_INPUT_AXES) else 1
+    rows, inner = math.prod(shape[axis:]), math.prod(shape[axis + 1 :])
   size = math.prod(shape) * itemsize
   if size <= run_bytes:
     return None
-  return rows, n_in, max(1, int(run_bytes // (size // rows)))
+  per_run = inner * max(1, int(run_bytes // (inner * (size // rows))))
+  return _Runs(rows, axis, inner, per_run)
 
 
 def _transposed(x: Array) -> Array:
@@ -125,6 +156,11 @@ def _slice_rows(x: Array, n_in: int, start: int, stop: int) -> Array:
   return x.reshape(math.prod(x.shape[:n_in]), -1)[:, start:stop]
 
 
+def _hf_rows(x: np.ndarray, n_in: int) -> np.ndarray:
+  """A kernel's run in our layout [in..., entries, ...] -> its HF rows."""
+  return x.reshape(math.prod(x.shape[:n_in]), -1).T
+
+
 def hf_tensor_rows(
   model: vlm.Qwen25VL,
   dtype: str = "bfloat16",
@@ -133,45 +169,69 @@ def hf_tensor_rows(
 ):
   """Yields (HF name, first row, rows) in `dtype`: `hf_tensors`' tensors, one
   past `run_bytes` (default ROW_RUN_BYTES) whose rows are a slice of ours in
-  runs of at most that size (the others whole, from row 0); `hf_row_count`
-  items in all.
+  runs of at most that size (of whole entries of our axis, `_Runs`; the
+  others whole, from row 0); `hf_row_count` items in all. Each run is sliced
+  before it is cast and brought to a host.
 
-  A model held by this process alone: each run is sliced before it is cast
-  and brought to the host. A model that spans processes: each tensor is
-  cast and laid out where its shards are, and its rows go to the process
-  `consumer(name)` names (default 0) and to no other (`gather.gather_to`),
-  which yields them; the others yield None as the rows, having taken part.
+  A model that spans processes: each tensor (or run) is cast where its
+  parts lie and goes to the process `consumer(name)` names (default 0) and
+  to no other (`gather.gather_to`), which lays it out and yields it; the
+  others yield None as the rows, having taken part.
   """
   run_bytes = ROW_RUN_BYTES if run_bytes is None else run_bytes
   np_dtype = hf_load.NUMPY_DTYPES[dtype]
   itemsize = np.dtype(np_dtype).itemsize
   spans = spans_processes(model)
-  for name, shape, get, kind, leaf_path in _layer_tensors(model):
-    runs = _row_runs(shape, kind, leaf_path, itemsize, run_bytes)
-    whole = functools.partial(hf_load.ours_to_hf, kind=kind, path=leaf_path, cfg=model.cfg)
+  for t in _layer_tensors(model):
+    runs = _row_runs(t.shape, t.kind, t.leaf_path, itemsize, run_bytes)
     if spans:
-      to = 0 if consumer is None else consumer(name)
-      yield from _gathered_rows(name, whole(get().astype(np_dtype)), runs, to)
-    elif runs is None:
-      yield name, 0, _export(get(), np_dtype, whole)
+      to = 0 if consumer is None else consumer(t.name)
+      yield from _gathered_rows(t, runs, np_dtype, model.cfg, to)
     else:
-      rows, n_in, per_run = runs
-      layout = _transposed if kind == "kernel" else _as_is
-      x = get()
-      for start in range(0, rows, per_run):
-        yield name, start, _export(_slice_rows(x, n_in, start, start + per_run), np_dtype, layout)
+      yield from _local_rows(t, runs, np_dtype, model.cfg)
 
 
-def _gathered_rows(name: str, tensor: Array, runs, consumer: int):
-  """`hf_tensor_rows`' items of a published `tensor` that spans processes:
-  it whole, or its runs of rows, on process `consumer` (None elsewhere)."""
-  assert isinstance(tensor, jax.Array), f"{name}: a model that spans processes holds jax.Arrays"
+def _hf_layout(t: _Tensor, cfg: config_lib.ModelConfig):
+  return functools.partial(hf_load.ours_to_hf, kind=t.kind, path=t.leaf_path, cfg=cfg)
+
+
+def _local_rows(t: _Tensor, runs: _Runs | None, np_dtype, cfg: config_lib.ModelConfig):
+  """`hf_tensor_rows`' items of a tensor this process holds whole."""
   if runs is None:
-    yield name, 0, gather.gather_to(tensor, consumer)
+    yield t.name, 0, _export(t.get(), np_dtype, _hf_layout(t, cfg))
     return
-  rows, _, per_run = runs
-  for start in range(0, rows, per_run):
-    yield name, start, gather.gather_to(tensor, consumer, (start, min(rows, start + per_run)))
+  layout = _transposed if t.kind == "kernel" else _as_is
+  x = t.get()
+  for start in range(0, runs.rows, runs.per_run):
+    yield (
+      t.name,
+      start,
+      _export(_slice_rows(x, runs.axis, start, start + runs.per_run), np_dtype, layout),
+    )
+
+
+def _gathered_rows(t: _Tensor, runs: _Runs | None, np_dtype, cfg: config_lib.ModelConfig, to: int):
+  """`hf_tensor_rows`' items of a tensor that spans processes: it whole, or
+  its runs, cast where they lie, on process `to` (None elsewhere)."""
+  assert isinstance(t.value, jax.Array), f"{t.name}: a model that spans processes holds jax.Arrays"
+  if runs is None:
+    host = gather.gather_to(t.value, to, t.box(), np_dtype)
+    yield t.name, 0, _laid_out(host, t, _hf_layout(t, cfg))
+    return
+  layout = functools.partial(_hf_rows, n_in=runs.axis) if t.kind == "kernel" else _as_is
+  for start in range(0, runs.rows, runs.per_run):
+    stop = min(runs.rows, start + runs.per_run)
+    box = t.box(runs.axis, start // runs.inner, stop // runs.inner)
+    yield t.name, start, _laid_out(gather.gather_to(t.value, to, box, np_dtype), t, layout)
+
+
+def _laid_out(host: np.ndarray | None, t: _Tensor, layout) -> np.ndarray | None:
+  """A gathered box of `t`'s leaf in the published layout (None: not here)."""
+  if host is None:
+    return None
+  if t.layer is not None:
+    host = host.reshape(host.shape[1:])  # the one layer
+  return np.ascontiguousarray(layout(host))
 
 
 def whole_tensors(items, cfg: config_lib.ModelConfig) -> Iterator[np.ndarray]:
@@ -202,9 +262,9 @@ def hf_row_count(
   run_bytes = ROW_RUN_BYTES if run_bytes is None else run_bytes
   itemsize = np.dtype(hf_load.NUMPY_DTYPES[dtype]).itemsize
   count = 0
-  for _, shape, _, kind, leaf_path in _layer_tensors(model):
-    runs = _row_runs(shape, kind, leaf_path, itemsize, run_bytes)
-    count += 1 if runs is None else -(-runs[0] // runs[2])
+  for t in _layer_tensors(model):
+    runs = _row_runs(t.shape, t.kind, t.leaf_path, itemsize, run_bytes)
+    count += 1 if runs is None else -(-runs.rows // runs.per_run)
   return count
 
 

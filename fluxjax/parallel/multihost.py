@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
+import math
 import os
 import pickle
 import sys
@@ -144,11 +146,11 @@ def gather_to_leader(tree, shardings, chunk_bytes: int = GATHER_CHUNK_BYTES):
   """A copy of a sharded tree placed with `shardings` on the leader's devices.
 
   Collective: every process calls it, with the same tree structure, in the
-  same order. Each leaf goes to the leader alone (`gather.gather_to`) in runs
-  of rows (its leading axis: a stacked leaf's layers) of at most
-  `chunk_bytes` (one row if a row is larger), and the leader writes each run
-  into its devices' blocks of the copy as it comes: its host holds one run
-  at a time, and no other process receives anything.
+  same order. Each leaf goes to the leader alone (`gather.gather_to`) in
+  boxes of at most `chunk_bytes` (runs of rows; a row larger than that in
+  runs of its own rows, and so on), and the leader writes each box into its
+  devices' blocks of the copy as it comes: its host holds one box at a
+  time, and no other process receives anything.
 
   Args:
     tree: jax.Arrays sharded over the global mesh.
@@ -167,24 +169,38 @@ def gather_to_leader(tree, shardings, chunk_bytes: int = GATHER_CHUNK_BYTES):
 
 
 def _gather_leaf(leaf: jax.Array, sharding, chunk_bytes: int) -> jax.Array | None:
-  """`leaf` placed with `sharding` on the leader (None elsewhere), a run of rows at a time."""
+  """`leaf` placed with `sharding` on the leader (None elsewhere), a box at a time."""
   if leaf.ndim == 0:
     host = gather.gather_to(leaf, LEADER)
     return None if host is None else jax.device_put(host, sharding)
-  rows = leaf.shape[0]
-  run = max(1, chunk_bytes // max(1, leaf.nbytes // max(rows, 1)))
   blocks = _empty_blocks(leaf, sharding) if is_leader() else None
   index = {
-    d: (i[0].indices(rows)[:2], i[1:]) for d, i in sharding.devices_indices_map(leaf.shape).items()
+    d: tuple(s.indices(n)[:2] for s, n in zip(i, leaf.shape))
+    for d, i in sharding.devices_indices_map(leaf.shape).items()
   }
-  for start in range(0, rows, run):
-    host = gather.gather_to(leaf, LEADER, (start, min(rows, start + run)))
+  for box in _boxes(leaf.shape, leaf.dtype.itemsize, chunk_bytes):
+    host = gather.gather_to(leaf, LEADER, box)
     if blocks is not None:
       assert host is not None
-      _write_run(blocks, index, host, start)
+      _write_box(blocks, index, host, box)
   if blocks is None:
     return None
   return jax.make_array_from_single_device_arrays(leaf.shape, sharding, list(blocks.values()))
+
+
+def _boxes(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> Iterator[gather.Bounds]:
+  """Boxes that cover an array of `shape` in order, each of at most
+  `chunk_bytes`: runs along the first axis whose entries fit (one entry
+  each of the axes before it)."""
+  k = next(
+    (k for k in range(len(shape)) if math.prod(shape[k + 1 :]) * itemsize <= chunk_bytes),
+    len(shape) - 1,
+  )
+  step = max(1, chunk_bytes // (math.prod(shape[k + 1 :]) * itemsize))
+  rest = tuple((0, n) for n in shape[k + 1 :])
+  for outer in itertools.product(*(range(n) for n in shape[:k])):
+    for start in range(0, shape[k], step):
+      yield (*((i, i + 1) for i in outer), (start, min(shape[k], start + step)), *rest)
 
 
 def _empty_blocks(leaf: jax.Array, sharding) -> dict[jax.Device, jax.Array]:
@@ -193,19 +209,19 @@ def _empty_blocks(leaf: jax.Array, sharding) -> dict[jax.Device, jax.Array]:
   return {d: jnp.zeros(shape, leaf.dtype, device=d) for d in sharding.addressable_devices}
 
 
-def _write_run(blocks: dict, index: dict, host: np.ndarray, start: int) -> None:
-  """Writes rows [start, start + len(host)) of the leaf into each device's
-  block, in place (`index`: {device: (its block's rows, its other slices)})."""
-  stop = start + host.shape[0]
+def _write_box(blocks: dict, index: dict, host: np.ndarray, box: gather.Bounds) -> None:
+  """Writes `host`, the leaf's `box`, into each device's block where they
+  meet, in place (`index`: {device: its block's (start, stop) per axis})."""
   for device, block in blocks.items():
-    (first, last), rest = index[device]
-    lo, hi = max(first, start), min(last, stop)
-    if lo < hi:
-      piece = host[(slice(lo - start, hi - start), *rest)]
-      blocks[device] = _set_rows(block, jax.device_put(piece, device), lo - first)
+    meet = [(max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(index[device], box)]
+    if any(first >= last for first, last in meet):
+      continue
+    piece = host[tuple(slice(first - lo, last - lo) for (first, last), (lo, _) in zip(meet, box))]
+    at = tuple(first - a for (first, _), (a, _) in zip(meet, index[device]))
+    blocks[device] = _set_box(block, jax.device_put(piece, device), at)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _set_rows(block: jax.Array, rows: jax.Array, start) -> jax.Array:
-  """`block` with `rows` from row `start` (in place: the block is donated)."""
-  return jax.lax.dynamic_update_slice_in_dim(block, rows, start, 0)
+def _set_box(block: jax.Array, piece: jax.Array, at: tuple) -> jax.Array:
+  """`block` with `piece` written from index `at` (in place: the block is donated)."""
+  return jax.lax.dynamic_update_slice(block, piece, at)

@@ -39,14 +39,25 @@ overlapping its wait for rollouts; a one-process broadcast reads from its
 own thread and blocks nothing until the next update), seconds the servers
 are paused (pause through update), bytes
 written to disk (the delta among them), bytes the trainer broadcast, bytes
-each trainer process received in its gathers (counted from the gathered
-arrays: each gathered result less this process's own shards of it), how
+each trainer process received from the others in its gathers (the
+baseline's: each all-gathered result less this process's own shards of it;
+the others': `gather.COUNTS`), how
 many updates each server read as a delta, and the largest peak RSS growth of
 every trainer process and server over one publish (VmHWM after clearing it,
 against the RSS before that publish; the first publish's import of torch
 counts for the distributed one).
 The baseline runs first; ratios are each transport's over the baseline's.
 In-process swapping (the embedded engine) moves no bytes and is not run here.
+
+  python bench/publish.py --memory [--run-mb 1] [--json PATH]
+
+instead measures what each of 2 trainer processes (2 CPU devices each) holds
+over one publish of a 32M-parameter model whose largest tensors pass the
+run: its peak RSS growth in the disk write (with deltas), the broadcast's
+gathers and the embedded engine's stage (`multihost.gather_to_leader`),
+in this tree and, in the same run, at `--baseline` (the commit before the
+gathers went to their consumer alone, its `fluxjax/` unpacked by `git
+archive`), against the bound: one fp32 layer beyond the process's shard.
 
 Then the cost model: what each transport costs a Qwen2.5-VL-7B or 32B trainer
 on N hosts publishing to S servers, from assumed bandwidths (flags): blocked
@@ -56,10 +67,11 @@ that step's wait for rollouts must cover, or its update waits for the rest),
 and the servers' pause. The
 baseline gathers the fp32 model onto every host (twice the bf16 bytes, and
 the whole fp32 model held per host) and writes the whole folder from one. The
-others gather each layer tensor in bf16 on every host, past
-hf_export.ROW_RUN_BYTES in runs of rows (an all-gather: each host receives
-(N-1)/N of the bf16 model) and hold at most one run, but for the broadcast's
-process 0, which holds the largest tensor whole (the protocol sends it so);
+others gather each layer tensor in bf16 to the process that consumes it,
+past hf_export.ROW_RUN_BYTES in runs of rows (each writer receives (N-1)/N
+of its own 1/N of the bf16 model, the broadcast's process 0 (N-1)/N of all
+of it) and hold at most one run, but for the broadcast's process 0, which
+holds the largest tensor whole (the protocol sends it so);
 the disk path then writes 1/N of the folder from each host at once and every
 server reads the folder; with deltas each host also reads its own files of
 the previous version back and writes 6 bytes per changed element
@@ -184,12 +196,33 @@ def _configure(fleet, transport: str) -> None:
   fleet.weight_deltas = transport == "disk_delta"
 
 
+def _gather_counts():
+  """gather.COUNTS where this tree has it (not at BEFORE_OWNER_GATHERS)."""
+  try:
+    from fluxjax.sharding import gather
+  except ImportError:
+    return None
+  return gather.COUNTS
+
+
 class GatherCount:
-  """Bytes this process received in cross-process gathers: each gathered
-  array's bytes less its own shards' (hf_load.to_host's gathers and the
-  baseline's)."""
+  """Bytes this process received in cross-process all-gathers: each gathered
+  array's bytes less its own shards' (the baseline's, and hf_load.to_host's
+  at a commit before `gather.gather_to`); `received()` adds gather_to's."""
 
   received = 0
+
+  @classmethod
+  def reset(cls) -> None:
+    cls.received = 0
+    counts = _gather_counts()
+    if counts is not None:
+      counts.reset()
+
+  @classmethod
+  def total(cls) -> int:
+    counts = _gather_counts()
+    return cls.received + (counts.received_bytes if counts is not None else 0)
 
   @classmethod
   def gather(cls, x: jax.Array) -> np.ndarray:
@@ -244,7 +277,7 @@ async def _publishes(fleet, model, transport: str, args, pids: list[int]) -> dic
   rows, join_s = [], 0.0
   for i, (version, stepped) in enumerate(_versions(model, transport, args.repeats, args.lr)):
     before = _reset_peaks(growth)
-    GatherCount.received = 0
+    GatherCount.reset()
     t = time.perf_counter()
     if transport == "gather0":
       report = await _publish_gather0(fleet, stepped, version)
@@ -274,7 +307,7 @@ async def _publishes(fleet, model, transport: str, args, pids: list[int]) -> dic
         "written_bytes": _folder_bytes(report.path) if report.path else 0,
         "delta_bytes": _folder_bytes(delta) if os.path.isdir(delta) else 0,
         "sent_bytes": report.sent_bytes,
-        "gathered_bytes": GatherCount.received,
+        "gathered_bytes": GatherCount.total(),
       }
     )
   growth = {str(p): g for p, g in growth.items()}
@@ -302,13 +335,13 @@ def _take_parts(model, transport: str, args, root: str) -> dict:
   gathered = 0
   for version, stepped in _versions(model, transport, args.repeats, args.lr):
     before = _reset_peaks(growth)
-    GatherCount.received = 0
+    GatherCount.reset()
     if transport == "gather0":
       gather0_write(stepped, root, version)
     else:
       publish.take_part(stepped, sync, root, version, deltas=transport == "disk_delta")
     _record_peaks(growth, before)
-    gathered = max(gathered, GatherCount.received)
+    gathered = max(gathered, GatherCount.total())
   me = f"p{jax.process_index()}"
   return {"peak_rss_growth_bytes": {me: growth["self"]}, "gathered_bytes": {me: gathered}}
 
@@ -387,8 +420,8 @@ def measure_processes(size: str, processes: int, args) -> dict:
   return result
 
 
-def worker(args) -> None:
-  """One process of `measure_processes`: the model sharded over every process's device."""
+def _init_distributed() -> None:
+  """jax.distributed from the launcher's --config.distributed.* flags."""
   flags = dict(
     a[len("--config.distributed.") :].split("=", 1)
     for a in sys.argv
@@ -403,6 +436,11 @@ def worker(args) -> None:
       local_device_ids="",
     )
   )
+
+
+def worker(args) -> None:
+  """One process of `measure_processes`: the model sharded over every process's device."""
+  _init_distributed()
   size, me = args.sizes, jax.process_index()
   cfg = model_config(size)
   mesh = mesh_lib.make_mesh(1, -1)
@@ -423,6 +461,202 @@ def worker(args) -> None:
     json.dump(result, f)
 
 
+# --- gathers to the owner: peak RSS per process on 2 processes ----------------------
+
+# The last commit whose publishes all-gathered every tensor onto every process
+# and whose delta builder held a folder file's entries until the file was
+# written: the baseline `--memory` runs in the same script (`git archive`).
+BEFORE_OWNER_GATHERS = "9c17cf9dc19196c24881562f54b33eda1725e649"
+MEMORY_PHASES = ("disk", "broadcast", "stage")
+
+
+def memory_config() -> config.ModelConfig:
+  """A 4-layer text stack of width 512 on a 16384-token vocabulary (32M
+  parameters): its embedding and LM head, 16 MiB each in bf16, are past the
+  run; its fp32 decoder layer (15.2 MB) is to a 1 MiB run (the default)
+  about what a 7B layer (932 MB) is to hf_export.ROW_RUN_BYTES (64 MiB)."""
+  tiny = config.preset("tiny")
+  text = dataclasses.replace(
+    tiny.text,
+    vocab_size=16384,
+    hidden_size=512,
+    intermediate_size=2048,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=2,
+    mrope_section=(8, 12, 12),
+  )
+  return dataclasses.replace(
+    tiny, text=text, vision=dataclasses.replace(tiny.vision, out_hidden_size=512)
+  )
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _nudge(state, key, share: float):
+  """About `share` of every parameter's elements moved by 1e-2 (the rest kept)."""
+  leaves, treedef = jax.tree.flatten(state)
+  keys = jax.random.split(key, len(leaves))
+  moved = [
+    x + jnp.where(jax.random.uniform(k, x.shape) < share, 1e-2, 0.0).astype(x.dtype)
+    for x, k in zip(leaves, keys)
+  ]
+  return jax.tree.unflatten(treedef, moved)
+
+
+def _memory_phase(phase: str, model, root: str, version: int, run_bytes: int) -> None:
+  """This process's part in one publish: `disk` (its files and their deltas
+  from version 1), `broadcast` (process 0 takes every tensor whole) or
+  `stage` (the embedded engine's fp32 copy on process 0's devices, dropped)."""
+  from fluxjax.parallel import multihost
+
+  leader = jax.process_index() == 0
+  if phase == "disk" and leader:
+    publish.write_checkpoint(model, root, version, deltas=version > 1)
+  elif phase == "disk":
+    publish.take_part(model, "disk", root, version, deltas=version > 1)
+  elif phase == "broadcast" and leader:
+    for _ in publish.broadcast_tensors(model):
+      pass
+  elif phase == "broadcast":
+    publish.take_part(model, "distributed", root, version)
+  else:
+    params = nnx.state(model, nnx.Param)
+    local = mesh_lib.make_mesh(1, -1, devices=multihost.leader_devices())
+    where = sharded.model_shardings(model.cfg, local, max_replicated_bytes=1 << 30, log_table=False)
+    shardings = nnx.from_flat_state([(p, where[p]) for p, _ in nnx.to_flat_state(params)])
+    jax.block_until_ready(multihost.gather_to_leader(params, shardings, chunk_bytes=run_bytes))
+
+
+def _measured(fn) -> dict:
+  """Runs `fn` on every process at once; this process's peak RSS growth over
+  it, and the bytes its gathers received from other processes."""
+  from jax.experimental import multihost_utils
+
+  multihost_utils.sync_global_devices("before")
+  before = _reset_peaks({"self": 0})["self"]
+  GatherCount.reset()
+  fn()
+  peak = _peak_and_now()[0]
+  multihost_utils.sync_global_devices("after")
+  return {"peak_growth_bytes": peak - before, "received_bytes": GatherCount.total()}
+
+
+def memory_worker(args) -> None:
+  """One process of `measure_memory`: each phase once untimed (compiling,
+  and version 1 for the deltas' base), then measured on a nudged model."""
+  _init_distributed()
+  run_bytes = int(args.run_mb * 2**20)
+  hf_export.ROW_RUN_BYTES = run_bytes
+  mesh = mesh_lib.make_mesh(1, -1)
+  model = sharded.create_sharded_model(
+    memory_config(), mesh, seed=1, max_replicated_bytes=1 << 30, log_table=False
+  )
+  root = os.path.join(args.workdir, f"memory-{args.label}")
+  for phase in MEMORY_PHASES:
+    _memory_phase(phase, model, root, 1, run_bytes)
+  graphdef, state = nnx.split(model)
+  state = jax.block_until_ready(_nudge(state, jax.random.key(2), args.memory_share))
+  nudged = nnx.merge(graphdef, state)
+  phases = {
+    p: _measured(functools.partial(_memory_phase, p, nudged, root, 2, run_bytes))
+    for p in MEMORY_PHASES
+  }
+  if _gather_counts() is None:  # the baseline's stage gathers outside hf_load.to_host
+    phases["stage"]["received_bytes"] = None
+  params = jax.tree.leaves(nnx.state(model, nnx.Param))
+  own = sum(s.data.nbytes for x in params for s in x.addressable_shards)
+  result = {"phases": phases, "own_shard_bytes": own, "fp32_bytes": sum(x.nbytes for x in params)}
+  with open(
+    os.path.join(args.workdir, f"memory-{args.label}-p{jax.process_index()}.json"), "w"
+  ) as f:
+    json.dump(result, f)
+
+
+def _baseline_tree(rev: str, workdir: str) -> str:
+  """`fluxjax/` at commit `rev`, unpacked under `workdir` (what PYTHONPATH puts first)."""
+  import io
+  import tarfile
+
+  tree = os.path.join(workdir, "baseline")
+  data = subprocess.run(
+    ["git", "-C", runinfo.ROOT, "archive", rev, "fluxjax"], capture_output=True, check=True
+  ).stdout
+  with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+    archive.extractall(tree, filter="data")
+  return tree
+
+
+def _memory_run(label: str, tree: str, args) -> list[dict]:
+  """`memory_worker` on 2 processes x 2 CPU devices with `tree`'s fluxjax;
+  each process's result."""
+  command = [sys.executable, "-m", "fluxjax.launch", "--processes=2", "--cpu_devices=2"]
+  command += ["--module=publish", "--", "--memory-worker", "--label", label]
+  command += ["--run-mb", str(args.run_mb), "--memory-share", str(args.memory_share)]
+  command += ["--workdir", args.workdir]
+  bench = os.path.dirname(os.path.abspath(__file__))
+  # Large blocks are mapped and unmapped, not kept in the heap once freed:
+  # each phase's peak growth is then its own, not what an earlier one left.
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, bench]), MALLOC_MMAP_THRESHOLD_="131072")
+  # Run from the work directory: `python -m` puts the current one first on the path.
+  done = subprocess.run(
+    command, env=env, cwd=args.workdir, capture_output=True, text=True, timeout=3600
+  )
+  if done.returncode != 0:
+    raise RuntimeError(f"memory bench ({label}) failed:\n{done.stderr[-4000:]}")
+  return [json.load(open(os.path.join(args.workdir, f"memory-{label}-p{k}.json"))) for k in (0, 1)]
+
+
+def measure_memory(args) -> dict:
+  """Peak RSS growth per process over one publish of each phase, at
+  `args.baseline` and in this tree, with the bounds they are held to."""
+  runs = {
+    "before": _memory_run("before", _baseline_tree(args.baseline, args.workdir), args),
+    "owner": _memory_run("owner", runinfo.ROOT, args),
+  }
+  cfg = memory_config()
+  layers = [n for n, _ in hf_load.hf_layout(cfg) if n.startswith("model.layers.0.")]
+  shapes = dict(hf_load.hf_layout(cfg))
+  return {
+    "config": dataclasses.asdict(cfg),
+    "run_bytes": int(args.run_mb * 2**20),
+    "largest_tensor_bf16_bytes": 2 * max(int(np.prod(s)) for s in shapes.values()),
+    "fp32_layer_bytes": 4 * sum(int(np.prod(shapes[n])) for n in layers),
+    "baseline": args.baseline,
+    "runs": runs,
+  }
+
+
+def _megabytes(n: int | None) -> str:
+  return "-" if n is None else f"{n / 1e6:.1f}"
+
+
+def _print_memory(m: dict) -> None:
+  run, layer = m["run_bytes"], m["fp32_layer_bytes"]
+  before, owner = m["runs"]["before"], m["runs"]["owner"]
+  copy = owner[0]["fp32_bytes"]
+  print(
+    f"\nGathers to the owner, 2 processes x 2 CPU devices: {copy / 4e6:.1f}M parameters, "
+    f"own shard {owner[0]['own_shard_bytes'] / 1e6:.1f} MB per process, run "
+    f"{run / 2**20:g} MiB, largest tensor {m['largest_tensor_bf16_bytes'] / 2**20:.0f} MiB in "
+    f"bf16, one fp32 layer {layer / 1e6:.1f} MB; baseline {m['baseline'][:7]}"
+  )
+  print("| phase | process | peak +MB before | now | now / before | received MB before | now |")
+  print("|---|---|---|---|---|---|---|")
+  for phase in MEMORY_PHASES:
+    for k in (0, 1):
+      b, o = before[k]["phases"][phase], owner[k]["phases"][phase]
+      grew = [b["peak_growth_bytes"], o["peak_growth_bytes"]]
+      got = [_megabytes(r["received_bytes"]) for r in (b, o)]
+      print(
+        f"| {phase} | {k} | {grew[0] / 1e6:.1f} | {grew[1] / 1e6:.1f} "
+        f"| {grew[1] / max(grew[0], 1):.2f} | {got[0]} | {got[1]} |"
+      )
+  print(
+    f"  bound: beyond its own shard a process holds one fp32 layer ({layer / 1e6:.1f} MB); "
+    f"process 0's stage also holds the engine's copy it makes ({copy / 1e6:.1f} MB)"
+  )
+
+
 def projection(args) -> list[dict]:
   """Seconds each transport takes for the published models (module docstring)."""
   rows = []
@@ -436,8 +670,11 @@ def projection(args) -> list[dict]:
     bf16 = 2 * params
     for hosts in (1, 2, 4, 16):
       for servers in (1, 8, 32):
-        # Each host receives the other hosts' shards of every layer tensor in bf16.
-        gather = bf16 * (hosts - 1) / hosts / args.net_gbps / 1e9 if hosts > 1 else 0.0
+        # An all-gather brings each host the other hosts' part of every tensor;
+        # to the owner, a writer gets the others' part of its own files (1/N
+        # of the model) and the broadcast's process 0 theirs of every tensor.
+        allgather = bf16 * (hosts - 1) / hosts / args.net_gbps / 1e9 if hosts > 1 else 0.0
+        to_writer, to_leader = allgather / hosts, allgather
         write = bf16 / hosts / args.disk_write_gbps / 1e9  # each host its own files
         read = bf16 * servers / min(args.fs_read_gbps, servers * args.disk_read_gbps) / 1e9
         send = bf16 / args.net_gbps / 1e9  # pipelined: each byte crosses each link once
@@ -449,7 +686,7 @@ def projection(args) -> list[dict]:
         delta_write = delta / hosts / args.disk_write_gbps / 1e9
         # The baseline: every host receives the rest of the fp32 model, then
         # process 0 alone writes the whole bf16 folder.
-        gather_fp32 = 2 * gather
+        gather_fp32 = 2 * allgather
         rows.append(
           {
             "model": name,
@@ -457,20 +694,20 @@ def projection(args) -> list[dict]:
             "servers": servers,
             "gather0_blocked_s": gather_fp32 + bf16 / args.disk_write_gbps / 1e9 + read,
             "gather0_extra_bytes_per_host": 2 * bf16,  # the whole fp32 model on every host
-            "disk_blocked_s": gather + write + read,
+            "disk_blocked_s": to_writer + write + read,
             "disk_paused_s": read,
             # Deferred, the trainer's main thread runs the gathers; the rest
             # runs beside the next step, whose wait for rollouts must cover it.
-            "disk_deferred_blocked_s": gather,
+            "disk_deferred_blocked_s": to_writer,
             "disk_beside_step_s": write,
             "disk_extra_bytes_per_host": disk_largest[name],
-            "delta_blocked_s": gather + write + base + delta_write + delta_read,
+            "delta_blocked_s": to_writer + write + base + delta_write + delta_read,
             "delta_paused_s": delta_read,
-            "delta_deferred_blocked_s": gather,
+            "delta_deferred_blocked_s": to_writer,
             "delta_beside_step_s": write + base + delta_write,
-            "distributed_blocked_s": gather + send,
+            "distributed_blocked_s": to_leader + send,
             "distributed_paused_s": send,
-            "distributed_deferred_blocked_s": gather,
+            "distributed_deferred_blocked_s": to_leader,
             "distributed_beside_step_s": send,
             "distributed_extra_bytes_per_host": largest[name],
           }
@@ -516,6 +753,18 @@ def _print_result(r: dict) -> None:
   print(f"  group join at the first distributed publish: {r['distributed']['join_s']:.3f} s")
 
 
+def memory_main(args) -> None:
+  """`--memory`: the baseline's run and this tree's, printed, and --json."""
+  t0 = time.time()
+  with tempfile.TemporaryDirectory(prefix="bench-publish-memory-") as workdir:
+    args.workdir = workdir
+    m = measure_memory(args)
+  _print_memory(m)
+  print(f"bench wall time {time.time() - t0:.0f} s")
+  if args.json:
+    runinfo.write(args.json, "publish.py", {"args": vars(args), "memory": m})
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--servers", type=int, default=2)
@@ -533,11 +782,29 @@ def main() -> None:
     "--changed-share", type=float, default=0.01, help="bf16 elements one step changes (model)"
   )
   p.add_argument("--json", default=None)
+  p.add_argument(
+    "--memory",
+    action="store_true",
+    help="only the peak RSS per process of 2 processes' publishes, against --baseline",
+  )
+  p.add_argument("--run-mb", type=float, default=1, help="--memory: the run (ROW_RUN_BYTES), MiB")
+  p.add_argument(
+    "--memory-share", type=float, default=0.2, help="--memory: elements each version changes"
+  )
+  p.add_argument("--baseline", default=BEFORE_OWNER_GATHERS, help="--memory: the commit to compare")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--memory-worker", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--label", default="", help=argparse.SUPPRESS)
   p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
   args, _ = p.parse_known_args()  # a worker is also given the launcher's flags
   if args.worker:
     worker(args)
+    return
+  if args.memory_worker:
+    memory_worker(args)
+    return
+  if args.memory:
+    memory_main(args)
     return
   t0 = time.time()
   results = []

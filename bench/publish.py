@@ -208,7 +208,7 @@ def _gather_counts():
 class GatherCount:
   """Bytes this process received in cross-process all-gathers: each gathered
   array's bytes less its own shards' (the baseline's, and hf_load.to_host's
-  at a commit before `gather.gather_to`); `received()` adds gather_to's."""
+  at a commit before `gather.gather_to`); `total()` adds gather_to's."""
 
   received = 0
 

@@ -44,8 +44,7 @@ def _on_one_device(x: Array) -> Array:
   collective: a deferred broadcast (rollout/publish.py) reads the trainer's
   arrays from another thread while the training step runs, and collectives
   launched from two threads may meet in different orders on different GPUs.
-  Arrays that span processes stay where they are (their reads are the
-  trainer's own, in order)."""
+  (A model that spans processes goes through `gather.gather_to` instead.)"""
   if not isinstance(x, jax.Array) or not x.is_fully_addressable or len(x.sharding.device_set) == 1:
     return x
   return jax.device_put(x, x.addressable_shards[0].device)

@@ -1,6 +1,7 @@
 """The notebooks run top to bottom (CI executes them so they keep working)."""
 
 import os
+import re
 
 import pytest
 
@@ -55,6 +56,12 @@ def test_grpo_notebook_executes(tmp_path, monkeypatch):
     "grpo_steps, eval_every = 2, 1",
   )
   assert "logprob" in outputs and "accuracy" in outputs
+  # One group's loss and gradient by hand equal the library's.
+  (line,) = [x for x in outputs.splitlines() if x.startswith("group loss by hand")]
+  by_hand, library = (float(x) for x in re.findall(r"[-+]\d\.\d+", line))
+  assert by_hand == pytest.approx(library, abs=1e-6)
+  (line,) = [x for x in outputs.splitlines() if x.startswith("largest gradient difference")]
+  assert float(line.split()[-1]) < 1e-7
   curve = [line for line in outputs.splitlines() if line.startswith("accuracy [")]
   assert len(curve) == 1 and curve[0].count(",") == 2, curve  # evaluated at steps 0, 1, 2
   for figure in ("group.png", "grpo_curve.png"):

@@ -37,7 +37,12 @@ from fluxjax.rl import evaluation, metrics, reward_fns, sft
 from fluxjax.rollout import engine as engine_lib
 from fluxjax.rollout.sampling_params import SamplingParams
 
-THINK, DIRECT = "<think> ", "<answer>"
+# The forced openings: each must be the first tokens of every response the
+# base was trained on in that format (tests/test_base.py). "<think> a" is
+# "<think", ">", " a", so "<think> " would force a lone " " token; and a
+# listed answer merges ">" with its first letter, so the direct opening
+# stops before ">".
+THINK, DIRECT = "<think>", "<answer"
 # A fixed set the suite scores the committed base on again (tests/test_base.py):
 # rows of the pretraining mix drawn by their own seed. They may share items
 # with the pretraining pool: a check that the base loads and decodes as when
@@ -162,9 +167,9 @@ def evaluate(model, tok, cfg, items: Sequence[Item], samples: int) -> dict:
                  1) and greedy, and `think_rate`, the share of sampled
                  responses that open with <think> (greedy opens with it too
                  or not: `greedy_thinks`)
-  think          "<think> " forced after the prompt: greedy accuracy and
+  think          "<think>" forced after the prompt: greedy accuracy and
                  pass@k over `--samples` sampled responses
-  direct         "<answer>" forced: greedy accuracy
+  direct         "<answer" forced: greedy accuracy
   copy           teacher-forced: on the reference chain of an item whose
                  chain copies from its question (keyed lists, census), the
                  share of copied tokens (keys, colours, shapes) the model
@@ -274,11 +279,16 @@ def main(argv: Sequence[str] | None = None) -> None:
   items = load_items(os.path.join(args.workdir, "data", "eval", "manifest.jsonl"), proc, tok, cfg)
   t0 = time.perf_counter()
   card = {**provenance(args.workdir), **evaluate(model, tok, cfg, items, args.samples)}
+  card["card_commit"] = card["commit"]
+  path = os.path.join(args.base, "card.json")
+  if os.path.exists(path):  # carded again: the base was made at its first card's commit
+    with open(path) as f:
+      card["commit"] = json.load(f).get("commit", card["commit"])
   with tempfile.TemporaryDirectory() as tmp:
     fixed = fixed_prompt_accuracy(model, tok, cfg, proc, tmp)
   card["fixed_prompts"] = {**FIXED_PROMPTS, "greedy_accuracy": fixed}
   card["card_seconds"] = time.perf_counter() - t0
-  with open(os.path.join(args.base, "card.json"), "w") as f:
+  with open(path, "w") as f:
     json.dump(card, f, indent=1)
   for k, m in card["marks"].items():
     print(f"{k}: {m['figure']:.3f} (mark {m['mark']}): {'pass' if m['passed'] else 'FAIL'}")

@@ -167,9 +167,11 @@ def evaluate(model, tok, cfg, items: Sequence[Item], samples: int) -> dict:
                  1) and greedy, and `think_rate`, the share of sampled
                  responses that open with <think> (greedy opens with it too
                  or not: `greedy_thinks`)
-  think          "<think>" forced after the prompt: greedy accuracy and
-                 pass@k over `--samples` sampled responses
-  direct         "<answer" forced: greedy accuracy
+  think          "<think>" forced after the prompt: greedy accuracy, and
+                 pass@k and the mean accuracy (`think_sampled`) of `--samples`
+                 responses sampled at temperature 1
+  direct         "<answer" forced: greedy accuracy, and on chain tasks the
+                 mean of `--samples` sampled (`direct_sampled`)
   copy           teacher-forced: on the reference chain of an item whose
                  chain copies from its question (keyed lists, census), the
                  share of copied tokens (keys, colours, shapes) the model
@@ -182,6 +184,7 @@ def evaluate(model, tok, cfg, items: Sequence[Item], samples: int) -> dict:
   sampled = dec.texts(items, "", 1, greedy=False)
   greedy = dec.texts(items, "", 1, greedy=True)
   direct = dec.texts(items, DIRECT, 1, greedy=True)
+  direct_k = dec.texts(chains, DIRECT, samples, greedy=False)
   think_greedy = dec.texts(chains, THINK, 1, greedy=True)
   think_k = dec.texts(chains, THINK, samples, greedy=False)
   rows: dict = collections.defaultdict(
@@ -194,11 +197,14 @@ def evaluate(model, tok, cfg, items: Sequence[Item], samples: int) -> dict:
     r["direct_greedy"].append(score(d[0], it.answer))
     r["think_rate"].append(float(reward_fns.reasons(s[0])))
     r["greedy_thinks"].append(float(reward_fns.reasons(g[0])))
-  for it, g, ks in zip(chains, think_greedy, think_k):
+  for it, g, ks, ds in zip(chains, think_greedy, think_k, direct_k):
     r = rows[it.task][it.level]
     r["think_greedy"].append(score(g[0], it.answer))
     c = sum(score(x, it.answer) >= 1.0 for x in ks)
     r[f"think_pass@{samples}"].append(evaluation.pass_at_k(samples, c, samples))
+    # Sampled at temperature 1, as RL samples: which format pays there.
+    r["think_sampled"].append(c / samples)
+    r["direct_sampled"].append(float(np.mean([score(x, it.answer) for x in ds])))
     if it.task in COPYING:
       hits, total = copy_accuracy(model, tok, cfg, it, capacity)
       r["copy_hits"].append(hits)

@@ -78,8 +78,9 @@ def load_items(manifest: str, proc: processor.VisionProcessorConfig, tok, cfg) -
 class Decoder:
   """Greedy and sampled responses of the base, after an optional forced prefix."""
 
-  def __init__(self, model, tok, capacity: int, seed: int = 0):
+  def __init__(self, model, tok, capacity: int, seed: int = 0, temperature: float = 1.0):
     self.tok = tok
+    self.temperature = temperature
     self.engine = engine_lib.Engine(model, tok, num_slots=32, capacity=capacity, seed=seed)
     self._n = 0
 
@@ -92,6 +93,7 @@ class Decoder:
         self._n += 1
         sampling = SamplingParams(
           max_new_tokens=MAX_NEW_TOKENS,
+          temperature=self.temperature,
           top_k=1 if greedy else SamplingParams.top_k,
           sampling_seed=self._n,
         )
@@ -158,18 +160,22 @@ def fixed_prompt_accuracy(model, tok, cfg, proc, out_dir: str) -> float:
   return float(np.mean([score(g[0], it.answer) for it, g in zip(items, greedy, strict=True)]))
 
 
-def evaluate(model, tok, cfg, items: Sequence[Item], samples: int) -> dict:
+def evaluate(
+  model, tok, cfg, items: Sequence[Item], samples: int, temperature: float = 1.0
+) -> dict:
   """The card's table: {task: {level: figures}}, and its marks.
 
   The figures of every task and level:
 
-  choice         the model chooses its format: accuracy sampled (temperature
-                 1) and greedy, and `think_rate`, the share of sampled
+  Sampled figures are at `temperature` (RL's default, 1.0, unless given).
+
+  choice         the model chooses its format: accuracy sampled and
+                 greedy, and `think_rate`, the share of sampled
                  responses that open with <think> (greedy opens with it too
                  or not: `greedy_thinks`)
   think          "<think>" forced after the prompt: greedy accuracy, and
                  pass@k and the mean accuracy (`think_sampled`) of `--samples`
-                 responses sampled at temperature 1
+                 sampled responses
   direct         "<answer" forced: greedy accuracy, and on chain tasks the
                  mean of `--samples` sampled (`direct_sampled`)
   copy           teacher-forced: on the reference chain of an item whose
@@ -179,7 +185,7 @@ def evaluate(model, tok, cfg, items: Sequence[Item], samples: int) -> dict:
   """
   score = reward_fns.get("accuracy")
   capacity = max(len(it.prompt) for it in items) + len(tok.encode(THINK)) + MAX_NEW_TOKENS
-  dec = Decoder(model, tok, capacity)
+  dec = Decoder(model, tok, capacity, temperature=temperature)
   chains = [it for it in items if it.solution]
   sampled = dec.texts(items, "", 1, greedy=False)
   greedy = dec.texts(items, "", 1, greedy=True)
@@ -202,7 +208,7 @@ def evaluate(model, tok, cfg, items: Sequence[Item], samples: int) -> dict:
     r["think_greedy"].append(score(g[0], it.answer))
     c = sum(score(x, it.answer) >= 1.0 for x in ks)
     r[f"think_pass@{samples}"].append(evaluation.pass_at_k(samples, c, samples))
-    # Sampled at temperature 1, as RL samples: which format pays there.
+    # Sampled as RL samples (temperature 1 by default): which format pays there.
     r["think_sampled"].append(c / samples)
     r["direct_sampled"].append(float(np.mean([score(x, it.answer) for x in ds])))
     if it.task in COPYING:
@@ -280,11 +286,15 @@ def main(argv: Sequence[str] | None = None) -> None:
   p.add_argument("--base", required=True, help="the exported HF folder")
   p.add_argument("--workdir", required=True, help="the pretraining run's work directory")
   p.add_argument("--samples", type=int, default=8, help="k of pass@k with the think prefix")
+  p.add_argument(
+    "--temperature", type=float, default=1.0, help="of the sampled figures (RL's: 1.0)"
+  )
   args = p.parse_args(argv)
   model, tok, cfg, proc = load_base(args.base)
   items = load_items(os.path.join(args.workdir, "data", "eval", "manifest.jsonl"), proc, tok, cfg)
   t0 = time.perf_counter()
-  card = {**provenance(args.workdir), **evaluate(model, tok, cfg, items, args.samples)}
+  figures = evaluate(model, tok, cfg, items, args.samples, args.temperature)
+  card = {**provenance(args.workdir), "sample_temperature": args.temperature, **figures}
   card["card_commit"] = card["commit"]
   path = os.path.join(args.base, "card.json")
   if os.path.exists(path):  # carded again: the base was made at its first card's commit

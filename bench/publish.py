@@ -121,18 +121,17 @@ def model_config(size: str) -> config.ModelConfig:
     return tiny
   if size != "400m":
     raise ValueError(f"unknown size {size!r}: tiny or 400m")
-  text = dataclasses.replace(
-    tiny.text,
-    hidden_size=1024,
-    intermediate_size=4096,
-    num_layers=24,
-    num_heads=16,
-    num_kv_heads=4,
-    mrope_section=(8, 12, 12),
+  return _resized(
+    tiny, hidden_size=1024, intermediate_size=4096, num_layers=24, num_heads=16, num_kv_heads=4
   )
-  return dataclasses.replace(
-    tiny, text=text, vision=dataclasses.replace(tiny.vision, out_hidden_size=1024)
-  )
+
+
+def _resized(tiny, **text):
+  """The tiny preset with a larger decoder (`text`: its fields), the vision
+  merger's output resized to match."""
+  text_cfg = dataclasses.replace(tiny.text, mrope_section=(8, 12, 12), **text)
+  vision = dataclasses.replace(tiny.vision, out_hidden_size=text_cfg.hidden_size)
+  return dataclasses.replace(tiny, text=text_cfg, vision=vision)
 
 
 def random_model(cfg: config.ModelConfig, seed: int) -> vlm.Qwen25VL:
@@ -476,18 +475,14 @@ def memory_config() -> config.ModelConfig:
   run; its fp32 decoder layer (15.2 MB) is to a 1 MiB run (the default)
   about what a 7B layer (932 MB) is to hf_export.ROW_RUN_BYTES (64 MiB)."""
   tiny = config.preset("tiny")
-  text = dataclasses.replace(
-    tiny.text,
+  return _resized(
+    tiny,
     vocab_size=16384,
     hidden_size=512,
     intermediate_size=2048,
     num_layers=4,
     num_heads=8,
     num_kv_heads=2,
-    mrope_section=(8, 12, 12),
-  )
-  return dataclasses.replace(
-    tiny, text=text, vision=dataclasses.replace(tiny.vision, out_hidden_size=512)
   )
 
 

@@ -449,9 +449,9 @@ def _task_row(
 def check_mix_weights(name: str, weights: Mapping[str, float]) -> None:
   """Raises ValueError unless each key of a task-weighted mix is a task, or a
   task with levels and one of its levels ("scan_count@hard")."""
+  leveled = (*cot_tasks.ALL, *visual_tasks.TASKS)
   for key in weights:
     task, at, level = key.partition("@")
-    leveled = (*cot_tasks.ALL, *visual_tasks.TASKS)
     if task not in (*leveled, *SHAPES_TASKS):
       raise ValueError(f"mix {name!r}: unknown task {task!r} in {key!r}")
     if at and (task not in leveled or level not in visual_tasks.LEVELS):

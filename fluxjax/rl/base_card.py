@@ -210,7 +210,7 @@ def evaluate(
     r[f"think_pass@{samples}"].append(evaluation.pass_at_k(samples, c, samples))
     # Sampled as RL samples (temperature 1 by default): which format pays there.
     r["think_sampled"].append(c / samples)
-    r["direct_sampled"].append(float(np.mean([score(x, it.answer) for x in ds])))
+    r["direct_sampled"].append(sum(score(x, it.answer) >= 1.0 for x in ds) / samples)
     if it.task in COPYING:
       hits, total = copy_accuracy(model, tok, cfg, it, capacity)
       r["copy_hits"].append(hits)

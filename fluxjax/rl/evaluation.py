@@ -226,7 +226,7 @@ def summarize(
     if len(greedy) != len(scores):
       raise ValueError(f"{len(greedy)} greedy scores for {len(scores)} prompts")
     out["eval/accuracy_greedy"] = float(np.mean(greedy))
-  for labels in (difficulties, tasks, bands, answers):
+  for labels in (difficulties, tasks, bands, answers, reasoning, greedy_reasoning):
     if labels is not None and len(labels) != len(scores):
       raise ValueError(f"{len(labels)} labels for {len(scores)} prompts")
   out.update(_by_label("eval/accuracy/", difficulties, per_prompt))
@@ -251,7 +251,7 @@ def _by_label(prefix: str, labels: Sequence[str] | None, values: Sequence[float]
   if labels is None:
     return {}
   return {
-    prefix + label: float(np.mean([v for v, x in zip(values, labels) if x == label]))
+    prefix + label: float(np.mean([v for v, x in zip(values, labels, strict=True) if x == label]))
     for label in sorted({x for x in labels if x})
   }
 
@@ -271,7 +271,5 @@ def _reasoning_shares(
 ) -> dict[str, float]:
   share = [float(np.mean(r)) for r in reasoning]
   out = {"eval/reasoning_share": float(np.mean(share))}
-  for label in sorted({x for x in difficulties or () if x}):
-    picked = [s for s, x in zip(share, difficulties or (), strict=True) if x == label]
-    out[f"eval/reasoning_share/{label}"] = float(np.mean(picked))
+  out.update(_by_label("eval/reasoning_share/", difficulties, share))
   return out

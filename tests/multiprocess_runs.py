@@ -1,6 +1,7 @@
 """The 2-process main job's runs for tests/test_multiprocess*.py: its settings,
 `python -m fluxjax.launch` around it, and a kill mid-step."""
 
+import json
 import os
 import pathlib
 import re
@@ -14,11 +15,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from fluxjax import config_args
+from fluxjax.rl import metrics
 from helpers import ROOT, process_alive, run_launcher, train_command
 
 P = 2  # prompts per step
 
 OVERRIDES = {
+  "sharding.strategy": "flex_ulysses",
+  "sharding.sp": 8,  # across both processes of a 2 x 4 run (auto stays in one)
   "eval.every": 0,
   "checkpoint.every": 1,
   "data.synth_train": 16,
@@ -62,10 +66,11 @@ def two(workdir, **overrides):
   return launched(workdir, 2, 4, **overrides)
 
 
-def launched(workdir, processes: int, devices: int, **overrides):
-  """`python -m fluxjax.launch` of the main job with OVERRIDES and `overrides`."""
+def launched(workdir, processes: int, devices: int, grace_s: float = 10.0, **overrides):
+  """`python -m fluxjax.launch` of the main job with OVERRIDES and `overrides`;
+  `grace_s`: the launcher's time between SIGTERM and SIGKILL."""
   launcher = [sys.executable, "-m", "fluxjax.launch", f"--processes={processes}"]
-  launcher += [f"--cpu_devices={devices}", "--"]
+  launcher += [f"--cpu_devices={devices}", f"--grace_s={grace_s}", "--"]
   # The train args, without `python -m fluxjax.train`.
   return launcher + train_command(workdir, {**OVERRIDES, **overrides})[3:]
 
@@ -112,28 +117,42 @@ def pids(log_path) -> dict[int, int]:
   return {int(i): int(p) for i, p in re.findall(r"fluxjax\.launch: process (\d) pid (\d+)", text)}
 
 
-def kill_once_a_checkpoint_is_complete(command, log_path, victim: int, step: int = 1) -> dict:
-  """Starts the launcher, SIGKILLs its process `victim` once checkpoint
-  `step` is complete (step + 1 under way), checks that it stopped the rest
-  and the servers they started (each process's group); returns the pids."""
-  workdir = pathlib.Path(next(a for a in command if a.startswith("--workdir=")).split("=", 1)[1])
+def _signal_when(command, log_path, ready, signal_it) -> subprocess.Popen:
+  """Starts the launcher, calls `signal_it(launcher)` once `ready()` holds,
+  and waits for the launcher to exit (it stops the processes it started)."""
   with open(log_path, "w") as log:
     launcher = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 600
     try:
-      while time.time() < deadline and launcher.poll() is None:
-        if (workdir / "checkpoints" / str(step)).exists():
-          break  # renamed into place when complete
+      while time.time() < deadline and launcher.poll() is None and not ready():
         time.sleep(0.2)
       assert launcher.poll() is None, open(log_path).read()[-4000:]
-      started = pids(log_path)
-      assert sorted(started) == [0, 1]
-      os.kill(started[victim], signal.SIGKILL)
-      launcher.wait(timeout=90)
+      signal_it(launcher)
+      launcher.wait(timeout=300)
     finally:
       if launcher.poll() is None:
         launcher.terminate()  # it stops its processes
         launcher.wait(timeout=60)
+  return launcher
+
+
+def _workdir(command) -> pathlib.Path:
+  return pathlib.Path(next(a for a in command if a.startswith("--workdir=")).split("=", 1)[1])
+
+
+def kill_once_a_checkpoint_is_complete(command, log_path, victim: int, step: int = 1) -> dict:
+  """Starts the launcher, SIGKILLs its process `victim` once checkpoint
+  `step` is complete (step + 1 under way), checks that it stopped the rest
+  and the servers they started (each process's group); returns the pids."""
+  checkpoint = _workdir(command) / "checkpoints" / str(step)  # renamed into place when complete
+  started = {}
+
+  def kill(_):
+    started.update(pids(log_path))
+    assert sorted(started) == [0, 1]
+    os.kill(started[victim], signal.SIGKILL)
+
+  launcher = _signal_when(command, log_path, checkpoint.exists, kill)
   # The launcher stopped the other process (waiting in a collective or for
   # the next op) and exited with the killed one's fate.
   assert launcher.returncode == 128 + signal.SIGKILL, open(log_path).read()[-4000:]
@@ -141,6 +160,23 @@ def kill_once_a_checkpoint_is_complete(command, log_path, victim: int, step: int
   left = group_members(set(started.values()))
   assert not left, f"processes left running in the run's process groups: {left}"
   return started
+
+
+def preempt_once_rl_started(command, log_path) -> str:
+  """Starts the launcher and sends it SIGTERM (a scheduler's preemption)
+  once the run's RL start is evaluated, while step 1 is under way; returns
+  the log. The launcher passes the signal on and exits 128 + SIGTERM."""
+  workdir = _workdir(command)
+
+  def rl_started() -> bool:
+    path = workdir / metrics.JSONL
+    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+    return any(json.loads(x)["step"] == 0 for x in lines if x.endswith("\n") and x.strip())
+
+  launcher = _signal_when(command, log_path, rl_started, lambda p: p.send_signal(signal.SIGTERM))
+  out = open(log_path).read()
+  assert launcher.returncode == 128 + signal.SIGTERM, out[-4000:]
+  return out
 
 
 def group_members(groups: set[int]) -> list[int]:

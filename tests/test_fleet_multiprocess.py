@@ -14,10 +14,10 @@ from fluxjax.rl import loop, metrics
 from helpers import assert_every_drawn_prompt_accounted_for
 
 # The fleet job with everything on: launched servers behind the router,
-# weights broadcast, flex_ulysses across the two processes, adaptive lag and
-# tail batching with recycling (configs/vlm.py `fleet` modifier).
+# weights broadcast, flex_ulysses across the two processes (multiprocess_runs'
+# OVERRIDES), adaptive lag and tail batching with recycling (configs/vlm.py
+# `fleet` modifier).
 FLEET = {
-  "sharding.strategy": "flex_ulysses",
   "coordinator.lag.mode": "adaptive",
   "coordinator.lag.sync_interval": 3,
   "rollout.tail_batching.eta": 1.5,
@@ -74,5 +74,6 @@ def test_two_processes_on_a_fleet_survive_a_follower_killed_mid_step(tmp_path):
   assert all(r["async/trained_gap_max"] >= r["async/version_gap_max"] for r in recs.values())
   assert all(0.0 <= r["async/staleness_ema"] <= 1.0 for r in recs.values())
   assert all(0.0 <= r["async/staleness"] <= 1.0 for r in recs.values())
+  assert "strategy flex_ulysses (sp=8)" in out
   summary = json.loads((workdir / "summary.json").read_text())
   assert summary["end"]["step"] == steps and summary["resumed_from"] >= 2

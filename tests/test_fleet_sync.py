@@ -1,8 +1,12 @@
 """The `fleet` job synchronous under ulysses: 2 processes x 4 CPU devices train
-what 1 process x 8 trains (tests/multiprocess_runs.py)."""
+what 1 process x 8 trains, the sequence axis across both processes, though
+the 2-process run is preempted on the way (tests/multiprocess_runs.py)."""
+
+import json
 
 import multiprocess_runs as runs
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from fluxjax.rl import metrics
@@ -29,22 +33,37 @@ def _servers():
 
 @pytest.mark.slow
 def test_a_synchronous_fleet_job_on_two_processes_matches_one_under_ulysses(tmp_path):
-  """The fleet job in sync mode without tail batching, ulysses over the 8
-  devices, as 1 process x 8 and as 2 x 4 (the sequence axis across both),
-  against the same server behind a launched router: it is seeded and sent
-  the same bf16 weights, so both runs train the same prompts
-  to the same losses and parameters, within the tolerance of
-  test_multiprocess.py (the summation order of collectives)."""
+  """The fleet job in sync mode without tail batching, ulysses at sp=8, as
+  1 process x 8 and as 2 x 4, against the same server behind a launched
+  router: it is seeded and sent the same bf16 weights, so both runs train the
+  same prompts to the same losses and parameters, within the tolerance of
+  test_multiprocess.py (the summation order of collectives). The 2-process
+  run gets SIGTERM (a preemption) during step 1: every process checkpoints
+  that step and stops, and the same command resumes it."""
   steps, one, two = STEPS, tmp_path / "one", tmp_path / "two"
   servers = _servers()
   try:
     urls = {"rollout.urls": "(" + ",".join(f'"{u}"' for u in servers.urls) + ",)"}
-    for workdir, processes in ((one, 1), (two, 2)):
-      command = runs.launched(workdir, processes, 8 // processes, total_steps=steps, **SYNC, **urls)
-      command = [a.replace("configs/vlm.py", "configs/vlm.py:fleet") for a in command]
-      runs.run(command, tmp_path / f"{workdir.name}.log")
+
+    def command(workdir, processes):
+      launched = runs.launched(
+        workdir, processes, 8 // processes, grace_s=300, total_steps=steps, **SYNC, **urls
+      )
+      return [a.replace("configs/vlm.py", "configs/vlm.py:fleet") for a in launched]
+
+    runs.run(command(one, 1), tmp_path / "one.log")
+    stopped = runs.preempt_once_rl_started(command(two, 2), tmp_path / "preempted.log")
+    preempted = json.loads((two / "summary.json").read_text())
+    saved = ocp.utils.checkpoint_steps(str(two / "checkpoints"))
+    resumed = runs.run(command(two, 2), tmp_path / "two.log")
   finally:
     servers.stop()
+  assert "SIGTERM: the run stops after the RL step in progress" in stopped
+  assert "SIGTERM: the leader checkpoints and stops this process" in stopped
+  assert "strategy ulysses (sp=8)" in stopped
+  assert preempted["preempted"] and preempted["last_step"] == 1
+  assert saved == [1]
+  assert "resumed from step 1" in resumed
   a = assert_each_prompt_trained_once(one, steps, runs.P)
   b = assert_each_prompt_trained_once(two, steps, runs.P)
   assert [sorted(r["ids"]) for r in a] == [sorted(r["ids"]) for r in b]

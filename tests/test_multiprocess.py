@@ -3,11 +3,13 @@
 The main job runs as `python -m fluxjax.launch --processes=2 --cpu_devices=4
 -- <train args>` (subprocesses, gloo collectives between them) and as
 `loop.run` in this process, on the 8 fake devices the test session has.
-Both runs are seeded, in sync mode without tail batching, and place the
-embedded engine on 4 devices of process 0 (rollout.embedded_devices=4), so
-rollout runs the same programs in both; they must then sample the same
-responses and train the same updates, up to the summation order of
-collectives across processes. A resumed run repeats exactly what the
+Both runs are seeded, in sync mode without tail batching, train under
+flex_ulysses with its largest degree across all 8 devices (sharding.sp=8:
+across both processes of the 2-process run, as the GPU variants run), and
+place the embedded engine on 4 devices of process 0
+(rollout.embedded_devices=4), so rollout runs the same programs in both;
+they must then sample the same responses and train the same updates, up to
+the summation order of collectives across processes. A resumed run repeats exactly what the
 killed one would have done, so the 2-process run is killed (its leader, the
 process holding the run's decisions, as a one-process run's only process
 does) and restarted on the way, and must still match.
@@ -58,6 +60,7 @@ def test_two_processes_killed_and_resumed_match_one_and_resume_in_one(
   out = runs.run(runs.two(two, total_steps=3), tmp_path / "two.log")
   assert "resumed from step" in out
   assert len(re.findall(r"fluxjax\.launch: process \d pid \d+", out)) == 2
+  assert "strategy flex_ulysses (sp=8)" in out
 
   # Each prompt trained once, the same ones in both runs.
   a = assert_each_prompt_trained_once(one, 3, runs.P)

@@ -258,7 +258,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # p_max; packed_dp ignores it. A power of two dividing the query heads (and
   # the kv heads, or divided by them) and the devices left after mesh.data and
   # mesh.fsdp. 0 = auto: the largest such degree within one host's devices,
-  # e.g. on 8 devices 4 for 7B (28 query heads) and 8 for tiny, 3B and 32B.
+  # e.g. on 8 devices 4 for 7B (28 query heads) and 8 for tiny, 3B and 32B;
+  # across hosts only when rollout.context_length needs more than one host's
+  # sp x capacity tokens (docs/design.md).
   c.sharding.sp = 0
   # Tokens/device/microbatch. Tiny: 256 (~4 sequences of the default task and
   # their 256 patches); on a CPU a row's attention cost grows with its length.

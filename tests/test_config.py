@@ -4,6 +4,7 @@ strategy builds a strategy and mesh from `sharding.strategy` alone."""
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -165,6 +166,33 @@ def test_auto_sp_on_other_device_counts(variant, num_devices, max_auto, want):
   cfg = model_config.preset(c.model.preset)
   mesh = loop.resolved_mesh(Settings.of(c).mesh, cfg)
   assert strategies.resolve_sp(c.sharding, cfg, num_devices, mesh, max_auto) == want
+
+
+@pytest.mark.parametrize(
+  "longest,want",
+  [
+    (0, 8),  # unknown: within one host
+    (8 * 16384, 8),  # 8 devices at capacity 16384 hold it
+    (8 * 16384 + 1, 16),  # one token more: the smallest degree across hosts that holds it
+    (64 * 16384, 16),  # nothing holds it: the largest degree the heads allow
+  ],
+)
+def test_auto_sp_goes_across_hosts_only_for_a_sequence_one_host_cannot_hold(
+  longest, want, caplog
+):
+  """qwen25_vl_3b (16 heads) on 4 hosts of 8 devices: auto stays on the host
+  while its devices' memory (sp x sharding.capacity tokens) holds the
+  longest sequence, and the log weighs the choice in bytes between hosts."""
+  c = _config("qwen25_vl_3b", sharding__strategy="ulysses")
+  cfg = model_config.preset(c.model.preset)
+  mesh = loop.resolved_mesh(Settings.of(c).mesh, cfg)
+  assert c.sharding.capacity == 16384
+  with caplog.at_level("INFO", logger="fluxjax.parallel.strategies"):
+    got = strategies.resolve_sp(c.sharding, cfg, 32, mesh, 8, longest)
+  assert got == want
+  where = "across hosts" if want > 8 else "within one host"
+  assert f"sharding.sp auto: {want}, {where}" in caplog.text
+  assert re.search(r"(\d+\.\d) MB per (device per )?forward between hosts", caplog.text)
 
 
 def test_flex_ulysses_on_one_device_has_no_sequence_axes(devices):

@@ -11,7 +11,10 @@ each sequence over at most sp (its p_max), packed_dp ignores it. sp = 0 (auto)
 takes the largest degree that fits: a power of two the model's heads allow
 (ulysses.degree_problem), dividing the devices left after mesh.data and
 mesh.fsdp, and no larger than one host's devices, so the all-to-alls stay on
-the host's fast interconnect. A strategy swap is then the one flag
+the host's fast interconnect, unless the longest sequence a run trains needs
+more devices' memory (sp x sharding.capacity tokens): then the smallest
+degree across hosts that holds it. The log gives the choice with the
+all-to-all bytes between hosts it saves or pays. A strategy swap is then the one flag
 `--config.sharding.strategy` on any mesh.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
@@ -28,10 +32,12 @@ from fluxjax import settings as settings_lib
 from fluxjax.models.config import ModelConfig
 from fluxjax.parallel import sync as sync_lib
 from fluxjax.parallel import train_step, ulysses
+from fluxjax.planning import balance, planners
 from fluxjax.planning import plan as plan_lib
-from fluxjax.planning import planners
 from fluxjax.planning.plan import Plan
 from fluxjax.sharding import mesh as mesh_lib
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +272,7 @@ def resolve_sp(
   num_devices: int,
   mesh: settings_lib.Mesh | None = None,
   max_auto: int | None = None,
+  longest: int = 0,
 ) -> int:
   """The sequence-parallel degree `sharding.sp` asks for on this mesh (module docstring).
 
@@ -274,7 +281,9 @@ def resolve_sp(
     model_cfg: the model (its query and kv heads bound the degree).
     num_devices: devices of the whole mesh.
     mesh: the `mesh` section (data, fsdp); None = the default data 1, fsdp -1.
-    max_auto: the largest degree auto may pick (one host's devices); None = no cap.
+    max_auto: one host's devices, the largest degree auto picks unless
+      `longest` needs more; None = no cap.
+    longest: tokens of the longest sequence the run trains; 0 = unknown.
 
   Raises:
     ValueError naming the flag to change and the values that fit.
@@ -282,12 +291,12 @@ def resolve_sp(
   data, fsdp = (mesh.data, mesh.fsdp) if mesh is not None else (1, -1)
   room = mesh_lib.sp_room(num_devices, data, fsdp)
   fits = sp_choices(model_cfg, room)
-  auto = max(p for p in fits if max_auto is None or p <= max(max_auto, 1))
   sp = sharding.sp
   if sp == AUTO:
-    return auto
+    return _auto_sp(fits, max_auto, longest, sharding.capacity, model_cfg)
   if sp in fits:
     return sp
+  auto = _auto_sp(fits, max_auto, longest, sharding.capacity, model_cfg, quiet=True)
   t = model_cfg.text
   reason = (
     ulysses.degree_problem(sp, t.num_heads, t.num_kv_heads)
@@ -301,11 +310,60 @@ def resolve_sp(
   )
 
 
+def _auto_sp(
+  fits: Sequence[int],
+  host: int | None,
+  longest: int,
+  capacity: int,
+  model_cfg: ModelConfig,
+  quiet: bool = False,
+) -> int:
+  """Auto sp: the largest degree within one host of `host` devices, unless the
+  longest sequence needs more devices' memory; then the smallest degree
+  across hosts that holds it (none holds it: the largest). Logs the choice
+  when a degree across hosts fits, with the all-to-all bytes between hosts."""
+  within = max(p for p in fits if host is None or p <= max(host, 1))
+  beyond = [p for p in fits if p > within]
+  if not beyond:
+    return within
+  needs_more = longest > within * capacity
+  chosen = (
+    next((p for p in beyond if p * capacity >= longest), beyond[-1]) if needs_more else within
+  )
+  if quiet:
+    return chosen
+  other = chosen if needs_more else beyond[0]
+  # One device's all-to-all bytes per forward at `other`, the part sent to
+  # devices on other hosts (other - host of its other - 1 peers).
+  sent = balance.ulysses_all_to_all_bytes(capacity, other, model_cfg.cost_shape())
+  between = sent * (other - min(host or other, other)) / (other - 1) / 1e6
+  need = -(-longest // capacity)
+  if needs_more:
+    why = f"the longest sequence ({longest} tokens) needs {need} devices, more than {within}"
+  elif longest:
+    why = f"{within} devices hold the longest sequence ({longest} tokens)"
+  else:
+    why = "the longest sequence is not known"
+  log.info(
+    "sharding.sp auto: %d, %s: %s at sharding.capacity %d; sp=%d %s %.1f MB per device per "
+    "forward between hosts",
+    chosen,
+    "across hosts" if needs_more else "within one host",
+    why,
+    capacity,
+    other,
+    "sends" if needs_more else "would send",
+    between,
+  )
+  return chosen
+
+
 def get_strategy(
   sharding: settings_lib.Sharding,
   model_cfg: ModelConfig,
   mesh: settings_lib.Mesh | None = None,
   num_devices: int | None = None,
+  longest: int = 0,
 ) -> Strategy:
   """The strategy named by `sharding.strategy` (a `sharding` config section).
 
@@ -314,8 +372,9 @@ def get_strategy(
     model_cfg: the model config.
     mesh: the `mesh` section; auto sp leaves room for mesh.data and
       mesh.fsdp. None = the default mesh (data 1, fsdp -1).
-    num_devices: devices of the mesh; None = jax.device_count(). Auto sp is
-      capped at jax.local_device_count() either way.
+    num_devices: devices of the mesh; None = jax.device_count(). Auto sp
+      stays within jax.local_device_count() unless `longest` needs more.
+    longest: tokens of the longest sequence the run trains; 0 = unknown.
   """
   cls = strategy_class(sharding.strategy)
   if hasattr(sharding, "p_max"):  # a programmatic section (Settings.of refuses it too)
@@ -325,7 +384,7 @@ def get_strategy(
     )
   num_devices = jax.device_count() if num_devices is None else num_devices
   degree = (
-    resolve_sp(sharding, model_cfg, num_devices, mesh, jax.local_device_count())
+    resolve_sp(sharding, model_cfg, num_devices, mesh, jax.local_device_count(), longest)
     if cls.uses_sp
     else 1
   )

@@ -172,7 +172,9 @@ def validate(config) -> Validated:
     from_checkpoint=bool(settings.model.hf_path),
   )
   settings = dataclasses.replace(settings, mesh=resolved_mesh(settings.mesh, cfg))
-  strategy = strategies.get_strategy(settings.sharding, cfg, settings.mesh)
+  strategy = strategies.get_strategy(
+    settings.sharding, cfg, settings.mesh, longest=settings.rollout.context_length
+  )
   ref_path = settings.rl.ref_hf_path
   if settings.rl.kl_coef and ref_path:
     ref_cfg = model_config.load_hf_config(ref_path, **overrides)

@@ -260,9 +260,8 @@ def _smoke(base: ModelConfig) -> ModelConfig:
 
 
 def _preset_tiny4() -> ModelConfig:
-  """The tiny preset with 4 decoder layers: the committed base's architecture
-  (configs/pretrain.py), deep enough for the copy-by-key circuits that 2
-  layers do not form in 10,000 steps (bench/README.md, the base)."""
+  """The tiny preset with 4 decoder layers, tried for the base's copy by key;
+  at batch 32 it copied no better than 2 layers (bench/README.md, the base)."""
   tiny = _preset_tiny()
   return dataclasses.replace(tiny, text=dataclasses.replace(tiny.text, num_layers=4))
 

@@ -387,10 +387,13 @@ def test_the_drills_copy_from_a_keyed_list(level):
 
 
 def test_the_pretraining_pool_holds_chains_drills_and_direct_tasks(tmp_path):
-  manifest = synth.generate(str(tmp_path), "pretrain", 160, 0)
+  """Every task of the mix, the direct-answer tasks rarely (1.6% of the pool)."""
+  manifest = synth.generate(str(tmp_path), "pretrain", 1000, 0)
   rows = readers.read_rows(manifest)
   tasks = collections.Counter(r["task"] for r in rows)
   assert set(tasks) == set(synth.MIXES["pretrain"])
+  direct = sum(n for t, n in tasks.items() if t not in (*cot_tasks.TASKS, *cot_tasks.DRILLS))
+  assert 5 <= direct <= 35, tasks
   for r in rows:
     assert (r["task"] in cot_tasks.TASKS) == bool(r.get("solution"))
     if r["task"] in cot_tasks.DRILLS:

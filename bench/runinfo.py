@@ -22,27 +22,11 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 
+from fluxjax.provenance import commit, tree_dirty
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _git(*args: str) -> str | None:
-  try:
-    out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
-  except (OSError, subprocess.SubprocessError):
-    return None
-  return out.stdout.strip() if out.returncode == 0 else None
-
-
-def commit() -> str:
-  return _git("rev-parse", "--short", "HEAD") or "unknown"
-
-
-def tree_dirty() -> bool | None:
-  status = _git("status", "--porcelain", "--untracked-files=no")
-  return None if status is None else bool(status)
 
 
 def cpu_model() -> str:

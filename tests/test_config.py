@@ -177,9 +177,7 @@ def test_auto_sp_on_other_device_counts(variant, num_devices, max_auto, want):
     (64 * 16384, 16),  # nothing holds it: the largest degree the heads allow
   ],
 )
-def test_auto_sp_goes_across_hosts_only_for_a_sequence_one_host_cannot_hold(
-  longest, want, caplog
-):
+def test_auto_sp_goes_across_hosts_only_for_a_sequence_one_host_cannot_hold(longest, want, caplog):
   """qwen25_vl_3b (16 heads) on 4 hosts of 8 devices: auto stays on the host
   while its devices' memory (sp x sharding.capacity tokens) holds the
   longest sequence, and the log weighs the choice in bytes between hosts."""

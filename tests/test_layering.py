@@ -7,7 +7,8 @@ and every function short enough to read at once (MAX_FUNCTION_LINES).
   parallel                    batch packing, strategies, Ulysses, sync, the train step
   models                      the Qwen2.5-VL family
   sharding | planning          peers: mesh, axes, rules (JAX) | plans, planners, cost model (numpy)
-  faults | settings           the fault policy; the run's typed config sections
+  faults | settings | provenance  the fault policy; the run's typed config sections;
+                              which code ran
 
 Every import counts: module level or inside a function, `import x`,
 `from x import y` and relative forms, and `importlib.import_module("...")`
@@ -45,6 +46,7 @@ LAYERS = {
   "fluxjax.planning": (1, "planning"),
   "fluxjax.faults": (0, "base"),
   "fluxjax.settings": (0, "base"),
+  "fluxjax.provenance": (0, "base"),
 }
 
 

@@ -18,7 +18,6 @@ import functools
 import json
 import os
 import platform
-import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from fluxjax import provenance as provenance_lib
 from fluxjax.data import cot_tasks, readers, synth
 from fluxjax.data.meta import ToMeta
 from fluxjax.models import config as config_lib
@@ -261,18 +261,25 @@ def marks(rows: dict, samples: int) -> dict:
 
 
 def provenance(workdir: str) -> dict:
-  """How the base was made, from the pretraining run's records."""
+  """How the base was made, from the pretraining run's records: the commit
+  its first invocation started at, and its working time over all of them."""
   records = metrics.read_metrics(workdir)
-  seconds = next((r["sft/seconds"] for r in records if "sft/seconds" in r), None)
   steps = sum(1 for r in records if "sft/loss" in r)
   with open(os.path.join(workdir, "config.json")) as f:
     config = json.load(f)
-  commit = subprocess.run(
-    ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-  ).stdout.strip()
+  started = provenance_lib.invocations(workdir)
+  seconds: float | None
+  if started:
+    commit = started[0]["commit"] + " (tree dirty)" * bool(started[0]["tree_dirty"])
+    times = [r["time"] for r in metrics.read_records(workdir)]
+    seconds = provenance_lib.busy_seconds([s["time"] for s in started], times)
+  else:  # a run from before invocations were recorded: its last invocation
+    commit = f"{provenance_lib.commit()} (carded; started at an unrecorded commit)"
+    seconds = next((r["sft/seconds"] for r in records if "sft/seconds" in r), None)
   return {
     "command": "python -m fluxjax.train --config=configs/pretrain.py",
     "commit": commit,
+    "invocations": len(started) or None,
     "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__},
     "seed": config.get("seed"),
     "sft_steps": steps,

@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from fluxjax import provenance
 from fluxjax import settings as settings_lib
 from fluxjax.data import materializer as materializer_lib
 from fluxjax.data import pipeline, readers, synth
@@ -556,6 +557,10 @@ def run(config, workdir: str, validated: Validated | None = None) -> dict:
     return {}
   t0 = time.time()
   os.makedirs(workdir, exist_ok=True)
+  started = provenance.record_invocation(workdir)
+  log.info(
+    "fluxjax at commit %s%s", started["commit"], " (tree dirty)" * bool(started["tree_dirty"])
+  )
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
   with contextlib.ExitStack() as stack:

@@ -99,20 +99,21 @@ def truncate_after(path: str, step: int) -> int:
   return len(lines) - len(keep)
 
 
+def read_records(workdir: str) -> list[dict]:
+  """Every line of a run's metrics file as written, redone steps included."""
+  with open(os.path.join(workdir, JSONL)) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
 def read_metrics(workdir: str) -> list[dict]:
   """All records of a run, in order (a resumed run appends to the same file).
 
   When a run resumed from an earlier checkpoint, steps after it were redone;
   the last record of each step wins, so curves continue without duplicates.
   """
-  path = os.path.join(workdir, JSONL)
   by_step: dict[int, dict] = {}
-  with open(path) as f:
-    for line in f:
-      line = line.strip()
-      if line:
-        rec = json.loads(line)
-        by_step[rec["step"]] = {**by_step.get(rec["step"], {}), **rec}
+  for rec in read_records(workdir):
+    by_step[rec["step"]] = {**by_step.get(rec["step"], {}), **rec}
   return [by_step[s] for s in sorted(by_step)]
 
 

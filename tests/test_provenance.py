@@ -1,0 +1,41 @@
+"""A run's invocations: recorded at each start, read back in order, and the
+working time summed over them (fluxjax/provenance.py)."""
+
+import json
+
+from fluxjax import provenance
+from fluxjax.rl import base_card, metrics
+
+
+def test_each_start_is_recorded_with_the_commit_it_ran(tmp_path):
+  first = provenance.record_invocation(str(tmp_path))
+  second = provenance.record_invocation(str(tmp_path))
+  read = provenance.invocations(str(tmp_path))
+  assert read == [first, second] and read[0]["time"] <= read[1]["time"]
+  assert first["commit"] == provenance.commit() != "unknown"  # the tests run in a checkout
+  assert provenance.invocations(str(tmp_path / "none")) == []
+
+
+def test_busy_time_ends_each_invocation_at_its_last_record():
+  starts = [100.0, 500.0, 900.0]
+  # killed at 150 (its last record), preempted after 700, finished at 1000;
+  # the idle gaps between invocations do not count.
+  records = [110.0, 150.0, 520.0, 700.0, 950.0, 1000.0]
+  assert provenance.busy_seconds(starts, records) == 50.0 + 200.0 + 100.0
+  assert provenance.busy_seconds([100.0], []) == 0.0
+
+
+def test_the_base_card_names_the_commit_the_run_started_at(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps({"seed": 3}))
+  lines = [
+    {"time": 10.0, "commit": "aaaaaaa", "tree_dirty": False},
+    {"time": 100.0, "commit": "bbbbbbb", "tree_dirty": True},
+  ]
+  with open(tmp_path / provenance.INVOCATIONS, "w") as f:
+    f.writelines(json.dumps(x) + "\n" for x in lines)
+  with open(tmp_path / metrics.JSONL, "w") as f:
+    for step, t in ((-3, 12.0), (-2, 40.0), (-2, 130.0), (-1, 160.0)):
+      f.write(json.dumps({"step": step, "time": t, "sft/loss": 1.0}) + "\n")
+  card = base_card.provenance(str(tmp_path))
+  assert card["commit"] == "aaaaaaa" and card["invocations"] == 2 and card["seed"] == 3
+  assert card["wall_time_s"] == 30.0 + 60.0 and card["sft_steps"] == 3

@@ -137,6 +137,30 @@ def test_stream_update_equals_synchronous_update(name, sp, sync, devices, mesh_f
   assert all(np.array_equal(a, b) for a, b in zip(after, before))
 
 
+def test_two_parts_make_the_same_update_in_either_order(devices, mesh_for):
+  """Bit for bit: a step's groups reach the trainer in the order they finish,
+  which timing decides, and a resumed synchronous run must repeat an
+  uninterrupted one (bench/kill_resume.py). While XLA folded the add into the
+  parts' gradients, the embedding's and the LM head's differed in the last
+  bits between the two orders."""
+  strategy = make_strategy("packed_dp", capacity=128)
+  mesh = mesh_for(strategy)
+  loss_fn = losses.make_loss_fn(config_args.load_config().rl)
+  seqs = mixed_batch(seed=5)
+  for s in seqs:
+    s.old_logprobs_T = np.full(len(s), -6.2, np.float32)
+  trainer = _fresh_trainer(strategy, mesh, SGD, loss_fn)
+  start = jax.tree.map(jnp.copy, trainer.state)  # each update donates the state
+  states = []
+  for parts in ((seqs[:2], seqs[2:]), (seqs[2:], seqs[:2])):
+    trainer.load_state(jax.tree.map(jnp.copy, start))
+    for part in parts:
+      trainer.add(part)
+    trainer.apply()
+    states.append(_flat(trainer.state))
+  assert all(np.array_equal(a, b) for a, b in zip(*states))
+
+
 def _single_device_logprobs(model, seqs):
   """log p(token t | tokens < t) of each sequence alone on one device (0 at t = 0).
 

@@ -468,7 +468,14 @@ def make_stream_add(
       part = dataclasses.replace(part, prox_logprobs=logprobs(prox_params, part))
     loss, grads, sums = accumulate_fn(params, part, jnp.float32(1.0))
     grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-    return jax.tree.map(jnp.add, acc, (loss, grads, sums)), part
+    # The part's sums whole before they meet the accumulator. Otherwise XLA
+    # folds the add into their computation (the embedding's and the LM
+    # head's gradients then sum onto the accumulator), so two parts added in
+    # either order round differently and a step's update depends on which
+    # group finished first. With more than two parts the order still decides
+    # how the sum associates.
+    part_sums = jax.lax.optimization_barrier((loss, grads, sums))
+    return jax.tree.map(jnp.add, acc, part_sums), part
 
   return jax.jit(add, donate_argnums=(1,))
 

@@ -1,11 +1,14 @@
 """SIGTERM (a scheduler's preemption) mid-run: the step in progress finishes and
 is checkpointed, the run exits with 128 + SIGTERM, and the same command
-resumes it with each prompt trained once (fluxjax/rl/preemption.py)."""
+resumes it with each prompt trained once and to the state an uninterrupted
+run reaches, bit for bit (fluxjax/rl/preemption.py)."""
 
 import json
 import os
 import signal
 
+import multiprocess_runs as runs
+import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
@@ -53,6 +56,14 @@ def test_sigterm_checkpoints_the_step_in_progress_and_the_run_resumes(tmp_path, 
   assert last["policy/version"] == 4.0
   assert_each_prompt_trained_once(tmp_path, 4, config.rl.prompts_per_step)
   assert_every_drawn_prompt_accounted_for(tmp_path, config.rl.prompts_per_step)
+  # Resumed exactly: the train state (parameters and optimizer) equals an
+  # uninterrupted run's bit for bit.
+  plain = tmp_path / "uninterrupted"
+  loop.run(config, str(plain))
+  resumed, uninterrupted = runs.params(tmp_path, 4), runs.params(plain, 4)
+  assert resumed.keys() == uninterrupted.keys()
+  differ = [k for k in resumed if not np.array_equal(resumed[k], uninterrupted[k])]
+  assert not differ, differ[:5]
 
 
 def test_a_follower_only_logs_sigterm_and_outside_the_main_thread_nothing_changes(caplog):

@@ -70,6 +70,19 @@ def admission_gap(tags_T, launch_T, current_version: int) -> dict:
   return version_gap(tags, current_version)
 
 
+def batch_gaps(responses, current_version: int) -> tuple[dict, dict]:
+  """The version gap of every token of a batch's `responses` ((completion,
+  the launch version of its round) pairs) against `current_version`: in
+  full (`version_gap`) and as admission sees it (`admission_gap`)."""
+  tags, launches = [], []
+  for completion, launch_version in responses:
+    versions = token_versions(completion, launch_version)
+    tags += versions
+    launches += [launch_version] * len(versions)
+  trained = version_gap(np.asarray(tags), current_version)
+  return trained, admission_gap(tags, launches, current_version)
+
+
 # --- the staleness metric -----------------------------------------------------------
 
 

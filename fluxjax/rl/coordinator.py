@@ -22,7 +22,6 @@ import time
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 
 from fluxjax import faults as faults_lib
 from fluxjax import settings as settings_lib
@@ -246,7 +245,10 @@ class Coordinator:
         "dynamic sampling filtered every group of the step; raise rl.max_refill_rounds"
       )
     batch.wait_s = time.perf_counter() - t
-    batch.trained_gap, batch.admitted_gap = self._version_gaps(batch.kept)
+    responses = [(c, k.launch_version) for k in batch.kept for c in k.group.completions]
+    batch.trained_gap, batch.admitted_gap = async_control.batch_gaps(
+      responses, self._publisher.version
+    )
     return batch
 
   def _next_item(self) -> producer_lib.RolloutItem:
@@ -313,19 +315,6 @@ class Coordinator:
         raise
       out.extend(seqs)
     return out
-
-  def _version_gaps(self, kept: list[producer_lib.KeptGroup]) -> tuple[dict, dict]:
-    """The version gap of every trained token against the version being
-    updated: in full, and as admission sees it (`admission_gap`)."""
-    tags, launches = [], []
-    for k in kept:
-      for c in k.group.completions:
-        versions = async_control.token_versions(c, k.launch_version)
-        tags += versions
-        launches += [k.launch_version] * len(versions)
-    version = self._publisher.version
-    trained = async_control.version_gap(np.asarray(tags), version)
-    return trained, async_control.admission_gap(tags, launches, version)
 
   def _train(self, batch: _Batch) -> _Update:
     """Applies the step's update (its parts were added as the groups came);

@@ -145,10 +145,10 @@ _TREE = pytest.StashKey[set[str] | None]()
 # time in a full run, so the last module a worker takes is a short one
 # (docs/testing.md has the times).
 _LONGEST_FIRST = (
+  "test_fleet_multiprocess.py",
   "test_multiprocess.py",
   "test_grpo_learning.py",
   "test_strategies.py",
-  "test_fleet_multiprocess.py",
   "test_stream_trainer.py",
   "test_fleet_sync.py",
   "test_notebook.py",

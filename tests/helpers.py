@@ -107,12 +107,17 @@ def loader_ids(workdir, count: int, prompts_per_step: int) -> list[str]:
   return ids[:count]
 
 
-def assert_every_drawn_prompt_accounted_for(workdir, prompts_per_step: int) -> None:
+def assert_every_drawn_prompt_accounted_for(workdir, prompts_per_step: int) -> dict:
   """Every prompt the loader handed out over the run (a restart included) was
   trained once, is still held for training in the last checkpoint (queued,
-  deferred or carried partly generated), or was filtered out (counted):
+  deferred or carried partly generated), or was dropped and counted with its
+  reason (dynamic sampling's filter, a prompt too long or that cannot be
+  built, a refused request):
   nothing lost, nothing twice. Async lag and tail batching change the order,
-  not the count."""
+  not the count.
+
+  Returns {"drawn", "trained", "held"}: Counters of sample ids, and
+  {"dropped"}: the count of each reason a prompt was dropped for."""
   last = max(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints")) if s.isdigit())
   step_dir = os.path.join(workdir, "checkpoints", str(last))
   coordinator = json.load(open(os.path.join(step_dir, "coordinator", "metadata")))
@@ -124,8 +129,15 @@ def assert_every_drawn_prompt_accounted_for(workdir, prompts_per_step: int) -> N
   assert not trained & held, f"held and trained: {trained & held}"
   assert not (trained + held) - drawn, f"never drawn: {(trained + held) - drawn}"
   lost = drawn - (trained + held)
-  filtered = coordinator["filtered"]
-  assert lost.total() == filtered, f"lost: {lost}; filtered: {filtered}"
+  # Each prompt dropped on purpose is counted under its reason.
+  counts = coordinator.get("counts", {})
+  reasons = {
+    "filtered": coordinator["filtered"],  # dynamic sampling: rewards all equal
+    **{k: counts.get(f"data/skipped/{k}", 0) for k in ("prompt_too_long", "rejected")},
+    "prompt_errors": coordinator.get("faults", {}).get("prompt_errors", 0),  # no prompt built
+  }
+  assert lost.total() == sum(reasons.values()), f"lost: {lost}; counted: {reasons}"
+  return {"drawn": drawn, "trained": trained, "held": held, "dropped": reasons}
 
 
 def run_launcher(command: list[str], *, timeout: float, **popen) -> subprocess.CompletedProcess:

@@ -1,5 +1,7 @@
-"""The 2-process main job's runs for tests/test_multiprocess*.py: its settings,
-`python -m fluxjax.launch` around it, and a kill mid-step."""
+"""The 2-process main job's runs for tests/test_multiprocess.py and the fleet
+tests (and bench/kill_resume.py): its settings, `python -m fluxjax.launch`
+around it, kills mid-step or at a named point (tests/kill_points.py), and
+what a killed run is checked for."""
 
 import json
 import os
@@ -13,6 +15,7 @@ import time
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from scipy import stats
 
 from fluxjax import config_args
 from fluxjax.rl import metrics
@@ -53,6 +56,47 @@ OVERRIDES = {
 }
 
 
+# The fleet job with everything on: launched servers behind the router,
+# weights broadcast, flex_ulysses across the two processes (OVERRIDES),
+# adaptive lag and tail batching with recycling (configs/vlm.py `fleet`
+# modifier).
+FLEET = {
+  "coordinator.lag.mode": "adaptive",
+  "coordinator.lag.sync_interval": 3,
+  "rollout.tail_batching.eta": 1.5,
+  "rollout.embedded_devices": 0,
+  "rl.kl_coef": 0.0,
+  # The reward has signal from the first step; the warm-up's publishes are
+  # the RL steps' kind.
+  "sft.enabled": False,
+}
+# The fleet job killed at points (tests/kill_points.py). Random weights stop
+# a response on one of 7 stop ids of 512, so responses run from a few tokens
+# to max_new_tokens (most of them all the way). Two slots a server: 2 of a
+# short round's 6 requests wait for a slot, so the prompt the round cuts has
+# partial responses, which recycling carries.
+KILLED = {
+  **FLEET,
+  "rl.max_new_tokens": 32,
+  "rollout.num_slots": 2,
+  "data.synth_train": 64,  # one epoch: no prompt drawn twice in a short run
+  "coordinator.response_records": True,  # each trained response's length
+}
+# The same, synchronous and without speculation: its samples and updates
+# follow from the seed alone (a resumed run must train what an uninterrupted
+# one trains).
+KILLED_SYNC = {**KILLED, "coordinator.lag.mode": "sync", "rollout.tail_batching.eta": 1.0}
+KILL_POINTS = ("generation", "queue", "publish", "checkpoint")
+
+
+def fleet_command(workdir, steps: int, module: str = "", **overrides) -> list[str]:
+  """The `fleet` job (configs/vlm.py:fleet) on 2 processes x 4 devices. When
+  one process dies the launcher gives the other 3 s to stop (SIGTERM) before
+  SIGKILL: it waits in a collective that never completes."""
+  command = launched(workdir, 2, 4, grace_s=3.0, module=module, total_steps=steps, **overrides)
+  return [a.replace("configs/vlm.py", "configs/vlm.py:fleet") for a in command]
+
+
 def env():
   """The reward workers import tests/fault_rewards.py."""
   env = dict(os.environ)
@@ -66,11 +110,16 @@ def two(workdir, **overrides):
   return launched(workdir, 2, 4, **overrides)
 
 
-def launched(workdir, processes: int, devices: int, grace_s: float = 10.0, **overrides):
+def launched(
+  workdir, processes: int, devices: int, grace_s: float = 10.0, module: str = "", **overrides
+):
   """`python -m fluxjax.launch` of the main job with OVERRIDES and `overrides`;
-  `grace_s`: the launcher's time between SIGTERM and SIGKILL."""
+  `grace_s`: the launcher's time between SIGTERM and SIGKILL; `module`: the
+  module each process runs instead of fluxjax.train (tests/kill_points.py)."""
   launcher = [sys.executable, "-m", "fluxjax.launch", f"--processes={processes}"]
-  launcher += [f"--cpu_devices={devices}", f"--grace_s={grace_s}", "--"]
+  launcher += [f"--cpu_devices={devices}", f"--grace_s={grace_s}"]
+  launcher += [f"--module={module}"] if module else []
+  launcher += ["--"]
   # The train args, without `python -m fluxjax.train`.
   return launcher + train_command(workdir, {**OVERRIDES, **overrides})[3:]
 
@@ -102,10 +151,15 @@ def params(workdir, step) -> dict:
   return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree.leaves_with_path(state)}
 
 
-def run(command, log_path, timeout=900):
+def run(command, log_path, timeout=900, extra_env: dict | None = None):
   with open(log_path, "w") as log:
     done = run_launcher(
-      command, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+      command,
+      cwd=ROOT,
+      env={**env(), **(extra_env or {})},
+      stdout=log,
+      stderr=subprocess.STDOUT,
+      timeout=timeout,
     )
   out = open(log_path).read()
   assert done.returncode == 0, out[-4000:]
@@ -162,6 +216,40 @@ def kill_once_a_checkpoint_is_complete(command, log_path, victim: int, step: int
   return started
 
 
+def killed_at(command, log_path, record, point: str, victim: int, skip: int = 0) -> list[dict]:
+  """Runs the launcher of `command` (module kill_points) until process
+  `victim` is SIGKILLed at `point` (tests/kill_points.py; `skip` moments let
+  pass first); checks that the launcher stopped the rest, the servers and
+  the router with them, and exited with the killed one's fate. Returns the
+  lines the launch appended to `record` (the kill's, and its shadows)."""
+  assert "--module=kill_points" in command
+  record = pathlib.Path(record)
+  before = len(record.read_text().splitlines()) if record.exists() else 0
+  kill = {"KILL_POINT": point, "KILL_VICTIM": str(victim), "KILL_SKIP": str(skip)}
+  with open(log_path, "w") as log:
+    done = run_launcher(
+      command,
+      cwd=ROOT,
+      env={**env(), **kill, "KILL_RECORD": str(record)},
+      stdout=log,
+      stderr=subprocess.STDOUT,
+      timeout=900,
+    )
+  out = open(log_path).read()
+  if done.returncode == 0:
+    raise AssertionError(f"the run ended before the {point} point's moment came: {out[-2000:]}")
+  assert done.returncode == 128 + signal.SIGKILL, out[-4000:]
+  started = pids(log_path)
+  assert sorted(started) == [0, 1] and f"process {victim} (pid {started[victim]}) was killed" in out
+  assert not any(process_alive(pid) for pid in started.values())
+  left = members_after_sigkill(set(started.values()))
+  assert not left, f"processes left running in the run's process groups: {left}"
+  lines = [json.loads(x) for x in record.read_text().splitlines()[before:]]
+  kill = [x for x in lines if not x["shadow"]]
+  assert kill and all(x["point"] == point and x["victim"] == victim for x in kill), lines
+  return lines
+
+
 def preempt_once_rl_started(command, log_path) -> str:
   """Starts the launcher and sends it SIGTERM (a scheduler's preemption)
   once the run's RL start is evaluated, while step 1 is under way; returns
@@ -179,6 +267,15 @@ def preempt_once_rl_started(command, log_path) -> str:
   return out
 
 
+def members_after_sigkill(groups: set[int], within_s: float = 30.0) -> list[int]:
+  """Live members of process groups the launcher SIGKILLed: none once the
+  kernel has ended them (a loaded machine takes a moment), else who is left."""
+  deadline = time.monotonic() + within_s
+  while (left := group_members(groups)) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  return left
+
+
 def group_members(groups: set[int]) -> list[int]:
   """Live processes in the given process groups (a launched server, a router)."""
   members = []
@@ -190,3 +287,64 @@ def group_members(groups: set[int]) -> list[int]:
       except ProcessLookupError:
         pass
   return members
+
+
+def assert_the_kill_landed_where_it_claims(point: str, lines: list[dict]) -> dict:
+  """The leader's line of a kill (tests/kill_points.py) shows the point's work
+  under way: requests running at the servers (with partial responses carried
+  when rounds speculate), kept groups waiting for a busy trainer, part of a
+  new version broadcast, or the victim's part of checkpoint N half written
+  with N uncommitted. Returns the leader's line."""
+  leader = next(x for x in lines if x["process"] == 0 and not x["shadow"] and "open" in x)
+  assert leader["latest_checkpoint"] > leader["start_checkpoint"], leader  # the launch moved on
+  if point == "generation":
+    assert leader["servers_running"] >= 1 and leader["in_flight"], leader
+    assert all(n > 0 for _, _, n in leader["partial"]), leader
+  if point == "queue":
+    assert leader["queued"] and leader["trainer_busy"], leader
+  if point == "publish":
+    p = leader["publish"]
+    assert 0 < p["sent"] < p["tensors"] and int(p["version"]) == leader["version"], leader
+  if point == "checkpoint":
+    victim = next(x for x in lines if x.get("killed_mid_write"))
+    assert victim["checkpoint"]["tmp"] and not victim["checkpoint"]["committed"], victim
+    assert leader["checkpoint"]["step"] == victim["checkpoint"]["step"]
+  return leader
+
+
+def prompt_lengths(records: list[dict]) -> dict[str, float]:
+  """Each trained prompt's mean response length (trained.jsonl's response records)."""
+  lengths: dict[str, list[int]] = {}
+  for r in records:
+    for x in r["responses"]:
+      lengths.setdefault(x["sample_id"], []).append(x["length"])
+  return {i: sum(v) / len(v) for i, v in lengths.items()}
+
+
+def at_stake_lengths(records: list[dict], kills: list[dict], shadows: list[dict]) -> dict:
+  """The trained lengths of the prompts the kills put at stake, against those
+  of the prompts at stake at the moments no kill came (kill_points' shadows,
+  taken at the same points: the same selection, no kill), each prompt once.
+
+  A resume that lost or cut short the long responses it redoes would train
+  the killed prompts shorter than the reference; both are selected alike
+  (at stake at a point's moment), so the run's other prompts are not the
+  reference: the prompts at stake at any moment are the slow ones more often.
+  Returns {"killed", "reference"}: lists of per-prompt mean lengths, and
+  `compare`'s figures.
+  """
+  length = prompt_lengths(records)
+  killed = {i for k in kills for i in k["at_stake"]}
+  reference = {i for x in shadows for i in x["at_stake"]} - killed
+  a = [length[i] for i in sorted(killed) if i in length]
+  b = [length[i] for i in sorted(reference) if i in length]
+  return {"killed": a, "reference": b, **compare(a, b)}
+
+
+def compare(a: list[float], b: list[float]) -> dict:
+  """Two-sided Mann-Whitney U of `a` against `b`: its p-value and the
+  probability that a value of `a` exceeds one of `b` (ties count half)."""
+  if not a or not b:
+    return {"p": float("nan"), "auc": float("nan")}
+  u = stats.mannwhitneyu(a, b, alternative="two-sided")
+  return {"p": float(u.pvalue), "auc": float(u.statistic) / (len(a) * len(b))}

@@ -141,7 +141,7 @@ def test_publish_mid_round_continues_every_response_under_the_new_weights(launch
   blocking the flush, and finish under the published version."""
   model = random_model(4)
   rng = np.random.default_rng(6)
-  n, max_new = 12, 200
+  n, max_new, prompt_len = 12, 200, 8
 
   async def to_the_end(fleet, b):
     out = await fleet.generate(b)
@@ -156,17 +156,25 @@ def test_publish_mid_round_continues_every_response_under_the_new_weights(launch
   no_placeholders = ((cfg.image_token_id, -100.0), (cfg.video_token_id, -100.0))
 
   def long_body():
-    b = body(rng.integers(0, 490, 8), max_new=max_new)
+    b = body(rng.integers(0, 490, prompt_len), max_new=max_new)
     sampling = dataclasses.replace(b.sampling, logit_bias=no_placeholders)
     return dataclasses.replace(b, sampling=sampling)
+
+  async def decoding(fleet) -> bool:
+    """Whether all n requests reached the servers and those running decoded a
+    token each on average (/get_load's num_tokens counts their prompts too)."""
+    loads = [(await s.client.request("GET", "/get_load"))[1] for s in fleet.servers]
+    running = sum(x["num_running_reqs"] for x in loads)
+    decoded = sum(x["num_tokens"] for x in loads) - running * prompt_len
+    return sum(x["num_reqs"] for x in loads) == n and running > 0 and decoded >= running
 
   async def go():
     async with fleet_lib.Fleet(launched.urls) as fleet:
       before = await fleet.refresh_versions()
       tasks = [asyncio.create_task(to_the_end(fleet, long_body())) for _ in range(n)]
-      while sum(len(s.inflight) for s in fleet.servers) < n:
+      # Prefilled and decoding: on a loaded machine prefill may take a while.
+      while not await decoding(fleet):
         await asyncio.sleep(0.01)
-      await asyncio.sleep(0.05)  # prefilled, decoding
       seconds, failed = await fleet.update_weights(path, "8")
       outs = await asyncio.wait_for(asyncio.gather(*tasks), 120)
       return before, seconds, failed, outs, [s.healthy for s in fleet.servers]

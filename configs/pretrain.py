@@ -6,7 +6,7 @@ r"""Pretraining the base model that the main job post-trains.
 The default run's settings (configs/vlm.py) and tiny preset, trained by
 the SFT path alone: no RL steps, many warm-up
 steps on a pre-generated pool (the `pretrain` mix of fluxjax/data/synth.py:
-every chain task, the text-only copy drills, and the main job's
+every chain task and the text-only copy drills, not the main job's
 direct-answer tasks), a cosine schedule, checkpoints every
 `sft.checkpoint_every` steps (a killed run resumes from the latest when
 started again with the same command), and at the end an HF folder
@@ -43,20 +43,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # 4 layers (tiny4) at batch 32 copied no better than 2 (bench/README.md).
   c.model.preset = "tiny"
   c.data.mix = "pretrain"
-  # A pool the 0.5M-parameter model cannot memorize in its 4 epochs (20,000
-  # steps of 16).
+  # A pool the 0.5M-parameter model cannot memorize in its 4 epochs (10,000
+  # steps of 32).
   c.data.synth_train, c.data.synth_eval = 80_000, 512
   c.eval.prompts, c.eval.samples_per_prompt = 512, 1
   # The longest reference responses (hard colour_list and pair_census) run
   # to about 61 tokens.
   c.rl.max_new_tokens = 80
-  # Batch 16: twice the updates per sample seen, for the copy by key to
-  # form (at 32 it did not in 10,000 steps).
-  c.sft.steps = 20_000
-  c.sft.batch_size = 16
+  # Batch 16 for twice the steps copied and chained worse than 32
+  # (bench/README.md, the fourth run).
+  c.sft.steps = 10_000
+  c.sft.batch_size = 32
   c.sft.lr, c.sft.warmup_steps, c.sft.end_lr_frac = 2e-3, 200, 0.05
   c.sft.chain_fraction = 0.25
-  c.sft.eval_every = 5000
+  c.sft.eval_every = 2500
   c.sft.checkpoint_every = 250
   c.sft.export_dir = BASE_DIR
   if arg.smoke:

@@ -386,14 +386,14 @@ def test_the_drills_copy_from_a_keyed_list(level):
     assert s.image is s.frames is r.image is r.frames is None
 
 
-def test_the_pretraining_pool_holds_chains_drills_and_direct_tasks(tmp_path):
-  """Every task of the mix, the direct-answer tasks rarely (1.6% of the pool)."""
+def test_the_pretraining_pool_holds_chains_and_drills_not_the_rl_tasks(tmp_path):
+  """Every chain task and drill; none of the post-training job's direct-answer
+  tasks, which RL is left to teach."""
   manifest = synth.generate(str(tmp_path), "pretrain", 1000, 0)
   rows = readers.read_rows(manifest)
   tasks = collections.Counter(r["task"] for r in rows)
-  assert set(tasks) == set(synth.MIXES["pretrain"])
-  direct = sum(n for t, n in tasks.items() if t not in (*cot_tasks.TASKS, *cot_tasks.DRILLS))
-  assert 5 <= direct <= 35, tasks
+  assert set(tasks) == {*cot_tasks.TASKS, *cot_tasks.DRILLS}
+  assert not set(tasks) & (set(synth.MIXES["post_train"]) - set(cot_tasks.TASKS))
   for r in rows:
     assert (r["task"] in cot_tasks.TASKS) == bool(r.get("solution"))
     if r["task"] in cot_tasks.DRILLS:

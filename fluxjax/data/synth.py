@@ -67,16 +67,13 @@ MIXES = {
     "last_colour": 55 / 3,
   },
   # The pretraining pool of the base model (configs/pretrain.py): every
-  # chain task, the text-only copy drills, and the direct-answer tasks of
-  # the post-training job rarely (1.6% of the pool together), so the base
-  # knows their answer format with modest accuracy and RL has room to teach
-  # them (at 14% of the pool it solved them before RL began).
+  # chain task and the text-only copy drills. The post-training job's
+  # direct-answer tasks stay out, so RL has them to teach; the base knows
+  # their answer format from every other task (at 14% and at 1.6% of the
+  # pool it solved them before RL began: bench/README.md).
   "pretrain": {
     **{task: 2 for task in cot_tasks.TASKS},
     **{task: 2 for task in cot_tasks.DRILLS},
-    "colour": 0.1,
-    "count_colour": 0.1,
-    "last_colour": 0.1,
   },
 }
 SOURCES = ("geo3k", "nextqa", "longvila")

@@ -18,8 +18,8 @@ sp=8 across both processes; tests/multiprocess_runs.py KILLED) with
          most one per RL step), resumed after each, then run to --steps.
   sync   the same job synchronous without speculation (KILLED_SYNC), once
          uninterrupted and once killed at --sync-kills points (the points in
-         turn over the seeds, random victims and moments), both to
-         --sync-steps.
+         turn over the seeds, random victims, each point's first moment),
+         both to --sync-steps.
 
 Asserted per seed (a failed check stops the bench with its figures so far):
   (a) each kill landed where its point claims (multiprocess_runs
@@ -146,7 +146,9 @@ def one_seed(seed: int, args, root: str) -> dict:
   # (d): the synchronous job, killed and not, bit for bit.
   sync = {**runs.KILLED_SYNC, "seed": seed}
   points = [runs.KILL_POINTS[(seed * args.sync_kills + k) % 4] for k in range(args.sync_kills)]
-  sync_kills = [(p, int(rng.integers(2)), int(rng.integers(args.max_skip + 1))) for p in points]
+  # Each at its point's first moment: the short run must reach every kill
+  # (the random moments are the async run's).
+  sync_kills = [(p, int(rng.integers(2)), 0) for p in points]
   plain = os.path.join(work, "sync-plain")
   command = runs.fleet_command(os.path.join(plain, "run"), args.sync_steps, **sync)
   os.makedirs(plain, exist_ok=True)

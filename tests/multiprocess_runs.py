@@ -151,7 +151,8 @@ def params(workdir, step) -> dict:
   return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree.leaves_with_path(state)}
 
 
-def run(command, log_path, timeout=900, extra_env: dict | None = None):
+def launch(command, log_path, timeout=900, extra_env: dict | None = None) -> tuple[int, str]:
+  """Runs the launcher of `command` to its end; (its exit status, its log)."""
   with open(log_path, "w") as log:
     done = run_launcher(
       command,
@@ -161,8 +162,12 @@ def run(command, log_path, timeout=900, extra_env: dict | None = None):
       stderr=subprocess.STDOUT,
       timeout=timeout,
     )
-  out = open(log_path).read()
-  assert done.returncode == 0, out[-4000:]
+  return done.returncode, open(log_path).read()
+
+
+def run(command, log_path, timeout=900, extra_env: dict | None = None) -> str:
+  returncode, out = launch(command, log_path, timeout, extra_env)
+  assert returncode == 0, out[-4000:]
   return out
 
 
@@ -210,10 +215,16 @@ def kill_once_a_checkpoint_is_complete(command, log_path, victim: int, step: int
   # The launcher stopped the other process (waiting in a collective or for
   # the next op) and exited with the killed one's fate.
   assert launcher.returncode == 128 + signal.SIGKILL, open(log_path).read()[-4000:]
-  assert not any(process_alive(pid) for pid in started.values())
-  left = group_members(set(started.values()))
-  assert not left, f"processes left running in the run's process groups: {left}"
+  _assert_all_stopped(started)
   return started
+
+
+def _assert_all_stopped(started: dict[int, int]) -> None:
+  """The launcher's processes and every member of their groups (the servers
+  and the router they started) are gone."""
+  assert not any(process_alive(pid) for pid in started.values())
+  left = members_after_sigkill(set(started.values()))
+  assert not left, f"processes left running in the run's process groups: {left}"
 
 
 def killed_at(command, log_path, record, point: str, victim: int, skip: int = 0) -> list[dict]:
@@ -225,28 +236,17 @@ def killed_at(command, log_path, record, point: str, victim: int, skip: int = 0)
   assert "--module=kill_points" in command
   record = pathlib.Path(record)
   before = len(record.read_text().splitlines()) if record.exists() else 0
-  kill = {"KILL_POINT": point, "KILL_VICTIM": str(victim), "KILL_SKIP": str(skip)}
-  with open(log_path, "w") as log:
-    done = run_launcher(
-      command,
-      cwd=ROOT,
-      env={**env(), **kill, "KILL_RECORD": str(record)},
-      stdout=log,
-      stderr=subprocess.STDOUT,
-      timeout=900,
-    )
-  out = open(log_path).read()
-  if done.returncode == 0:
+  plan = {"KILL_POINT": point, "KILL_VICTIM": str(victim), "KILL_SKIP": str(skip)}
+  returncode, out = launch(command, log_path, extra_env={**plan, "KILL_RECORD": str(record)})
+  if returncode == 0:
     raise AssertionError(f"the run ended before the {point} point's moment came: {out[-2000:]}")
-  assert done.returncode == 128 + signal.SIGKILL, out[-4000:]
+  assert returncode == 128 + signal.SIGKILL, out[-4000:]
   started = pids(log_path)
   assert sorted(started) == [0, 1] and f"process {victim} (pid {started[victim]}) was killed" in out
-  assert not any(process_alive(pid) for pid in started.values())
-  left = members_after_sigkill(set(started.values()))
-  assert not left, f"processes left running in the run's process groups: {left}"
+  _assert_all_stopped(started)
   lines = [json.loads(x) for x in record.read_text().splitlines()[before:]]
-  kill = [x for x in lines if not x["shadow"]]
-  assert kill and all(x["point"] == point and x["victim"] == victim for x in kill), lines
+  kills = [x for x in lines if not x["shadow"]]
+  assert kills and all(x["point"] == point and x["victim"] == victim for x in kills), lines
   return lines
 
 

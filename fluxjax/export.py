@@ -1,11 +1,12 @@
-r"""A run's policy as an HF folder: python -m fluxjax.export WORKDIR OUT [--step N].
+r"""A run's policy as an HF folder: python -m fluxjax.export WORKDIR OUT [--step N] [--sft].
 
 Reads the run's resolved config (WORKDIR/config.json), builds its policy on
-this process's devices, restores checkpoint N (default: the latest) and
-writes OUT: the weights as safetensors (`--dtype`, bfloat16 by default;
-sharded above 4 GiB a file, with an index), config.json, the run's
-tokenizer.json and its vision preprocessing (preprocessor_config.json,
-video_preprocessor_config.json). transformers'
+this process's devices, restores checkpoint N (default: the latest; with
+--sft, of the SFT warm-up under WORKDIR/sft, which is all a pretraining run
+such as configs/pretrain.py writes) and writes OUT: the weights as
+safetensors (`--dtype`, bfloat16 by default; sharded above 4 GiB a file,
+with an index), config.json, the run's tokenizer.json and its vision
+preprocessing (preprocessor_config.json, video_preprocessor_config.json). transformers'
 `Qwen2_5_VLForConditionalGeneration.from_pretrained(OUT)` and SGLang load it,
 and `--config.model.hf_path=OUT` starts another run from it.
 
@@ -40,9 +41,11 @@ def load_run_config(workdir: str):
   return config
 
 
-def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat16") -> int:
+def export(
+  workdir: str, out: str, step: int | None = None, dtype: str = "bfloat16", sft: bool = False
+) -> int:
   """Writes checkpoint `step` (None: the latest) of the run in `workdir` to
-  `out`; returns the step written."""
+  `out`, an RL checkpoint or (`sft`) a warm-up one; returns the step written."""
   from fluxjax.data import materializer as materializer_lib
   from fluxjax.data import store as store_lib
   from fluxjax.rl import loop
@@ -60,14 +63,28 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
       owns_media=False,
       validated=validated,
     )
-    step = policy.latest_step() if step is None else step
-    if step is None:
-      raise SystemExit(f"fluxjax.export: no checkpoint in {workdir}")
-    policy.restore(step)
+    step = _restore_sft(policy, workdir, step) if sft else _restore(policy, workdir, step)
     proc = loop.processor_config(validated.settings.data.vision)
     loop.export_hf(policy, out, validated.tokenizer, proc, dtype)
   log.info("exported step %d of %s to %s (%s)", step, workdir, out, dtype)
   return step
+
+
+def _restore(policy, workdir: str, step: int | None) -> int:
+  step = policy.latest_step() if step is None else step
+  if step is None:
+    raise SystemExit(f"fluxjax.export: no RL checkpoint in {workdir} (a warm-up one: --sft)")
+  policy.restore(step)
+  return step
+
+
+def _restore_sft(policy, workdir: str, step: int | None) -> int:
+  resumed = policy.sft_begin(step=step)
+  if resumed is None:
+    raise SystemExit(f"fluxjax.export: no SFT warm-up checkpoint under {workdir}/sft")
+  policy.sft_finish()
+  policy.sft_end()
+  return resumed[0]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,13 +93,16 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("out", help="the HF folder to write (must not exist)")
   p.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
   p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+  p.add_argument(
+    "--sft", action="store_true", help="a checkpoint of the SFT warm-up (of a pretraining run)"
+  )
   args = p.parse_args(argv)
   if os.path.exists(args.out):
     sys.exit(f"fluxjax.export: {args.out} exists; name a new folder")
   from fluxjax import logs
 
   logs.configure()
-  export(args.workdir, args.out, args.step, args.dtype)
+  export(args.workdir, args.out, args.step, args.dtype, sft=args.sft)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import pytest
 import safetensors
 from flax import nnx
 
-from fluxjax import config_args
+from fluxjax import config_args, export
 from fluxjax.data import drawing, readers
 from fluxjax.models import hf_load, inputs, processor, sharded
 from fluxjax.models.tokenizer import Tokenizer
@@ -251,6 +251,20 @@ def test_a_killed_pretraining_resumes_to_the_same_base(tmp_path, monkeypatch, ca
     np.testing.assert_array_equal(ours[k], theirs[k], err_msg=k)
   steps = [r["step"] for r in metrics_lib.read_metrics(str(cut)) if "sft/loss" in r]
   assert steps == list(range(-7, 1))
+  # `export` writes the finished base again (its step-0 RL checkpoint);
+  # `export --sft` the warm-up's checkpoints, all a run stopped mid-way has:
+  # step 6's weights are the same in both runs, step 4's (the SIGTERM's) differ.
+  assert export.export(str(whole), str(tmp_path / "end"), dtype="float32") == 0
+  end = tensors(tmp_path / "end")
+  for k in theirs:
+    np.testing.assert_array_equal(end[k], theirs[k], err_msg=k)
+  assert export.export(str(whole), str(tmp_path / "w6"), dtype="float32", sft=True) == 6
+  assert export.export(str(cut), str(tmp_path / "c6"), dtype="float32", sft=True) == 6
+  assert export.export(str(cut), str(tmp_path / "c4"), 4, "float32", sft=True) == 4
+  w6, c6, c4 = (tensors(tmp_path / n) for n in ("w6", "c6", "c4"))
+  for k in w6:
+    np.testing.assert_array_equal(c6[k], w6[k], err_msg=k)
+  assert any(not np.array_equal(c4[k], c6[k]) for k in c6)
   # The card of the export: every held-out item in its table, its marks.
   base_card.main(["--base", str(cut / "base"), "--workdir", str(cut), "--samples", "2"])
   card = json.loads((cut / "base" / "card.json").read_text())

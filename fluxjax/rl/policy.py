@@ -50,8 +50,11 @@ class PolicyState(PolicyView, Protocol):
 class WarmUpOps(Protocol):
   """The warm-up's ops on the run's policy worker (every process runs them)."""
 
-  def sft_begin(self, patch_source: Callable | None = None) -> tuple[int, dict] | None:
-    """Starts the warm-up; returns the (step, data state) it resumed from, or None."""
+  def sft_begin(
+    self, patch_source: Callable | None = None, step: int | None = None
+  ) -> tuple[int, dict] | None:
+    """Starts the warm-up (from its checkpoint `step`, default the latest);
+    returns the (step, data state) it resumed from, or None."""
     ...
 
   def sft_train(self, seqs: Sequence[batch_lib.TrainSequence]) -> dict: ...

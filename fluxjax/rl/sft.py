@@ -189,11 +189,14 @@ class Trainer:
     """Queues warm-up checkpoint `step`: parameters, optimizer state, `data`."""
     ckpt.save(step, self.state, jax.random.key(0), {}, data, force=True)
 
-  def restore(self, ckpt: checkpoint_lib.Checkpointer) -> tuple[int, dict] | None:
-    """Loads the latest warm-up checkpoint; returns its (step, data state), or None."""
+  def restore(
+    self, ckpt: checkpoint_lib.Checkpointer, step: int | None = None
+  ) -> tuple[int, dict] | None:
+    """Loads warm-up checkpoint `step` (default: the latest); returns its
+    (step, data state), or None where there is none."""
     if ckpt.latest_step() is None:
       return None
-    step, self.state, _, _, data = ckpt.restore(checkpoint_lib.abstract_like(self.state))
+    step, self.state, _, _, data = ckpt.restore(checkpoint_lib.abstract_like(self.state), step)
     return step, data
 
   def finish(self, copy: bool = False) -> None:

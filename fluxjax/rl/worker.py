@@ -121,10 +121,12 @@ def _stage_message(worker: PolicyWorker, version: int | None = None) -> tuple[st
   return "publish_part", (version,)
 
 
-def _sft_begin_message(worker: PolicyWorker, patch_source=None) -> tuple[str, tuple]:
+def _sft_begin_message(
+  worker: PolicyWorker, patch_source=None, step: int | None = None
+) -> tuple[str, tuple]:
   """The leader's `patch_source` stays its own: followers read pixels from their own store."""
   del worker, patch_source
-  return "sft_begin", ()
+  return "sft_begin", (None, step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,10 +414,13 @@ class PolicyWorker:
     )
 
   @op(message=_sft_begin_message)
-  def sft_begin(self, patch_source: Callable | None = None) -> tuple[int, dict] | None:
+  def sft_begin(
+    self, patch_source: Callable | None = None, step: int | None = None
+  ) -> tuple[int, dict] | None:
     """Starts the warm-up's trainer (pixels from `patch_source`, default this
-    worker's); with `sft.checkpoint_every`, from its latest checkpoint under
-    workdir/sft. Returns that checkpoint's (step, data state), or None."""
+    worker's); with `sft.checkpoint_every`, from its checkpoint `step` (default:
+    the latest) under workdir/sft. Returns that checkpoint's (step, data
+    state), or None."""
     s = self.settings.sft
     self._sft = sft.Trainer(
       self, sft.optimizer_config(self.settings.optim, s), patch_source or self._read_patches
@@ -425,7 +430,7 @@ class PolicyWorker:
     self._sft_ckpt = checkpoint_lib.Checkpointer(
       os.path.join(self.workdir, "sft"), max_to_keep=2, save_every=s.checkpoint_every
     )
-    return self._sft.restore(self._sft_ckpt)
+    return self._sft.restore(self._sft_ckpt, step)
 
   @op
   def sft_save(self, step: int, data: dict) -> None:

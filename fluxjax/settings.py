@@ -252,12 +252,26 @@ class Rollout:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChainFraction:
+  """The share of warm-up samples whose reference response shows its
+  reasoning, per difficulty level; `other`: samples without a level."""
+
+  easy: float
+  medium: float
+  hard: float
+  other: float
+
+  def at(self, level: str) -> float:
+    return {"easy": self.easy, "medium": self.medium, "hard": self.hard}.get(level, self.other)
+
+
+@dataclasses.dataclass(frozen=True)
 class SFT:
   enabled: bool
   steps: int
   batch_size: int
   levels: tuple[str, ...]
-  chain_fraction: float
+  chain_fraction: ChainFraction
   lr: float
   warmup_steps: int
   end_lr_frac: float

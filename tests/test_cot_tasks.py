@@ -387,12 +387,13 @@ def test_the_drills_copy_from_a_keyed_list(level):
 
 
 def test_the_pretraining_pool_holds_chains_and_drills_not_the_rl_tasks(tmp_path):
-  """Every chain task and drill; none of the post-training job's direct-answer
-  tasks, which RL is left to teach."""
+  """Every chain task and drill, and `bigger` (an image question with a colour
+  for its answer); none of the post-training job's direct-answer tasks,
+  which RL is left to teach."""
   manifest = synth.generate(str(tmp_path), "pretrain", 1000, 0)
   rows = readers.read_rows(manifest)
   tasks = collections.Counter(r["task"] for r in rows)
-  assert set(tasks) == {*cot_tasks.TASKS, *cot_tasks.DRILLS}
+  assert set(tasks) == {*cot_tasks.TASKS, *cot_tasks.DRILLS, "bigger"}
   assert not set(tasks) & (set(synth.MIXES["post_train"]) - set(cot_tasks.TASKS))
   for r in rows:
     assert (r["task"] in cot_tasks.TASKS) == bool(r.get("solution"))

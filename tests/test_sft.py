@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import types
 
 import jax
 import jax.numpy as jnp
@@ -18,12 +19,13 @@ from flax import nnx
 
 from fluxjax import config_args, export
 from fluxjax.data import drawing, readers
+from fluxjax.data import meta as meta_lib
 from fluxjax.models import hf_load, inputs, processor, sharded
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import train_step
 from fluxjax.rl import base_card, loop, preemption, reward_fns, sft
 from fluxjax.rl import metrics as metrics_lib
-from fluxjax.settings import Settings
+from fluxjax.settings import ChainFraction, Settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -134,6 +136,35 @@ def test_targets_are_the_formatted_answer_with_eos(setup):
     # The answer continues the prompt's M-RoPE positions.
     last = seq.inputs.positions_3T[:, prompt_len - 1].max()
     assert seq.inputs.positions_3T[0, prompt_len] == last + 1
+
+
+def test_each_level_shows_its_own_share_of_chains(setup):
+  """`sft.chain_fraction` per level: of 600 samples a level, about its share
+  carry <think>solution</think>, each the same on every call; rows without a
+  level take `other`."""
+  _, coord, *_ = setup
+  rollout = types.SimpleNamespace(
+    requests=types.SimpleNamespace(
+      tokenizer=coord.tokenizer,
+      prompt=lambda s: inputs.sequence_from_chat(s.messages(), [], coord.tokenizer, coord.cfg),
+    )
+  )
+  fraction = ChainFraction(easy=0.1, medium=0.5, hard=0.9, other=0.0)
+  think = coord.tokenizer.encode("<think>")[0]
+  for level, share in (("easy", 0.1), ("medium", 0.5), ("hard", 0.9), ("", 0.0)):
+    samples = [
+      meta_lib.SampleMeta(k, f"{level}-{k}", "Count.", "2", difficulty=level, solution="a1 b2")
+      for k in range(600)
+    ]
+    seqs = sft.sequences(samples, rollout, fraction)
+    shown = [think in s.inputs.tokens_T[s.loss_mask_T > 0] for s in seqs]
+    assert abs(np.mean(shown) - share) < 0.06, level
+    again = [
+      think in s.inputs.tokens_T[s.loss_mask_T > 0]
+      for s in sft.sequences(samples, rollout, fraction)
+    ]
+    assert again == shown
+  assert all(think in s.inputs.tokens_T for s in sft.sequences(samples, rollout))  # default: all
 
 
 def test_loss_is_the_nll_of_answer_tokens_and_steps_lower_it(setup):

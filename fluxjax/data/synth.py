@@ -67,13 +67,16 @@ MIXES = {
     "last_colour": 55 / 3,
   },
   # The pretraining pool of the base model (configs/pretrain.py): every
-  # chain task and the text-only copy drills. The post-training job's
-  # direct-answer tasks stay out, so RL has them to teach; the base knows
-  # their answer format from every other task (at 14% and at 1.6% of the
-  # pool it solved them before RL began: bench/README.md).
+  # chain task, the text-only copy drills, and `bigger`, an image question
+  # answered by a colour word. The post-training job's direct-answer tasks
+  # stay out, so RL has them to teach (at 14% and at 1.6% of the pool the
+  # base solved them before RL began); without `bigger` every image question
+  # the base saw had a number for its answer, and it answered the colour
+  # tasks with numbers, which RL never rewards (bench/README.md).
   "pretrain": {
     **{task: 2 for task in cot_tasks.TASKS},
     **{task: 2 for task in cot_tasks.DRILLS},
+    "bigger": 1,
   },
 }
 SOURCES = ("geo3k", "nextqa", "longvila")

@@ -109,15 +109,22 @@ def shows_reasoning(sample_id: str, chain_fraction: float) -> bool:
 
 
 def sequences(
-  samples: Sequence[meta_lib.SampleMeta], rollout: Rollout, chain_fraction: float = 1.0
+  samples: Sequence[meta_lib.SampleMeta],
+  rollout: Rollout,
+  chain_fraction: settings_lib.ChainFraction | None = None,
 ) -> list[batch_lib.TrainSequence]:
   """The warm-up sequences of `samples`: each prompt as rollout sees it, then its
-  reference response (reasoning, for `chain_fraction` of the samples, and answer)."""
+  reference response (reasoning, for the `chain_fraction` of its level, default
+  all, and answer)."""
   tok = rollout.requests.tokenizer
+
+  def shown(s: meta_lib.SampleMeta) -> bool:
+    return chain_fraction is None or shows_reasoning(s.id, chain_fraction.at(s.difficulty))
+
   return [
     sft_sequence(
       rollout.requests.prompt(s),
-      answer_ids(tok, s.answer or "", s.solution if shows_reasoning(s.id, chain_fraction) else ""),
+      answer_ids(tok, s.answer or "", s.solution if shown(s) else ""),
     )
     for s in samples
   ]

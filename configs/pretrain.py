@@ -7,8 +7,8 @@ The default run's settings (configs/vlm.py) and tiny preset, trained by
 the SFT path alone: no RL steps, many warm-up
 steps on a pre-generated pool (the `pretrain` mix of fluxjax/data/synth.py:
 every chain task, the text-only copy drills and one image question answered
-by a colour, not the main job's direct-answer tasks), a cosine schedule, checkpoints every
-`sft.checkpoint_every` steps (a killed run resumes from the latest when
+by a colour, not the main job's direct-answer tasks), a cosine schedule,
+checkpoints every `sft.checkpoint_every` steps (a killed run resumes from the latest when
 started again with the same command), and at the end an HF folder
 (`sft.export_dir`: fp32 weights, config.json, the tokenizer and the vision
 preprocessing) that `--config.model.hf_path` loads.

@@ -558,9 +558,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # (<think>solution</think> before the answer), per difficulty level (`other`:
   # rows without one); the others answer directly, so RL can find out where
   # reasoning pays.
-  c.sft.chain_fraction = ml_collections.ConfigDict(
-    dict(easy=1.0, medium=1.0, hard=1.0, other=1.0)
-  )
+  c.sft.chain_fraction = ml_collections.ConfigDict(dict(easy=1.0, medium=1.0, hard=1.0, other=1.0))
   c.sft.lr = 2e-3
   c.sft.warmup_steps = 10
   c.sft.end_lr_frac = 0.1

@@ -6,9 +6,9 @@ this process's devices, restores checkpoint N (default: the latest; with
 such as configs/pretrain.py writes) and writes OUT: the weights as
 safetensors (`--dtype`, bfloat16 by default; sharded above 4 GiB a file,
 with an index), config.json, the run's tokenizer.json and its vision
-preprocessing (preprocessor_config.json, video_preprocessor_config.json). transformers'
-`Qwen2_5_VLForConditionalGeneration.from_pretrained(OUT)` and SGLang load it,
-and `--config.model.hf_path=OUT` starts another run from it.
+preprocessing (preprocessor_config.json, video_preprocessor_config.json).
+transformers' `Qwen2_5_VLForConditionalGeneration.from_pretrained(OUT)` and
+SGLang load it, and `--config.model.hf_path=OUT` starts another run from it.
 
 The restore reads the whole train state (the optimizer's moments too) onto
 the devices the run's mesh settings give here, sharded as in training: no

@@ -151,19 +151,19 @@ def test_each_level_shows_its_own_share_of_chains(setup):
   )
   fraction = ChainFraction(easy=0.1, medium=0.5, hard=0.9, other=0.0)
   think = coord.tokenizer.encode("<think>")[0]
+
+  def shown(samples) -> list[bool]:
+    seqs = sft.sequences(samples, rollout, fraction)
+    return [think in s.inputs.tokens_T[s.loss_mask_T > 0] for s in seqs]
+
   for level, share in (("easy", 0.1), ("medium", 0.5), ("hard", 0.9), ("", 0.0)):
     samples = [
       meta_lib.SampleMeta(k, f"{level}-{k}", "Count.", "2", difficulty=level, solution="a1 b2")
       for k in range(600)
     ]
-    seqs = sft.sequences(samples, rollout, fraction)
-    shown = [think in s.inputs.tokens_T[s.loss_mask_T > 0] for s in seqs]
-    assert abs(np.mean(shown) - share) < 0.06, level
-    again = [
-      think in s.inputs.tokens_T[s.loss_mask_T > 0]
-      for s in sft.sequences(samples, rollout, fraction)
-    ]
-    assert again == shown
+    first = shown(samples)
+    assert abs(np.mean(first) - share) < 0.06, level
+    assert shown(samples) == first
   assert all(think in s.inputs.tokens_T for s in sft.sequences(samples, rollout))  # default: all
 
 

@@ -68,11 +68,10 @@ MIXES = {
   },
   # The pretraining pool of the base model (configs/pretrain.py): every
   # chain task, the text-only copy drills, and `bigger`, an image question
-  # answered by a colour word. The post-training job's direct-answer tasks
-  # stay out, so RL has them to teach (at 14% and at 1.6% of the pool the
-  # base solved them before RL began); without `bigger` every image question
-  # the base saw had a number for its answer, and it answered the colour
-  # tasks with numbers, which RL never rewards (bench/README.md).
+  # answered by a colour word (the only one: whether its answer format
+  # reaches the colour tasks, bench/README.md, the fifth run). The
+  # post-training job's direct-answer tasks stay out, so RL has them to teach
+  # (at 14% and at 1.6% of the pool the base solved them before RL began).
   "pretrain": {
     **{task: 2 for task in cot_tasks.TASKS},
     **{task: 2 for task in cot_tasks.DRILLS},

@@ -106,6 +106,18 @@ def env():
   return env
 
 
+def reuse_compiled_programs(monkeypatch, directory) -> None:
+  """The launches that follow in this test (their processes and the servers
+  those start) keep the programs XLA compiles in `directory` (JAX's
+  persistent compilation cache), so a relaunch of a job (a resume) loads
+  what the first launch compiled. Only for jobs whose processes run no
+  rollout engine of their own: docs/testing.md, executable reuse."""
+  monkeypatch.setenv("JAX_ENABLE_COMPILATION_CACHE", "true")
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(directory))
+  # Every program: a publish's 150 small ones take seconds too.
+  monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
 def two(workdir, **overrides):
   return launched(workdir, 2, 4, **overrides)
 

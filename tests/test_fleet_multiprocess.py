@@ -23,7 +23,7 @@ KILLS = (("generation", 0), ("publish", 0), ("checkpoint", 1), ("queue", 1))
 
 
 @pytest.mark.slow
-def test_two_processes_on_a_fleet_resume_exactly_from_a_kill_at_each_point(tmp_path):
+def test_two_processes_on_a_fleet_resume_exactly_from_a_kill_at_each_point(tmp_path, monkeypatch):
   """2 processes x 4 devices against 2 launched fluxjax servers behind a
   launched sglang-router, weights broadcast from the training mesh, adaptive
   lag and recycling: SIGKILLed during generation (with partial responses
@@ -39,6 +39,7 @@ def test_two_processes_on_a_fleet_resume_exactly_from_a_kill_at_each_point(tmp_p
   # Each killed launch trains a step or two before its point's moment comes.
   steps, workdir, record = 10, tmp_path / "fleet", tmp_path / "kills.jsonl"
   command = runs.fleet_command(workdir, steps, module="kill_points", **runs.KILLED)
+  runs.reuse_compiled_programs(monkeypatch, tmp_path / "xla_cache")
   kills = []
   for point, victim in KILLS:
     lines = runs.killed_at(command, tmp_path / f"{point}.log", record, point, victim)

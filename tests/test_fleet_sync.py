@@ -32,7 +32,7 @@ def _servers():
 
 
 @pytest.mark.slow
-def test_a_synchronous_fleet_job_on_two_processes_matches_one_under_ulysses(tmp_path):
+def test_a_synchronous_fleet_job_on_two_processes_matches_one_under_ulysses(tmp_path, monkeypatch):
   """The fleet job in sync mode without tail batching, ulysses at sp=8, as
   1 process x 8 and as 2 x 4, against the same server behind a launched
   router: it is seeded and sent the same bf16 weights, so both runs train the
@@ -42,6 +42,7 @@ def test_a_synchronous_fleet_job_on_two_processes_matches_one_under_ulysses(tmp_
   that step and stops, and the same command resumes it."""
   steps, one, two = STEPS, tmp_path / "one", tmp_path / "two"
   servers = _servers()
+  runs.reuse_compiled_programs(monkeypatch, tmp_path / "xla_cache")  # after the server's start
   try:
     urls = {"rollout.urls": "(" + ",".join(f'"{u}"' for u in servers.urls) + ",)"}
 

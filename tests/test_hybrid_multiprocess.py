@@ -21,7 +21,9 @@ HYBRID = {
 
 
 @pytest.mark.slow
-def test_a_hybrid_mesh_across_processes_trains_and_publishes_by_broadcast_and_disk(tmp_path):
+def test_a_hybrid_mesh_across_processes_trains_and_publishes_by_broadcast_and_disk(
+  tmp_path, monkeypatch
+):
   """Two steps publishing by broadcast, then the run resumed with
   rollout.weight_sync=disk for two more, each process writing its own
   files. A synchronous run samples each step from the weights the trainer
@@ -31,6 +33,7 @@ def test_a_hybrid_mesh_across_processes_trains_and_publishes_by_broadcast_and_di
   workdir = tmp_path / "hybrid"
   cmd = factory.server_command(Settings.of(runs.config("fleet", **HYBRID)))
   servers = launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=300)
+  runs.reuse_compiled_programs(monkeypatch, tmp_path / "xla_cache")  # after the server's start
   try:
     urls = {"rollout.urls": "(" + ",".join(f'"{u}"' for u in servers.urls) + ",)"}
 

@@ -102,7 +102,10 @@ def main(argv: list[str] | None = None) -> None:
   from fluxjax import logs
 
   logs.configure()
-  export(args.workdir, args.out, args.step, args.dtype, sft=args.sft)
+  try:
+    export(args.workdir, args.out, args.step, args.dtype, sft=args.sft)
+  except FileNotFoundError as e:  # e.g. a step the run no longer keeps
+    sys.exit(f"fluxjax.export: {e}")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,9 @@ def test_checkpoint_round_trip_reshards(tmp_path, devices):
   for a, b, f in zip(jax.tree.leaves(restored), jax.tree.leaves(state), jax.tree.leaves(fresh)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert a.sharding == f.sharding
+  # A step it does not keep: the error lists those it does.
+  with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 5 .*keeps steps 7$"):
+    checkpoint.Checkpointer(str(tmp_path)).restore(checkpoint.abstract_like(fresh), 5)
   ckpt.close()
 
 

@@ -58,6 +58,10 @@ class Checkpointer:
     )
     return None if latest is None else latest.step
 
+  def steps(self) -> list[int]:
+    """The steps committed on disk, oldest first."""
+    return sorted(ocp.utils.checkpoint_steps(self.directory))
+
   def should_save(self, step: int) -> bool:
     """Whether `step` is a periodic save (every `save_every` steps; 0: none,
     the caller's own saves, such as the last step's, only)."""
@@ -108,6 +112,12 @@ class Checkpointer:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    kept = self.steps()
+    if step not in kept:
+      raise FileNotFoundError(
+        f"no checkpoint of step {step} in {self.directory}; it keeps steps "
+        f"{', '.join(map(str, kept)) or 'none'}"
+      )
     out = self.manager.restore(
       step,
       args=ocp.args.Composite(

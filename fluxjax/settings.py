@@ -262,7 +262,9 @@ class ChainFraction:
   other: float
 
   def at(self, level: str) -> float:
-    return {"easy": self.easy, "medium": self.medium, "hard": self.hard}.get(level, self.other)
+    """The share of `level` (one of the fields, which name the levels)."""
+    named = level != "other" and level in {f.name for f in dataclasses.fields(self)}
+    return getattr(self, level) if named else self.other
 
 
 @dataclasses.dataclass(frozen=True)

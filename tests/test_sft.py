@@ -18,7 +18,7 @@ import safetensors
 from flax import nnx
 
 from fluxjax import config_args, export
-from fluxjax.data import drawing, readers
+from fluxjax.data import drawing, readers, visual_tasks
 from fluxjax.data import meta as meta_lib
 from fluxjax.models import hf_load, inputs, processor, sharded
 from fluxjax.models.tokenizer import Tokenizer
@@ -165,6 +165,8 @@ def test_each_level_shows_its_own_share_of_chains(setup):
     assert abs(np.mean(first) - share) < 0.06, level
     assert shown(samples) == first
   assert all(think in s.inputs.tokens_T for s in sft.sequences(samples, rollout))  # default: all
+  # Its fields name the data's levels.
+  assert [f.name for f in dataclasses.fields(ChainFraction)] == [*visual_tasks.LEVELS, "other"]
 
 
 def test_loss_is_the_nll_of_answer_tokens_and_steps_lower_it(setup):

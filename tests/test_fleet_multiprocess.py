@@ -1,7 +1,8 @@
 """The `fleet` job on 2 processes x 4 CPU devices: launched servers behind the
 launched router, weights broadcast from the training mesh, flex_ulysses
 across both processes, adaptive lag and recycling; SIGKILLed at each of four
-points (tests/kill_points.py) and resumed after each. test_fleet_sync.py
+points (tests/kill_points.py) and resumed after each, the last time under
+ulysses. test_fleet_sync.py
 runs it synchronously against 1 process; bench/kill_resume.py repeats the
 kills at random moments over seeds, and checks a synchronous run's resume
 bit for bit."""
@@ -30,7 +31,8 @@ def test_two_processes_on_a_fleet_resume_exactly_from_a_kill_at_each_point(tmp_p
   carried), with kept groups waiting for a busy trainer, mid-broadcast of a
   weight version, and mid-write of a checkpoint, the leader and the
   follower twice each. Each kill stops the run, its servers and router;
-  each restart resumes from the latest complete checkpoint. In the end every
+  each restart resumes from the latest complete checkpoint, the last under
+  ulysses (the strategy swapped by config). In the end every
   step trains P prompts no step trained before; every prompt drawn across
   the restarts is trained once, held for training, or counted as dropped
   with its reason; every prompt a kill put at stake (running, partial,
@@ -49,7 +51,10 @@ def test_two_processes_on_a_fleet_resume_exactly_from_a_kill_at_each_point(tmp_p
     kills.append(kill)
   # Recycling was under way: partial responses were carried at the kill.
   assert kills[0]["partial"], kills[0]
-  out = runs.run(command, tmp_path / "resumed.log", extra_env={"KILL_RECORD": str(record)})
+  # The last launch swaps the strategy by config alone: ulysses, its sequence
+  # axis across both processes, under the same adaptive lag.
+  ulysses = [a.replace("strategy=flex_ulysses", "strategy=ulysses") for a in command]
+  out = runs.run(ulysses, tmp_path / "resumed.log", extra_env={"KILL_RECORD": str(record)})
   logs = [(tmp_path / f"{p}.log").read_text() for p, _ in KILLS[1:]] + [out]
   for kill, log in zip(kills, logs):
     assert f"resumed from step {kill['latest_checkpoint']}" in log, (kill["point"], log[-3000:])
@@ -94,7 +99,9 @@ def test_two_processes_on_a_fleet_resume_exactly_from_a_kill_at_each_point(tmp_p
   assert all(r["async/trained_gap_max"] >= r["async/version_gap_max"] for r in recs.values())
   assert all(0.0 <= r["async/staleness_ema"] <= 1.0 for r in recs.values())
   assert all(0.0 <= r["async/staleness"] <= 1.0 for r in recs.values())
-  assert "strategy flex_ulysses (sp=8)" in out
+  assert all("strategy flex_ulysses (sp=8)" in log for log in logs[:-1])
+  assert "strategy ulysses (sp=8)" in out
+  assert "sharding.strategy: 'flex_ulysses' -> 'ulysses'" in out  # the change, named
   summary = json.loads((workdir / "summary.json").read_text())
   assert summary["end"]["step"] == steps
   assert summary["resumed_from"] == kills[-1]["latest_checkpoint"]

@@ -109,11 +109,11 @@ class Checkpointer:
         x.dtype, sharding=x.sharding), state)`).
       step: which checkpoint; None = the latest.
     """
-    step = self.latest_step() if step is None else step
     if step is None:
-      raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    kept = self.steps()
-    if step not in kept:
+      step = self.latest_step()
+      if step is None:
+        raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    elif step not in (kept := self.steps()):
       raise FileNotFoundError(
         f"no checkpoint of step {step} in {self.directory}; it keeps steps "
         f"{', '.join(map(str, kept)) or 'none'}"

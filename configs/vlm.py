@@ -559,6 +559,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # rows without one); the others answer directly, so RL can find out where
   # reasoning pays.
   c.sft.chain_fraction = ml_collections.ConfigDict(dict(easy=1.0, medium=1.0, hard=1.0, other=1.0))
+  # Direct answers taught as guesses: on a row of one of `tasks`, or at one of
+  # `levels`, a direct answer is another training row's answer of the same
+  # task and level, so the model learns the format and the answer prior there
+  # but not the item; a shown reasoning still works the item out, and RL can
+  # find that reasoning pays (configs/pretrain.py). () = none.
+  c.sft.guess = ml_collections.ConfigDict(dict(tasks=(), levels=()))
   c.sft.lr = 2e-3
   c.sft.warmup_steps = 10
   c.sft.end_lr_frac = 0.1

@@ -268,12 +268,22 @@ class ChainFraction:
 
 
 @dataclasses.dataclass(frozen=True)
+class Guess:
+  """Where the warm-up teaches a direct answer as a guess (rl/sft.py
+  `Guesses`): on rows of `tasks`, and on rows at `levels`."""
+
+  tasks: tuple[str, ...]
+  levels: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class SFT:
   enabled: bool
   steps: int
   batch_size: int
   levels: tuple[str, ...]
   chain_fraction: ChainFraction
+  guess: Guess
   lr: float
   warmup_steps: int
   end_lr_frac: float

@@ -15,7 +15,7 @@ BASE = os.path.join(ROOT, "fluxjax", "models", "assets", "base_tiny")
 def test_the_committed_base_scores_its_cards_fixed_prompts(tmp_path):
   with open(os.path.join(BASE, "card.json")) as f:
     card = json.load(f)
-  assert card["command"] == "python -m fluxjax.train --config=configs/pretrain.py"
+  assert card["command"].startswith("python -m fluxjax.train --config=configs/pretrain.py")
   assert {"commit", "machine", "seed", "sft_steps", "wall_time_s", "table", "marks"} <= set(card)
   size = sum(os.path.getsize(os.path.join(BASE, n)) for n in os.listdir(BASE))
   assert size <= 20 * 2**20

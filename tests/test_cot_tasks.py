@@ -5,6 +5,7 @@ import collections
 import dataclasses
 import itertools
 import json
+import os
 import re
 
 import av
@@ -20,6 +21,7 @@ from fluxjax.models import media, processor
 from fluxjax.models.tokenizer import COLORS, Tokenizer
 from fluxjax.rl import reward_fns, sft
 from fluxjax.settings import Settings
+from helpers import ROOT
 
 NAMES = list(drawing.RGB)
 TOKENIZER = Tokenizer.default()
@@ -386,15 +388,17 @@ def test_the_drills_copy_from_a_keyed_list(level):
     assert s.image is s.frames is r.image is r.frames is None
 
 
-def test_the_pretraining_pool_holds_chains_and_drills_not_the_rl_tasks(tmp_path):
-  """Every chain task and drill, and `bigger` (an image question with a colour
-  for its answer); none of the post-training job's direct-answer tasks,
-  which RL is left to teach."""
+def test_the_pretraining_pool_holds_chains_drills_and_the_guessed_rl_tasks(tmp_path):
+  """Every chain task and drill, and the post-training job's direct-answer
+  tasks, each of which the pretraining teaches only as guesses (RL is left
+  to teach them)."""
   manifest = synth.generate(str(tmp_path), "pretrain", 1000, 0)
   rows = readers.read_rows(manifest)
   tasks = collections.Counter(r["task"] for r in rows)
-  assert set(tasks) == {*cot_tasks.TASKS, *cot_tasks.DRILLS, "bigger"}
-  assert not set(tasks) & (set(synth.MIXES["post_train"]) - set(cot_tasks.TASKS))
+  direct = set(synth.MIXES["post_train"]) - set(cot_tasks.TASKS)
+  assert set(tasks) == {*cot_tasks.TASKS, *cot_tasks.DRILLS, *direct}
+  guess = config_args.load_config(os.path.join(ROOT, "configs", "pretrain.py")).sft.guess
+  assert set(guess.tasks) == direct and set(guess.levels) == {"medium", "hard"}
   for r in rows:
     assert (r["task"] in cot_tasks.TASKS) == bool(r.get("solution"))
     if r["task"] in cot_tasks.DRILLS:

@@ -39,3 +39,39 @@ def test_the_base_card_names_the_commit_the_run_started_at(tmp_path):
   card = base_card.provenance(str(tmp_path))
   assert card["commit"] == "aaaaaaa" and card["invocations"] == 2 and card["seed"] == 3
   assert card["wall_time_s"] == 30.0 + 60.0 and card["sft_steps"] == 3
+
+
+def test_a_refined_base_keeps_its_parents_card_and_a_recard_keeps_its_own(tmp_path):
+  """The card's lineage (`base_card._lineage`): a run that refined the base
+  in a folder (model.hf_path) and exported over it finds the parent's card
+  there; carding the same weights again keeps the first card's commit and
+  parent; the command is the first invocation's, less its work directory."""
+  base = tmp_path / "base"
+  base.mkdir()
+  (base / "model.safetensors").write_bytes(b"weights v2")
+  (tmp_path / "config.json").write_text(json.dumps({"model": {"hf_path": str(base)}}))
+  parent = {"commit": "d307094", "command": "python -m fluxjax.train --config=configs/pretrain.py"}
+  lineage = base_card._lineage(str(tmp_path), str(base), parent)
+  assert lineage == {"parent": parent}
+  own = {
+    "commit": "aaaaaaa",
+    "parent": parent,
+    "weights_sha256": base_card.weights_sha256(str(base)),
+  }
+  assert base_card._lineage(str(tmp_path), str(base), own) == {
+    "commit": "aaaaaaa",
+    "parent": parent,
+  }
+  # Other weights: that card is not this base's.
+  (base / "model.safetensors").write_bytes(b"weights v3")
+  assert base_card._lineage(str(tmp_path), str(base), own) == {"parent": own}
+  # A base trained from scratch, carded again by a card from before the hash.
+  (tmp_path / "config.json").write_text(json.dumps({"model": {"hf_path": ""}}))
+  assert base_card._lineage(str(tmp_path), str(base), {"commit": "bbbbbbb"}) == {
+    "commit": "bbbbbbb"
+  }
+  assert base_card._lineage(str(tmp_path), str(base), None) == {}
+  argv = ["train.py", "--config=configs/pretrain.py:refine", "--workdir=/w", "--config.seed=1"]
+  assert base_card._command(argv) == (
+    "python -m fluxjax.train --config=configs/pretrain.py:refine --config.seed=1"
+  )

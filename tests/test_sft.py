@@ -25,7 +25,7 @@ from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.parallel import train_step
 from fluxjax.rl import base_card, loop, preemption, reward_fns, sft
 from fluxjax.rl import metrics as metrics_lib
-from fluxjax.settings import ChainFraction, Settings
+from fluxjax.settings import ChainFraction, Guess, Settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -167,6 +167,64 @@ def test_each_level_shows_its_own_share_of_chains(setup):
   assert all(think in s.inputs.tokens_T for s in sft.sequences(samples, rollout))  # default: all
   # Its fields name the data's levels.
   assert [f.name for f in dataclasses.fields(ChainFraction)] == [*visual_tasks.LEVELS, "other"]
+
+
+def test_guessed_direct_answers_follow_the_answer_prior(setup):
+  """`sft.guess`: at a guessed level (or on a guessed task) a direct answer is
+  another row's answer of the same task and level, the same on every call; a
+  shown reasoning ends in the item's own answer; other rows keep theirs."""
+  _, coord, *_ = setup
+  rollout = types.SimpleNamespace(
+    requests=types.SimpleNamespace(
+      tokenizer=coord.tokenizer,
+      prompt=lambda s: inputs.sequence_from_chat(s.messages(), [], coord.tokenizer, coord.cfg),
+    )
+  )
+  answers = {"easy": "1", "hard": "2"}  # each row's own answer
+  rows = [
+    dict(id=f"{lvl}-{k}", task="scan_count", difficulty=lvl, answer=str(k % 4 + 1))
+    for lvl in answers
+    for k in range(400)
+  ] + [dict(id=f"colour-{k}", task="colour", answer=c) for k, c in enumerate("ab" * 200)]
+  guesses = sft.Guesses.of(rows, Guess(tasks=("colour",), levels=("hard",)))
+  fraction = ChainFraction(easy=0.5, medium=0.5, hard=0.5, other=0.5)
+
+  def taught(samples) -> list[str]:
+    seqs = sft.sequences(samples, rollout, fraction, guesses)
+    return [
+      coord.tokenizer.decode(s.inputs.tokens_T[s.loss_mask_T > 0], skip_special_tokens=True)
+      for s in seqs
+    ]
+
+  def samples(level, task="scan_count"):
+    return [
+      meta_lib.SampleMeta(
+        k,
+        f"q-{task}-{level}-{k}",
+        "Count.",
+        answers.get(level, "a"),
+        difficulty=level,
+        task=task,
+        solution="a1 b2" if level else "",
+      )
+      for k in range(400)
+    ]
+
+  hard = taught(samples("hard"))
+  assert hard == taught(samples("hard"))
+  direct = [t for t in hard if not t.startswith("<think>")]
+  chained = [t for t in hard if t.startswith("<think>")]
+  assert 150 < len(direct) < 250 and all(t.endswith("<answer>2</answer>") for t in chained)
+  # The direct ones spread over the hard rows' answers 1-4, about a quarter each.
+  counts = {a: direct.count(f"<answer>{a}</answer>") for a in "1234"}
+  assert sum(counts.values()) == len(direct) and min(counts.values()) > len(direct) / 8, counts
+  # Unguessed level: every direct answer is the item's own.
+  assert all(t.endswith("<answer>1</answer>") for t in taught(samples("easy")))
+  # A guessed task: every row's answer "a", taught as the rows' a or b.
+  assert set(taught(samples("", task="colour"))) == {"<answer>a</answer>", "<answer>b</answer>"}
+  # No guesses asked: the item's own answer everywhere.
+  guesses = sft.Guesses()
+  assert all(t.endswith("<answer>2</answer>") for t in taught(samples("hard")))
 
 
 def test_loss_is_the_nll_of_answer_tokens_and_steps_lower_it(setup):

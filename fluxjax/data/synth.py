@@ -67,15 +67,16 @@ MIXES = {
     "last_colour": 55 / 3,
   },
   # The pretraining pool of the base model (configs/pretrain.py): every
-  # chain task, the text-only copy drills, and `bigger`, an image question
-  # answered by a colour word (the only one: whether its answer format
-  # reaches the colour tasks, bench/README.md, the fifth run). The
-  # post-training job's direct-answer tasks stay out, so RL has them to teach
-  # (at 14% and at 1.6% of the pool the base solved them before RL began).
+  # chain task, the text-only copy drills, and the post-training job's
+  # direct-answer tasks, whose direct answers the pretraining teaches as
+  # guesses (`sft.guess`): the base knows their answer format and prior, and
+  # RL has their pixels to teach.
   "pretrain": {
     **{task: 2 for task in cot_tasks.TASKS},
-    **{task: 2 for task in cot_tasks.DRILLS},
-    "bigger": 1,
+    **{task: 1 for task in cot_tasks.DRILLS},
+    "colour": 1,
+    "count_colour": 1,
+    "last_colour": 1,
   },
 }
 SOURCES = ("geo3k", "nextqa", "longvila")

@@ -15,6 +15,7 @@ import argparse
 import collections
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -260,6 +261,14 @@ def marks(rows: dict, samples: int) -> dict:
   }
 
 
+def _command(argv: Sequence[str] | None) -> str:
+  """The training command as its first invocation gave it, less its work directory."""
+  args = [
+    a for a in (argv or ["", "--config=configs/pretrain.py"])[1:] if not a.startswith("--workdir")
+  ]
+  return " ".join(["python -m fluxjax.train", *args])
+
+
 def provenance(workdir: str) -> dict:
   """How the base was made, from the pretraining run's records: the commit
   its first invocation started at, and its working time over all of them."""
@@ -277,7 +286,7 @@ def provenance(workdir: str) -> dict:
     commit = f"{provenance_lib.commit()} (carded; started at an unrecorded commit)"
     seconds = next((r["sft/seconds"] for r in records if "sft/seconds" in r), None)
   return {
-    "command": "python -m fluxjax.train --config=configs/pretrain.py",
+    "command": _command(started[0].get("argv") if started else None),
     "commit": commit,
     "invocations": len(started) or None,
     "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__},
@@ -286,6 +295,25 @@ def provenance(workdir: str) -> dict:
     "wall_time_s": seconds,
     "reproducibility": "a fresh re-run gives a statistically equivalent base, not the same bytes",
   }
+
+
+def weights_sha256(base: str) -> str:
+  """The hash of a base's weights file: which model a card describes."""
+  with open(os.path.join(base, "model.safetensors"), "rb") as f:
+    return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _lineage(workdir: str, base: str, old: dict | None) -> dict:
+  """What an earlier card in the base's folder adds. The base's own (its
+  weights' hash, or no hash and no parent run) means carded again: the base
+  was made at that card's commit, from its parent. Otherwise the run refined
+  the base that folder held (model.hf_path) and exported over it: that card
+  is the parent's."""
+  with open(os.path.join(workdir, "config.json")) as f:
+    refined_from = json.load(f).get("model", {}).get("hf_path", "")
+  if old and old.get("weights_sha256", None if refined_from else "") in ("", weights_sha256(base)):
+    return {k: old[k] for k in ("commit", "parent") if k in old}
+  return {"parent": old or {"path": refined_from}} if refined_from else {}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -304,9 +332,11 @@ def main(argv: Sequence[str] | None = None) -> None:
   card = {**provenance(args.workdir), "sample_temperature": args.temperature, **figures}
   card["card_commit"] = card["commit"]
   path = os.path.join(args.base, "card.json")
-  if os.path.exists(path):  # carded again: the base was made at its first card's commit
+  old = None
+  if os.path.exists(path):
     with open(path) as f:
-      card["commit"] = json.load(f).get("commit", card["commit"])
+      old = json.load(f)
+  card.update(_lineage(args.workdir, args.base, old), weights_sha256=weights_sha256(args.base))
   with tempfile.TemporaryDirectory() as tmp:
     fixed = fixed_prompt_accuracy(model, tok, cfg, proc, tmp)
   card["fixed_prompts"] = {**FIXED_PROMPTS, "greedy_accuracy": fixed}

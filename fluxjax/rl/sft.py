@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import jax
@@ -108,26 +108,62 @@ def shows_reasoning(sample_id: str, chain_fraction: float) -> bool:
   return zlib.crc32(sample_id.encode()) / 2**32 < chain_fraction
 
 
+@dataclasses.dataclass(frozen=True)
+class Guesses:
+  """The warm-up's guessed direct answers (`sft.guess`): on a row of `tasks`
+  or at one of `levels`, a direct answer is another training row's answer of
+  the same task and level, a stable draw per sample. The model learns the
+  answer's format and prior there, not the item; a shown reasoning still
+  ends in the item's own answer.
+
+  Attributes:
+    tasks: tasks whose every direct answer is a guess.
+    levels: difficulty levels whose direct answers are guesses.
+    answers: (task, level) -> the training rows' answers, in row order.
+  """
+
+  tasks: frozenset[str] = frozenset()
+  levels: frozenset[str] = frozenset()
+  answers: Mapping[tuple[str, str], tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def of(cls, rows: Sequence[dict], guess: settings_lib.Guess) -> Guesses:
+    """The guesses `guess` asks for, drawn from `rows` (the warm-up's rows)."""
+    tasks, levels = frozenset(guess.tasks), frozenset(guess.levels)
+    answers: dict[tuple[str, str], list[str]] = {}
+    for r in rows:
+      key = (r.get("task") or "", r.get("difficulty") or "")
+      if (key[0] in tasks or key[1] in levels) and r.get("answer") is not None:
+        answers.setdefault(key, []).append(str(r["answer"]))
+    return cls(tasks, levels, {k: tuple(v) for k, v in answers.items()})
+
+  def direct_answer(self, s: meta_lib.SampleMeta) -> str:
+    """What the warm-up teaches `s` to answer directly."""
+    pool = self.answers.get((s.task, s.difficulty), ())
+    if not pool or (s.task not in self.tasks and s.difficulty not in self.levels):
+      return s.answer or ""
+    return pool[zlib.crc32(f"guess/{s.id}".encode()) % len(pool)]
+
+
 def sequences(
   samples: Sequence[meta_lib.SampleMeta],
   rollout: Rollout,
   chain_fraction: settings_lib.ChainFraction | None = None,
+  guesses: Guesses = Guesses(),
 ) -> list[batch_lib.TrainSequence]:
   """The warm-up sequences of `samples`: each prompt as rollout sees it, then its
-  reference response (reasoning, for the `chain_fraction` of its level, default
-  all, and answer)."""
+  reference response: its reasoning and answer for the `chain_fraction` of its
+  level (default all), else a direct answer (`guesses`: the item's own, or a
+  guess)."""
   tok = rollout.requests.tokenizer
 
-  def shown(s: meta_lib.SampleMeta) -> bool:
-    return chain_fraction is None or shows_reasoning(s.id, chain_fraction.at(s.difficulty))
+  def response(s: meta_lib.SampleMeta) -> list[int]:
+    shown = chain_fraction is None or shows_reasoning(s.id, chain_fraction.at(s.difficulty))
+    if shown and s.solution:
+      return answer_ids(tok, s.answer or "", s.solution)
+    return answer_ids(tok, guesses.direct_answer(s))
 
-  return [
-    sft_sequence(
-      rollout.requests.prompt(s),
-      answer_ids(tok, s.answer or "", s.solution if shown(s) else ""),
-    )
-    for s in samples
-  ]
+  return [sft_sequence(rollout.requests.prompt(s), response(s)) for s in samples]
 
 
 def warm_up_rows(rows: Sequence[dict], levels: Sequence[str]) -> list[dict]:
@@ -265,8 +301,9 @@ def warm_up(
   # Its own loader, store and Materializer rather than coord.patch_source:
   # releasing warm-up media from the RL loader's store would evict the RL
   # batches that loader has already prefetched (the same files).
+  rows = warm_up_rows(train_rows, sft.levels)
   loader = pipeline.ShadowLoader(
-    warm_up_rows(train_rows, sft.levels),
+    rows,
     sft.batch_size,
     proc,
     num_workers=max(1, settings.data.num_workers),
@@ -274,6 +311,7 @@ def warm_up(
     limits=settings.data.limits,
   )
   source = materializer_lib.Materializer(loader.store, loader.pool)
+  guesses = Guesses.of(rows, sft.guess)
   policy = coord.policy
   done, summary = _begin(policy, source, loader, writer, first, evaluate)
   log.info(
@@ -311,7 +349,7 @@ def warm_up(
     for k in range(done + 1, sft.steps + 1):
       samples = loader.next_batch()
       batch_ids[k] = [x.id for x in samples]
-      metrics = policy.sft_train(sequences(samples, coord, sft.chain_fraction))
+      metrics = policy.sft_train(sequences(samples, coord, sft.chain_fraction, guesses))
       loader.release(samples)  # the store's copies of this batch's media
       record(delayed.push(k, metrics))
       stopping = bool(sft.checkpoint_every and stop() and k < sft.steps)

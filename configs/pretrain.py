@@ -39,7 +39,7 @@ import ml_collections
 from fluxjax import config_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE_DIR = os.path.join(REPO, "fluxjax", "models", "assets", "base_tiny")
+BASE_DIR = config_args.TINY_BASE
 
 
 MODIFIERS = {

@@ -76,6 +76,8 @@ _CPU = dict(
   lr=3e-4,
   warmup_steps=0,
   end_lr_frac=1.0,
+  base="",
+  kl_coef=0.0,
 )
 _GPU_FLEET = dict(
   total_steps=500,
@@ -104,9 +106,28 @@ _GPU_FLEET = dict(
   lr=1e-5,
   warmup_steps=10,
   end_lr_frac=0.1,
+  base="",
+  kl_coef=0.0,
+)
+# The tiny job post-training the committed base (configs/pretrain.py): no
+# warm-up; 55% direct-answer prompts and 45% chain tasks, on which the base
+# reasons on about a quarter of the items and RL learns where reasoning
+# pays; KL to the base; 80 new tokens hold the longest chains (about 61).
+_TINY_BASE = dict(
+  _CPU,
+  preset="tiny",
+  base=config_args.TINY_BASE,
+  sft=False,
+  mix="post_train",
+  max_new_tokens=80,
+  lr=1e-4,
+  kl_coef=0.05,
+  total_steps=100,
+  eval_every=50,
 )
 VARIANTS = {
   "tiny": dict(_CPU, preset="tiny"),
+  "tiny_base": _TINY_BASE,
   "qwen25_vl_3b": dict(_GPU_FLEET, preset="3b"),
   "qwen25_vl_7b": dict(_GPU_FLEET, preset="7b"),
   "qwen25_vl_32b": dict(_GPU_FLEET, preset="32b"),
@@ -207,7 +228,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Model: a preset with random weights, or an HF checkpoint folder (which wins).
   c.model = ml_collections.ConfigDict()
   c.model.preset = v.preset
-  c.model.hf_path = ""
+  c.model.hf_path = v.base
   c.model.tokenizer_path = ""  # "" = the shipped synthetic tokenizer (tiny) or hf_path's
   c.model.dtype = v.dtype
   c.model.param_dtype = "float32"
@@ -399,7 +420,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.clip_c = 0.0
   # KL-to-reference penalty coefficient; 0 disables the term and its metric
   # (no reference logprobs are computed then).
-  c.rl.kl_coef = 0.0
+  c.rl.kl_coef = v.kl_coef
   # The reference model (an HF checkpoint folder); "" = the policy as RL
   # begins (rl/reference.py).
   c.rl.ref_hf_path = ""
@@ -619,7 +640,7 @@ def _fleet(c: ml_collections.ConfigDict) -> None:
 
 def _smoke(c: ml_collections.ConfigDict) -> None:
   """The `smoke` modifier (module docstring): the run's sizes only."""
-  if c.variant != "tiny":
+  if c.model.preset != "tiny":
     c.model.preset += "_smoke"
   c.total_steps = 2
   # A random-weight model answers at length, so every response is

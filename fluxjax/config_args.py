@@ -52,6 +52,13 @@ DEFAULT_CONFIG = os.path.join(
 )
 
 
+# The committed base the tiny post-training job starts from, which
+# configs/pretrain.py writes (an HF folder with its card.json).
+TINY_BASE = os.path.join(
+  os.path.dirname(os.path.abspath(__file__)), "models", "assets", "base_tiny"
+)
+
+
 def load_config(path: str = DEFAULT_CONFIG, arg: str | None = None) -> ml_collections.ConfigDict:
   """`get_config(arg)` of a config file: what `--config=path:arg` gives train.py,
   for notebooks, tests and benches that build a run without flags (e.g. the

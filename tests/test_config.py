@@ -22,10 +22,10 @@ from fluxjax.settings import Settings
 from fluxjax.sharding import mesh as mesh_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("tiny", "qwen25_vl_3b", "qwen25_vl_7b", "qwen25_vl_32b")
+VARIANTS = ("tiny", "tiny_base", "qwen25_vl_3b", "qwen25_vl_7b", "qwen25_vl_32b")
 # Auto sp on the 8-device test mesh: the largest power of two dividing the
 # query heads (kv heads dividing it or divided by it) and the 8 devices.
-AUTO_SP = {"tiny": 8, "qwen25_vl_3b": 8, "qwen25_vl_7b": 4, "qwen25_vl_32b": 8}
+AUTO_SP = {"tiny": 8, "tiny_base": 8, "qwen25_vl_3b": 8, "qwen25_vl_7b": 4, "qwen25_vl_32b": 8}
 
 
 def _config(variant, **sections):
@@ -396,7 +396,7 @@ def test_a_bad_command_line_is_one_line_naming_the_cause():
   )
   nope = "--config=configs/nope.py"
   assert check(nope) == f"{nope}: no config file configs/nope.py"
-  assert "variants: tiny, qwen25_vl_3b" in config_args.describe(vlm)
+  assert "variants: tiny, tiny_base, qwen25_vl_3b" in config_args.describe(vlm)
   out = subprocess.run(
     [sys.executable, "-m", "fluxjax.train", f"--config={vlm}", "--config.rl.nope=1"],
     capture_output=True,

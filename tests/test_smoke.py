@@ -24,7 +24,7 @@ from fluxjax.settings import Settings
 from helpers import server_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("tiny", "qwen25_vl_3b", "qwen25_vl_7b", "qwen25_vl_32b")
+VARIANTS = ("tiny", "tiny_base", "qwen25_vl_3b", "qwen25_vl_7b", "qwen25_vl_32b")
 # What the modifier may change: the run's sizes (configs/vlm.py `_smoke`).
 SIZES = {
   "model.preset",

@@ -57,11 +57,16 @@ MIXES = {
   # solution grows with the list (up to about 57 tokens): short responses
   # with a long tail.
   "reasoning_tail": {"colour": 1, "count_colour": 1, "last_colour": 1, "colour_list": 1},
-  # The main job's post-training mix (configs/vlm.py, tiny): 55% prompts
-  # answered at once (the reasoning_tiny tasks) and 45% chain tasks, on which
-  # the base (configs/pretrain.py) may reason first or answer directly.
+  # The tiny job's post-training mix (configs/vlm.py tiny_base): 55%
+  # prompts answered at once (the reasoning_tiny tasks) and 45% chain tasks
+  # at medium and hard, where a chain has work to do; the base
+  # (configs/pretrain.py) may reason first or answer directly.
   "post_train": {
-    **{task: 45 / len(cot_tasks.TASKS) for task in cot_tasks.TASKS},
+    **{
+      f"{task}@{level}": 45 / (2 * len(cot_tasks.TASKS))
+      for task in cot_tasks.TASKS
+      for level in ("medium", "hard")
+    },
     "colour": 55 / 3,
     "count_colour": 55 / 3,
     "last_colour": 55 / 3,

@@ -4,8 +4,11 @@ r"""Does GRPO improve the model? The default run against its controls, over seed
   python bench/learning.py --runs default --seeds 0,1,2
   python bench/learning.py --runs lr --lrs 1e-4,3e-4,1e-3 --seeds 0
   python bench/learning.py --json bench/results/learning-<machine>-<commit>.json
+  python bench/learning.py --variant tiny_base \
+    --runs default,blind,random_reward,format_only,sharpen --seeds 0,1,2,3,4 \
+    --control-seeds 0,1,2,3,4       # the job from the committed base
 
-Each run is the default main job (configs/vlm.py, tiny variant) in-process,
+Each run is the main job (configs/vlm.py, tiny variant, or --variant) in-process,
 with overrides, in a temporary work directory. Held-out accuracy is sampled
 at the training temperature (eval/accuracy, 95% half-interval
 eval/accuracy_ci95: rl/evaluation.py). Per run the script reports the
@@ -170,9 +173,9 @@ def _parse(item: str) -> tuple[str, object]:
   return key, _literal(value)
 
 
-def run_one(name: str, seed: int, overrides: dict, keep: str | None) -> dict:
-  """One main job; returns its accuracy trajectory and timing."""
-  config = config_args.load_config()
+def run_one(name: str, seed: int, overrides: dict, keep: str | None, variant: str = "tiny") -> dict:
+  """One main job of configs/vlm.py's `variant`; returns its accuracy trajectory and timing."""
+  config = config_args.load_config(arg=variant)
   config.seed = seed
   config.data.seed = seed
   for key, value in overrides.items():
@@ -259,6 +262,11 @@ def _arguments() -> argparse.Namespace:
     "--runs",
     default="default,reversed,zeroed",
     help=f"comma list of {','.join(CONTROLS)},lr,sweep,{','.join(PAIRED)}",
+  )
+  p.add_argument(
+    "--variant",
+    default="tiny",
+    help="configs/vlm.py's variant every run starts from (tiny_base: from the committed base)",
   )
   p.add_argument("--seeds", default="0,1,2", help="seeds of the default and paired runs")
   p.add_argument("--control-seeds", default="0", help="seeds of the control runs")
@@ -391,7 +399,7 @@ def print_tables(results: list, runs: list[str], margin: float) -> None:
 def run_plan(plan, args, results: list) -> None:
   for name, seed, overrides in plan:
     keep = os.path.join(args.keep, f"{name}-{seed}") if args.keep else None
-    r = run_one(name, seed, overrides, keep)
+    r = run_one(name, seed, overrides, keep, args.variant)
     results.append(r)
     print(
       f"{name} seed {seed}: accuracy {r['start']['accuracy']:.3f} -> {r['end']['accuracy']:.3f} "

@@ -189,7 +189,7 @@ def test_guessed_direct_answers_follow_the_answer_prior(setup):
   guesses = sft.Guesses.of(rows, Guess(tasks=("colour",), levels=("hard",)))
   fraction = ChainFraction(easy=0.5, medium=0.5, hard=0.5, other=0.5)
 
-  def taught(samples) -> list[str]:
+  def taught(samples, guesses=guesses) -> list[str]:
     seqs = sft.sequences(samples, rollout, fraction, guesses)
     return [
       coord.tokenizer.decode(s.inputs.tokens_T[s.loss_mask_T > 0], skip_special_tokens=True)
@@ -223,8 +223,7 @@ def test_guessed_direct_answers_follow_the_answer_prior(setup):
   # A guessed task: every row's answer "a", taught as the rows' a or b.
   assert set(taught(samples("", task="colour"))) == {"<answer>a</answer>", "<answer>b</answer>"}
   # No guesses asked: the item's own answer everywhere.
-  guesses = sft.Guesses()
-  assert all(t.endswith("<answer>2</answer>") for t in taught(samples("hard")))
+  assert all(t.endswith("<answer>2</answer>") for t in taught(samples("hard"), sft.Guesses()))
 
 
 def test_loss_is_the_nll_of_answer_tokens_and_steps_lower_it(setup):

@@ -311,7 +311,12 @@ def _lineage(workdir: str, base: str, old: dict | None) -> dict:
   is the parent's."""
   with open(os.path.join(workdir, "config.json")) as f:
     refined_from = json.load(f).get("model", {}).get("hf_path", "")
-  if old and old.get("weights_sha256", None if refined_from else "") in ("", weights_sha256(base)):
+  own = old is not None and (
+    old["weights_sha256"] == weights_sha256(base)
+    if "weights_sha256" in old
+    else not refined_from  # a card from before the hash, of a base made from scratch
+  )
+  if own and old is not None:
     return {k: old[k] for k in ("commit", "parent") if k in old}
   return {"parent": old or {"path": refined_from}} if refined_from else {}
 

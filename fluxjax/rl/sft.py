@@ -110,39 +110,33 @@ def shows_reasoning(sample_id: str, chain_fraction: float) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Guesses:
-  """The warm-up's guessed direct answers (`sft.guess`): on a row of `tasks`
-  or at one of `levels`, a direct answer is another training row's answer of
-  the same task and level, a stable draw per sample. The model learns the
-  answer's format and prior there, not the item; a shown reasoning still
-  ends in the item's own answer.
+  """The warm-up's guessed direct answers (`sft.guess`): on a row of its
+  tasks or at one of its levels, a direct answer is another training row's
+  answer of the same task and level, a stable draw per sample. The model
+  learns the answer's format and prior there, not the item; a shown
+  reasoning still ends in the item's own answer.
 
   Attributes:
-    tasks: tasks whose every direct answer is a guess.
-    levels: difficulty levels whose direct answers are guesses.
-    answers: (task, level) -> the training rows' answers, in row order.
+    answers: (task, level) -> the guessed rows' answers, in row order; a
+      sample of any other task and level answers with its own.
   """
 
-  tasks: frozenset[str] = frozenset()
-  levels: frozenset[str] = frozenset()
   answers: Mapping[tuple[str, str], tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def of(cls, rows: Sequence[dict], guess: settings_lib.Guess) -> Guesses:
     """The guesses `guess` asks for, drawn from `rows` (the warm-up's rows)."""
-    tasks, levels = frozenset(guess.tasks), frozenset(guess.levels)
     answers: dict[tuple[str, str], list[str]] = {}
     for r in rows:
       key = (r.get("task") or "", r.get("difficulty") or "")
-      if (key[0] in tasks or key[1] in levels) and r.get("answer") is not None:
+      if (key[0] in guess.tasks or key[1] in guess.levels) and r.get("answer") is not None:
         answers.setdefault(key, []).append(str(r["answer"]))
-    return cls(tasks, levels, {k: tuple(v) for k, v in answers.items()})
+    return cls({k: tuple(v) for k, v in answers.items()})
 
   def direct_answer(self, s: meta_lib.SampleMeta) -> str:
     """What the warm-up teaches `s` to answer directly."""
-    pool = self.answers.get((s.task, s.difficulty), ())
-    if not pool or (s.task not in self.tasks and s.difficulty not in self.levels):
-      return s.answer or ""
-    return pool[zlib.crc32(f"guess/{s.id}".encode()) % len(pool)]
+    pool = self.answers.get((s.task, s.difficulty))
+    return pool[zlib.crc32(f"guess/{s.id}".encode()) % len(pool)] if pool else s.answer or ""
 
 
 def sequences(

@@ -135,6 +135,9 @@ PAIRED: dict[str, tuple[Arms, dict[str, object]]] = {
   "stress": (STRESS, {"coordinator.response_records": True}),
   "speed": (SPEED, {}),
 }
+# The rollout/* figures each run keeps per step (item: the response lengths'
+# tail and how often the policy reasons).
+PER_STEP = ("response_len_p50", "response_len_p99", "reasoning_share")
 # Time to accuracy is the time to this share of the baseline's mean final gain.
 GAIN_SHARE = 0.9
 
@@ -210,7 +213,8 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
   start = next(e for e in evals if e["step"] == 0)
   end = evals[-1]
   gain = end["accuracy"] - start["accuracy"]
-  steps = [r for r in records if r["step"] >= 2 and "perf/step_seconds" in r]
+  steps_all = sorted((r for r in records if "perf/step_seconds" in r), key=lambda r: r["step"])
+  steps = [r for r in steps_all if r["step"] >= 2]
   mean = lambda key: statistics.fmean(r[key] for r in steps) if steps else float("nan")
   weights = [  # each recorded response's mean importance weight
     resp["token_means"]["is_weight"]
@@ -221,6 +225,7 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
     rl = json.load(f)["rl"]
   per_step = rl["prompts_per_step"] * rl["responses_per_prompt"]
   train_s = sum(r["perf/step_seconds"] for r in steps)
+  by_step = {r["step"]: r for r in records if "eval/accuracy" in r}
   return {
     # Trained responses per second over steps 2.. (step 1 carries the compilations).
     "samples_per_s": len(steps) * per_step / train_s if train_s else float("nan"),
@@ -234,6 +239,11 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
     "gain": gain,
     "gain_ci95": math.hypot(start["ci95"], end["ci95"]),
     "evals": evals,
+    # Every eval/* figure (per task, level, length band, prior, reasoning
+    # share) of the RL start and the last evaluation.
+    "start_metrics": _eval_figures(by_step[start["step"]]),
+    "end_metrics": _eval_figures(by_step[end["step"]]),
+    "per_step": {key: [r.get(f"rollout/{key}") for r in steps_all] for key in PER_STEP},
     "truncated_share": mean("train/is_truncated"),
     "behaviour_kl": mean("train/behaviour_kl"),
     "trained_gap": mean("async/trained_gap"),
@@ -244,6 +254,10 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
       else None
     ),
   }
+
+
+def _eval_figures(record: dict) -> dict[str, float]:
+  return {k.removeprefix("eval/"): v for k, v in record.items() if k.startswith("eval/")}
 
 
 def _cumulative_step_seconds(records: list[dict]) -> dict[int, float]:
@@ -386,6 +400,7 @@ def print_tables(results: list, runs: list[str], margin: float) -> None:
   `runs` names or (from recorded files) whose own arms the results hold."""
   print_table(results)
   print_means(results)
+  print_tasks(results)
   names = {r["name"] for r in results}
   for name, (modes, _) in PAIRED.items():
     others = {m for other, (ms, _) in PAIRED.items() if other != name for m in ms}
@@ -448,6 +463,73 @@ def print_means(results: list) -> None:
       f"{statistics.fmean(r['gain_ci95'] for r in rows):.3f} | {fmt(g_end)} | "
       + (f"{statistics.fmean(g_gain):+.3f} +- {t_interval(g_gain):.3f} |" if g_gain else "- |")
     )
+
+
+def print_tasks(results: list) -> None:
+  """Per task, level and length band: each run's final sampled accuracy,
+  mean over seeds, beside the answer prior and the RL start; the share of
+  responses that reason by level; the response lengths' tail per step."""
+  rows = [r for r in results if "end_metrics" in r]
+  if not rows:
+    return
+  names = list(dict.fromkeys(r["name"] for r in rows))
+  start = [r["start_metrics"] for r in rows if r["name"] == "default"] or [rows[0]["start_metrics"]]
+  mean = lambda vs: statistics.fmean(vs) if vs else float("nan")
+
+  def at(name: str, key: str, when: str = "end_metrics") -> list[float]:
+    return [r[when][key] for r in rows if r["name"] == name and key in r[when]]
+
+  def ci(vs: list[float]) -> str:
+    return f"{mean(vs):.3f} +- {t_interval(vs):.3f}" if len(vs) > 1 else f"{mean(vs):.3f}"
+
+  for family, label in (
+    ("task/", "task"),
+    ("task_level/", "task@level"),
+    ("band/", "answer tokens"),
+  ):
+    keys = sorted({k for m in start for k in m if k.startswith(family)})
+    print(f"\n| {label} | prior | RL start | " + " | ".join(names) + " | default greedy |")
+    print("|---|---|---|" + "---|" * (len(names) + 1))
+    for key in keys:
+      name = key.removeprefix(family)
+      prior = mean([m[f"prior/{name}"] for m in start if f"prior/{name}" in m])
+      ends = " | ".join(ci(at(n, key)) for n in names)
+      greedy = mean(at("default", f"task_greedy/{name}"))
+      print(
+        f"| {name} | {prior:.3f} | {mean([m[key] for m in start if key in m]):.3f} | {ends} | "
+        f"{greedy:.3f} |"
+      )
+  print("\n| run | reasoning share, RL start -> end: easy | medium | hard | all |")
+  print("|---|---|---|---|---|")
+  levels = ("reasoning_share/easy", "reasoning_share/medium", "reasoning_share/hard")
+  for n in names:
+    cells = [
+      f"{mean(at(n, k, 'start_metrics')):.2f} -> {mean(at(n, k)):.2f}" if at(n, k) else "-"
+      for k in (*levels, "reasoning_share")
+    ]
+    print(f"| {n} | " + " | ".join(cells) + " |")
+  _print_lengths(rows)
+
+
+def _print_lengths(rows: list) -> None:
+  """The response lengths' tail per trained step, per run over its seeds."""
+  print("\n| run | steps | p99 >= 48 on | p99, median step | p99 / p50, median step | min p99 |")
+  print("|---|---|---|---|---|---|")
+  for n in dict.fromkeys(r["name"] for r in rows):
+    pairs = [
+      (p50, p99)
+      for r in rows
+      if r["name"] == n
+      for p50, p99 in zip(r["per_step"]["response_len_p50"], r["per_step"]["response_len_p99"])
+      if p50 is not None and p99 is not None
+    ]
+    if pairs:
+      p99s = [p99 for _, p99 in pairs]
+      ratios = [p99 / max(p50, 1.0) for p50, p99 in pairs]
+      print(
+        f"| {n} | {len(pairs)} | {np.mean([p >= 48 for p in p99s]):.0%} | "
+        f"{np.median(p99s):.0f} | {np.median(ratios):.1f} | {min(p99s):.0f} |"
+      )
 
 
 def print_paired(results: list, modes: dict) -> None:

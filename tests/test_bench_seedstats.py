@@ -103,3 +103,48 @@ def test_speed_table_reads_time_to_accuracy_and_equivalence(capsys):
   assert cells[3] == "4/4" and cells[4] == "20"
   assert cells[5].startswith("2.00x") and cells[6].startswith("2.00x")
   assert cells[-1] == "yes"
+
+
+def _task_run(name, seed, end_colour, p99s):
+  start = {
+    "task/colour": 0.2,
+    "prior/colour": 0.25,
+    "task/count": 0.4,
+    "prior/count": 0.3,
+    "reasoning_share/hard": 0.1,
+    "reasoning_share": 0.05,
+  }
+  end = {
+    "task/colour": end_colour,
+    "task/count": 0.5,
+    "task_greedy/colour": end_colour + 0.1,
+    "reasoning_share/hard": 0.4,
+    "reasoning_share": 0.2,
+  }
+  per_step = {
+    "response_len_p50": [8.0] * len(p99s),
+    "response_len_p99": p99s,
+    "reasoning_share": [0.1] * len(p99s),
+  }
+  return {"name": name, "seed": seed, "start_metrics": start, "end_metrics": end,
+          "per_step": per_step}  # fmt: skip
+
+
+def test_task_table_reads_each_run_per_task_and_the_length_tail(capsys):
+  results = [_task_run("default", s, 0.6 + 0.02 * s, [40.0, 50.0, 60.0]) for s in range(3)]
+  results += [_task_run("blind", s, 0.25, [30.0, 30.0, 30.0]) for s in range(3)]
+  learning.print_tasks(results)
+  out = capsys.readouterr().out.splitlines()
+  header = next(line for line in out if line.startswith("| task |"))
+  assert [c.strip() for c in header.split("|")[1:-1]] == [
+    "task", "prior", "RL start", "default", "blind", "default greedy"
+  ]  # fmt: skip
+  colour = [c.strip() for c in next(x for x in out if x.startswith("| colour |")).split("|")[1:-1]]
+  assert colour[1:3] == ["0.250", "0.200"]
+  assert colour[3].startswith("0.620 +- ") and colour[4].startswith("0.250 +- ")
+  assert colour[5] == "0.720"
+  shares = next(x for x in out if x.startswith("| default |") and "->" in x)
+  assert shares.split("|")[2:6] == [" - ", " - ", " 0.10 -> 0.40 ", " 0.05 -> 0.20 "]
+  tails = {x.split("|")[1].strip(): x for x in out if x.startswith("| ") and "%" in x}
+  assert tails["default"].split("|")[2:5] == [" 9 ", " 67% ", " 50 "]
+  assert tails["blind"].split("|")[3] == " 0% "

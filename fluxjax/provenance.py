@@ -4,7 +4,9 @@ A run that is killed or preempted and started again is one run made by
 several invocations, possibly at different commits. Each start appends one
 line to `WORKDIR/invocations.jsonl` (`record_invocation`), so what made a
 result (a base model's card, a benchmark) can name the commit it started
-at and the time it took over all its invocations.
+at and the time it took over all its invocations. A run that refines a
+model and exports over its folder keeps that model's card first
+(`keep_parent_card`), so the new card can name its parent.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,6 +22,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INVOCATIONS = "invocations.jsonl"
+# The card of the model a run started from (model.hf_path), kept in its work directory.
+PARENT_CARD = "parent_card.json"
 
 
 def _git(*args: str) -> str | None:
@@ -74,3 +79,20 @@ def busy_seconds(starts: list[float], record_times: list[float]) -> float:
     if written:
       total += max(written) - start
   return total
+
+
+def keep_parent_card(hf_path: str, workdir: str) -> None:
+  """Copies `hf_path`'s card.json, if any, into the work directory once: an
+  export may replace that folder, card included, before the new card is written."""
+  card, kept = os.path.join(hf_path, "card.json"), os.path.join(workdir, PARENT_CARD)
+  if hf_path and os.path.exists(card) and not os.path.exists(kept):
+    shutil.copyfile(card, kept)
+
+
+def parent_card(workdir: str) -> dict | None:
+  """The card `keep_parent_card` kept, or None."""
+  path = os.path.join(workdir, PARENT_CARD)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)

@@ -71,6 +71,16 @@ def test_a_refined_base_keeps_its_parents_card_and_a_recard_keeps_its_own(tmp_pa
     "commit": "bbbbbbb"
   }
   assert base_card._lineage(str(tmp_path), str(base), None) == {}
+  # A refining run kept its parent's card before its export replaced the folder.
+  (tmp_path / "config.json").write_text(json.dumps({"model": {"hf_path": str(base)}}))
+  (base / "card.json").write_text(json.dumps(parent))
+  provenance.keep_parent_card(str(base), str(tmp_path))
+  (base / "card.json").unlink()
+  assert base_card._lineage(str(tmp_path), str(base), None) == {"parent": parent}
+  # Kept once: a resumed run does not take the new card for its parent.
+  (base / "card.json").write_text(json.dumps(own))
+  provenance.keep_parent_card(str(base), str(tmp_path))
+  assert provenance.parent_card(str(tmp_path)) == parent
   argv = ["train.py", "--config=configs/pretrain.py:refine", "--workdir=/w", "--config.seed=1"]
   assert base_card._command(argv) == (
     "python -m fluxjax.train --config=configs/pretrain.py:refine --config.seed=1"

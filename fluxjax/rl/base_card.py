@@ -307,8 +307,8 @@ def _lineage(workdir: str, base: str, old: dict | None) -> dict:
   """What an earlier card in the base's folder adds. The base's own (its
   weights' hash, or no hash and no parent run) means carded again: the base
   was made at that card's commit, from its parent. Otherwise the run refined
-  the base that folder held (model.hf_path) and exported over it: that card
-  is the parent's."""
+  the base at model.hf_path: its parent's card is the one the run kept
+  (provenance.keep_parent_card), else the folder's if the export left it."""
   with open(os.path.join(workdir, "config.json")) as f:
     refined_from = json.load(f).get("model", {}).get("hf_path", "")
   own = old is not None and (
@@ -318,7 +318,9 @@ def _lineage(workdir: str, base: str, old: dict | None) -> dict:
   )
   if own and old is not None:
     return {k: old[k] for k in ("commit", "parent") if k in old}
-  return {"parent": old or {"path": refined_from}} if refined_from else {}
+  if not refined_from:
+    return {}
+  return {"parent": provenance_lib.parent_card(workdir) or old or {"path": refined_from}}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,8 +1,10 @@
 """Probing and decoding real image and video files (fluxjax.models.media)."""
 
 import base64
+import concurrent.futures
 import functools
 import os
+import threading
 
 import av
 import hypothesis
@@ -15,7 +17,7 @@ from hypothesis import strategies as st
 from fluxjax.data import pipeline
 from fluxjax.models import media
 from fluxjax.models import processor as vp
-from fluxjax.rollout import json_body, prompt, protocol, sampling_params
+from fluxjax.rollout import json_body, media_cache, prompt, protocol, sampling_params
 from helpers import grey_level, lying_png, video_codec, write_video
 
 _CODEC = video_codec()
@@ -343,3 +345,79 @@ def test_request_media_are_held_to_the_budgets(media_dir):
   assert image.kind == "image"
   with pytest.raises(json_body.ProtocolError, match="file not found"):
     prompt.load_media(request(image_data=[str(media_dir / ("x" * 64) / "gone.png")]), cfg)
+
+
+def _counting_decoder(monkeypatch):
+  """Counts media.preprocess_file calls (what the cache saves); each waits a
+  little, so that concurrent requests for one file overlap its decode."""
+  calls = []
+  real = media.preprocess_file
+
+  def counted(kind, path, *args):
+    calls.append(os.path.basename(path))
+    threading.Event().wait(0.05)
+    return real(kind, path, *args)
+
+  monkeypatch.setattr(media, "preprocess_file", counted)
+  return calls
+
+
+def test_a_groups_requests_decode_each_file_once(media_dir, tmp_path, monkeypatch):
+  """Eight concurrent requests naming one image and one video (a GRPO group)
+  decode each once and share the result; a rewritten file is decoded again."""
+  cfg, cache = vp.VisionProcessorConfig(), media_cache.MediaCache()
+  image = tmp_path / "a.jpg"
+  image.write_bytes((media_dir / "a.jpg").read_bytes())
+  req = protocol.GenerateRequest(
+    "r",
+    sampling_params.SamplingParams(),
+    image_data=[str(image)],
+    video_data=[str(media_dir / "a.mp4")],
+  )
+  uncached = prompt.load_media(req, cfg)
+  calls = _counting_decoder(monkeypatch)
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    outs = list(pool.map(lambda _: prompt.load_media(req, cfg, cache=cache), range(8)))
+  assert sorted(calls) == ["a.jpg", "a.mp4"]
+  assert all(o[0] is outs[0][0] and o[1] is outs[0][1] for o in outs)
+  np.testing.assert_array_equal(outs[0][1].patches, uncached[1].patches)
+  assert not outs[0][0].patches.flags.writeable  # shared: nobody may write them
+  assert (cache.hits, cache.misses) == (14, 2)
+  PIL.Image.fromarray(_image_array(37, 53, seed=1)).save(image, quality=90)
+  (again, _) = prompt.load_media(req, cfg, cache=cache)
+  assert calls[-1] == "a.jpg" and len(calls) == 3
+  assert not np.array_equal(again.patches, outs[0][0].patches)
+
+
+def test_a_failed_decode_reaches_every_waiter_and_is_not_kept(tmp_path, monkeypatch):
+  calls = _counting_decoder(monkeypatch)
+  bad = tmp_path / "bad.jpg"
+  bad.write_bytes(b"not a jpeg at all")
+  cfg, cache = vp.VisionProcessorConfig(), media_cache.MediaCache()
+  req = protocol.GenerateRequest("r", sampling_params.SamplingParams(), image_data=[str(bad)])
+
+  def load(_):
+    with pytest.raises(json_body.ProtocolError, match="cannot load media"):
+      prompt.load_media(req, cfg, cache=cache)
+
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    list(pool.map(load, range(4)))
+  assert calls == ["bad.jpg"] and len(cache) == 0
+  load(0)
+  assert len(calls) == 2
+
+
+def test_base64_media_are_kept_by_content_and_the_cache_by_bytes(media_dir):
+  jpeg = base64.b64encode((media_dir / "a.jpg").read_bytes()).decode()
+  png = base64.b64encode((media_dir / "a.png").read_bytes()).decode()
+  cfg = vp.VisionProcessorConfig()
+  one = prompt.load_media(
+    protocol.GenerateRequest("r", sampling_params.SamplingParams(), image_data=[jpeg]), cfg
+  )[0]
+  cache = media_cache.MediaCache(max_bytes=one.patches.nbytes)  # room for one image
+  for data in (jpeg, jpeg, png, jpeg):
+    req = protocol.GenerateRequest("r", sampling_params.SamplingParams(), image_data=[data])
+    prompt.load_media(req, cfg, cache=cache)
+  assert (cache.hits, cache.misses, len(cache)) == (1, 3, 1)  # png evicted the jpeg
+  other = vp.VisionProcessorConfig(image_max_pixels=28 * 28 * 4)
+  assert media_cache.key(jpeg, "image", other) != media_cache.key(jpeg, "image", cfg)

@@ -14,7 +14,7 @@ import asyncio
 from fluxjax.models import media, processor, vlm
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import engine as engine_lib
-from fluxjax.rollout import json_body, prompt, protocol
+from fluxjax.rollout import json_body, media_cache, prompt, protocol
 from fluxjax.rollout import publish as publish_lib
 from fluxjax.rollout.backend import SlotStats
 from fluxjax.rollout.client import RequestRejected
@@ -53,6 +53,7 @@ class EmbeddedRollout:
     )
     # Must equal the trainer's: the prompt's pad-token counts come from it.
     self.proc_cfg = proc_cfg or processor.VisionProcessorConfig()
+    self.media = media_cache.MediaCache()
     self.engine.start()
 
   async def generate(self, request: GenerateRequest, group: str | None = None) -> Completion:
@@ -69,6 +70,7 @@ class EmbeddedRollout:
         self.engine.cfg,
         self.proc_cfg,
         self.limits,
+        self.media,
       )
       # What the server refuses, in the same words (its context is the slots').
       protocol.check_context_length(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import os
 import tempfile
 
@@ -25,38 +26,55 @@ from fluxjax.models import inputs, media, processor
 from fluxjax.models.config import ModelConfig
 from fluxjax.models.inputs import SequenceInputs
 from fluxjax.models.tokenizer import Tokenizer
+from fluxjax.rollout import media_cache
 from fluxjax.rollout.json_body import ProtocolError
 from fluxjax.rollout.protocol import GenerateRequest
 
 
-def _materialize(item: str, kind: str, tmpdir: str, index: int) -> str:
-  """A path for a media string (decoding base64 into a temporary file)."""
+def _payload(item: str, kind: str, index: int) -> bytes | None:
+  """The bytes a base64 media string carries; None for a path."""
   if item.startswith(("http://", "https://")):
     raise ProtocolError(f"{kind} {index}: URLs are not supported; send a path or base64")
   if item.startswith("data:"):
     _, _, payload = item.partition(",")
   elif os.path.exists(item) or len(item) < 64:
-    return item  # a path; a missing one fails with "file not found" below
+    return None  # a path; a missing one fails with "file not found" below
   else:
     payload = item  # raw base64, whose alphabet includes "/"
   try:
-    data = base64.b64decode(payload, validate=True)
+    return base64.b64decode(payload, validate=True)
   except (binascii.Error, ValueError) as e:
     if payload is item and os.sep in item:
-      return item  # a path after all: "file not found" below
+      return None  # a path after all: "file not found" below
     raise ProtocolError(f"{kind} {index}: not a path and not valid base64 ({e})") from e
-  path = os.path.join(tmpdir, f"{kind}{index}")
-  with open(path, "wb") as f:
-    f.write(data)
-  return path
+
+
+def _load_item(
+  item: str,
+  kind: processor.Kind,
+  index: int,
+  proc: processor.VisionProcessorConfig,
+  limits: media.MediaLimits,
+) -> processor.ProcessedVision:
+  """One media string decoded and preprocessed (base64 through a temporary file)."""
+  data = _payload(item, kind, index)
+  if data is None:
+    return media.preprocess_file(kind, item, proc, limits)
+  with tempfile.TemporaryDirectory(prefix="fluxjax-media-") as tmp:
+    path = os.path.join(tmp, f"{kind}{index}")
+    with open(path, "wb") as f:
+      f.write(data)
+    return media.preprocess_file(kind, path, proc, limits)
 
 
 def load_media(
   req: GenerateRequest,
   proc: processor.VisionProcessorConfig,
   limits: media.MediaLimits = media.DEFAULT_LIMITS,
+  cache: media_cache.MediaCache | None = None,
 ) -> list[processor.ProcessedVision]:
-  """Decodes and preprocesses the request's images, then its videos.
+  """Decodes and preprocesses the request's images, then its videos, each
+  once per `cache` (a group's requests name the same files).
 
   Each file's size is checked against `limits` from its header before it is
   decoded; any bad or oversized item is a ProtocolError (HTTP 400).
@@ -65,13 +83,13 @@ def load_media(
   items = [("image", i, item) for i, item in enumerate(req.image_data)]
   items += [("video", i, item) for i, item in enumerate(req.video_data)]
   out = []
-  with tempfile.TemporaryDirectory(prefix="fluxjax-media-") as tmp:
-    try:
-      for kind, i, item in items:
-        path = _materialize(item, kind, tmp, i)
-        out.append(media.preprocess_file(kind, path, proc, limits))
-    except media.MediaError as e:
-      raise ProtocolError(f"cannot load media: {e}") from e
+  try:
+    for kind, i, item in items:
+      load = functools.partial(_load_item, item, kind, i, proc, limits)
+      k = media_cache.key(item, kind, (proc, limits)) if cache is not None else None
+      out.append(load() if k is None or cache is None else cache.get(k, load))
+  except media.MediaError as e:
+    raise ProtocolError(f"cannot load media: {e}") from e
   return out
 
 
@@ -119,8 +137,10 @@ def build_sequence(
   cfg: ModelConfig,
   proc: processor.VisionProcessorConfig,
   limits: media.MediaLimits = media.DEFAULT_LIMITS,
+  cache: media_cache.MediaCache | None = None,
 ) -> SequenceInputs:
-  """The request's prompt as SequenceInputs (raises ProtocolError on bad input)."""
+  """The request's prompt as SequenceInputs (raises ProtocolError on bad input);
+  its media decoded once per `cache`."""
   if req.text is not None:
     ids = tokenizer.encode(req.text)
   elif req.input_ids is not None:
@@ -138,7 +158,7 @@ def build_sequence(
       f"{order.count('video')} video placeholder(s) but the request sent "
       f"{n_img} image(s) and {n_vid} video(s)"
     )
-  vision = load_media(req, proc, limits)
+  vision = load_media(req, proc, limits, cache)
   images = iter([v for v in vision if v.kind == "image"])
   videos = iter([v for v in vision if v.kind == "video"])
   ordered = [next(images) if k == "image" else next(videos) for k in order]

@@ -31,6 +31,7 @@ from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import engine as engine_lib
 from fluxjax.rollout import (
   json_body,
+  media_cache,
   openapi,
   prompt,
   protocol,
@@ -90,6 +91,7 @@ class RolloutServer:
     limits = {k: getattr(args, k) for k in VISION_LIMITS if getattr(args, k) is not None}
     # The trainer must preprocess with the same limits (pad counts must agree).
     self.proc_cfg = processor.VisionProcessorConfig(**limits)
+    self.media = media_cache.MediaCache()
     self.openapi_spec = openapi.build_spec(VERSION)
     self.app = web.Application(
       client_max_size=args.max_request_bytes, middlewares=[self._errors_as_json]
@@ -278,7 +280,9 @@ class RolloutServer:
     decoder's own exception included) is this request's fault, a 400: a 5xx
     would make a fleet mark the server down and retry the request elsewhere."""
     try:
-      return prompt.build_sequence(req, self._tokenizer(), engine.cfg, self.proc_cfg)
+      return prompt.build_sequence(
+        req, self._tokenizer(), engine.cfg, self.proc_cfg, cache=self.media
+      )
     except ProtocolError:
       raise
     except Exception as e:

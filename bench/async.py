@@ -119,7 +119,7 @@ def parse_mode(mode: str) -> tuple[str, int, tuple[int, float] | None, dict]:
 def make_config(mode: str, args, urls: tuple[str, ...]):
   from fluxjax import config_args
 
-  c = config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"))
+  c = config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"), "tiny")
   c.total_steps = args.steps
   c.eval.every, c.eval.prompts = args.steps, args.eval_prompts
   c.checkpoint.every = 10**6  # no checkpoint inside the measured steps

@@ -137,7 +137,7 @@ def main() -> None:
   rows = []
   for name, sp in (("packed_dp", 1), ("ulysses", 1), ("flex_ulysses", 1)):
     cap = max(args.capacity, max(len(s) for s in seqs)) if name == "packed_dp" else args.capacity
-    scfg = config_args.load_config().sharding
+    scfg = config_args.load_config(arg="tiny").sharding
     scfg.update(strategy=name, sp=sp, capacity=cap, capacity_buckets=(), sync="layer")
     scfg.balance_vision = False
     la, ga, ta = run(

@@ -372,7 +372,7 @@ def main() -> None:
   servers = None
   if args.placement == "disjoint":
     servers, command = cores.pin_and_launch(
-      args.trainer_cores, args.rollout_cores, config_args.load_config()
+      args.trainer_cores, args.rollout_cores, config_args.load_config(arg=args.variant)
     )
     print(f"trainer on cores {args.trainer_cores}; rollout server: {command}", flush=True)
     for _, _, overrides in plan:

@@ -79,13 +79,13 @@ def build(cfg, args, device) -> Built:
   """The trainer's step for `make_batch`'s batch on a one-device mesh, compiled."""
   mesh = mesh_lib.make_mesh(devices=[device])
   seqs = make_batch(cfg, args)
-  scfg = config_args.load_config().sharding
+  scfg = config_args.load_config(arg="tiny").sharding
   scfg.update(strategy="packed_dp", capacity=args.row_tokens, capacity_buckets=())
   strategy = strategies.get_strategy(scfg, cfg)
   plan = strategy.plan([len(s) for s in seqs], mesh.size)
   patches = args.image_side**2 * (args.row_tokens // args.seq_tokens)
   host = batch_lib.materialize(plan, seqs, cfg, patches)
-  tx = train_step.make_optimizer(config_args.load_config().optim)
+  tx = train_step.make_optimizer(config_args.load_config(arg="tiny").optim)
   model = sharded.create_sharded_model(cfg, mesh, log_table=False, max_replicated_bytes=1 << 40)
   graphdef, state, shardings = train_step.create_train_state(model, tx, mesh)
   with jax.set_mesh(mesh):

@@ -6,8 +6,12 @@ r"""GRPO post-training of a Qwen2.5-VL model: the default fluxjax run.
   python -m fluxjax.train --config=configs/vlm.py --config.sharding.strategy=ulysses
   python -m fluxjax.train --config=configs/vlm.py:qwen25_vl_7b,smoke
 
-The default (`tiny`) runs on one CPU machine on embedded defaults: the tiny
-preset, the in-process JAX rollout engine and a generated synthetic dataset.
+The default (`tiny_base`) runs on one CPU machine on embedded defaults: GRPO
+post-training of the committed tiny base (configs/pretrain.py made it; loaded
+through model.hf_path, as a Qwen2.5-VL checkpoint is), the in-process JAX
+rollout engine and a generated synthetic dataset on which the base may reason
+before it answers. `tiny` is the same model from random weights with a short
+SFT warm-up and 16-token answers (a minutes-long job the tests build on).
 Variants for real shapes switch model size and sharding; every field can be
 overridden on the command line as --config.section.field=value.
 
@@ -130,8 +134,8 @@ _TINY_BASE = dict(
   eval_every=50,
 )
 VARIANTS = {
-  "tiny": dict(_CPU, preset="tiny"),
   "tiny_base": _TINY_BASE,
+  "tiny": dict(_CPU, preset="tiny"),
   "qwen25_vl_3b": dict(_GPU_FLEET, preset="3b"),
   "qwen25_vl_7b": dict(_GPU_FLEET, preset="7b"),
   "qwen25_vl_32b": dict(_GPU_FLEET, preset="32b"),
@@ -144,7 +148,7 @@ MODIFIERS = {
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = config_args.parse_arg(arg, variant="tiny", **dict.fromkeys(MODIFIERS, False))
+  arg = config_args.parse_arg(arg, variant="tiny_base", **dict.fromkeys(MODIFIERS, False))
   if arg.variant not in VARIANTS:
     raise ValueError(
       f"unknown variant {arg.variant!r}; variants: {', '.join(VARIANTS)}; "

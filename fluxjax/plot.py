@@ -58,7 +58,14 @@ PANELS = (
   Panel(
     "response_length",
     "response length (tokens)",
-    ("rollout/response_len_p50", "rollout/response_len_mean", "rollout/response_len_p99"),
+    ("rollout/response_len_p50",),
+    also=("rollout/response_len_mean", "rollout/response_len_p99"),
+  ),
+  Panel(
+    "reasoning_share",
+    "share of responses that reason",
+    ("rollout/reasoning_share",),
+    also=("eval/reasoning_share",),
   ),
   Panel("staleness", "staleness", ("async/staleness", "async/version_gap_mean")),
   Panel("throughput", "tokens / s", ("perf/tokens_per_s",)),

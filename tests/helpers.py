@@ -59,13 +59,14 @@ SERVER_CONTEXT = 256  # context length of the test servers
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 
 
-def train_command(workdir, overrides: dict) -> list[str]:
-  """`python -m fluxjax.train` on configs/vlm.py in `workdir`, with --config overrides."""
+def train_command(workdir, overrides: dict, variant: str = "tiny") -> list[str]:
+  """`python -m fluxjax.train` on configs/vlm.py:`variant` in `workdir`, with
+  --config overrides (tiny: the scratch job, short answers)."""
   return [
     sys.executable,
     "-m",
     "fluxjax.train",
-    f"--config={ROOT}/configs/vlm.py",
+    f"--config={ROOT}/configs/vlm.py:{variant}",
     f"--workdir={workdir}",
   ] + [f"--config.{k}={v}" for k, v in overrides.items()]
 
@@ -177,7 +178,7 @@ def make_strategy(
   name: str, sp: int = 1, capacity: int = 96, buckets: tuple[int, ...] = (), sync: str = "layer"
 ) -> Strategy:
   """A strategy of the tiny preset from the same config section a run reads."""
-  cfg = config_args.load_config().sharding
+  cfg = config_args.load_config(arg="tiny").sharding
   cfg.update(strategy=name, sp=sp, capacity=capacity, capacity_buckets=buckets, sync=sync)
   cfg.balance_vision = False
   return strategies.get_strategy(cfg, TINY)
@@ -233,7 +234,7 @@ def server_env() -> dict[str, str]:
 
 def tiny_run_config(total_steps: int) -> ml_collections.ConfigDict:
   """The default run, cut to 2 prompts x 2 responses of <= 6 tokens, no warm-up."""
-  c = config_args.load_config()
+  c = config_args.load_config(arg="tiny")
   c.total_steps, c.eval.every = total_steps, 2
   c.data.synth_train, c.data.synth_eval, c.eval.prompts = 8, 2, 2
   c.eval.samples_per_prompt = 2

@@ -94,7 +94,7 @@ def fleet_command(workdir, steps: int, module: str = "", **overrides) -> list[st
   one process dies the launcher gives the other 3 s to stop (SIGTERM) before
   SIGKILL: it waits in a collective that never completes."""
   command = launched(workdir, 2, 4, grace_s=3.0, module=module, total_steps=steps, **overrides)
-  return [a.replace("configs/vlm.py", "configs/vlm.py:fleet") for a in command]
+  return [a.replace("configs/vlm.py:tiny", "configs/vlm.py:tiny,fleet") for a in command]
 
 
 def env():
@@ -136,8 +136,8 @@ def launched(
   return launcher + train_command(workdir, {**OVERRIDES, **overrides})[3:]
 
 
-def config(arg: str | None = None, **overrides):
-  """The main job's config (configs/vlm.py:`arg`) with OVERRIDES and
+def config(arg: str = "tiny", **overrides):
+  """The tiny job's config (configs/vlm.py:`arg`) with OVERRIDES and
   `overrides`, as `launched` passes them on the command line."""
   c = config_args.load_config(arg=arg)
   for key, value in {**OVERRIDES, **overrides}.items():

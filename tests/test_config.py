@@ -215,7 +215,7 @@ def test_every_variant_reads_into_typed_settings(arg):
   c.total_steps = 7
   s = Settings.of(c)
   assert s.optim.total_steps == 7 and s.variant == c.variant
-  assert c.variant == ("tiny" if arg == "fleet" else arg.split(",")[0])
+  assert c.variant == ("tiny_base" if arg == "fleet" else arg.split(",")[0])
   assert isinstance(s.rollout.launch, tuple) and isinstance(s.rl.reward, settings_lib.Reward)
   with pytest.raises(dataclasses.FrozenInstanceError):
     s.rl.max_new_tokens = 1  # type: ignore[misc]
@@ -270,12 +270,12 @@ def test_an_unknown_backend_or_transport_is_one_line_listing_the_registered(fiel
 
 
 def test_a_field_the_sections_do_not_declare_names_its_flag():
-  c = config_args.load_config()
+  c = config_args.load_config(arg="tiny")
   with c.unlocked():
     c.rl.max_new_token = 8  # misspelt
   with pytest.raises(ValueError, match=r"--config\.rl\.max_new_token: no such setting"):
     Settings.of(c)
-  c = config_args.load_config()
+  c = config_args.load_config(arg="tiny")
   del c.rollout.tail_batching["eta"]
   with pytest.raises(ValueError, match=r"config\.rollout\.tail_batching\.eta missing"):
     Settings.of(c)
@@ -296,7 +296,7 @@ def test_a_field_the_sections_do_not_declare_names_its_flag():
 def test_a_wrongly_typed_setting_is_one_line_naming_its_flag(field, value, expected):
   """What the flags' parser lets through (a tuple's items, a saved config, a
   config file's own values) is checked against its section's type."""
-  c = config_args.load_config()
+  c = config_args.load_config(arg="tiny")
   *path, leaf = field.split(".")
   section = c
   for key in path:
@@ -310,7 +310,7 @@ def test_a_wrongly_typed_setting_is_one_line_naming_its_flag(field, value, expec
 
 def test_an_int_for_a_float_setting_is_that_float():
   """--config.optim.lr=1 means 1.0, in a tuple too."""
-  c = config_args.load_config()
+  c = config_args.load_config(arg="tiny")
   c.rl.reward.weights = (1, 2)
   s = Settings.of(c)
   assert s.rl.reward.weights == (1.0, 2.0) and all(type(w) is float for w in s.rl.reward.weights)
@@ -389,14 +389,14 @@ def test_a_bad_command_line_is_one_line_naming_the_cause():
   assert check() is None and check(f"--config={vlm}:qwen25_vl_7b,smoke") is None
   assert "unknown variant" in check("--config", f"{vlm}:qwen7b")  # absl's spaced form
   assert check("--config.rl.temperature=0.5", "--config.rl.reward.weights=(1.0,)") is None
-  assert "unknown variant 'qwen7b'; variants: tiny," in check(f"--config={vlm}:qwen7b")
+  assert "unknown variant 'qwen7b'; variants: tiny_base, tiny," in check(f"--config={vlm}:qwen7b")
   assert "modifiers: smoke, fleet" in check(f"--config={vlm}:smoke,turbo")
   assert check("--config.rl.temprature=0.5") == (
     "--config.rl.temprature: no such setting in vlm.py; did you mean --config.rl.temperature?"
   )
   nope = "--config=configs/nope.py"
   assert check(nope) == f"{nope}: no config file configs/nope.py"
-  assert "variants: tiny, tiny_base, qwen25_vl_3b" in config_args.describe(vlm)
+  assert "variants: tiny_base, tiny, qwen25_vl_3b" in config_args.describe(vlm)
   out = subprocess.run(
     [sys.executable, "-m", "fluxjax.train", f"--config={vlm}", "--config.rl.nope=1"],
     capture_output=True,
@@ -446,4 +446,16 @@ def test_vision_limits_come_from_the_checkpoint_or_the_run_refuses(tmp_path):
   assert back["image_max_pixels"] == 12544 and back["video_max_frames"] == 16
   # The GPU variants take the checkpoint's; tiny sets its own small ones.
   assert Settings.of(config_args.load_config(arg="qwen25_vl_7b")).data.vision == v
-  assert Settings.of(config_args.load_config()).data.vision.image_max_pixels == 112 * 112
+  assert Settings.of(config_args.load_config(arg="tiny")).data.vision.image_max_pixels == 112 * 112
+
+
+def test_the_default_job_post_trains_the_committed_base():
+  """`python -m fluxjax.train --config=configs/vlm.py` starts RL from the
+  committed base, through model.hf_path as a user's checkpoint, with no
+  warm-up and KL to that base; `tiny` keeps the scratch job."""
+  c = config_args.load_config()
+  assert c.variant == "tiny_base" and c.model.hf_path == config_args.TINY_BASE
+  assert os.path.exists(os.path.join(c.model.hf_path, "model.safetensors"))
+  assert not c.sft.enabled and c.rl.kl_coef > 0 and not c.rl.ref_hf_path
+  scratch = config_args.load_config(arg="tiny")
+  assert not scratch.model.hf_path and scratch.sft.enabled

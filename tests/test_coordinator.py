@@ -106,7 +106,7 @@ def _running(config, policy, data, backend, reward_fn: str):
 @pytest.fixture(scope="module")
 def parts(devices, tmp_path_factory):
   del devices
-  config = config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"))
+  config = config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"), "tiny")
   with contextlib.ExitStack() as stack:
     store = store_lib.MetaStore(1 << 20)
     stack.callback(store.close)

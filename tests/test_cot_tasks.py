@@ -285,7 +285,7 @@ def test_a_blind_run_trains_and_evaluates_on_the_pixel_free_copies(tmp_path):
   from fluxjax import config_args
   from fluxjax.rl import loop
 
-  config = config_args.load_config()
+  config = config_args.load_config(arg="tiny")
   config.data.update(mix="scan_count", synth_train=4, synth_eval=2, blind=True)
   paths = loop.dataset_paths(config.data, str(tmp_path))
   for split, path in zip(("train", "eval"), paths):
@@ -352,7 +352,7 @@ def test_a_clip_through_the_loaders_sampling_shows_every_change_between_patches(
   """At the default job's limits the processor keeps every frame of a
   count_changes clip, so each temporal patch is one colour and the patches'
   colours change exactly as the solution counts."""
-  vision = Settings.of(config_args.load_config()).data.vision
+  vision = Settings.of(config_args.load_config(arg="tiny")).data.vision
   cfg = processor.VisionProcessorConfig(**dataclasses.asdict(vision))
   tp = cfg.temporal_patch_size
   for changes, s, path in _clips(tmp_path, 4):

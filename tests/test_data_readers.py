@@ -141,7 +141,7 @@ def test_json_arrays_jsonl_and_parquet_read_the_same_rows(tmp_path):
 
 
 def _settings(train, holdout, prompts=256):
-  config = config_args.load_config()
+  config = config_args.load_config(arg="tiny")
   config.data.train, config.data.holdout, config.eval.prompts = str(train), holdout, prompts
   return Settings.of(config)
 

@@ -107,7 +107,7 @@ def _config_fields() -> set[str]:
       if isinstance(v, dict):
         yield from walk(v, prefix + k + ".")
 
-  return set(walk(config_args.load_config().to_dict(), ""))
+  return set(walk(config_args.load_config(arg="tiny").to_dict(), ""))
 
 
 def _elsewhere(name: str) -> bool:

@@ -27,7 +27,7 @@ def test_a_runs_checkpoint_exports_to_a_folder_transformers_loads(tmp_path):
   each step exports its own checkpoint's weights, which
   `from_pretrained` loads whole; an old run's
   config.json (a field removed) still exports, with a note."""
-  config = config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"))
+  config = config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"), "tiny")
   config.sft.enabled = False
   config.total_steps, config.checkpoint.every = 2, 1
   config.data.synth_train, config.data.synth_eval = 32, 4

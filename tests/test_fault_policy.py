@@ -18,7 +18,7 @@ def test_a_streak_stops_at_its_limit_in_a_row_and_counts_every_failure():
 
 
 def test_every_limit_comes_from_the_config_and_totals_round_trip():
-  limits = config_args.load_config().faults
+  limits = config_args.load_config(arg="tiny").faults
   run = faults.Faults(limits)
   for name in ("nonfinite_steps", "unwritten_publishes", "failed_rounds", "prompt_errors"):
     assert run.streak(name).limit == limits[name]
@@ -35,7 +35,7 @@ def test_every_limit_comes_from_the_config_and_totals_round_trip():
 
 
 def test_a_negative_limit_is_refused_with_its_flag():
-  config = config_args.load_config()
+  config = config_args.load_config(arg="tiny")
   config.faults.failed_rounds = -1
   with pytest.raises(ValueError, match=r"--config\.faults\.failed_rounds"):
     config_rules._check_faults(Settings.of(config))

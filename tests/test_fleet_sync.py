@@ -27,7 +27,7 @@ SYNC = {
 def _servers():
   """A server as the fleet job launches them, shared by both runs (each run
   publishes its starting weights to it first)."""
-  cmd = factory.server_command(Settings.of(runs.config("fleet", **SYNC)))
+  cmd = factory.server_command(Settings.of(runs.config("tiny,fleet", **SYNC)))
   return launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=300)
 
 
@@ -50,7 +50,7 @@ def test_a_synchronous_fleet_job_on_two_processes_matches_one_under_ulysses(tmp_
       launched = runs.launched(
         workdir, processes, 8 // processes, grace_s=300, total_steps=steps, **SYNC, **urls
       )
-      return [a.replace("configs/vlm.py", "configs/vlm.py:fleet") for a in launched]
+      return [a.replace("configs/vlm.py:tiny", "configs/vlm.py:tiny,fleet") for a in launched]
 
     runs.run(command(one, 1), tmp_path / "one.log")
     stopped = runs.preempt_once_rl_started(command(two, 2), tmp_path / "preempted.log")

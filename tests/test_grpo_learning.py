@@ -1,52 +1,50 @@
-"""GRPO raises held-out accuracy on the image task, and only with the right sign.
+"""GRPO from the committed base learns to reason where it pays, and only with the right sign.
 
-Two main jobs (`python -m fluxjax.train` on the colour task, one CPU device
-each) start from the same post-SFT policy: the first runs the warm-up, which
-checkpoints the RL start as step 0, and the second resumes from a copy of that
-checkpoint (so it must not warm up again). One is rewarded with `accuracy`,
-the other with `accuracy_reversed` (1 - accuracy). GRPO's advantages are
-(r - mean) / std within a group, so the second run's advantages are exactly
-the first's with the sign flipped. Accuracy is sampled at the training
-temperature on held-out prompts (rl/evaluation.py). The first run must gain
-and the second must lose, each by more than the 95% interval of the
-difference; a sign or weighting error anywhere between the reward and the
-update (advantages, loss, importance weights, the stream update, publishing)
-fails one of them.
+Two main jobs (`python -m fluxjax.train --config=configs/vlm.py`, the default:
+RL from the committed base, one CPU device each) run side by side on
+`colour_list`, whose medium and hard items the base answers right mostly when
+it works them out in a `<think>` chain first and otherwise guesses. One is
+rewarded with `accuracy`, the other with `accuracy_reversed` (1 - accuracy).
+GRPO's advantages are (r - mean) / std within a group, so the second run's
+advantages are exactly the first's with the sign flipped. Accuracy is sampled
+at the training temperature on held-out prompts (rl/evaluation.py). The first
+run must gain and the second must lose, each by more than the 95% interval
+of the difference, and the share of responses that reason must rise in the
+first and fall in the second; a sign or weighting error anywhere between the
+reward and the update (advantages, loss, importance weights, the KL term, the
+stream update, publishing) fails one of them.
 
 The first run is also the README's user (test_smoke.py runs the real-shape
-variants): the CLI on one plain CPU device, the SFT warm-up on the embedded
-engine, evaluations at the start and the end, the summary.
+variants): the CLI on one plain CPU device, the base loaded through
+model.hf_path, the embedded engine, evaluations at the start and the end,
+the summary.
 """
 
 import json
 import math
-import shutil
 import subprocess
-import time
 
 import pytest
 
+from fluxjax import config_args
 from fluxjax.rl import metrics
 from helpers import ROOT, server_env, train_command
 
-# 0.34 -> 0.48 (+-0.06) in 20 steps; the reversed reward reaches 0.98 train
-# reward within 5 steps, so its run stops there.
-RL_STEPS = {"accuracy": 20, "accuracy_reversed": 5}
+# At 20 steps (Xeon, 2 cores, at e7ce99d): 0.574 +- 0.061 -> 0.840 +- 0.039,
+# reasoning share 0.23 -> 0.64; reversed 0.574 -> 0.363 +- 0.066, share 0.06.
+RL_STEPS = {"accuracy": 20, "accuracy_reversed": 20}
 
 
 def command(workdir, reward: str) -> list[str]:
   steps = RL_STEPS[reward]
   overrides = {
-    # The colour of the shape in a 112 px picture: one task of the default
-    # mix, alone so that every prompt of a step trains it. 50 warm-up steps
-    # teach the answer format and leave the task half learnt.
-    "data.mix": "colour",
-    "sft.steps": 50,
+    # Lists of colours in a picture, read out in a chain or guessed: one
+    # task, so that every prompt of a step trains it.
+    "data.mix": "colour_list",
     "data.synth_eval": 128,
     "eval.prompts": 128,
     "eval.greedy": False,
     "eval.every": steps,  # the RL start and the end
-    "sft.eval_every": 0,
     "total_steps": steps,
     "checkpoint.every": 1000,
     "rl.reward.fn": reward,
@@ -54,7 +52,7 @@ def command(workdir, reward: str) -> list[str]:
     # Every launched response trains: the run does not depend on thread timing.
     "rollout.tail_batching.eta": 1.0,
   }
-  return train_command(workdir, overrides)
+  return train_command(workdir, overrides, variant="tiny_base")
 
 
 def _start(workdir, reward: str, log_path):
@@ -65,25 +63,13 @@ def _start(workdir, reward: str, log_path):
   return proc, log
 
 
-def _wait_for_checkpoint(workdir, proc, log_path, timeout=600):
-  """Waits until checkpoint 0 (the RL start) is complete: renamed into place."""
-  done = workdir / "checkpoints" / "0"
-  deadline = time.time() + timeout
-  while not done.exists():
-    assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
-    time.sleep(0.5)
-  return done
-
-
 @pytest.mark.slow
 def test_grpo_raises_held_out_accuracy_and_a_flipped_sign_lowers_it(tmp_path):
-  first, flipped = tmp_path / "accuracy", tmp_path / "accuracy_reversed"
   logs = {name: tmp_path / f"{name}.log" for name in RL_STEPS}
-  runs = {"accuracy": _start(first, "accuracy", logs["accuracy"])}
+  runs = {}
   try:
-    start_ckpt = _wait_for_checkpoint(first, runs["accuracy"][0], logs["accuracy"])
-    shutil.copytree(start_ckpt, flipped / "checkpoints" / "0")
-    runs["accuracy_reversed"] = _start(flipped, "accuracy_reversed", logs["accuracy_reversed"])
+    for reward in RL_STEPS:
+      runs[reward] = _start(tmp_path / reward, reward, logs[reward])
     evals = {}
     for reward, (proc, _) in runs.items():
       assert proc.wait(timeout=900) == 0, logs[reward].read_text()[-3000:]
@@ -96,14 +82,12 @@ def test_grpo_raises_held_out_accuracy_and_a_flipped_sign_lowers_it(tmp_path):
       proc.kill()
       proc.wait()
       log.close()
-  _assert_the_cli_run(first, logs["accuracy"].read_text(), RL_STEPS["accuracy"])
-  # The second run started from the first one's RL start, without a warm-up.
-  flipped_log = logs["accuracy_reversed"].read_text()
-  assert "resumed from step 0" in flipped_log and "SFT warm-up" not in flipped_log
+  _assert_the_cli_run(tmp_path / "accuracy", logs["accuracy"].read_text(), RL_STEPS["accuracy"])
   start = evals["accuracy"][0]
+  assert evals["accuracy_reversed"][0]["eval/accuracy"] == start["eval/accuracy"]  # one base
   end = evals["accuracy"][RL_STEPS["accuracy"]]
   flipped_end = evals["accuracy_reversed"][RL_STEPS["accuracy_reversed"]]
-  assert start["eval/accuracy"] <= 0.55, start  # headroom left for GRPO
+  assert start["eval/accuracy"] <= 0.65, start  # headroom left for GRPO
 
   def ci(a, b):  # the 95% half-interval of a difference of two evaluations
     return math.hypot(a["eval/accuracy_ci95"], b["eval/accuracy_ci95"])
@@ -112,13 +96,19 @@ def test_grpo_raises_held_out_accuracy_and_a_flipped_sign_lowers_it(tmp_path):
   loss = start["eval/accuracy"] - flipped_end["eval/accuracy"]
   assert gain > ci(start, end), (start, end)
   assert loss > ci(start, flipped_end), (start, flipped_end)
+  # Reasoning pays on this task: rewarded, it spreads; punished, it goes.
+  share = "eval/reasoning_share"
+  assert end[share] > start[share] + 0.2, (start[share], end[share])
+  assert flipped_end[share] < start[share] - 0.1, (start[share], flipped_end[share])
 
 
 def _assert_the_cli_run(workdir, out: str, steps: int) -> None:
   summary = json.loads((workdir / "summary.json").read_text())
   assert summary["last_step"] == steps
   assert summary["start"]["step"] == 0 and summary["end"]["step"] == steps
-  assert summary["warm_up"] is not None, "the main job warms up with SFT before RL"
+  assert summary["warm_up"] is None, "the main job starts from the base, with no warm-up"
+  config = json.loads((workdir / "config.json").read_text())
+  assert config["model"]["hf_path"] == config_args.TINY_BASE
   assert "run summary" in out and "python -m fluxjax.plot" in out
   # The config is validated once per start (its rules log what they limit).
   assert out.count("prompts are limited to") <= 1, out[-4000:]

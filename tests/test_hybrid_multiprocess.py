@@ -31,7 +31,7 @@ def test_a_hybrid_mesh_across_processes_trains_and_publishes_by_broadcast_and_di
   stale would be about 1e-4): steps 2 and 4 show the broadcast and the disk
   publish delivered. Each prompt trains once."""
   workdir = tmp_path / "hybrid"
-  cmd = factory.server_command(Settings.of(runs.config("fleet", **HYBRID)))
+  cmd = factory.server_command(Settings.of(runs.config("tiny,fleet", **HYBRID)))
   servers = launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=300)
   runs.reuse_compiled_programs(monkeypatch, tmp_path / "xla_cache")  # after the server's start
   try:
@@ -39,7 +39,7 @@ def test_a_hybrid_mesh_across_processes_trains_and_publishes_by_broadcast_and_di
 
     def command(steps, **overrides):
       launched = runs.launched(workdir, 2, 4, total_steps=steps, **HYBRID, **urls, **overrides)
-      return [a.replace("configs/vlm.py", "configs/vlm.py:fleet") for a in launched]
+      return [a.replace("configs/vlm.py:tiny", "configs/vlm.py:tiny,fleet") for a in launched]
 
     broadcast = runs.run(command(2), tmp_path / "broadcast.log")
     disk = runs.run(command(4, **{"rollout.weight_sync": "disk"}), tmp_path / "disk.log")

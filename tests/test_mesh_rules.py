@@ -103,7 +103,7 @@ def test_sharded_init_compiles_once_for_every_seed(devices):
 def _train(*overrides):
   env = dict(os.environ, XLA_FLAGS=xla_flags(devices=8), JAX_PLATFORMS="cpu")
   return subprocess.run(
-    [sys.executable, "-m", "fluxjax.train", "--config=configs/vlm.py", *overrides],
+    [sys.executable, "-m", "fluxjax.train", "--config=configs/vlm.py:tiny", *overrides],
     cwd=ROOT,
     env=env,
     capture_output=True,

@@ -51,9 +51,7 @@ def test_grpo_notebook_executes(tmp_path, monkeypatch):
   outputs = execute(
     "grpo.ipynb",
     tmp_path,
-    "config.sft.steps = 6\n"
-    "config.data.synth_eval = config.eval.prompts = 16\n"
-    "grpo_steps, eval_every = 2, 1",
+    "config.data.synth_eval = config.eval.prompts = 16\ngrpo_steps, eval_every = 2, 1",
   )
   assert "logprob" in outputs and "accuracy" in outputs
   # One group's loss and gradient by hand equal the library's.

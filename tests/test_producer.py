@@ -14,7 +14,7 @@ from fluxjax.rl import producer as producer_lib
 from fluxjax.rollout.protocol import GenerateRequest
 from helpers import OVER_CONTEXT, Act, InstantRewards, ListLoader, ScriptedRollout, decode, rid_key
 
-FAULTS = config_args.load_config().faults
+FAULTS = config_args.load_config(arg="tiny").faults
 
 
 @dataclasses.dataclass

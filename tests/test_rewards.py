@@ -301,7 +301,7 @@ def test_adaptive_timeout(make_scheduler):
 def test_production_defaults_and_shutdown():
   from fluxjax import config_args
 
-  cfg = config_args.load_config().rl.reward
+  cfg = config_args.load_config(arg="tiny").rl.reward
   assert (cfg.t_min, cfg.t_max, cfg.anchor_factor) == (2.0, 30.0, 1.5)
   cfg.num_workers = 1
   with reward_pool.RewardScheduler.from_config(cfg) as rs:

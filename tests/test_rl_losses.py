@@ -27,7 +27,7 @@ def _batch(adv, prox, old, ref=None):
 
 
 def _cfg(**overrides):
-  cfg = config_args.load_config().rl
+  cfg = config_args.load_config(arg="tiny").rl
   cfg.prox = "batch"  # these tests give pi_prox explicitly
   cfg.update(overrides)
   return cfg

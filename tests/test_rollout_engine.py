@@ -194,7 +194,7 @@ def test_embedded_backend_from_config_and_in_process_publish(model, tok):
   from fluxjax.rollout import backend as backend_lib
   from fluxjax.rollout import factory, publish
 
-  cfg = config_args.load_config().rollout
+  cfg = config_args.load_config(arg="tiny").rollout
   cfg.backend, cfg.num_slots, cfg.context_length = "embedded", 4, 96
   cfg.num_continuous_decode_steps = 2
   backend, launched = factory.make_backend(cfg, factory.BackendInputs(model=model, tokenizer=tok))

@@ -25,7 +25,7 @@ from helpers import generate_request as body
 
 @pytest.fixture(scope="module")
 def launched():
-  cfg = config_args.load_config().rollout
+  cfg = config_args.load_config(arg="tiny").rollout
   cfg.backend, cfg.num_servers, cfg.launch_timeout_s = "sglang", 3, 180
   cfg.launch = tuple(TINY_SERVER)
   # make_backend launches with the parent's environment; give the servers a

@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _config():
-  return config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"))
+  return config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"), "tiny")
 
 
 @dataclasses.dataclass

@@ -29,7 +29,7 @@ def _group(key, rewards, lengths, prompt_len, terms=None):
 
 
 def test_batch_metrics_of_two_groups():
-  config = config_args.load_config()
+  config = config_args.load_config(arg="tiny")
   config.rl.max_new_tokens = 8
   settings = Settings.of(config)
   groups = [
@@ -76,7 +76,7 @@ def test_round_metrics_sum_the_counted_statistics():
 
 
 def test_a_step_reports_every_fact_under_its_name():
-  settings = Settings.of(config_args.load_config())
+  settings = Settings.of(config_args.load_config(arg="tiny"))
   groups = [_group("a", [1.0, 0.0], [3, 5], 20)]
   facts = step_metrics.StepFacts(
     groups=groups,

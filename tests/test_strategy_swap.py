@@ -12,7 +12,7 @@ from fluxjax.rl import loop
 
 def _config():
   """The default tiny run, cut to one step of 2 prompts x 2 short responses."""
-  c = config_args.load_config()
+  c = config_args.load_config(arg="tiny")
   c.total_steps, c.eval.every = 1, 0
   c.data.synth_train, c.data.synth_eval, c.eval.prompts = 4, 1, 1
   c.eval.samples_per_prompt, c.eval.greedy = 1, False

@@ -93,7 +93,7 @@ def test_stream_update_equals_synchronous_update(name, sp, sync, devices, mesh_f
   strategy = make_strategy(name, sp, capacity=128, sync=sync)
   mesh = mesh_for(strategy)
   tx = SGD
-  loss_fn = losses.make_loss_fn(config_args.load_config().rl)
+  loss_fn = losses.make_loss_fn(config_args.load_config(arg="tiny").rl)
   seqs = mixed_batch(seed=5)
   # Behaviour logprobs near the policy's, so importance weights are not all capped.
   for s in seqs:
@@ -145,7 +145,7 @@ def test_two_parts_make_the_same_update_in_either_order(devices, mesh_for):
   bits between the two orders."""
   strategy = make_strategy("packed_dp", capacity=128)
   mesh = mesh_for(strategy)
-  loss_fn = losses.make_loss_fn(config_args.load_config().rl)
+  loss_fn = losses.make_loss_fn(config_args.load_config(arg="tiny").rl)
   seqs = mixed_batch(seed=5)
   for s in seqs:
     s.old_logprobs_T = np.full(len(s), -6.2, np.float32)
@@ -196,7 +196,7 @@ def test_stream_reference_kl_equals_update_with_single_device_reference(
   strategy = make_strategy(name, sp, capacity=128, sync=sync)
   mesh = mesh_for(strategy)
   tx = SGD
-  rl = config_args.load_config().rl
+  rl = config_args.load_config(arg="tiny").rl
   rl.kl_coef, rl.kl_estimator = 0.5, "k3"
   loss_fn = losses.make_loss_fn(rl)
   seqs = mixed_batch(seed=6)
@@ -239,7 +239,7 @@ def test_per_sequence_sums_follow_each_sequence_through_parts(name, sp, sync, de
   """
   strategy = make_strategy(name, sp, capacity=128, sync=sync)
   mesh = mesh_for(strategy)
-  loss_fn = losses.make_loss_fn(config_args.load_config().rl)
+  loss_fn = losses.make_loss_fn(config_args.load_config(arg="tiny").rl)
   seqs = mixed_batch(seed=5)
   rng = np.random.default_rng(0)
   for s in seqs:  # per-token behaviour logprobs, so each sequence's KL differs
@@ -318,7 +318,7 @@ def test_on_policy_importance_weights_are_one_at_the_sampling_temperature(
     completions = [completion(r.output_ids, r.output_logprobs) for r in reqs]
     groups.append(trajectories.Group(f"g{g}", prompt, completions, [1.0, 0.0]))
   seqs = [s for g in groups for s in trajectories.group_sequences(g)]
-  loss_fn = losses.make_loss_fn(config_args.load_config().rl)
+  loss_fn = losses.make_loss_fn(config_args.load_config(arg="tiny").rl)
 
   def weights(trainer_temperature):
     trainer = _fresh_trainer(strategy, mesh, SGD, loss_fn, temperature=trainer_temperature)
@@ -356,7 +356,7 @@ def test_several_updates_per_batch_clip_around_the_first_policy(devices, mesh_fo
     s.old_logprobs_T = np.full(len(s), -6.2, np.float32)
 
   def train(updates):
-    rl = config_args.load_config().rl
+    rl = config_args.load_config(arg="tiny").rl
     rl.updates_per_batch = updates
     trainer = _fresh_trainer(
       strategy, mesh, SGD, losses.make_loss_fn(rl), updates_per_batch=updates

@@ -492,12 +492,13 @@ def print_tasks(results: list) -> None:
     print("|---|---|---|" + "---|" * (len(names) + 1))
     for key in keys:
       name = key.removeprefix(family)
-      prior = mean([m[f"prior/{name}"] for m in start if f"prior/{name}" in m])
-      ends = " | ".join(ci(at(n, key)) for n in names)
-      greedy = mean(at("default", f"task_greedy/{name}"))
+      prior = [m[f"prior/{name}"] for m in start if f"prior/{name}" in m]
+      ends = " | ".join(ci(at(n, key)) if at(n, key) else "-" for n in names)
+      greedy = at("default", f"task_greedy/{name}")
+      fmt = lambda vs: f"{mean(vs):.3f}" if vs else "-"
       print(
-        f"| {name} | {prior:.3f} | {mean([m[key] for m in start if key in m]):.3f} | {ends} | "
-        f"{greedy:.3f} |"
+        f"| {name} | {fmt(prior)} | {fmt([m[key] for m in start if key in m])} | {ends} | "
+        f"{fmt(greedy)} |"
       )
   print("\n| run | reasoning share, RL start -> end: easy | medium | hard | all |")
   print("|---|---|---|---|---|")

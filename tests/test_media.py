@@ -420,4 +420,4 @@ def test_base64_media_are_kept_by_content_and_the_cache_by_bytes(media_dir):
     prompt.load_media(req, cfg, cache=cache)
   assert (cache.hits, cache.misses, len(cache)) == (1, 3, 1)  # png evicted the jpeg
   other = vp.VisionProcessorConfig(image_max_pixels=28 * 28 * 4)
-  assert media_cache.key(jpeg, "image", other) != media_cache.key(jpeg, "image", cfg)
+  assert media_cache.key(jpeg, "image", other, False) != media_cache.key(jpeg, "image", cfg, False)

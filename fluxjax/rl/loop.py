@@ -630,9 +630,9 @@ def _loop(
   if restored is None:
     # Warm-up for GRPO (none without RL steps); logged at steps -sft.steps..0.
     warm_up = sft.runs(settings.sft, settings.total_steps)
-    if warm_up and settings.sft.export_dir:  # the export may replace the model's folder
-      provenance.keep_parent_card(settings.model.hf_path, workdir)
     if warm_up:
+      if settings.sft.export_dir:  # the export may replace the model's folder
+        provenance.keep_parent_card(settings.model.hf_path, workdir)
       summary = sft.warm_up(
         coord,
         settings,

@@ -27,11 +27,11 @@ from fluxjax.models import processor
 DEFAULT_MAX_BYTES = 512 << 20
 
 
-def key(item: str, kind: str, settings: Hashable) -> Hashable | None:
+def key(item: str, kind: str, settings: Hashable, is_path: bool) -> Hashable | None:
   """What identifies `item`'s decoded form: a path's identity, or the hash of
   anything else (base64); None for a path that cannot be read (left to the
   decoder's own error)."""
-  if os.path.exists(item) or len(item) < 64:
+  if is_path:
     try:
       st = os.stat(item)
     except OSError:

@@ -31,16 +31,22 @@ from fluxjax.rollout.json_body import ProtocolError
 from fluxjax.rollout.protocol import GenerateRequest
 
 
+def _names_path(item: str) -> bool:
+  """Whether a media string is a path (else a data URI, raw base64 or a URL);
+  a missing path fails with "file not found" when it is decoded."""
+  return not item.startswith(("data:", "http://", "https://")) and (
+    os.path.exists(item) or len(item) < 64
+  )
+
+
 def _payload(item: str, kind: str, index: int) -> bytes | None:
   """The bytes a base64 media string carries; None for a path."""
   if item.startswith(("http://", "https://")):
     raise ProtocolError(f"{kind} {index}: URLs are not supported; send a path or base64")
-  if item.startswith("data:"):
-    _, _, payload = item.partition(",")
-  elif os.path.exists(item) or len(item) < 64:
-    return None  # a path; a missing one fails with "file not found" below
-  else:
-    payload = item  # raw base64, whose alphabet includes "/"
+  if _names_path(item):
+    return None
+  # A data URI's payload, or raw base64, whose alphabet includes "/".
+  payload = item.partition(",")[2] if item.startswith("data:") else item
   try:
     return base64.b64decode(payload, validate=True)
   except (binascii.Error, ValueError) as e:
@@ -86,8 +92,11 @@ def load_media(
   try:
     for kind, i, item in items:
       load = functools.partial(_load_item, item, kind, i, proc, limits)
-      k = media_cache.key(item, kind, (proc, limits)) if cache is not None else None
-      out.append(load() if k is None or cache is None else cache.get(k, load))
+      if cache is None:
+        out.append(load())
+        continue
+      k = media_cache.key(item, kind, (proc, limits), _names_path(item))
+      out.append(load() if k is None else cache.get(k, load))
   except media.MediaError as e:
     raise ProtocolError(f"cannot load media: {e}") from e
   return out

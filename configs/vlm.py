@@ -116,10 +116,10 @@ _GPU_FLEET = dict(
 # The tiny job post-training the committed base (configs/pretrain.py): no
 # warm-up; 55% direct-answer prompts and 45% chain tasks, on which the base
 # reasons on about a quarter of the items and RL learns where reasoning
-# pays; KL to the base; 80 new tokens hold the longest chains (about 61).
-# 1024 tokens a microbatch: a step's 128 responses in about 12 microbatches
-# rather than 40 (a CPU step of this model costs per microbatch, not per
-# token; 2048 made attention the cost).
+# pays; KL to the base; 80 new tokens hold the longest chains. A CPU step of
+# this model costs per microbatch, not per token, so microbatches hold 1024
+# tokens, the fastest capacity measured (bench/README.md, "The main job in
+# 15 minutes").
 _TINY_BASE = dict(
   _CPU,
   preset="tiny",

@@ -23,7 +23,7 @@ import argparse
 import importlib.metadata
 import sys
 
-# The SGLang HTTP API the fleet client speaks (../shared/reference/sglang_api.md).
+# The SGLang HTTP API the fleet client speaks (docs/fleet.md, "The server's API").
 SGLANG_API = "0.5"
 
 

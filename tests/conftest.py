@@ -9,9 +9,9 @@ import pathlib
 import subprocess
 import tempfile
 
-# LLVM's -O1 for XLA:CPU: compiling is most of the suite's time, -O1 halves
-# it and the programs run no slower; the MLIR fusion emitters compile slower
-# and run no faster here (docs/testing.md, the fake 8-device mesh).
+# LLVM's -O1 for XLA:CPU, and no MLIR fusion emitters: compiling is most of
+# the suite's time, and both compile faster at no cost in run time
+# (docs/testing.md, the fake 8-device mesh, has the figures).
 # Subprocesses the tests start inherit both.
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "")

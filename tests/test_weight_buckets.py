@@ -12,7 +12,7 @@ from fluxjax.rollout import publish, weight_group
 
 
 def test_each_server_gets_as_many_ranks_as_it_has_gpus():
-  # The trainer is rank 0; a tp-8 server takes 8 ranks (sglang_api.md 4.2).
+  # The trainer is rank 0; a tp-8 server takes 8 ranks, as in SGLang's update group.
   assert publish.rank_layout([1, 8, 2]) == ([1, 2, 10], 12)
   assert publish.rank_layout([1, 1]) == ([1, 2], 3)
   with pytest.raises(ValueError, match="at least one rank"):

@@ -1,4 +1,5 @@
-"""The generate side of SGLang's native HTTP API that RL rollout uses (sglang_api.md).
+"""The generate side of SGLang's native HTTP API that RL rollout uses
+(docs/fleet.md, "The server's API").
 
 Our client and our server both speak exactly this, so the client works
 against a real SGLang fleet and is always tested against a real server.

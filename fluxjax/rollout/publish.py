@@ -409,7 +409,7 @@ class WeightGroup:
 def rank_layout(ranks_per_server: Sequence[int]) -> tuple[list[int], int]:
   """(each server's rank_offset, world size) of an update group whose rank 0
   is the trainer and whose server i holds `ranks_per_server[i]` ranks (its
-  GPUs: tp x pp), as slime and AReaL lay it out (sglang_api.md 4.2)."""
+  GPUs: tp x pp), as slime and AReaL lay it out (SGLang's /init_weights_update_group)."""
   offsets, next_rank = [], 1
   for n in ranks_per_server:
     if n < 1:

@@ -1,4 +1,5 @@
-"""The torch.distributed side of SGLang's distributed weight update (sglang_api.md 4.2).
+"""The torch.distributed side of SGLang's distributed weight update
+(/update_weights_from_distributed).
 
 The trainer is rank 0 of a process group of its own; server i's ranks (one
 per GPU, tp x pp) start at its `rank_offset` (publish.rank_layout). Per

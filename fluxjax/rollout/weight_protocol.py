@@ -1,4 +1,5 @@
-"""The weight-update part of SGLang's native HTTP API that RL rollout uses (sglang_api.md).
+"""The weight-update part of SGLang's native HTTP API that RL rollout uses
+(docs/fleet.md, "Weight sync").
 
   POST /update_weights_from_disk  {model_path, load_format, flush_cache,
                                    abort_all_requests, weight_version}

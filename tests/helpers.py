@@ -11,6 +11,10 @@ ROOT, train_command,                        the main job as a subprocess,
 run_launcher, process_alive                 python -m fluxjax.launch, stopped
                                             with its processes on a timeout;
                                             whether a pid still runs;
+reference_greedy, trainer_logprobs          what the rollout engine must
+                                            equal: greedy by a full forward
+                                            per token, and the trainer's
+                                            logprobs of a response;
 InstantRewards                              the reward pool's interface,
                                             scoring at once in this process
                                             with the pool's own code;
@@ -39,11 +43,13 @@ import sys
 from collections.abc import Callable
 
 import ml_collections
+import numpy as np
+from flax import nnx
 
 from fluxjax import config_args, launch
 from fluxjax.data import pipeline, readers
 from fluxjax.models import config as config_lib
-from fluxjax.models import processor
+from fluxjax.models import inputs, processor
 from fluxjax.parallel import random_batch, strategies
 from fluxjax.parallel.batch import TrainSequence
 from fluxjax.parallel.strategies import Strategy
@@ -198,6 +204,29 @@ TINY_SERVER = [
   "--context-length",
   str(SERVER_CONTEXT),
 ]
+
+
+_forward = nnx.jit(lambda m, row: m.logits(row))
+
+
+def reference_greedy(model, seq, n: int, token_capacity: int = 128) -> list[int]:
+  """`n` greedy tokens after `seq`, by a full forward over the whole sequence
+  per token (rows padded to one shape: one compile)."""
+  out: list[int] = []
+  patches = 64 if seq.media else None
+  for _ in range(n):
+    cur = seq.extend(out)
+    row = inputs.pack_row([cur], model.cfg, token_capacity=token_capacity, patch_capacity=patches)
+    out.append(int(np.argmax(np.asarray(_forward(model, row))[0, len(cur) - 1])))
+  return out
+
+
+def trainer_logprobs(model, seq, response) -> np.ndarray:
+  """The trainer's logprob of each token of `response` after `seq`."""
+  full = seq.extend(response)
+  targets = np.concatenate([full.tokens_T[1:], [0]])[None]
+  lp = np.asarray(model.token_logprobs(inputs.pack_row([full], model.cfg), targets))[0]
+  return lp[len(seq) - 1 : len(full) - 1]
 
 
 def generate_request(ids, max_new: int = 4, seed: int | None = None) -> GenerateRequest:
@@ -461,7 +490,6 @@ def write_video(
     path.
   """
   import av  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
 
   with av.open(str(path), "w", format=container_format, options=options or {}) as out:
     stream = out.add_stream(codec or video_codec(), rate=fps)
@@ -480,7 +508,6 @@ def lying_png(height: int, width: int) -> bytes:
   import struct  # pylint: disable=import-outside-toplevel
   import zlib  # pylint: disable=import-outside-toplevel
 
-  import numpy as np  # pylint: disable=import-outside-toplevel
   import PIL.Image  # pylint: disable=import-outside-toplevel
 
   buf = io.BytesIO()

@@ -8,12 +8,12 @@ Behaviour logprobs are checked against `Qwen25VL.token_logprobs` over
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from fluxjax.models import config, inputs, processor, vlm
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import engine as engine_lib
 from fluxjax.rollout import json_body, protocol, sampling_params
+from helpers import reference_greedy, trainer_logprobs
 
 LOGPROB_TOL = 1e-4
 
@@ -42,28 +42,6 @@ def text_seq(cfg, n, seed):
 
 def params(**kw):
   return sampling_params.SamplingParams.from_dict(kw)
-
-
-_forward = nnx.jit(lambda m, row: m.logits(row))
-
-
-def reference_greedy(model, seq, n):
-  """Full forward over the whole sequence per token (padded to one shape: one compile)."""
-  out = []
-  patches = 64 if seq.media else None
-  for _ in range(n):
-    cur = seq.extend(out)
-    row = inputs.pack_row([cur], model.cfg, token_capacity=128, patch_capacity=patches)
-    logits = np.asarray(_forward(model, row))[0, len(cur) - 1]
-    out.append(int(np.argmax(logits)))
-  return out
-
-
-def trainer_logprobs(model, seq, response):
-  full = seq.extend(response)
-  targets = np.concatenate([full.tokens_T[1:], [0]])[None]
-  lp = np.asarray(model.token_logprobs(inputs.pack_row([full], model.cfg), targets))[0]
-  return lp[len(seq) - 1 : len(full) - 1]
 
 
 def run(engine, seqs, sp, prefix):

@@ -1,4 +1,4 @@
-"""`python -m fluxjax.rollout.server` as a real process on loopback, per sglang_api.md.
+"""`python -m fluxjax.rollout.server` as a real process on loopback, speaking SGLang's API.
 
 One server process (tiny fp32 checkpoint) is shared by the module. References
 are computed in-test from the same checkpoint: a plain greedy loop (full
@@ -15,7 +15,6 @@ import urllib.request
 import av
 import numpy as np
 import pytest
-from flax import nnx
 from PIL import Image
 
 from fluxjax.models import chat, config, hf_export, hf_load, inputs, media, processor, vlm
@@ -24,7 +23,7 @@ from fluxjax.rollout import client as client_lib
 from fluxjax.rollout import fleet as fleet_lib
 from fluxjax.rollout import json_body, launcher, protocol, publish, sampling_params
 from fluxjax.rollout.protocol import GenerateRequest
-from helpers import SERVER_CONTEXT, server_env
+from helpers import SERVER_CONTEXT, reference_greedy, server_env, trainer_logprobs
 
 CONTEXT = SERVER_CONTEXT
 PIXELS = 56 * 56
@@ -96,27 +95,6 @@ def tok():
   return tokenizer_lib.Tokenizer.default()
 
 
-_forward = nnx.jit(lambda m, row: m.logits(row))
-
-
-def reference_greedy(model, seq, n):
-  out = []
-  for _ in range(n):
-    cur = seq.extend(out)
-    row = inputs.pack_row(
-      [cur], model.cfg, token_capacity=CONTEXT, patch_capacity=64 if seq.media else None
-    )
-    out.append(int(np.argmax(np.asarray(_forward(model, row))[0, len(cur) - 1])))
-  return out
-
-
-def trainer_logprobs(model, seq, response):
-  full = seq.extend(response)
-  targets = np.concatenate([full.tokens_T[1:], [0]])[None]
-  lp = np.asarray(model.token_logprobs(inputs.pack_row([full], model.cfg), targets))[0]
-  return lp[len(seq) - 1 : len(full) - 1]
-
-
 def prompt_ids(n, seed):
   return [int(i) for i in np.random.default_rng(seed).integers(0, 490, n)]
 
@@ -168,7 +146,7 @@ def test_greedy_equals_reference_and_logprobs_equal_trainer(url, model):
   ids = prompt_ids(12, 1)
   seq = inputs.sequence_from_tokens(ids, [], model.cfg)
   _, out = http(url, "/generate", {"input_ids": ids, "sampling_params": GREEDY})
-  assert out["output_ids"] == reference_greedy(model, seq, 6)
+  assert out["output_ids"] == reference_greedy(model, seq, 6, CONTEXT)
   _, out = http(
     url,
     "/generate",
@@ -267,7 +245,7 @@ def test_image_and_video_prompts(url, model, tok, media_files):
     }
   ]
   seq = inputs.sequence_from_chat(messages, [img, vid], tok, model.cfg)
-  want = reference_greedy(model, seq, 6)
+  want = reference_greedy(model, seq, 6, CONTEXT)
   # Unexpanded placeholders in text, files as paths.
   _, out = http(
     url,
@@ -360,7 +338,7 @@ def test_weight_update_changes_outputs_and_version(url, ckpt, tmp_path):
   _, after = http(url, "/generate", {"input_ids": ids, "sampling_params": GREEDY})
   assert after["meta_info"]["weight_version"] == "1"
   assert http(url, "/get_server_info")[1]["weight_version"] == "1"
-  assert after["output_ids"] == reference_greedy(new, seq, 6) != before["output_ids"]
+  assert after["output_ids"] == reference_greedy(new, seq, 6, CONTEXT) != before["output_ids"]
   # A checkpoint of another architecture is refused and the old weights stay.
   status, out = http(url, "/update_weights_from_disk", {"model_path": "/no/such/dir"})
   assert status == 400 and out["success"] is False

@@ -233,6 +233,7 @@ def test_evaluate_samples_at_the_training_temperature_and_summarizes(coord, part
   assert out[f"eval/pass@{k}"] == 1.0 and out["eval/accuracy_greedy"] == 1.0
   assert out["eval/accuracy/easy"] == out["eval/accuracy/hard"] == pytest.approx(1 / k)
   assert out["eval/prompts"] == 3 and out["eval/samples"] == 3 * k
+  assert 0 < out["eval/seconds"] < 60
   # Every request stops at EOS and at the vision markup ids.
   tok = c.requests.tokenizer
   for _, r in backend.requests:
@@ -368,6 +369,9 @@ def test_a_step_records_the_percentiles_of_its_response_lengths(parts):
   # The first step's update runs at the schedule's first learning rate.
   optim = Settings.of(config).optim
   assert m["optim/lr"] == pytest.approx(float(train_step.lr_schedule(optim)(0)))
+  # The step's time: the wait for rollouts, then the update applied.
+  assert 0 < m["perf/update_seconds"] < m["perf/step_seconds"]
+  assert m["rollout/wait_seconds"] + m["perf/update_seconds"] <= m["perf/step_seconds"]
 
 
 def test_refused_updates_publish_nothing_and_too_many_in_a_row_stop(parts, caplog):

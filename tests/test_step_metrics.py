@@ -86,6 +86,7 @@ def test_a_step_reports_every_fact_under_its_name():
     memory={},
     version=4,
     wait_s=1.0,
+    update_s=0.75,
     step_s=2.0,
     publish_s=0.5,
     publish_wait={"publish/update_wait_seconds": 0.25},
@@ -99,6 +100,7 @@ def test_a_step_reports_every_fact_under_its_name():
   m = step_metrics.step_metrics(facts, settings, model_config.preset("tiny"))
   assert m["train/loss"] == 0.5 and m["optim/lr"] == 1e-3 and m["policy/version"] == 4.0
   assert m["rollout/wait_seconds"] == 1.0 and m["perf/step_seconds"] == 2.0
+  assert m["perf/update_seconds"] == 0.75
   assert m["perf/tokens_per_s"] == 4.0  # 8 response tokens in 2 s
   assert m["rollout/rounds"] == 1.0 and m["rollout/aborted"] == 3.0
   assert m["rollout/filtered_groups"] == 1.0 and m["async/stale_requeued"] == 2.0

@@ -81,6 +81,7 @@ class _Update:
   lr: float  # of its first optimizer update
   responses: list[records.ResponseRecord]
   publish_wait: dict[str, float]  # Publisher.settle_reads
+  seconds: float  # applying it, after the collection
 
   @property
   def applied(self) -> bool:
@@ -198,6 +199,7 @@ class Coordinator:
       memory=step_metrics.device_memory_metrics(),
       version=self._publisher.version,
       wait_s=batch.wait_s,
+      update_s=update.seconds,
       step_s=time.perf_counter() - t0,
       publish_s=publish_s,
       publish_wait=update.publish_wait,
@@ -320,6 +322,7 @@ class Coordinator:
     """Applies the step's update (its parts were added as the groups came);
     the batch's samples are then consumed. Refused (non-finite) updates
     count, and too many in a row raise here, before anything is checkpointed."""
+    t0 = time.perf_counter()
     publish_wait = self._publisher.settle_reads()  # the update donates what a publish reads
     device_metrics = self._policy.apply()
     self._steps += 1
@@ -333,7 +336,7 @@ class Coordinator:
     self._consumed.update(k.sample.uid for k in batch.kept)
     self._done_with(batch.kept)
     self._filtered += batch.filtered
-    return _Update(train, lr, responses, publish_wait)
+    return _Update(train, lr, responses, publish_wait, time.perf_counter() - t0)
 
   def _records(self, kept, per_sequence, train) -> list[records.ResponseRecord]:
     rl = self._settings.rl

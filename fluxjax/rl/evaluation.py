@@ -13,6 +13,7 @@ import asyncio
 import collections
 import logging
 import math
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -64,7 +65,9 @@ class Evaluator:
     self._reward = None if spec == settings.rl.reward.fn else reward_spec.parse(spec)
 
   def evaluate(self, samples: Sequence[meta_lib.SampleMeta]) -> dict[str, float]:
-    """`summarize` of the samples that fit the prompt budget, and how many did not."""
+    """`summarize` of the samples that fit the prompt budget, how many did not,
+    and the seconds it took."""
+    t0 = time.perf_counter()
     samples, skipped = self._within_budget(samples)
     sampled = self.sample(samples, self._eval.samples_per_prompt)
     scores = self._correct(samples, sampled)
@@ -88,6 +91,7 @@ class Evaluator:
       [s.answer or "" for s in samples],
     )
     out["eval/skipped_too_long"] = float(skipped)
+    out["eval/seconds"] = time.perf_counter() - t0
     return out
 
   def sample(

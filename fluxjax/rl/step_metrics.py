@@ -34,8 +34,9 @@ class StepFacts:
     lr: the learning rate of its first optimizer update.
     memory: `device_memory_metrics()` after the update.
     version: the policy version after the step's publish.
-    wait_s, step_s, publish_s: seconds waiting for rollouts, in the whole
-      step, publishing.
+    wait_s, update_s, step_s, publish_s: seconds waiting for rollouts (the
+      update's streamed parts are added meanwhile), applying the update after
+      them, in the whole step, publishing.
     publish_wait: what `Publisher.settle_reads` measured before the update.
     filtered, requeued: groups DAPO dropped; groups staler than the lag
       bound, generated again.
@@ -52,6 +53,7 @@ class StepFacts:
   memory: Mapping[str, float]
   version: int
   wait_s: float
+  update_s: float
   step_s: float
   publish_s: float
   publish_wait: Mapping[str, float]
@@ -74,6 +76,7 @@ def step_metrics(
     "optim/lr": facts.lr,
     **facts.memory,
     "rollout/wait_seconds": facts.wait_s,
+    "perf/update_seconds": facts.update_s,
     "rollout/rounds": float(len(facts.rounds)),
     "rollout/filtered_groups": float(facts.filtered),
     "async/stale_requeued": float(facts.requeued),

@@ -66,9 +66,10 @@ def test_grpo_notebook_executes(tmp_path, monkeypatch):
     assert (tmp_path / "notebook_out" / figure).exists()
 
 
-def test_the_mesh_notebook_is_stored_executed_with_its_figure_and_run_time():
+@pytest.mark.parametrize("name", ["mesh.ipynb", "grpo.ipynb"])
+def test_a_notebook_is_stored_executed_with_its_figures_and_run_time(name):
   """A reader on GitHub sees what it does without running it."""
-  nb = nbformat.read(os.path.join(ROOT, "notebooks", "mesh.ipynb"), as_version=4)
+  nb = nbformat.read(os.path.join(ROOT, "notebooks", name), as_version=4)
   outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
   assert any("image/png" in o.get("data", {}) for o in outputs), "no inline figure stored"
   assert any(o.get("text", "").startswith("ran in ") for o in outputs), "no run time stored"

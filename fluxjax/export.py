@@ -41,11 +41,11 @@ def load_run_config(workdir: str):
   return config
 
 
-def export(
-  workdir: str, out: str, step: int | None = None, dtype: str = "bfloat16", sft: bool = False
-) -> int:
-  """Writes checkpoint `step` (None: the latest) of the run in `workdir` to
-  `out`, an RL checkpoint or (`sft`) a warm-up one; returns the step written."""
+@contextlib.contextmanager
+def restored_policy(workdir: str, step: int | None = None, sft: bool = False):
+  """Yields (policy, step, validated config) of checkpoint `step` (None: the
+  latest) of the run in `workdir`, an RL checkpoint or (`sft`) a warm-up
+  one, on this process's devices."""
   from fluxjax.data import materializer as materializer_lib
   from fluxjax.data import store as store_lib
   from fluxjax.rl import loop
@@ -64,6 +64,17 @@ def export(
       validated=validated,
     )
     step = _restore_sft(policy, workdir, step) if sft else _restore(policy, workdir, step)
+    yield policy, step, validated
+
+
+def export(
+  workdir: str, out: str, step: int | None = None, dtype: str = "bfloat16", sft: bool = False
+) -> int:
+  """Writes checkpoint `step` (None: the latest) of the run in `workdir` to
+  `out`, an RL checkpoint or (`sft`) a warm-up one; returns the step written."""
+  from fluxjax.rl import loop
+
+  with restored_policy(workdir, step, sft) as (policy, step, validated):
     proc = loop.processor_config(validated.settings.data.vision)
     loop.export_hf(policy, out, validated.tokenizer, proc, dtype)
   log.info("exported step %d of %s to %s (%s)", step, workdir, out, dtype)

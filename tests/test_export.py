@@ -3,11 +3,14 @@
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 import safetensors
+from flax import nnx
 
 from fluxjax import config_args, export
+from fluxjax.models import inputs
 from fluxjax.rl import loop
 
 torch = pytest.importorskip("torch")
@@ -25,8 +28,8 @@ def _tensors(folder) -> dict[str, np.ndarray]:
 def test_a_runs_checkpoint_exports_to_a_folder_transformers_loads(tmp_path):
   """Two RL steps of the tiny job (random weights, checkpoints at 1 and 2);
   each step exports its own checkpoint's weights, which
-  `from_pretrained` loads whole; an old run's
-  config.json (a field removed) still exports, with a note."""
+  `from_pretrained` loads whole and whose logits are the policy's; an old
+  run's config.json (a field removed) still exports, with a note."""
   config = config_args.load_config(os.path.join(ROOT, "configs", "vlm.py"), "tiny")
   config.sft.enabled = False
   config.total_steps, config.checkpoint.every = 2, 1
@@ -55,6 +58,16 @@ def test_a_runs_checkpoint_exports_to_a_folder_transformers_loads(tmp_path):
   for name, tensor in hf.state_dict().items():  # what transformers read is what we wrote
     if name in last:
       np.testing.assert_array_equal(tensor.numpy(), last[name], err_msg=name)
+  # What we wrote is the policy: transformers' logits equal the restored policy's.
+  ids = np.random.default_rng(0).integers(0, 400, 24)
+  with torch.no_grad():
+    want = hf.eval()(input_ids=torch.tensor(ids[None])).logits[0].numpy()
+  with export.restored_policy(workdir) as (policy, step, _):
+    assert step == 2
+    model = nnx.merge(policy.graphdef, policy.state.params)
+    row = inputs.pack_row([inputs.sequence_from_tokens(ids, [], model.cfg)], model.cfg)
+    got = np.asarray(jax.device_get(model.logits(row)))[0, : len(ids)]
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
   with pytest.raises(SystemExit, match="exists"):
     export.main([workdir, str(tmp_path / "last")])

@@ -10,6 +10,7 @@ import sys
 
 import ml_collections
 import pytest
+import yaml
 
 from fluxjax import config_args
 from fluxjax import settings as settings_lib
@@ -408,6 +409,26 @@ def test_a_bad_command_line_is_one_line_naming_the_cause():
   assert out.stderr.strip().splitlines() == [
     "fluxjax.train: --config.rl.nope: no such setting in vlm.py"
   ]
+
+
+def test_print_config_shows_the_resolved_config_with_its_overrides_and_exits(tmp_path):
+  """What the run would use, overrides applied, and nothing started: no
+  work directory appears."""
+  vlm = os.path.join(ROOT, "configs", "vlm.py")
+  workdir = tmp_path / "never"
+  out = subprocess.run(
+    [sys.executable, "-m", "fluxjax.train", f"--config={vlm}:tiny,smoke", "--print_config",
+     "--config.rl.temperature=0.7", f"--workdir={workdir}"],
+    capture_output=True, text=True, cwd=ROOT, timeout=120,
+  )  # fmt: skip
+  assert out.returncode == 0, out.stderr
+  # ConfigDict's own YAML; its tuples carry a Python tag.
+  printed = ml_collections.ConfigDict(yaml.load(out.stdout, Loader=yaml.UnsafeLoader))
+  want = config_args.load_config(vlm, "tiny,smoke")
+  want.rl.temperature = 0.7
+  assert printed.rl.temperature == 0.7 and printed.total_steps == want.total_steps
+  assert printed.model.preset == want.model.preset and printed.data.mix == want.data.mix
+  assert not workdir.exists()
 
 
 def test_vision_limits_come_from_the_checkpoint_or_the_run_refuses(tmp_path):

@@ -217,3 +217,20 @@ def test_geo3k_converts_into_rows_the_reader_takes(tmp_path):
   assert open(rows[0]["images"][0], "rb").read() == raw[0]["images"][0]["bytes"]
   with pytest.raises(SystemExit, match="no test-"):
     convert.main(["geo3k", str(tmp_path), str(out), "--split", "test"])
+
+
+def test_the_run_logs_its_first_rows_as_parsed(tmp_path, caplog):
+  """What a user checks first: each row's prompt as the chat template renders
+  it (system turn and interleaved images where they stand), its media in
+  prompt order and its answer; a bad row says why it is skipped."""
+  rows = readers.read_rows(os.path.join(ROOT, "examples", "data", "sample.jsonl"), str(tmp_path))
+  bad = {"id": "broken-1", "error": "media entry 0 is not a path or bytes"}
+  with caplog.at_level(logging.INFO, logger=loop.log.name):
+    loop.log_rows([rows[1], bad])
+  parsed, skipped = (r.getMessage() for r in caplog.records)
+  assert parsed.startswith("row compare-1 as parsed:\n<|im_start|>system\nAnswer with one word")
+  first, second = parsed.index("First picture:"), parsed.index("Second picture:")
+  assert first < parsed.index("<|vision_start|>") < second  # the image between the two texts
+  assert parsed.count("<|vision_start|>") == 2 and "answer: 'first'" in parsed
+  assert parsed.index("left.jpg") < parsed.index("right.jpg")  # media in prompt order
+  assert skipped == "row broken-1: skipped: media entry 0 is not a path or bytes"

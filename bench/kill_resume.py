@@ -2,6 +2,8 @@ r"""Exact resume under async: the 2-process fleet job SIGKILLed at random moment
 
   python bench/kill_resume.py --seeds 5 --json bench/results/kill_resume-<machine>-<commit>.json
   python bench/kill_resume.py --seeds 1 --sync-kills 1      # one seed, to try it
+  python bench/kill_resume.py --first-seed 2 --seeds 1 --json bench/results/...-seed2.json
+  python bench/kill_resume.py --pool bench/results/kill_resume-*-seed*.json  # seeds run apart
 
 Each seed runs tests/test_fleet_multiprocess.py's job (the `fleet` modifier on
 2 processes x 4 CPU devices: two launched fluxjax servers behind a launched
@@ -255,7 +257,16 @@ def main() -> None:
     help="default: a new temporary folder; a seed whose row is there is not run again",
   )
   p.add_argument("--json", default=None)
+  p.add_argument(
+    "--pool",
+    nargs="+",
+    metavar="FILE",
+    help="print the table and the pooled test of the seeds recorded in these --json files; "
+    "run nothing",
+  )
   args = p.parse_args()
+  if args.pool:
+    return print_pooled(args.pool)
   root = args.workdir or tempfile.mkdtemp(prefix="kill_resume-")
   print(f"work directory: {root}", flush=True)
   rows: list[dict] = []
@@ -287,6 +298,27 @@ def main() -> None:
   if error is not None:
     sys.exit(f"kill_resume.py: {error[:4000]}")
   if not passed:
+    sys.exit(f"kill_resume.py: the lengths at stake differ from the shadows' (p < {ALPHA})")
+
+
+def print_pooled(paths: list[str]) -> None:
+  """The table and pooled length test of seeds recorded by separate runs
+  (each file's own seeds; a seed recorded twice is an error)."""
+  rows: list[dict] = []
+  for path in paths:
+    with open(path) as f:
+      record = json.load(f)
+    if record.get("bench") != "kill_resume.py":
+      sys.exit(f"{path} is not a kill_resume.py record (bench: {record.get('bench')!r})")
+    if record.get("error"):
+      sys.exit(f"{path} recorded a failed seed: {record['error'][:400]}")
+    rows += record["seeds"]
+  seeds = [r["seed"] for r in rows]
+  if len(set(seeds)) != len(seeds):
+    sys.exit(f"a seed is recorded twice: {sorted(seeds)}")
+  pool = pooled(rows)
+  print("\n".join(table(rows, pool)))
+  if pool["against_shadows"]["p"] < ALPHA:
     sys.exit(f"kill_resume.py: the lengths at stake differ from the shadows' (p < {ALPHA})")
 
 

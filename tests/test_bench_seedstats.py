@@ -1,7 +1,9 @@
 """bench/seedstats.py against scipy's own tests, and bench/learning.py's speed table."""
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -11,6 +13,8 @@ from scipy import stats
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import learning
 import seedstats
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("n", [2, 3, 5, 8, 12, 40])
@@ -148,3 +152,37 @@ def test_task_table_reads_each_run_per_task_and_the_length_tail(capsys):
   tails = {x.split("|")[1].strip(): x for x in out if x.startswith("| ") and "%" in x}
   assert tails["default"].split("|")[2:5] == [" 9 ", " 67% ", " 50 "]
   assert tails["blind"].split("|")[3] == " 0% "
+
+
+def _kill_resume_record(path, seed: int, killed: list[float], shadows: list[float]) -> None:
+  kill = {"point": "generation", "victim": 0, "step": 2, "in_flight": 3, "partial": 1, "queued": 0}
+  row = {
+    "seed": seed,
+    "kills": [kill],
+    "sync_kills": [kill],
+    "accounting": {"drawn": 34, "trained": 32, "held": 2, "dropped": {}, "redone": 5},
+    "sync_parameters_equal": True,
+    "sync_parameters": 102,
+    "wall_s": 600.0,
+    "lengths": {"killed": killed, "reference": shadows},
+    "run_lengths": {"others": shadows},
+  }
+  path.write_text(json.dumps({"bench": "kill_resume.py", "seeds": [row], "error": None}))
+
+
+def test_kill_resume_pools_seeds_recorded_by_separate_runs(tmp_path):
+  """Seeds run in separate sessions are pooled from their --json files: one
+  row each, the length test over all; a seed recorded twice is refused."""
+  rng = np.random.default_rng(0)
+  files = []
+  for seed in (0, 1):
+    files.append(tmp_path / f"seed{seed}.json")
+    _kill_resume_record(files[-1], seed, list(rng.normal(24, 4, 9)), list(rng.normal(24, 4, 6)))
+  script = [sys.executable, os.path.join(ROOT, "bench", "kill_resume.py"), "--pool"]
+  out = subprocess.run([*script, *map(str, files)], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  rows = [line for line in out.stdout.splitlines() if line.lstrip()[:1].isdigit()]
+  assert [int(r.split("|")[0]) for r in rows] == [0, 1]
+  assert "(n=18) against the shadows'" in out.stdout and "(n=12)" in out.stdout
+  twice = subprocess.run([*script, str(files[0]), str(files[0])], capture_output=True, text=True)
+  assert twice.returncode != 0 and "a seed is recorded twice" in twice.stderr

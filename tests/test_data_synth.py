@@ -27,12 +27,12 @@ def _digest(folder):
 @pytest.fixture(scope="module")
 def video_heavy(tmp_path_factory):
   out = tmp_path_factory.mktemp("vh")
-  synth.generate(str(out), "video_heavy", 12, seed=3, cfg=TINY)
+  synth.generate(str(out), "video_heavy", 12, seed=3, synth=TINY)
   return out
 
 
 def test_same_seed_writes_the_same_dataset(tmp_path, video_heavy):
-  synth.generate(str(tmp_path), "video_heavy", 12, seed=3, cfg=TINY)
+  synth.generate(str(tmp_path), "video_heavy", 12, seed=3, synth=TINY)
   assert _digest(tmp_path) == _digest(video_heavy)
 
 

@@ -204,7 +204,7 @@ def media_ref(
   media_id: str,
   kind: processor.Kind,
   path: str,
-  cfg: processor.VisionProcessorConfig,
+  proc: processor.VisionProcessorConfig,
   limits: MediaLimits = media_lib.DEFAULT_LIMITS,
 ) -> MediaRef:
   """A MediaRef from a file's headers and the processor's resize rule.
@@ -219,16 +219,16 @@ def media_ref(
   elif kind == "video":
     info = probe(kind, path, limits)
     height, width, frames, fps = info.height, info.width, info.num_frames, info.fps
-    indices, sampled_fps = media_lib.sample_frame_indices(frames, fps, cfg)
+    indices, sampled_fps = media_lib.sample_frame_indices(frames, fps, proc)
     sampled = len(indices)
   else:
     raise ValueError(f"kind must be 'image' or 'video', got {kind!r}")
   media_lib.check_size(path, kind, height, width, limits, frames=frames, sampled_frames=sampled)
   try:
-    grid = processor.grid_for_size(kind, height, width, sampled, cfg)
+    grid = processor.grid_for_size(kind, height, width, sampled, proc)
   except ValueError as e:
     raise media_lib.MediaError(path, f"size rejected by processor: {e}") from e
-  spg = cfg.temporal_patch_size / sampled_fps if kind == "video" else None
+  spg = proc.temporal_patch_size / sampled_fps if kind == "video" else None
   return MediaRef(media_id, kind, path, height, width, frames, fps, sampled, grid, spg)
 
 
@@ -240,9 +240,9 @@ class ToMeta:
   """
 
   def __init__(
-    self, cfg: processor.VisionProcessorConfig, limits: MediaLimits = media_lib.DEFAULT_LIMITS
+    self, proc: processor.VisionProcessorConfig, limits: MediaLimits = media_lib.DEFAULT_LIMITS
   ):
-    self.cfg = cfg
+    self.proc = proc
     self.limits = limits
 
   def __call__(self, index: int, row: dict) -> SampleMeta:
@@ -272,7 +272,7 @@ class ToMeta:
     ]
     try:
       media = tuple(
-        media_ref(f"{index}/{k}", kind, path, self.cfg, self.limits)
+        media_ref(f"{index}/{k}", kind, path, self.proc, self.limits)
         for k, (kind, path) in enumerate(items)
       )
     except media_lib.MediaError as e:

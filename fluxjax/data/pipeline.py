@@ -1,19 +1,8 @@
 """The controller side of the ShadowLoader: a Grain pipeline of metadata only.
 
-    rows -> MapDataset.source().seed().shuffle().repeat().map_with_index(ToMeta)
-         -> iterator (Grain threads probe headers ahead)
-         -> lookahead window: each sample's media go to the least-loaded
-            preprocessor as soon as it is pulled (prefetch)
-         -> next_batch(): the first batch_size samples, in stream order, whose
-            media decoded; a sample whose file is missing, corrupt, truncated,
-            unsupported or outside the size limits is skipped (id and reason
-            logged, counted) and the next one takes its place.
-
-The controller holds `SampleMeta`/`MediaRef` only; patches stay in the
-workers' store until a materializer reads them. Checkpoint state is the Grain
-iterator state just after the last sample handed out or skipped, so a
-restored loader continues with the first sample no batch has seen (samples in
-the lookahead window are pulled again, never lost).
+`ShadowLoader` hands out batches of `SampleMeta`; the controller holds `SampleMeta` and
+`MediaRef` only, and patches stay in the workers' store until a materializer reads them.
+`meta_dataset` is its Grain MapDataset.
 """
 
 from __future__ import annotations
@@ -38,7 +27,7 @@ log = logging.getLogger(__name__)
 
 def meta_dataset(
   rows: Sequence[dict],
-  cfg: processor.VisionProcessorConfig,
+  proc: processor.VisionProcessorConfig,
   *,
   seed: int = 0,
   shuffle: bool = True,
@@ -49,7 +38,7 @@ def meta_dataset(
 
   Args:
     rows: normalized rows (`readers.read_rows`).
-    cfg: the processor configuration (token counts follow its resize rule).
+    proc: the processor configuration (token counts follow its resize rule).
     seed: shuffle seed (per epoch, Grain's).
     shuffle: shuffle the rows.
     num_epochs: passes over the rows; None repeats forever.
@@ -59,7 +48,7 @@ def meta_dataset(
   if shuffle:
     ds = ds.shuffle()
   ds = ds.repeat(num_epochs)
-  return ds.map_with_index(meta_lib.ToMeta(cfg, limits))
+  return ds.map_with_index(meta_lib.ToMeta(proc, limits))
 
 
 # (needle, kind), first match wins. Reasons start with a phrase of our own
@@ -108,10 +97,17 @@ class _Slot:
 class ShadowLoader:
   """Batches of SampleMeta whose media are decoded and stored by workers.
 
+    rows -> MapDataset.source().seed().shuffle().repeat().map_with_index(ToMeta)
+         -> iterator (Grain threads probe headers ahead)
+         -> lookahead window: each sample's media go to the least-loaded
+            preprocessor as soon as it is pulled (prefetch)
+         -> next_batch(): the first batch_size samples, in stream order, whose
+            media decoded
+
   Args:
     rows: normalized rows, or a path to a .jsonl / .parquet dataset.
     batch_size: samples per batch (held even when samples are skipped).
-    cfg: the processor configuration.
+    proc: the processor configuration.
     num_workers: preprocessor processes (0: no decoding, metadata only).
     seed: shuffle seed.
     shuffle: shuffle the rows.
@@ -132,7 +128,7 @@ class ShadowLoader:
     self,
     rows: Sequence[dict] | str,
     batch_size: int,
-    cfg: processor.VisionProcessorConfig,
+    proc: processor.VisionProcessorConfig,
     *,
     num_workers: int = 2,
     seed: int = 0,
@@ -151,11 +147,11 @@ class ShadowLoader:
     self.num_rows = len(rows)
     # Skips in a row: a whole pass over the rows without a usable sample stops.
     self._skips = faults_lib.Streak("skipped_samples", limit=self.num_rows)
-    self.cfg = cfg
+    self.proc = proc
     self.decode_timeout_s = decode_timeout_s
     self.lookahead = max(lookahead or 2 * batch_size, batch_size)
     self._ds = meta_dataset(
-      rows, cfg, seed=seed, shuffle=shuffle, num_epochs=num_epochs, limits=limits
+      rows, proc, seed=seed, shuffle=shuffle, num_epochs=num_epochs, limits=limits
     )
     self._read = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=self.lookahead)
     self._iter = iter(self._ds.to_iter_dataset(self._read))
@@ -164,7 +160,7 @@ class ShadowLoader:
     self._exhausted = False
     self.store = store_lib.MetaStore(store_bytes)
     self.pool = (
-      workers_lib.WorkerPool(num_workers, cfg, self.store, transport=transport, limits=limits)
+      workers_lib.WorkerPool(num_workers, proc, self.store, transport=transport, limits=limits)
       if num_workers
       else None
     )
@@ -232,6 +228,9 @@ class ShadowLoader:
   def next_batch(self) -> list[meta_lib.SampleMeta]:
     """The next batch_size usable samples (fewer only at the end of data).
 
+    A sample whose file is missing, corrupt, truncated, unsupported or outside the size
+    limits is skipped (id and reason logged, counted) and the next one takes its place.
+
     Raises:
       StopIteration: the data is exhausted (finite num_epochs).
     """
@@ -283,7 +282,12 @@ class ShadowLoader:
 
   # State -----------------------------------------------------------------
   def get_state(self) -> dict:
-    """JSON-serializable state: resume after the last sample handed out."""
+    """JSON-serializable state: resume after the last sample handed out.
+
+    It is the Grain iterator state just after the last sample handed out or skipped, so
+    a restored loader continues with the first sample no batch has seen (samples in the
+    lookahead window are pulled again, never lost).
+    """
     return {"grain": dict(self._committed), "skipped": self.skipped, "emitted": self.emitted}
 
   def set_state(self, state: dict) -> None:

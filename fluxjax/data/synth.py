@@ -121,8 +121,8 @@ def _even(x: float) -> int:
   return max(16, round(x / 2) * 2)
 
 
-def _image_size(rng: np.random.Generator, cfg: SynthConfig) -> tuple[int, int]:
-  long_side = GEO3K_LONG_SIDE.sample(rng) * cfg.image_scale
+def _image_size(rng: np.random.Generator, synth: SynthConfig) -> tuple[int, int]:
+  long_side = GEO3K_LONG_SIDE.sample(rng) * synth.image_scale
   short = long_side * rng.uniform(0.5, 1.0)
   if rng.random() < 0.5:
     return max(32, round(short)), max(32, round(long_side))
@@ -268,11 +268,11 @@ def last_colour_video(
   seconds: float,
   height: int,
   width: int,
-  cfg: SynthConfig,
+  synth: SynthConfig,
   ask_shape: bool = False,
 ):
   """Writes a clip of coloured shapes; asks which colour (shape) is last."""
-  num_frames = max(4, round(min(seconds, cfg.max_seconds) * cfg.fps))
+  num_frames = max(4, round(min(seconds, synth.max_seconds) * synth.fps))
   bounds, colors, shapes = _segments(rng, num_frames)
   # Each segment's picture is drawn once; frames reuse it (cheap to encode).
   pictures = []
@@ -281,14 +281,19 @@ def last_colour_video(
     draw_shape(PIL.ImageDraw.Draw(image), s, c, width / 2, height / 2, 0.35 * min(height, width))
     pictures.append(np.asarray(image))
   seg_of = np.searchsorted(np.asarray(bounds[1:]), np.arange(num_frames), side="right")
-  write_video(path, lambda i: pictures[seg_of[i]], num_frames, height, width, cfg.fps)
+  write_video(path, lambda i: pictures[seg_of[i]], num_frames, height, width, synth.fps)
   if ask_shape:
     return (f"Which shape appears last in the video? Is it a {shapes[-1]}?", shapes[-1], num_frames)
   return "Which colour appears last in the video?", colors[-1], num_frames
 
 
 def make_sample(
-  i: int, source: str | None, rng: np.random.Generator, out_dir: str, cfg: SynthConfig, prefix: str
+  i: int,
+  source: str | None,
+  rng: np.random.Generator,
+  out_dir: str,
+  synth: SynthConfig,
+  prefix: str,
 ) -> dict:
   """Generates one sample's media and returns its manifest row."""
   sid = f"{prefix}-{i:06d}"
@@ -298,7 +303,7 @@ def make_sample(
     row.update(prompt=f"What is {expr}?", answer=str(value), task="arith")
     return row
   if source == "geo3k":
-    height, width = _image_size(rng, cfg)
+    height, width = _image_size(rng, synth)
     if rng.random() < 0.5:
       image, q, a = count_image(rng, height, width)
       task = "count"
@@ -317,10 +322,10 @@ def make_sample(
   else:
     seconds = LONGVILA_SECONDS.sample(rng)
     h, w = LONGVILA_RESOLUTIONS[rng.choice(len(LONGVILA_RESOLUTIONS), p=LONGVILA_RES_P)]
-  h, w = _even(h * cfg.video_scale), _even(w * cfg.video_scale)
+  h, w = _even(h * synth.video_scale), _even(w * synth.video_scale)
   rel = os.path.join("media", f"{sid}.mp4")
   ask_shape = source == "longvila" and rng.random() < 0.3
-  q, a, frames = last_colour_video(rng, os.path.join(out_dir, rel), seconds, h, w, cfg, ask_shape)
+  q, a, frames = last_colour_video(rng, os.path.join(out_dir, rel), seconds, h, w, synth, ask_shape)
   row.update(
     prompt=q,
     answer=a,
@@ -329,19 +334,19 @@ def make_sample(
     height=h,
     width=w,
     frames=frames,
-    fps=cfg.fps,
+    fps=synth.fps,
     seconds=round(seconds, 2),
-    scale=cfg.video_scale,
+    scale=synth.video_scale,
   )
   return row
 
 
 def make_shapes_sample(
-  i: int, task: str, rng: np.random.Generator, out_dir: str, cfg: SynthConfig, prefix: str
+  i: int, task: str, rng: np.random.Generator, out_dir: str, synth: SynthConfig, prefix: str
 ) -> dict:
   """One sample of the `shapes` mix (a lossless PNG, so colours are exact)."""
   sid = f"{prefix}-{i:06d}"
-  image, q, a = SHAPES_TASKS[task](rng, cfg.shapes_size)
+  image, q, a = SHAPES_TASKS[task](rng, synth.shapes_size)
   rel = os.path.join("media", f"{sid}.png")
   image.save(os.path.join(out_dir, rel))
   return {
@@ -352,8 +357,8 @@ def make_shapes_sample(
     "prompt": q,
     "answer": a,
     "task": task,
-    "height": cfg.shapes_size,
-    "width": cfg.shapes_size,
+    "height": synth.shapes_size,
+    "width": synth.shapes_size,
   }
 
 
@@ -437,7 +442,7 @@ def content_keys(manifest: str) -> frozenset[str]:
 
 
 def _task_row(
-  i: int, task: str, seed: int, out_dir: str, cfg: SynthConfig, prefix: str, decks
+  i: int, task: str, seed: int, out_dir: str, synth: SynthConfig, prefix: str, decks
 ) -> dict:
   """Row i of a task-weighted mix; its own generator, so rows do not depend on
   how many draws earlier rows made (the CoT answer decks aside). `task` may
@@ -450,7 +455,7 @@ def _task_row(
     return make_reasoning_sample(i, sample, out_dir, prefix, source="reasoning_cot")
   if task in visual_tasks.TASKS:
     return make_reasoning_sample(i, visual_tasks.draw(child, task, level or None), out_dir, prefix)
-  return make_shapes_sample(i, task, child, out_dir, cfg, prefix)
+  return make_shapes_sample(i, task, child, out_dir, synth, prefix)
 
 
 def check_mix_weights(name: str, weights: Mapping[str, float]) -> None:
@@ -467,21 +472,21 @@ def check_mix_weights(name: str, weights: Mapping[str, float]) -> None:
       )
 
 
-def _row(i: int, mix: str, rng, seed: int, out_dir: str, cfg: SynthConfig, decks) -> dict:
+def _row(i: int, mix: str, rng, seed: int, out_dir: str, synth: SynthConfig, decks) -> dict:
   weights = MIXES[mix]
   prefix = f"{mix}-s{seed}"
   if isinstance(weights, dict):  # task weights (the small-picture mixes)
     tasks = sorted(weights)
     p = np.asarray([weights[t] for t in tasks], np.float64)
     task = tasks[rng.choice(len(tasks), p=p / p.sum())]
-    return _task_row(i, task, seed, out_dir, cfg, prefix, decks)
+    return _task_row(i, task, seed, out_dir, synth, prefix, decks)
   if weights is None:
     source = None
   else:
     p = np.asarray(weights, np.float64)
     source = SOURCES[rng.choice(3, p=p / p.sum())]
   # One child generator per sample, as in _task_row.
-  return make_sample(i, source, np.random.default_rng([seed, i]), out_dir, cfg, prefix)
+  return make_sample(i, source, np.random.default_rng([seed, i]), out_dir, synth, prefix)
 
 
 def generate(
@@ -489,7 +494,7 @@ def generate(
   mix: str,
   n: int,
   seed: int,
-  cfg: SynthConfig = SynthConfig(),
+  synth: SynthConfig = SynthConfig(),
   exclude: frozenset[str] = frozenset(),
 ) -> str:
   """Writes n samples of a mix under out_dir; returns the manifest's path.
@@ -499,7 +504,7 @@ def generate(
     mix: one of MIXES.
     n: number of samples.
     seed: generator seed; the same seed writes the same dataset.
-    cfg: size knobs.
+    synth: size knobs.
     exclude: content keys (`content_key`) no row may have, e.g. the training
       set's for a held-out set: such a draw is dropped (its media removed,
       counted in the log) and the next one taken, until n rows are written.
@@ -521,7 +526,7 @@ def generate(
   written, dropped, i = 0, 0, 0
   with open(manifest, "w") as f:
     while written < n:
-      row = _row(i, mix, rng, seed, out_dir, cfg, decks)
+      row = _row(i, mix, rng, seed, out_dir, synth, decks)
       i += 1
       row["content"] = content_key(row, out_dir)
       if row["content"] in exclude:
@@ -550,11 +555,11 @@ def main(argv=None) -> None:
   parser.add_argument("--max-seconds", type=float, default=SynthConfig.max_seconds)
   parser.add_argument("--shapes-size", type=int, default=SynthConfig.shapes_size)
   args = parser.parse_args(argv)
-  cfg = SynthConfig(
+  synth = SynthConfig(
     args.fps, args.video_scale, args.image_scale, args.max_seconds, args.shapes_size
   )
   start = time.perf_counter()
-  path = generate(args.out, args.mix, args.n, args.seed, cfg)
+  path = generate(args.out, args.mix, args.n, args.seed, synth)
   print(
     f"wrote {args.n} samples ({args.mix}, seed {args.seed}) to {path} in "
     f"{time.perf_counter() - start:.1f} s"

@@ -1,19 +1,9 @@
 """Preprocessor worker processes with least-loaded dispatch.
 
-Each worker is a spawned process (not forked: the parent may have started
-JAX, whose threads a fork would copy half-alive) that decodes with
-`fluxjax.models.media` and preprocesses with `fluxjax.models.processor`, the
-same functions the model's processor path uses, so the patches are identical.
-Results go into the host store (`store.py`): by default a shared-memory
-segment per item, reported by name; `transport="pickle"` sends the array
-through the result queue instead (kept for the benchmark's comparison).
-
-Dispatch picks the worker with the fewest outstanding patches (FlexRL's
-least-loaded routing, weighted by work rather than task count since one long
-video outweighs many images). Task queues are bounded, so a flood of
-submissions blocks instead of growing memory. A worker that dies, or that
-the loader abandons because its decode hung, has its pending items failed
-(counted skips upstream) and is restarted.
+`WorkerPool` runs spawned processes (not forked: the parent may have started JAX, whose
+threads a fork would copy half-alive) that decode with `fluxjax.models.media` and
+preprocess with `fluxjax.models.processor`, the functions the model's processor path
+uses, so the patches are identical. Results go into the host store (`store.py`).
 """
 
 from __future__ import annotations
@@ -43,7 +33,7 @@ preprocess_file = media_lib.preprocess_file
 
 def _worker_main(
   worker: int,
-  cfg,
+  proc,
   tasks,
   results,
   transport: str,
@@ -74,7 +64,7 @@ def _worker_main(
     media_id, kind, path = task
     start = time.perf_counter()
     try:
-      pv = preprocess_file(kind, path, cfg, limits)
+      pv = preprocess_file(kind, path, proc, limits)
     except media_lib.MediaError as e:
       results.put(("failed", worker, media_id, e.reason))
       continue
@@ -107,9 +97,15 @@ def _worker_main(
 class WorkerPool:
   """Preprocessor processes feeding a MetaStore.
 
+  Results go into the store as a shared-memory segment per item, reported by name;
+  `transport="pickle"` sends the array through the result queue instead (kept for the
+  benchmark's comparison). Task queues are bounded, so a flood of submissions blocks
+  instead of growing memory. A worker that dies, or that the loader abandons because its
+  decode hung, has its pending items failed (counted skips upstream) and is restarted.
+
   Args:
     num_workers: processes to start.
-    cfg: the processor configuration.
+    proc: the processor configuration.
     store: where results are registered.
     queue_size: bound of each worker's task queue.
     transport: "shm" (shared-memory slots) or "pickle" (arrays via queue).
@@ -123,7 +119,7 @@ class WorkerPool:
   def __init__(
     self,
     num_workers: int,
-    cfg: processor.VisionProcessorConfig,
+    proc: processor.VisionProcessorConfig,
     store: store_lib.MetaStore,
     queue_size: int = 64,
     transport: str = "shm",
@@ -133,8 +129,8 @@ class WorkerPool:
       raise ValueError(f"need at least one worker, got {num_workers}")
     if transport not in ("shm", "pickle"):
       raise ValueError(f"transport must be 'shm' or 'pickle', got {transport}")
-    self.cfg, self.store, self.transport, self.limits = cfg, store, transport, limits
-    self.patch_dim = 3 * cfg.temporal_patch_size * cfg.patch_size**2
+    self.proc, self.store, self.transport, self.limits = proc, store, transport, limits
+    self.patch_dim = 3 * proc.temporal_patch_size * proc.patch_size**2
     self._ctx = mp.get_context("spawn")
     self.segment_prefix = store_lib.segment_prefix()
     self._queue_size = queue_size
@@ -159,13 +155,13 @@ class WorkerPool:
 
   def _start(self, w: int) -> SpawnProcess:
     """Starts worker `w` on its task queue; returns the process."""
-    proc = self._ctx.Process(
+    process = self._ctx.Process(
       target=_worker_main,
       name=f"fluxjax-preproc-{w}",
       daemon=True,
       args=(
         w,
-        self.cfg,
+        self.proc,
         self._tasks[w],
         self._results,
         self.transport,
@@ -174,8 +170,8 @@ class WorkerPool:
       ),
       kwargs={"segment_prefix": self.segment_prefix},
     )
-    proc.start()
-    return proc
+    process.start()
+    return process
 
   def loads(self) -> list[int]:
     """Outstanding patches per worker."""
@@ -185,7 +181,9 @@ class WorkerPool:
   def submit(self, ref) -> int:
     """Sends a whole MediaRef's decode to the least-loaded worker.
 
-    An item already in the store is not sent again.
+    The least-loaded worker has the fewest outstanding patches (FlexRL's least-loaded
+    routing, weighted by work rather than task count since one long video outweighs
+    many images). An item already in the store is not sent again.
 
     Returns:
       The worker's index (-1 when it was already there).
@@ -251,10 +249,10 @@ class WorkerPool:
         self.store.set_failed(media_id, reason)
 
   def _check_alive(self) -> None:
-    for w, proc in enumerate(self._procs):
-      if self._stopping.is_set() or proc.is_alive():
+    for w, process in enumerate(self._procs):
+      if self._stopping.is_set() or process.is_alive():
         continue
-      log.error("preprocessor %d died (exit %s); restarting", w, proc.exitcode)
+      log.error("preprocessor %d died (exit %s); restarting", w, process.exitcode)
       with self._lock:
         # Atomic with submit: no item is left behind in the dead queue.
         lost = [k for k, (pw, _) in self._pending.items() if pw == w]
@@ -277,12 +275,12 @@ class WorkerPool:
       except queue.Full:
         pass
     deadline = time.monotonic() + timeout
-    for proc in self._procs:
-      proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in self._procs:
-      if proc.is_alive():
-        proc.kill()  # it ignores SIGTERM (faults.leave_stop_signals_to_parent)
-        proc.join(1.0)
+    for process in self._procs:
+      process.join(max(0.0, deadline - time.monotonic()))
+    for process in self._procs:
+      if process.is_alive():
+        process.kill()  # it ignores SIGTERM (faults.leave_stop_signals_to_parent)
+        process.join(1.0)
     # Drain results that landed after the last poll, so their slots unlink.
     self._closed.set()
     self._collector.join(2.0)

@@ -298,11 +298,11 @@ def probe_video(path: str | os.PathLike, limits: MediaLimits = DEFAULT_LIMITS) -
 
 
 def sample_frame_indices(
-  num_frames: int, video_fps: float, cfg: processor.VisionProcessorConfig
+  num_frames: int, video_fps: float, proc: processor.VisionProcessorConfig
 ) -> tuple[np.ndarray, float]:
   """Which frames to keep, following HF `Qwen2VLVideoProcessor.sample_frames`.
 
-  cfg.video_fps frames per second, clamped to [min_frames, max_frames] and the
+  proc.video_fps frames per second, clamped to [min_frames, max_frames] and the
   video length, floored to a multiple of temporal_patch_size, evenly spaced.
 
   Two deliberate departures from HF: HF's `torch.arange(0, n, n / k)` returns
@@ -314,7 +314,7 @@ def sample_frame_indices(
   Args:
     num_frames: frames in the video.
     video_fps: the video's frame rate.
-    cfg: the processor configuration.
+    proc: the processor configuration.
 
   Returns:
     (indices, sampled_fps): sorted int64 frame indices and the frame rate of
@@ -324,10 +324,10 @@ def sample_frame_indices(
     raise ValueError(f"num_frames must be positive, got {num_frames}")
   if not (math.isfinite(video_fps) and video_fps > 0):
     raise ValueError(f"video_fps must be positive and finite, got {video_fps}")
-  tp = cfg.temporal_patch_size
-  max_frames = math.floor(min(cfg.video_max_frames, num_frames) / tp) * tp
-  count = num_frames / video_fps * cfg.video_fps
-  count = min(max(count, cfg.video_min_frames), max_frames, num_frames)
+  tp = proc.temporal_patch_size
+  max_frames = math.floor(min(proc.video_max_frames, num_frames) / tp) * tp
+  count = num_frames / video_fps * proc.video_fps
+  count = min(max(count, proc.video_min_frames), max_frames, num_frames)
   count = math.floor(count / tp) * tp
   if count == 0:
     count = num_frames
@@ -341,7 +341,7 @@ def sample_frame_indices(
 
 def load_video(
   path: str | os.PathLike,
-  cfg: processor.VisionProcessorConfig,
+  proc: processor.VisionProcessorConfig,
   limits: MediaLimits = DEFAULT_LIMITS,
 ) -> tuple[np.ndarray, float]:
   """Decodes the frames `sample_frame_indices` picks, as RGB.
@@ -354,7 +354,7 @@ def load_video(
 
   Args:
     path: video file.
-    cfg: the processor configuration (sampling rate and frame limits).
+    proc: the processor configuration (sampling rate and frame limits).
     limits: size budgets.
 
   Returns:
@@ -366,7 +366,7 @@ def load_video(
   frames: list[np.ndarray] = []
   with bad_file(path, "decode video"), _open_video(path) as (container, stream):
     info = _probe_open(path, container, stream, limits)
-    indices, sampled_fps = sample_frame_indices(info.num_frames, info.fps, cfg)
+    indices, sampled_fps = sample_frame_indices(info.num_frames, info.fps, proc)
     check_size(
       path,
       "video",
@@ -406,7 +406,7 @@ def load_video(
 def preprocess_file(
   kind: processor.Kind,
   path: str | os.PathLike,
-  cfg: processor.VisionProcessorConfig,
+  proc: processor.VisionProcessorConfig,
   limits: MediaLimits = DEFAULT_LIMITS,
 ) -> processor.ProcessedVision:
   """Decodes and preprocesses one file exactly as the model's processor does.
@@ -420,9 +420,9 @@ def preprocess_file(
   if kind == "image":
     image = load_image(path, limits)
     with bad_file(path, "preprocess image"):
-      return processor.preprocess_image(image, cfg)
+      return processor.preprocess_image(image, proc)
   if kind == "video":
-    frames, fps = load_video(path, cfg, limits)
+    frames, fps = load_video(path, proc, limits)
     with bad_file(path, "preprocess video"):
-      return processor.preprocess_video(frames, cfg, fps)
+      return processor.preprocess_video(frames, proc, fps)
   raise ValueError(f"kind must be 'image' or 'video', got {kind!r}")

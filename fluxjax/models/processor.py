@@ -224,13 +224,13 @@ def smart_resize(
   return h_bar, w_bar
 
 
-def _video_max_pixels(num_frames: int, cfg: VisionProcessorConfig) -> int:
+def _video_max_pixels(num_frames: int, proc: VisionProcessorConfig) -> int:
   """Per-frame pixel cap of a video of num_frames sampled frames (HF resize)."""
-  max_pixels = cfg.video_max_pixels
-  if cfg.video_cap_pixels_per_frame:
-    total_pixels = int(cfg.video_max_tokens * cfg.factor * cfg.factor * 0.9)
-    share = total_pixels * cfg.temporal_patch_size // num_frames
-    max_pixels = max(min(max_pixels, share), int(cfg.video_min_pixels * 1.05))
+  max_pixels = proc.video_max_pixels
+  if proc.video_cap_pixels_per_frame:
+    total_pixels = int(proc.video_max_tokens * proc.factor * proc.factor * 0.9)
+    share = total_pixels * proc.temporal_patch_size // num_frames
+    max_pixels = max(min(max_pixels, share), int(proc.video_min_pixels * 1.05))
   return max_pixels
 
 
@@ -239,7 +239,7 @@ def resized_size(
   height: int,
   width: int,
   num_frames: int,
-  cfg: VisionProcessorConfig,
+  proc: VisionProcessorConfig,
 ) -> tuple[int, int]:
   """The (height, width) that preprocessing resizes an image or video to.
 
@@ -248,22 +248,22 @@ def resized_size(
     height: input height in pixels.
     width: input width in pixels.
     num_frames: frames given to `preprocess_video` (1 for images).
-    cfg: the processor configuration.
+    proc: the processor configuration.
 
   Returns:
-    (height, width) in pixels, multiples of `cfg.factor`.
+    (height, width) in pixels, multiples of `proc.factor`.
   """
   if kind == "image":
-    return smart_resize(height, width, cfg.factor, cfg.image_min_pixels, cfg.image_max_pixels)
+    return smart_resize(height, width, proc.factor, proc.image_min_pixels, proc.image_max_pixels)
   if kind == "video":
     if num_frames < 1:
       raise ValueError(f"a video needs at least one frame, got {num_frames}")
     return smart_resize(
       height,
       width,
-      cfg.factor,
-      cfg.video_min_pixels,
-      _video_max_pixels(num_frames, cfg),
+      proc.factor,
+      proc.video_min_pixels,
+      _video_max_pixels(num_frames, proc),
     )
   raise ValueError(f"kind must be 'image' or 'video', got {kind!r}")
 
@@ -273,7 +273,7 @@ def grid_for_size(
   height: int,
   width: int,
   num_frames: int,
-  cfg: VisionProcessorConfig,
+  proc: VisionProcessorConfig,
 ) -> tuple[int, int, int]:
   """Patch grid (t, h, w) that preprocessing yields, from sizes alone.
 
@@ -282,16 +282,16 @@ def grid_for_size(
     height: input height in pixels.
     width: input width in pixels.
     num_frames: sampled frames of a video (1 for images).
-    cfg: the processor configuration.
+    proc: the processor configuration.
 
   Returns:
     (t, h, w) in patch units, equal to `preprocess_*(...).grid_thw`.
   """
   if kind == "image" and num_frames != 1:
     raise ValueError(f"an image has one frame, got num_frames={num_frames}")
-  h, w = resized_size(kind, height, width, num_frames, cfg)
-  t = -(-num_frames // cfg.temporal_patch_size)  # ceil: frames are padded
-  return t, h // cfg.patch_size, w // cfg.patch_size
+  h, w = resized_size(kind, height, width, num_frames, proc)
+  t = -(-num_frames // proc.temporal_patch_size)  # ceil: frames are padded
+  return t, h // proc.patch_size, w // proc.patch_size
 
 
 def num_patches(grid_thw: Sequence[int]) -> int:
@@ -350,30 +350,30 @@ def to_rgb(image: PIL.Image.Image | np.ndarray) -> PIL.Image.Image:
   return PIL.Image.fromarray(np.ascontiguousarray(image))
 
 
-def _normalize(pixels_HWC: np.ndarray, cfg: VisionProcessorConfig) -> np.ndarray:
+def _normalize(pixels_HWC: np.ndarray, proc: VisionProcessorConfig) -> np.ndarray:
   """uint8 -> float32 (x * scale - mean) / std, as HF's PIL backend does."""
   # HF rescales in float64 and casts to float32 before normalizing in float32;
   # doing the same keeps the parity exact rather than within rounding.
-  x = (pixels_HWC.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
-  mean = np.asarray(cfg.image_mean, dtype=np.float32)
-  std = np.asarray(cfg.image_std, dtype=np.float32)
+  x = (pixels_HWC.astype(np.float64) * proc.rescale_factor).astype(np.float32)
+  mean = np.asarray(proc.image_mean, dtype=np.float32)
+  std = np.asarray(proc.image_std, dtype=np.float32)
   return (x - mean) / std
 
 
-def _patchify(frames_FHWC: np.ndarray, cfg: VisionProcessorConfig) -> np.ndarray:
+def _patchify(frames_FHWC: np.ndarray, proc: VisionProcessorConfig) -> np.ndarray:
   """HF's flattening of normalized frames into [N, C*T*P*P] patches.
 
   Args:
     frames_FHWC: float32 frames, F a multiple of temporal_patch_size and H, W
       multiples of patch_size * merge_size.
-    cfg: the processor configuration.
+    proc: the processor configuration.
 
   Returns:
     float32 [N, C * T * P * P], rows ordered (t, h_block, w_block, h_in, w_in)
     so that each merge_size^2 group of rows is one merged token.
   """
   f, height, width, c = frames_FHWC.shape
-  p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+  p, m, tp = proc.patch_size, proc.merge_size, proc.temporal_patch_size
   gt, gh, gw = f // tp, height // p, width // p
   frames_FCHW = frames_FHWC.transpose(0, 3, 1, 2)
   x = frames_FCHW.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p)
@@ -383,31 +383,31 @@ def _patchify(frames_FHWC: np.ndarray, cfg: VisionProcessorConfig) -> np.ndarray
 
 
 def preprocess_image(
-  image: PIL.Image.Image | np.ndarray, cfg: VisionProcessorConfig
+  image: PIL.Image.Image | np.ndarray, proc: VisionProcessorConfig
 ) -> ProcessedVision:
   """Resize, normalize and patchify one image as Qwen2VLImageProcessorPil does.
 
   Args:
     image: a PIL image (any mode) or a uint8 [H, W] / [H, W, C] array.
-    cfg: the processor configuration.
+    proc: the processor configuration.
 
   Returns:
     The patches, with grid (1, h, w); the image fills every temporal slot.
   """
   rgb = to_rgb(image)
   width, height = rgb.size
-  new_h, new_w = resized_size("image", height, width, 1, cfg)
+  new_h, new_w = resized_size("image", height, width, 1, proc)
   if (new_h, new_w) != (height, width):
-    rgb = rgb.resize((new_w, new_h), resample=cfg.resample)
-  pixels_HWC = _normalize(np.asarray(rgb), cfg)
-  frames_FHWC = np.broadcast_to(pixels_HWC[None], (cfg.temporal_patch_size, *pixels_HWC.shape))
-  patches_ND = _patchify(frames_FHWC, cfg)
-  grid = (1, new_h // cfg.patch_size, new_w // cfg.patch_size)
+    rgb = rgb.resize((new_w, new_h), resample=proc.resample)
+  pixels_HWC = _normalize(np.asarray(rgb), proc)
+  frames_FHWC = np.broadcast_to(pixels_HWC[None], (proc.temporal_patch_size, *pixels_HWC.shape))
+  patches_ND = _patchify(frames_FHWC, proc)
+  grid = (1, new_h // proc.patch_size, new_w // proc.patch_size)
   return ProcessedVision(patches_ND, grid, None, "image")
 
 
 def preprocess_video(
-  frames_FHWC: np.ndarray, cfg: VisionProcessorConfig, fps: float
+  frames_FHWC: np.ndarray, proc: VisionProcessorConfig, fps: float
 ) -> ProcessedVision:
   """Resize, normalize and patchify sampled frames as Qwen2VLVideoProcessor.
 
@@ -417,7 +417,7 @@ def preprocess_video(
 
   Args:
     frames_FHWC: uint8 RGB frames [F, H, W, 3], already sampled.
-    cfg: the processor configuration.
+    proc: the processor configuration.
     fps: frame rate of the sampled frames (sets `second_per_grid`).
 
   Returns:
@@ -435,17 +435,17 @@ def preprocess_video(
     raise ValueError("a video needs at least one frame, got 0")
   if not (math.isfinite(fps) and fps > 0):
     raise ValueError(f"fps must be positive and finite, got {fps}")
-  new_h, new_w = resized_size("video", height, width, num_frames, cfg)
-  tp = cfg.temporal_patch_size
+  new_h, new_w = resized_size("video", height, width, num_frames, proc)
+  tp = proc.temporal_patch_size
   padded_f = -(-num_frames // tp) * tp
   out_FHWC = np.empty((padded_f, new_h, new_w, 3), np.float32)
   for i, frame_HWC in enumerate(frames_FHWC):
     if (new_h, new_w) != (height, width):
       frame = PIL.Image.fromarray(np.ascontiguousarray(frame_HWC))
-      frame_HWC = np.asarray(frame.resize((new_w, new_h), cfg.resample))
-    out_FHWC[i] = _normalize(frame_HWC, cfg)
+      frame_HWC = np.asarray(frame.resize((new_w, new_h), proc.resample))
+    out_FHWC[i] = _normalize(frame_HWC, proc)
   # HF pads with copies of the last frame so the temporal grid is whole.
   out_FHWC[num_frames:] = out_FHWC[num_frames - 1]
-  patches_ND = _patchify(out_FHWC, cfg)
-  grid = (padded_f // tp, new_h // cfg.patch_size, new_w // cfg.patch_size)
+  patches_ND = _patchify(out_FHWC, proc)
+  grid = (padded_f // tp, new_h // proc.patch_size, new_w // proc.patch_size)
   return ProcessedVision(patches_ND, grid, tp / fps, "video")

@@ -1,19 +1,8 @@
 r"""A run's policy as an HF folder: python -m fluxjax.export WORKDIR OUT [--step N] [--sft].
 
-Reads the run's resolved config (WORKDIR/config.json), builds its policy on
-this process's devices, restores checkpoint N (default: the latest; with
---sft, of the SFT warm-up under WORKDIR/sft, which is all a pretraining run
-such as configs/pretrain.py writes) and writes OUT: the weights as
-safetensors (`--dtype`, bfloat16 by default; sharded above 4 GiB a file,
-with an index), config.json, the run's tokenizer.json and its vision
-preprocessing (preprocessor_config.json, video_preprocessor_config.json).
-transformers' `Qwen2_5_VLForConditionalGeneration.from_pretrained(OUT)` and
-SGLang load it, and `--config.model.hf_path=OUT` starts another run from it.
-
-The restore reads the whole train state (the optimizer's moments too) onto
-the devices the run's mesh settings give here, sharded as in training: no
-process holds the whole model. The folder appears complete or not at all
-(written beside it, then renamed).
+`export` restores a checkpoint of the run in WORKDIR (`restored_policy`) and writes OUT,
+which transformers, SGLang and `--config.model.hf_path` load (docs/config.md, "Exporting
+the policy"). The restore is sharded as in training: no process holds the whole model.
 """
 
 from __future__ import annotations
@@ -45,7 +34,13 @@ def load_run_config(workdir: str):
 def restored_policy(workdir: str, step: int | None = None, sft: bool = False):
   """Yields (policy, step, validated config) of checkpoint `step` (None: the
   latest) of the run in `workdir`, an RL checkpoint or (`sft`) a warm-up
-  one, on this process's devices."""
+  one, on this process's devices.
+
+  It reads the run's resolved config (WORKDIR/config.json) and builds its policy. The
+  restore reads the whole train state (the optimizer's moments too) onto the devices the
+  run's mesh settings give here, sharded as in training. A warm-up checkpoint is one of
+  WORKDIR/sft, which is all a pretraining run such as configs/pretrain.py writes.
+  """
   from fluxjax.data import materializer as materializer_lib
   from fluxjax.data import store as store_lib
   from fluxjax.rl import loop
@@ -71,7 +66,14 @@ def export(
   workdir: str, out: str, step: int | None = None, dtype: str = "bfloat16", sft: bool = False
 ) -> int:
   """Writes checkpoint `step` (None: the latest) of the run in `workdir` to
-  `out`, an RL checkpoint or (`sft`) a warm-up one; returns the step written."""
+  `out`, an RL checkpoint or (`sft`) a warm-up one; returns the step written.
+
+  OUT holds the weights as safetensors (`dtype`; sharded above 4 GiB a file, with an
+  index), config.json, the run's tokenizer.json and its vision preprocessing
+  (preprocessor_config.json, video_preprocessor_config.json): transformers'
+  `Qwen2_5_VLForConditionalGeneration.from_pretrained(OUT)` and SGLang load it. The
+  folder appears complete or not at all (written beside it, then renamed).
+  """
   from fluxjax.rl import loop
 
   with restored_policy(workdir, step, sft) as (policy, step, validated):

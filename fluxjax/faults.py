@@ -1,19 +1,8 @@
 """The fault policy: failures are counted, and too many in a row stop the run.
 
-A `Streak` counts one kind of failure: `fail()` adds one to the run's total
-and to the current streak, `ok()` ends the streak, and `fail()` returns True
-once `limit` failures have come in a row (0 = never); the caller then raises
-an error that names the cause. The limits live in the config's `faults`
-section (configs/vlm.py), nowhere else.
-
-A helper process (a preprocessor, a reward worker) calls
-`leave_stop_signals_to_parent` first: a scheduler's SIGTERM or a terminal's
-Ctrl-C reaches the whole process group, and a helper dying of it before its
-parent shuts it down would be counted as a crash and restarted.
-
-`Faults` holds a run's streaks by name. Every total is reported as
-`faults/<name>_total` (`metric`) and checkpointed together (`get_state`,
-`set_state`), so a resumed run goes on counting where it stopped.
+A `Streak` counts one kind of failure, and `Faults` holds a run's streaks by name; the
+limits live in the config's `faults` section (configs/vlm.py), nowhere else. Which faults
+are counted: docs/reliability.md, "Faults, counted in the metrics".
 """
 
 from __future__ import annotations
@@ -30,14 +19,24 @@ def metric(name: str) -> str:
 
 def leave_stop_signals_to_parent() -> None:
   """Ignores SIGTERM and SIGINT in a helper process: its parent stops it
-  (a stop message, else SIGKILL), and it exits when its parent is gone."""
+  (a stop message, else SIGKILL), and it exits when its parent is gone.
+
+  A helper process (a preprocessor, a reward worker) calls it first: a scheduler's SIGTERM
+  or a terminal's Ctrl-C reaches the whole process group, and a helper dying of it before
+  its parent shuts it down would be counted as a crash and restarted.
+  """
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
   signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @dataclasses.dataclass
 class Streak:
-  """Failures of one kind: the run's total and the current run of them."""
+  """Failures of one kind: the run's total and the current run of them.
+
+  `fail()` adds one to the total and to the current streak, `ok()` ends the streak, and
+  `fail()` returns True once `limit` failures have come in a row; the caller then raises
+  an error that names the cause.
+  """
 
   name: str
   limit: int = 0  # failures in a row that stop the run; 0 = never
@@ -55,7 +54,11 @@ class Streak:
 
 
 class Faults:
-  """A run's streaks, one per fault name, with the limits of the `faults` config."""
+  """A run's streaks, one per fault name, with the limits of the `faults` config.
+
+  Every total is reported as `faults/<name>_total` (`metric`) and checkpointed together
+  (`get_state`, `set_state`), so a resumed run goes on counting where it stopped.
+  """
 
   def __init__(self, limits: Mapping[str, int]):
     self._limits = {k: int(v) for k, v in limits.items()}

@@ -2,19 +2,10 @@ r"""Is this environment ready for a GPU run? python -m fluxjax.install_check.
 
   python -m fluxjax.install_check [--weight-sync distributed] [--sglang]
 
-Reads installed packages only: it needs no GPU and starts nothing. It
-reports JAX and its CUDA plugin, torch and whether it can speak NCCL (what
-`rollout.weight_sync=distributed` on GPUs needs), SGLang and the
-sglang-router, and exits 1 naming what is missing for the modes asked for.
-
-The GPU install (docs/quickstart-gpu.md): `pip install -c constraints.txt
--e '.[cuda,fleet]'` gives JAX with its CUDA 12 plugin and the router, but
-the lock's torch is the CPU build; a CUDA torch of the same version replaces
-it with `pip install torch==<that version> --index-url
-https://download.pytorch.org/whl/cu128` (or the CUDA build the driver
-takes). SGLang runs in its own servers, often in its own environment;
-fluxjax's fleet client was written against its HTTP API of 0.5.x and main
-(`SGLANG_API`) and has not met a real SGLang server yet.
+Reads installed packages only: it needs no GPU and starts nothing. It reports JAX and its
+CUDA plugin, torch and whether it can speak NCCL (what `rollout.weight_sync=distributed`
+on GPUs needs), SGLang and the sglang-router, and exits 1 naming what is missing for the
+modes asked for. The GPU install: docs/quickstart-gpu.md, "Install".
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """Where a run's log records go: fluxjax's progress to the console, all of it to a file.
 
-Every fluxjax module logs through the standard library,
-`log = logging.getLogger(__name__)`, so all of its records sit under the
-`fluxjax` logger. train.py routes them: `configure()` at start, and
-`add_file(workdir)` once the config is valid (a refused run writes nothing):
-
-  console  fluxjax's own INFO and above (progress, evaluation, the strategy
-           and mesh); WARNING and above from other libraries, except those
-           that log through absl (Orbax, Grain: ERROR and above; Orbax
-           warns on every checkpoint about its internal layout);
-  file     WORKDIR/train.log: fluxjax at DEBUG (e.g. the evaluated answers)
-           and everything else at INFO and above (Orbax writes ~60 INFO
-           lines per checkpoint), for when a run needs explaining. Process
-           k > 0 of a multi-controller run writes train.p<k>.log, and its
-           console shows WARNING and above only, prefixed [p<k>] (the
-           leader reports progress).
-
-Library code never configures logging; a notebook or test sees fluxjax's
-records through the root logger as usual.
+Every fluxjax module logs through the standard library (`logging.getLogger(__name__)`),
+so all of its records sit under the `fluxjax` logger. train.py routes them: `configure()`
+at start, and `add_file(workdir)` once the config is valid (a refused run writes nothing).
+Library code never configures logging; a notebook or test sees fluxjax's records through
+the root logger as usual.
 """
 
 from __future__ import annotations
@@ -36,7 +23,13 @@ _FORMAT_CONSOLE_WARNING = "%(asctime)s %(levelname)s %(name)s] %(message)s"
 
 
 class _ConsoleFilter(logging.Filter):
-  """The console's share of the records (see the module docstring)."""
+  """The console's share of the records.
+
+  fluxjax's own records at `fluxjax_level` and above (progress, evaluation, the strategy
+  and mesh); WARNING and above from other libraries, except those that log through absl
+  (Orbax, Grain: ERROR and above; Orbax warns on every checkpoint about its internal
+  layout).
+  """
 
   def __init__(self, fluxjax_level: int = logging.INFO):
     super().__init__()
@@ -64,7 +57,7 @@ class _ConsoleFormatter(logging.Formatter):
 
 
 def configure(console: TextIO | None = None, process_index: int = 0) -> None:
-  """Routes every record of the process to the console (see the module docstring).
+  """Routes every record of the process to the console (`_ConsoleFilter`'s share).
 
   Replaces the root logger's handlers (absl's, under `absl.app.run`), so it
   is for entry points only; `add_file` adds the run's log file once the work
@@ -73,7 +66,8 @@ def configure(console: TextIO | None = None, process_index: int = 0) -> None:
   Args:
     console: the console stream (default stderr).
     process_index: this process in a multi-controller run; k > 0 shows
-      fluxjax's WARNING and above only, prefixed [p<k>].
+      fluxjax's WARNING and above only, prefixed [p<k>] (the leader reports
+      progress).
   """
   root = logging.getLogger()
   for handler in list(root.handlers):
@@ -95,7 +89,12 @@ def log_file_name(process_index: int = 0) -> str:
 
 
 def add_file(workdir: str, process_index: int = 0) -> str:
-  """Also writes every record to WORKDIR/train.log (per process); returns its path."""
+  """Also writes every record to WORKDIR/train.log (per process); returns its path.
+
+  The file takes fluxjax at DEBUG (e.g. the evaluated answers) and everything else at
+  INFO and above (Orbax writes ~60 INFO lines per checkpoint), for when a run needs
+  explaining. Process k > 0 of a multi-controller run writes train.p<k>.log.
+  """
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, log_file_name(process_index))
   to_file = logging.FileHandler(path)

@@ -1,17 +1,10 @@
 r"""python -m fluxjax.plot RUN [RUN ...] [--out DIR]: PNG curves of runs' metrics.
 
-Writes one PNG per panel (PANELS: reward, held-out accuracy and its
-breakdowns, response length, staleness, throughput, the SFT loss, and the
-health panels: loss, entropy, KL, clip fraction, gradient norm, learning
-rate, importance weights) and a combined summary.png, from each
-RUN/metrics.jsonl, into RUN/plots for one run or --out (default ./plots)
-for several, whose curves are overlaid and labelled by the run's folder
-name. Held-out accuracy is drawn with its 95% interval shaded, greedy
-accuracy and pass@k beside it. A run with an SFT warm-up
-(fluxjax/rl/sft.py) logs it at steps -S..0; those steps are shaded in every
-panel, so the accuracy curve shows where the warm-up starts and where GRPO
-takes over. docs/metrics.md says what each metric means and what a healthy
-run shows.
+`plot` writes one PNG per panel of `PANELS` and a combined summary.png from each
+RUN/metrics.jsonl (docs/metrics.md, "Plots"). A run with an SFT warm-up (fluxjax/rl/sft.py)
+logs it at steps -S..0; those steps are shaded in every panel, so the accuracy curve
+shows where the warm-up starts and where GRPO takes over. docs/metrics.md says what each
+metric means and what a healthy run shows.
 """
 
 from __future__ import annotations
@@ -140,7 +133,11 @@ def _draw(ax, runs, first_step, markers: bool) -> None:
 def plot(workdirs: str | Sequence[str], out_dir: str | None = None) -> list[str]:
   """Writes the PNGs of one run (into RUN/plots) or of several overlaid
   (into out_dir, default ./plots); returns their paths (panels with no data
-  in any run are skipped)."""
+  in any run are skipped).
+
+  Several runs' curves are overlaid and labelled by the run's folder name. Held-out
+  accuracy is drawn with its 95% interval shaded, greedy accuracy and pass@k beside it.
+  """
   import matplotlib
 
   matplotlib.use("Agg")  # files only, no display

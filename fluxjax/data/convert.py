@@ -1,19 +1,10 @@
-r"""Public VLM datasets into the rows fluxjax reads (docs/data.md).
+r"""Public VLM datasets into the rows fluxjax reads (docs/data.md, "Converters").
 
   python -m fluxjax.data.convert geo3k RAW_DIR_OR_PARQUET OUT.parquet [--split train]
 
-geo3k: hiyouga/geometry3k as the HF hub stores it (Parquet files with
-`images` (a list of {"bytes", "path"}), `problem` (text with an `<image>`
-placeholder) and `answer`), written as veRL's examples/data_preprocess/geo3k.py
-writes it: `prompt` a one-turn chat of the problem and an instruction to
-think in <think></think> and answer in \boxed{}, `images` unchanged,
-`data_source`, `ability`, `reward_model` {"style": "rule", "ground_truth"} and
-`extra_info` {split, index, answer, question}. fluxjax reads that file as it
-is (and veRL's own output too); the reward is yours to give
-(docs/rewards.md), e.g. a \boxed{} checker.
-
-Only pyarrow is needed (no `datasets`): point it at the files
-`huggingface-cli download hiyouga/geometry3k --repo-type dataset` fetched.
+`CONVERTERS` maps a dataset's name to its row converter. Only pyarrow is needed (no
+`datasets`): point it at the files `huggingface-cli download hiyouga/geometry3k
+--repo-type dataset` fetched.
 """
 
 from __future__ import annotations
@@ -30,7 +21,17 @@ GEO3K_INSTRUCTION = (
 
 
 def geo3k_rows(raw: list[dict], split: str, data_source: str = "hiyouga/geometry3k") -> list[dict]:
-  """Rows of the raw geometry3k table, in veRL's layout."""
+  r"""Rows of the raw geometry3k table, in veRL's layout.
+
+  `raw` is hiyouga/geometry3k as the HF hub stores it: `images` (a list of {"bytes",
+  "path"}), `problem` (text with an `<image>` placeholder) and `answer`. Each row is
+  written as veRL's examples/data_preprocess/geo3k.py writes it: `prompt` a one-turn chat
+  of the problem and an instruction to think in <think></think> and answer in \boxed{},
+  `images` unchanged, `data_source`, `ability`, `reward_model` {"style": "rule",
+  "ground_truth"} and `extra_info` {split, index, answer, question}. fluxjax reads that
+  file as it is (and veRL's own output too); the reward is yours to give
+  (docs/rewards.md), e.g. a \boxed{} checker.
+  """
   out = []
   for index, r in enumerate(raw):
     problem, answer = r["problem"], r["answer"]

@@ -1,19 +1,9 @@
 """The Materializer: device vision buffers from the worker store, one step ahead.
 
-Two uses:
-  * as `patch_source` for `fluxjax.parallel.batch.materialize`: item ->
-    float32 [num_patches, patch_dim], the rows of its (possibly sliced)
-    MediaRef, identical to the processor's output for that file;
-  * in the background: `prepare(placement)` takes the plan's
-    `batch.media_placement` for the next step, keeps only the items placed on
-    this process's devices, and reads their patches (only the rows each slice
-    needs) in a thread while the current step runs. `wait()` then blocks only
-    if that work is not finished, and records how long the step waited.
-
-Multi-host: every process computes the same plan from metadata (or receives
-it broadcast) and materializes only its own devices' items; with a worker
-pool attached, an item its store lacks is sent to its local preprocessors
-first, so pixels never travel through the controller.
+`Materializer` is the `patch_source` of `fluxjax.parallel.batch.materialize`, reading an
+item's patches when asked, or, with `prepare` and `wait`, reading the next step's items in
+a thread while the current step runs. Each process materializes only its own devices'
+items, so pixels never travel through the controller.
 """
 
 from __future__ import annotations
@@ -29,6 +19,10 @@ from fluxjax.data import store as store_lib
 
 class Materializer:
   """Reads patches of MediaRefs from a MetaStore, synchronously or ahead.
+
+  Multi-host: every process computes the same plan from metadata (or receives it
+  broadcast) and materializes only its own devices' items; with a worker pool attached,
+  an item its store lacks is sent to its local preprocessors first.
 
   Args:
     store: the host store the workers fill.
@@ -63,7 +57,11 @@ class Materializer:
     return out
 
   def __call__(self, item) -> np.ndarray:
-    """`patch_source` for batch.materialize: prepared patches, else fetch."""
+    """`patch_source` for batch.materialize: prepared patches, else fetch.
+
+    Item -> float32 [num_patches, patch_dim], the rows of its (possibly sliced) MediaRef,
+    identical to the processor's output for that file.
+    """
     out = self._ready.get(item.id)
     if out is not None:
       return out
@@ -90,6 +88,9 @@ class Materializer:
     self, placement: Mapping[tuple[int, int], Sequence], devices: Iterable[int] | None = None
   ) -> None:
     """Starts reading the next step's local items in a background thread.
+
+    Keeps only the items placed on this process's devices and reads their patches (only
+    the rows each slice needs) while the current step runs.
 
     Args:
       placement: `batch.media_placement(plan, seqs, cfg)` of the next step.
@@ -119,7 +120,8 @@ class Materializer:
   def wait(self) -> float:
     """Blocks until the prepared step is ready; returns (and records) the wait.
 
-    After this, `__call__` serves the prepared items without blocking.
+    It blocks only if the reading is not finished. After this, `__call__` serves the
+    prepared items without blocking.
     """
     if self._thread is None:
       raise RuntimeError("wait() without prepare()")

@@ -1,19 +1,12 @@
 """The host store of preprocessed patches and its MetaStore (id -> worker, slot).
 
-Workers write each item's float32 patches into one POSIX shared-memory
-segment (the "slot") and report its name; the MetaStore records
-media id -> (worker, slot, shape, grid). A reader maps the segment and copies
-only the rows it needs, so a video slice costs its own bytes, and the process
-that schedules (the controller) never maps a segment at all.
-
-Why shared memory rather than pickling arrays through a pipe: a pickled
-result is copied into the receiving process whether or not it needs it
-(every byte through the controller) and costs a serialize + pipe + deserialize
-per item; a segment is written once by the worker and read in place by the
-materializer (bench/loader.py measures both).
-
-The store is bounded in bytes: the loader stops prefetching past the budget,
-and an item is evicted (its segment unlinked) once it has been consumed.
+Workers write each item's float32 patches into one POSIX shared-memory segment (the
+"slot", `write_shared`) and report its name; the `MetaStore` records media id -> (worker,
+slot, shape, grid). A reader maps the segment and copies only the rows it needs
+(`read_shared`), so a video slice costs its own bytes, and the controller never maps a
+segment at all. Shared memory rather than arrays pickled through a pipe: a pickled result
+is copied into the receiving process whether it needs it or not, and costs a serialize,
+pipe and deserialize per item (bench/loader.py measures both).
 """
 
 from __future__ import annotations
@@ -105,6 +98,9 @@ class Entry:
 
 class MetaStore:
   """Thread-safe registry of stored items, bounded in bytes.
+
+  The loader stops prefetching past the budget (`has_room`), and an item is evicted (its
+  segment unlinked) once it has been consumed (`release`).
 
   Args:
     budget_bytes: bytes the loader may keep reserved (pending + ready).

@@ -2,13 +2,9 @@
 
   python -m fluxjax.data.tokenizer_corpus --out fluxjax/models/assets/tokenizer.json
 
-The corpus is the chat and number text of `tokenizer.synthetic_corpus` plus
-a fixed draw of every task's questions and reference responses at every
-level (`task_texts`): the question wordings, the keyed lists ("a red, b
-blue") and the chains ("<think> a red1 b blue1</think>"), so the words the
-tasks use become single tokens (each key letter with its space among them).
-Changing a task's wording changes the corpus: regenerate the asset, and
-retrain any base model frozen with the old one.
+The corpus is the chat and number text of `tokenizer.synthetic_corpus` plus `task_texts`.
+Changing a task's wording changes the corpus: regenerate the asset, and retrain any base
+model frozen with the old one.
 """
 
 from __future__ import annotations
@@ -31,7 +27,12 @@ def _chat(question: str, response: str) -> str:
 
 
 def task_texts() -> Iterator[str]:
-  """Questions and reference responses of every task, in a fixed order."""
+  """Questions and reference responses of every task, in a fixed order.
+
+  A fixed draw at every level: the question wordings, the keyed lists ("a red, b blue")
+  and the chains ("<think> a red1 b blue1</think>"), so the words the tasks use become
+  single tokens (each key letter with its space among them).
+  """
   rng = np.random.default_rng(SEED)
   decks = cot_tasks.AnswerDecks(rng)
   for level in visual_tasks.LEVELS:

@@ -1,21 +1,9 @@
 """Qwen2.5-VL chat formatting and vision-token expansion.
 
-`render_chat` reproduces the Qwen2-VL / Qwen2.5-VL Hugging Face chat template
-(a default system turn, `<|im_start|>role\\n...<|im_end|>\\n` turns, each image
-as `<|vision_start|><|image_pad|><|vision_end|>`, each video with
-`<|video_pad|>`). `tokenize_chat` then does what `Qwen2_5_VLProcessor` does:
-every placeholder pad becomes t*h*w // merge**2 pads, one per merged 2x2 patch
-of its (t, h, w) grid, and `mm_token_type_ids` marks them 0 text / 1 image /
-2 video.
-
-Expansion happens on token ids, not on text: the rendered prompt is encoded
-with one pad per placeholder and each pad id is then repeated. That gives the
-same ids as HF's text-level expansion (pads are added tokens and never merge
-with neighbours in BPE), without encoding strings of thousands of pads.
-
-Unlike the jinja template, which silently drops content parts it does not
-recognise, `render_chat` raises on them: a dropped image would shift every
-later image onto the wrong grid.
+`render_chat` reproduces the Qwen2-VL / Qwen2.5-VL Hugging Face chat template, and
+`tokenize_chat` then does what `Qwen2_5_VLProcessor` does: each vision placeholder
+becomes one pad per merged 2x2 patch of its grid (`expand_vision_tokens`). Expansion
+happens on token ids, not on text.
 """
 
 import dataclasses
@@ -78,6 +66,12 @@ def render_chat(
 ) -> str:
   """Renders messages with Qwen2.5-VL's chat template.
 
+  The template: a default system turn, `<|im_start|>role\\n...<|im_end|>\\n` turns, each
+  image as `<|vision_start|><|image_pad|><|vision_end|>`, each video with
+  `<|video_pad|>`. Unlike the jinja template, which silently drops content parts it does
+  not recognise, it raises on them: a dropped image would shift every later image onto
+  the wrong grid.
+
   Args:
     messages: HF-style dicts `{"role": ..., "content": str | list of parts}`,
       parts being `{"type": "text", "text": ...}`, `{"type": "image"}` or
@@ -138,6 +132,12 @@ def expand_vision_tokens(
   merge_size: int = 2,
 ) -> PromptTokens:
   """Expands each single vision pad id into its grid's number of pads.
+
+  Every placeholder pad becomes t*h*w // merge**2 pads, one per merged 2x2 patch of its
+  (t, h, w) grid, and `mm_token_type_ids` marks them 0 text / 1 image / 2 video. On ids,
+  each pad id is repeated: the same ids as HF's text-level expansion (pads are added
+  tokens and never merge with neighbours in BPE), without encoding strings of thousands
+  of pads.
 
   Args:
     ids: token ids holding one `<|image_pad|>` per image and one

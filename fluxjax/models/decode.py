@@ -1,14 +1,12 @@
 """KV-cache inference for `vlm.Qwen25VL`: prefill into a slot, decode all slots.
 
-One cache holds the rollout engine's slots, one request each. `prefill` runs a prompt
-(padded to a bucket length) and writes its keys/values into its slot; `decode_step`
-feeds one token to each of the first S slots, reading only the first `window` cache
-entries. Both are built from the model's own submodules (embedding to LM head), so
+One `KVCache` holds the rollout engine's slots, one request each: `prefill` writes a
+prompt's keys/values into its slot, and `decode_step` feeds one token to each of the
+first S slots. Both are built from the model's own submodules (embedding to LM head), so
 numbers match `Qwen25VL.hidden_states` up to summation order. The cache index is the
 causal position; M-RoPE positions are the caller's (rope_index.py). Shapes: L layers,
 S slots, C cache capacity, K kv heads, H head dim, N query heads, D width, V vocabulary,
-P prefill bucket; the cache is [L, S, K, C, H], kv-head-major (FlashInfer's HND), so a
-decode step's two products batch over (slot, kv head) without transposing what it reads.
+P prefill bucket.
 """
 
 from __future__ import annotations
@@ -30,6 +28,9 @@ _UINT_OF_WIDTH = {2: jnp.uint16, 4: jnp.uint32}
 @dataclasses.dataclass
 class KVCache:
   """Keys and values of every slot, all layers stacked: [L, S, K, C, H].
+
+  Kv-head-major (FlashInfer's HND), so a decode step's two products batch over (slot,
+  kv head) without transposing what it reads.
 
   The arrays hold the bits of `dtype` (an unsigned integer of its width);
   `keys`/`values` view what a step reads as `dtype`. XLA:CPU has no bf16
@@ -139,6 +140,8 @@ def prefill(
   vision: VisionInputs | None = None,
 ) -> tuple[jax.Array, KVCache]:
   """Runs one prompt and writes its keys/values into `slot`.
+
+  The prompt is padded to a bucket length P.
 
   Args:
     model: the model.

@@ -1,18 +1,8 @@
 """Model FLOPs of a training step, and the devices' dense bf16 peaks.
 
-MaxText's convention: matmuls only, x3 for forward + backward, no
-rematerialization counted.
-
-  text      per token 2 x (D(N+2K)h + NhD + 3DF) per layer, plus the LM head
-            2DV; attention 4 N h per visible query-key pair (causal: s(s+1)/2
-            pairs per sequence of s tokens)
-  vision    per patch 2 x patch dim x Dv (the embedding) and 2 x (4 Dv^2 +
-            3 Dv Fv) per block; attention 4 Dv per pair within a frame (full
-            blocks) or within its windows; the merger 2 x (16 Dv^2 + 4 Dv D)
-            per merged token
-
-MFU = model FLOPs / time / (peak x devices); bench/mfu.py measures it for one
-step, the run logs it per step (rl/step_metrics.py).
+MaxText's convention: matmuls only, x3 for forward + backward, no rematerialization
+counted (`text_flops`, `vision_flops`). MFU = model FLOPs / time / (peak x devices);
+bench/mfu.py measures it for one step, the run logs it per step (rl/step_metrics.py).
 """
 
 from __future__ import annotations
@@ -38,7 +28,11 @@ def decoder_matmul_weights(t: config_lib.TextConfig) -> int:
 
 
 def text_flops(cfg: config_lib.ModelConfig, lengths: Iterable[int]) -> float:
-  """Training FLOPs of the decoder and LM head over sequences of `lengths` tokens."""
+  """Training FLOPs of the decoder and LM head over sequences of `lengths` tokens.
+
+  Per token 2 x (D(N+2K)h + NhD + 3DF) per layer, plus the LM head 2DV; attention 4 N h
+  per visible query-key pair (causal: s(s+1)/2 pairs per sequence of s tokens).
+  """
   t = cfg.text
   lengths = list(lengths)
   pairs = sum(s * (s + 1) // 2 for s in lengths)
@@ -51,7 +45,12 @@ def _sides(n: int, window: int) -> list[int]:
 
 
 def vision_flops(cfg: config_lib.ModelConfig, grids: Sequence[tuple[int, int, int]]) -> float:
-  """Training FLOPs of the vision tower over images/videos of (t, h, w) patch grids."""
+  """Training FLOPs of the vision tower over images/videos of (t, h, w) patch grids.
+
+  Per patch 2 x patch dim x Dv (the embedding) and 2 x (4 Dv^2 + 3 Dv Fv) per block;
+  attention 4 Dv per pair within a frame (full blocks) or within its windows; the merger
+  2 x (16 Dv^2 + 4 Dv D) per merged token.
+  """
   v = cfg.vision
   dv, fv = v.hidden_size, v.intermediate_size
   full = len(v.fullatt_block_indexes)

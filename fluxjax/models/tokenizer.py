@@ -1,23 +1,10 @@
 """Qwen2.5-VL tokenizer wrapper and the synthetic tokenizer fluxjax ships.
 
-`Tokenizer` wraps any Hugging Face `tokenizer.json` (a real Qwen2.5-VL one, or
-the bundled asset) and looks its special tokens up by name, so the same code
-serves the 151k-token Qwen vocabulary and the 512-token synthetic one.
-
-The synthetic tokenizer is a byte-level BPE built like Qwen2's (NFC, Qwen's
-split regex, ByteLevel pre-tokenizer and decoder, no BOS/EOS), trained on a
-generated corpus of the synthetic tasks' language. Its layout is fixed:
-
-  ids 0..489    256 byte symbols + 234 merges
-  ids 490..511  Qwen2.5's 22 added tokens, in Qwen's order (151643..151664)
-
-so `id - 490 + 151643` maps a synthetic special id to its Qwen id. The
-corpus is this module's chat and number text plus the questions and
-reference responses of every synthetic task (fluxjax/data/tokenizer_corpus.py,
-which builds and writes the asset; a base model trained with it is frozen
-with it):
-
-  python -m fluxjax.data.tokenizer_corpus --out fluxjax/models/assets/tokenizer.json
+`Tokenizer` wraps any Hugging Face `tokenizer.json` (a real Qwen2.5-VL one, or the
+bundled asset) and looks its special tokens up by name, so the same code serves the
+151k-token Qwen vocabulary and the 512-token synthetic one (`build_synthetic_tokenizer`).
+fluxjax/data/tokenizer_corpus.py builds and writes the asset; a base model trained with
+it is frozen with it.
 """
 
 import functools
@@ -286,6 +273,16 @@ def synthetic_corpus() -> Iterator[str]:
 
 def build_synthetic_tokenizer(task_texts: Iterable[str] = ()) -> tokenizers.Tokenizer:
   """Trains the deterministic 512-token byte-level BPE and checks its layout.
+
+  Built like Qwen2's (NFC, Qwen's split regex, ByteLevel pre-tokenizer and decoder, no
+  BOS/EOS), trained on a generated corpus of the synthetic tasks' language: this module's
+  chat and number text (`synthetic_corpus`) plus the questions and reference responses of
+  every synthetic task. Its layout is fixed:
+
+    ids 0..489    256 byte symbols + 234 merges
+    ids 490..511  Qwen2.5's 22 added tokens, in Qwen's order (151643..151664)
+
+  so `id - 490 + 151643` maps a synthetic special id to its Qwen id.
 
   Args:
     task_texts: the tasks' own text, trained on after `synthetic_corpus`.

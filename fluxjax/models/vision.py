@@ -1,19 +1,11 @@
 """Qwen2.5-VL vision tower: patch embed, window/full attention blocks, 2x2 merger.
 
-HF reorders patches so that each attention window is contiguous and passes
-`cu_seqlens`; we keep the processor's patch order and give every patch a window
-id and a frame id instead. Attention is masked by those ids, which is the same
-computation (attention is permutation-equivariant) and lets a strategy place
-images and frames on any device.
-
-Patch order (from the processor): per frame, per merged 2x2 unit in row-major
-order, the 4 sub-patches. Four consecutive patches therefore form one merged
-token, and merged tokens come out in the order the text expects.
-
-Shapes: B rows (one per device on a mesh), N patches per row, M = N / 4
-merged tokens, D vision width, E text width. Rows never attend to each other,
-so the tower is batch-parallel: sharding rows over devices needs no
-communication.
+HF reorders patches so that each attention window is contiguous and passes `cu_seqlens`;
+we keep the processor's patch order and give every patch a window id and a frame id
+instead (`patch_layout`). Attention is masked by those ids, which is the same computation
+(attention is permutation-equivariant) and lets a strategy place images and frames on any
+device. Shapes: B rows (one per device on a mesh), N patches per row, M = N / 4 merged
+tokens, D vision width, E text width.
 """
 
 from __future__ import annotations
@@ -65,6 +57,10 @@ def patch_layout(
   first_window_id: int = 1,
 ):
   """Host-side ids for the patches of several images/videos, in processor order.
+
+  Processor order: per frame, per merged 2x2 unit in row-major order, the 4 sub-patches.
+  Four consecutive patches therefore form one merged token, and merged tokens come out in
+  the order the text expects.
 
   Args:
     grids_thw: (t, h, w) per image or video, in patch units.
@@ -207,7 +203,11 @@ class PatchMerger(nnx.Module):
 
 
 class VisionTower(nnx.Module):
-  """Patches [B, N, C*T*P*P] -> merged embeddings [B, N/4, text width]."""
+  """Patches [B, N, C*T*P*P] -> merged embeddings [B, N/4, text width].
+
+  Rows never attend to each other, so the tower is batch-parallel: sharding rows over
+  devices needs no communication.
+  """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     v = cfg.vision

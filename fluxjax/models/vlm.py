@@ -1,19 +1,7 @@
 """Qwen2.5-VL as a Flax NNX module: vision tower + text decoder + LM head.
 
-Shapes: B rows, T tokens per row, D text width, V vocabulary, M merged vision
-tokens. The packed forward takes
-  tokens_BT        int   token ids; image/video pad tokens mark where vision goes
-  positions_3BT    int   M-RoPE positions (rope_index.get_rope_index)
-  segment_ids_BT   int   sequence id inside the row, 0 = padding
-  segment_pos_BT   int   index of the token inside its sequence (causal order)
-  vision           VisionInputs for all images/frames of the call, or None
-  vision_index_BT  int   for each image/video pad token, the index of its merged
-                   embedding in the flattened [B * N/4] tower output (a gather:
-                   the plan routes embeddings to any token position); -1 marks a
-                   text position, whatever its token id. When None,
-                   the k-th pad token in row-major order takes the k-th merged
-                   embedding, which is right when patches follow token order
-                   with padding only at the end (one row).
+`Qwen25VL` runs a `PackedInputs` batch; `create_model` and `abstract_model` build it.
+Shapes: B rows, T tokens per row, D text width, V vocabulary, M merged vision tokens.
 """
 
 from __future__ import annotations
@@ -36,9 +24,22 @@ from fluxjax.sharding import axes
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PackedInputs:
-  """One packed batch for the forward pass (see module docstring).
+  """One packed batch for the forward pass.
 
   Built on the host as numpy arrays; device arrays once placed or traced.
+
+  Attributes:
+    tokens_BT: int token ids; image/video pad tokens mark where vision goes.
+    positions_3BT: int M-RoPE positions (rope_index.get_rope_index).
+    segment_ids_BT: int sequence id inside the row, 0 = padding.
+    segment_pos_BT: int index of the token inside its sequence (causal order).
+    vision: VisionInputs for all images/frames of the call, or None.
+    vision_index_BT: int; for each image/video pad token, the index of its merged
+      embedding in the flattened [B * N/4] tower output (a gather: the plan routes
+      embeddings to any token position); -1 marks a text position, whatever its token
+      id. When None, the k-th pad token in row-major order takes the k-th merged
+      embedding, which is right when patches follow token order with padding only at
+      the end (one row).
   """
 
   tokens_BT: jax.Array | np.ndarray

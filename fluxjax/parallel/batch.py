@@ -1,15 +1,9 @@
 """The packed train batch shared by all strategies, built from a plan.
 
-Every array is [M, D, ...]: M microbatches (scanned, gradients accumulate), D
-devices (the leading device axis is sharded over every mesh axis, so device d
-holds row d). Per device and microbatch the buffer has `capacity` tokens and
-`patch_capacity` vision patches: static buckets, so the step compiles once per
-(capacity, patch capacity, M) bucket.
-
-Per-token RL fields are given per sequence aligned with the tokens they score
-(`old_logprobs_T[i]` is the behaviour logprob of token i) and are shifted here
-to the input position that predicts them: input j predicts target j+1 of the
-same sequence.
+`materialize` packs a plan's `TrainSequence`s into a `TrainBatch` of host buffers, and
+`to_device` places them. Per device and microbatch the buffers hold `capacity` tokens and
+`patch_capacity` vision patches: static buckets, so the step compiles once per (capacity,
+patch capacity, M) bucket.
 """
 
 from __future__ import annotations
@@ -46,6 +40,10 @@ class TrainSequence:
 
   `loss_mask_T` may hold weights rather than 0/1: the step divides by their
   global sum, so 1/len(sequence) weights give sequence-mean aggregation.
+
+  The per-token RL fields are aligned with the tokens they score (`old_logprobs_T[i]` is
+  the behaviour logprob of token i); `materialize` shifts them to the input position
+  that predicts them: input j predicts target j+1 of the same sequence.
   """
 
   inputs: SequenceInputs
@@ -62,8 +60,10 @@ class TrainSequence:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TrainBatch:
-  """Buffers [M, D, ...] (positions [M, 3, D, C]); see module docstring.
+  """Buffers [M, D, ...] (positions [M, 3, D, C]).
 
+  M microbatches (scanned, gradients accumulate), D devices (the leading device axis is
+  sharded over every mesh axis, so device d holds row d), C `capacity` tokens.
   `materialize` builds them as host numpy arrays; `to_device` places them.
   """
 

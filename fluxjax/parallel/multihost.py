@@ -1,15 +1,10 @@
 """Several JAX processes, one run: process 0 decides, every process computes.
 
 In a multi-controller run (jax.distributed) every jitted program on the one global mesh
-must be launched by every process, in the same order. Decisions that depend on timing
-or on I/O only one process does are made once, on process 0, the leader, which sends
-each as an op on a `Channel` and then runs it; the others run the ops in order
-(rl/worker.py). The channel is an ordered stream over the coordination service's
-key-value store, not a device collective (why: docs/design.md, section 3,
-"Multi-controller runs"); payloads are pickled and split into chunks the gRPC service
-accepts. `gather_to_leader` places a sharded tree on the leader's devices, a run of rows
-at a time and to the leader alone: the leader's rollout engine gets its own copy of the
-weights that way.
+must be launched by every process, in the same order. Decisions that depend on timing or
+on I/O only one process does are made once, on process 0, the leader, which sends each
+as an op on a `Channel` and then runs it; the others run the ops in order (rl/worker.py).
+`gather_to_leader` gives the leader's rollout engine its own copy of the weights.
 """
 
 from __future__ import annotations
@@ -56,6 +51,10 @@ def _client():
 
 class Channel:
   """An ordered op stream from the leader to every other process.
+
+  The stream runs over the coordination service's key-value store, not a device
+  collective (why: docs/design.md, section 3, "Multi-controller runs"); payloads are
+  pickled and split into chunks the gRPC service accepts.
 
   Op n is stored as chunks `{prefix}/{n}/{i}` and then a header `{prefix}/{n}`
   holding the chunk count: a reader that sees the header finds every chunk.
@@ -144,6 +143,9 @@ GATHER_CHUNK_BYTES = 64 << 20  # the most of a leaf `gather_to_leader` moves at 
 
 def gather_to_leader(tree, shardings, chunk_bytes: int = GATHER_CHUNK_BYTES):
   """A copy of a sharded tree placed with `shardings` on the leader's devices.
+
+  The leader's rollout engine gets its own copy of the weights this way, a run of rows at
+  a time and to the leader alone.
 
   Collective: every process calls it, with the same tree structure, in the
   same order. Each leaf goes to the leader alone (`gather.gather_to`) in

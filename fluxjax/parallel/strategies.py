@@ -1,21 +1,10 @@
 """Strategies behind one registry keyed by `sharding.strategy`.
 
-A strategy decides three things: the sequence-parallel factorization of the
-mesh, the plan for a batch (from lengths only), and the attention function the
-text decoder runs with. Everything else (FSDP, the packed batch, the step) is
-shared, so switching strategies by config changes nothing else.
-
-`sharding.sp` has one meaning for all of them: the largest sequence-parallel
-degree. ulysses splits every sequence over exactly sp devices, flex_ulysses
-each sequence over at most sp (its p_max), packed_dp ignores it. sp = 0 (auto)
-takes the largest degree that fits: a power of two the model's heads allow
-(ulysses.degree_problem), dividing the devices left after mesh.data and
-mesh.fsdp, and no larger than one host's devices, so the all-to-alls stay on
-the host's fast interconnect, unless the longest sequence a run trains needs
-more devices' memory (sp x sharding.capacity tokens): then the smallest
-degree across hosts that holds it. The log gives the choice with the
-all-to-all bytes between hosts it saves or pays. A strategy swap is then the one flag
-`--config.sharding.strategy` on any mesh.
+A `Strategy` decides three things: the sequence-parallel factorization of the mesh, the
+plan for a batch (from lengths only), and the attention function the text decoder runs
+with. Everything else (FSDP, the packed batch, the step) is shared, so a strategy swap is
+the one flag `--config.sharding.strategy` on any mesh. `sharding.sp` has one meaning for
+all of them, the largest sequence-parallel degree (`resolve_sp`).
 """
 
 from __future__ import annotations
@@ -274,7 +263,12 @@ def resolve_sp(
   max_auto: int | None = None,
   longest: int = 0,
 ) -> int:
-  """The sequence-parallel degree `sharding.sp` asks for on this mesh (module docstring).
+  """The sequence-parallel degree `sharding.sp` asks for on this mesh.
+
+  `sharding.sp` has one meaning for all strategies, and auto (sp = 0) one rule:
+  docs/design.md, section 5. The heads' constraint is `ulysses.degree_problem`; auto
+  stays within one host, so the all-to-alls stay on the host's fast interconnect, unless
+  the longest sequence needs more (`_auto_sp`).
 
   Args:
     sharding: the `sharding` section; sp = 0 is auto.

@@ -1,21 +1,10 @@
 """The stream trainer: gradients of finished groups accumulate while rollout runs.
 
-A GRPO group is complete (its advantages known) as soon as its R responses
-are scored, long before the slowest group of the batch. The coordinator hands
-finished groups here in parts; each part is planned by the strategy (lengths
-only), materialized and pushed through the jitted `add`, which sums its
-unnormalized loss, gradients and metric sums into an accumulator on device.
-When the batch is complete, `apply` divides by the batch's token weight and
-applies one optimizer update: the same update as the synchronous step on the
-whole batch (tests/test_stream_trainer.py holds them to 1e-6), so streaming
-changes when the work happens, not what is learned.
-
-With a reference model (`ref_params` or `set_reference`, for the KL term),
-each part's reference logprobs are computed in the same program as its
-gradients, by the reference's forward over the part's own layout: they never
-leave the devices. Planning, materializing, placing and the compiled `add` of
-each plan layout are `LayoutSteps`' (parallel/layout_steps.py), shared with the SFT
-warm-up.
+A GRPO group is complete (its advantages known) as soon as its R responses are scored,
+long before the slowest group of the batch. `StreamTrainer.add` takes finished groups in
+parts and sums their gradients on device; `apply` then makes the same update as the
+synchronous step on the whole batch (tests/test_stream_trainer.py holds them to 1e-6), so
+streaming changes when the work happens, not what is learned.
 """
 
 from __future__ import annotations
@@ -35,6 +24,16 @@ from fluxjax.planning.plan import Plan
 
 class StreamTrainer:
   """Owns the train state; `add` parts of a batch, then `apply` once.
+
+  Each part is planned by the strategy (lengths only), materialized and pushed through
+  the jitted `add`, which sums its unnormalized loss, gradients and metric sums into an
+  accumulator on device. When the batch is complete, `apply` divides by the batch's token
+  weight and applies one optimizer update. With a reference model (`ref_params` or
+  `set_reference`, for the KL term), each part's reference logprobs are computed in the
+  same program as its gradients, by the reference's forward over the part's own layout:
+  they never leave the devices. Planning, materializing, placing and the compiled `add`
+  of each plan layout are `LayoutSteps`' (parallel/layout_steps.py), shared with the SFT
+  warm-up.
 
   Args:
     model_cfg: the model configuration (materialize needs its vision shapes).

@@ -1,19 +1,10 @@
 """ODC's minibatch-level sync, expressed in SPMD.
 
-With per-layer sync (the default, `sharding.sync = "layer"`) the partitioner
-all-gathers each layer's parameters in every microbatch and reduce-scatters its
-gradients, so every device waits for the slowest at every layer of every
-microbatch. With `sharding.sync = "minibatch"` everything runs inside one
-`shard_map`:
-  1. parameters are all-gathered once, for the whole minibatch;
-  2. each device loops over its own microbatches. When rows are independent
-     (degree 1: packed_dp, LB-Mini) the trip count is the device's own and
-     the loop holds no collective at all; Ulysses groups keep their
-     all-to-alls, which only the group's members take part in;
-  3. gradients are reduce-scattered once into their FSDP shards (and summed
-     over data replicas).
-The gradients equal the per-layer path's: only where the communication sits
-changes.
+With per-layer sync (the default, `sharding.sync = "layer"`) the partitioner all-gathers
+each layer's parameters in every microbatch and reduce-scatters its gradients, so every
+device waits for the slowest at every layer of every microbatch. With `sharding.sync =
+"minibatch"`, `make_accumulate` runs everything inside one `shard_map`. The gradients
+equal the per-layer path's: only where the communication sits changes.
 """
 
 from __future__ import annotations
@@ -65,6 +56,15 @@ def make_accumulate(
   temperature: float = 1.0,
 ):
   """An `accumulate(params, batch, total=None) -> (loss, grads, sums)`, minibatch sync.
+
+  Inside one `shard_map`:
+    1. parameters are all-gathered once, for the whole minibatch;
+    2. each device loops over its own microbatches. When rows are independent (degree 1:
+       packed_dp, LB-Mini) the trip count is the device's own and the loop holds no
+       collective at all; Ulysses groups keep their all-to-alls, which only the group's
+       members take part in;
+    3. gradients are reduce-scattered once into their FSDP shards (and summed over data
+       replicas).
 
   Args:
     graphdef: the model's graph definition.

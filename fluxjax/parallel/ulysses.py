@@ -1,15 +1,9 @@
 """Ulysses sequence parallelism for the text attention, inside `jax.shard_map`.
 
-Layout: batch arrays are [D, C, ...] with one row per device. A Ulysses group of
-degree sp is `sp` consecutive devices along the mesh's sequence axes; their rows
-are consecutive slices of one token stream. Attention:
-  1. all-to-all q, k, v over the group: [1, C, N, H] -> [1, sp*C, N/sp, H]
-     (every device now holds the whole stream for N/sp heads);
-  2. all-gather segment ids and in-sequence positions over the group, so masks
-     are built from ids and positions, never buffer indices;
-  3. attend locally, then all-to-all back to [1, C, N, H].
-KV heads are replicated when there are fewer than sp of them, so each device
-gets the kv head its query heads use (GQA grouping is preserved).
+Layout: batch arrays are [D, C, ...] with one row per device. A Ulysses group of degree
+sp is `sp` consecutive devices along the mesh's sequence axes; their rows are consecutive
+slices of one token stream. `make_attention_fn` builds the fixed-degree attention,
+`make_flex_attention_fn` FlexUlysses' per-level one; both run `_section`'s round trip.
 """
 
 from __future__ import annotations
@@ -47,7 +41,16 @@ def _replicate_kv(k_BTKH: jax.Array, sp: int) -> jax.Array:
 
 
 def _section(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, axes, degree, causal, backend):
-  """One Ulysses all-to-all round trip over `axes` (none: local attention)."""
+  """One Ulysses all-to-all round trip over `axes` (none: local attention).
+
+    1. all-to-all q, k, v over the group: [1, C, N, H] -> [1, sp*C, N/sp, H] (every
+       device now holds the whole stream for N/sp heads);
+    2. all-gather segment ids and in-sequence positions over the group, so masks are
+       built from ids and positions, never buffer indices;
+    3. attend locally, then all-to-all back to [1, C, N, H].
+  KV heads are replicated when there are fewer than sp of them, so each device gets the
+  kv head its query heads use (GQA grouping is preserved).
+  """
   if axes:
     k, v = _replicate_kv(k, degree), _replicate_kv(v, degree)
     to_heads = lambda x: jax.lax.all_to_all(x, axes, split_axis=2, concat_axis=1, tiled=True)

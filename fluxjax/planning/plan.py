@@ -1,14 +1,9 @@
 """The placement plan: which tokens go where, computed from lengths only.
 
-A plan is plain data (ints and tuples) made on the controller: printable, testable and
+A `Plan` is plain data (ints and tuples) made on the controller: printable, testable and
 cheap to broadcast. Strategies make plans; `fluxjax/parallel/batch.py` turns a plan and
 the sequences into device buffers. A device is an index into the flattened data-parallel
-devices (0..D-1), in the order of the mesh's device array. A row is the sequences one
-attention group processes together in a microbatch: their tokens concatenated (segment
-ids tell them apart) and cut into `len(devices)` contiguous slices of `capacity` tokens,
-slice k on devices[k]; degree 1 is plain packing (packed_dp), degree sp Ulysses. Every
-device is in one row per microbatch (one per level in FlexUlysses plans, `Plan.levels`;
-a row may be empty); gradients accumulate over microbatches.
+devices (0..D-1), in the order of the mesh's device array.
 """
 
 from __future__ import annotations
@@ -20,6 +15,13 @@ from collections.abc import Sequence
 
 @dataclasses.dataclass(frozen=True)
 class Row:
+  """The sequences one attention group processes together in a microbatch.
+
+  Their tokens are concatenated (segment ids tell them apart) and cut into `len(devices)`
+  contiguous slices of `capacity` tokens, slice k on devices[k]; degree 1 is plain packing
+  (packed_dp), degree sp Ulysses. A row may be empty.
+  """
+
   devices: tuple[int, ...]  # attention group, in slice order; len = Ulysses degree
   seqs: tuple[int, ...]  # sequence indices, in buffer order
 
@@ -31,6 +33,9 @@ class Row:
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """Rows per microbatch plus the static capacity every device buffer gets.
+
+  Every device is in one row per microbatch (one per level in FlexUlysses plans,
+  `levels`); gradients accumulate over microbatches.
 
   Attributes:
     strategy: the strategy name that made it.

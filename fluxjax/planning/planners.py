@@ -1,21 +1,8 @@
 """Fixed-degree planners: packed data parallelism and Ulysses, from lengths only.
 
-Both follow one recipe, the veRL-like baseline that fluxjax's flex_ulysses is
-measured against:
-
-  1. Karmarkar-Karp balances the sequences' `sequence_cost` over the attention
-     groups: single devices (packed_dp) or consecutive blocks of sp devices
-     (ulysses).
-  2. Each group packs its sequences first-fit decreasing into rows of at most
-     degree * capacity tokens.
-  3. Every group runs the same number of microbatches (per-layer FSDP
-     collectives demand it, ODC's LB-Micro); groups with fewer rows get empty
-     ones. Microbatch m of every group is its m-th heaviest row, so the steps
-     that per-layer sync serializes pair heavy with heavy.
-
-`plan_loads` evaluates a plan under FlexRL's cost model: a row's tokens and
-FLOPs are shared evenly by its devices (Ulysses splits heads, and heads cost
-the same).
+`plan_packed_dp` and `plan_ulysses` follow one recipe (`_plan_groups`), the veRL-like
+baseline that fluxjax's flex_ulysses (`plan_flex_ulysses`) is measured against.
+`plan_loads` evaluates a plan under FlexRL's cost model.
 """
 
 from __future__ import annotations
@@ -56,7 +43,18 @@ def _plan_groups(
   capacity: int,
   shape: balance.CostShape,
 ) -> Plan:
-  """Balances sequences over `groups`, packs each, and pads to a common count."""
+  """Balances sequences over `groups`, packs each, and pads to a common count.
+
+  The recipe of both fixed-degree planners:
+    1. Karmarkar-Karp balances the sequences' `sequence_cost` over the attention groups:
+       single devices (packed_dp) or consecutive blocks of sp devices (ulysses).
+    2. Each group packs its sequences first-fit decreasing into rows of at most
+       degree * capacity tokens.
+    3. Every group runs the same number of microbatches (per-layer FSDP collectives
+       demand it, ODC's LB-Micro); groups with fewer rows get empty ones. Microbatch m of
+       every group is its m-th heaviest row, so the steps that per-layer sync serializes
+       pair heavy with heavy.
+  """
   degree = len(groups[0])
   costs = balance.sequence_cost(np.asarray(lens, dtype=np.int64), shape)
   parts = balance.karmarkar_karp(costs, len(groups))
@@ -171,6 +169,9 @@ class PlanLoads:
 
 def plan_loads(plan: Plan, shape: balance.CostShape) -> PlanLoads:
   """Spreads each row's tokens, FLOPs and all-to-all traffic over its devices.
+
+  FlexRL's cost model: a row's tokens and FLOPs are shared evenly by its devices (Ulysses
+  splits heads, and heads cost the same).
 
   Args:
     plan: any plan (validated or not).

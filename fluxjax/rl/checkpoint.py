@@ -1,14 +1,9 @@
 """One Orbax checkpoint per saved step: everything a run needs to resume exactly.
 
-`Checkpointer` saves the items `ITEMS` under `workdir/checkpoints`: the TrainState
-(parameters, optimizer state and step), saved from its shards and restored onto an
-abstract target with the current shardings (`abstract_like`), so a restore also
-reshards; the PRNG key data; the coordinator's state as JSON (long-prompt queue,
-prompts in flight to re-issue, async controller state, policy versions, counters);
-the Grain iterator's state as JSON, so a resumed run continues with the next unseen
-sample. Saves are asynchronous and atomic: `latest_step` is the newest step committed
-on disk, and a failed background write raises `CheckpointWriteError`. How that holds
-is told in docs/reliability.md, "Resume".
+`Checkpointer` saves the items `ITEMS` under `workdir/checkpoints`. Saves are asynchronous
+and atomic: `latest_step` is the newest step committed on disk, and a failed background
+write raises `CheckpointWriteError`. How that holds is told in docs/reliability.md,
+"Resume".
 """
 
 from __future__ import annotations
@@ -29,7 +24,15 @@ class CheckpointWriteError(RuntimeError):
 
 
 class Checkpointer:
-  """Saves and restores run state under `workdir/checkpoints`."""
+  """Saves and restores run state under `workdir/checkpoints`.
+
+  The items: the TrainState (parameters, optimizer state and step), saved from its shards
+  and restored onto an abstract target with the current shardings (`abstract_like`), so a
+  restore also reshards; the PRNG key data; the coordinator's state as JSON (long-prompt
+  queue, prompts in flight to re-issue, async controller state, policy versions,
+  counters); the Grain iterator's state as JSON, so a resumed run continues with the next
+  unseen sample.
+  """
 
   def __init__(
     self, workdir: str, *, max_to_keep: int = 3, save_every: int = 1, async_save: bool = True

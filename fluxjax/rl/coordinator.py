@@ -1,14 +1,12 @@
 """The coordinator: GRPO steps from prompts to applied updates, rollout running ahead.
 
-It runs on the leader only and decides which groups a step trains, when it
+`Coordinator` runs on the leader only and decides which groups a step trains, when it
 updates and what it checkpoints. It composes one-concern parts: the producer
-(rl/producer.py: admitted rounds on the rollout thread, kept groups queued as
-their rewards come in), the publisher (rl/publisher.py: weight versions to
-rollout), the evaluator (rl/evaluation.py), the run's `Requests`
-(rl/requests.py) and what a step reports (rl/step_metrics.py). After each
-step the batch's staleness sets the allowed lag (rl/async_control.py). The run
-loop (rl/loop.py) builds and closes its collaborators. docs/design.md, section
-3, tells one step whole.
+(rl/producer.py), the publisher (rl/publisher.py), the evaluator (rl/evaluation.py), the
+run's `Requests` (rl/requests.py) and what a step reports (rl/step_metrics.py); after each
+step the batch's staleness sets the allowed lag (rl/async_control.py). The run loop
+(rl/loop.py) builds and closes its collaborators. docs/design.md, section 3, tells one
+step whole.
 """
 
 from __future__ import annotations

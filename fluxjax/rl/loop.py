@@ -1,19 +1,11 @@
 """Builds a run from its config and runs the GRPO loop (what train.py calls).
 
-Sections of a run: data (a synthetic dataset generated into the work directory
-on first use, or config.data.train/eval files), model (preset or HF checkpoint,
-created sharded), optimizer and train state, rollout (embedded engine or
-fleet), rewards, coordinator, and the reference model when rl.kl_coef > 0
-(rl/reference.py); then the loop with delayed metrics, held-out
-evaluation, checkpoints and auto-resume. One ExitStack owns every resource of
-a run and closes them in reverse order of creation, whatever ends it.
-
-A multi-controller run (several processes under jax.distributed) splits it:
-process 0, the leader, builds and runs everything above; every process,
-the leader included, builds the policy worker (rl/worker.py: the model, its
-train state and the checkpointer, on the global mesh), and the others
-`follow` the leader's ops with their own decoders for their own devices'
-media. Metrics, trained.jsonl, config.json and evaluation are the leader's.
+`validate` checks a config once per start, `build` creates everything the leader runs,
+and `run` is the loop with delayed metrics, held-out evaluation, checkpoints and
+auto-resume. One ExitStack owns every resource of a run and closes them in reverse order
+of creation, whatever ends it. In a multi-controller run every process builds the policy
+worker (`build_policy`) and processes k > 0 `follow` the leader's ops (docs/design.md,
+section 3, "Multi-controller runs").
 """
 
 from __future__ import annotations
@@ -429,6 +421,11 @@ def build(
 ) -> Built:
   """Everything the leader runs, created sharded; `stack` closes it in reverse order.
 
+  Sections of a run: data (a synthetic dataset generated into the work directory on first
+  use, or config.data.train/eval files), model (preset or HF checkpoint, created
+  sharded), optimizer and train state, rollout (embedded engine or fleet), rewards,
+  coordinator, and the reference model when rl.kl_coef > 0 (rl/reference.py).
+
   In a multi-controller run every other process runs `follow` meanwhile.
   Closing order: the coordinator (rollout stops), the reward pool, the
   rollout backend (on the rollout thread's loop), any launched servers, the
@@ -510,7 +507,11 @@ def log_rows(rows: list[dict]) -> None:
 
 
 def follow(config, workdir: str, validated: Validated | None = None) -> int:
-  """A follower's run (process k > 0): the leader's ops until it stops; returns ops run."""
+  """A follower's run (process k > 0): the leader's ops until it stops; returns ops run.
+
+  The follower decodes its own devices' media with its own decoders. Metrics,
+  trained.jsonl, config.json and evaluation are the leader's.
+  """
   validated = validated or validate(config)
   with contextlib.ExitStack() as stack:
     media = media_source(validated.settings, stack)

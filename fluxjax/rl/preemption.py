@@ -1,20 +1,9 @@
 """SIGTERM as a preemption: finish the RL step in progress, checkpoint, exit 143.
 
-Schedulers (Slurm's preemption and scancel, Kubernetes) send SIGTERM and
-SIGKILL some time later (Slurm: KillWait; send it earlier with
-`--signal=TERM@120`). On SIGTERM the leader's loop finishes the RL step in
-progress, saves a checkpoint of it and stops the run (the other processes
-with it); `loop.run` then raises `Preempted`, a SystemExit with status
-128 + SIGTERM, so the job reports a termination and a requeued job resumes
-from that checkpoint with the same command, each prompt trained once. The
-other processes of a multi-controller run only log the signal: the leader
-stops them after its checkpoint. A signal during the SFT warm-up stops it
-after its step in progress with a warm-up checkpoint when it keeps them
-(`sft.checkpoint_every`, as pretraining does), else takes effect after the
-first RL step.
-
-Python runs signal handlers in the main thread only; elsewhere (a notebook's
-worker thread) SIGTERM keeps its default.
+On SIGTERM (`Preemption`) the leader's loop finishes the RL step in progress, saves a
+checkpoint of it and stops the run (the other processes with it); `loop.run` then raises
+`Preempted`, so a requeued job resumes from that checkpoint with the same command, each
+prompt trained once. Schedulers and their settings: docs/reliability.md, "Preemption".
 """
 
 from __future__ import annotations
@@ -28,7 +17,10 @@ log = logging.getLogger(__name__)
 
 
 class Preempted(SystemExit):
-  """The run stopped on SIGTERM after `step`, whose checkpoint is written."""
+  """The run stopped on SIGTERM after `step`, whose checkpoint is written.
+
+  A SystemExit with status 128 + SIGTERM, so the job reports a termination.
+  """
 
   def __init__(self, step: int):
     super().__init__(128 + signal.SIGTERM)
@@ -36,7 +28,15 @@ class Preempted(SystemExit):
 
 
 class Preemption:
-  """A context that turns SIGTERM into `requested` (the leader) or a log line (the others)."""
+  """A context that turns SIGTERM into `requested` (the leader) or a log line (the others).
+
+  The other processes of a multi-controller run only log the signal: the leader stops
+  them after its checkpoint. A signal during the SFT warm-up stops it after its step in
+  progress with a warm-up checkpoint when it keeps them (`sft.checkpoint_every`, as
+  pretraining does), else takes effect after the first RL step. Python runs signal
+  handlers in the main thread only; elsewhere (a notebook's worker thread) SIGTERM keeps
+  its default.
+  """
 
   def __init__(self, leader: bool):
     self.leader = leader

@@ -1,23 +1,11 @@
 """The rollout side of the coordinator: admission-gated tail-batched rounds in a thread.
 
-The producer runs on the rollout thread's asyncio loop (`backend.LoopThread`).
-It tops a `TailBatcher` up with prompts from the data loader, runs rounds on
-the rollout backend (`EmbeddedRollout` or `Fleet`), scores each response in the
-reward pool the moment it finishes, and hands every kept group to the
-trainer through a queue as soon as its last reward is in, while the round
-goes on (the queue's items: `RolloutItem`). Before each round it asks the
-`AdmissionController` for room: at trainer step s (updates applied) at most
-(s + lag + 1) * P prompts may have started, so with lag 0 (sync) a round
-starts only after the previous batch's update, and with lag k rollout runs
-up to k batches ahead. Finished groups are never dropped.
-
-Faults: a round stopped by a backend error (a server killed mid-round, with no
-other server to retry on) keeps what it finished, re-queues the rest and is
-counted; the next round picks them up. A sample whose prompt cannot be
-built (the chat template or tokenizer raises) and a prompt too long for the
-rollout context are counted, logged skips before anything is sent. A reward
-call that raises, hangs or returns a non-finite value scores 0 and is
-counted by the reward scheduler (rl/reward_pool.py).
+`Producer` runs on the rollout thread's asyncio loop (`backend.LoopThread`): it tops a
+`TailBatcher` up with prompts from the data loader, runs rounds on the rollout backend,
+scores each response in the reward pool the moment it finishes, and hands every kept
+group to the trainer through a queue as soon as its last reward is in, while the round
+goes on (the queue's items: `RolloutItem`). Finished groups are never dropped. Its faults
+are counted: docs/reliability.md, "Faults, counted in the metrics".
 """
 
 from __future__ import annotations
@@ -100,6 +88,13 @@ RolloutItem = KeptGroup | RoundEnd | DataEnd | Stopped
 
 class Producer:
   """Runs rounds ahead of the trainer within the allowed lag.
+
+  A round stopped by a backend error (a server killed mid-round, with no other server to
+  retry on) keeps what it finished, re-queues the rest and is counted; the next round
+  picks them up. A sample whose prompt cannot be built (the chat template or tokenizer
+  raises) and a prompt too long for the rollout context are counted, logged skips before
+  anything is sent (`_fits`). A reward call that raises, hangs or returns a non-finite
+  value scores 0 and is counted by the reward scheduler (rl/reward_pool.py).
 
   Args:
     rollout: the backend (started; every call runs on `thread`).
@@ -450,6 +445,10 @@ class Producer:
 
   async def _admission(self) -> int:
     """Waits until admission allows a prompt; returns how many it allows.
+
+    At trainer step s (updates applied) at most (s + lag + 1) * P prompts may have
+    started, so with lag 0 (sync) a round starts only after the previous batch's update,
+    and with lag k rollout runs up to k batches ahead.
 
     Usually P at a time (each trainer step opens P); fewer after a DAPO
     give-back or a round that failed part way, which then runs smaller.

@@ -1,20 +1,10 @@
 """The reference model of the KL term: which weights, and keeping them over a resume.
 
-The reference is the policy RL starts from, as in veRL and OpenRLHF (their
-`ref` defaults to the actor's initial checkpoint), unless `rl.ref_hf_path`
-names another HF checkpoint folder:
-
-  rl.ref_hf_path set          that folder, on a fresh run and on a resume;
-  model.hf_path, no warm-up   the policy's own checkpoint: copied on a fresh
-                              run, read back from model.hf_path on a resume;
-  otherwise                   (a preset, or the SFT warm-up changed the
-                              weights) the policy as RL begins, copied and
-                              written once to WORKDIR/reference (float32, HF
-                              layout) for a resumed run to read back.
-
-Its parameters are placed with the policy's shardings (one more FSDP-sharded
-copy of the parameters); the stream trainer runs its forward in the same
-program as each part's gradients.
+The reference is the policy RL starts from, as in veRL and OpenRLHF (their `ref` defaults
+to the actor's initial checkpoint), unless `rl.ref_hf_path` names another HF checkpoint
+folder (`source`). `reference_params` places its parameters with the policy's shardings
+(one more FSDP-sharded copy of the parameters); the stream trainer runs its forward in
+the same program as each part's gradients.
 """
 
 from __future__ import annotations
@@ -39,7 +29,17 @@ def needed(rl: settings_lib.RL) -> bool:
 
 
 def source(settings: settings_lib.Settings, workdir: str) -> tuple[str, bool]:
-  """(folder the reference is read from on a resume, whether a fresh run writes it)."""
+  """(folder the reference is read from on a resume, whether a fresh run writes it).
+
+  The reference is, by the run's settings:
+    rl.ref_hf_path set          that folder, on a fresh run and on a resume;
+    model.hf_path, no warm-up   the policy's own checkpoint: copied on a fresh
+                                run, read back from model.hf_path on a resume;
+    otherwise                   (a preset, or the SFT warm-up changed the
+                                weights) the policy as RL begins, copied and
+                                written once to WORKDIR/reference (float32, HF
+                                layout) for a resumed run to read back.
+  """
   if settings.rl.ref_hf_path:
     return settings.rl.ref_hf_path, False
   if settings.model.hf_path and not sft.runs(settings.sft, settings.total_steps):

@@ -2,13 +2,9 @@
 
 `RewardScheduler` runs the run's reward (rl/reward_spec.py) in a pool of spawned worker
 processes as responses arrive: `submit` returns a Future of a `RewardResult`, `poll`
-drains the results finished since the last poll, and `gather` waits. Each call gets
-Flexes' adaptive timeout T = min(max(t_min, anchor_factor * T_anchor), t_max), T_anchor
-being the slowest correct call (reward >= correct_threshold) seen so far for its `key`
-(None shares one anchor), and t_max before any. A call past T (its worker killed and
-replaced), or one that raises, returns no finite number or loses its worker, yields 0
-with status "timeout" or "error", logged with its key and tag and counted; the pool
-keeps serving. Why t_max first, and how calls are timed: docs/rewards.md.
+drains the results finished since the last poll, and `gather` waits. A call past its
+timeout, or one that fails, yields 0 and is counted; the pool keeps serving. Why t_max
+first, and how calls are timed: docs/rewards.md.
 """
 
 from __future__ import annotations
@@ -119,6 +115,12 @@ class _Task:
 
 class RewardScheduler:
   """Asynchronous reward computation with Flexes' adaptive timeout.
+
+  Each call gets T = min(max(t_min, anchor_factor * T_anchor), t_max), T_anchor being the
+  slowest correct call (reward >= correct_threshold) seen so far for its `key` (None
+  shares one anchor), and t_max before any. A call past T (its worker killed and
+  replaced), or one that raises, returns no finite number or loses its worker, yields 0
+  with status "timeout" or "error", logged with its key and tag and counted.
 
   Use as a context manager (or call `shutdown`): worker processes are killed
   on exit.

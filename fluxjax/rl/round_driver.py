@@ -1,16 +1,11 @@
 """The asyncio driver of tail batching: one round on a rollout backend.
 
-`run_round` plans a round with the pure scheduler (rl/tail_batching.py
-`TailBatcher`, `Round`), launches its requests on a `backend.Sampler`
-(`generate(request, group)`, `abort(rid)`, and `slot_stats()` where the backend
-has slot counters), feeds each finished request to the `Round`, aborts what
-the round no longer needs, and commits the round to the batcher: whole on
-success, its kept prompts only on failure (the rest is queued again, with
-its responses so far when recycling).
-
-Ties (requests that finish in the same event-loop turn) are broken by the
-round's request order (prompt order, then response index), never by set
-iteration order.
+`run_round` plans a round with the pure scheduler (rl/tail_batching.py `TailBatcher`,
+`Round`), launches its requests on a `backend.Sampler` (`generate(request, group)`,
+`abort(rid)`, and `slot_stats()` where the backend has slot counters), feeds each
+finished request to the `Round`, aborts what the round no longer needs, and commits the
+round to the batcher: whole on success, its kept prompts only on failure (the rest is
+queued again, with its responses so far when recycling). `RoundDriver` is one round.
 """
 
 from __future__ import annotations
@@ -207,6 +202,9 @@ class RoundDriver:
   response is in at most one of `finished` (whole) and `so_far` (unfinished:
   carried in, or aborted here, when recycling); `tasks` maps each request in
   flight to its key, rid and request.
+
+  Ties (requests that finish in the same event-loop turn) are broken by the round's
+  request order (prompt order, then response index), never by set iteration order.
   """
 
   def __init__(

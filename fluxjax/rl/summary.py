@@ -1,18 +1,8 @@
 """The summary a run ends with: what it achieved, what went wrong, where its curves are.
 
-`summarize` builds it from a run's records (metrics.jsonl as
+`summarize` builds a `Summary` from a run's records (metrics.jsonl as
 `metrics.read_metrics` returns it, and trained.jsonl); `report` writes it to
-WORKDIR/summary.json and logs its lines at INFO (the console shows them,
-logs.py). It holds:
-
-  held-out accuracy (rl/evaluation.py) at the RL start (step 0, after any SFT
-    warm-up) and at the last evaluation: sampled with its 95% interval,
-    greedy, pass@k, per task and per difficulty, start -> end with the change;
-  the wall time of this invocation, and the step it resumed from;
-  trained samples per second over this invocation's RL steps, timed by
-    `perf/step_seconds` (evaluation and checkpoints left out);
-  every non-zero fault and skip counter;
-  the command that draws the curves, and where the records are.
+WORKDIR/summary.json and logs its lines at INFO (the console shows them, logs.py).
 """
 
 from __future__ import annotations
@@ -124,7 +114,15 @@ class Evaluation:
 
 @dataclasses.dataclass(frozen=True)
 class Summary:
-  """What a run achieved (see the module docstring); `lines()` is its text.
+  """What a run achieved; `lines()` is its text.
+
+  It holds held-out accuracy (rl/evaluation.py) at the RL start (step 0, after any SFT
+  warm-up) and at the last evaluation: sampled with its 95% interval, greedy, pass@k, per
+  task and per difficulty, start -> end with the change; the wall time of this
+  invocation, and the step it resumed from; trained samples per second over this
+  invocation's RL steps, timed by `perf/step_seconds` (evaluation and checkpoints left
+  out); every non-zero fault and skip counter; the command that draws the curves, and
+  where the records are.
 
   Attributes:
     workdir: the run's work directory.

@@ -1,15 +1,8 @@
 """From finished GRPO groups to the trainer's sequences.
 
-A group is one prompt with its R responses (sampled by the rollout engine,
-which also reported the behaviour logprob of every sampled token) and their
-rewards. Each response becomes a `TrainSequence`: the prompt's tokens and
-M-RoPE positions continued by the response, loss weights on the response
-tokens only (in the configured aggregation mode), the group-normalized
-advantage on every response token, and the behaviour logprobs aligned with
-the tokens they score. A response continued across rounds (a partial
-rollout) carries each token's own behaviour logprob, so the importance
-weight of every token is taken against the policy version that sampled it;
-the per-token versions (`Completion.versions`) feed the staleness.
+A `Group` is one prompt with its R responses (sampled by the rollout engine, which also
+reported the behaviour logprob of every sampled token) and their rewards;
+`group_sequences` makes each response a `TrainSequence`.
 """
 
 from __future__ import annotations
@@ -92,7 +85,16 @@ def missing_logprobs(key: str, completion: Completion) -> MissingLogprobs | None
 def group_sequences(
   group: Group, *, std_normalize: bool = True, agg_mode: str = "token-mean", eps: float = 1e-6
 ) -> list[TrainSequence]:
-  """The group's responses as trainer sequences (see module docstring)."""
+  """The group's responses as trainer sequences.
+
+  Each sequence is the prompt's tokens and M-RoPE positions continued by the response,
+  loss weights on the response tokens only (in the `agg_mode` aggregation), the
+  group-normalized advantage on every response token, and the behaviour logprobs aligned
+  with the tokens they score. A response continued across rounds (a partial rollout)
+  carries each token's own behaviour logprob, so the importance weight of every token is
+  taken against the policy version that sampled it; the per-token versions
+  (`Completion.versions`) feed the staleness.
+  """
   if len(group.completions) != len(group.rewards):
     raise ValueError(
       f"group {group.key}: {len(group.completions)} completions but {len(group.rewards)} rewards"

@@ -1,23 +1,11 @@
 """The policy worker: a run's train state and every program that changes it.
 
-A run splits into what decides and what computes. The coordinator (process 0,
-the leader) decides: which prompts, which responses, which groups make a part
-of the batch, when to update, publish and save. The policy worker computes:
-it owns the train state, the stream trainer, the SFT warm-up's trainer, the
-reference model and the checkpointer, and runs their jitted programs on the
-global mesh. Its methods marked `op` are the ops, and `OPS` is their table.
-
-In a one-process run the coordinator calls the worker directly. In a
-multi-controller run (parallel/multihost.py) every process has a worker: the
-leader's worker leads (`PolicyWorker.lead`): it sends each op on the channel
-and then runs it, and every other process runs `serve`, which runs the ops it
-receives, in order, on its own worker. All processes thus launch the same
-global programs in the same order; each materializes only its own devices'
-rows, decoding their media itself.
-
-Every op is issued from the main thread of each process: a program on the
-global mesh launched from another thread (the rollout loop) could interleave
-differently on different processes and deadlock their collectives.
+A run splits into what decides and what computes. The coordinator (process 0, the leader)
+decides; the `PolicyWorker` computes: it owns the train state, the stream trainer, the SFT
+warm-up's trainer, the reference model and the checkpointer, and runs their jitted
+programs on the global mesh. Its methods marked `op` are the ops, and `OPS` is their
+table. How a multi-controller run leads its followers (`PolicyWorker.lead`, `serve`):
+docs/design.md, section 3, "Multi-controller runs".
 """
 
 from __future__ import annotations
@@ -145,7 +133,13 @@ class Restored:
 
 
 class PolicyWorker:
-  """One process's part of the policy (see the module docstring).
+  """One process's part of the policy.
+
+  In a one-process run the coordinator calls the worker directly; in a multi-controller
+  run every process has one, the leader's leading (`lead`) and the others in `serve`.
+  Every op is issued from the main thread of each process: a program on the global mesh
+  launched from another thread (the rollout loop) could interleave differently on
+  different processes and deadlock their collectives.
 
   Args:
     settings: the run's settings.

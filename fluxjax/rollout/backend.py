@@ -1,18 +1,10 @@
 """The rollout backend seam: what the RL side calls, whichever engine serves it.
 
-Two backends implement `RolloutBackend`:
-  EmbeddedRollout (rollout/embedded.py)  the engine in a thread of this
-      process; weights are handed over as arrays, and it reports slot
-      statistics (decode steps, slots) for tail batching's idle fraction;
-  Fleet (rollout/fleet.py)  SGLang-compatible servers over HTTP; weights go
-      through a versioned HF folder (pause -> update_weights_from_disk ->
-      continue), and it counts retries and servers down.
-
-Every backend call is a coroutine, and all of a backend's coroutines run on
-one event loop: a fleet's HTTP session belongs to the loop it was opened on.
-`LoopThread` is that loop in a background thread, callable from synchronous
-code (the trainer); `LoopThread.running(backend)` holds a backend open
-(`start` ... `close`) on it for the duration of a `with` block.
+Two backends implement `RolloutBackend`: `EmbeddedRollout` (rollout/embedded.py), the
+engine in a thread of this process, and `Fleet` (rollout/fleet.py), SGLang-compatible
+servers over HTTP. Every backend call is a coroutine, and all of a backend's coroutines
+run on one event loop (a fleet's HTTP session belongs to the loop it was opened on):
+`LoopThread` is that loop in a background thread (docs/design.md, section 2).
 """
 
 from __future__ import annotations
@@ -73,9 +65,12 @@ class Sampler(Protocol):
 
 @runtime_checkable
 class RolloutBackend(Sampler, Protocol):
-  """A rollout backend as the coordinator drives it (see the module docstring).
+  """A rollout backend as the coordinator drives it.
 
-  Its lifetime is `start` ... `close` on the loop every call runs on (also
+  `EmbeddedRollout` hands weights over as arrays and reports slot statistics (decode
+  steps, slots) for tail batching's idle fraction; `Fleet` sends weights through a
+  versioned HF folder (pause -> update_weights_from_disk -> continue) and counts retries
+  and servers down. Its lifetime is `start` ... `close` on the loop every call runs on (also
   `async with backend:`); weight versions arrive through `publish`.
   """
 
@@ -112,6 +107,9 @@ class RolloutBackend(Sampler, Protocol):
 
 class LoopThread:
   """An asyncio event loop in a daemon thread, for synchronous callers.
+
+  Callable from synchronous code (the trainer); `running(backend)` holds a backend open
+  (`start` ... `close`) on it for the duration of a `with` block.
 
   A context manager: the loop runs inside the `with` block and stops at its
   end.

@@ -1,14 +1,10 @@
 """The embedded rollout engine: slot-based continuous batching in JAX.
 
-A fixed number of slots share one KV cache (models/decode.py). Between calls, waiting
-requests join free slots (one prefill each, padded to a bucket length) and finished or
-aborted ones leave. A jitted call runs `num_continuous_decode_steps` decode steps over
-the slots up to the highest busy one and the cache entries they reach, both in buckets,
-so cost follows the live load; a request that stops inside a call holds its slot to its
-end. Sampling parameters are per-slot arrays (rollout/sampling.py); non-finite logits end
-a request as an abort carrying a `NonFiniteLogits`. Thread-safe: `submit`, `abort`,
-`pause`, `resume` and `update_params` from any thread while `run_forever` (the server)
-or `generate` steps it; weights swap between steps as a jitted argument: no recompile.
+In `Engine` a fixed number of slots share one KV cache (models/decode.py); a jitted call
+runs `num_continuous_decode_steps` decode steps over the slots up to the highest busy one
+and the cache entries they reach, both in buckets, so cost follows the live load.
+Thread-safe: `submit`, `abort`, `pause`, `resume` and `update_params` from any thread
+while `run_forever` (the server) or `generate` steps it.
 """
 
 from __future__ import annotations
@@ -197,7 +193,14 @@ def check_decode_steps(steps: int, name: str = "num_continuous_decode_steps") ->
 
 
 class Engine:
-  """Continuous batching over `num_slots` slots of `capacity` tokens each."""
+  """Continuous batching over `num_slots` slots of `capacity` tokens each.
+
+  Between calls, waiting requests join free slots (one prefill each, padded to a bucket
+  length) and finished or aborted ones leave; a request that stops inside a call holds
+  its slot to its end. Sampling parameters are per-slot arrays (rollout/sampling.py);
+  non-finite logits end a request as an abort carrying a `NonFiniteLogits`. Weights swap
+  between steps as a jitted argument: no recompile.
+  """
 
   def __init__(
     self,

@@ -1,14 +1,9 @@
 """Decoded media kept by what a request names, so a prompt's files are decoded once.
 
-A GRPO step sends each prompt once per response, and an evaluation once per
-sample and once greedily: every one of those requests names the same image
-and video files. SGLang keeps a multimodal cache for the same reason. A file
-is known by its path, size and modification time (a rewritten file is
-decoded again), a base64 payload by its hash; both with the preprocessing
-settings that shaped it. Entries past `max_bytes` of patches go least
-recently used first. A request for an item another thread is decoding waits
-for that decode (a group's requests arrive together); a failed decode is not
-kept, and each of its waiters gets its error.
+A GRPO step sends each prompt once per response, and an evaluation once per sample and
+once greedily: every one of those requests names the same image and video files. SGLang
+keeps a multimodal cache for the same reason. `MediaCache` keeps the decoded media by
+`key`, with the preprocessing settings that shaped them.
 """
 
 from __future__ import annotations
@@ -30,7 +25,11 @@ DEFAULT_MAX_BYTES = 512 << 20
 def key(item: str, kind: str, settings: Hashable, is_path: bool) -> Hashable | None:
   """What identifies `item`'s decoded form: a path's identity, or the hash of
   anything else (base64); None for a path that cannot be read (left to the
-  decoder's own error)."""
+  decoder's own error).
+
+  A path's identity is its path, size and modification time (a rewritten file is
+  decoded again); both forms go with the preprocessing `settings`.
+  """
   if is_path:
     try:
       st = os.stat(item)
@@ -41,7 +40,12 @@ def key(item: str, kind: str, settings: Hashable, is_path: bool) -> Hashable | N
 
 
 class MediaCache:
-  """Thread-safe LRU of decoded, preprocessed media; see the module docstring."""
+  """Thread-safe LRU of decoded, preprocessed media.
+
+  Entries past `max_bytes` of patches go least recently used first. A request for an
+  item another thread is decoding waits for that decode (a group's requests arrive
+  together); a failed decode is not kept, and each of its waiters gets its error.
+  """
 
   def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES):
     self.max_bytes = max_bytes

@@ -1,18 +1,10 @@
 """The OpenAPI 3.1 description of `python -m fluxjax.rollout.server` (GET /openapi.json).
 
-SGLang's FastAPI server serves its own description at the same path. This one
-is built from the tables the server itself runs on, so the two cannot drift:
-the server registers exactly the routes of `ENDPOINTS`, the /generate body
-is described from protocol.py's field lists (USED_FIELDS, IGNORED_FIELDS,
-DEFAULT_ONLY_FIELDS) and sampling_params.py's keys (SAMPLING_DEFAULTS), and the
-weight group's backends and dtypes from weight_protocol.py. A field or key
-added there without a schema here fails at import.
-
-The schemas say what this server accepts, which is what schemathesis holds it
-to: a value outside them is answered 4xx, never 5xx. Some requests inside
-them are still refused with 400 for reasons a schema cannot state (a token
-id past the vocabulary, a prompt over the context, media that do not
-decode).
+SGLang's FastAPI server serves its own description at the same path. This one is built
+from the tables the server itself runs on, so the two cannot drift: the server registers
+exactly the routes of `ENDPOINTS`, and `build_spec` describes their bodies from the
+protocol modules' field lists and keys. A field or key added there without a schema here
+fails `build_spec`, so no server starts with it.
 """
 
 from __future__ import annotations
@@ -616,7 +608,16 @@ ENDPOINTS: tuple[Endpoint, ...] = _endpoints()
 
 
 def build_spec(server_version: str) -> dict[str, Any]:
-  """The OpenAPI document: every endpoint of `ENDPOINTS`, request and responses."""
+  """The OpenAPI document: every endpoint of `ENDPOINTS`, request and responses.
+
+  The /generate body is described from protocol.py's field lists (USED_FIELDS,
+  IGNORED_FIELDS, DEFAULT_ONLY_FIELDS) and sampling_params.py's keys (SAMPLING_DEFAULTS),
+  and the weight group's backends and dtypes from weight_protocol.py. The schemas say
+  what this server accepts, which is what schemathesis holds it to: a value outside them
+  is answered 4xx, never 5xx. Some requests inside them are still refused with 400 for
+  reasons a schema cannot state (a token id past the vocabulary, a prompt over the
+  context, media that do not decode).
+  """
   paths: dict[str, Any] = {}
   for ep in ENDPOINTS:
     for method in ep.methods:

@@ -1,15 +1,10 @@
 """From a /generate request to model inputs: ids, decoded media, M-RoPE positions.
 
-SGLang (`qwen_vl.py`) accepts prompts whose vision spans are either
-unexpanded (one `<|image_pad|>` per image, as the chat template renders them)
-or already expanded by the HF processor (one pad per merged patch); it
-re-expands both to the same ids. We do the same on ids: each span of pads must
-hold either 1 pad or exactly the image's token count, and spans must match
-`image_data` / `video_data` in number and order.
-
-Media strings: a local file path (what RL clients on a shared filesystem
-send), a `data:<mime>;base64,` URI, or raw base64. URLs are refused: a
-rollout server should not fetch from the network in the middle of a batch.
+`build_sequence` is the entry point: it decodes the request's media (`load_media`) and
+re-expands its vision spans as SGLang does (`expand_prompt`). Media strings: a local file
+path (what RL clients on a shared filesystem send), a `data:<mime>;base64,` URI, or raw
+base64. URLs are refused: a rollout server should not fetch from the network in the
+middle of a batch.
 """
 
 from __future__ import annotations
@@ -112,7 +107,14 @@ def _spans(ids_T: np.ndarray, pad: int) -> list[tuple[int, int]]:
 def expand_prompt(
   ids: list[int], vision: list[processor.ProcessedVision], cfg: ModelConfig
 ) -> np.ndarray:
-  """Ids with every vision span holding its grid's number of pads."""
+  """Ids with every vision span holding its grid's number of pads.
+
+  SGLang (`qwen_vl.py`) accepts prompts whose vision spans are either unexpanded (one
+  `<|image_pad|>` per image, as the chat template renders them) or already expanded by
+  the HF processor (one pad per merged patch); it re-expands both to the same ids. We do
+  the same on ids: each span of pads must hold either 1 pad or exactly the image's token
+  count, and spans must match `image_data` / `video_data` in number and order.
+  """
   ids_T = np.asarray(ids, np.int32)
   m = cfg.vision.spatial_merge_size
   pieces, cursor = [], 0

@@ -1,19 +1,13 @@
-"""The generate side of SGLang's native HTTP API that RL rollout uses
-(docs/fleet.md, "The server's API").
+"""The generate side of SGLang's native HTTP API that RL rollout uses.
 
-Our client and our server both speak exactly this, so the client works
-against a real SGLang fleet and is always tested against a real server.
-
-  POST /generate             GenerateRequest -> Completion (or SSE chunks of it)
-  POST /abort_request        {"rid": str, "abort_all": bool}
-  POST /pause_generation     {"mode": "abort" | "in_place" | "retract"}
-  POST /continue_generation  {}
-  GET|POST /flush_cache
-  GET /health, /health_generate, /get_model_info, /model_info,
-      /get_server_info, /server_info, /get_weight_version, /get_load
-
+Our client and our server both speak exactly this (docs/fleet.md, "The server's API"), so
+the client works against a real SGLang fleet and is always tested against a real server.
 Sampling parameters are in sampling_params.py, weight updates in weight_protocol.py;
-bodies and errors follow json_body.py.
+bodies and errors follow json_body.py; every route is in openapi.ENDPOINTS.
+
+  POST /generate       GenerateRequest -> Completion (or SSE chunks of it)
+  POST /abort_request  (`parse_abort`), /pause_generation (`parse_pause`), /continue_generation
+  GET|POST /flush_cache; GET /health, /get_model_info, /get_server_info, /get_load, ...
 """
 
 from __future__ import annotations
@@ -548,7 +542,10 @@ def check_context_length(
 
 
 def parse_abort(body: dict) -> tuple[str | None, bool]:
-  """(rid, abort_all) of an /abort_request body (SGLang's AbortReq)."""
+  """(rid, abort_all) of an /abort_request body (SGLang's AbortReq).
+
+  The body: {"rid": str, "abort_all": bool}.
+  """
   rid = body.get("rid")
   if rid is not None and not isinstance(rid, str):
     raise ProtocolError(f"rid must be a string, got {rid!r}")
@@ -556,7 +553,11 @@ def parse_abort(body: dict) -> tuple[str | None, bool]:
 
 
 def parse_pause(body: dict) -> str:
-  """The mode of a /pause_generation body (default "abort", as SGLang's)."""
+  """The mode of a /pause_generation body (default "abort", as SGLang's).
+
+  The body: {"mode": "abort" | "in_place" | "retract"} (`PAUSE_MODES`); /continue_generation
+  takes {}.
+  """
   mode = body.get("mode")
   mode = "abort" if mode is None else mode
   check_pause_mode(mode)

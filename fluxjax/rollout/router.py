@@ -2,20 +2,11 @@
 
   python -m sglang_router.launch_router --worker-urls URL... --policy cache_aware
 
-The router (`sglang-router`, sgl-model-gateway) places each /generate on a
-worker by its policy (cache_aware keeps shared prefixes, a GRPO group's
-prompt, on one worker), retries and health-checks the workers. It does not
-pause, flush or update weights, so the fleet sends those to every worker
-directly, as slime and AReaL do, and reads the worker list from the router's
-`GET /workers`, refreshed at every health check.
-
-`RoutedFleet` is a `Fleet` (the same `RolloutBackend`): weight updates,
-abort_all, health, rejoin refits and metrics work on the workers; only
-`generate` and `abort` differ. The router readmits a worker on its own
-health check, whatever weights it serves, so a worker the fleet marks down
-is taken out of the router (`DELETE /workers/{id}`) and added back
-(`POST /workers`) only once the fleet has it back: refit to the published
-folder, or brought in by the next broadcast update.
+The router (`sglang-router`, sgl-model-gateway) places each /generate on a worker by its
+policy (cache_aware keeps shared prefixes, a GRPO group's prompt, on one worker), retries
+and health-checks the workers. It does not pause, flush or update weights, so
+`RoutedFleet` sends those to every worker directly, as slime and AReaL do (docs/fleet.md,
+"The router"); `launch_router` starts one.
 """
 
 from __future__ import annotations
@@ -37,6 +28,14 @@ log = logging.getLogger(__name__)
 
 class RoutedFleet(Fleet):
   """Generation through an SGLang router; weight updates to its workers.
+
+  A `Fleet` (the same `RolloutBackend`): weight updates, abort_all, health, rejoin refits
+  and metrics work on the workers; only `generate` and `abort` differ. The worker list is
+  the router's `GET /workers`, refreshed at every health check (`refresh_workers`). The
+  router readmits a worker on its own health check, whatever weights it serves, so a
+  worker the fleet marks down is taken out of the router (`DELETE /workers/{id}`,
+  `_park`) and added back (`POST /workers`, `_unpark`) only once the fleet has it back:
+  refit to the published folder, or brought in by the next broadcast update.
 
   Args:
     router_url: the router.

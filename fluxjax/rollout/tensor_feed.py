@@ -1,14 +1,9 @@
 """The items of a deferred publish, gathered on the trainer's main thread.
 
-Across processes each published tensor is a collective gather, and collectives must
-meet in one order: the training step's are launched from each main thread in op order,
-so a publish that overlaps training cannot gather from another thread (docs/fleet.md,
-"Deferred publish"). A `TensorFeed` splits the work: the main thread gathers (the
-leader: `pump` while it waits for rollouts, `finish` before the update that donates the
-arrays, each run announced first; another process: `take`, as announced), and a
-consumer thread iterates the feed, with at most `capacity` gathered items between them.
-`after_last` runs on the gathering thread after the last gather. A one-process trainer
-needs no announcements: the feed keeps its main thread the only one launching programs.
+Across processes each published tensor is a collective gather, and collectives must meet
+in one order, so a publish that overlaps training cannot gather from another thread
+(docs/fleet.md, "Deferred publish"). A `TensorFeed` splits the work: the main thread
+gathers, and a consumer thread iterates the feed.
 """
 
 from __future__ import annotations
@@ -28,7 +23,13 @@ class Abandoned(RuntimeError):
 
 class TensorFeed:
   """A bounded hand-off of `count` items from the gathering thread to a
-  consumer (see the module docstring).
+  consumer.
+
+  The main thread gathers (the leader: `pump` while it waits for rollouts, `finish`
+  before the update that donates the arrays, each run announced first; another process:
+  `take`, as announced), and a consumer thread iterates the feed, with at most `capacity`
+  gathered items between them. A one-process trainer needs no announcements: the feed
+  keeps its main thread the only one launching programs.
 
   Args:
     items: the gathers, run on the gathering thread.

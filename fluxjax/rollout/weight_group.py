@@ -1,19 +1,11 @@
 """The torch.distributed side of SGLang's distributed weight update
-(/update_weights_from_distributed).
+(/update_weights_from_distributed; docs/fleet.md, "Weight sync: disk or distributed").
 
-The trainer is rank 0 of a process group of its own; server i's ranks (one
-per GPU, tp x pp) start at its `rank_offset` (publish.rank_layout). Per
-update call, one bucket of tensors (hf_export.byte_runs), the HTTP call carries
-names, dtypes and shapes only, and the trainer then broadcasts each tensor,
-in the same order, from rank 0. Both sides make the group as SGLang's `init_custom_process_group`
-does (a TCP rendezvous at `tcp://master_address:master_port`, a store
-prefixed by the group name, a group apart from any default one), so our
-trainer talks to SGLang's servers and our server to SGLang-style trainers.
-NCCL on GPUs (tensors on the GPU: `tensor_device`), gloo on CPUs.
-
-torch joins only here, imported when a group is made (`pip install
-fluxjax[weight-sync]`); bf16 crosses as its bits (numpy has no bf16 of its
-own: ml_dtypes' is viewed as uint16 and back).
+The trainer is rank 0 of a process group of its own (`init_group`) and broadcasts each
+tensor (`send`); a server receives them (`receive`). NCCL on GPUs (tensors on the GPU:
+`tensor_device`), gloo on CPUs. torch joins only here, imported when a group is made
+(`pip install fluxjax[weight-sync]`); bf16 crosses as its bits (numpy has no bf16 of its
+own: ml_dtypes' is viewed as uint16 and back, `_as_torch`).
 """
 
 from __future__ import annotations
@@ -54,6 +46,13 @@ def init_group(
   timeout_s: float,
 ) -> Any:
   """This process's member of the update group (blocks until all have joined).
+
+  Server i's ranks (one per GPU, tp x pp) start at its `rank_offset`
+  (publish.rank_layout). Both sides make the group as SGLang's
+  `init_custom_process_group` does (a TCP rendezvous at
+  `tcp://master_address:master_port`, a store prefixed by the group name, a group apart
+  from any default one), so our trainer talks to SGLang's servers and our server to
+  SGLang-style trainers.
 
   Raises:
     RuntimeError: the rendezvous timed out or failed (torch's error).
@@ -151,6 +150,10 @@ def send(
   group: Any, tensors: Iterable[np.ndarray], device: str = "cpu", *, finish: bool = False
 ) -> int:
   """Broadcasts each tensor from rank 0, in order; returns the bytes sent.
+
+  Per update call, one bucket of tensors (hf_export.byte_runs), the HTTP call carries
+  names, dtypes and shapes only, and the trainer then broadcasts each tensor, in the
+  same order, from rank 0.
 
   One tensor is on the wire while the next is made (`prefetched`), so the
   sender holds at most two more tensors than it already had. With `finish`,

@@ -1,14 +1,13 @@
-"""The weight-update part of SGLang's native HTTP API that RL rollout uses
-(docs/fleet.md, "Weight sync").
+"""The weight-update part of SGLang's native HTTP API that RL rollout uses.
 
-  POST /update_weights_from_disk  {model_path, load_format, flush_cache,
-                                   abort_all_requests, weight_version}
-  POST /update_weight_version     {new_version, abort_all_requests}
+docs/fleet.md, "Weight sync: disk or distributed". The generate side is in protocol.py;
+bodies and errors follow json_body.py.
+
+  POST /update_weights_from_disk  `parse_update_weights`
+  POST /update_weight_version     `parse_update_weight_version`
   POST /init_weights_update_group, /update_weights_from_distributed,
        /destroy_weights_update_group  InitWeightsGroup, DistributedUpdate
                                    (the tensors follow over torch.distributed)
-
-The generate side is in protocol.py; bodies and errors follow json_body.py.
 """
 
 from __future__ import annotations
@@ -31,7 +30,10 @@ DISK_LOAD_FORMATS = ("auto", "safetensors", None)
 
 def parse_update_weights(body: dict) -> tuple[str, str | None, bool]:
   """(model_path, weight_version, abort_all_requests) of an
-  /update_weights_from_disk body; flush_cache is accepted (a no-op here)."""
+  /update_weights_from_disk body; flush_cache is accepted (a no-op here).
+
+  The body: {model_path, load_format, flush_cache, abort_all_requests, weight_version}.
+  """
   path = body.get("model_path")
   if not isinstance(path, str):
     raise ProtocolError("model_path (a checkpoint folder) is required")

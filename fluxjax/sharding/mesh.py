@@ -4,11 +4,8 @@ Axes, outermost first: `data` (replicas; HSDP), `fsdp`, then the strategy's sequ
 axes; parameters are sharded over all but `data` (ZeRO-3; docs/config.md, "Sharding").
 `data` and `fsdp` always exist (size 1 allowed); the sequence axes are the strategy's,
 so only code that knows it names them: specs go through `param_axes` / `batch_axes`.
-Axes are Auto: explicit NamedShardings place arrays and the partitioner inserts FSDP's
-per-layer all-gathers and gradient reduce-scatters (Explicit axes would make every
-weight use a hand-written reshard); where communication needs exact control (Ulysses
-all-to-alls, minibatch-level sync) we use shard_map. Plans' device d is
-`mesh.devices.flat[d]`: batch arrays shard their leading axis over all axes in order.
+Plans' device d is `mesh.devices.flat[d]`: batch arrays shard their leading axis over
+all axes in order.
 """
 
 from __future__ import annotations
@@ -199,7 +196,12 @@ def make_mesh(
   sp_axes: Sequence[tuple[str, int]] = ((SP, 1),),
   devices: Sequence[jax.Device] | None = None,
 ) -> jax.sharding.Mesh:
-  """A mesh with Auto axes (see module docstring); place inputs with NamedSharding.
+  """A mesh with Auto axes; place inputs with NamedSharding.
+
+  Auto: explicit NamedShardings place arrays and the partitioner inserts FSDP's
+  per-layer all-gathers and gradient reduce-scatters (Explicit axes would make every
+  weight use a hand-written reshard); where communication needs exact control (Ulysses
+  all-to-alls, minibatch-level sync) we use shard_map.
 
   With `data` equal to the number of processes the devices span (a hybrid
   mesh), each data replica is one process's devices, so only the gradient

@@ -1,18 +1,9 @@
 """Blockwise attention over packed sequences in plain XLA, skipping masked blocks.
 
-The `xla` reference materializes every row's [T, S] scores; a packed row's
-mask is block-diagonal and causal, so most of that work is masked away. This
-backend walks query blocks and key blocks with an online softmax (flash
-attention's recurrence) and runs a block pair only if some query of it may see
-some key (`lax.cond` executes one branch). Its backward pass recomputes each
-visible block from the saved log-sum-exp, so it keeps O(T) beside the inputs.
-Masks and results are the reference's (tests/test_attention_blocked.py).
-
-Which pairs run is `attention.xla.blocks_may_see`, the rule the Pallas kernel
-skips by: conservative (a kept pair may still be fully masked, which the
-per-element mask handles), exact for contiguously packed sequences. The rows
-stay inside each block, so sharding over rows needs no gather; a pair runs if
-any row needs it.
+The `xla` reference materializes every row's [T, S] scores; a packed row's mask is
+block-diagonal and causal, so most of that work is masked away. `blocked_attention` walks
+query blocks and key blocks with an online softmax (flash attention's recurrence) and
+runs a block pair only if some query of it may see some key (`_visible`).
 
 Shapes: B rows, T queries, S keys, N query heads, K kv heads, G = N / K,
 H head dim; blocks of Q queries and C keys, nq and nk of them.
@@ -45,7 +36,12 @@ def blocked_attention(
   causal: bool,
   block: int = DEFAULT_BLOCK,
 ) -> jax.Array:
-  """The reference's attention (attention.xla.xla_attention), blockwise."""
+  """The reference's attention (attention.xla.xla_attention), blockwise.
+
+  Masks and results are the reference's (tests/test_attention_blocked.py). The rows stay
+  inside each block, so sharding over rows needs no gather; a pair runs if any row needs
+  it. A pair is skipped with `lax.cond`, which executes one branch.
+  """
   b, t, n, h = q_BTNH.shape
   s, kv_heads = k_BSKH.shape[1], k_BSKH.shape[2]
   if n % kv_heads:
@@ -92,7 +88,12 @@ def _ids_to_blocks(seg_BT, pos_BT, block: int) -> tuple:
 
 
 def _visible(q_ids, kv_ids, causal: bool) -> jax.Array:
-  """Whether a (query block, key block) pair may hold a visible entry in any row."""
+  """Whether a (query block, key block) pair may hold a visible entry in any row.
+
+  The rule is `attention.xla.blocks_may_see`, the one the Pallas kernel skips by:
+  conservative (a kept pair may still be fully masked, which the per-element mask
+  handles), exact for contiguously packed sequences.
+  """
   return xla.blocks_may_see(q_ids[2], kv_ids[2], causal).any()
 
 
@@ -155,7 +156,11 @@ def _attend_fwd(causal, q, k, v, q_ids, kv_ids):
 
 
 def _attend_bwd(causal, res, d_out):
-  """Flash attention's backward: per key block, the visible query blocks' terms."""
+  """Flash attention's backward: per key block, the visible query blocks' terms.
+
+  Each visible block is recomputed from the saved log-sum-exp, so the backward keeps
+  O(T) beside the inputs.
+  """
   q, k, v, q_ids, kv_ids, out, lse = res
   delta = (d_out * out).sum(-1)  # [nq, B, K, G, Q]
   scale = q.shape[-1] ** -0.5

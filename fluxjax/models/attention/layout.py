@@ -1,18 +1,11 @@
 """Contiguous layout of a packed buffer, for kernels that mask by ranges.
 
-The model's attention contract masks by segment ids and in-sequence positions
-(`attention.xla`), so tokens may sit in any buffer order. Vendor kernels
-(cuDNN's packed THD layout, tokamax's Mosaic GPU kernel) instead take each
-sequence as a contiguous range of the buffer, in position order. This module
-sorts a row by (segment, position), with padding (segment 0) gathered into one
-trailing segment, and describes the ranges in the two forms those kernels
-read: per-segment lengths and start offsets (cuDNN), and per-token key ranges
-(tokamax). Inside one sorted segment, buffer order is position order, so a
-kernel's index-causal mask equals the position-causal mask when positions
-within a sequence are distinct, which the packers guarantee.
-
-Everything here is plain jnp (it runs, and is tested, on any platform); the
-kernels that consume it are GPU-only.
+The model's attention masks by segment ids and in-sequence positions (`attention.xla`),
+so tokens may sit in any buffer order; vendor kernels (cuDNN's packed THD layout,
+tokamax's Mosaic GPU kernel) instead take each sequence as a contiguous range of the
+buffer, in position order. `packed_layout` sorts a row so, and `sorted_self_attention`
+runs a range kernel on it. Everything here is plain jnp (it runs, and is tested, on any
+platform); the kernels that consume it are GPU-only.
 """
 
 from __future__ import annotations
@@ -28,6 +21,9 @@ import jax.numpy as jnp
 @dataclasses.dataclass(frozen=True)
 class PackedLayout:
   """A row-wise sort of a packed buffer into contiguous segments.
+
+  It describes the ranges in the two forms the range kernels read: per-segment lengths
+  and start offsets (cuDNN), and per-token key ranges (tokamax).
 
   order_BT     buffer index of the token at each sorted slot.
   inverse_BT   sorted slot of each buffer token.
@@ -64,7 +60,13 @@ class PackedLayout:
 def packed_layout(
   segment_ids_BT: jax.Array, positions_BT: jax.Array | None, max_segments: int
 ) -> PackedLayout:
-  """Sorts each row by (segment, position); padding becomes the last segment."""
+  """Sorts each row by (segment, position); padding becomes the last segment.
+
+  Padding (segment 0) is gathered into one trailing segment. Inside one sorted segment,
+  buffer order is position order, so a kernel's index-causal mask equals the
+  position-causal mask when positions within a sequence are distinct, which the packers
+  guarantee.
+  """
   b, t = segment_ids_BT.shape
   if max_segments < 1:
     raise ValueError(f"max_segments must be >= 1, got {max_segments}")

@@ -25,7 +25,8 @@ Runs:
   blind     data.blind: the same questions with pixel-free media (flat grey
             images and frames), in training and evaluation.
   random_reward  rl.reward.fn = random (a fair coin per response).
-  format_only    rl.reward.fn = format (the answer's correctness unrewarded).
+  format_only    rl.reward.fn = format (the answer's correctness unrewarded),
+                 evaluated with accuracy (eval.reward).
   sharpen   no RL step: the RL-start model evaluated at temperature 0.5 and
             greedily (what sharpening the warm-up's policy alone gives).
   lr        the default with optim.lr set to each of --lrs (the sweep that
@@ -147,7 +148,9 @@ CONTROLS: Arms = {
   "zeroed": {"rl.reward.fn": "constant"},
   "blind": {"data.blind": True},
   "random_reward": {"rl.reward.fn": "random"},
-  "format_only": {"rl.reward.fn": "format"},
+  # `format` is an ordinary reward, not a registered control, so the run's
+  # evaluation is told to score accuracy.
+  "format_only": {"rl.reward.fn": "format", "eval.reward": "accuracy"},
   # The RL-start model decoded at a lower temperature (and greedily): what
   # sharpening alone gives, without any RL step.
   "sharpen": {"total_steps": 0, "rl.temperature": 0.5},

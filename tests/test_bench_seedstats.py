@@ -186,3 +186,20 @@ def test_kill_resume_pools_seeds_recorded_by_separate_runs(tmp_path):
   assert "(n=18) against the shadows'" in out.stdout and "(n=12)" in out.stdout
   twice = subprocess.run([*script, str(files[0]), str(files[0])], capture_output=True, text=True)
   assert twice.returncode != 0 and "a seed is recorded twice" in twice.stderr
+
+
+def test_every_control_that_replaces_the_reward_is_evaluated_on_accuracy():
+  """A control run's held-out accuracy is the task's, whatever it was trained
+  on: a run trained on the answer's format alone must not report the
+  format's reward as its accuracy."""
+  from fluxjax import config_args
+  from fluxjax.rl import reward_spec
+
+  replaced = [name for name, o in learning.CONTROLS.items() if "rl.reward.fn" in o]
+  assert {"format_only", "random_reward", "reversed", "zeroed"} <= set(replaced)
+  for name in replaced:
+    config = config_args.load_config(arg="tiny_base")
+    for key, value in learning.CONTROLS[name].items():
+      learning._set(config, key, value)
+    scored = reward_spec.evaluation(config.rl.reward.fn, config.eval.reward)
+    assert scored == "accuracy", (name, scored)

@@ -20,10 +20,13 @@ def _cores(spec: str) -> set[int]:
 
 def pin_and_launch(trainer_cores: str, rollout_cores: str, config):
   """Pins this process and starts the rollout server; returns (servers, command)."""
+  from fluxjax.rl import loop
   from fluxjax.rollout import factory, launcher
 
   os.sched_setaffinity(0, _cores(trainer_cores))
-  cmd = ["taskset", "-c", rollout_cores, *factory.server_command(config)]
+  # The run's settings as it resolves them (the checkpoint's vision limits).
+  settings = loop.validate(config).settings
+  cmd = ["taskset", "-c", rollout_cores, *factory.server_command(settings)]
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
   return launcher.launch_servers(cmd, 1, env=env, timeout_s=600), " ".join(cmd)
 

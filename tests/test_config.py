@@ -17,7 +17,7 @@ from fluxjax import settings as settings_lib
 from fluxjax.models import config as model_config
 from fluxjax.parallel import strategies
 from fluxjax.rl import loop
-from fluxjax.rollout import factory, publish
+from fluxjax.rollout import factory, protocol, publish
 from fluxjax.rollout import fleet as fleet_lib
 from fluxjax.settings import Settings
 from fluxjax.sharding import mesh as mesh_lib
@@ -246,6 +246,23 @@ def test_the_decode_steps_per_call_reach_our_server_and_are_checked():
   c.rollout.num_continuous_decode_steps = 0
   with pytest.raises(ValueError, match=r"rollout\.num_continuous_decode_steps must be 1 or more"):
     factory.check_config(Settings.of(c).rollout)
+
+
+def test_a_launched_own_server_serves_the_runs_checkpoint_with_its_vision_limits():
+  """A run from model.hf_path launches `fluxjax.rollout.server` on that
+  checkpoint (its weights until the first publish, its tokenizer) with the
+  limits the run resolved from it, not random weights of the preset."""
+  from fluxjax.models import processor
+
+  settings = loop.validate(config_args.load_config(arg="tiny_base")).settings
+  cmd = factory.server_command(settings)
+  assert cmd[cmd.index("--model-path") + 1] == os.path.abspath(config_args.TINY_BASE)
+  theirs = processor.VisionProcessorConfig.read_hf_files(config_args.TINY_BASE)
+  for key, value in dataclasses.asdict(settings.data.vision).items():
+    assert value and cmd[cmd.index(protocol.server_flag(key)) + 1] == str(value)
+    assert value == theirs.get(key, value)
+  scratch = factory.server_command(Settings.of(config_args.load_config(arg="tiny")))
+  assert "--model-path" not in scratch and scratch[scratch.index("--preset") + 1] == "tiny"
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ names a registered transport (`publish.WEIGHT_TRANSPORTS`).
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -68,14 +69,20 @@ def server_gpu_groups(rollout) -> list[str] | None:
 def server_command(settings: settings_lib.Settings) -> list[str]:
   """`python -m fluxjax.rollout.server` serving a run config's model.
 
-  The same preset, compute dtype, seed, slots, context and vision
-  preprocessing limits as the run (the trainer and the server must
-  preprocess media alike: the prompt's pad counts come from it);
-  `launch_servers` adds --host and --port. For `rollout.launch` when no
-  SGLang is at hand.
+  The same checkpoint (`model.hf_path`, else random weights of the preset),
+  tokenizer, compute dtype, seed, slots, context and vision preprocessing
+  limits as the run (the trainer and the server must preprocess media
+  alike: the prompt's pad counts come from it; pass settings whose limits
+  `loop.validate` resolved); `launch_servers` adds --host and --port. For
+  `rollout.launch` when no SGLang is at hand.
   """
+  model = settings.model
   cmd = ["python", "-m", "fluxjax.rollout.server"]
-  cmd += ["--preset", settings.model.preset, "--dtype", settings.model.dtype]
+  if model.hf_path:
+    cmd += ["--model-path", os.path.abspath(model.hf_path)]
+  if model.tokenizer_path:
+    cmd += ["--tokenizer-path", os.path.abspath(model.tokenizer_path)]
+  cmd += ["--preset", model.preset, "--dtype", model.dtype]
   cmd += ["--seed", str(settings.seed), "--num-slots", str(settings.rollout.num_slots)]
   cmd += ["--context-length", str(settings.rollout.context_length)]
   steps = settings.rollout.num_continuous_decode_steps

@@ -36,6 +36,7 @@ CONTEXT = SERVER_CONTEXT
 LIMIT = server.DEFAULT_MAX_REQUEST_BYTES
 BODY_TIMEOUT = 1.5  # --body-timeout of the test server
 IDLE_TIMEOUT = 10.0  # --idle-timeout: room to open a thousand connections and use each
+READ_TIMEOUT = IDLE_TIMEOUT + 10.0  # a client's wait: past any close the server owes it
 CONNECTIONS = 1000
 # Open files the test process and the server each need for CONNECTIONS sockets.
 FDS_NEEDED = CONNECTIONS + 256
@@ -123,9 +124,9 @@ async def raw_exchange(url, chunks, until_closed=False) -> tuple[bytes, bytes, f
     await writer.drain()
   try:
     if until_closed:
-      head, _, body = (await asyncio.wait_for(reader.read(), 10)).partition(b"\r\n\r\n")
+      head, _, body = (await asyncio.wait_for(reader.read(), READ_TIMEOUT)).partition(b"\r\n\r\n")
     else:
-      head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10))[:-4]
+      head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT))[:-4]
       length = [
         v for k, _, v in (h.partition(b": ") for h in head.split(b"\r\n")) if k == b"Content-Length"
       ]
@@ -338,7 +339,7 @@ def test_stalled_and_trickling_clients_get_408_and_are_dropped_without_blocking_
       async with session.post(url + "/generate", json=generate_body([1, 2, 3], 4)) as r:
         generated = (r.status, (await r.json())["meta_info"]["completion_tokens"])
     served_in = loop.time() - start
-    trickled = await asyncio.wait_for(reader.read(), 10)
+    trickled = await asyncio.wait_for(reader.read(), READ_TIMEOUT)
     trickled_closed = loop.time() - start
     stop.set()
     await dripping

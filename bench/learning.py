@@ -139,6 +139,8 @@ PAIRED: dict[str, tuple[Arms, dict[str, object]]] = {
 # The rollout/* figures each run keeps per step (item: the response lengths'
 # tail and how often the policy reasons).
 PER_STEP = ("response_len_p50", "response_len_p99", "reasoning_share")
+# Where a step's time goes, each run's mean over its steps 2.. (docs/metrics.md).
+PHASES = ("perf/step_seconds", "rollout/wait_seconds", "perf/update_seconds", "publish/seconds")
 # Time to accuracy is the time to this share of the baseline's mean final gain.
 GAIN_SHARE = 0.9
 
@@ -247,6 +249,11 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
     "start_metrics": _eval_figures(by_step[start["step"]]),
     "end_metrics": _eval_figures(by_step[end["step"]]),
     "per_step": {key: [r.get(f"rollout/{key}") for r in steps_all] for key in PER_STEP},
+    "phase_seconds": {
+      key: statistics.fmean(r[key] for r in steps if key in r)
+      for key in PHASES
+      if any(key in r for r in steps)
+    },
     "truncated_share": mean("train/is_truncated"),
     "behaviour_kl": mean("train/behaviour_kl"),
     "trained_gap": mean("async/trained_gap"),
@@ -606,6 +613,29 @@ def print_speed(results: list, margin: float) -> None:
       pairs = [(by[(arm, s)], by[("sync", s)]) for s in seeds if (arm, s) in by]
       if pairs:
         print(_speed_row(arm, pairs, key, target, margin))
+  print_phases([r for r in results if r["name"] in SPEED])
+
+
+def print_phases(results: list) -> None:
+  """Each arm's trained samples/s and where its steps' time went (the mean
+  over its seeds of each run's mean over steps 2..); a throughput every arm
+  shares says one side is the bottleneck."""
+  names = [n for n in dict.fromkeys(r["name"] for r in results) if any(
+    r["name"] == n and r.get("phase_seconds") for r in results)]  # fmt: skip
+  if not names:
+    return
+  print("\n| arm | seeds | samples/s | " + " | ".join(f"{k}, s" for k in PHASES) + " |")
+  print("|---|---|---|" + "---|" * len(PHASES))
+  for name in names:
+    runs = [r for r in results if r["name"] == name and r.get("phase_seconds")]
+    cells = [
+      f"{statistics.fmean(r['phase_seconds'][k] for r in runs):.2f}"
+      if all(k in r["phase_seconds"] for r in runs)
+      else "-"
+      for k in PHASES
+    ]
+    rate = statistics.fmean(r["samples_per_s"] for r in runs)
+    print(f"| {name} | {len(runs)} | {rate:.1f} | " + " | ".join(cells) + " |")
 
 
 def _speed_row(arm: str, pairs: list, key: str, target: float, margin: float) -> str:

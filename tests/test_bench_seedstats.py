@@ -109,6 +109,25 @@ def test_speed_table_reads_time_to_accuracy_and_equivalence(capsys):
   assert cells[-1] == "yes"
 
 
+def test_speed_table_says_where_each_arms_steps_went(capsys):
+  """The phase table: each arm's samples/s and step phases, averaged over
+  its seeds; a run recorded before a phase was logged shows '-' there."""
+  results = []
+  for seed, wait in enumerate([1.0, 3.0]):
+    for name, update in (("sync", 2.0), ("lag", 1.0)):
+      run = _run(name, seed, 0.3, [0.5], 10.0)
+      phases = {"perf/step_seconds": wait + update, "rollout/wait_seconds": wait}
+      if seed == 0 or name == "sync":
+        phases["perf/update_seconds"] = update
+      results.append({**run, "samples_per_s": 40.0 + seed, "phase_seconds": phases})
+  learning.print_phases(results)
+  rows = {r.split("|")[1].strip(): r for r in capsys.readouterr().out.splitlines() if "|" in r}
+  sync = [c.strip() for c in rows["sync"].split("|")[1:-1]]
+  assert sync == ["sync", "2", "40.5", "4.00", "2.00", "2.00", "-"]
+  lag = [c.strip() for c in rows["lag"].split("|")[1:-1]]
+  assert lag[3:6] == ["3.00", "2.00", "-"]  # seed 1 had no update seconds
+
+
 def _task_run(name, seed, end_colour, p99s):
   start = {
     "task/colour": 0.2,

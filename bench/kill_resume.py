@@ -82,6 +82,7 @@ from fluxjax.rl import loop  # noqa: E402
 from helpers import assert_every_drawn_prompt_accounted_for  # noqa: E402
 
 ALPHA = 0.01  # the pooled length test's level
+LENGTHS_DIFFER = f"kill_resume.py: the lengths at stake differ from the shadows' (p < {ALPHA})"
 
 
 def killed_run(workdir: str, steps: int, kills: list[tuple[str, int, int]], overrides) -> dict:
@@ -298,7 +299,7 @@ def main() -> None:
   if error is not None:
     sys.exit(f"kill_resume.py: {error[:4000]}")
   if not passed:
-    sys.exit(f"kill_resume.py: the lengths at stake differ from the shadows' (p < {ALPHA})")
+    sys.exit(LENGTHS_DIFFER)
 
 
 def print_pooled(paths: list[str]) -> None:
@@ -319,7 +320,7 @@ def print_pooled(paths: list[str]) -> None:
   pool = pooled(rows)
   print("\n".join(table(rows, pool)))
   if pool["against_shadows"]["p"] < ALPHA:
-    sys.exit(f"kill_resume.py: the lengths at stake differ from the shadows' (p < {ALPHA})")
+    sys.exit(LENGTHS_DIFFER)
 
 
 if __name__ == "__main__":

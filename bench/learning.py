@@ -620,14 +620,15 @@ def print_phases(results: list) -> None:
   """Each arm's trained samples/s and where its steps' time went (the mean
   over its seeds of each run's mean over steps 2..); a throughput every arm
   shares says one side is the bottleneck."""
-  names = [n for n in dict.fromkeys(r["name"] for r in results) if any(
-    r["name"] == n and r.get("phase_seconds") for r in results)]  # fmt: skip
-  if not names:
+  by_arm: dict[str, list[dict]] = {}
+  for r in results:
+    if r.get("phase_seconds"):  # runs recorded before it have none
+      by_arm.setdefault(r["name"], []).append(r)
+  if not by_arm:
     return
   print("\n| arm | seeds | samples/s | " + " | ".join(f"{k}, s" for k in PHASES) + " |")
   print("|---|---|---|" + "---|" * len(PHASES))
-  for name in names:
-    runs = [r for r in results if r["name"] == name and r.get("phase_seconds")]
+  for name, runs in by_arm.items():
     cells = [
       f"{statistics.fmean(r['phase_seconds'][k] for r in runs):.2f}"
       if all(k in r["phase_seconds"] for r in runs)

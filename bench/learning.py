@@ -59,6 +59,11 @@ Runs:
             against the baseline's (paired, margin --margin), for sampled
             and greedy accuracy. Use --placement disjoint for wall times
             that let running ahead pay.
+  controller  the adaptive controller (default tail batching) started from
+            async ratios 0.1 (from_0.1) and 0.9 (from_0.9), per seed of
+            --seeds: the table gives the share of steps after step 20 whose
+            staleness EMA is in the band (target +- tolerance), the ratio on
+            the way, the mean allowed lag and trained gap, and accuracy.
   parity    the lag modes and tail batching at an equal number of trained
             samples, per seed of --seeds: sync (lag 0, no tail batching),
             recycle (the default: lag 0, eta 1.25 with recycling), fixed2
@@ -130,6 +135,11 @@ SPEED: Arms = {
   "tail_lag": {"coordinator.lag.mode": "fixed", "coordinator.lag.fixed_lag": "{lag}"},
   "adaptive": {"coordinator.lag.mode": "adaptive"},
 }
+# The adaptive controller started far from its setpoint, below and above it.
+CONTROLLER: Arms = {
+  f"from_{ratio}": {"coordinator.lag.mode": "adaptive", "coordinator.lag.initial_ratio": ratio}
+  for ratio in (0.1, 0.9)
+}
 # name: (arms, overrides every arm adds); sync is the baseline of each.
 PAIRED: dict[str, tuple[Arms, dict[str, object]]] = {
   "parity": (PARITY, {}),
@@ -139,6 +149,10 @@ PAIRED: dict[str, tuple[Arms, dict[str, object]]] = {
 # The rollout/* figures each run keeps per step (item: the response lengths'
 # tail and how often the policy reasons).
 PER_STEP = ("response_len_p50", "response_len_p99", "reasoning_share")
+# The async/* figures each run keeps per step: what the controller saw and set.
+PER_STEP_ASYNC = ("async_ratio", "staleness", "staleness_ema", "allowed_lag", "trained_gap")
+# The controller is judged on the steps after this one (issue: 90% in band).
+SETTLE_STEPS = 20
 # Where a step's time goes, each run's mean over its steps 2.. (docs/metrics.md).
 PHASES = ("perf/step_seconds", "rollout/wait_seconds", "perf/update_seconds", "publish/seconds")
 # Time to accuracy is the time to this share of the baseline's mean final gain.
@@ -227,7 +241,8 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
     for resp in t.get("responses", ())
   ]
   with open(os.path.join(workdir, "config.json")) as f:
-    rl = json.load(f)["rl"]
+    config = json.load(f)
+  rl = config["rl"]
   per_step = rl["prompts_per_step"] * rl["responses_per_prompt"]
   train_s = sum(r["perf/step_seconds"] for r in steps)
   by_step = {r["step"]: r for r in records if "eval/accuracy" in r}
@@ -249,6 +264,8 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
     "start_metrics": _eval_figures(by_step[start["step"]]),
     "end_metrics": _eval_figures(by_step[end["step"]]),
     "per_step": {key: [r.get(f"rollout/{key}") for r in steps_all] for key in PER_STEP},
+    "per_step_async": {key: [r.get(f"async/{key}") for r in steps_all] for key in PER_STEP_ASYNC},
+    "band_share": _band_share(steps_all, config["coordinator"]["lag"]),
     "phase_seconds": {
       key: statistics.fmean(r[key] for r in steps if key in r)
       for key in PHASES
@@ -264,6 +281,16 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
       else None
     ),
   }
+
+
+def _band_share(steps: list[dict], lag: dict) -> float | None:
+  """The share of the steps after SETTLE_STEPS whose staleness EMA is within
+  the run's band (`coordinator.lag`: target +- tolerance); None without an EMA."""
+  settled = [r.get("async/staleness_ema") for r in steps if r["step"] > SETTLE_STEPS]
+  if not settled or any(x is None for x in settled):
+    return None
+  band = lambda x: abs(x - lag["target_staleness"]) <= lag["tolerance"]
+  return statistics.fmean(band(x) for x in settled)
 
 
 def _eval_figures(record: dict) -> dict[str, float]:
@@ -353,6 +380,8 @@ def build_plan(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
         (f"lr={lr}", control_seeds[0], {**extra, "optim.lr": float(lr)})
         for lr in args.lrs.split(",")
       ]
+    elif name == "controller":
+      plan += [(arm, s, {**extra, **o}) for s in seeds for arm, o in CONTROLLER.items()]
     elif name in PAIRED:
       modes, added = PAIRED[name]
       plan += [
@@ -412,6 +441,8 @@ def print_tables(results: list, runs: list[str], margin: float) -> None:
   print_means(results)
   print_tasks(results)
   names = {r["name"] for r in results}
+  if names & set(CONTROLLER):
+    print_controller([r for r in results if r["name"] in CONTROLLER])
   for name, (modes, _) in PAIRED.items():
     others = {m for other, (ms, _) in PAIRED.items() if other != name for m in ms}
     if name in runs or names & (set(modes) - others):
@@ -614,6 +645,33 @@ def print_speed(results: list, margin: float) -> None:
       if pairs:
         print(_speed_row(arm, pairs, key, target, margin))
   print_phases([r for r in results if r["name"] in SPEED])
+
+
+def print_controller(results: list) -> None:
+  """Per controller run: the share of steps after SETTLE_STEPS with the
+  staleness EMA in the band, the async ratio on the way, the mean allowed
+  lag and trained gap, and accuracy."""
+  print(
+    f"\n| run | seed | EMA in band after step {SETTLE_STEPS} | async ratio at steps 1, 10, 20, "
+    "40, last | allowed lag, mean | trained gap, mean | accuracy start -> end | greedy end |"
+  )
+  print("|---|---|---|---|---|---|---|---|")
+  for r in results:
+    per = r["per_step_async"]
+    ratio = per["async_ratio"]
+    at = [ratio[i] for i in (0, 9, 19, 39) if i < len(ratio)] + ratio[-1:]
+    band = r["band_share"]
+    print(
+      f"| {r['name']} | {r['seed']} | {'-' if band is None else f'{band:.0%}'} "
+      f"| {', '.join(f'{x:.2f}' for x in at)} | {_mean(per['allowed_lag']):.2f} "
+      f"| {_mean(per['trained_gap']):.2f} | {r['start']['accuracy']:.3f} -> "
+      f"{r['end']['accuracy']:.3f} | {r['end'].get('greedy') or float('nan'):.3f} |"
+    )
+
+
+def _mean(values: list) -> float:
+  present = [v for v in values if v is not None]
+  return statistics.fmean(present) if present else float("nan")
 
 
 def print_phases(results: list) -> None:

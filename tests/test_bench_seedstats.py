@@ -83,6 +83,31 @@ def test_speed_plan_pairs_every_arm_with_sync_per_seed():
     learning.build_plan(_args(arms="sync,lag9"))
 
 
+def test_controller_runs_start_the_adaptive_controller_below_and_above_its_setpoint(capsys):
+  plan = learning.build_plan(_args(runs="controller", seeds="0,1"))
+  assert [(n, s) for n, s, _ in plan] == [(a, s) for s in (0, 1) for a in ("from_0.1", "from_0.9")]
+  for name, _, overrides in plan:
+    assert overrides["coordinator.lag.mode"] == "adaptive"
+    assert overrides["coordinator.lag.initial_ratio"] == float(name.removeprefix("from_"))
+  # The band is the run's own: EMAs 0.05 (out) for steps 1-25, then 0.14 (in).
+  lag = {"target_staleness": 0.15, "tolerance": 0.05}
+  steps = [{"step": k, "async/staleness_ema": 0.05 if k <= 25 else 0.14} for k in range(1, 41)]
+  assert learning._band_share(steps, lag) == 15 / 20
+  assert learning._band_share(steps, {**lag, "tolerance": 0.1}) == 1.0
+  assert learning._band_share([{"step": 30}], lag) is None  # no controller
+  run = _run("from_0.1", 0, 0.3, [0.5], 10.0)
+  ratios = [0.1 + 0.01 * k for k in range(40)]
+  run["per_step_async"] = {
+    "async_ratio": ratios,
+    "allowed_lag": [2.0] * 40,
+    "trained_gap": [1.5] * 40,
+  }
+  learning.print_controller([{**run, "band_share": 0.75}])
+  row = next(r for r in capsys.readouterr().out.splitlines() if r.startswith("| from_0.1"))
+  cells = [c.strip() for c in row.split("|")[1:-1]]
+  assert cells[2:6] == ["75%", "0.10, 0.19, 0.29, 0.49, 0.49", "2.00", "1.50"]
+
+
 def _run(name, seed, start, accuracies, seconds_per_eval):
   evals = [
     {"step": 10 * i, "accuracy": a, "greedy": a, "step_s": seconds_per_eval * i,

@@ -515,8 +515,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # trained and one batch comes from the current policy, and while ema stays
   # above hard_bound) is forced when ema > hard_bound or sync_interval steps
   # (0: never) have passed since the last one. These are the Flux design's
-  # values; max_version_gap, which it leaves open, is max_lag, and max_step is
-  # not in the design.
+  # values but kp and ki, five times the design's so that the ratio reaches
+  # the band from either end of its range within 20 steps (bench/README.md,
+  # learning.py --runs controller); max_version_gap, which the design leaves
+  # open, is max_lag, and max_step is not in the design.
   c.coordinator.lag = ml_collections.ConfigDict(
     dict(
       mode=v.lag_mode,
@@ -529,8 +531,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       min_async_ratio=0.1,
       max_async_ratio=0.9,
       initial_ratio=0.5,
-      kp=0.1,
-      ki=0.01,
+      kp=0.5,
+      ki=0.05,
       kd=0.05,
       max_step=0.05,
       ema_decay=0.9,

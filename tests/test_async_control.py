@@ -24,9 +24,11 @@ SECTION = settings_lib.section(settings_lib.Lag, LAG)
 SETTLE = 100  # steps of transient before the settled window
 
 
-def test_config_is_the_flux_design():
+def test_config_is_the_flux_design_but_its_gains():
   assert LAG.mode == "adaptive"
-  design = dict(target_staleness=0.15, tolerance=0.05, hard_bound=0.15 + 0.05, kp=0.1, ki=0.01)
+  # kp and ki are five times the design's 0.1 and 0.01 (docs/training-loop.md).
+  assert (LAG.kp, LAG.ki) == pytest.approx((0.5, 0.05))
+  design = dict(target_staleness=0.15, tolerance=0.05, hard_bound=0.15 + 0.05)
   design |= dict(kd=0.05, min_async_ratio=0.1, max_async_ratio=0.9, initial_ratio=0.5)
   design |= dict(ema_decay=0.9, sync_interval=10, kl_weight=0.4, iw_weight=0.3, gap_weight=0.3)
   design |= dict(kl_normalizer=0.1, iw_normalizer=2.0)

@@ -234,7 +234,7 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
   gain = end["accuracy"] - start["accuracy"]
   steps_all = sorted((r for r in records if "perf/step_seconds" in r), key=lambda r: r["step"])
   steps = [r for r in steps_all if r["step"] >= 2]
-  mean = lambda key: statistics.fmean(r[key] for r in steps) if steps else float("nan")
+  mean = lambda key: _mean([r.get(key) for r in steps])
   weights = [  # each recorded response's mean importance weight
     resp["token_means"]["is_weight"]
     for t in loop.read_trained(workdir)
@@ -267,9 +267,7 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
     "per_step_async": {key: [r.get(f"async/{key}") for r in steps_all] for key in PER_STEP_ASYNC},
     "band_share": _band_share(steps_all, config["coordinator"]["lag"]),
     "phase_seconds": {
-      key: statistics.fmean(r[key] for r in steps if key in r)
-      for key in PHASES
-      if any(key in r for r in steps)
+      key: _mean([r.get(key) for r in steps]) for key in PHASES if any(key in r for r in steps)
     },
     "truncated_share": mean("train/is_truncated"),
     "behaviour_kl": mean("train/behaviour_kl"),
@@ -515,13 +513,12 @@ def print_tasks(results: list) -> None:
     return
   names = list(dict.fromkeys(r["name"] for r in rows))
   start = [r["start_metrics"] for r in rows if r["name"] == "default"] or [rows[0]["start_metrics"]]
-  mean = lambda vs: statistics.fmean(vs) if vs else float("nan")
 
   def at(name: str, key: str, when: str = "end_metrics") -> list[float]:
     return [r[when][key] for r in rows if r["name"] == name and key in r[when]]
 
   def ci(vs: list[float]) -> str:
-    return f"{mean(vs):.3f} +- {t_interval(vs):.3f}" if len(vs) > 1 else f"{mean(vs):.3f}"
+    return f"{_mean(vs):.3f} +- {t_interval(vs):.3f}" if len(vs) > 1 else f"{_mean(vs):.3f}"
 
   for family, label in (
     ("task/", "task"),
@@ -536,7 +533,7 @@ def print_tasks(results: list) -> None:
       prior = [m[f"prior/{name}"] for m in start if f"prior/{name}" in m]
       ends = " | ".join(ci(at(n, key)) if at(n, key) else "-" for n in names)
       greedy = at("default", f"task_greedy/{name}")
-      fmt = lambda vs: f"{mean(vs):.3f}" if vs else "-"
+      fmt = lambda vs: f"{_mean(vs):.3f}" if vs else "-"
       print(
         f"| {name} | {fmt(prior)} | {fmt([m[key] for m in start if key in m])} | {ends} | "
         f"{fmt(greedy)} |"
@@ -546,7 +543,7 @@ def print_tasks(results: list) -> None:
   levels = ("reasoning_share/easy", "reasoning_share/medium", "reasoning_share/hard")
   for n in names:
     cells = [
-      f"{mean(at(n, k, 'start_metrics')):.2f} -> {mean(at(n, k)):.2f}" if at(n, k) else "-"
+      f"{_mean(at(n, k, 'start_metrics')):.2f} -> {_mean(at(n, k)):.2f}" if at(n, k) else "-"
       for k in (*levels, "reasoning_share")
     ]
     print(f"| {n} | " + " | ".join(cells) + " |")
@@ -669,7 +666,8 @@ def print_controller(results: list) -> None:
     )
 
 
-def _mean(values: list) -> float:
+def _mean(values) -> float:
+  """The mean of the values given (None: not recorded); NaN if there are none."""
   present = [v for v in values if v is not None]
   return statistics.fmean(present) if present else float("nan")
 

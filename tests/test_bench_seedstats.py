@@ -99,10 +99,10 @@ def test_controller_runs_start_the_adaptive_controller_below_and_above_its_setpo
   ratios = [0.1 + 0.01 * k for k in range(40)]
   run["per_step_async"] = {
     "async_ratio": ratios,
-    "allowed_lag": [2.0] * 40,
+    "allowed_lag": [0.0] + [2.0] * 39,  # step 1's is left out, as in the run's means
     "trained_gap": [1.5] * 40,
   }
-  learning.print_controller([{**run, "band_share": 0.75}])
+  learning.print_controller([{**run, "band_share": 0.75, "trained_gap": 1.5}])
   row = next(r for r in capsys.readouterr().out.splitlines() if r.startswith("| from_0.1"))
   cells = [c.strip() for c in row.split("|")[1:-1]]
   assert cells[2:6] == ["75%", "0.10, 0.19, 0.29, 0.49, 0.49", "2.00", "1.50"]

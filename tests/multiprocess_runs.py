@@ -70,15 +70,20 @@ FLEET = {
   # the RL steps' kind.
   "sft.enabled": False,
 }
-# The fleet job killed at points (tests/kill_points.py). Random weights stop
-# a response on one of 7 stop ids of 512, so responses run from a few tokens
-# to max_new_tokens (most of them all the way). Two slots a server: 2 of a
-# short round's 6 requests wait for a slot, so the prompt the round cuts has
-# partial responses, which recycling carries.
+# The fleet job killed at points (tests/kill_points.py). The generation
+# point needs a partial response carried while a round runs. Random weights
+# stop a response on one of 7 stop ids of 512 (1.4% a token), so at 192 new
+# tokens 7% of responses reach the cap. Eta 2 launches 4 prompts a step and
+# four slots a server start all 8 requests together: the round keeps the 2
+# prompts that finish first and cuts 2 whose longest responses are still
+# running, so each short round carries partial responses (unless 3 of its 4
+# prompts run to the cap together: about 1%), and the long round after it
+# continues them for hundreds of milliseconds or more.
 KILLED = {
   **FLEET,
-  "rl.max_new_tokens": 32,
-  "rollout.num_slots": 2,
+  "rl.max_new_tokens": 192,  # rollout.context_length 256 leaves 64 for a prompt
+  "rollout.num_slots": 4,
+  "rollout.tail_batching.eta": 2.0,
   "data.synth_train": 64,  # one epoch: no prompt drawn twice in a short run
   "coordinator.response_records": True,  # each trained response's length
 }

@@ -522,18 +522,48 @@ def _memory_phase(phase: str, model, root: str, version: int, run_bytes: int) ->
     jax.block_until_ready(multihost.gather_to_leader(params, shardings, chunk_bytes=run_bytes))
 
 
+class GatherPrograms:
+  """Send programs (`gather._send`) this process ran, where the tree has them."""
+
+  ran = 0
+
+  @classmethod
+  def install(cls) -> None:
+    try:
+      from fluxjax.sharding import gather
+    except ImportError:
+      return
+    send = gather._send
+
+    def counted(*args, **kwargs):
+      out = send(*args, **kwargs)
+      cls.ran += out is not None
+      return out
+
+    gather._send = counted
+
+
 def _measured(fn) -> dict:
   """Runs `fn` on every process at once; this process's peak RSS growth over
-  it, and the bytes its gathers received from other processes."""
+  it, the bytes its gathers received from other processes, the gathers'
+  send programs it ran, and its wall time."""
   from jax.experimental import multihost_utils
 
   multihost_utils.sync_global_devices("before")
   before = _reset_peaks({"self": 0})["self"]
   GatherCount.reset()
+  GatherPrograms.ran = 0
+  t0 = time.perf_counter()
   fn()
+  seconds = time.perf_counter() - t0
   peak = _peak_and_now()[0]
   multihost_utils.sync_global_devices("after")
-  return {"peak_growth_bytes": peak - before, "received_bytes": GatherCount.total()}
+  return {
+    "peak_growth_bytes": peak - before,
+    "received_bytes": GatherCount.total(),
+    "send_programs": GatherPrograms.ran,
+    "seconds": seconds,
+  }
 
 
 def memory_worker(args) -> None:
@@ -547,8 +577,12 @@ def memory_worker(args) -> None:
     memory_config(), mesh, seed=1, max_replicated_bytes=1 << 30, log_table=False
   )
   root = os.path.join(args.workdir, f"memory-{args.label}")
+  GatherPrograms.install()
+  first = {}  # each phase's first run: its programs compiled
   for phase in MEMORY_PHASES:
+    t0 = time.perf_counter()
     _memory_phase(phase, model, root, 1, run_bytes)
+    first[phase] = time.perf_counter() - t0
   graphdef, state = nnx.split(model)
   state = jax.block_until_ready(_nudge(state, jax.random.key(2), args.memory_share))
   nudged = nnx.merge(graphdef, state)
@@ -556,6 +590,8 @@ def memory_worker(args) -> None:
     p: _measured(functools.partial(_memory_phase, p, nudged, root, 2, run_bytes))
     for p in MEMORY_PHASES
   }
+  for phase, seconds in first.items():
+    phases[phase]["first_seconds"] = seconds
   if _gather_counts() is None:  # the baseline's stage gathers outside hf_load.to_host
     phases["stage"]["received_bytes"] = None
   params = jax.tree.leaves(nnx.state(model, nnx.Param))
@@ -645,6 +681,19 @@ def _print_memory(m: dict) -> None:
       print(
         f"| {phase} | {k} | {grew[0] / 1e6:.1f} | {grew[1] / 1e6:.1f} "
         f"| {grew[1] / max(grew[0], 1):.2f} | {got[0]} | {got[1]} |"
+      )
+  print(
+    "| phase | process | send programs before | now | seconds before | now "
+    "| first run's seconds before | now |"
+  )
+  print("|---|---|---|---|---|---|---|---|")
+  for phase in MEMORY_PHASES:
+    for k in (0, 1):
+      b, o = before[k]["phases"][phase], owner[k]["phases"][phase]
+      print(
+        f"| {phase} | {k} | {b['send_programs']} | {o['send_programs']} "
+        f"| {b['seconds']:.2f} | {o['seconds']:.2f} "
+        f"| {b['first_seconds']:.2f} | {o['first_seconds']:.2f} |"
       )
   print(
     f"  bound: beyond its own shard a process holds one fp32 layer ({layer / 1e6:.1f} MB); "

@@ -11,7 +11,7 @@ sglang-router, weights broadcast from the training mesh, flex_ulysses at
 sp=8 across both processes; tests/multiprocess_runs.py KILLED) with
 `--config.seed` set to the seed, twice:
 
-  async  adaptive lag, tail batching with recycling (eta 1.5): killed once at
+  async  adaptive lag, tail batching with recycling (eta 2): killed once at
          each of the four points of tests/kill_points.py (generation with
          partial responses carried, kept groups queued for a busy trainer,
          mid-broadcast of a weight version, mid-write of a checkpoint), in a

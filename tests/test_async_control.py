@@ -89,6 +89,13 @@ def test_staleness_combination_is_the_designs():
   assert ac.combine_staleness(9.0, 9.0, 5.0, 50.0, SECTION)["staleness"] == 1.0
   bad = ac.combine_staleness(2.0, 3.0, np.nan, -1e-9, SECTION)  # rounding in E[w^2] - E[w]^2
   assert bad["staleness"] == pytest.approx(0.15) and bad["version_gap_max"] == 3.0
+  # A trained batch: the variance from the step's token means E[w] and E[w^2].
+  w = np.array([0.5, 1.0, 1.5, 2.0])
+  train = {"behaviour_kl": 0.05, "is_weight": w.mean(), "is_weight_sq": (w * w).mean()}
+  got = ac.trained_staleness({"mean": 2.0, "max": 3.0}, train, SECTION)
+  assert got == ac.combine_staleness(2.0, 3.0, 0.05, float(np.var(w)), SECTION)
+  on_policy = ac.trained_staleness({"mean": 0.0, "max": 0.0}, {}, SECTION)
+  assert on_policy["staleness"] == 0.0 and on_policy["iw_var"] == 0.0
 
 
 # --- a simulated staleness process --------------------------------------------------

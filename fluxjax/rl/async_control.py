@@ -167,6 +167,14 @@ def combine_staleness(
   }
 
 
+def trained_staleness(gap: dict, train: dict[str, float], lag: settings_lib.Lag) -> dict:
+  """`combine_staleness` of a trained batch: its admitted `gap`
+  (`admission_gap`) and the train step's token means of the behaviour KL and
+  the importance weights, Var(w) = E[w^2] - E[w]^2."""
+  iw_var = max(train.get("is_weight_sq", 1.0) - train.get("is_weight", 1.0) ** 2, 0.0)
+  return combine_staleness(gap["mean"], gap["max"], train.get("behaviour_kl", 0.0), iw_var, lag)
+
+
 # --- the async controller -----------------------------------------------------------
 
 

@@ -360,15 +360,8 @@ class Coordinator:
   def _observe(self, batch: _Batch, update: _Update) -> tuple[dict, dict]:
     """(the batch's staleness, admission's control after it): the allowed
     lag of the next rounds."""
-    train = update.metrics
-    # Var(w) = E[w^2] - E[w]^2 from the step's token means of the importance weights.
-    iw_var = max(train.get("is_weight_sq", 1.0) - train.get("is_weight", 1.0) ** 2, 0.0)
-    stale = async_control.combine_staleness(
-      batch.admitted_gap["mean"],
-      batch.admitted_gap["max"],
-      train.get("behaviour_kl", 0.0),
-      iw_var,
-      self._settings.coordinator.lag,
+    stale = async_control.trained_staleness(
+      batch.admitted_gap, update.metrics, self._settings.coordinator.lag
     )
     return stale, self._producer.observe(stale["staleness"], self._steps)
 

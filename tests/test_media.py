@@ -347,24 +347,25 @@ def test_request_media_are_held_to_the_budgets(media_dir):
     prompt.load_media(request(image_data=[str(media_dir / ("x" * 64) / "gone.png")]), cfg)
 
 
-def _counting_decoder(monkeypatch, cache, waiters):
-  """Counts media.preprocess_file calls (what the cache saves). While
-  `waiters[0]` is set, the n-th decode returns only once the cache has counted
-  n * waiters[0] hits: the other requests of the group all wait on it, however
-  late their threads start."""
-  calls = []
-  real = media.preprocess_file
+class _CountingDecoder:
+  """Counts media.preprocess_file calls in `calls` (what the cache saves).
+  While `waiters` is set, the n-th decode returns only once the cache has
+  counted n * waiters hits: the other requests of the group all wait on it,
+  however late their threads start."""
 
-  def counted(kind, path, *args):
-    calls.append(os.path.basename(path))
+  def __init__(self, monkeypatch, cache: media_cache.MediaCache, waiters: int):
+    self.calls: list[str] = []
+    self.waiters = waiters
+    self._cache, self._real = cache, media.preprocess_file
+    monkeypatch.setattr(media, "preprocess_file", self._decode)
+
+  def _decode(self, kind, path, *args):
+    self.calls.append(os.path.basename(path))
     deadline = time.monotonic() + 60
-    while cache.hits < waiters[0] * len(calls):
-      assert time.monotonic() < deadline, f"{cache.hits} requests joined the decode"
+    while self._cache.hits < self.waiters * len(self.calls):
+      assert time.monotonic() < deadline, f"{self._cache.hits} requests joined the decode"
       time.sleep(0.005)
-    return real(kind, path, *args)
-
-  monkeypatch.setattr(media, "preprocess_file", counted)
-  return calls
+    return self._real(kind, path, *args)
 
 
 def test_a_groups_requests_decode_each_file_once(media_dir, tmp_path, monkeypatch):
@@ -380,8 +381,8 @@ def test_a_groups_requests_decode_each_file_once(media_dir, tmp_path, monkeypatc
     video_data=[str(media_dir / "a.mp4")],
   )
   uncached = prompt.load_media(req, cfg)
-  waiters = [7]
-  calls = _counting_decoder(monkeypatch, cache, waiters)
+  decoder = _CountingDecoder(monkeypatch, cache, waiters=7)
+  calls = decoder.calls
   with concurrent.futures.ThreadPoolExecutor(8) as pool:
     outs = list(pool.map(lambda _: prompt.load_media(req, cfg, cache=cache), range(8)))
   assert sorted(calls) == ["a.jpg", "a.mp4"]
@@ -389,7 +390,7 @@ def test_a_groups_requests_decode_each_file_once(media_dir, tmp_path, monkeypatc
   np.testing.assert_array_equal(outs[0][1].patches, uncached[1].patches)
   assert not outs[0][0].patches.flags.writeable  # shared: nobody may write them
   assert (cache.hits, cache.misses) == (14, 2)
-  waiters[0] = 0
+  decoder.waiters = 0
   PIL.Image.fromarray(_image_array(37, 53, seed=1)).save(image, quality=90)
   (again, _) = prompt.load_media(req, cfg, cache=cache)
   assert calls[-1] == "a.jpg" and len(calls) == 3
@@ -400,8 +401,8 @@ def test_a_failed_decode_reaches_every_waiter_and_is_not_kept(tmp_path, monkeypa
   bad = tmp_path / "bad.jpg"
   bad.write_bytes(b"not a jpeg at all")
   cfg, cache = vp.VisionProcessorConfig(), media_cache.MediaCache()
-  waiters = [3]
-  calls = _counting_decoder(monkeypatch, cache, waiters)
+  decoder = _CountingDecoder(monkeypatch, cache, waiters=3)
+  calls = decoder.calls
   req = protocol.GenerateRequest("r", sampling_params.SamplingParams(), image_data=[str(bad)])
 
   def load(_):
@@ -411,7 +412,7 @@ def test_a_failed_decode_reaches_every_waiter_and_is_not_kept(tmp_path, monkeypa
   with concurrent.futures.ThreadPoolExecutor(4) as pool:
     list(pool.map(load, range(4)))
   assert calls == ["bad.jpg"] and len(cache) == 0
-  waiters[0] = 0
+  decoder.waiters = 0
   load(0)
   assert len(calls) == 2
 

@@ -103,7 +103,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cores  # noqa: E402  (these live next to this script)
 import runinfo  # noqa: E402
 from fluxjax import config_args  # noqa: E402
-from fluxjax.rl import loop, metrics  # noqa: E402
+from fluxjax.rl import loop, losses, metrics  # noqa: E402
 from seedstats import t_interval, time_to_gain, tost  # noqa: E402
 
 Arms = dict[str, dict[str, object]]  # arm -> its config overrides
@@ -278,6 +278,13 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
       if weights
       else None
     ),
+    # Per-token histogram of the raw weight pi_prox / mu: each bin's share of
+    # the trained tokens, the mean over steps 2.. (None: recorded before it).
+    "is_weight_histogram": (
+      {name: mean(f"train/{name}") for name, _, _ in losses.is_weight_bins()}
+      if any(f"train/{losses.is_weight_bins()[0][0]}" in r for r in steps)
+      else None
+    ),
   }
 
 
@@ -448,6 +455,7 @@ def print_tables(results: list, runs: list[str], margin: float) -> None:
         print_speed(results, margin)
       else:
         print_paired(results, modes)
+        print_weight_histograms([r for r in results if r["name"] in modes])
 
 
 def run_plan(plan, args, results: list) -> None:
@@ -608,6 +616,23 @@ def print_paired(results: list, modes: dict) -> None:
       f"{minutes:.1f} | {avg('trained_gap'):.2f} | {avg('truncated_share'):.4f} | "
       f"{avg('behaviour_kl'):.4f} | {quantiles} |"
     )
+
+
+def print_weight_histograms(results: list) -> None:
+  """Per arm, the per-token histogram of the raw weight pi_prox / mu: each
+  bin's share of the trained tokens, the mean over the seeds that record it."""
+  by_arm: dict[str, list[dict]] = {}
+  for r in results:
+    if r.get("is_weight_histogram"):
+      by_arm.setdefault(r["name"], []).append(r["is_weight_histogram"])
+  if not by_arm:
+    return
+  bins = losses.is_weight_bins()
+  print("\n| arm | seeds | " + " | ".join(f"w in [{lo:g}, {hi:g})" for _, lo, hi in bins) + " |")
+  print("|---|---|" + "---|" * len(bins))
+  for arm, hists in by_arm.items():
+    shares = [statistics.fmean(h[name] for h in hists) for name, _, _ in bins]
+    print(f"| {arm} | {len(hists)} | " + " | ".join(f"{x:.4f}" for x in shares) + " |")
 
 
 def print_speed(results: list, margin: float) -> None:

@@ -153,6 +153,22 @@ def test_speed_table_says_where_each_arms_steps_went(capsys):
   assert lag[3:6] == ["3.00", "2.00", "-"]  # seed 1 had no update seconds
 
 
+def test_weight_histograms_average_each_arms_seeds_that_record_them(capsys):
+  names = [name for name, _, _ in learning.losses.is_weight_bins()]
+  one_hot = lambda i: {n: float(j == i) for j, n in enumerate(names)}
+  results = [
+    {"name": "stale", "seed": 0, "is_weight_histogram": one_hot(0)},
+    {"name": "stale", "seed": 1, "is_weight_histogram": one_hot(len(names) - 1)},
+    {"name": "stale_w1", "seed": 0, "is_weight_histogram": None},  # recorded before it
+  ]
+  learning.print_weight_histograms(results)
+  rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| stale")]
+  assert len(rows) == 1, rows
+  cells = [c.strip() for c in rows[0].split("|")[1:-1]]
+  assert cells[:2] == ["stale", "2"]
+  assert cells[2:] == ["0.5000"] + ["0.0000"] * (len(names) - 2) + ["0.5000"]
+
+
 def _task_run(name, seed, end_colour, p99s):
   start = {
     "task/colour": 0.2,

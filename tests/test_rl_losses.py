@@ -78,6 +78,21 @@ def test_clip_surrogate_and_importance_weights():
   assert "kl" not in m  # kl_coef = 0: no reference needed
 
 
+def test_raw_weight_histogram_whatever_the_mode():
+  # W_RAW: four tokens at 1, one at 3 (truncated or masked), one at 1.5.
+  want = {"is_weight_0.95_1.05": [1, 1, 1, 1, 0, 0], "is_weight_1.25_2": [0, 0, 0, 0, 0, 1]}
+  want["is_weight_ge_2"] = [0, 0, 0, 0, 1, 0]
+  names = [name for name, _, _ in losses.is_weight_bins()]
+  for mode in losses.IS_MODES:
+    _, m = _run(_cfg(is_mode=mode))
+    for name in names:
+      np.testing.assert_array_equal(m[name][0], want.get(name, [0] * 6), err_msg=(mode, name))
+  # One value inside each bin lands in that bin alone, bins in order.
+  inside = [0.3, 0.6, 0.9, 1.0, 1.1, 1.5, 4.0]
+  hist = losses.is_weight_histogram(jnp.log(jnp.asarray(inside)))
+  np.testing.assert_array_equal(np.stack([hist[n] for n in names]), np.eye(len(names)))
+
+
 def test_clip_gradient_is_zero_where_clipped():
   loss_fn = losses.make_loss_fn(_cfg())
   mb = _batch(ADV, PROX, OLD)

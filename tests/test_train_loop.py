@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from fluxjax.rl import loop, metrics, requests
+from fluxjax.rl import loop, losses, metrics, requests
 from helpers import tiny_run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,6 +59,9 @@ def test_response_records_account_for_every_trained_response(tmp_path, devices):
     for key in ("is_weight", "behaviour_kl", "entropy"):
       weighed = sum(r["loss_weight"] * r["token_means"][key] for r in responses)
       assert weighed == pytest.approx(m[f"train/{key}"], rel=1e-4), key
+    # The raw-weight histogram's bins share out every trained token.
+    bins = [name for name, _, _ in losses.is_weight_bins()]
+    assert sum(m[f"train/{name}"] for name in bins) == pytest.approx(1.0, rel=1e-5)
     for r in responses:
       assert 1 <= r["length"] <= c.rl.max_new_tokens
       assert 0.0 <= r["token_means"]["is_truncated"] <= 1.0

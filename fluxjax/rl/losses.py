@@ -11,6 +11,8 @@ metrics are told in `make_loss_fn`.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
@@ -22,6 +24,22 @@ from fluxjax.parallel.train_step import LossFn
 KL_ESTIMATORS = ("k1", "k3")
 IS_MODES = ("truncate", "mask", "off")
 PROX_SOURCES = ("trainer", "batch")
+# Bin edges of the per-token histogram of the raw weight pi_prox / mu (before
+# any cap or mask): the bins are logged as shares of the trained tokens.
+IS_WEIGHT_EDGES = (0.5, 0.8, 0.95, 1.05, 1.25, 2.0)
+
+
+def is_weight_bins(edges: tuple[float, ...] = IS_WEIGHT_EDGES) -> list[tuple[str, float, float]]:
+  """(metric name, low, high) of each histogram bin: w in [low, high)."""
+  bins = [(f"is_weight_lt_{edges[0]:g}", 0.0, edges[0])]
+  bins += [(f"is_weight_{lo:g}_{hi:g}", lo, hi) for lo, hi in itertools.pairwise(edges)]
+  return bins + [(f"is_weight_ge_{edges[-1]:g}", edges[-1], float("inf"))]
+
+
+def is_weight_histogram(log_w: ArrayLike) -> dict[str, jax.Array]:
+  """Per token, 1.0 in the bin its raw weight exp(log_w) falls in (`is_weight_bins`)."""
+  w = jnp.exp(jnp.clip(jnp.asarray(log_w), -20.0, 20.0))
+  return {k: ((w >= lo) & (w < hi)).astype(w.dtype) for k, lo, hi in is_weight_bins()}
 
 
 def kl_penalty(logp: ArrayLike, ref_logp: ArrayLike, estimator: str) -> jax.Array:
@@ -105,7 +123,9 @@ def make_loss_fn(rl: settings_lib.RL) -> LossFn:
   ratio, clipfrac (the clipped branch was taken), is_weight, is_weight_sq (with
   is_weight gives the weight variance the staleness controller uses),
   is_truncated, behaviour_kl (k3 estimate of KL(mu || pi_prox), the staleness
-  signal), entropy, and kl when kl_coef > 0.
+  signal), entropy, kl when kl_coef > 0, and the histogram of the raw weight
+  pi_prox / mu (`is_weight_bins`: 1 in a token's bin, so the step's average is
+  the share of trained tokens in each bin, whatever `is_mode` makes of them).
 
   Args:
     rl: the `rl` config section (configs/vlm.py); every field it reads must be set.
@@ -160,6 +180,7 @@ def make_loss_fn(rl: settings_lib.RL) -> LossFn:
       "is_truncated": truncated_BT,
       "behaviour_kl": jnp.exp(log_w_BT) - log_w_BT - 1.0,
       "entropy": entropy_BT,
+      **is_weight_histogram(log_w_BT),
     }
     if kl_coef:
       kl_BT = kl_penalty(logp_BT, jax.lax.stop_gradient(mb.ref_logprobs), estimator)

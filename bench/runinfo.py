@@ -6,8 +6,10 @@ Every file a benchmark writes with `--json PATH` starts with the same header:
   command   the command line, as typed after `python`
   machine   platform, processor, CPU count, Python, numpy and (where importable)
             jax version, backend and devices
-  commit    `git rev-parse --short HEAD` of the checkout, or "unknown";
-            tree_dirty says whether tracked files differed from it
+  commit    `git rev-parse --short HEAD` of the checkout when the benchmark
+            started (the code it imported), or "unknown"; tree_dirty says
+            whether tracked files differed from it then; commit_at_write is
+            added if HEAD moved while it ran
   date      UTC, ISO 8601
 
 followed by the script's own figures (its args and everything its tables print,
@@ -72,13 +74,19 @@ def machine() -> dict:
   return m
 
 
+# The checkout as the benchmark imported it: a long run's file, written at its
+# end, names the code that ran, not a commit made while it ran.
+_STARTED = {"commit": commit(), "tree_dirty": tree_dirty()}
+
+
 def header(bench: str) -> dict:
+  now = commit()
   return {
     "bench": bench,
     "command": "python " + shlex.join(sys.argv),
     "machine": machine(),
-    "commit": commit(),
-    "tree_dirty": tree_dirty(),
+    **_STARTED,
+    **({"commit_at_write": now} if now != _STARTED["commit"] else {}),
     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
   }
 

@@ -12,6 +12,7 @@ from scipy import stats
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import learning
+import runinfo
 import seedstats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -263,3 +264,11 @@ def test_every_control_that_replaces_the_reward_is_evaluated_on_accuracy():
       learning._set(config, key, value)
     scored = reward_spec.evaluation(config.rl.reward.fn, config.eval.reward)
     assert scored == "accuracy", (name, scored)
+
+
+def test_a_result_names_the_commit_it_started_from(monkeypatch):
+  started = runinfo.header("x.py")
+  assert started["commit"] == runinfo.commit() and "commit_at_write" not in started
+  monkeypatch.setattr(runinfo, "commit", lambda: "0000000")  # HEAD moved during the run
+  moved = runinfo.header("x.py")
+  assert moved["commit"] == started["commit"] and moved["commit_at_write"] == "0000000"

@@ -455,6 +455,8 @@ def print_tables(results: list, runs: list[str], margin: float) -> None:
         print_speed(results, margin)
       else:
         print_paired(results, modes)
+        if name == "stress":
+          print_corrections(results)
         print_weight_histograms([r for r in results if r["name"] in modes])
 
 
@@ -615,6 +617,30 @@ def print_paired(results: list, modes: dict) -> None:
       f"{t_interval(diff):.3f} | {greedy_diff} | {statistics.fmean(speed):.2f}x | "
       f"{minutes:.1f} | {avg('trained_gap'):.2f} | {avg('truncated_share'):.4f} | "
       f"{avg('behaviour_kl'):.4f} | {quantiles} |"
+    )
+
+
+def print_corrections(results: list, control: str = "stale_w1") -> None:
+  """Each stale arm that corrects (truncated, masked, coupled weights) minus
+  the uncorrected stale arm (w = 1), paired by seed, sampled and greedy."""
+  by = {(r["name"], r["seed"]): r for r in results}
+  arms = [a for a in STRESS if a.startswith("stale") and a != control]
+  print(f"\n| arm minus {control} | seeds | sampled, mean +- 95% t | per seed | greedy |")
+  print("|---|---|---|---|---|")
+  for arm in arms:
+    pairs = [(by[(arm, s)], by[(control, s)]) for a, s in by if a == arm and (control, s) in by]
+    if not pairs:
+      continue
+    diff = [r["end"]["accuracy"] - c["end"]["accuracy"] for r, c in pairs]
+    greedy = [
+      r["end"]["greedy"] - c["end"]["greedy"]
+      for r, c in pairs
+      if r["end"].get("greedy") is not None and c["end"].get("greedy") is not None
+    ]
+    greedy_cell = f"{statistics.fmean(greedy):+.3f} +- {t_interval(greedy):.3f}" if greedy else "-"
+    print(
+      f"| {arm} | {len(pairs)} | {statistics.fmean(diff):+.3f} +- {t_interval(diff):.3f} | "
+      f"{', '.join(f'{d:+.3f}' for d in diff)} | {greedy_cell} |"
     )
 
 

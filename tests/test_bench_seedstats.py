@@ -154,6 +154,18 @@ def test_speed_table_says_where_each_arms_steps_went(capsys):
   assert lag[3:6] == ["3.00", "2.00", "-"]  # seed 1 had no update seconds
 
 
+def test_corrections_are_paired_by_seed_against_the_uncorrected_arm(capsys):
+  results = [_run("stale_w1", s, 0.3, [a], 1.0) for s, a in enumerate([0.2, 0.3, 0.25])]
+  results += [_run("stale", s, 0.3, [a], 1.0) for s, a in enumerate([0.4, 0.4, 0.3])]
+  results += [_run("stale_mask", 7, 0.3, [0.9], 1.0)]  # no w = 1 run of seed 7: no pair
+  learning.print_corrections(results)
+  rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| stale")]
+  assert len(rows) == 1, rows
+  cells = [c.strip() for c in rows[0].split("|")[1:-1]]
+  # Differences 0.2, 0.1, 0.05: mean 0.117, sd 0.0764, t(2) 4.303 / sqrt(3).
+  assert cells[:4] == ["stale", "3", "+0.117 +- 0.190", "+0.200, +0.100, +0.050"]
+
+
 def test_weight_histograms_average_each_arms_seeds_that_record_them(capsys):
   names = [name for name, _, _ in learning.losses.is_weight_bins()]
   one_hot = lambda i: {n: float(j == i) for j, n in enumerate(names)}

@@ -101,6 +101,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cores  # noqa: E402  (these live next to this script)
+import quintiles  # noqa: E402
 import runinfo  # noqa: E402
 from fluxjax import config_args  # noqa: E402
 from fluxjax.rl import loop, losses, metrics  # noqa: E402
@@ -263,6 +264,10 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
     # share) of the RL start and the last evaluation.
     "start_metrics": _eval_figures(by_step[start["step"]]),
     "end_metrics": _eval_figures(by_step[end["step"]]),
+    "prompts_per_step": rl["prompts_per_step"],
+    # Each trained response of steps 2.. (coordinator.response_records), for
+    # run_plan's quintile table; not kept in the result file.
+    "responses": quintiles.responses(loop.read_trained(workdir), after_step=1),
     "per_step": {key: [r.get(f"rollout/{key}") for r in steps_all] for key in PER_STEP},
     "per_step_async": {key: [r.get(f"async/{key}") for r in steps_all] for key in PER_STEP_ASYNC},
     "band_share": _band_share(steps_all, config["coordinator"]["lag"]),
@@ -349,6 +354,11 @@ def _arguments() -> argparse.Namespace:
   p.add_argument("--placement", choices=("shared", "disjoint"), default="shared")
   p.add_argument("--trainer-cores", default="0", help="disjoint: this process's cores")
   p.add_argument("--rollout-cores", default="1", help="disjoint: the server's cores (taskset)")
+  p.add_argument(
+    "--quintiles",
+    action="store_true",
+    help="record every trained response; figures per response-length quintile over seeds",
+  )
   p.add_argument("--keep", metavar="DIR", help="keep each run's work directory under DIR")
   p.add_argument("--json", metavar="PATH", help="write every run's figures here")
   p.add_argument(
@@ -363,6 +373,8 @@ def _arguments() -> argparse.Namespace:
 def build_plan(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
   """(run name, seed, config overrides) for every run --runs asks for."""
   extra = dict(_parse(item) for item in args.set)
+  if args.quintiles:
+    extra["coordinator.response_records"] = True
   seeds = [int(s) for s in args.seeds.split(",") if s]
   control_seeds = [int(s) for s in args.control_seeds.split(",") if s]
   arms = args.arms.split(",") if args.arms else None
@@ -458,12 +470,21 @@ def print_tables(results: list, runs: list[str], margin: float) -> None:
         if name == "stress":
           print_corrections(results)
         print_weight_histograms([r for r in results if r["name"] in modes])
+  if any(r.get("quintiles") for r in results):
+    print_quintiles(results)
 
 
 def run_plan(plan, args, results: list) -> None:
+  edges: dict[int, tuple] = {}  # seed -> (inner quintile edges, the run they came from)
   for name, seed, overrides in plan:
     keep = os.path.join(args.keep, f"{name}-{seed}") if args.keep else None
     r = run_one(name, seed, overrides, keep, args.variant)
+    responses = r.pop("responses")
+    if args.quintiles:  # on the lengths of the seed's first run: sync in paired runs
+      inner, r["quintile_edges_from"] = edges.setdefault(
+        seed, (quintiles.edges(responses), f"{name} seed {seed}")
+      )
+      r["quintiles"] = quintiles.table(responses, inner, r["prompts_per_step"])
     results.append(r)
     print(
       f"{name} seed {seed}: accuracy {r['start']['accuracy']:.3f} -> {r['end']['accuracy']:.3f} "
@@ -642,6 +663,20 @@ def print_corrections(results: list, control: str = "stale_w1") -> None:
       f"| {arm} | {len(pairs)} | {statistics.fmean(diff):+.3f} +- {t_interval(diff):.3f} | "
       f"{', '.join(f'{d:+.3f}' for d in diff)} | {greedy_cell} |"
     )
+
+
+def print_quintiles(results: list) -> None:
+  """Per run name, the per-length quintile figures (bench/quintiles.py), mean
+  +- 95% t over its seeds, each seed's on the edges of its first run."""
+  by_name: dict[str, list[dict]] = {}
+  for r in results:
+    if r.get("quintiles"):
+      by_name.setdefault(r["name"], []).append(r)
+  for name, runs in by_name.items():
+    rows = quintiles.over_seeds([r["quintiles"] for r in runs])
+    edges_from = sorted({r["quintile_edges_from"] for r in runs})
+    print(f"\n{name}: per response-length quintile, {len(runs)} seeds (edges: {edges_from})")
+    print(quintiles.markdown(rows))
 
 
 def print_weight_histograms(results: list) -> None:

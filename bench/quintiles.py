@@ -17,16 +17,23 @@ rows compare the same lengths):
                 mean(T) / T);
   accuracy      share of responses with reward >= 1.
 
-Used by bench/async.py --quintiles.
+Used by bench/async.py --quintiles (one run a mode) and bench/learning.py
+--quintiles (`over_seeds`: each figure's mean over seeds and its 95% t
+interval, each seed's table on its own edges).
 """
 
 from __future__ import annotations
 
 import collections
+import statistics
 
 import numpy as np
 
+from seedstats import t_interval
+
 QUINTILES = 5
+# A quintile's figures (`table`), each averaged over seeds by `over_seeds`.
+FIGURES = ("gap", "carried", "truncated", "prompt_weight", "token_weight", "accuracy")
 
 
 def responses(trained: list[dict], after_step: int = 0) -> list[dict]:
@@ -95,10 +102,42 @@ def table(records: list[dict], inner: np.ndarray, prompts_per_step: int) -> list
   return rows
 
 
+def over_seeds(tables: list[list[dict]]) -> list[dict]:
+  """Per quintile, each figure's mean over the tables (one a seed, each on
+  its seed's edges) that have responses there, with its 95% t half-width as
+  `<figure>_ci95`."""
+  rows = []
+  for q, first in enumerate(tables[0]):
+    cells = [t[q] for t in tables if len(t) > q and t[q]["responses"]]
+    lengths = (_mean_bound(cells, 0), _mean_bound(cells, 1))
+    row = {"quintile": first["quintile"], "lengths": lengths, "seeds": len(cells)}
+    row["responses"] = sum(c["responses"] for c in cells)
+    if cells:
+      row["length"] = statistics.fmean(c["length"] for c in cells)
+      for key in FIGURES:
+        values = [c[key] for c in cells if not np.isnan(c[key])]
+        row[key] = statistics.fmean(values) if values else float("nan")
+        row[f"{key}_ci95"] = t_interval(values)
+    rows.append(row)
+  return rows
+
+
+def _mean_bound(cells: list[dict], i: int) -> float | None:
+  """The seeds' mean lower (i = 0) or upper (1) edge of a quintile; None: open."""
+  bounds = [c["lengths"][i] for c in cells if c["lengths"][i] is not None]
+  return statistics.fmean(bounds) if bounds else None
+
+
 def markdown(rows: list[dict]) -> str:
+  """The rows as a table; a figure with a `_ci95` (`over_seeds`) shows it."""
   head = (
     "| quintile | tokens | responses | gap | carried | truncated | prompt wt | token wt "
     "| accuracy |\n|---|---|---|---|---|---|---|---|---|"
+  )
+  digits = {"gap": 2, "truncated": 4}
+  cell = lambda r, key: (
+    f"{r[key]:.{digits.get(key, 3)}f}"
+    + (f" +- {r[f'{key}_ci95']:.{digits.get(key, 3)}f}" if f"{key}_ci95" in r else "")
   )
   lines = [head]
   for r in rows:
@@ -108,8 +147,8 @@ def markdown(rows: list[dict]) -> str:
       lines.append(f"| {r['quintile']} | {span.strip() or 'all'} | 0 | | | | | | |")
       continue
     lines.append(
-      f"| {r['quintile']} | {span.strip() or 'all'} (mean {r['length']:.1f}) | {r['responses']} "
-      f"| {r['gap']:.2f} | {r['carried']:.3f} | {r['truncated']:.4f} | {r['prompt_weight']:.3f} "
-      f"| {r['token_weight']:.3f} | {r['accuracy']:.3f} |"
+      f"| {r['quintile']} | {span.strip() or 'all'} (mean {r['length']:.1f}) | {r['responses']} | "
+      + " | ".join(cell(r, key) for key in FIGURES)
+      + " |"
     )
   return "\n".join(lines)

@@ -64,3 +64,22 @@ def test_token_mean_over_sorted_batches_weighs_long_tokens_less():
   rows = quintiles.table(quintiles.responses(trained), inner, prompts_per_step=2)
   weights = [r["token_weight"] for r in rows if r["responses"]]
   np.testing.assert_allclose(weights, 42 / 100)
+
+
+def test_over_seeds_averages_each_seeds_table():
+  short = {"a": [2, 2], "b": [4, 4]}
+  long = {"c": [20, 20], "d": [16, 16]}
+  token_mean = quintiles.responses([_step(1, short, _token_mean), _step(2, long, _token_mean)])
+  constant = lambda lengths: [n / 100 for n in lengths]
+  flat = quintiles.responses([_step(1, short, constant), _step(2, long, constant)])
+  inner = quintiles.edges(token_mean)
+  tables = [quintiles.table(records, inner, prompts_per_step=2) for records in (token_mean, flat)]
+  rows = quintiles.over_seeds(tables)
+  first = rows[0]
+  assert first["seeds"] == 2 and first["responses"] == 4
+  # Token weights 42/12 (token-mean) and 0.42 (constant): mean and t(1) interval.
+  assert first["token_weight"] == pytest.approx((42 / 12 + 0.42) / 2)
+  half = 12.7062 * abs(42 / 12 - 0.42) / 2
+  assert first["token_weight_ci95"] == pytest.approx(half, rel=1e-4)
+  assert first["accuracy"] == 1.0 and first["accuracy_ci95"] == 0.0
+  assert "+- 0.000 |" in quintiles.markdown(rows).splitlines()[2]

@@ -61,7 +61,15 @@ def test_time_to_gain_is_the_first_evaluation_past_the_gain():
 
 def _args(**kw):
   base = dict(
-    runs="speed", seeds="0,1", control_seeds="0", set=[], arms=None, lag=3, stale_lag=5, sweep=[]
+    runs="speed",
+    seeds="0,1",
+    control_seeds="0",
+    set=[],
+    arms=None,
+    lag=3,
+    stale_lag=5,
+    sweep=[],
+    quintiles=False,
   )
   return argparse.Namespace(**{**base, **kw})
 
@@ -284,3 +292,43 @@ def test_a_result_names_the_commit_it_started_from(monkeypatch):
   monkeypatch.setattr(runinfo, "commit", lambda: "0000000")  # HEAD moved during the run
   moved = runinfo.header("x.py")
   assert moved["commit"] == started["commit"] and moved["commit_at_write"] == "0000000"
+
+
+def test_quintile_tables_take_each_seeds_edges_from_its_first_run(monkeypatch):
+  """--quintiles records every response of every run; each run's table is on
+  the lengths of its seed's first run (sync), and the responses themselves
+  stay out of the result."""
+  args = _args(
+    runs="speed",
+    arms="sync,tail",
+    seeds="0,1",
+    quintiles=True,
+    keep=None,
+    variant="tiny",
+    json=None,
+  )
+  plan = learning.build_plan(args)
+  assert all(o["coordinator.response_records"] for _, _, o in plan)
+  lengths = {("sync", 0): [2, 4, 6, 8], ("tail", 0): [20, 40], ("sync", 1): [1, 50]}
+  lengths[("tail", 1)] = [1, 50]
+
+  def run_one(name, seed, overrides, keep, variant):
+    responses = [
+      {"step": 2, "sample_id": f"p{i}", "length": n, "gap_mean": 0.0, "versions": 1,
+       "loss_weight": 0.25, "reward": 1.0, "token_means": {"is_truncated": 0.0}}
+      for i, n in enumerate(lengths[(name, seed)])
+    ]  # fmt: skip
+    run = _run(name, seed, 0.3, [0.4], 1.0)
+    return {**run, "gain": 0.1, "gain_ci95": 0.1, "seconds": 60.0, "prompts_per_step": 2,
+            "responses": responses}  # fmt: skip
+
+  monkeypatch.setattr(learning, "run_one", run_one)
+  results = []
+  learning.run_plan(plan, args, results)
+  by = {(r["name"], r["seed"]): r for r in results}
+  assert all("responses" not in r for r in results)
+  assert by[("tail", 0)]["quintile_edges_from"] == "sync seed 0"
+  # Seed 0's edges lie between 2 and 8: both tail responses land in the last quintile.
+  tail = [q["responses"] for q in by[("tail", 0)]["quintiles"]]
+  assert sum(tail) == 2 and tail[-1] == 2
+  assert by[("tail", 1)]["quintile_edges_from"] == "sync seed 1"

@@ -236,10 +236,10 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
   steps_all = sorted((r for r in records if "perf/step_seconds" in r), key=lambda r: r["step"])
   steps = [r for r in steps_all if r["step"] >= 2]
   mean = lambda key: _mean([r.get(key) for r in steps])
+  bins = [name for name, _, _ in losses.is_weight_bins()]
+  trained = loop.read_trained(workdir)
   weights = [  # each recorded response's mean importance weight
-    resp["token_means"]["is_weight"]
-    for t in loop.read_trained(workdir)
-    for resp in t.get("responses", ())
+    resp["token_means"]["is_weight"] for t in trained for resp in t.get("responses", ())
   ]
   with open(os.path.join(workdir, "config.json")) as f:
     config = json.load(f)
@@ -267,7 +267,7 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
     "prompts_per_step": rl["prompts_per_step"],
     # Each trained response of steps 2.. (coordinator.response_records), for
     # run_plan's quintile table; not kept in the result file.
-    "responses": quintiles.responses(loop.read_trained(workdir), after_step=1),
+    "responses": quintiles.responses(trained, after_step=1),
     "per_step": {key: [r.get(f"rollout/{key}") for r in steps_all] for key in PER_STEP},
     "per_step_async": {key: [r.get(f"async/{key}") for r in steps_all] for key in PER_STEP_ASYNC},
     "band_share": _band_share(steps_all, config["coordinator"]["lag"]),
@@ -286,8 +286,8 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
     # Per-token histogram of the raw weight pi_prox / mu: each bin's share of
     # the trained tokens, the mean over steps 2.. (None: recorded before it).
     "is_weight_histogram": (
-      {name: mean(f"train/{name}") for name, _, _ in losses.is_weight_bins()}
-      if any(f"train/{losses.is_weight_bins()[0][0]}" in r for r in steps)
+      {name: mean(f"train/{name}") for name in bins}
+      if any(f"train/{bins[0]}" in r for r in steps)
       else None
     ),
   }
@@ -617,12 +617,7 @@ def print_paired(results: list, modes: dict) -> None:
     if not rows:
       continue
     acc = [r["end"]["accuracy"] for r, _ in rows]
-    diff = [r["end"]["accuracy"] - b["end"]["accuracy"] for r, b in rows]
-    greedy = [
-      r["end"]["greedy"] - b["end"]["greedy"]
-      for r, b in rows
-      if r["end"]["greedy"] is not None and b["end"]["greedy"] is not None
-    ]
+    diff, greedy = _differences(rows, "accuracy"), _differences(rows, "greedy")
     speed = [r["samples_per_s"] / b["samples_per_s"] for r, b in rows]
     minutes = statistics.fmean(r["seconds"] for r, _ in rows) / 60
     avg = lambda key, rows=rows: statistics.fmean(r.get(key, float("nan")) for r, _ in rows)
@@ -632,13 +627,33 @@ def print_paired(results: list, modes: dict) -> None:
       if q
       else "-"
     )
-    greedy_diff = f"{statistics.fmean(greedy):+.3f} +- {t_interval(greedy):.3f}" if greedy else "-"
     print(
-      f"| {mode} | {statistics.fmean(acc):.3f} | {statistics.fmean(diff):+.3f} +- "
-      f"{t_interval(diff):.3f} | {greedy_diff} | {statistics.fmean(speed):.2f}x | "
+      f"| {mode} | {statistics.fmean(acc):.3f} | {_mean_t(diff)} | {_mean_t(greedy)} | "
+      f"{statistics.fmean(speed):.2f}x | "
       f"{minutes:.1f} | {avg('trained_gap'):.2f} | {avg('truncated_share'):.4f} | "
       f"{avg('behaviour_kl'):.4f} | {quantiles} |"
     )
+
+
+def _differences(pairs: list, key: str) -> list[float]:
+  """The final `key` accuracy of each (run, its baseline) pair's run minus its
+  baseline's, where both recorded it."""
+  ends = [(r["end"].get(key), b["end"].get(key)) for r, b in pairs]
+  return [x - y for x, y in ends if x is not None and y is not None]
+
+
+def _mean_t(values: list[float]) -> str:
+  """'mean +- 95% t half-width', or '-' for no values."""
+  return f"{statistics.fmean(values):+.3f} +- {t_interval(values):.3f}" if values else "-"
+
+
+def _by_name(results: list, key: str) -> dict[str, list[dict]]:
+  """The runs that recorded `key`, by run name (arm), in their order."""
+  out: dict[str, list[dict]] = {}
+  for r in results:
+    if r.get(key):
+      out.setdefault(r["name"], []).append(r)
+  return out
 
 
 def print_corrections(results: list, control: str = "stale_w1") -> None:
@@ -652,27 +667,17 @@ def print_corrections(results: list, control: str = "stale_w1") -> None:
     pairs = [(by[(arm, s)], by[(control, s)]) for a, s in by if a == arm and (control, s) in by]
     if not pairs:
       continue
-    diff = [r["end"]["accuracy"] - c["end"]["accuracy"] for r, c in pairs]
-    greedy = [
-      r["end"]["greedy"] - c["end"]["greedy"]
-      for r, c in pairs
-      if r["end"].get("greedy") is not None and c["end"].get("greedy") is not None
-    ]
-    greedy_cell = f"{statistics.fmean(greedy):+.3f} +- {t_interval(greedy):.3f}" if greedy else "-"
+    diff = _differences(pairs, "accuracy")
     print(
-      f"| {arm} | {len(pairs)} | {statistics.fmean(diff):+.3f} +- {t_interval(diff):.3f} | "
-      f"{', '.join(f'{d:+.3f}' for d in diff)} | {greedy_cell} |"
+      f"| {arm} | {len(pairs)} | {_mean_t(diff)} | {', '.join(f'{d:+.3f}' for d in diff)} | "
+      f"{_mean_t(_differences(pairs, 'greedy'))} |"
     )
 
 
 def print_quintiles(results: list) -> None:
   """Per run name, the per-length quintile figures (bench/quintiles.py), mean
   +- 95% t over its seeds, each seed's on the edges of its first run."""
-  by_name: dict[str, list[dict]] = {}
-  for r in results:
-    if r.get("quintiles"):
-      by_name.setdefault(r["name"], []).append(r)
-  for name, runs in by_name.items():
+  for name, runs in _by_name(results, "quintiles").items():
     rows = quintiles.over_seeds([r["quintiles"] for r in runs])
     edges_from = sorted({r["quintile_edges_from"] for r in runs})
     print(f"\n{name}: per response-length quintile, {len(runs)} seeds (edges: {edges_from})")
@@ -682,18 +687,15 @@ def print_quintiles(results: list) -> None:
 def print_weight_histograms(results: list) -> None:
   """Per arm, the per-token histogram of the raw weight pi_prox / mu: each
   bin's share of the trained tokens, the mean over the seeds that record it."""
-  by_arm: dict[str, list[dict]] = {}
-  for r in results:
-    if r.get("is_weight_histogram"):
-      by_arm.setdefault(r["name"], []).append(r["is_weight_histogram"])
+  by_arm = _by_name(results, "is_weight_histogram")
   if not by_arm:
     return
   bins = losses.is_weight_bins()
   print("\n| arm | seeds | " + " | ".join(f"w in [{lo:g}, {hi:g})" for _, lo, hi in bins) + " |")
   print("|---|---|" + "---|" * len(bins))
-  for arm, hists in by_arm.items():
-    shares = [statistics.fmean(h[name] for h in hists) for name, _, _ in bins]
-    print(f"| {arm} | {len(hists)} | " + " | ".join(f"{x:.4f}" for x in shares) + " |")
+  for arm, runs in by_arm.items():
+    shares = [statistics.fmean(r["is_weight_histogram"][name] for r in runs) for name, _, _ in bins]
+    print(f"| {arm} | {len(runs)} | " + " | ".join(f"{x:.4f}" for x in shares) + " |")
 
 
 def print_speed(results: list, margin: float) -> None:
@@ -762,10 +764,7 @@ def print_phases(results: list) -> None:
   """Each arm's trained samples/s and where its steps' time went (the mean
   over its seeds of each run's mean over steps 2..); a throughput every arm
   shares says one side is the bottleneck."""
-  by_arm: dict[str, list[dict]] = {}
-  for r in results:
-    if r.get("phase_seconds"):  # runs recorded before it have none
-      by_arm.setdefault(r["name"], []).append(r)
+  by_arm = _by_name(results, "phase_seconds")  # runs recorded before it have none
   if not by_arm:
     return
   print("\n| arm | seeds | samples/s | " + " | ".join(f"{k}, s" for k in PHASES) + " |")

@@ -6,9 +6,10 @@ r"""Exact resume under async: the 2-process fleet job SIGKILLed at random moment
   python bench/kill_resume.py --pool bench/results/kill_resume-*-seed*.json  # seeds run apart
 
 Each seed runs tests/test_fleet_multiprocess.py's job (the `fleet` modifier on
-2 processes x 4 CPU devices: two launched fluxjax servers behind a launched
-sglang-router, weights broadcast from the training mesh, flex_ulysses at
-sp=8 across both processes; tests/multiprocess_runs.py KILLED) with
+2 processes x --devices CPU devices, 4 by default where the suite's test has
+2: two launched fluxjax servers behind a launched sglang-router, weights
+broadcast from the training mesh, flex_ulysses with its sequence axis
+across both processes; tests/multiprocess_runs.py KILLED) with
 `--config.seed` set to the seed, twice:
 
   async  adaptive lag, tail batching with recycling (eta 2): killed once at
@@ -85,13 +86,15 @@ ALPHA = 0.01  # the pooled length test's level
 LENGTHS_DIFFER = f"kill_resume.py: the lengths at stake differ from the shadows' (p < {ALPHA})"
 
 
-def killed_run(workdir: str, steps: int, kills: list[tuple[str, int, int]], overrides) -> dict:
+def killed_run(
+  workdir: str, steps: int, kills: list[tuple[str, int, int]], overrides, devices: int
+) -> dict:
   """The job in `workdir` killed at each (point, victim, skip) in turn, then
   run to `steps`; returns the kills' leader lines, all shadows, the records."""
   os.makedirs(workdir, exist_ok=True)
   record = os.path.join(workdir, "kills.jsonl")
   run_dir = os.path.join(workdir, "run")
-  command = runs.fleet_command(run_dir, steps, module="kill_points", **overrides)
+  command = runs.fleet_command(run_dir, steps, "kill_points", devices, **overrides)
   lines, found = [], []
   for k, (point, victim, skip) in enumerate(kills):
     log = os.path.join(workdir, f"kill{k}-{point}.log")
@@ -141,7 +144,7 @@ def one_seed(seed: int, args, root: str) -> dict:
   order = [runs.KILL_POINTS[i] for i in rng.permutation(len(runs.KILL_POINTS))]
   kills = [(p, int(rng.integers(2)), int(rng.integers(args.max_skip + 1))) for p in order]
   work = os.path.join(root, f"seed{seed}")
-  run = killed_run(os.path.join(work, "async"), args.steps, kills, overrides)
+  run = killed_run(os.path.join(work, "async"), args.steps, kills, overrides, args.devices)
   generation = next(k for k in run["kills"] if k["point"] == "generation")
   assert generation["partial"], generation  # (a): recycling's partial responses at stake
   accounting = check_accounting(run, args.steps)
@@ -153,10 +156,14 @@ def one_seed(seed: int, args, root: str) -> dict:
   # (the random moments are the async run's).
   sync_kills = [(p, int(rng.integers(2)), 0) for p in points]
   plain = os.path.join(work, "sync-plain")
-  command = runs.fleet_command(os.path.join(plain, "run"), args.sync_steps, **sync)
+  command = runs.fleet_command(
+    os.path.join(plain, "run"), args.sync_steps, devices=args.devices, **sync
+  )
   os.makedirs(plain, exist_ok=True)
   runs.run(command, os.path.join(plain, "end.log"))
-  killed = killed_run(os.path.join(work, "sync-killed"), args.sync_steps, sync_kills, sync)
+  killed = killed_run(
+    os.path.join(work, "sync-killed"), args.sync_steps, sync_kills, sync, args.devices
+  )
   a = loop.read_trained(os.path.join(plain, "run"))
   assert [sorted(r["ids"]) for r in a] == [sorted(r["ids"]) for r in killed["records"]]
   pa = runs.params(os.path.join(plain, "run"), args.sync_steps)
@@ -252,6 +259,12 @@ def main() -> None:
   p.add_argument("--sync-steps", type=int, default=6, help="RL steps of each sync run")
   p.add_argument("--sync-kills", type=int, default=2, help="kills of each killed sync run")
   p.add_argument("--max-skip", type=int, default=2, help="a point's moments let pass, at most")
+  p.add_argument(
+    "--devices",
+    type=int,
+    default=4,
+    help="CPU devices of each process, the sequence axis across both (the seeds recorded ran 4)",
+  )
   p.add_argument(
     "--workdir",
     default=None,

@@ -22,10 +22,16 @@ from fluxjax.rl import metrics
 from helpers import ROOT, process_alive, run_launcher, train_command
 
 P = 2  # prompts per step
+# CPU devices of each process of a 2-process run: more than one, so that a
+# process holds several shards of the sequence axis as a GPU host does, and
+# no more, since every device of a launch is a gloo rank and its collectives
+# cost CPU (docs/testing.md, launched jobs).
+DEVICES = 2
+SP = 2 * DEVICES  # the sequence axis across both processes
 
 OVERRIDES = {
   "sharding.strategy": "flex_ulysses",
-  "sharding.sp": 8,  # across both processes of a 2 x 4 run (auto stays in one)
+  "sharding.sp": SP,  # auto would stay inside one process
   "eval.every": 0,
   "checkpoint.every": 1,
   "data.synth_train": 16,
@@ -39,7 +45,7 @@ OVERRIDES = {
   # A reward with signal from the first step (the warm-up is two steps).
   "rl.reward.fn": "fault_rewards:signal_unless_numeric",
   "rollout.num_slots": 4,
-  "rollout.embedded_devices": 4,
+  "rollout.embedded_devices": DEVICES,  # all of process 0's
   "rollout.tail_batching.eta": 1.0,
   "coordinator.lag.mode": "sync",
   "sft.steps": 3,
@@ -94,11 +100,17 @@ KILLED_SYNC = {**KILLED, "coordinator.lag.mode": "sync", "rollout.tail_batching.
 KILL_POINTS = ("generation", "queue", "publish", "checkpoint")
 
 
-def fleet_command(workdir, steps: int, module: str = "", **overrides) -> list[str]:
-  """The `fleet` job (configs/vlm.py:fleet) on 2 processes x 4 devices. When
-  one process dies the launcher gives the other 3 s to stop (SIGTERM) before
-  SIGKILL: it waits in a collective that never completes."""
-  command = launched(workdir, 2, 4, grace_s=3.0, module=module, total_steps=steps, **overrides)
+def fleet_command(
+  workdir, steps: int, module: str = "", devices: int = DEVICES, **overrides
+) -> list[str]:
+  """The `fleet` job (configs/vlm.py:fleet) on 2 processes x `devices`, the
+  sequence axis across both. When one process dies the launcher gives the
+  other 3 s to stop (SIGTERM) before SIGKILL: it waits in a collective that
+  never completes."""
+  overrides = {"sharding.sp": 2 * devices, **overrides}
+  command = launched(
+    workdir, 2, devices, grace_s=3.0, module=module, total_steps=steps, **overrides
+  )
   return [a.replace("configs/vlm.py:tiny", "configs/vlm.py:tiny,fleet") for a in command]
 
 
@@ -124,7 +136,12 @@ def reuse_compiled_programs(monkeypatch, directory) -> None:
 
 
 def two(workdir, **overrides):
-  return launched(workdir, 2, 4, **overrides)
+  return launched(workdir, 2, DEVICES, **overrides)
+
+
+def one(workdir, **overrides):
+  """The run `two` makes, as 1 process holding all of its devices."""
+  return launched(workdir, 1, SP, **overrides)
 
 
 def launched(

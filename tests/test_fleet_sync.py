@@ -1,5 +1,5 @@
-"""The `fleet` job synchronous under ulysses: 2 processes x 4 CPU devices train
-what 1 process x 8 trains, the sequence axis across both processes, though
+"""The `fleet` job synchronous under ulysses: 2 processes x 2 CPU devices train
+what 1 process x 4 trains, the sequence axis across both processes, though
 the 2-process run is preempted on the way (tests/multiprocess_runs.py)."""
 
 import json
@@ -33,8 +33,8 @@ def _servers():
 
 @pytest.mark.slow
 def test_a_synchronous_fleet_job_on_two_processes_matches_one_under_ulysses(tmp_path, monkeypatch):
-  """The fleet job in sync mode without tail batching, ulysses at sp=8, as
-  1 process x 8 and as 2 x 4, against the same server behind a launched
+  """The fleet job in sync mode without tail batching, ulysses at sp=4, as
+  1 process x 4 and as 2 x 2, against the same server behind a launched
   router: it is seeded and sent the same bf16 weights, so both runs train the
   same prompts to the same losses and parameters, within the tolerance of
   test_multiprocess.py (the summation order of collectives). The 2-process
@@ -48,7 +48,7 @@ def test_a_synchronous_fleet_job_on_two_processes_matches_one_under_ulysses(tmp_
 
     def command(workdir, processes):
       launched = runs.launched(
-        workdir, processes, 8 // processes, grace_s=300, total_steps=steps, **SYNC, **urls
+        workdir, processes, runs.SP // processes, grace_s=300, total_steps=steps, **SYNC, **urls
       )
       return [a.replace("configs/vlm.py:tiny", "configs/vlm.py:tiny,fleet") for a in launched]
 
@@ -61,7 +61,7 @@ def test_a_synchronous_fleet_job_on_two_processes_matches_one_under_ulysses(tmp_
     servers.stop()
   assert "SIGTERM: the run stops after the RL step in progress" in stopped
   assert "SIGTERM: the leader checkpoints and stops this process" in stopped
-  assert "strategy ulysses (sp=8)" in stopped
+  assert f"strategy ulysses (sp={runs.SP})" in stopped
   assert preempted["preempted"] and preempted["last_step"] == 1
   assert saved == [1]
   assert "resumed from step 1" in resumed

@@ -1,4 +1,4 @@
-"""The `fleet` job on a hybrid mesh across 2 processes x 4 CPU devices: data
+"""The `fleet` job on a hybrid mesh across 2 processes x 2 CPU devices: data
 across the processes, FSDP inside each (mesh.data=2), publishing to a
 launched server by broadcast, then, resumed, from disk
 (tests/multiprocess_runs.py)."""
@@ -38,7 +38,9 @@ def test_a_hybrid_mesh_across_processes_trains_and_publishes_by_broadcast_and_di
     urls = {"rollout.urls": "(" + ",".join(f'"{u}"' for u in servers.urls) + ",)"}
 
     def command(steps, **overrides):
-      launched = runs.launched(workdir, 2, 4, total_steps=steps, **HYBRID, **urls, **overrides)
+      launched = runs.launched(
+        workdir, 2, runs.DEVICES, total_steps=steps, **HYBRID, **urls, **overrides
+      )
       return [a.replace("configs/vlm.py:tiny", "configs/vlm.py:tiny,fleet") for a in launched]
 
     broadcast = runs.run(command(2), tmp_path / "broadcast.log")
@@ -46,7 +48,8 @@ def test_a_hybrid_mesh_across_processes_trains_and_publishes_by_broadcast_and_di
   finally:
     servers.stop()
   for out in (broadcast, disk):
-    assert "strategy packed_dp (sp=1) on mesh {'data': 2, 'fsdp': 4, 'sp': 1}" in out
+    mesh = f"{{'data': 2, 'fsdp': {runs.DEVICES}, 'sp': 1}}"
+    assert f"strategy packed_dp (sp=1) on mesh {mesh}" in out
   assert "resumed from step 2" in disk
   assert_each_prompt_trained_once(workdir, 4, runs.P)
   recs = {r["step"]: r for r in metrics.read_metrics(str(workdir)) if "train/loss" in r}

@@ -1,18 +1,19 @@
-"""Multi-controller runs: 2 processes x 4 CPU devices against 1 process x 8.
+"""Multi-controller runs: 2 processes x 2 CPU devices against 1 process x 4.
 
-The main job runs as `python -m fluxjax.launch --processes=2 --cpu_devices=4
--- <train args>` (subprocesses, gloo collectives between them) and as
-`loop.run` in this process, on the 8 fake devices the test session has.
-Both runs are seeded, in sync mode without tail batching, train under
-flex_ulysses with its largest degree across all 8 devices (sharding.sp=8:
-across both processes of the 2-process run, as the GPU variants run), and
-place the embedded engine on 4 devices of process 0
-(rollout.embedded_devices=4), so rollout runs the same programs in both;
-they must then sample the same responses and train the same updates, up to
-the summation order of collectives across processes. A resumed run repeats exactly what the
-killed one would have done, so the 2-process run is killed (its leader, the
-process holding the run's decisions, as a one-process run's only process
-does) and restarted on the way, and must still match.
+The main job runs as `python -m fluxjax.launch --processes=2 --cpu_devices=2
+-- <train args>` (subprocesses, gloo collectives between them) and as the
+same launcher's one process holding all 4 devices. Both runs are seeded, in
+sync mode without tail batching, train under flex_ulysses with its largest
+degree across all 4 devices (sharding.sp=4: across both processes of the
+2-process run, as the GPU variants run), and place the embedded engine on
+process 0's 2 devices (rollout.embedded_devices=2), so rollout runs the same
+programs in both; they must then sample the same responses and train the
+same updates, up to the summation order of collectives across processes. A
+resumed run repeats exactly what the killed one would have done, so the
+2-process run is killed (its leader, the process holding the run's
+decisions, as a one-process run's only process does) and restarted on the
+way, and must still match. Its checkpoint then resumes in this process, on
+the 8 devices the test session has.
 """
 
 import json
@@ -34,7 +35,7 @@ from helpers import (
 )
 
 
-def _one(workdir, **overrides) -> None:
+def _here(workdir, **overrides) -> None:
   """The run in this process, on its 8 devices."""
   loop.run(runs.config(**overrides), str(workdir))
 
@@ -47,12 +48,13 @@ def _train_metrics(workdir) -> dict[int, dict]:
 def test_two_processes_killed_and_resumed_match_one_and_resume_in_one(
   tmp_path, caplog, monkeypatch
 ):
-  """The main job with the SFT warm-up and a KL reference, as 1 process x 8
-  devices and as 2 x 4, the latter's leader killed mid-step and the job
+  """The main job with the SFT warm-up and a KL reference, as 1 process x 4
+  devices and as 2 x 2, the latter's leader killed mid-step and the job
   restarted: the same prompts, losses and parameters (within 1e-5); then the
-  2-process checkpoint resumes in one process, until NaN updates stop it."""
+  2-process checkpoint resumes in this process on 8 devices, until NaN
+  updates stop it."""
   one, two = tmp_path / "one", tmp_path / "two"
-  _one(one, total_steps=3)
+  runs.run(runs.one(one, total_steps=3), tmp_path / "one.log")
   runs.kill_once_a_checkpoint_is_complete(
     runs.two(two, total_steps=3), tmp_path / "killed.log", victim=0
   )
@@ -60,7 +62,7 @@ def test_two_processes_killed_and_resumed_match_one_and_resume_in_one(
   out = runs.run(runs.two(two, total_steps=3), tmp_path / "two.log")
   assert "resumed from step" in out
   assert len(re.findall(r"fluxjax\.launch: process \d pid \d+", out)) == 2
-  assert "strategy flex_ulysses (sp=8)" in out
+  assert f"strategy flex_ulysses (sp={runs.SP})" in out
 
   # Each prompt trained once, the same ones in both runs.
   a = assert_each_prompt_trained_once(one, 3, runs.P)
@@ -106,7 +108,7 @@ def test_two_processes_killed_and_resumed_match_one_and_resume_in_one(
     # The engine's behaviour logprobs are the trainer's: importance weights 1.
     assert recs[2]["train/is_weight"] == pytest.approx(1.0, abs=1e-4)
 
-  # The 2-process checkpoint resumes in one process (8 devices) and goes on:
+  # The 2-process checkpoint resumes in this process (8 devices) and goes on:
   # no second warm-up, the reference read back from the work directory (KL to
   # the restored policy would be ~0 at this first step). From step 5 every
   # batch carries a NaN advantage: step 5 applies no update and publishes
@@ -125,7 +127,7 @@ def test_two_processes_killed_and_resumed_match_one_and_resume_in_one(
     caplog.at_level(logging.INFO, logger="fluxjax"),
     pytest.raises(train_step.NonFiniteError, match="2 updates in a row"),
   ):
-    _one(two, total_steps=6, **{"faults.nonfinite_steps": 2})
+    _here(two, total_steps=6, **{"faults.nonfinite_steps": 2})
   assert "resumed from step 3" in caplog.text
   assert_each_prompt_trained_once(two, 5, runs.P)  # the refused step's prompts are consumed
   recs = {r["step"]: r for r in metrics.read_metrics(str(two))}

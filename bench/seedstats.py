@@ -90,3 +90,9 @@ def time_to_gain(evals: Sequence[dict], gain: float, key: str, clock: str) -> fl
     if value is not None and value - start >= gain:
       return e[clock]
   return None
+
+
+def mean_recorded(values) -> float:
+  """The mean of the values given (None: not recorded); NaN if there are none."""
+  present = [v for v in values if v is not None]
+  return statistics.fmean(present) if present else float("nan")

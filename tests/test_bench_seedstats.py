@@ -12,6 +12,8 @@ from scipy import stats
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import learning
+import learning_arms
+import learning_tables
 import runinfo
 import seedstats
 
@@ -76,7 +78,7 @@ def _args(**kw):
 
 def test_speed_plan_pairs_every_arm_with_sync_per_seed():
   plan = learning.build_plan(_args())
-  assert [(n, s) for n, s, _ in plan] == [(arm, s) for s in (0, 1) for arm in learning.SPEED]
+  assert [(n, s) for n, s, _ in plan] == [(arm, s) for s in (0, 1) for arm in learning_arms.SPEED]
   overrides = {(n, s): o for n, s, o in plan}
   assert overrides[("lag", 0)]["coordinator.lag.fixed_lag"] == 3
   assert overrides[("lag", 0)]["rollout.tail_batching.eta"] == 1.0
@@ -111,7 +113,7 @@ def test_controller_runs_start_the_adaptive_controller_below_and_above_its_setpo
     "allowed_lag": [0.0] + [2.0] * 39,  # step 1's is left out, as in the run's means
     "trained_gap": [1.5] * 40,
   }
-  learning.print_controller([{**run, "band_share": 0.75, "trained_gap": 1.5}])
+  learning_tables.print_controller([{**run, "band_share": 0.75, "trained_gap": 1.5}])
   row = next(r for r in capsys.readouterr().out.splitlines() if r.startswith("| from_0.1"))
   cells = [c.strip() for c in row.split("|")[1:-1]]
   assert cells[2:6] == ["75%", "0.10, 0.19, 0.29, 0.49, 0.49", "2.00", "1.50"]
@@ -133,7 +135,7 @@ def test_speed_table_reads_time_to_accuracy_and_equivalence(capsys):
   for seed, noise in enumerate([0.0, 0.004, -0.003, 0.002]):
     results.append(_run("sync", seed, 0.3, [0.33, 0.40, 0.45, 0.5 + noise], 10.0))
     results.append(_run("tail", seed, 0.3, [0.40, 0.49, 0.5, 0.5 - noise], 10.0))
-  learning.print_speed(results, margin=0.05)
+  learning_tables.print_speed(results, margin=0.05)
   out = capsys.readouterr().out
   tail_rows = [line for line in out.splitlines() if line.startswith("| tail |")]
   assert len(tail_rows) == 2  # sampled and greedy
@@ -154,7 +156,7 @@ def test_speed_table_says_where_each_arms_steps_went(capsys):
       if seed == 0 or name == "sync":
         phases["perf/update_seconds"] = update
       results.append({**run, "samples_per_s": 40.0 + seed, "phase_seconds": phases})
-  learning.print_phases(results)
+  learning_tables.print_phases(results)
   rows = {r.split("|")[1].strip(): r for r in capsys.readouterr().out.splitlines() if "|" in r}
   sync = [c.strip() for c in rows["sync"].split("|")[1:-1]]
   assert sync == ["sync", "2", "40.5", "4.00", "2.00", "2.00", "-"]
@@ -166,7 +168,7 @@ def test_corrections_are_paired_by_seed_against_the_uncorrected_arm(capsys):
   results = [_run("stale_w1", s, 0.3, [a], 1.0) for s, a in enumerate([0.2, 0.3, 0.25])]
   results += [_run("stale", s, 0.3, [a], 1.0) for s, a in enumerate([0.4, 0.4, 0.3])]
   results += [_run("stale_mask", 7, 0.3, [0.9], 1.0)]  # no w = 1 run of seed 7: no pair
-  learning.print_corrections(results)
+  learning_tables.print_corrections(results)
   rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| stale")]
   assert len(rows) == 1, rows
   cells = [c.strip() for c in rows[0].split("|")[1:-1]]
@@ -175,14 +177,14 @@ def test_corrections_are_paired_by_seed_against_the_uncorrected_arm(capsys):
 
 
 def test_weight_histograms_average_each_arms_seeds_that_record_them(capsys):
-  names = [name for name, _, _ in learning.losses.is_weight_bins()]
+  names = [name for name, _, _ in learning_tables.losses.is_weight_bins()]
   one_hot = lambda i: {n: float(j == i) for j, n in enumerate(names)}
   results = [
     {"name": "stale", "seed": 0, "is_weight_histogram": one_hot(0)},
     {"name": "stale", "seed": 1, "is_weight_histogram": one_hot(len(names) - 1)},
     {"name": "stale_w1", "seed": 0, "is_weight_histogram": None},  # recorded before it
   ]
-  learning.print_weight_histograms(results)
+  learning_tables.print_weight_histograms(results)
   rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| stale")]
   assert len(rows) == 1, rows
   cells = [c.strip() for c in rows[0].split("|")[1:-1]]
@@ -218,7 +220,7 @@ def _task_run(name, seed, end_colour, p99s):
 def test_task_table_reads_each_run_per_task_and_the_length_tail(capsys):
   results = [_task_run("default", s, 0.6 + 0.02 * s, [40.0, 50.0, 60.0]) for s in range(3)]
   results += [_task_run("blind", s, 0.25, [30.0, 30.0, 30.0]) for s in range(3)]
-  learning.print_tasks(results)
+  learning_tables.print_tasks(results)
   out = capsys.readouterr().out.splitlines()
   header = next(line for line in out if line.startswith("| task |"))
   assert [c.strip() for c in header.split("|")[1:-1]] == [
@@ -276,11 +278,11 @@ def test_every_control_that_replaces_the_reward_is_evaluated_on_accuracy():
   from fluxjax import config_args
   from fluxjax.rl import reward_spec
 
-  replaced = [name for name, o in learning.CONTROLS.items() if "rl.reward.fn" in o]
+  replaced = [name for name, o in learning_arms.CONTROLS.items() if "rl.reward.fn" in o]
   assert {"format_only", "random_reward", "reversed", "zeroed"} <= set(replaced)
   for name in replaced:
     config = config_args.load_config(arg="tiny_base")
-    for key, value in learning.CONTROLS[name].items():
+    for key, value in learning_arms.CONTROLS[name].items():
       learning._set(config, key, value)
     scored = reward_spec.evaluation(config.rl.reward.fn, config.eval.reward)
     assert scored == "accuracy", (name, scored)

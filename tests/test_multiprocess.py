@@ -50,11 +50,13 @@ def test_two_processes_killed_and_resumed_match_one_and_resume_in_one(
 ):
   """The main job with the SFT warm-up and a KL reference, as 1 process x 4
   devices and as 2 x 2, the latter's leader killed mid-step and the job
-  restarted: the same prompts, losses and parameters (within 1e-5); then the
-  2-process checkpoint resumes in this process on 8 devices, until NaN
+  restarted: the same prompts, losses and parameters (within 1e-5), and
+  bit for bit the parameters of the same 2-process run never killed; then
+  the 2-process checkpoint resumes in this process on 8 devices, until NaN
   updates stop it."""
-  one, two = tmp_path / "one", tmp_path / "two"
+  one, two, whole = tmp_path / "one", tmp_path / "two", tmp_path / "whole"
   runs.run(runs.one(one, total_steps=3), tmp_path / "one.log")
+  runs.run(runs.two(whole, total_steps=3), tmp_path / "whole.log")
   runs.kill_once_a_checkpoint_is_complete(
     runs.two(two, total_steps=3), tmp_path / "killed.log", victim=0
   )
@@ -91,6 +93,14 @@ def test_two_processes_killed_and_resumed_match_one_and_resume_in_one(
   assert pa.keys() == pb.keys()
   for key in pa:
     np.testing.assert_allclose(pb[key], pa[key], rtol=1e-5, atol=1e-5, err_msg=key)
+  # The kill and the resume changed nothing: the run never killed, on the
+  # same 2 processes, trained the same prompts to the same bits.
+  c = assert_each_prompt_trained_once(whole, 3, runs.P)
+  assert [sorted(r["ids"]) for r in b] == [sorted(r["ids"]) for r in c]
+  pw = runs.params(whole, 3)
+  assert pw.keys() == pb.keys()
+  for key in pw:
+    np.testing.assert_array_equal(pb[key], pw[key], err_msg=key)
 
   # The warm-up: held-out accuracy before it (step -3), every 2 of its steps
   # (a published snapshot) and after it (step 0, where GRPO starts); its loss

@@ -108,10 +108,16 @@ def fleet_command(
   other 3 s to stop (SIGTERM) before SIGKILL: it waits in a collective that
   never completes."""
   overrides = {"sharding.sp": 2 * devices, **overrides}
-  command = launched(
-    workdir, 2, devices, grace_s=3.0, module=module, total_steps=steps, **overrides
+  return launched(
+    workdir,
+    2,
+    devices,
+    grace_s=3.0,
+    module=module,
+    variant="tiny,fleet",
+    total_steps=steps,
+    **overrides,
   )
-  return [a.replace("configs/vlm.py:tiny", "configs/vlm.py:tiny,fleet") for a in command]
 
 
 def env():
@@ -145,17 +151,24 @@ def one(workdir, **overrides):
 
 
 def launched(
-  workdir, processes: int, devices: int, grace_s: float = 10.0, module: str = "", **overrides
+  workdir,
+  processes: int,
+  devices: int,
+  grace_s: float = 10.0,
+  module: str = "",
+  variant: str = "tiny",
+  **overrides,
 ):
-  """`python -m fluxjax.launch` of the main job with OVERRIDES and `overrides`;
-  `grace_s`: the launcher's time between SIGTERM and SIGKILL; `module`: the
-  module each process runs instead of fluxjax.train (tests/kill_points.py)."""
+  """`python -m fluxjax.launch` of configs/vlm.py:`variant` with OVERRIDES and
+  `overrides`; `grace_s`: the launcher's time between SIGTERM and SIGKILL;
+  `module`: the module each process runs instead of fluxjax.train
+  (tests/kill_points.py)."""
   launcher = [sys.executable, "-m", "fluxjax.launch", f"--processes={processes}"]
   launcher += [f"--cpu_devices={devices}", f"--grace_s={grace_s}"]
   launcher += [f"--module={module}"] if module else []
   launcher += ["--"]
   # The train args, without `python -m fluxjax.train`.
-  return launcher + train_command(workdir, {**OVERRIDES, **overrides})[3:]
+  return launcher + train_command(workdir, {**OVERRIDES, **overrides}, variant)[3:]
 
 
 def config(arg: str = "tiny", **overrides):

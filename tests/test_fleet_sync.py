@@ -47,10 +47,16 @@ def test_a_synchronous_fleet_job_on_two_processes_matches_one_under_ulysses(tmp_
     urls = {"rollout.urls": "(" + ",".join(f'"{u}"' for u in servers.urls) + ",)"}
 
     def command(workdir, processes):
-      launched = runs.launched(
-        workdir, processes, runs.SP // processes, grace_s=300, total_steps=steps, **SYNC, **urls
+      return runs.launched(
+        workdir,
+        processes,
+        runs.SP // processes,
+        grace_s=300,
+        variant="tiny,fleet",
+        total_steps=steps,
+        **SYNC,
+        **urls,
       )
-      return [a.replace("configs/vlm.py:tiny", "configs/vlm.py:tiny,fleet") for a in launched]
 
     runs.run(command(one, 1), tmp_path / "one.log")
     stopped = runs.preempt_once_rl_started(command(two, 2), tmp_path / "preempted.log")

@@ -38,10 +38,16 @@ def test_a_hybrid_mesh_across_processes_trains_and_publishes_by_broadcast_and_di
     urls = {"rollout.urls": "(" + ",".join(f'"{u}"' for u in servers.urls) + ",)"}
 
     def command(steps, **overrides):
-      launched = runs.launched(
-        workdir, 2, runs.DEVICES, total_steps=steps, **HYBRID, **urls, **overrides
+      return runs.launched(
+        workdir,
+        2,
+        runs.DEVICES,
+        variant="tiny,fleet",
+        total_steps=steps,
+        **HYBRID,
+        **urls,
+        **overrides,
       )
-      return [a.replace("configs/vlm.py:tiny", "configs/vlm.py:tiny,fleet") for a in launched]
 
     broadcast = runs.run(command(2), tmp_path / "broadcast.log")
     disk = runs.run(command(4, **{"rollout.weight_sync": "disk"}), tmp_path / "disk.log")

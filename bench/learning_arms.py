@@ -44,8 +44,17 @@ PAIRED: dict[str, tuple[Arms, dict[str, object]]] = {
 # The rollout/* figures each run keeps per step (item: the response lengths'
 # tail and how often the policy reasons).
 PER_STEP = ("response_len_p50", "response_len_p99", "reasoning_share")
+# The staleness signal's terms (async_control.combine_staleness).
+STALENESS_TERMS = ("staleness_kl", "staleness_iw", "staleness_gap")
 # The async/* figures each run keeps per step: what the controller saw and set.
-PER_STEP_ASYNC = ("async_ratio", "staleness", "staleness_ema", "allowed_lag", "trained_gap")
+PER_STEP_ASYNC = (
+  "async_ratio",
+  "staleness",
+  "staleness_ema",
+  "allowed_lag",
+  "trained_gap",
+  *STALENESS_TERMS,
+)
 # The controller is judged on the steps after this one (issue: 90% in band).
 SETTLE_STEPS = 20
 # Where a step's time goes, each run's mean over its steps 2.. (docs/metrics.md).

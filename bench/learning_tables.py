@@ -10,7 +10,16 @@ import numpy as np
 
 import quintiles
 from fluxjax.rl import losses
-from learning_arms import CONTROLLER, GAIN_SHARE, PAIRED, PHASES, SETTLE_STEPS, SPEED, STRESS
+from learning_arms import (
+  CONTROLLER,
+  GAIN_SHARE,
+  PAIRED,
+  PHASES,
+  SETTLE_STEPS,
+  SPEED,
+  STALENESS_TERMS,
+  STRESS,
+)
 from seedstats import mean_recorded, t_interval, time_to_gain, tost
 
 
@@ -285,9 +294,10 @@ def print_controller(results: list) -> None:
   lag and trained gap over steps 2.. (as the run's other means), and accuracy."""
   print(
     f"\n| run | seed | EMA in band after step {SETTLE_STEPS} | async ratio at steps 1, 10, 20, "
-    "40, last | allowed lag, mean | trained gap, mean | accuracy start -> end | greedy end |"
+    "40, last | allowed lag, mean | trained gap, mean | behaviour KL | staleness terms "
+    f"after step {SETTLE_STEPS}: KL / weights / gap | accuracy start -> end | greedy end |"
   )
-  print("|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for r in results:
     per = r["per_step_async"]
     ratio = per["async_ratio"]
@@ -296,9 +306,20 @@ def print_controller(results: list) -> None:
     print(
       f"| {r['name']} | {r['seed']} | {'-' if band is None else f'{band:.0%}'} "
       f"| {', '.join(f'{x:.2f}' for x in at)} | {mean_recorded(per['allowed_lag'][1:]):.2f} "
-      f"| {r['trained_gap']:.2f} | {r['start']['accuracy']:.3f} -> "
+      f"| {r['trained_gap']:.2f} | {r['behaviour_kl']:.2g} | {_terms(per)} "
+      f"| {r['start']['accuracy']:.3f} -> "
       f"{r['end']['accuracy']:.3f} | {r['end'].get('greedy') or float('nan'):.3f} |"
     )
+
+
+def _terms(per_step_async: dict) -> str:
+  """The staleness terms' means over the steps after SETTLE_STEPS ('-' in a
+  record from before they were logged)."""
+  if not all(per_step_async.get(t) for t in STALENESS_TERMS):
+    return "-"
+  return " / ".join(
+    f"{mean_recorded(per_step_async[t][SETTLE_STEPS:]):.3f}" for t in STALENESS_TERMS
+  )
 
 
 def print_phases(results: list) -> None:

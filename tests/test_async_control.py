@@ -86,7 +86,13 @@ def test_staleness_combination_is_the_designs():
   assert ac.combine_staleness(0.0, 0.0, 0.1, 0.0, SECTION)["staleness"] == pytest.approx(0.4)
   iw = np.expm1(2.0)  # log1p(var) = iw_normalizer
   assert ac.combine_staleness(0.0, 0.0, 0.0, iw, SECTION)["staleness"] == pytest.approx(0.3)
-  assert ac.combine_staleness(9.0, 9.0, 5.0, 50.0, SECTION)["staleness"] == 1.0
+  full = ac.combine_staleness(9.0, 9.0, 5.0, 50.0, SECTION)
+  assert full["staleness"] == 1.0
+  # Its terms come back unclipped, each over its own normalizer.
+  m = SECTION
+  assert full["staleness_kl"] == pytest.approx(m.kl_weight * 5.0 / m.kl_normalizer)
+  assert full["staleness_iw"] == pytest.approx(m.iw_weight * np.log1p(50.0) / m.iw_normalizer)
+  assert full["staleness_gap"] == pytest.approx(m.gap_weight * 9.0 / m.max_version_gap)
   bad = ac.combine_staleness(2.0, 3.0, np.nan, -1e-9, SECTION)  # rounding in E[w^2] - E[w]^2
   assert bad["staleness"] == pytest.approx(0.15) and bad["version_gap_max"] == 3.0
   # A trained batch: the variance from the step's token means E[w] and E[w^2].

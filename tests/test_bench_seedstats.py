@@ -112,11 +112,28 @@ def test_controller_runs_start_the_adaptive_controller_below_and_above_its_setpo
     "async_ratio": ratios,
     "allowed_lag": [0.0] + [2.0] * 39,  # step 1's is left out, as in the run's means
     "trained_gap": [1.5] * 40,
+    # The terms' means over the steps after step 20 only.
+    "staleness_kl": [0.5] * 20 + [0.02] * 20,
+    "staleness_iw": [0.01] * 40,
+    "staleness_gap": [0.1] * 40,
   }
-  learning_tables.print_controller([{**run, "band_share": 0.75, "trained_gap": 1.5}])
+  summary = {"band_share": 0.75, "trained_gap": 1.5, "behaviour_kl": 3e-4}
+  learning_tables.print_controller([{**run, **summary}])
   row = next(r for r in capsys.readouterr().out.splitlines() if r.startswith("| from_0.1"))
   cells = [c.strip() for c in row.split("|")[1:-1]]
-  assert cells[2:6] == ["75%", "0.10, 0.19, 0.29, 0.49, 0.49", "2.00", "1.50"]
+  assert cells[2:8] == [
+    "75%",
+    "0.10, 0.19, 0.29, 0.49, 0.49",
+    "2.00",
+    "1.50",
+    "0.0003",
+    "0.020 / 0.010 / 0.100",
+  ]
+  # A record from before the terms were logged shows none.
+  del run["per_step_async"]["staleness_kl"]
+  learning_tables.print_controller([{**run, **summary}])
+  row = next(r for r in capsys.readouterr().out.splitlines() if r.startswith("| from_0.1"))
+  assert [c.strip() for c in row.split("|")[1:-1]][7] == "-"
 
 
 def _run(name, seed, start, accuracies, seconds_per_eval):

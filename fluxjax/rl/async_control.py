@@ -109,8 +109,7 @@ def staleness(
     mask_T: which tokens count (response tokens); all if None.
 
   Returns:
-    {"staleness", "version_gap", "version_gap_max", "kl", "iw_var"};
-    staleness is in [0, 1].
+    `combine_staleness`'s dict; staleness is in [0, 1].
   """
   b = np.asarray(behaviour_logp_T, np.float64).ravel()
   c = np.asarray(current_logp_T, np.float64).ravel()
@@ -146,20 +145,23 @@ def combine_staleness(
   The train step reduces KL and the weight moments on device (loss metrics
   `behaviour_kl`, `is_weight`, `is_weight_sq`), so the coordinator combines
   those here instead of fetching per-token arrays. A non-finite signal counts
-  as 0 and a negative one (rounding in E[w^2] - E[w]^2) as 0.
+  as 0 and a negative one (rounding in E[w^2] - E[w]^2) as 0. The three
+  terms before the clip come back as `staleness_kl`, `staleness_iw` and
+  `staleness_gap`: which of them drives the controller.
   """
   m = lag
 
   def clean(x: float) -> float:
     return float(x) if math.isfinite(x) and x > 0 else 0.0
 
-  s = (
-    m.kl_weight * clean(kl) / m.kl_normalizer
-    + m.iw_weight * math.log1p(clean(iw_var)) / m.iw_normalizer
-    + m.gap_weight * clean(gap_mean) / m.max_version_gap
-  )
+  terms = {
+    "staleness_kl": m.kl_weight * clean(kl) / m.kl_normalizer,
+    "staleness_iw": m.iw_weight * math.log1p(clean(iw_var)) / m.iw_normalizer,
+    "staleness_gap": m.gap_weight * clean(gap_mean) / m.max_version_gap,
+  }
   return {
-    "staleness": min(max(s, 0.0), 1.0),
+    "staleness": min(max(sum(terms.values()), 0.0), 1.0),
+    **terms,
     "version_gap": float(gap_mean),
     "version_gap_max": float(gap_max),
     "kl": float(kl),

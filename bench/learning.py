@@ -221,6 +221,9 @@ def summarize(name: str, seed: int, overrides: dict, workdir: str, seconds: floa
       if any(key in r for r in steps)
     },
     "truncated_share": mean("train/is_truncated"),
+    # Tokens whose clipped branch was taken: with rl.prox=batch (coupled
+    # PPO-clip against mu) the share the staleness pushed out of the clip.
+    "clipfrac": mean("train/clipfrac"),
     "behaviour_kl": mean("train/behaviour_kl"),
     "trained_gap": mean("async/trained_gap"),
     # Quantiles of the responses' mean importance weights (a histogram's shape).

@@ -165,9 +165,9 @@ def print_paired(results: list, modes: dict) -> None:
   print(
     "\n| mode | final accuracy, mean over seeds | minus sync, 95% (t, paired) | greedy "
     "minus sync | samples/s vs sync | wall min, mean | trained gap | truncated share "
-    "| behaviour KL | response IS weight p1 / p50 / p99 / max |"
+    "| clip fraction | behaviour KL | response IS weight p1 / p50 / p99 / max |"
   )
-  print("|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   for mode in modes:
     rows = [(by[(mode, s)], by[("sync", s)]) for s in seeds if (mode, s) in by]
     if not rows:
@@ -177,6 +177,8 @@ def print_paired(results: list, modes: dict) -> None:
     speed = [r["samples_per_s"] / b["samples_per_s"] for r, b in rows]
     minutes = statistics.fmean(r["seconds"] for r, _ in rows) / 60
     avg = lambda key, rows=rows: statistics.fmean(r.get(key, float("nan")) for r, _ in rows)
+    # A figure some runs recorded before it was kept shows '-'.
+    clip = f"{avg('clipfrac'):.4f}" if all("clipfrac" in r for r, _ in rows) else "-"
     q = [r["is_weight_quantiles"] for r, _ in rows if r.get("is_weight_quantiles")]
     quantiles = (
       " / ".join(f"{statistics.fmean(x[k] for x in q):.3f}" for k in ("p1", "p50", "p99", "max"))
@@ -186,7 +188,7 @@ def print_paired(results: list, modes: dict) -> None:
     print(
       f"| {mode} | {statistics.fmean(acc):.3f} | {_mean_t(diff)} | {_mean_t(greedy)} | "
       f"{statistics.fmean(speed):.2f}x | "
-      f"{minutes:.1f} | {avg('trained_gap'):.2f} | {avg('truncated_share'):.4f} | "
+      f"{minutes:.1f} | {avg('trained_gap'):.2f} | {avg('truncated_share'):.4f} | {clip} | "
       f"{avg('behaviour_kl'):.4f} | {quantiles} |"
     )
 

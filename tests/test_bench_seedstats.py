@@ -193,6 +193,23 @@ def test_corrections_are_paired_by_seed_against_the_uncorrected_arm(capsys):
   assert cells[:4] == ["stale", "3", "+0.117 +- 0.190", "+0.200, +0.100, +0.050"]
 
 
+def test_paired_table_shows_the_clip_fraction_only_where_every_seed_kept_it(capsys):
+  figures = {"samples_per_s": 1.0, "seconds": 60.0, "trained_gap": 6.0, "truncated_share": 0.0,
+             "behaviour_kl": 0.0}  # fmt: skip
+  results = [{**_run("sync", s, 0.3, [0.5], 1.0), **figures} for s in (0, 1)]
+  results += [
+    {**_run("stale_coupled", s, 0.3, [0.4], 1.0), **figures, "clipfrac": c}
+    for s, c in ((0, 0.1), (1, 0.3))
+  ]
+  results += [{**_run("stale_mask", s, 0.3, [0.4], 1.0), **figures} for s in (0, 1)]
+  results[-1]["clipfrac"] = 0.2  # seed 0 recorded before the figure was kept
+  learning_tables.print_paired(results, learning_arms.STRESS)
+  lines = capsys.readouterr().out.splitlines()
+  rows = {r.split("|")[1].strip(): r for r in lines if r.startswith("| ")}
+  clip = lambda name: [c.strip() for c in rows[name].split("|")[1:-1]][8]
+  assert clip("stale_coupled") == "0.2000" and clip("stale_mask") == "-"
+
+
 def test_weight_histograms_average_each_arms_seeds_that_record_them(capsys):
   names = [name for name, _, _ in learning_tables.losses.is_weight_bins()]
   one_hot = lambda i: {n: float(j == i) for j, n in enumerate(names)}

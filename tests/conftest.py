@@ -87,8 +87,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Written by Python and pip themselves, not by tests.
 _BUILD_OUTPUTS = ("__pycache__/", ".egg-info/")
 
-# Hypothesis keeps examples and caches under ./.hypothesis unless told otherwise.
-hypothesis.configuration.set_hypothesis_home_dir(tempfile.mkdtemp(prefix="fluxjax-hypothesis-"))
+# Hypothesis keeps examples and caches under ./.hypothesis unless told otherwise;
+# this folder goes when the session's interpreter exits.
+_HYPOTHESIS_HOME = tempfile.TemporaryDirectory(prefix="fluxjax-hypothesis-")
+hypothesis.configuration.set_hypothesis_home_dir(_HYPOTHESIS_HOME.name)
 hypothesis.settings.register_profile("fluxjax", database=None)
 hypothesis.settings.load_profile("fluxjax")
 

@@ -78,7 +78,8 @@ def test_server_killed_mid_round(tmp_path, monkeypatch):
   c.coordinator.lag.mode = "fixed"  # rounds keep running while the trainer steps
   c.rollout.num_slots = 4
   cmd = factory.server_command(Settings.of(c))
-  servers = launcher.launch_servers(cmd, 2, env=server_env(), timeout_s=300)
+  logs = str(tmp_path / "logs")
+  servers = launcher.launch_servers(cmd, 2, env=server_env(), timeout_s=300, log_dir=logs)
   try:
     c.rollout.backend, c.rollout.urls = "sglang", tuple(servers.urls)
     # No health probe during the run: the fleet must learn of the death from

@@ -24,11 +24,11 @@ SYNC = {
 }
 
 
-def _servers():
+def _servers(log_dir):
   """A server as the fleet job launches them, shared by both runs (each run
   publishes its starting weights to it first)."""
   cmd = factory.server_command(Settings.of(runs.config("tiny,fleet", **SYNC)))
-  return launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=300)
+  return launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=300, log_dir=str(log_dir))
 
 
 @pytest.mark.slow
@@ -41,7 +41,7 @@ def test_a_synchronous_fleet_job_on_two_processes_matches_one_under_ulysses(tmp_
   run gets SIGTERM (a preemption) during step 1: every process checkpoints
   that step and stops, and the same command resumes it."""
   steps, one, two = STEPS, tmp_path / "one", tmp_path / "two"
-  servers = _servers()
+  servers = _servers(tmp_path / "logs")
   runs.reuse_compiled_programs(monkeypatch, tmp_path / "xla_cache")  # after the server's start
   try:
     urls = {"rollout.urls": "(" + ",".join(f'"{u}"' for u in servers.urls) + ",)"}

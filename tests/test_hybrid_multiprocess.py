@@ -32,7 +32,8 @@ def test_a_hybrid_mesh_across_processes_trains_and_publishes_by_broadcast_and_di
   publish delivered. Each prompt trains once."""
   workdir = tmp_path / "hybrid"
   cmd = factory.server_command(Settings.of(runs.config("tiny,fleet", **HYBRID)))
-  servers = launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=300)
+  logs = str(tmp_path / "logs")
+  servers = launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=300, log_dir=logs)
   runs.reuse_compiled_programs(monkeypatch, tmp_path / "xla_cache")  # after the server's start
   try:
     urls = {"rollout.urls": "(" + ",".join(f'"{u}"' for u in servers.urls) + ",)"}

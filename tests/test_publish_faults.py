@@ -100,10 +100,11 @@ def folders(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def url(folders):
+def url(folders, tmp_path_factory):
   cmd = ["python", "-m", "fluxjax.rollout.server", "--model-path", folders[1]]
   cmd += ["--weight-version", "1", "--num-slots", "2", "--context-length", "64"]
-  launched = launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=120)
+  logs = str(tmp_path_factory.mktemp("logs"))
+  launched = launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=120, log_dir=logs)
   yield launched.urls[0]
   launched.stop()
 

@@ -163,7 +163,7 @@ def test_workers_behind_the_router_are_checked_against_the_trainer(routed):
     asyncio.run(start(other))
 
 
-def test_a_worker_added_later_that_preprocesses_otherwise_is_taken_out(routed):
+def test_a_worker_added_later_that_preprocesses_otherwise_is_taken_out(routed, tmp_path):
   """A worker added to the router after the start is checked as it joins:
   one that preprocesses media otherwise leaves the fleet and the router."""
 
@@ -174,7 +174,11 @@ def test_a_worker_added_later_that_preprocesses_otherwise_is_taken_out(routed):
   theirs = asyncio.run(limits())
   frames = str(theirs["video_max_frames"] + 1)
   other = launcher.launch_servers(
-    [*TINY_SERVER, "--video-max-frames", frames], 1, env=server_env(), timeout_s=180
+    [*TINY_SERVER, "--video-max-frames", frames],
+    1,
+    env=server_env(),
+    timeout_s=180,
+    log_dir=str(tmp_path),
   )
 
   async def go():
@@ -198,11 +202,11 @@ def test_a_worker_added_later_that_preprocesses_otherwise_is_taken_out(routed):
   assert routed_now == sorted(routed.urls)  # and the router no longer lists it
 
 
-def test_a_router_that_lists_no_worker_is_waited_for_then_named():
+def test_a_router_that_lists_no_worker_is_waited_for_then_named(tmp_path):
   """A router adds the workers it was started with only once they answer; the
   fleet waits `workers_timeout_s` for one, then names the router and the wait."""
   port = launcher.free_port("127.0.0.1")  # nothing listens there
-  router = router_lib.launch_router(ROUTER, [f"http://127.0.0.1:{port}"])
+  router = router_lib.launch_router(ROUTER, [f"http://127.0.0.1:{port}"], log_dir=str(tmp_path))
   try:
 
     async def go():

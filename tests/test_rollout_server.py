@@ -65,7 +65,7 @@ def model(ckpt):
 
 
 @pytest.fixture(scope="module")
-def url(ckpt):
+def url(ckpt, tmp_path_factory):
   cmd = [
     "python",
     "-m",
@@ -85,7 +85,8 @@ def url(ckpt):
     "--video-max-pixels",
     str(PIXELS),
   ]
-  launched = launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=120)
+  logs = str(tmp_path_factory.mktemp("logs"))
+  launched = launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=120, log_dir=logs)
   yield launched.urls[0]
   launched.stop()
 

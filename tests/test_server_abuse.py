@@ -58,14 +58,15 @@ def fd_limit():
 
 
 @pytest.fixture(scope="module")
-def url(fd_limit):
+def url(fd_limit, tmp_path_factory):
   cmd = TINY_SERVER + [
     "--body-timeout",
     str(BODY_TIMEOUT),
     "--idle-timeout",
     str(IDLE_TIMEOUT),
   ]
-  launched = launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=120)
+  logs = str(tmp_path_factory.mktemp("logs"))
+  launched = launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=120, log_dir=logs)
   yield launched.urls[0]
   launched.stop()
 

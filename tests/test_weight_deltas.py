@@ -277,7 +277,8 @@ def server(tmp_path):
   v2 = publish.write_checkpoint(nudged(first, 0.01), root, 2, dtype="bfloat16", deltas=True)
   cmd = ["python", "-m", "fluxjax.rollout.server", "--model-path", v1]
   cmd += ["--weight-version", "1", "--num-slots", "2", "--context-length", "64"]
-  launched = launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=120)
+  logs = str(tmp_path / "logs")
+  launched = launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=120, log_dir=logs)
   yield launched.urls[0], v1, v2
   launched.stop()
 

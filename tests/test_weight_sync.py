@@ -20,9 +20,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def servers():
+def servers(tmp_path_factory):
   cmd = [*TINY_SERVER, "--weight-group-timeout", "60"]
-  launched = launcher.launch_servers(cmd, 2, env=server_env(), timeout_s=300)
+  logs = str(tmp_path_factory.mktemp("logs"))
+  launched = launcher.launch_servers(cmd, 2, env=server_env(), timeout_s=300, log_dir=logs)
   yield launched
   launched.stop()
 

@@ -59,6 +59,12 @@ Runs:
             against the baseline's (paired, margin --margin), for sampled
             and greedy accuracy. Use --placement disjoint for wall times
             that let running ahead pay.
+  normalizer  the loss normalizers (rl.loss_agg_mode) on the default job,
+            per seed of --seeds, paired with token_mean (the default):
+            seq_mean_token_mean and token_sum_norm (Dr. GRPO's constant
+            divisor). AdamW is invariant to a constant scale of the loss up
+            to its epsilon and gradient clipping, so token_sum_norm runs at
+            the default learning rate; --set optim.lr=... retunes every arm.
   controller  the adaptive controller (default tail batching) started from
             async ratios 0.1 (from_0.1) and 0.9 (from_0.9), per seed of
             --seeds: the table gives the share of steps after step 20 whose
@@ -355,7 +361,7 @@ def build_plan(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
         for s in seeds
         for mode in modes
         if (arms is None or mode in arms)
-        and not any(m == mode and t == s for m, t, _ in plan)  # sync is in each
+        and not any(m == mode and t == s for m, t, _ in plan)  # a shared baseline runs once
       ]
     else:
       sys.exit(f"unknown run {name!r}")

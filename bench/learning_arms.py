@@ -30,16 +30,24 @@ SPEED: Arms = {
   "tail_lag": {"coordinator.lag.mode": "fixed", "coordinator.lag.fixed_lag": "{lag}"},
   "adaptive": {"coordinator.lag.mode": "adaptive"},
 }
+# The loss normalizers (rl.loss_agg_mode) on the default job, token-mean (the
+# default) the baseline.
+NORMALIZER: Arms = {
+  "token_mean": {},
+  "seq_mean_token_mean": {"rl.loss_agg_mode": "seq-mean-token-mean"},
+  "token_sum_norm": {"rl.loss_agg_mode": "token-sum-norm"},
+}
 # The adaptive controller started far from its setpoint, below and above it.
 CONTROLLER: Arms = {
   f"from_{ratio}": {"coordinator.lag.mode": "adaptive", "coordinator.lag.initial_ratio": ratio}
   for ratio in (0.1, 0.9)
 }
-# name: (arms, overrides every arm adds); sync is the baseline of each.
+# name: (arms, overrides every arm adds); the first arm is the baseline of each.
 PAIRED: dict[str, tuple[Arms, dict[str, object]]] = {
   "parity": (PARITY, {}),
   "stress": (STRESS, {"coordinator.response_records": True}),
   "speed": (SPEED, {}),
+  "normalizer": (NORMALIZER, {}),
 }
 # The rollout/* figures each run keeps per step (item: the response lengths'
 # tail and how often the policy reasons).

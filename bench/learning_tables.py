@@ -159,17 +159,19 @@ def _print_lengths(rows: list) -> None:
 
 
 def print_paired(results: list, modes: dict) -> None:
-  """Each mode against sync, paired by seed (same data, prompts and warm-up)."""
+  """Each mode against the first of `modes` (the baseline), paired by seed
+  (same data, prompts and warm-up)."""
+  base = next(iter(modes))
   by = {(r["name"], r["seed"]): r for r in results}
-  seeds = sorted({r["seed"] for r in results if r["name"] == "sync"})
+  seeds = sorted({r["seed"] for r in results if r["name"] == base})
   print(
-    "\n| mode | final accuracy, mean over seeds | minus sync, 95% (t, paired) | greedy "
-    "minus sync | samples/s vs sync | wall min, mean | trained gap | truncated share "
+    f"\n| mode | final accuracy, mean over seeds | minus {base}, 95% (t, paired) | greedy "
+    f"minus {base} | samples/s vs {base} | wall min, mean | trained gap | truncated share "
     "| clip fraction | behaviour KL | response IS weight p1 / p50 / p99 / max |"
   )
   print("|---|---|---|---|---|---|---|---|---|---|---|")
   for mode in modes:
-    rows = [(by[(mode, s)], by[("sync", s)]) for s in seeds if (mode, s) in by]
+    rows = [(by[(mode, s)], by[(base, s)]) for s in seeds if (mode, s) in by]
     if not rows:
       continue
     acc = [r["end"]["accuracy"] for r, _ in rows]

@@ -210,6 +210,27 @@ def test_paired_table_shows_the_clip_fraction_only_where_every_seed_kept_it(caps
   assert clip("stale_coupled") == "0.2000" and clip("stale_mask") == "-"
 
 
+def test_normalizer_runs_are_paired_with_token_mean_the_default(capsys):
+  plan = learning.build_plan(_args(runs="normalizer", seeds="0,1"))
+  arms = list(learning_arms.NORMALIZER)
+  assert [(n, s) for n, s, _ in plan] == [(a, s) for s in (0, 1) for a in arms]
+  modes = {n: o.get("rl.loss_agg_mode") for n, _, o in plan}
+  assert modes == {"token_mean": None, "seq_mean_token_mean": "seq-mean-token-mean",
+                   "token_sum_norm": "token-sum-norm"}  # fmt: skip
+  figures = {"samples_per_s": 1.0, "seconds": 60.0, "trained_gap": 0.0, "truncated_share": 0.0,
+             "behaviour_kl": 0.0}  # fmt: skip
+  ends = {"token_mean": (0.5, 0.6), "token_sum_norm": (0.4, 0.4), "seq_mean_token_mean": (0.5, 0.5)}
+  results = [{**_run(arm, s, 0.3, [ends[arm][s]], 1.0), **figures} for arm in arms for s in (0, 1)]
+  learning_tables.print_paired(results, learning_arms.NORMALIZER)
+  lines = capsys.readouterr().out.splitlines()
+  assert "minus token_mean, 95% (t, paired)" in next(r for r in lines if r.startswith("| mode"))
+  cells = [[c.strip() for c in r.split("|")[1:-1]] for r in lines if r.startswith("| ")]
+  rows = {c[0]: c for c in cells}
+  assert rows["token_mean"][2].startswith("+0.000")
+  assert rows["token_sum_norm"][2].startswith("-0.150")  # -0.1 and -0.2
+  assert rows["seq_mean_token_mean"][2].startswith("-0.050")  # 0 and -0.1
+
+
 def test_weight_histograms_average_each_arms_seeds_that_record_them(capsys):
   names = [name for name, _, _ in learning_tables.losses.is_weight_bins()]
   one_hot = lambda i: {n: float(j == i) for j, n in enumerate(names)}

@@ -518,10 +518,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # values but kp and ki, five times the design's so that the ratio reaches
   # the band from either end of its range within 20 steps (bench/README.md,
   # learning.py --runs controller); max_version_gap, which the design leaves
-  # open, is max_lag, and max_step is not in the design.
+  # open, is max_lag, and max_step is not in the design. controller="design"
+  # runs the design's update as written (docs/training-loop.md, deviations).
   c.coordinator.lag = ml_collections.ConfigDict(
     dict(
       mode=v.lag_mode,
+      controller="fluxjax",
       fixed_lag=1,
       min_lag=0,
       max_lag=4,

@@ -32,6 +32,7 @@ class Lag:
   staleness metric that rl/async_control.py runs on this section as it is."""
 
   mode: str
+  controller: str
   fixed_lag: int
   min_lag: int
   max_lag: int

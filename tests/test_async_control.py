@@ -541,3 +541,65 @@ def test_state_round_trip():
   for step, s in enumerate((0.1, 0.0, 0.9, 0.2, 0.05, 0.0, 0.0, 0.1), start=4):
     assert a.observe(s, step) == b.observe(s, step)
   assert b.get_state() == a.get_state()
+
+
+# --- the Flux design's update as written (coordinator.lag.controller=design) ---------
+
+
+def design(**overrides):
+  """Admission driven by the design's update, at the design's gains."""
+  cfg = dataclasses.replace(SECTION, controller="design", kp=0.1, ki=0.01, **overrides)
+  return ac.AdmissionController(B, "adaptive", controller=ac.make_controller(cfg))
+
+
+def test_the_design_controller_is_its_update_as_written():
+  cfg = dataclasses.replace(SECTION, controller="design", sync_interval=3)
+  ctl = ac.make_controller(cfg)
+  assert isinstance(ctl, ac.DesignController) and ctl.ema == 0.0
+  ratio, ema, integral, prev = cfg.initial_ratio, 0.0, 0.0, 0.0
+  for s in (0.5, 0.0, 0.9):
+    ctl.update(s)
+    ema = cfg.ema_decay * ema + (1 - cfg.ema_decay) * s
+    e = cfg.target_staleness - ema
+    integral += e
+    step = cfg.kp * e + cfg.ki * integral + cfg.kd * (e - prev)  # whole, unclamped
+    ratio, prev = min(max(ratio + step, cfg.min_async_ratio), cfg.max_async_ratio), e
+    assert (ctl.ema, ctl.ratio) == pytest.approx((ema, ratio), abs=1e-12)
+  # An interval barrier once more than sync_interval steps have passed.
+  assert ctl.barrier_due(3) is None and ctl.barrier_due(4) == "interval"
+  ctl.ema = cfg.hard_bound + 0.01  # due on every step above the bound, not once
+  assert ctl.barrier_due(1) == ctl.barrier_due(2) == "hard_bound"
+  with pytest.raises(ValueError, match=r"coordinator\.lag\.controller must be one of"):
+    ac.make_controller(dataclasses.replace(SECTION, controller="pid"))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_design_update_oscillates_where_fluxjax_settles(seed):
+  # The settling process of test_settles_inside_the_band_without_oscillating:
+  # without the band's hold the ratio keeps stepping on noise.
+  r = simulate(design(), SETTLE + 200, lambda s: 0.02, seed=seed)
+  ours = simulate(adaptive(), SETTLE + 200, lambda s: 0.02, seed=seed)
+  assert in_band(ours[SETTLE:, 3]).mean() == 1.0 and reversals(ours[SETTLE:, 4]) == 0
+  assert in_band(r[SETTLE:, 3]).mean() < 0.9 and reversals(r[SETTLE:, 4]) >= 5
+
+
+def test_the_design_update_winds_up_a_target_out_of_reach():
+  # test_no_windup_when_the_gap_alone_cannot_reach_the_target's process:
+  # 400 steps under the target wind the integral up, and 80 steps after the
+  # policy starts moving the ratio is still at its upper bound.
+  weak_gap = dataclasses.replace(SECTION, max_version_gap=16.0)
+  adm = design(sync_interval=0)
+  r = simulate(adm, 480, lambda s: 0.0 if s < 400 else 0.02, noise=0.0, metric=weak_gap)
+  assert (r[200:, 4] == SECTION.max_async_ratio).all()
+  assert in_band(r[460:, 3]).mean() < 0.5
+
+
+def test_the_design_update_raises_the_ratio_on_a_fresh_start_and_falls_after_a_burst():
+  # The processes of test_a_fresh_start_does_not_raise_the_ratio and
+  # test_a_burst_does_not_drive_the_ratio_to_its_bound: from an EMA of 0 the
+  # first fresh batches read as room for more lag; after a burst the ratio
+  # falls on while new batches are already under the target.
+  fresh = simulate(design(sync_interval=0), 60, lambda s: 0.03, noise=0.0, seed=6)
+  assert fresh[:20, 4].max() > SECTION.initial_ratio
+  burst = simulate(design(), 180, lambda s: 0.1 if 100 <= s < 104 else 0.002, carried=(5, 0.4))
+  assert burst[100:140, 4].min() < 0.3 and in_band(burst[10:, 3]).mean() < 0.9

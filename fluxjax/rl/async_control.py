@@ -1,7 +1,8 @@
 """Flux adaptive async: version tags, the staleness metric, the async controller, admission.
 
 Entry points: `combine_staleness` (the controller's signal), `AsyncController` (EMA and
-PID on a continuous async ratio, band, sync barriers) and `AdmissionController` (at most
+PID on a continuous async ratio, band, sync barriers; `DesignController` is the design's
+update as written, to measure against) and `AdmissionController` (at most
 (step + lag + 1) * B rollouts started after `step` updates; modes sync, fixed, adaptive).
 The mechanism and the deviations from the Flux design, and why, are told in
 docs/training-loop.md, "The adaptive async controller".
@@ -186,6 +187,10 @@ def check_lag(lag: settings_lib.Lag) -> None:
   Raises:
     ValueError: a rule broken, naming its fields.
   """
+  if lag.controller not in CONTROLLERS:
+    raise ValueError(
+      f"coordinator.lag.controller must be one of {tuple(CONTROLLERS)}, got {lag.controller!r}"
+    )
   if not 0 <= lag.min_async_ratio <= lag.initial_ratio <= lag.max_async_ratio <= 1:
     raise ValueError(
       "coordinator.lag needs 0 <= min_async_ratio <= initial_ratio <= max_async_ratio <= 1"
@@ -312,6 +317,48 @@ class AsyncController:
     self.bound_armed = bool(state["bound_armed"])
 
 
+class DesignController(AsyncController):
+  """The Flux design's `update` as written, to measure fluxjax's departures
+  against (`coordinator.lag.controller=design`): the EMA starts at 0, every
+  error is integrated, the whole PID output moves the ratio (no band, no
+  hold, no max_step), and a barrier is due on every step the EMA is above
+  hard_bound or more than sync_interval steps after the last sync."""
+
+  def __init__(self, lag: settings_lib.Lag):
+    super().__init__(lag)
+    self.ema = 0.0
+    self.prev_error = 0.0
+
+  def update(self, staleness_value: float) -> None:
+    c = self.lag
+    if self.track(staleness_value) is None:
+      return
+    e = self.error()
+    self.integral += e
+    d, self.prev_error = e - (self.prev_error or 0.0), e
+    raw = c.kp * e + c.ki * self.integral + c.kd * d
+    self.ratio = min(max(self.ratio + raw, c.min_async_ratio), c.max_async_ratio)
+
+  def barrier_due(self, step: int) -> str | None:
+    c = self.lag
+    if c.sync_interval > 0 and step - self.last_sync > c.sync_interval:
+      return "interval"
+    return "hard_bound" if self.above_bound else None
+
+
+# coordinator.lag.controller: fluxjax's, or the design's update as written.
+CONTROLLERS: dict[str, type[AsyncController]] = {
+  "fluxjax": AsyncController,
+  "design": DesignController,
+}
+
+
+def make_controller(lag: settings_lib.Lag) -> AsyncController:
+  """The `coordinator.lag.controller` the section names (`check_lag`)."""
+  check_lag(lag)
+  return CONTROLLERS[lag.controller](lag)
+
+
 # --- admission ----------------------------------------------------------------------
 
 MODES = ("sync", "fixed", "adaptive")
@@ -377,7 +424,7 @@ class AdmissionController:
       batch_size,
       lag.mode,
       fixed_lag=lag.fixed_lag,
-      controller=AsyncController(lag),
+      controller=make_controller(lag),
       total_steps=total_steps,
     )
 

@@ -41,6 +41,7 @@ def print_tables(results: list, runs: list[str], margin: float) -> None:
         print_paired(results, modes)
         if name == "stress":
           print_corrections(results)
+          print_corrections(results, control="stale")
         print_weight_histograms([r for r in results if r["name"] in modes])
   if any(r.get("quintiles") for r in results):
     print_quintiles(results)
@@ -217,8 +218,9 @@ def _by_name(results: list, key: str) -> dict[str, list[dict]]:
 
 
 def print_corrections(results: list, control: str = "stale_w1") -> None:
-  """Each stale arm that corrects (truncated, masked, coupled weights) minus
-  the uncorrected stale arm (w = 1), paired by seed, sampled and greedy."""
+  """Each other stale arm minus `control`, paired by seed, sampled and greedy:
+  against w = 1 (the uncorrected arm) what each correction keeps, against
+  stale (truncated weights, the default) which correction wins."""
   by = {(r["name"], r["seed"]): r for r in results}
   arms = [a for a in STRESS if a.startswith("stale") and a != control]
   print(f"\n| arm minus {control} | seeds | sampled, mean +- 95% t | per seed | greedy |")

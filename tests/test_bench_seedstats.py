@@ -191,6 +191,10 @@ def test_corrections_are_paired_by_seed_against_the_uncorrected_arm(capsys):
   cells = [c.strip() for c in rows[0].split("|")[1:-1]]
   # Differences 0.2, 0.1, 0.05: mean 0.117, sd 0.0764, t(2) 4.303 / sqrt(3).
   assert cells[:4] == ["stale", "3", "+0.117 +- 0.190", "+0.200, +0.100, +0.050"]
+  # Against the default (truncated weights): the same pairs, the other way.
+  learning_tables.print_corrections(results, control="stale")
+  rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| stale")]
+  assert [c.strip() for c in rows[0].split("|")[1:-1]][:3] == ["stale_w1", "3", "-0.117 +- 0.190"]
 
 
 def test_paired_table_shows_the_clip_fraction_only_where_every_seed_kept_it(capsys):

@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import json
 import math
 import os
@@ -146,9 +147,10 @@ def _parse(item: str) -> tuple[str, object]:
   return key, _literal(value)
 
 
-def run_one(name: str, seed: int, overrides: dict, keep: str | None, variant: str = "tiny") -> dict:
-  """One main job of configs/vlm.py's `variant`; returns its accuracy trajectory and timing."""
-  config = config_args.load_config(arg=variant)
+def run_one(name: str, seed: int, overrides: dict, keep: str | None, base) -> dict:
+  """One main job, `base` (a configs/vlm.py variant) with `overrides`; returns
+  its accuracy trajectory and timing."""
+  config = copy.deepcopy(base)
   config.seed = seed
   config.data.seed = seed
   for key, value in overrides.items():
@@ -380,18 +382,19 @@ def main() -> None:
     print_tables([r for path in args.tables for r in _load(path)], [], args.margin)
     return
   plan = build_plan(args)
+  # Read once, as the code was imported: a config file edited while the runs
+  # go on changes none of them.
+  base = config_args.load_config(arg=args.variant)
   servers = None
   if args.placement == "disjoint":
-    servers, command = cores.pin_and_launch(
-      args.trainer_cores, args.rollout_cores, config_args.load_config(arg=args.variant)
-    )
+    servers, command = cores.pin_and_launch(args.trainer_cores, args.rollout_cores, base)
     print(f"trainer on cores {args.trainer_cores}; rollout server: {command}", flush=True)
     for _, _, overrides in plan:
       overrides.update({"rollout.backend": "sglang", "rollout.urls": tuple(servers.urls)})
 
   results: list[dict] = []
   try:
-    run_plan(plan, args, results)
+    run_plan(plan, args, results, base)
   finally:
     if servers is not None:
       servers.stop()
@@ -406,11 +409,11 @@ def _load(path: str) -> list[dict]:
   return record["runs"]
 
 
-def run_plan(plan, args, results: list) -> None:
+def run_plan(plan, args, results: list, base) -> None:
   edges: dict[int, tuple] = {}  # seed -> (inner quintile edges, the run they came from)
   for name, seed, overrides in plan:
     keep = os.path.join(args.keep, f"{name}-{seed}") if args.keep else None
-    r = run_one(name, seed, overrides, keep, args.variant)
+    r = run_one(name, seed, overrides, keep, base)
     responses = r.pop("responses")
     if args.quintiles:  # on the lengths of the seed's first run: sync in paired runs
       inner, r["quintile_edges_from"] = edges.setdefault(

@@ -373,7 +373,7 @@ def test_quintile_tables_take_each_seeds_edges_from_its_first_run(monkeypatch):
   lengths = {("sync", 0): [2, 4, 6, 8], ("tail", 0): [20, 40], ("sync", 1): [1, 50]}
   lengths[("tail", 1)] = [1, 50]
 
-  def run_one(name, seed, overrides, keep, variant):
+  def run_one(name, seed, overrides, keep, base):
     responses = [
       {"step": 2, "sample_id": f"p{i}", "length": n, "gap_mean": 0.0, "versions": 1,
        "loss_weight": 0.25, "reward": 1.0, "token_means": {"is_truncated": 0.0}}
@@ -385,7 +385,7 @@ def test_quintile_tables_take_each_seeds_edges_from_its_first_run(monkeypatch):
 
   monkeypatch.setattr(learning, "run_one", run_one)
   results = []
-  learning.run_plan(plan, args, results)
+  learning.run_plan(plan, args, results, base=None)
   by = {(r["name"], r["seed"]): r for r in results}
   assert all("responses" not in r for r in results)
   assert by[("tail", 0)]["quintile_edges_from"] == "sync seed 0"

@@ -101,6 +101,7 @@ import sys
 import tempfile
 import time
 
+import ml_collections
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,7 +148,9 @@ def _parse(item: str) -> tuple[str, object]:
   return key, _literal(value)
 
 
-def run_one(name: str, seed: int, overrides: dict, keep: str | None, base) -> dict:
+def run_one(
+  name: str, seed: int, overrides: dict, keep: str | None, base: ml_collections.ConfigDict
+) -> dict:
   """One main job, `base` (a configs/vlm.py variant) with `overrides`; returns
   its accuracy trajectory and timing."""
   config = copy.deepcopy(base)
@@ -409,7 +412,7 @@ def _load(path: str) -> list[dict]:
   return record["runs"]
 
 
-def run_plan(plan, args, results: list, base) -> None:
+def run_plan(plan, args, results: list, base: ml_collections.ConfigDict) -> None:
   edges: dict[int, tuple] = {}  # seed -> (inner quintile edges, the run they came from)
   for name, seed, overrides in plan:
     keep = os.path.join(args.keep, f"{name}-{seed}") if args.keep else None

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import ml_collections
 import numpy as np
 import pytest
 from scipy import stats
@@ -385,7 +386,7 @@ def test_quintile_tables_take_each_seeds_edges_from_its_first_run(monkeypatch):
 
   monkeypatch.setattr(learning, "run_one", run_one)
   results = []
-  learning.run_plan(plan, args, results, base=None)
+  learning.run_plan(plan, args, results, base=ml_collections.ConfigDict())
   by = {(r["name"], r["seed"]): r for r in results}
   assert all("responses" not in r for r in results)
   assert by[("tail", 0)]["quintile_edges_from"] == "sync seed 0"

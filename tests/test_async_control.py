@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from fluxjax import config_args
 from fluxjax import settings as settings_lib
 from fluxjax.rl import async_control as ac
+from fluxjax.rl import losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "vlm.py")
@@ -50,7 +51,6 @@ def test_version_tags_and_gap():
   tags = ac.tag_tokens(2, 7, tags)  # resumed after a weight update
   assert tags.tolist() == [5, 5, 5, 7, 7]
   assert ac.version_gap(tags, 8) == {"mean": pytest.approx(2.2), "max": 3.0}
-  assert ac.version_gap(tags, 8, mask_T=[0, 0, 0, 1, 1])["max"] == 1.0
   assert ac.parse_version("12") == 12 and ac.parse_version("default") == 0
   # A response carried from round 2 into the round launched at 4: admission
   # is charged from 4, the trained gap is the tokens' own.
@@ -59,25 +59,31 @@ def test_version_tags_and_gap():
   assert ac.version_gap(tags, 6) == {"mean": 2.5, "max": 4.0}
 
 
+def _drift_staleness(behaviour_logp, trainer_logp, gap: float) -> dict:
+  """`trained_staleness` of tokens as the train step reduces them: token
+  means of the loss's `behaviour_drift` metrics (is_cap 2, the default)."""
+  drift = losses.behaviour_drift(np.asarray(trainer_logp), np.asarray(behaviour_logp), 2.0)
+  train = {k: float(np.mean(v)) for k, v in drift.items()}
+  return ac.trained_staleness({"mean": gap, "max": gap}, train, SECTION)
+
+
 def test_staleness_zero_on_policy_and_grows_with_drift():
   rng = np.random.default_rng(0)
   b = -rng.uniform(0.5, 3.0, 1000)
-  fresh = ac.staleness(b, b, np.full(1000, 4), 4, SECTION)
+  fresh = _drift_staleness(b, b, 0.0)
   assert fresh["staleness"] == 0.0 and fresh["kl"] == 0.0 and fresh["iw_var"] == 0.0
   prev = 0.0
   for drift, gap in ((0.05, 1), (0.2, 2), (0.4, 3)):
-    s = ac.staleness(b, b + rng.normal(0, drift, 1000), np.full(1000, 4 - gap), 4, SECTION)
+    s = _drift_staleness(b, b + rng.normal(0, drift, 1000), gap)
     assert s["kl"] > 0 and s["iw_var"] > 0 and 0 < s["staleness"] < 1
+    assert s["staleness_kl"] > 0 and s["staleness_iw"] > 0
     assert s["staleness"] > prev
     prev = s["staleness"]
   # k3 matches the exact KL of a known pair: behaviour N(0,1) vs current N(mu,1).
   x = rng.normal(0, 1, 200_000)
   mu = 0.3
-  est = ac.staleness(-(x**2) / 2, -((x - mu) ** 2) / 2, np.zeros_like(x), 0, SECTION)["kl"]
+  est = _drift_staleness(-(x**2) / 2, -((x - mu) ** 2) / 2, 0.0)["kl"]
   assert est == pytest.approx(mu**2 / 2, rel=0.05)
-  # Masked and non-finite tokens are ignored.
-  s = ac.staleness([-1.0, np.nan, -1.0], [-1.0, -1.0, -9.0], [0, 0, 0], 0, SECTION, [1, 1, 0])
-  assert s["staleness"] == 0.0
 
 
 def test_staleness_combination_is_the_designs():
@@ -97,7 +103,7 @@ def test_staleness_combination_is_the_designs():
   assert bad["staleness"] == pytest.approx(0.15) and bad["version_gap_max"] == 3.0
   # A trained batch: the variance from the step's token means E[w] and E[w^2].
   w = np.array([0.5, 1.0, 1.5, 2.0])
-  train = {"behaviour_kl": 0.05, "is_weight": w.mean(), "is_weight_sq": (w * w).mean()}
+  train = {"behaviour_kl": 0.05, "behaviour_w": w.mean(), "behaviour_w_sq": (w * w).mean()}
   got = ac.trained_staleness({"mean": 2.0, "max": 3.0}, train, SECTION)
   assert got == ac.combine_staleness(2.0, 3.0, 0.05, float(np.var(w)), SECTION)
   on_policy = ac.trained_staleness({"mean": 0.0, "max": 0.0}, {}, SECTION)

@@ -28,7 +28,9 @@ def _batch(adv, prox, old, ref=None):
 
 def _cfg(**overrides):
   cfg = config_args.load_config(arg="tiny").rl
-  cfg.prox = "batch"  # these tests give pi_prox explicitly
+  # These tests give pi_prox explicitly: with several updates per batch the
+  # trainer's pi_prox is read from the batch (the stream trainer fills it).
+  cfg.prox, cfg.updates_per_batch = "trainer", 2
   cfg.update(overrides)
   return cfg
 
@@ -70,8 +72,10 @@ def test_clip_surrogate_and_importance_weights():
   np.testing.assert_allclose(m["clipfrac"][0], [0, 1, 1, 0, 0, 0])
   np.testing.assert_allclose(m["ratio"][0], RATIO, rtol=1e-5)
   np.testing.assert_allclose(m["is_weight"][0], [1, 1, 1, 1, 2, 1.5], rtol=1e-5)
-  np.testing.assert_allclose(m["is_weight_sq"][0], [1, 1, 1, 1, 4, 2.25], rtol=1e-5)
   np.testing.assert_allclose(m["is_truncated"][0], [0, 0, 0, 0, 1, 0])
+  # The staleness signal's weights: here the same truncated weights.
+  np.testing.assert_allclose(m["behaviour_w"][0], [1, 1, 1, 1, 2, 1.5], rtol=1e-5)
+  np.testing.assert_allclose(m["behaviour_w_sq"][0], [1, 1, 1, 1, 4, 2.25], rtol=1e-5)
   # k3 of KL(mu || prox) with r = w_raw: r - 1 - ln r;
   #   t4: 3 - 1 - 1.0986123 = 0.9013877; t5: 1.5 - 1 - 0.4054651 = 0.0945349.
   np.testing.assert_allclose(m["behaviour_kl"][0], [0, 0, 0, 0, 0.9013877, 0.0945349], atol=1e-6)
@@ -113,6 +117,24 @@ def test_importance_weight_has_no_gradient():
     return loss_fn(jnp.asarray([LOGP]), jnp.zeros((1, 6)), mb)[0].sum()
 
   np.testing.assert_array_equal(jax.grad(f)(jnp.asarray([PROX], jnp.float32)), 0.0)
+
+
+def test_staleness_signal_whatever_the_correction():
+  """behaviour_kl and behaviour_w measure the trainer's drift from mu in every
+  mode: masked or uncorrected weights, and coupled PPO (prox = "batch" with
+  the batch's prox = mu, w = 1), where pi_t is the policy being differentiated."""
+  r = np.asarray(W_RAW)
+  k3 = r - 1 - np.log(r)
+  for mode in losses.IS_MODES:
+    _, m = _run(_cfg(is_mode=mode))
+    np.testing.assert_allclose(m["behaviour_w"][0], np.minimum(r, 2.0), rtol=1e-5, err_msg=mode)
+    np.testing.assert_allclose(m["behaviour_kl"][0], k3, atol=1e-6, err_msg=mode)
+  loss_fn = losses.make_loss_fn(_cfg(prox="batch", updates_per_batch=1))
+  _, m = loss_fn(jnp.asarray([LOGP]), jnp.zeros((1, 6)), _batch(ADV, OLD, OLD))
+  np.testing.assert_allclose(m["is_weight"][0], 1.0)
+  r_t = np.exp(np.asarray(LOGP) - np.asarray(OLD))  # ratio * w_raw
+  np.testing.assert_allclose(m["behaviour_w"][0], np.minimum(r_t, 2.0), rtol=1e-5)
+  np.testing.assert_allclose(m["behaviour_kl"][0], r_t - 1 - np.log(r_t), rtol=1e-5, atol=1e-6)
 
 
 def test_is_mask_and_off_modes_and_no_cap():
@@ -200,10 +222,11 @@ def test_trainer_prox_takes_the_current_policy():
   logp = jnp.array([[-1.0, -0.5, -2.0]])
   old = jnp.array([[-1.2, -0.5, -3.0]])
   mb = _batch([1.0, -1.0, 1.0], [-9.0, -9.0, -9.0], [-1.2, -0.5, -3.0])  # batch prox ignored
-  loss, extras = losses.make_loss_fn(_cfg(prox="trainer"))(logp, jnp.zeros_like(logp), mb)
+  loss, extras = losses.make_loss_fn(_cfg(updates_per_batch=1))(logp, jnp.zeros_like(logp), mb)
   w = np.minimum(np.exp(np.asarray(logp - old)), 2.0)
   np.testing.assert_allclose(extras["ratio"], 1.0)
   np.testing.assert_allclose(extras["is_weight"], w, rtol=1e-6)
+  np.testing.assert_allclose(extras["behaviour_w"], w, rtol=1e-6)
   np.testing.assert_allclose(loss, -np.asarray(mb.advantages) * w, rtol=1e-6)
   with pytest.raises(ValueError, match=r"rl\.prox"):
     losses.make_loss_fn(_cfg(prox="nope"))

@@ -324,7 +324,7 @@ def test_on_policy_importance_weights_are_one_at_the_sampling_temperature(
     trainer = _fresh_trainer(strategy, mesh, SGD, loss_fn, temperature=trainer_temperature)
     trainer.add(seqs)
     m = jax.device_get(trainer.apply())
-    return float(m["is_weight"]), float(m["is_weight_sq"] - m["is_weight"] ** 2)
+    return float(m["behaviour_w"]), float(m["behaviour_w_sq"] - m["behaviour_w"] ** 2)
 
   mean, var = weights(temperature)
   # var is E[w^2] - E[w]^2 of float32 metrics: at w = 1 it resolves steps of

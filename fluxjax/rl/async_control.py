@@ -48,11 +48,9 @@ def tag_tokens(num_tokens: int, version: int, tags_T: np.ndarray | None = None) 
   return new if tags_T is None else np.concatenate([np.asarray(tags_T, np.int32), new])
 
 
-def version_gap(tags_T, current_version: int, mask_T=None) -> dict:
-  """Mean and max of current_version - tag over the (masked) tokens."""
+def version_gap(tags_T, current_version: int) -> dict:
+  """Mean and max of current_version - tag over the tokens."""
   gap = current_version - np.asarray(tags_T, np.float64)
-  if mask_T is not None:
-    gap = gap[np.asarray(mask_T, bool)]
   if gap.size == 0:
     return {"mean": 0.0, "max": 0.0}
   return {"mean": float(gap.mean()), "max": float(gap.max())}
@@ -87,47 +85,6 @@ def batch_gaps(responses, current_version: int) -> tuple[dict, dict]:
 # --- the staleness metric -----------------------------------------------------------
 
 
-def staleness(
-  behaviour_logp_T,
-  current_logp_T,
-  tags_T,
-  current_version: int,
-  lag: settings_lib.Lag,
-  mask_T=None,
-) -> dict:
-  """The staleness of a batch of tokens, with its parts.
-
-  KL(behaviour || current) is estimated on the behaviour samples with k3,
-  (rho - 1) - log rho for rho = pi_current / pi_behaviour: unbiased and never
-  negative. The importance-weight variance is Var(rho) over tokens.
-
-  Args:
-    behaviour_logp_T: logprobs the rollout engine reported, per token.
-    current_logp_T: logprobs of the same tokens under the current policy.
-    tags_T: the policy version that generated each token.
-    current_version: the trainer's version.
-    lag: the `coordinator.lag` section (the combination's weights).
-    mask_T: which tokens count (response tokens); all if None.
-
-  Returns:
-    `combine_staleness`'s dict; staleness is in [0, 1].
-  """
-  b = np.asarray(behaviour_logp_T, np.float64).ravel()
-  c = np.asarray(current_logp_T, np.float64).ravel()
-  m = np.ones_like(b, bool) if mask_T is None else np.asarray(mask_T, bool).ravel()
-  m = m & np.isfinite(b) & np.isfinite(c)
-  gap = version_gap(np.asarray(tags_T).ravel(), current_version, m)
-  if m.any():
-    # Clip the log-ratio so one wild token cannot overflow the variance.
-    log_rho = np.clip(c[m] - b[m], -20.0, 20.0)
-    rho = np.exp(log_rho)
-    kl = float(np.mean(rho - 1.0 - log_rho))
-    iw_var = float(np.var(rho))
-  else:
-    kl = iw_var = 0.0
-  return combine_staleness(gap["mean"], gap["max"], kl, iw_var, lag)
-
-
 def combine_staleness(
   gap_mean: float,
   gap_max: float,
@@ -144,8 +101,9 @@ def combine_staleness(
 
   A normalizer is the value of its signal that counts as fully stale.
   The train step reduces KL and the weight moments on device (loss metrics
-  `behaviour_kl`, `is_weight`, `is_weight_sq`), so the coordinator combines
-  those here instead of fetching per-token arrays. A non-finite signal counts
+  `behaviour_kl`, `behaviour_w`, `behaviour_w_sq`: rl/losses.py,
+  `behaviour_drift`), so the coordinator combines those here instead of
+  fetching per-token arrays. A non-finite signal counts
   as 0 and a negative one (rounding in E[w^2] - E[w]^2) as 0. The three
   terms before the clip come back as `staleness_kl`, `staleness_iw` and
   `staleness_gap`: which of them drives the controller.
@@ -173,8 +131,8 @@ def combine_staleness(
 def trained_staleness(gap: dict, train: dict[str, float], lag: settings_lib.Lag) -> dict:
   """`combine_staleness` of a trained batch: its admitted `gap`
   (`admission_gap`) and the train step's token means of the behaviour KL and
-  the importance weights, Var(w) = E[w^2] - E[w]^2."""
-  iw_var = max(train.get("is_weight_sq", 1.0) - train.get("is_weight", 1.0) ** 2, 0.0)
+  the trainer-to-behaviour weights, Var(w) = E[w^2] - E[w]^2."""
+  iw_var = max(train.get("behaviour_w_sq", 1.0) - train.get("behaviour_w", 1.0) ** 2, 0.0)
   return combine_staleness(gap["mean"], gap["max"], train.get("behaviour_kl", 0.0), iw_var, lag)
 
 

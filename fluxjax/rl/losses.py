@@ -24,8 +24,9 @@ from fluxjax.parallel.train_step import LossFn
 KL_ESTIMATORS = ("k1", "k3")
 IS_MODES = ("truncate", "mask", "off")
 PROX_SOURCES = ("trainer", "batch")
-# Bin edges of the per-token histogram of the raw weight pi_prox / mu (before
-# any cap or mask): the bins are logged as shares of the trained tokens.
+# Bin edges of the per-token histogram of the raw weight pi_t / mu (the
+# trainer's policy against the behaviour, before any cap or mask): the bins
+# are logged as shares of the trained tokens.
 IS_WEIGHT_EDGES = (0.5, 0.8, 0.95, 1.05, 1.25, 2.0)
 
 
@@ -40,6 +41,23 @@ def is_weight_histogram(log_w: ArrayLike) -> dict[str, jax.Array]:
   """Per token, 1.0 in the bin its raw weight exp(log_w) falls in (`is_weight_bins`)."""
   w = jnp.exp(jnp.clip(jnp.asarray(log_w), -20.0, 20.0))
   return {k: ((w >= lo) & (w < hi)).astype(w.dtype) for k, lo, hi in is_weight_bins()}
+
+
+def behaviour_drift(
+  trainer_logp: ArrayLike, old_logp: ArrayLike, cap: float
+) -> dict[str, jax.Array]:
+  """Per token, how far the trainer's policy has moved from the behaviour mu
+  that sampled the token (no gradient): `behaviour_kl`, k3 of KL(mu || pi_t)
+  with r = pi_t / mu, r - 1 - log r; `behaviour_w` and `behaviour_w_sq`, r
+  truncated at `cap` (uncapped if cap <= 0) and its square; and r's histogram."""
+  log_r = jax.lax.stop_gradient(jnp.asarray(trainer_logp) - jnp.asarray(old_logp))
+  r, _ = importance_weights(trainer_logp, old_logp, cap, "truncate")
+  return {
+    "behaviour_kl": jnp.exp(log_r) - log_r - 1.0,
+    "behaviour_w": r,
+    "behaviour_w_sq": r * r,
+    **is_weight_histogram(log_r),
+  }
 
 
 def kl_penalty(logp: ArrayLike, ref_logp: ArrayLike, estimator: str) -> jax.Array:
@@ -120,12 +138,17 @@ def make_loss_fn(rl: settings_lib.RL) -> LossFn:
   the rest.
 
   Metrics (per token, averaged by the step over trained tokens): pg_loss,
-  ratio, clipfrac (the clipped branch was taken), is_weight, is_weight_sq (with
-  is_weight gives the weight variance the staleness controller uses),
-  is_truncated, behaviour_kl (k3 estimate of KL(mu || pi_prox), the staleness
-  signal), entropy, kl when kl_coef > 0, and the histogram of the raw weight
-  pi_prox / mu (`is_weight_bins`: 1 in a token's bin, so the step's average is
-  the share of trained tokens in each bin, whatever `is_mode` makes of them).
+  ratio, clipfrac (the clipped branch was taken), is_weight (the weight the
+  loss applied), is_truncated, entropy, kl when kl_coef > 0, and the staleness
+  signal, how far the trainer's policy pi_t has moved from mu whatever the
+  correction does with it: behaviour_kl (k3 estimate of KL(mu || pi_t)),
+  behaviour_w and behaviour_w_sq (min(pi_t / mu, is_cap) and its square,
+  whose moments give the weight variance the staleness controller uses), and
+  the histogram of the raw weight pi_t / mu (`is_weight_bins`: 1 in a token's
+  bin, so the step's average is the share of trained tokens in each bin).
+  pi_t is pi_prox under prox = "trainer"; under "batch" the batch's prox may
+  be mu itself (coupled PPO), so pi_t is the policy being differentiated,
+  the trainer's own at the batch's first update.
 
   Args:
     rl: the `rl` config section (configs/vlm.py); every field it reads must be set.
@@ -169,18 +192,14 @@ def make_loss_fn(rl: settings_lib.RL) -> LossFn:
       pg_BT = jnp.where(adv_BT < 0, dual_BT, pg_BT)
     pg_BT = w_BT * pg_BT
     loss_BT = pg_BT
-    # k3 of KL(mu || pi_prox) from tokens sampled from mu: r = pi_prox / mu.
-    log_w_BT = jax.lax.stop_gradient(prox_BT - mb.old_logprobs)
     extras = {
       "pg_loss": pg_BT,
       "ratio": ratio_BT,
       "clipfrac": clipfrac_BT,
       "is_weight": w_BT,
-      "is_weight_sq": w_BT * w_BT,
       "is_truncated": truncated_BT,
-      "behaviour_kl": jnp.exp(log_w_BT) - log_w_BT - 1.0,
       "entropy": entropy_BT,
-      **is_weight_histogram(log_w_BT),
+      **behaviour_drift(prox_BT if prox_source == "trainer" else logp_BT, mb.old_logprobs, is_cap),
     }
     if kl_coef:
       kl_BT = kl_penalty(logp_BT, jax.lax.stop_gradient(mb.ref_logprobs), estimator)

@@ -229,6 +229,22 @@ def test_follows_drift_and_a_step_change():
     assert reversals(ratio[600:]) <= 1
 
 
+def test_the_weights_term_at_the_kls_scale_puts_the_target_out_of_reach():
+  """Why iw_normalizer stays the design's 2.0. On the reasoning job
+  log1p(Var w) measured 0.6-2x the KL (bench/README.md, "The signal's
+  scale"): the term repeats the KL's. Counted at the KL's scale (0.1), it
+  steepens the signal, and at the top drift rate simulated here the target
+  is out of reach even at the minimum ratio, where at 2.0 the band holds."""
+  steep = dataclasses.replace(SECTION, iw_normalizer=SECTION.kl_normalizer)
+  for seed in range(3):
+    design = simulate(adaptive(), SETTLE + 200, lambda s: 0.08, seed=seed)
+    assert in_band(design[SETTLE:, 3]).mean() >= 0.95
+    r = simulate(adaptive(), SETTLE + 200, lambda s: 0.08, seed=seed, metric=steep)
+    assert in_band(r[SETTLE:, 3]).mean() <= 0.7
+    assert (r[SETTLE:, 4] == SECTION.min_async_ratio).all()  # pinned at its minimum
+    assert r[:, 6].sum() > 2 * design[:, 6].sum()  # hard-bound barriers on top
+
+
 def test_no_windup_when_the_gap_alone_cannot_reach_the_target():
   # A target out of reach: KL 0 and a version-gap term below target even at
   # max_lag (a controller without anti-windup ramps to max_lag here and stays).

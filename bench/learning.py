@@ -309,7 +309,7 @@ def _arguments() -> argparse.Namespace:
   )
   p.add_argument("--lag", type=int, default=2, help="speed: the fixed lag of lag and tail_lag")
   p.add_argument("--stale-lag", type=int, default=4, help="stress: the fixed lag of its arms")
-  p.add_argument("--arms", help="speed, parity, stress: a comma list of their arms (default all)")
+  p.add_argument("--arms", help="a paired run (speed, stress, normalizer...): some of its arms")
   p.add_argument("--margin", type=float, default=0.05, help="speed: the TOST's equivalence margin")
   p.add_argument("--placement", choices=("shared", "disjoint"), default="shared")
   p.add_argument("--trainer-cores", default="0", help="disjoint: this process's cores")

@@ -24,7 +24,7 @@ from helpers import generate_request as body
 
 
 @pytest.fixture(scope="module")
-def launched():
+def launched(tmp_path_factory):
   cfg = config_args.load_config(arg="tiny").rollout
   cfg.backend, cfg.num_servers, cfg.launch_timeout_s = "sglang", 3, 180
   cfg.launch = tuple(TINY_SERVER)
@@ -35,7 +35,8 @@ def launched():
   saved = dict(os.environ)
   os.environ.update(server_env())
   try:
-    fleet, servers = factory.make_backend(cfg)
+    logs = str(tmp_path_factory.mktemp("servers"))
+    fleet, servers = factory.make_backend(cfg, factory.BackendInputs(log_dir=logs))
   finally:
     os.environ.clear()
     os.environ.update(saved)

@@ -7,11 +7,20 @@ JAX starts its thread pools, and starts one `fluxjax.rollout.server` process
 run's embedded engine would be. A run then drives it as a fleet of one:
 `use_server(config, urls)`. Weights reach it through disk every step (pause
 -> update_weights_from_disk -> continue), as they reach an SGLang fleet.
+
+`Throttle(pids, duty)` lets the server run `duty` of every 20 ms (SIGSTOP /
+SIGCONT, as cpulimit does): a slower rollout device. On GPUs decoding is
+memory-bound and rollout takes most of a step (about 70% in the Flexes
+paper's Table 1); on these CPU cores training dominates, so the mechanisms
+that shorten or hide rollout have little to act on without it.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
+import time
 
 
 def _cores(spec: str) -> set[int]:
@@ -35,3 +44,43 @@ def use_server(config, urls) -> None:
   """Points a run's rollout at the launched server (a fleet of one)."""
   if urls:
     config.rollout.backend, config.rollout.urls = "sglang", tuple(urls)
+
+
+class Throttle:
+  """Runs processes `duty` of every `period_s`; `stop()` resumes them for good."""
+
+  def __init__(self, pids, duty: float, period_s: float = 0.02):
+    if not 0 < duty < 1:
+      raise ValueError(f"a throttle's duty must lie in (0, 1), not {duty}")
+    self._pids = list(pids)
+    self._run_s, self._stop_s = duty * period_s, (1 - duty) * period_s
+    self._stopped_total = 0.0
+    self._started = time.monotonic()
+    self._done = threading.Event()
+    self._thread = threading.Thread(target=self._cycle, name="rollout-throttle", daemon=True)
+    self._thread.start()
+
+  def _signal(self, sig) -> None:
+    for pid in self._pids:
+      try:
+        os.kill(pid, sig)
+      except ProcessLookupError:  # a server that exited: the run reports it
+        pass
+
+  def _cycle(self) -> None:
+    while not self._done.wait(self._run_s):
+      self._signal(signal.SIGSTOP)
+      t = time.monotonic()
+      self._done.wait(self._stop_s)
+      self._signal(signal.SIGCONT)
+      self._stopped_total += time.monotonic() - t
+
+  def achieved(self) -> float:
+    """The share of time since the start the processes were allowed to run."""
+    return 1 - self._stopped_total / (time.monotonic() - self._started)
+
+  def stop(self) -> float:
+    self._done.set()
+    self._thread.join()
+    self._signal(signal.SIGCONT)
+    return self.achieved()

@@ -81,6 +81,9 @@ Runs:
 --placement disjoint (bench/cores.py) pins this process, the trainer, to
 --trainer-cores and runs the rollout engine as a server process under
 taskset on --rollout-cores, so that running ahead can pay in wall time.
+--rollout-duty D lets that server run only D of the time (SIGSTOP /
+SIGCONT): a slower rollout device, so that rollout dominates the step as it
+does on GPUs; each run records the duty achieved.
 
 Baseline and fluxjax are in the same run: the controls are the baseline the
 default's gain is measured against. `--tables FILE [FILE ...]` prints the
@@ -315,6 +318,13 @@ def _arguments() -> argparse.Namespace:
   p.add_argument("--trainer-cores", default="0", help="disjoint: this process's cores")
   p.add_argument("--rollout-cores", default="1", help="disjoint: the server's cores (taskset)")
   p.add_argument(
+    "--rollout-duty",
+    type=float,
+    default=1.0,
+    help="disjoint: the share of time the server may run (bench/cores.py Throttle), "
+    "for a rollout-bound job as on GPUs",
+  )
+  p.add_argument(
     "--quintiles",
     action="store_true",
     help="record every trained response; figures per response-length quintile over seeds",
@@ -388,17 +398,23 @@ def main() -> None:
   # Read once, as the code was imported: a config file edited while the runs
   # go on changes none of them.
   base = config_args.load_config(arg=args.variant)
-  servers = None
+  servers = throttle = None
+  if args.rollout_duty < 1 and args.placement != "disjoint":
+    sys.exit("--rollout-duty throttles the rollout server: it needs --placement disjoint")
   if args.placement == "disjoint":
     servers, command = cores.pin_and_launch(args.trainer_cores, args.rollout_cores, base)
     print(f"trainer on cores {args.trainer_cores}; rollout server: {command}", flush=True)
     for _, _, overrides in plan:
       overrides.update({"rollout.backend": "sglang", "rollout.urls": tuple(servers.urls)})
+    if args.rollout_duty < 1:
+      throttle = cores.Throttle([p.pid for p in servers.procs], args.rollout_duty)
 
   results: list[dict] = []
   try:
-    run_plan(plan, args, results, base)
+    run_plan(plan, args, results, base, throttle)
   finally:
+    if throttle is not None:
+      throttle.stop()
     if servers is not None:
       servers.stop()
   print_tables(results, args.runs.split(","), args.margin)
@@ -412,7 +428,7 @@ def _load(path: str) -> list[dict]:
   return record["runs"]
 
 
-def run_plan(plan, args, results: list, base: ml_collections.ConfigDict) -> None:
+def run_plan(plan, args, results: list, base: ml_collections.ConfigDict, throttle=None) -> None:
   edges: dict[int, tuple] = {}  # seed -> (inner quintile edges, the run they came from)
   for name, seed, overrides in plan:
     keep = os.path.join(args.keep, f"{name}-{seed}") if args.keep else None
@@ -423,6 +439,8 @@ def run_plan(plan, args, results: list, base: ml_collections.ConfigDict) -> None
         seed, (quintiles.edges(responses), f"{name} seed {seed}")
       )
       r["quintiles"] = quintiles.table(responses, inner, r["prompts_per_step"])
+    if throttle is not None:  # achieved, since the server started
+      r["rollout_duty"] = throttle.achieved()
     results.append(r)
     print(
       f"{name} seed {seed}: accuracy {r['start']['accuracy']:.3f} -> {r['end']['accuracy']:.3f} "

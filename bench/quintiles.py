@@ -54,6 +54,8 @@ def edges(records: list[dict]) -> np.ndarray:
 
 
 def _bin(length: float, inner: np.ndarray) -> int:
+  """The quintile (0-based) of a length: [edge i-1, edge i), so a length on an
+  edge opens the next quintile."""
   return int(np.searchsorted(inner, length, side="right"))
 
 
@@ -80,7 +82,7 @@ def table(records: list[dict], inner: np.ndarray, prompts_per_step: int) -> list
   bins = collections.defaultdict(list)
   for r in records:
     bins[_bin(r["length"], inner)].append(r)
-  bounds = [None, *map(float, inner), None]  # (lo, hi]: None is open
+  bounds = [None, *map(float, inner), None]  # [lo, hi), as `_bin` places: None is open
   rows = []
   for q in range(len(inner) + 1):
     rs = bins.get(q, [])
@@ -142,7 +144,7 @@ def markdown(rows: list[dict]) -> str:
   lines = [head]
   for r in rows:
     lo, hi = r["lengths"]
-    span = f"{'' if lo is None else f'>{lo:g}'}{'' if hi is None else f' <={hi:g}'}"
+    span = f"{'' if lo is None else f'>={lo:g}'}{'' if hi is None else f' <{hi:g}'}"
     if not r["responses"]:
       lines.append(f"| {r['quintile']} | {span.strip() or 'all'} | 0 | | | | | | |")
       continue

@@ -83,3 +83,20 @@ def test_over_seeds_averages_each_seeds_table():
   assert first["token_weight_ci95"] == pytest.approx(half, rel=1e-4)
   assert first["accuracy"] == 1.0 and first["accuracy_ci95"] == 0.0
   assert "+- 0.000 |" in quintiles.markdown(rows).splitlines()[2]
+
+
+def test_a_quintiles_label_holds_the_lengths_placed_in_it():
+  """Lengths on an edge open the next quintile, and the label says so: six
+  7-token answers, two of 8 and two of 30 give edges 7, 7.4 and 12.4, and
+  the 7-token answers a quintile labelled [7, 7.4)."""
+  steps = [_step(1, {"a": [7, 7, 7, 7, 7], "b": [7, 8, 8, 30, 30]}, _token_mean)]
+  records = quintiles.responses(steps)
+  inner = quintiles.edges(records)
+  np.testing.assert_allclose(inner, [7, 7.4, 12.4])
+  rows = quintiles.table(records, inner, prompts_per_step=2)
+  assert [r["responses"] for r in rows] == [0, 6, 2, 2]
+  lines = quintiles.markdown(rows).splitlines()[2:]
+  assert lines[0].startswith("| 1 | <7 | 0 |")
+  assert lines[1].startswith("| 2 | >=7 <7.4 (mean 7.0) | 6 |")
+  assert lines[2].startswith("| 3 | >=7.4 <12.4 (mean 8.0) | 2 |")
+  assert lines[3].startswith("| 4 | >=12.4 (mean 30.0) | 2 |")

@@ -399,18 +399,18 @@ def main() -> None:
   # go on changes none of them.
   base = config_args.load_config(arg=args.variant)
   servers = throttle = None
-  if args.rollout_duty < 1 and args.placement != "disjoint":
+  if args.rollout_duty != 1 and args.placement != "disjoint":
     sys.exit("--rollout-duty throttles the rollout server: it needs --placement disjoint")
   if args.placement == "disjoint":
     servers, command = cores.pin_and_launch(args.trainer_cores, args.rollout_cores, base)
     print(f"trainer on cores {args.trainer_cores}; rollout server: {command}", flush=True)
     for _, _, overrides in plan:
       overrides.update({"rollout.backend": "sglang", "rollout.urls": tuple(servers.urls)})
-    if args.rollout_duty < 1:
-      throttle = cores.Throttle([p.pid for p in servers.procs], args.rollout_duty)
 
   results: list[dict] = []
   try:
+    if servers is not None and args.rollout_duty != 1:  # a refused duty still stops the server
+      throttle = cores.Throttle([p.pid for p in servers.procs], args.rollout_duty)
     run_plan(plan, args, results, base, throttle)
   finally:
     if throttle is not None:

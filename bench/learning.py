@@ -312,7 +312,7 @@ def _arguments() -> argparse.Namespace:
   )
   p.add_argument("--lag", type=int, default=2, help="speed: the fixed lag of lag and tail_lag")
   p.add_argument("--stale-lag", type=int, default=4, help="stress: the fixed lag of its arms")
-  p.add_argument("--arms", help="a paired run (speed, stress, normalizer...): some of its arms")
+  p.add_argument("--arms", help="a paired or controller run: some of its arms")
   p.add_argument("--margin", type=float, default=0.05, help="speed: the TOST's equivalence margin")
   p.add_argument("--placement", choices=("shared", "disjoint"), default="shared")
   p.add_argument("--trainer-cores", default="0", help="disjoint: this process's cores")
@@ -348,7 +348,7 @@ def build_plan(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
   seeds = [int(s) for s in args.seeds.split(",") if s]
   control_seeds = [int(s) for s in args.control_seeds.split(",") if s]
   arms = args.arms.split(",") if args.arms else None
-  known = {m for modes, _ in PAIRED.values() for m in modes}
+  known = {m for modes, _ in PAIRED.values() for m in modes} | set(CONTROLLER)
   if arms and set(arms) - known:
     sys.exit(f"unknown arms {sorted(set(arms) - known)}; choose from {sorted(known)}")
   plan: list[tuple[str, int, dict]] = []
@@ -368,7 +368,12 @@ def build_plan(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
         for lr in args.lrs.split(",")
       ]
     elif name == "controller":
-      plan += [(arm, s, {**extra, **o}) for s in seeds for arm, o in CONTROLLER.items()]
+      plan += [
+        (arm, s, {**extra, **o})
+        for s in seeds
+        for arm, o in CONTROLLER.items()
+        if arms is None or arm in arms
+      ]
     elif name in PAIRED:
       modes, added = PAIRED[name]
       plan += [

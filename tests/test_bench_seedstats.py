@@ -101,6 +101,8 @@ def test_controller_runs_start_the_adaptive_controller_below_and_above_its_setpo
   for name, _, overrides in plan:
     assert overrides["coordinator.lag.mode"] == "adaptive"
     assert overrides["coordinator.lag.initial_ratio"] == float(name.removeprefix("from_"))
+  one = learning.build_plan(_args(runs="controller", arms="from_0.1", seeds="0,1"))
+  assert [(n, s) for n, s, _ in one] == [("from_0.1", 0), ("from_0.1", 1)]
   # The band is the run's own: EMAs 0.05 (out) for steps 1-25, then 0.14 (in).
   lag = {"target_staleness": 0.15, "tolerance": 0.05}
   steps = [{"step": k, "async/staleness_ema": 0.05 if k <= 25 else 0.14} for k in range(1, 41)]

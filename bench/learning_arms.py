@@ -54,13 +54,18 @@ PAIRED: dict[str, tuple[Arms, dict[str, object]]] = {
 PER_STEP = ("response_len_p50", "response_len_p99", "reasoning_share")
 # The staleness signal's terms (async_control.combine_staleness).
 STALENESS_TERMS = ("staleness_kl", "staleness_iw", "staleness_gap")
-# The async/* figures each run keeps per step: what the controller saw and set.
+# The async/* figures each run keeps per step: what the controller saw and set,
+# the admitted gap and the barriers (so the barrier tables read from the JSON).
 PER_STEP_ASYNC = (
   "async_ratio",
   "staleness",
   "staleness_ema",
   "allowed_lag",
   "trained_gap",
+  "version_gap",
+  "sync_barrier",
+  "interval_barriers_total",
+  "hard_bound_barriers_total",
   *STALENESS_TERMS,
 )
 # The controller is judged on the steps after this one (issue: 90% in band).

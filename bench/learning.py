@@ -351,6 +351,10 @@ def build_plan(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
   known = {m for modes, _ in PAIRED.values() for m in modes} | set(CONTROLLER)
   if arms and set(arms) - known:
     sys.exit(f"unknown arms {sorted(set(arms) - known)}; choose from {sorted(known)}")
+
+  def chosen(arm: str) -> bool:
+    return arms is None or arm in arms
+
   plan: list[tuple[str, int, dict]] = []
   for name in args.runs.split(","):
     if name == "default":
@@ -369,10 +373,7 @@ def build_plan(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
       ]
     elif name == "controller":
       plan += [
-        (arm, s, {**extra, **o})
-        for s in seeds
-        for arm, o in CONTROLLER.items()
-        if arms is None or arm in arms
+        (arm, s, {**extra, **o}) for s in seeds for arm, o in CONTROLLER.items() if chosen(arm)
       ]
     elif name in PAIRED:
       modes, added = PAIRED[name]
@@ -380,7 +381,7 @@ def build_plan(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
         (mode, s, {**extra, **_with_lags(modes[mode], args), **added})
         for s in seeds
         for mode in modes
-        if (arms is None or mode in arms)
+        if chosen(mode)
         and not any(m == mode and t == s for m, t, _ in plan)  # a shared baseline runs once
       ]
     else:

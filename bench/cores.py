@@ -8,11 +8,15 @@ run's embedded engine would be. A run then drives it as a fleet of one:
 `use_server(config, urls)`. Weights reach it through disk every step (pause
 -> update_weights_from_disk -> continue), as they reach an SGLang fleet.
 
-`Throttle(pids, duty)` lets the server run `duty` of every 20 ms (SIGSTOP /
-SIGCONT, as cpulimit does): a slower rollout device. On GPUs decoding is
-memory-bound and rollout takes most of a step (about 70% in the Flexes
-paper's Table 1); on these CPU cores training dominates, so the mechanisms
-that shorten or hide rollout have little to act on without it.
+On GPUs decoding is memory-bound and rollout takes most of a step (about
+70% in the Flexes paper's Table 1); on these CPU cores training dominates,
+so the mechanisms that shorten or hide rollout have little to act on. Two
+stand-ins for a rollout device: `server_flags` passes the server
+`--min-decode-step-ms`, a floor under each decode step (a memory-bound
+step reads every weight whatever the batch, so a round's few long
+responses cost as much a step as a full batch), and `Throttle(pids, duty)`
+lets the server run `duty` of every 20 ms (SIGSTOP / SIGCONT, as cpulimit
+does), a uniformly slower device.
 """
 
 from __future__ import annotations
@@ -27,15 +31,16 @@ def _cores(spec: str) -> set[int]:
   return {int(x) for x in spec.split(",") if x}
 
 
-def pin_and_launch(trainer_cores: str, rollout_cores: str, config):
-  """Pins this process and starts the rollout server; returns (servers, command)."""
+def pin_and_launch(trainer_cores: str, rollout_cores: str, config, server_flags=()):
+  """Pins this process and starts the rollout server with `server_flags`
+  added to its command; returns (servers, command)."""
   from fluxjax.rl import loop
   from fluxjax.rollout import factory, launcher
 
   os.sched_setaffinity(0, _cores(trainer_cores))
   # The run's settings as it resolves them (the checkpoint's vision limits).
   settings = loop.validate(config).settings
-  cmd = ["taskset", "-c", rollout_cores, *factory.server_command(settings)]
+  cmd = ["taskset", "-c", rollout_cores, *factory.server_command(settings), *server_flags]
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
   return launcher.launch_servers(cmd, 1, env=env, timeout_s=600), " ".join(cmd)
 

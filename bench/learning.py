@@ -81,9 +81,12 @@ Runs:
 --placement disjoint (bench/cores.py) pins this process, the trainer, to
 --trainer-cores and runs the rollout engine as a server process under
 taskset on --rollout-cores, so that running ahead can pay in wall time.
---rollout-duty D lets that server run only D of the time (SIGSTOP /
-SIGCONT): a slower rollout device, so that rollout dominates the step as it
-does on GPUs; each run records the duty achieved.
+Two stand-ins make rollout dominate the step as it does on GPUs:
+--decode-step-ms F gives each of the server's decode steps a floor of F ms
+whatever its batch, as a memory-bound device's step reads every weight (so
+a round's long tail costs what it does there), and --rollout-duty D lets
+the server run only D of the time (SIGSTOP / SIGCONT), a uniformly slower
+device; each run records the duty achieved.
 
 Baseline and fluxjax are in the same run: the controls are the baseline the
 default's gain is measured against. `--tables FILE [FILE ...]` prints the
@@ -325,6 +328,13 @@ def _arguments() -> argparse.Namespace:
     "for a rollout-bound job as on GPUs",
   )
   p.add_argument(
+    "--decode-step-ms",
+    type=float,
+    default=0.0,
+    help="disjoint: the server's floor under each decode step (--min-decode-step-ms), "
+    "a memory-bound rollout device as on GPUs",
+  )
+  p.add_argument(
     "--quintiles",
     action="store_true",
     help="record every trained response; figures per response-length quintile over seeds",
@@ -405,10 +415,14 @@ def main() -> None:
   # go on changes none of them.
   base = config_args.load_config(arg=args.variant)
   servers = throttle = None
-  if args.rollout_duty != 1 and args.placement != "disjoint":
-    sys.exit("--rollout-duty throttles the rollout server: it needs --placement disjoint")
+  if (args.rollout_duty != 1 or args.decode_step_ms) and args.placement != "disjoint":
+    sys.exit(
+      "--rollout-duty and --decode-step-ms act on the rollout server: "
+      "they need --placement disjoint"
+    )
   if args.placement == "disjoint":
-    servers, command = cores.pin_and_launch(args.trainer_cores, args.rollout_cores, base)
+    flags = ["--min-decode-step-ms", str(args.decode_step_ms)] if args.decode_step_ms else []
+    servers, command = cores.pin_and_launch(args.trainer_cores, args.rollout_cores, base, flags)
     print(f"trainer on cores {args.trainer_cores}; rollout server: {command}", flush=True)
     for _, _, overrides in plan:
       overrides.update({"rollout.backend": "sglang", "rollout.urls": tuple(servers.urls)})

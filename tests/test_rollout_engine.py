@@ -426,6 +426,47 @@ def test_several_decode_steps_per_call_give_what_one_step_gives(model, tok):
   assert three_stats["decode_steps"] / 3 < one_stats["decode_steps"] / 2  # calls
 
 
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_decode_step_floor_slows_each_step_and_changes_no_token(model, tok, steps):
+  # The emulated memory-bound step (--min-decode-step-ms): every decode step
+  # lasts at least the floor, whatever the slots it runs, and the tokens and
+  # log-probs are the unfloored engine's.
+  seqs = [text_seq(model.cfg, n, 40 + n) for n in (5, 9)]
+  kws = [
+    dict(max_new_tokens=7, temperature=1.0, sampling_seed=1),
+    dict(max_new_tokens=3, temperature=0),
+  ]
+
+  def generate(floor_s):
+    eng = engine_lib.Engine(
+      model,
+      tok,
+      num_slots=2,
+      capacity=32,
+      prefill_buckets=(16,),
+      num_continuous_decode_steps=steps,
+      min_decode_step_s=floor_s,
+    )
+    out = []
+    for round_ in range(2):  # the first compiles; the second is timed
+      before = dict(eng.stats)
+      reqs = [
+        engine_lib.EngineRequest(f"f{round_}-{i}", q, params(**kw))
+        for i, (q, kw) in enumerate(zip(seqs, kws))
+      ]
+      out = eng.generate(reqs)
+    return out, {k: eng.stats[k] - before[k] for k in ("decode_s", "decode_steps")}
+
+  (plain, plain_stats), (floored, stats) = generate(0.0), generate(0.04)
+  for a, b in zip(plain, floored):
+    assert a.output_ids == b.output_ids
+    np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-6, rtol=0)
+  assert stats["decode_steps"] == plain_stats["decode_steps"] >= 6  # the 7-token request's
+  assert stats["decode_s"] >= 0.04 * stats["decode_steps"]
+  with pytest.raises(ValueError, match="min_decode_step_s must be >= 0"):
+    engine_lib.Engine(model, tok, num_slots=2, capacity=32, min_decode_step_s=-0.01)
+
+
 def test_a_slot_writes_no_cache_entry_past_its_last_fed_token(model, tok):
   # 8 prompt tokens (one bucket, no padding) and 6 new ones in calls of 4
   # steps: the second call has one step to run; the 5 fed tokens' entries

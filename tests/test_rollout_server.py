@@ -84,6 +84,8 @@ def url(ckpt, tmp_path_factory):
     str(PIXELS),
     "--video-max-pixels",
     str(PIXELS),
+    "--min-decode-step-ms",  # the benches' emulated step floor, reported below
+    "1",
   ]
   logs = str(tmp_path_factory.mktemp("logs"))
   launched = launcher.launch_servers(cmd, 1, env=server_env(), timeout_s=120, log_dir=logs)
@@ -140,6 +142,7 @@ def test_generate_request_and_response_shapes(url):
     status, _ = http(url, path)
     assert status == 200, path
   assert http(url, "/get_server_info")[1]["context_length"] == CONTEXT
+  assert http(url, "/get_server_info")[1]["min_decode_step_ms"] == 1.0
   assert http(url, "/health")[0] == 200 and http(url, "/health_generate")[0] == 200
 
 

@@ -214,10 +214,16 @@ class Engine:
     prefill_buckets: Sequence[int] | None = None,
     max_logit_bias: int = 16,
     num_continuous_decode_steps: int = 1,
+    min_decode_step_s: float = 0.0,
   ):
     check_decode_steps(num_continuous_decode_steps)
+    if min_decode_step_s < 0:
+      raise ValueError(f"min_decode_step_s must be >= 0, not {min_decode_step_s}")
     self.cfg = model.cfg
     self.num_continuous_decode_steps = num_continuous_decode_steps
+    # A memory-bound accelerator's decode step reads every weight whatever
+    # the batch: each step lasts at least this long (benchmarks only; 0 off).
+    self.min_decode_step_s = min_decode_step_s
     self.tokenizer = tokenizer
     self.num_slots = num_slots
     self.capacity = capacity
@@ -569,6 +575,7 @@ class Engine:
       steps=steps,
     )
     tok_KS, lp_KS, finite_KS = jax.device_get((tok_KS, lp_KS, finite_KS))
+    time.sleep(max(0.0, t0 + steps * self.min_decode_step_s - time.perf_counter()))
     self.stats["decode_s"] += time.perf_counter() - t0
     self.stats["decode_steps"] += steps
     # Token by token, slot by slot: the order a one-step call would see them.

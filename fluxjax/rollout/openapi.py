@@ -343,6 +343,12 @@ _SERVER_INFO = {
       "minimum": 0,
       "description": "fluxjax's server only: disk updates it read as a sparse delta",
     },
+    "min_decode_step_ms": {
+      "type": "number",
+      "minimum": 0,
+      "description": "fluxjax's server only: the emulated floor under each decode step "
+      "(--min-decode-step-ms, benchmarks; 0 off)",
+    },
   },
 }
 _LOAD = {

@@ -197,6 +197,7 @@ class RolloutServer:
         num_slots=a.num_slots,
         capacity=a.context_length,
         num_continuous_decode_steps=a.num_continuous_decode_steps,
+        min_decode_step_s=a.min_decode_step_ms / 1000,
         seed=a.seed,
         weight_version=a.weight_version,
       )
@@ -509,6 +510,7 @@ class RolloutServer:
         "model_shape": config_lib.shape_summary(engine.cfg),
         "vision_limits": {k: getattr(self.proc_cfg, k) for k in VISION_LIMITS},
         "weight_deltas_applied": engine.deltas_applied,
+        "min_decode_step_ms": engine.min_decode_step_s * 1000,
       }
     )
 
@@ -570,6 +572,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     "the tokens are paid once per call; a request that stops inside a call holds its "
     "slot to the call's end",
   )
+  p.add_argument(
+    "--min-decode-step-ms",
+    type=float,
+    default=0.0,
+    help="benchmarks only: each decode step lasts at least this long, as on a "
+    "memory-bound accelerator whose step reads every weight whatever the batch, "
+    "so that a call's cost does not fall with the slots it runs (default 0: off)",
+  )
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--weight-version", default="default")
   p.add_argument(
@@ -617,6 +627,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     engine_lib.check_decode_steps(args.num_continuous_decode_steps, "--num-continuous-decode-steps")
   except ValueError as e:
     p.error(str(e))
+  if args.min_decode_step_ms < 0:
+    p.error(f"--min-decode-step-ms must be >= 0, not {args.min_decode_step_ms}")
   return args
 
 

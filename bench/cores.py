@@ -58,6 +58,7 @@ class Throttle:
     if not 0 < duty < 1:
       raise ValueError(f"a throttle's duty must lie in (0, 1), not {duty}")
     self._pids = list(pids)
+    self._duty = duty
     self._run_s, self._stop_s = duty * period_s, (1 - duty) * period_s
     self._stopped_total = 0.0
     self._started = time.monotonic()
@@ -76,7 +77,10 @@ class Throttle:
     while not self._done.wait(self._run_s):
       self._signal(signal.SIGSTOP)
       t = time.monotonic()
-      self._done.wait(self._stop_s)
+      # A late wake-up (a loaded machine) lets the processes run past their
+      # share; the stop that follows is lengthened until the share is back.
+      ran = (t - self._started) - self._stopped_total
+      self._done.wait(max(self._stop_s, ran / self._duty - (t - self._started)))
       self._signal(signal.SIGCONT)
       self._stopped_total += time.monotonic() - t
 

@@ -34,12 +34,13 @@ def test_a_throttled_process_runs_its_duty_and_runs_freely_after():
   finally:
     busy.kill()
     busy.wait()
-  # Near its duty, against 1 unthrottled; on a loaded machine the signalling
-  # thread runs late and lets it run longer (0.31 once in a full suite),
-  # which achieved() reports: the process used no more CPU than it says.
-  assert 0.2 < achieved < 0.4
+  # Its duty (a late wake-up of the signalling thread is made up by a longer
+  # stop), and achieved() is what the process could use: no more CPU than that.
+  assert 0.2 < achieved < 0.3
   assert used <= achieved * elapsed + 2 / os.sysconf("SC_CLK_TCK")
-  assert used < 0.4 * 2.0  # against the full 2 s unthrottled
+  # At most its duty of the 2 s (a loaded core may give it less), against
+  # the full 2 s unthrottled.
+  assert used < 0.35 * 2.0
   assert state in "RS", f"left stopped (state {state})"
 
 

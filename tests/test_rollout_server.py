@@ -392,3 +392,11 @@ def test_batched_generate_answers_a_list_in_input_order(url):
   assert all(len(o["meta_info"]["output_token_logprobs"]) == len(o["output_ids"]) for o in out)
   status, out = http(url, "/generate", {"text": ["a", "b"], "rid": "t", "sampling_params": GREEDY})
   assert status == 200 and [o["meta_info"]["id"] for o in out] == ["t_0", "t_1"]
+
+
+def test_a_negative_decode_step_floor_is_refused_by_name(capsys):
+  from fluxjax.rollout import server
+
+  with pytest.raises(SystemExit):
+    server.parse_args(["--min-decode-step-ms", "-1"])
+  assert "--min-decode-step-ms must be >= 0, not -1.0" in capsys.readouterr().err

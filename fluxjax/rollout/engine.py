@@ -192,6 +192,12 @@ def check_decode_steps(steps: int, name: str = "num_continuous_decode_steps") ->
     raise ValueError(f"{name} must be 1 or more (decode steps per call), got {steps}")
 
 
+def check_min_decode_step(value: float, name: str = "min_decode_step_s") -> None:
+  """Raises ValueError naming `name` (how the caller sets it) if the floor is negative."""
+  if value < 0:
+    raise ValueError(f"{name} must be >= 0, not {value}")
+
+
 class Engine:
   """Continuous batching over `num_slots` slots of `capacity` tokens each.
 
@@ -217,8 +223,7 @@ class Engine:
     min_decode_step_s: float = 0.0,
   ):
     check_decode_steps(num_continuous_decode_steps)
-    if min_decode_step_s < 0:
-      raise ValueError(f"min_decode_step_s must be >= 0, not {min_decode_step_s}")
+    check_min_decode_step(min_decode_step_s)
     self.cfg = model.cfg
     self.num_continuous_decode_steps = num_continuous_decode_steps
     # A memory-bound accelerator's decode step reads every weight whatever

@@ -625,10 +625,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   args = p.parse_args(argv)
   try:
     engine_lib.check_decode_steps(args.num_continuous_decode_steps, "--num-continuous-decode-steps")
+    engine_lib.check_min_decode_step(args.min_decode_step_ms, "--min-decode-step-ms")
   except ValueError as e:
     p.error(str(e))
-  if args.min_decode_step_ms < 0:
-    p.error(f"--min-decode-step-ms must be >= 0, not {args.min_decode_step_ms}")
   return args
 
 

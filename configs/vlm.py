@@ -116,10 +116,11 @@ _GPU_FLEET = dict(
 # The tiny job post-training the committed base (configs/pretrain.py): no
 # warm-up; 55% direct-answer prompts and 45% chain tasks, on which the base
 # reasons on about a quarter of the items and RL learns where reasoning
-# pays; KL to the base; 80 new tokens hold the longest chains. A CPU step of
-# this model costs per microbatch, not per token, so microbatches hold 1024
-# tokens, the fastest capacity measured (bench/README.md, "The main job in
-# 15 minutes").
+# pays; KL to the base; 80 new tokens hold the longest chains; lr 3e-4, of
+# 1e-4, 3e-4 and 1e-3 the rate that learns most with either loss normalizer
+# (bench/README.md, "The loss normalizers"). A CPU step of this model costs
+# per microbatch, not per token, so microbatches hold 1024 tokens, the
+# fastest capacity measured (bench/README.md, "The main job in 15 minutes").
 _TINY_BASE = dict(
   _CPU,
   preset="tiny",
@@ -128,7 +129,7 @@ _TINY_BASE = dict(
   sft=False,
   mix="post_train",
   max_new_tokens=80,
-  lr=1e-4,
+  lr=3e-4,
   kl_coef=0.05,
   total_steps=100,
   eval_every=50,

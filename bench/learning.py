@@ -408,7 +408,7 @@ def _with_lags(overrides: dict, args: argparse.Namespace) -> dict:
 def main() -> None:
   args = _arguments()
   if args.tables:
-    print_tables([r for path in args.tables for r in _load(path)], [], args.margin)
+    print_tables(_pool(args.tables), [], args.margin)
     return
   plan = build_plan(args)
   # Read once, as the code was imported: a config file edited while the runs
@@ -446,6 +446,23 @@ def _load(path: str) -> list[dict]:
   if record.get("bench") != "learning.py":
     sys.exit(f"{path} is not a learning.py record (bench: {record.get('bench')!r})")
   return record["runs"]
+
+
+def _pool(paths: list[str]) -> list[dict]:
+  """The runs of the recorded files, refusing two runs of one arm and seed: the
+  tables pair by (arm, seed), so one of them would be dropped unseen."""
+  runs, seen = [], {}
+  for path in paths:
+    for r in _load(path):
+      key = (r["name"], r["seed"])
+      if key in seen:
+        sys.exit(
+          f"{path} and {seen[key]} both hold arm {key[0]!r} seed {key[1]}: "
+          "pool files of one configuration (for --lag, one lag) so each arm and seed is run once"
+        )
+      seen[key] = path
+      runs.append(r)
+  return runs
 
 
 def run_plan(plan, args, results: list, base: ml_collections.ConfigDict, throttle=None) -> None:

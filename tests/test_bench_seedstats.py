@@ -396,3 +396,22 @@ def test_quintile_tables_take_each_seeds_edges_from_its_first_run(monkeypatch):
   tail = [q["responses"] for q in by[("tail", 0)]["quintiles"]]
   assert sum(tail) == 2 and tail[-1] == 2
   assert by[("tail", 1)]["quintile_edges_from"] == "sync seed 1"
+
+
+def test_pooled_files_refuse_one_arm_and_seed_twice(tmp_path):
+  """Two files that both ran `lag` on seed 0 (say at --lag 1 and --lag 2)
+  would pair by (arm, seed) and one would be dropped unseen: refused."""
+
+  def write(name, runs):
+    path = tmp_path / name
+    path.write_text(json.dumps({"bench": "learning.py", "runs": runs}))
+    return str(path)
+
+  sync = write("sync.json", [_run("sync", 0, 0.3, [0.5], 1.0)])
+  lag1 = write("lag1.json", [_run("lag", 0, 0.3, [0.6], 1.0), _run("lag", 1, 0.3, [0.6], 1.0)])
+  lag2 = write("lag2.json", [_run("lag", 0, 0.3, [0.7], 1.0)])
+  assert [(r["name"], r["seed"]) for r in learning._pool([sync, lag1])] == [
+    ("sync", 0), ("lag", 0), ("lag", 1)
+  ]  # fmt: skip
+  with pytest.raises(SystemExit, match=r"lag2.json and .*lag1.json both hold arm 'lag' seed 0"):
+    learning._pool([sync, lag1, lag2])

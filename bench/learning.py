@@ -57,8 +57,10 @@ Runs:
             of the baseline's mean final gain over seeds, its speed-up over
             the baseline paired by seed, and a TOST of its final accuracy
             against the baseline's (paired, margin --margin), for sampled
-            and greedy accuracy. Use --placement disjoint for wall times
-            that let running ahead pay.
+            and greedy accuracy, then the accuracy x wall-time front: per
+            arm, the arms that beat it on both mean time and mean final
+            accuracy. Files run at several --lag pool, a row a lag. Use
+            --placement disjoint for wall times that let running ahead pay.
   normalizer  the loss normalizers (rl.loss_agg_mode) on the default job,
             per seed of --seeds, paired with token_mean (the default):
             seq_mean_token_mean and token_sum_norm (Dr. GRPO's constant
@@ -128,7 +130,7 @@ from learning_arms import (  # noqa: E402
   PHASES,
   SETTLE_STEPS,
 )
-from learning_tables import print_tables  # noqa: E402
+from learning_tables import arm_label, print_tables  # noqa: E402
 from seedstats import mean_recorded  # noqa: E402
 
 
@@ -449,16 +451,16 @@ def _load(path: str) -> list[dict]:
 
 
 def _pool(paths: list[str]) -> list[dict]:
-  """The runs of the recorded files, refusing two runs of one arm and seed: the
-  tables pair by (arm, seed), so one of them would be dropped unseen."""
+  """The runs of the recorded files, refusing two runs of one arm (with its lag,
+  `arm_label`) and seed: the tables pair by them, so one would be dropped unseen."""
   runs, seen = [], {}
   for path in paths:
     for r in _load(path):
-      key = (r["name"], r["seed"])
+      key = (arm_label(r), r["seed"])
       if key in seen:
         sys.exit(
           f"{path} and {seen[key]} both hold arm {key[0]!r} seed {key[1]}: "
-          "pool files of one configuration (for --lag, one lag) so each arm and seed is run once"
+          "pool files in which each arm and seed ran once"
         )
       seen[key] = path
       runs.append(r)

@@ -4,6 +4,7 @@ the runs' records (as `summarize` in learning.py writes them)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import numpy as np
@@ -208,12 +209,22 @@ def _mean_t(values: list[float]) -> str:
   return f"{statistics.fmean(values):+.3f} +- {t_interval(values):.3f}" if values else "-"
 
 
+def arm_label(run: dict) -> str:
+  """The run's arm, with its lag for the speed arms whose lag is --lag (so
+  files at several lags pool into one table, a row a lag)."""
+  lag = run.get("overrides", {}).get("coordinator.lag.fixed_lag")
+  return f"{run['name']} {lag}" if run["name"] in _SPEED_LAGGED and lag is not None else run["name"]
+
+
+_SPEED_LAGGED = [a for a, o in SPEED.items() if o.get("coordinator.lag.fixed_lag") == "{lag}"]
+
+
 def _by_name(results: list, key: str) -> dict[str, list[dict]]:
-  """The runs that recorded `key`, by run name (arm), in their order."""
+  """The runs that recorded `key`, by arm label, in their order."""
   out: dict[str, list[dict]] = {}
   for r in results:
     if r.get(key):
-      out.setdefault(r["name"], []).append(r)
+      out.setdefault(arm_label(r), []).append(r)
   return out
 
 
@@ -263,9 +274,13 @@ def print_weight_histograms(results: list) -> None:
 def print_speed(results: list, margin: float) -> None:
   """Time to accuracy per arm against sync, paired by seed, with a TOST of the
   final accuracies; for sampled and for greedy accuracy."""
-  by = {(r["name"], r["seed"]): r for r in results}
+  by = {(arm_label(r), r["seed"]): r for r in results}
   seeds = sorted({r["seed"] for r in results if r["name"] == "sync"})
   base = [by[("sync", s)] for s in seeds]
+  arms = sorted(
+    {arm_label(r) for r in results if r["name"] in SPEED},
+    key=lambda a: (list(SPEED).index(a.split()[0]), a),
+  )
   if not base:
     print("\n(speed: no sync runs, so no baseline)")
     return
@@ -287,11 +302,40 @@ def print_speed(results: list, margin: float) -> None:
     if target <= 0:
       print(f"| (sync gained nothing on {key}: no time to accuracy) |")
       continue
-    for arm in SPEED:
+    for arm in arms:
       pairs = [(by[(arm, s)], by[("sync", s)]) for s in seeds if (arm, s) in by]
       if pairs:
         print(_speed_row(arm, pairs, key, target, margin))
+    print_front({a: [r for (b, _), r in by.items() if b == a] for a in arms}, key, target)
   print_phases([r for r in results if r["name"] in SPEED])
+
+
+def print_front(runs_by_arm: dict[str, list[dict]], key: str, target: float) -> None:
+  """The accuracy x wall-time front: each arm's mean final `key` and mean step
+  time to `target` over its seeds, and the arms that beat it on both means
+  (an arm that reached the target on fewer seeds is slower by count first)."""
+  points = {}
+  for arm, runs in runs_by_arm.items():
+    times = [time_to_gain(r["evals"], target, key, "step_s") for r in runs]
+    hit = [t for t in times if t is not None]
+    final = statistics.fmean(r["end"][key] for r in runs)
+    points[arm] = (len(runs) - len(hit), statistics.fmean(hit) if hit else math.inf, final)
+  print(f"\n{key}: the accuracy x wall-time front (means over each arm's seeds)")
+  print("| arm | seeds | not reached | step time to it, s | final | beaten on both by |")
+  print("|---|---|---|---|---|---|")
+  for arm, (missed, time, final) in points.items():
+    beaten = [
+      other
+      for other, (m, t, f) in points.items()
+      if other != arm
+      and (m, t) <= (missed, time)
+      and f >= final
+      and ((m, t), f) != ((missed, time), final)
+    ]
+    print(
+      f"| {arm} | {len(runs_by_arm[arm])} | {missed} | {time:.0f} | {final:.3f} | "
+      f"{', '.join(beaten) or 'none: on the front'} |"
+    )
 
 
 def print_controller(results: list) -> None:

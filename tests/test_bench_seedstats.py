@@ -158,6 +158,7 @@ def test_speed_table_reads_time_to_accuracy_and_equivalence(capsys):
   learning_tables.print_speed(results, margin=0.05)
   out = capsys.readouterr().out
   tail_rows = [line for line in out.splitlines() if line.startswith("| tail |")]
+  tail_rows = [line for line in tail_rows if line.count("|") == 11]  # not the front's
   assert len(tail_rows) == 2  # sampled and greedy
   cells = [c.strip() for c in tail_rows[0].split("|")[1:-1]]
   assert cells[3] == "4/4" and cells[4] == "20"
@@ -398,20 +399,50 @@ def test_quintile_tables_take_each_seeds_edges_from_its_first_run(monkeypatch):
   assert by[("tail", 1)]["quintile_edges_from"] == "sync seed 1"
 
 
-def test_pooled_files_refuse_one_arm_and_seed_twice(tmp_path):
-  """Two files that both ran `lag` on seed 0 (say at --lag 1 and --lag 2)
-  would pair by (arm, seed) and one would be dropped unseen: refused."""
+def test_pooled_files_keep_lags_apart_and_refuse_one_arm_and_seed_twice(tmp_path):
+  """The lag arm at --lag 1 and at --lag 2 pool as two arms; two files that
+  both ran one of them on seed 0 would pair by (arm, seed) and one would be
+  dropped unseen: refused."""
 
   def write(name, runs):
     path = tmp_path / name
     path.write_text(json.dumps({"bench": "learning.py", "runs": runs}))
     return str(path)
 
+  def lag(seed, n, accuracy):
+    return {
+      **_run("lag", seed, 0.3, [accuracy], 1.0),
+      "overrides": {"coordinator.lag.fixed_lag": n},
+    }
+
   sync = write("sync.json", [_run("sync", 0, 0.3, [0.5], 1.0)])
-  lag1 = write("lag1.json", [_run("lag", 0, 0.3, [0.6], 1.0), _run("lag", 1, 0.3, [0.6], 1.0)])
-  lag2 = write("lag2.json", [_run("lag", 0, 0.3, [0.7], 1.0)])
-  assert [(r["name"], r["seed"]) for r in learning._pool([sync, lag1])] == [
-    ("sync", 0), ("lag", 0), ("lag", 1)
+  lag1 = write("lag1.json", [lag(0, 1, 0.6), lag(1, 1, 0.6)])
+  lag2 = write("lag2.json", [lag(0, 2, 0.7)])
+  again = write("again.json", [lag(0, 1, 0.7)])
+  pooled = learning._pool([sync, lag1, lag2])
+  assert [(learning_tables.arm_label(r), r["seed"]) for r in pooled] == [
+    ("sync", 0), ("lag 1", 0), ("lag 1", 1), ("lag 2", 0)
   ]  # fmt: skip
-  with pytest.raises(SystemExit, match=r"lag2.json and .*lag1.json both hold arm 'lag' seed 0"):
-    learning._pool([sync, lag1, lag2])
+  with pytest.raises(SystemExit, match=r"again.json and .*lag1.json both hold arm 'lag 1' seed 0"):
+    learning._pool([sync, lag1, again])
+
+
+def test_the_front_names_the_arms_that_beat_each_on_time_and_accuracy(capsys):
+  # At 10 s an evaluation: sync reaches 0.48 (90% of its 0.2 gain over 0.3)
+  # at 40 s and ends 0.5; lag 1 at 20 s, ending 0.52 (beats sync on both);
+  # lag 2 at 10 s, ending 0.45 (faster, less accurate: both on the front);
+  # tail never reaches it.
+  runs = {
+    "sync": [_run("sync", s, 0.3, [0.33, 0.40, 0.45, 0.5], 10.0) for s in (0, 1)],
+    "lag 1": [_run("lag", s, 0.3, [0.40, 0.49, 0.5, 0.52], 10.0) for s in (0, 1)],
+    "lag 2": [_run("lag", s, 0.3, [0.49, 0.45, 0.45, 0.45], 10.0) for s in (0, 1)],
+    "tail": [_run("tail", s, 0.3, [0.31, 0.32, 0.33, 0.34], 10.0) for s in (0, 1)],
+  }
+  learning_tables.print_front(runs, "accuracy", target=0.18)
+  lines = capsys.readouterr().out.splitlines()[4:]  # after the title, header and rule
+  rows = {r.split("|")[1].strip(): r.split("|")[2:-1] for r in lines}
+  cell = lambda arm, i: rows[arm][i].strip()
+  assert (cell("sync", 1), cell("sync", 2), cell("sync", 4)) == ("0", "40", "lag 1")
+  assert cell("lag 1", 4) == cell("lag 2", 4) == "none: on the front"
+  assert (cell("tail", 1), cell("tail", 2)) == ("2", "inf")
+  assert cell("tail", 4) == "sync, lag 1, lag 2"

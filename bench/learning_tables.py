@@ -164,7 +164,7 @@ def print_paired(results: list, modes: dict) -> None:
   """Each mode against the first of `modes` (the baseline), paired by seed
   (same data, prompts and warm-up)."""
   base = next(iter(modes))
-  by = {(r["name"], r["seed"]): r for r in results}
+  by = {(arm_label(r), r["seed"]): r for r in results}
   seeds = sorted({r["seed"] for r in results if r["name"] == base})
   print(
     f"\n| mode | final accuracy, mean over seeds | minus {base}, 95% (t, paired) | greedy "
@@ -172,7 +172,7 @@ def print_paired(results: list, modes: dict) -> None:
     "| clip fraction | behaviour KL | response IS weight p1 / p50 / p99 / max |"
   )
   print("|---|---|---|---|---|---|---|---|---|---|---|")
-  for mode in modes:
+  for mode in _arm_labels(results, modes):
     rows = [(by[(mode, s)], by[(base, s)]) for s in seeds if (mode, s) in by]
     if not rows:
       continue
@@ -210,13 +210,28 @@ def _mean_t(values: list[float]) -> str:
 
 
 def arm_label(run: dict) -> str:
-  """The run's arm, with its lag for the speed arms whose lag is --lag (so
-  files at several lags pool into one table, a row a lag)."""
+  """The run's arm, with its lag for the arms whose lag is a flag (--lag,
+  --stale-lag), so files at several lags pool into one table, a row a lag."""
   lag = run.get("overrides", {}).get("coordinator.lag.fixed_lag")
-  return f"{run['name']} {lag}" if run["name"] in _SPEED_LAGGED and lag is not None else run["name"]
+  return f"{run['name']} {lag}" if run["name"] in _LAGGED and lag is not None else run["name"]
 
 
-_SPEED_LAGGED = [a for a, o in SPEED.items() if o.get("coordinator.lag.fixed_lag") == "{lag}"]
+_LAGGED = {
+  arm
+  for arms in (SPEED, STRESS)
+  for arm, overrides in arms.items()
+  if str(overrides.get("coordinator.lag.fixed_lag", "")).startswith("{")
+}
+
+
+def _arm_labels(results: list, arms: dict) -> list[str]:
+  """The labels of the runs of `arms`, in the arms' order, then by lag."""
+
+  def order(label: str) -> tuple[int, int]:
+    name, _, lag = label.partition(" ")
+    return list(arms).index(name), int(lag) if lag else -1
+
+  return sorted({arm_label(r) for r in results if r["name"] in arms}, key=order)
 
 
 def _by_name(results: list, key: str) -> dict[str, list[dict]]:
@@ -232,12 +247,17 @@ def print_corrections(results: list, control: str = "stale_w1") -> None:
   """Each other stale arm minus `control`, paired by seed, sampled and greedy:
   against w = 1 (the uncorrected arm) what each correction keeps, against
   stale (truncated weights, the default) which correction wins."""
-  by = {(r["name"], r["seed"]): r for r in results}
-  arms = [a for a in STRESS if a.startswith("stale") and a != control]
-  print(f"\n| arm minus {control} | seeds | sampled, mean +- 95% t | per seed | greedy |")
+  by = {(arm_label(r), r["seed"]): r for r in results}
+  print(
+    f"\n| arm minus {control} (at its lag) | seeds | sampled, mean +- 95% t | per seed | greedy |"
+  )
   print("|---|---|---|---|---|")
-  for arm in arms:
-    pairs = [(by[(arm, s)], by[(control, s)]) for a, s in by if a == arm and (control, s) in by]
+  for arm in _arm_labels(results, STRESS):
+    name, _, lag = arm.partition(" ")
+    against = f"{control} {lag}".strip()
+    if not name.startswith("stale") or name == control:
+      continue
+    pairs = [(by[(arm, s)], by[(against, s)]) for a, s in by if a == arm and (against, s) in by]
     if not pairs:
       continue
     diff = _differences(pairs, "accuracy")
@@ -277,10 +297,7 @@ def print_speed(results: list, margin: float) -> None:
   by = {(arm_label(r), r["seed"]): r for r in results}
   seeds = sorted({r["seed"] for r in results if r["name"] == "sync"})
   base = [by[("sync", s)] for s in seeds]
-  arms = sorted(
-    {arm_label(r) for r in results if r["name"] in SPEED},
-    key=lambda a: (list(SPEED).index(a.split()[0]), a),
-  )
+  arms = _arm_labels(results, SPEED)
   if not base:
     print("\n(speed: no sync runs, so no baseline)")
     return

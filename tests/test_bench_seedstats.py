@@ -399,6 +399,32 @@ def test_quintile_tables_take_each_seeds_edges_from_its_first_run(monkeypatch):
   assert by[("tail", 1)]["quintile_edges_from"] == "sync seed 1"
 
 
+def test_corrections_pair_each_lag_with_the_control_at_that_lag(capsys):
+  """Files at --stale-lag 3 and 6 pool: each stale arm is paired with w = 1
+  at its own lag, and sync (no lag) is every lag's baseline."""
+
+  def at(name, seed, lag, accuracy):
+    run = _run(name, seed, 0.3, [accuracy], 1.0)
+    return {**run, "overrides": {"coordinator.lag.fixed_lag": lag}}
+
+  results = [at("stale", s, 3, 0.5) for s in (0, 1)] + [at("stale_w1", s, 3, 0.4) for s in (0, 1)]
+  results += [at("stale", s, 6, 0.45) for s in (0, 1)] + [at("stale_w1", s, 6, 0.2) for s in (0, 1)]
+  learning_tables.print_corrections(results)
+  rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| stale")]
+  cells = [[c.strip() for c in r.split("|")[1:4]] for r in rows]
+  assert cells == [["stale 3", "2", "+0.100 +- 0.000"], ["stale 6", "2", "+0.250 +- 0.000"]]
+  sync = [
+    {**_run("sync", s, 0.3, [0.55], 1.0), "samples_per_s": 1.0, "seconds": 60.0} for s in (0, 1)
+  ]
+  runs = [{**r, "samples_per_s": 1.0, "seconds": 60.0} for r in results]
+  learning_tables.print_paired(sync + runs, learning_arms.STRESS)
+  rows = [r.split("|")[1:4] for r in capsys.readouterr().out.splitlines() if r.startswith("| s")]
+  assert [(a.strip(), b.strip()) for a, b, _ in rows] == [
+    ("sync", "0.550"), ("stale 3", "0.500"), ("stale 6", "0.450"), ("stale_w1 3", "0.400"),
+    ("stale_w1 6", "0.200"),
+  ]  # fmt: skip
+
+
 def test_pooled_files_keep_lags_apart_and_refuse_one_arm_and_seed_twice(tmp_path):
   """The lag arm at --lag 1 and at --lag 2 pool as two arms; two files that
   both ran one of them on seed 0 would pair by (arm, seed) and one would be

@@ -55,7 +55,7 @@ def print_table(results: list) -> None:
     s, e = r["start"], r["end"]
     greedy = f"{s['greedy']:.3f} -> {e['greedy']:.3f}" if s["greedy"] is not None else "-"
     print(
-      f"| {r['name']} | {r['seed']} | {s['accuracy']:.3f} +- {s['ci95']:.3f} | "
+      f"| {arm_label(r)} | {r['seed']} | {s['accuracy']:.3f} +- {s['ci95']:.3f} | "
       f"{e['accuracy']:.3f} +- {e['ci95']:.3f} | {r['gain']:+.3f} +- {r['gain_ci95']:.3f} | "
       f"{greedy} | {r['seconds'] / 60:.1f} |"
     )
@@ -69,8 +69,8 @@ def print_means(results: list) -> None:
     "mean eval interval | greedy at end | greedy gain, 95% t |"
   )
   print("|---|---|---|---|---|---|---|---|")
-  for name in dict.fromkeys(r["name"] for r in results):
-    rows = [r for r in results if r["name"] == name]
+  for name in dict.fromkeys(arm_label(r) for r in results):
+    rows = [r for r in results if arm_label(r) == name]
     start = [r["start"]["accuracy"] for r in rows]
     end = [r["end"]["accuracy"] for r in rows]
     gain = [r["gain"] for r in rows]
@@ -94,11 +94,13 @@ def print_tasks(results: list) -> None:
   rows = [r for r in results if "end_metrics" in r]
   if not rows:
     return
-  names = list(dict.fromkeys(r["name"] for r in rows))
-  start = [r["start_metrics"] for r in rows if r["name"] == "default"] or [rows[0]["start_metrics"]]
+  names = list(dict.fromkeys(arm_label(r) for r in rows))
+  start = [r["start_metrics"] for r in rows if arm_label(r) == "default"] or [
+    rows[0]["start_metrics"]
+  ]
 
   def at(name: str, key: str, when: str = "end_metrics") -> list[float]:
-    return [r[when][key] for r in rows if r["name"] == name and key in r[when]]
+    return [r[when][key] for r in rows if arm_label(r) == name and key in r[when]]
 
   def ci(vs: list[float]) -> str:
     return (
@@ -143,11 +145,11 @@ def _print_lengths(rows: list) -> None:
   """The response lengths' tail per trained step, per run over its seeds."""
   print("\n| run | steps | p99 >= 48 on | p99, median step | p99 / p50, median step | min p99 |")
   print("|---|---|---|---|---|---|")
-  for n in dict.fromkeys(r["name"] for r in rows):
+  for n in dict.fromkeys(arm_label(r) for r in rows):
     pairs = [
       (p50, p99)
       for r in rows
-      if r["name"] == n
+      if arm_label(r) == n
       for p50, p99 in zip(r["per_step"]["response_len_p50"], r["per_step"]["response_len_p99"])
       if p50 is not None and p99 is not None
     ]

@@ -326,7 +326,10 @@ def print_speed(results: list, margin: float) -> None:
       if pairs:
         print(_speed_row(arm, pairs, key, target, margin))
     print_front({a: [r for (b, _), r in by.items() if b == a] for a in arms}, key, target)
-  print_phases([r for r in results if r["name"] in SPEED])
+  ordered = {a: i for i, a in enumerate(arms)}
+  print_phases(
+    sorted((r for r in results if r["name"] in SPEED), key=lambda r: ordered[arm_label(r)])
+  )
 
 
 def print_front(runs_by_arm: dict[str, list[dict]], key: str, target: float) -> None:

@@ -410,7 +410,11 @@ def _with_lags(overrides: dict, args: argparse.Namespace) -> dict:
 def main() -> None:
   args = _arguments()
   if args.tables:
-    print_tables(_pool(args.tables), [], args.margin)
+    records = [_load(path) for path in args.tables]
+    # Each file's --runs: a speed file of sync and adaptive alone holds no arm
+    # that only speed runs, yet its tables are speed's.
+    kinds = sorted({k for r in records for k in r.get("args", {}).get("runs", "").split(",") if k})
+    print_tables(_pool(args.tables, records), kinds, args.margin)
     return
   plan = build_plan(args)
   # Read once, as the code was imported: a config file edited while the runs
@@ -442,20 +446,21 @@ def main() -> None:
   print_tables(results, args.runs.split(","), args.margin)
 
 
-def _load(path: str) -> list[dict]:
+def _load(path: str) -> dict:
   with open(path) as f:
     record = json.load(f)
   if record.get("bench") != "learning.py":
     sys.exit(f"{path} is not a learning.py record (bench: {record.get('bench')!r})")
-  return record["runs"]
+  return record
 
 
-def _pool(paths: list[str]) -> list[dict]:
-  """The runs of the recorded files, refusing two runs of one arm (with its lag,
-  `arm_label`) and seed: the tables pair by them, so one would be dropped unseen."""
+def _pool(paths: list[str], records: list[dict]) -> list[dict]:
+  """The runs of the files' `records`, refusing two runs of one arm (with its
+  lag, `arm_label`) and seed: the tables pair by them, so one would be dropped
+  unseen."""
   runs, seen = [], {}
-  for path in paths:
-    for r in _load(path):
+  for path, record in zip(paths, records, strict=True):
+    for r in record["runs"]:
       key = (arm_label(r), r["seed"])
       if key in seen:
         sys.exit(

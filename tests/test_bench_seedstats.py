@@ -445,12 +445,13 @@ def test_pooled_files_keep_lags_apart_and_refuse_one_arm_and_seed_twice(tmp_path
   lag1 = write("lag1.json", [lag(0, 1, 0.6), lag(1, 1, 0.6)])
   lag2 = write("lag2.json", [lag(0, 2, 0.7)])
   again = write("again.json", [lag(0, 1, 0.7)])
-  pooled = learning._pool([sync, lag1, lag2])
+  pool = lambda *paths: learning._pool(list(paths), [learning._load(p) for p in paths])
+  pooled = pool(sync, lag1, lag2)
   assert [(learning_tables.arm_label(r), r["seed"]) for r in pooled] == [
     ("sync", 0), ("lag 1", 0), ("lag 1", 1), ("lag 2", 0)
   ]  # fmt: skip
   with pytest.raises(SystemExit, match=r"again.json and .*lag1.json both hold arm 'lag 1' seed 0"):
-    learning._pool([sync, lag1, again])
+    pool(sync, lag1, again)
 
 
 def test_the_front_names_the_arms_that_beat_each_on_time_and_accuracy(capsys):

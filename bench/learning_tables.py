@@ -300,6 +300,7 @@ def print_speed(results: list, margin: float) -> None:
   seeds = sorted({r["seed"] for r in results if r["name"] == "sync"})
   base = [by[("sync", s)] for s in seeds]
   arms = _arm_labels(results, SPEED)
+  runs_by_arm = _by_name([r for r in results if r["name"] in SPEED], "evals")
   if not base:
     print("\n(speed: no sync runs, so no baseline)")
     return
@@ -325,7 +326,7 @@ def print_speed(results: list, margin: float) -> None:
       pairs = [(by[(arm, s)], by[("sync", s)]) for s in seeds if (arm, s) in by]
       if pairs:
         print(_speed_row(arm, pairs, key, target, margin))
-    print_front({a: [r for (b, _), r in by.items() if b == a] for a in arms}, key, target)
+    print_front({a: runs_by_arm[a] for a in arms}, key, target)
   ordered = {a: i for i, a in enumerate(arms)}
   print_phases(
     sorted((r for r in results if r["name"] in SPEED), key=lambda r: ordered[arm_label(r)])

@@ -8,6 +8,9 @@
 #
 #   bash bench/gpu_runs.sh [decode_s] [grpo_s] [mfu_s]       # on the device machine
 #
+# A limit of 0 skips that run; CONCURRENCY (default 1,32,256) picks decode's levels,
+# and DECODE_PROFILE=1 traces decode at the largest (rollout.py --profile).
+#
 # The device image lacks some of fluxjax's dependencies: carry them as wheels
 # in .whl_train/ (grain, array_record, portpicker, ml_collections, av,
 # tensorboardx; see .library/device/README.md for `pip download`).
@@ -24,28 +27,37 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/machine.txt"
 quiet() { grep -v "^E11\|onstant\|XLA_FLAGS\|^$\|file a bug\|^  %\|This isn't"; }
 
+run() { [ "${1:-1}" != 0 ]; }
+
 since decode
-timeout "${1:-150}" python3 bench/rollout.py --preset 3b --dtype bfloat16 --slots 256 \
-  --concurrency 1,32,256 --requests 4 --loop-requests 1 --new-tokens 128 --prefill-len 1024 \
-  --decode-steps 8,1 --repeats 3 --json "$OUT/rollout.json" > "$OUT/rollout.log" 2>&1
-quiet < "$OUT/rollout.log" | tail -15
+run "${1:-150}" && timeout "${1:-150}" python3 bench/rollout.py --preset 3b --dtype bfloat16 --slots 256 \
+  --concurrency "${CONCURRENCY:-1,32,256}" --requests 4 --loop-requests 1 --new-tokens 128 --prefill-len 1024 \
+  --decode-steps 8,1 --repeats 3 ${DECODE_PROFILE:+--profile /tmp/prof_r} --json "$OUT/rollout.json" > "$OUT/rollout.log" 2>&1
+quiet < "$OUT/rollout.log" | tail -70
 
 since grpo
+# Memory at 0.92 of 141 GB: the engine's bf16 copy (7.5 GB) and cache (16 slots
+# x 16k tokens x 36 KB = 9.6 GB), the fp32 state and AdamW (45 GB) with the
+# gradient sums (15 GB), and the update's new state beside the old (45 GB,
+# train_step.apply_update keeps the old until the new is known finite). At 32
+# slots the cache's 19 GB ran out of memory in the update.
+run "${2:-240}" && {
 wd=/dev/shm/fluxjax-grpo; rm -rf "$wd"
 # -k: SIGTERM first (the run checkpoints its step and stops), SIGKILL 60 s later.
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout -k 60 "${2:-240}" python3 -m fluxjax.train \
   --config=configs/vlm.py:qwen25_vl_3b --workdir="$wd" \
   --config.rollout.backend=embedded --config.rollout.launch="()" \
   --config.total_steps=5 --config.rl.prompts_per_step=4 --config.rl.max_new_tokens=128 \
-  --config.rollout.num_slots=32 --config.rollout.context_length=16384 \
+  --config.rollout.num_slots=16 --config.rollout.context_length=16384 \
   --config.sharding.capacity=32768 --config.eval.every=0 --config.eval.prompts=4 \
   --config.eval.samples_per_prompt=1 --config.data.synth_train=32 --config.data.synth_eval=4 \
   > "$OUT/grpo.log" 2>&1
 cp "$wd/metrics.jsonl" "$OUT/grpo_metrics.jsonl"
 quiet < "$OUT/grpo.log" | tail -25
+}
 
 since mfu
-timeout "${3:-150}" python3 bench/mfu.py --layers 8 --rows 2 --row-tokens 16384 \
+run "${3:-150}" && timeout "${3:-150}" python3 bench/mfu.py --layers 8 --rows 2 --row-tokens 16384 \
   --seq-tokens 4096 --remat save_dots --attention pallas_gpu --reps 3 --profile /tmp/prof_m \
   --json "$OUT/mfu.json" > "$OUT/mfu.log" 2>&1
 quiet < "$OUT/mfu.log" | tail -40

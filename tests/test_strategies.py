@@ -17,7 +17,7 @@ from flax import nnx
 
 from fluxjax.models import inputs, sharded, vlm
 from fluxjax.parallel import batch as batch_lib
-from fluxjax.parallel import strategies, train_step
+from fluxjax.parallel import random_batch, strategies, train_step
 from fluxjax.sharding import mesh as mesh_lib
 from helpers import PATCHES, TINY, adamw_config, make_strategy, mixed_batch
 
@@ -363,3 +363,14 @@ def test_flex_minibatch_sync_with_vision_balancing_and_a_long_sequence(ref_model
   assert batch_lib.vision_route_stats(plan, seqs, CFG, balance=True)["embeddings_moved"] > 0
   np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
   assert_grads_close(grads, want_grads)
+
+
+def test_the_default_patch_ladder_reaches_a_video_past_any_fixed_top():
+  # A device encodes a video whole where its first token sits: 73,728 patches
+  # here, past the 65,536 a fixed ladder of nine doublings from 256 ends at.
+  rng = np.random.default_rng(0)
+  seqs = [random_batch.random_sequence(TINY, rng, 8, [("video", (2, 128, 288))])]
+  plan = make_strategy("packed_dp", capacity=32768).plan([len(seqs[0])], 8)
+  assert batch_lib.patch_capacity_for(plan, seqs, TINY) == 131072
+  with pytest.raises(ValueError, match="73728 patches per device exceed the largest"):
+    batch_lib.patch_capacity_for(plan, seqs, TINY, tuple(256 * 2**k for k in range(9)))

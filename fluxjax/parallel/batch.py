@@ -18,7 +18,7 @@ from fluxjax.models import processor, vlm
 from fluxjax.models import vision as vision_lib
 from fluxjax.models.config import ModelConfig
 from fluxjax.models.inputs import SequenceInputs
-from fluxjax.planning.plan import Plan, capacity_bucket
+from fluxjax.planning.plan import Plan, capacity_bucket, doubling_bucket
 from fluxjax.sharding import mesh as mesh_lib
 
 P = jax.sharding.PartitionSpec
@@ -182,19 +182,31 @@ def patch_capacity_for(
   plan: Plan,
   seqs: Sequence[TrainSequence],
   cfg: ModelConfig,
-  buckets: Sequence[int],
+  buckets: Sequence[int] | None = None,
   balance: bool = False,
 ) -> int:
   """The smallest patch bucket holding every device's vision work in every microbatch."""
   return _patch_bucket(vision_assignment(plan, seqs, cfg, balance), cfg, buckets)
 
 
-def _patch_bucket(assignment, cfg: ModelConfig, buckets: Sequence[int]) -> int:
+# The open patch ladder's first rung. On the XLA path every vision attention
+# block (window or full) is dense over the buffer, so padding costs its square
+# and a coarser ladder loses more than its fewer compiles save: at 320 patches
+# a 1024 buffer made a tiny-preset update 4.7x slower than 512. The ladder has
+# no top: a device encodes each image or video whole where its first token
+# sits, so one long video can need more patches than any multiple of the
+# token capacity (72,192 in a 3B smoke run at 32k tokens a row).
+SMALLEST_PATCH_BUCKET = 256
+
+
+def _patch_bucket(assignment, cfg: ModelConfig, buckets: Sequence[int] | None) -> int:
   need = cfg.vision.merge_unit  # never zero: the vision inputs keep one static shape
   for units, _ in assignment:
     for us in units.values():
       need = max(need, sum(u.num_patches for u in us))
-  return capacity_bucket(need, buckets)
+  if buckets is None:
+    return doubling_bucket(need, SMALLEST_PATCH_BUCKET)
+  return capacity_bucket(need, buckets, "patches")
 
 
 def vision_route_stats(
@@ -340,7 +352,7 @@ def materialize(
   plan: Plan,
   seqs: Sequence[TrainSequence],
   cfg: ModelConfig,
-  patch_capacity: int | Sequence[int],
+  patch_capacity: int | Sequence[int] | None = None,
   patch_source=None,
   balance_vision: bool = False,
   devices: Collection[int] | None = None,
@@ -355,7 +367,8 @@ def materialize(
     seqs: the sequences; their media need only `grid_thw` (and `kind`).
     cfg: the model config.
     patch_capacity: patches per device per microbatch (a bucket), or the
-      buckets to pick the smallest fitting one from.
+      buckets to pick the smallest fitting one from, or None for the open
+      ladder from `SMALLEST_PATCH_BUCKET` in powers of two.
     patch_source: item -> float [num_patches, patch_dim]; default `item.patches`
       (in-process). The ShadowLoader passes a lookup into its worker store, so
       pixels never pass through the controller's sequences.

@@ -24,13 +24,6 @@ from fluxjax.parallel.strategies import Strategy
 from fluxjax.planning.plan import Plan
 from fluxjax.sharding import mesh as mesh_lib
 
-# Patches per device per microbatch, 256 ... 65536 in powers of 2 (as token
-# capacities). On the XLA path every vision attention block (window or full)
-# is dense over the buffer, so padding costs its square and a coarser ladder
-# loses more than its fewer compiles save: at 320 patches a 1024 buffer made
-# a tiny-preset update 4.7x slower than 512.
-PATCH_BUCKETS = tuple(256 * 2**k for k in range(9))
-
 StepT = TypeVar("StepT")
 
 
@@ -66,7 +59,8 @@ class LayoutSteps(Generic[StepT]):
     compile: (plan, placed batch) -> the step for the plan's layout; called
       once per layout (the batch gives shardings, e.g. where reference
       logprobs land).
-    patch_buckets: static patch-buffer sizes.
+    patch_buckets: static patch-buffer sizes; None: the open ladder of
+      powers of two (batch.SMALLEST_PATCH_BUCKET).
     patch_source: item -> patches, or None when the sequences carry theirs.
     sequence_slots: the most sequences one step holds; > 0 gives batches
       `sequence_ids` for per-sequence metrics (batch.materialize).
@@ -79,7 +73,7 @@ class LayoutSteps(Generic[StepT]):
     strategy: Strategy,
     compile: Callable[[Plan, batch_lib.TrainBatch], StepT],
     *,
-    patch_buckets: Sequence[int] = PATCH_BUCKETS,
+    patch_buckets: Sequence[int] | None = None,
     patch_source=None,
     sequence_slots: int = 0,
   ):
@@ -87,7 +81,7 @@ class LayoutSteps(Generic[StepT]):
     self.sequence_slots = int(sequence_slots)
     self.mesh = mesh
     self.strategy = strategy
-    self.patch_buckets = tuple(patch_buckets)
+    self.patch_buckets = None if patch_buckets is None else tuple(patch_buckets)
     self.patch_source = patch_source
     # A process of a multi-controller run fills only its own devices' vision
     # rows (to_device places only those).

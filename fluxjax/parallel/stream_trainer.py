@@ -17,7 +17,7 @@ import optax
 from fluxjax.models.config import ModelConfig
 from fluxjax.parallel import batch as batch_lib
 from fluxjax.parallel import train_step
-from fluxjax.parallel.layout_steps import PATCH_BUCKETS, LayoutSteps
+from fluxjax.parallel.layout_steps import LayoutSteps
 from fluxjax.parallel.strategies import Strategy
 from fluxjax.planning.plan import Plan
 
@@ -46,7 +46,8 @@ class StreamTrainer:
     loss_fn: the token loss (rl/losses.make_loss_fn).
     patch_source: item -> patches (the loader's Materializer), or None for
       text-only sequences.
-    patch_buckets: static patch-buffer sizes.
+    patch_buckets: static patch-buffer sizes; None: the open ladder
+      (layout_steps.LayoutSteps).
     ref_params: the reference model's parameters (sharded like the policy's),
       or None when the loss has no KL term; settable later (`set_reference`).
     temperature: the sampling temperature; policy and reference logprobs are
@@ -75,7 +76,7 @@ class StreamTrainer:
     loss_fn,
     *,
     patch_source=None,
-    patch_buckets: Sequence[int] = PATCH_BUCKETS,
+    patch_buckets: Sequence[int] | None = None,
     ref_params=None,
     temperature: float = 1.0,
     updates_per_batch: int = 1,

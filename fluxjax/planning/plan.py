@@ -138,12 +138,21 @@ class Plan:
     return "\n".join(lines)
 
 
-def capacity_bucket(tokens: int, buckets: Sequence[int]) -> int:
+def capacity_bucket(tokens: int, buckets: Sequence[int], what: str = "tokens") -> int:
   """The smallest bucket >= tokens, so the step compiles once per bucket."""
   for b in sorted(buckets):
     if tokens <= b:
       return b
-  raise ValueError(f"{tokens} tokens per device exceed the largest capacity bucket {max(buckets)}")
+  raise ValueError(f"{tokens} {what} per device exceed the largest capacity bucket {max(buckets)}")
+
+
+def doubling_bucket(n: int, smallest: int) -> int:
+  """The smallest `smallest * 2**k` >= n: an open ladder of static sizes, so
+  a shape compiles once per doubling and no size is out of range."""
+  b = smallest
+  while b < n:
+    b *= 2
+  return b
 
 
 def bucketed(

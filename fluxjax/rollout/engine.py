@@ -25,6 +25,7 @@ from fluxjax.models import config as config_lib
 from fluxjax.models import decode, hf_delta, hf_load, vision, vlm
 from fluxjax.models.inputs import SequenceInputs
 from fluxjax.models.tokenizer import Tokenizer
+from fluxjax.planning import plan as plan_lib
 from fluxjax.rollout import protocol, sampling
 from fluxjax.rollout.json_body import ProtocolError
 from fluxjax.rollout.protocol import NonFiniteLogits
@@ -81,13 +82,6 @@ def _buckets(capacity: int, smallest: int = 16) -> list[int]:
     out.append(b)
     b *= 2
   return out + [capacity]
-
-
-def _patch_bucket(n: int, unit: int) -> int:
-  b = max(unit, 16)
-  while b < n:
-    b *= 2
-  return b
 
 
 def _cache_sharding(state: nnx.State, shape) -> jax.sharding.NamedSharding | None:
@@ -523,7 +517,7 @@ class Engine:
     vis = None
     if req.prompt.media:
       media = req.prompt.decoded_media()
-      cap = _patch_bucket(req.prompt.num_patches, self.cfg.vision.merge_unit)
+      cap = plan_lib.doubling_bucket(req.prompt.num_patches, max(self.cfg.vision.merge_unit, 16))
       vis = vision.make_vision_inputs(
         [m.patches for m in media], [m.grid_thw for m in media], self.cfg.vision, cap
       )

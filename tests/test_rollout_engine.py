@@ -309,6 +309,13 @@ def test_the_cache_keeps_each_write_exactly_and_writes_in_place(dtype):
   np.testing.assert_array_equal(cache.keys(0, 3, 32)[2, :, :4], want_KPH)
   assert not bool(cache.keys(0, 2, 32).any())
 
+  # The write scatters whole head-dim rows: slot, kv head and cache index all
+  # indexed (a window dim between them made XLA:GPU transpose the whole cache).
+  write = jax.jit(decode.KVCache.write_tokens).lower(cache, 1, lengths_S, k_SKH, v_SKH)
+  dims = [line for line in write.as_text().splitlines() if "stablehlo.scatter" in line]
+  assert len(dims) == 2 and all("update_window_dims = [2]" in d for d in dims), dims
+  assert all("scatter_dims_to_operand_dims = [0, 1, 2, 3]" in d for d in dims), dims
+
   step = jax.jit(decode.decode_step, static_argnames="window", donate_argnums=1)
   hlo = step.lower(m, cache, lengths_S, lengths_S, lengths_S, window=16).compile().as_text()
   whole = ",".join(map(str, decode.cache_shape(m, 3, 32)))

@@ -66,10 +66,16 @@ class KVCache:
 
   def write_tokens(self, layer, lengths_S, k_SKH, v_SKH) -> KVCache:
     """One key/value for each of the first S slots, at index lengths_S[s] of slot s."""
-    # Advanced indices apart: the indexed [S, K, H] block leads with the slots.
-    index = (layer, jnp.arange(lengths_S.shape[0]), slice(None), lengths_S)
-    k = self.k_LSKCH.at[index].set(_bits(k_SKH.astype(self.dtype)))
-    v = self.v_LSKCH.at[index].set(_bits(v_SKH.astype(self.dtype)))
+    # Every dim but the head dim indexed, so the scatter writes whole trailing
+    # rows. With the kv heads a window dim between the indexed slot and cache
+    # index, XLA:GPU transposed the whole cache to [L, S, C, K, H] and back
+    # around each step's writes: 45% of a 3B decode step at 256 slots.
+    s, kv = jnp.arange(lengths_S.shape[0])[:, None], jnp.arange(k_SKH.shape[1])[None, :]
+    index = (layer, s, kv, lengths_S[:, None])
+    k, v = (
+      cache.at[index].set(_bits(x.astype(self.dtype)), indices_are_sorted=True, unique_indices=True)
+      for cache, x in ((self.k_LSKCH, k_SKH), (self.v_LSKCH, v_SKH))
+    )
     return KVCache(k, v, self.dtype)
 
   def write_prompt(self, layer, slot, k_1PKH, v_1PKH) -> KVCache:

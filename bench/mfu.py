@@ -117,7 +117,8 @@ def run(cfg, args, device, remat: str, attention: str) -> dict:
     trace_dir = os.path.join(args.profile, f"{attention}-{remat}")
     with op_profile.capture(trace_dir):
       state, metrics = jax.block_until_ready(compiled(state, batch))
-    op_profile.report(trace_dir, where="device" if device.platform == "gpu" else "host")
+    where = "device" if device.platform == "gpu" else "host"
+    op_profile.report(trace_dir, where=where, hlo_dir=op_profile.hlo_dir_of(args.profile))
   lengths = [len(s) for s in seqs]
   grids = [(1, args.image_side, args.image_side)] * len(seqs)
   flops = text_flops(cfg, lengths) + vision_flops(cfg, grids)
@@ -186,7 +187,7 @@ def main() -> None:
   )
   args = p.parse_args()
   if args.profile:  # before JAX first touches a device
-    op_profile.expose_ops()
+    op_profile.expose_ops(op_profile.hlo_dir_of(args.profile))
   device = jax.devices()[0]
   base = config_lib.preset(args.preset)
   image_tokens = args.image_side**2 // base.vision.merge_unit

@@ -9,7 +9,10 @@ each `/device:GPU:*` process, named by the HLO op that launched them (its
 `hlo_op` argument, else the kernel's name); with --where host the host
 threads' events (what a CPU run records, since XLA:CPU reports no per-op
 device events; they nest, Python frames around runtime calls, so their
-times overlap). Each row: op, total ms, share of the summed time, count.
+times overlap). Each row: op, total ms, share of the summed time, count,
+and, given the optimized HLO (--hlo DIR: what `expose_ops(DIR)` has XLA
+dump), the JAX operation and source line the op came from, so that
+`custom-call.13` reads as the dot_general of a line of models/.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import glob
 import gzip
 import json
 import os
+import re
 from typing import NamedTuple
 
 import jax
@@ -38,12 +42,85 @@ class OpTime(NamedTuple):
 NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 
 
-def expose_ops() -> None:
+def hlo_dir_of(profile_dir: str) -> str:
+  """Where a bench's --profile DIR keeps the HLO that `expose_ops` dumps."""
+  return os.path.join(profile_dir, "hlo")
+
+
+def expose_ops(hlo_dir: str | None = None) -> None:
   """Turns XLA:GPU's command buffers off for this process, so that a trace
-  names each kernel's op; call it before JAX's first use of a device."""
-  flags = os.environ.get("XLA_FLAGS", "")
-  if NO_COMMAND_BUFFERS not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} {NO_COMMAND_BUFFERS}".strip()
+  names each kernel's op, and with `hlo_dir` has XLA write each module's
+  optimized HLO there (`sources` reads it); call it before JAX's first use
+  of a device."""
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  extra = [NO_COMMAND_BUFFERS]
+  if hlo_dir:
+    extra += [f"--xla_dump_to={hlo_dir}", "--xla_dump_hlo_as_text"]
+  os.environ["XLA_FLAGS"] = " ".join(flags + [f for f in extra if f not in flags])
+
+
+# One instruction of an HLO module's text: its name, and the op_name and
+# source of its metadata (a fusion carries its root's). The source is inline
+# (source_file, source_line) or a stack frame of the module's tables.
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*metadata=\{([^}]*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_SOURCE = re.compile(r'source_file="([^"]*)" source_line=(\d+)')
+_FRAME = re.compile(r"stack_frame_id=(\d+)")
+_TABLE_ROW = re.compile(r"^(\d+) (.*)$")
+_FIELD = re.compile(r"(\w+)=(\d+)")
+
+
+def _frames(hlo_text: str) -> dict[str, str]:
+  """Stack frame id -> "file:line" from the module's FileNames, FileLocations
+  and StackFrames tables."""
+  tables: dict[str, dict[str, str]] = {}
+  section = None
+  for line in hlo_text.splitlines():
+    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      section = tables.setdefault(line, {})
+    elif section is not None and (m := _TABLE_ROW.match(line)):
+      section[m.group(1)] = m.group(2)
+    elif not line.strip():
+      section = None
+  files = {k: os.path.basename(v.strip('"')) for k, v in tables.get("FileNames", {}).items()}
+  places = {}
+  for k, v in tables.get("FileLocations", {}).items():
+    f = dict(_FIELD.findall(v))
+    places[k] = f"{files.get(f.get('file_name_id', ''), '?')}:{f.get('line', '?')}"
+  return {
+    k: places.get(dict(_FIELD.findall(v)).get("file_location_id", ""), "?")
+    for k, v in tables.get("StackFrames", {}).items()
+  }
+
+
+def sources(hlo_text: str) -> dict[str, str]:
+  """Instruction name -> "jax op @ file:line" from a module's HLO text."""
+  frames = _frames(hlo_text)
+  out = {}
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    op = _OP_NAME.search(m.group(2))
+    # jit(step)/jit(main)/transpose(jvp(...))/dot_general: the last two parts say enough.
+    what = "/".join(op.group(1).split("/")[-2:]) if op else "?"
+    if src := _SOURCE.search(m.group(2)):
+      what += f" @ {os.path.basename(src.group(1))}:{src.group(2)}"
+    elif (frame := _FRAME.search(m.group(2))) and frame.group(1) in frames:
+      what += f" @ {frames[frame.group(1)]}"
+    out[m.group(1)] = what
+  return out
+
+
+def dumped_sources(hlo_dir: str) -> dict[str, str]:
+  """`sources` of every optimized module XLA dumped under `hlo_dir`; a name
+  that two modules give different sources maps to both."""
+  out: dict[str, str] = {}
+  for path in sorted(glob.glob(os.path.join(hlo_dir, "*after_optimizations.txt"))):
+    with open(path) as f:
+      for name, src in sources(f.read()).items():
+        out[name] = src if out.get(name, src) == src else f"{out[name]} | {src}"
+  return out
 
 
 def capture(log_dir: str) -> contextlib.AbstractContextManager:
@@ -95,28 +172,37 @@ def op_times(trace_path: str, where: str = "device") -> list[OpTime]:
   return sorted(rows, key=lambda r: -r.total_ms)
 
 
-def table(rows: list[OpTime], top: int) -> str:
-  """A markdown table of the `top` longest ops and the rest in one row."""
+def table(rows: list[OpTime], top: int, source: dict[str, str] | None = None) -> str:
+  """A markdown table of the `top` longest ops and the rest in one row; with
+  `source` (op -> where it came from) a column of it."""
   summed = sum(r.total_ms for r in rows) or 1.0
-  lines = ["| op | total ms | share | count |", "|---|---|---|---|"]
+  head, rule = "| op | total ms | share | count |", "|---|---|---|---|"
+  if source is not None:
+    head, rule = head + " source |", rule + "---|"
+  lines = [head, rule]
   for r in rows[:top]:
-    lines.append(f"| {r.op[:80]} | {r.total_ms:.3f} | {r.total_ms / summed:.1%} | {r.count} |")
+    line = f"| {r.op[:80]} | {r.total_ms:.3f} | {r.total_ms / summed:.1%} | {r.count} |"
+    lines.append(line + (f" {source.get(r.op, '?')[:120]} |" if source is not None else ""))
   rest = rows[top:]
   if rest:
     ms = sum(r.total_ms for r in rest)
-    lines.append(f"| ({len(rest)} more ops) | {ms:.3f} | {ms / summed:.1%} | - |")
+    tail = " - |" if source is not None else ""
+    lines.append(f"| ({len(rest)} more ops) | {ms:.3f} | {ms / summed:.1%} | - |{tail}")
   return "\n".join(lines)
 
 
-def report(log_dir: str, top: int = 25, where: str = "device") -> list[OpTime]:
-  """Prints the table of the newest trace under `log_dir`; returns its rows."""
+def report(
+  log_dir: str, top: int = 25, where: str = "device", hlo_dir: str | None = None
+) -> list[OpTime]:
+  """Prints the table of the newest trace under `log_dir` (with each op's
+  source when `hlo_dir` holds the dumped HLO); returns its rows."""
   path = newest_trace(log_dir)
   rows = op_times(path, where)
   if not rows:
     print(f"{path}: no {where} events (XLA:CPU records host activity only: --where host)")
     return rows
   print(f"{path}: {where} time by op")
-  print(table(rows, top))
+  print(table(rows, top, dumped_sources(hlo_dir) if hlo_dir else None))
   return rows
 
 
@@ -125,8 +211,9 @@ def main() -> None:
   p.add_argument("trace_dir")
   p.add_argument("--top", type=int, default=25)
   p.add_argument("--where", default="device", choices=("device", "host"))
+  p.add_argument("--hlo", metavar="DIR", help="the optimized HLO XLA dumped (expose_ops)")
   args = p.parse_args()
-  report(args.trace_dir, args.top, args.where)
+  report(args.trace_dir, args.top, args.where, args.hlo)
 
 
 if __name__ == "__main__":

@@ -145,7 +145,7 @@ def main():
   )
   args = p.parse_args()
   if args.profile:  # before JAX first touches a device
-    op_profile.expose_ops()
+    op_profile.expose_ops(op_profile.hlo_dir_of(args.profile))
   levels = [int(c) for c in args.concurrency.split(",")]
   steps_per_call = [int(k) for k in args.decode_steps.split(",")]
   cfg = config.preset(args.preset, dtype=args.dtype, param_dtype=args.dtype)
@@ -170,49 +170,6 @@ def main():
   loop_tps = statistics.median(loop_runs)
   print(f"measured: loop, {loop_tps:,.0f} tokens/s", flush=True)
 
-  buckets = sorted({bucket, capacity} | ({args.prefill_len} if args.prefill_len else set()))
-  rows, prefill_tps, agree = [], None, args.new_tokens
-  for k in steps_per_call:
-    engine = engine_lib.Engine(
-      model,
-      tok,
-      num_slots=args.slots,
-      capacity=capacity,
-      prefill_buckets=buckets,
-      num_continuous_decode_steps=k,
-    )
-    run_engine(engine, seqs[:2], 3, 2)  # compile
-    for c in levels:
-      n = max(args.requests, c)
-      run_engine(engine, seqs[:c], 2, c)  # this level's slot bucket compiles
-      runs = []
-      for _ in range(args.repeats):
-        t = time.perf_counter()
-        tokens = run_engine(engine, seqs[:n], args.new_tokens, c)
-        runs.append(tokens / (time.perf_counter() - t))
-      rows.append((k, c, statistics.median(runs)))
-      print(
-        f"measured: {k} decode steps per call, {c} concurrent: {rows[-1][2]:,.0f} tokens/s",
-        flush=True,
-      )
-    if args.profile:  # the largest level once more, traced apart from the timed runs
-      trace_dir = os.path.join(args.profile, f"steps{k}-c{levels[-1]}")
-      with op_profile.capture(trace_dir):
-        run_engine(engine, seqs[: max(args.requests, levels[-1])], args.new_tokens, levels[-1])
-      op_profile.report(trace_dir, where="device" if jax.default_backend() == "gpu" else "host")
-    if args.prefill_len and prefill_tps is None:
-      long_seqs = draw(levels[-1], args.prefill_len)
-      run_engine(engine, long_seqs[:1], 1, 1)  # compile
-      t = time.perf_counter()
-      run_engine(engine, long_seqs, 1, levels[-1])
-      prefill_tps = len(long_seqs) * args.prefill_len / (time.perf_counter() - t)
-    agree = min(agree, agreement(engine, seqs[0], loop_outs[0], args.new_tokens))
-    del engine  # its KV cache goes before the next one's
-  # Greedy ties break differently between batch shapes in bf16 (random
-  # weights give near-flat logits): exact agreement is checked in fp32 only.
-  if args.dtype == "float32":
-    assert agree == args.new_tokens, f"engine and loop disagree from token {agree}"
-
   t = cfg.text
   itemsize = jnp.dtype(args.dtype).itemsize
   kv_per_token = 2 * t.num_layers * t.num_kv_heads * t.head_dim * itemsize
@@ -230,35 +187,16 @@ def main():
       return None
     return c * bandwidth / (param_bytes + c * context * kv_per_token)
 
-  print(
-    f"machine: {platform.machine()} {os.cpu_count()} CPUs, {dev.device_kind}, jax "
-    f"{jax.__version__} {jax.default_backend()}; preset {args.preset} {args.dtype}, "
-    f"{args.prompt_len} prompt + {args.new_tokens} new tokens, engine {args.slots} slots"
-  )
-  print(
-    f"decoder + LM head {param_bytes / 1e9:.2f} GB read per step; "
-    f"KV cache {kv_per_token} bytes per token; "
-    f"bandwidth {bandwidth / 1e12 if bandwidth else float('nan'):.1f} TB/s"
-  )
-  print(
-    "| mode | decode steps per call | concurrent requests | generated tokens/s | vs loop "
-    "| bandwidth bound | of bound |"
-  )
-  print("|---|---|---|---|---|---|---|")
-
-  def of_bound(c, tps):  # the bound's cell and the share of it reached
-    return f"{bound(c):,.0f} | {tps / bound(c):.0%}" if bandwidth else "- | -"
-
-  print(f"| loop (one at a time) | 1 | 1 | {loop_tps:,.0f} | 1.00x | {of_bound(1, loop_tps)} |")
-  for k, c, tps in rows:
-    print(f"| engine | {k} | {c} | {tps:,.0f} | {tps / loop_tps:.2f}x | {of_bound(c, tps)} |")
-  if prefill_tps:
-    print(f"prefill: {levels[-1]} x {args.prefill_len} tokens, {prefill_tps:,.0f} tokens/s")
-  if args.json:
+  def save(partial: bool = False) -> None:
+    """Writes --json; after each measured row too, so a run stopped by its
+    time limit keeps what it measured (`partial` then says so)."""
+    if not args.json:
+      return
     runinfo.write(
       args.json,
       "rollout.py",
       {
+        "partial": partial,
         "args": vars(args),
         "device_kind": dev.device_kind,
         "param_bytes": param_bytes,
@@ -289,6 +227,79 @@ def main():
         "tokens_agreeing_with_loop": agree,
       },
     )
+
+  buckets = sorted({bucket, capacity} | ({args.prefill_len} if args.prefill_len else set()))
+  rows, prefill_tps, agree = [], None, args.new_tokens
+  for k in steps_per_call:
+    engine = engine_lib.Engine(
+      model,
+      tok,
+      num_slots=args.slots,
+      capacity=capacity,
+      prefill_buckets=buckets,
+      num_continuous_decode_steps=k,
+    )
+    run_engine(engine, seqs[:2], 3, 2)  # compile
+    for c in levels:
+      n = max(args.requests, c)
+      run_engine(engine, seqs[:c], 2, c)  # this level's slot bucket compiles
+      runs = []
+      for _ in range(args.repeats):
+        t = time.perf_counter()
+        tokens = run_engine(engine, seqs[:n], args.new_tokens, c)
+        runs.append(tokens / (time.perf_counter() - t))
+      rows.append((k, c, statistics.median(runs)))
+      print(
+        f"measured: {k} decode steps per call, {c} concurrent: {rows[-1][2]:,.0f} tokens/s",
+        flush=True,
+      )
+      save(partial=True)
+    if args.profile:  # the largest level once more, traced apart from the timed runs
+      trace_dir = os.path.join(args.profile, f"steps{k}-c{levels[-1]}")
+      with op_profile.capture(trace_dir):
+        run_engine(engine, seqs[: max(args.requests, levels[-1])], args.new_tokens, levels[-1])
+      where = "device" if jax.default_backend() == "gpu" else "host"
+      op_profile.report(trace_dir, where=where, hlo_dir=op_profile.hlo_dir_of(args.profile))
+    if args.prefill_len and prefill_tps is None:
+      long_seqs = draw(levels[-1], args.prefill_len)
+      run_engine(engine, long_seqs[:1], 1, 1)  # compile
+      t = time.perf_counter()
+      run_engine(engine, long_seqs, 1, levels[-1])
+      prefill_tps = len(long_seqs) * args.prefill_len / (time.perf_counter() - t)
+      print(f"measured: prefill, {prefill_tps:,.0f} tokens/s", flush=True)
+      save(partial=True)
+    agree = min(agree, agreement(engine, seqs[0], loop_outs[0], args.new_tokens))
+    del engine  # its KV cache goes before the next one's
+  # Greedy ties break differently between batch shapes in bf16 (random
+  # weights give near-flat logits): exact agreement is checked in fp32 only.
+  if args.dtype == "float32":
+    assert agree == args.new_tokens, f"engine and loop disagree from token {agree}"
+
+  print(
+    f"machine: {platform.machine()} {os.cpu_count()} CPUs, {dev.device_kind}, jax "
+    f"{jax.__version__} {jax.default_backend()}; preset {args.preset} {args.dtype}, "
+    f"{args.prompt_len} prompt + {args.new_tokens} new tokens, engine {args.slots} slots"
+  )
+  print(
+    f"decoder + LM head {param_bytes / 1e9:.2f} GB read per step; "
+    f"KV cache {kv_per_token} bytes per token; "
+    f"bandwidth {bandwidth / 1e12 if bandwidth else float('nan'):.1f} TB/s"
+  )
+  print(
+    "| mode | decode steps per call | concurrent requests | generated tokens/s | vs loop "
+    "| bandwidth bound | of bound |"
+  )
+  print("|---|---|---|---|---|---|---|")
+
+  def of_bound(c, tps):  # the bound's cell and the share of it reached
+    return f"{bound(c):,.0f} | {tps / bound(c):.0%}" if bandwidth else "- | -"
+
+  print(f"| loop (one at a time) | 1 | 1 | {loop_tps:,.0f} | 1.00x | {of_bound(1, loop_tps)} |")
+  for k, c, tps in rows:
+    print(f"| engine | {k} | {c} | {tps:,.0f} | {tps / loop_tps:.2f}x | {of_bound(c, tps)} |")
+  if prefill_tps:
+    print(f"prefill: {levels[-1]} x {args.prefill_len} tokens, {prefill_tps:,.0f} tokens/s")
+  save()
 
 
 if __name__ == "__main__":

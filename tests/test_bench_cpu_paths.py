@@ -28,6 +28,7 @@ CASES = {
     "--decode-steps 1,3 --repeats 1 --profile {tmp}/trace",
     lambda r: (
       r["tokens_agreeing_with_loop"] == 8
+      and r["partial"] is False
       and {row["decode_steps_per_call"] for row in r["rows"]} == {1, 3}
     ),
     {"steps1-c4": "$engine.py", "steps3-c4": "$engine.py"},
@@ -105,3 +106,29 @@ def test_device_time_is_summed_by_the_hlo_op_that_launched_each_kernel(tmp_path)
   assert "| (1 more ops) | 0.100 | 10.0% | - |" in table
   with pytest.raises(FileNotFoundError, match=r"no \*\.trace\.json\.gz under"):
     op_profile.newest_trace(str(tmp_path / "plugins" / "none"))
+
+
+def test_a_profiled_op_is_named_by_the_jax_operation_and_line_it_came_from(tmp_path):
+  # expose_ops has XLA dump each optimized module; dumped_sources reads the
+  # dump back: an instruction's op_name and its stack frame's file and line.
+  script = tmp_path / "matmul.py"
+  script.write_text(
+    "import sys\n"
+    f"sys.path.insert(0, {os.path.join(ROOT, 'bench')!r})\n"
+    "import op_profile\n"
+    "op_profile.expose_ops(sys.argv[1])\n"
+    "import jax, jax.numpy as jnp\n"
+    "def f(a, b):\n"
+    "  h = a @ b\n"
+    "  return jnp.tanh(h).sum()\n"
+    "jax.jit(f)(jnp.ones((64, 64)), jnp.ones((64, 64)))\n"
+  )
+  hlo = tmp_path / "hlo"
+  subprocess.run([sys.executable, str(script), str(hlo)], check=True, cwd=tmp_path)
+  found = op_profile.dumped_sources(str(hlo))
+  assert "jit(f)/dot_general @ matmul.py:7" in found.values(), found
+  assert "jit(f)/tanh @ matmul.py:8" in found.values(), found
+  rows = [op_profile.OpTime("dot.1", 2.0, 1), op_profile.OpTime("fusion.9", 1.0, 1)]
+  table = op_profile.table(rows, top=5, source={"dot.1": "jit(f)/dot_general @ matmul.py:7"})
+  assert "| dot.1 | 2.000 | 66.7% | 1 | jit(f)/dot_general @ matmul.py:7 |" in table
+  assert "| fusion.9 | 1.000 | 33.3% | 1 | ? |" in table

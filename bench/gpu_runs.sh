@@ -40,7 +40,9 @@ since grpo
 # x 16k tokens x 36 KB = 9.6 GB), the fp32 state and AdamW (45 GB) with the
 # gradient sums (15 GB), and the update's new state beside the old (45 GB,
 # train_step.apply_update keeps the old until the new is known finite). At 32
-# slots the cache's 19 GB ran out of memory in the update.
+# slots the cache's 19 GB ran out of memory in the update. Rows of 16k tokens
+# hold the longest sequence the context allows (a 16,256-token prompt and its
+# 128 new tokens) at half the activations of 32k.
 run "${2:-240}" && {
 wd=/dev/shm/fluxjax-grpo; rm -rf "$wd"
 # -k: SIGTERM first (the run checkpoints its step and stops), SIGKILL 60 s later.
@@ -49,7 +51,7 @@ XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout -k 60 "${2:-240}" python3 -m fluxjax
   --config.rollout.backend=embedded --config.rollout.launch="()" \
   --config.total_steps=5 --config.rl.prompts_per_step=4 --config.rl.max_new_tokens=128 \
   --config.rollout.num_slots=16 --config.rollout.context_length=16384 \
-  --config.sharding.capacity=32768 --config.eval.every=0 --config.eval.prompts=4 \
+  --config.sharding.capacity=16384 --config.eval.every=0 --config.eval.prompts=4 \
   --config.eval.samples_per_prompt=1 --config.data.synth_train=32 --config.data.synth_eval=4 \
   > "$OUT/grpo.log" 2>&1
 cp "$wd/metrics.jsonl" "$OUT/grpo_metrics.jsonl"

@@ -32,7 +32,7 @@ run() { [ "${1:-1}" != 0 ]; }
 since decode
 run "${1:-150}" && timeout "${1:-150}" python3 bench/rollout.py --preset 3b --dtype bfloat16 --slots 256 \
   --concurrency "${CONCURRENCY:-1,32,256}" --requests 4 --loop-requests 1 --new-tokens 128 --prefill-len 1024 \
-  --decode-steps 8,1 --repeats 3 ${DECODE_PROFILE:+--profile /tmp/prof_r} --json "$OUT/rollout.json" > "$OUT/rollout.log" 2>&1
+  --decode-steps 8,1 --decode-attention xla,pallas_gpu --repeats 3 ${DECODE_PROFILE:+--profile /tmp/prof_r} --json "$OUT/rollout.json" > "$OUT/rollout.log" 2>&1
 quiet < "$OUT/rollout.log" | tail -70
 
 since grpo

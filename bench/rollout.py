@@ -3,7 +3,8 @@
   python bench/rollout.py [--preset tiny] [--requests 32] [--prompt-len 32] [--new-tokens 64]
       [--slots 32] [--decode-steps 1,8] [--json PATH]
   python bench/rollout.py --preset 3b --dtype bfloat16 --slots 256 --concurrency 1,32,256 \
-      --loop-requests 2 --new-tokens 128 --prefill-len 1024        # on a GPU
+      --loop-requests 2 --new-tokens 128 --prefill-len 1024 \
+      --decode-attention xla,pallas_gpu                            # on a GPU
 
 Both sides run the same model and the same jitted KV-cache kernels
 (models/decode.py); both are greedy with EOS ignored, so every request
@@ -15,7 +16,9 @@ generates exactly --new-tokens tokens. Compilation is excluded (warm-up first).
   engine   fluxjax.rollout.engine.Engine with 32 slots; a driver keeps
            1, 8 or 32 requests in flight until all --requests are done;
            once per --decode-steps value (num_continuous_decode_steps:
-           decode steps per jitted call, one fetch of the tokens per call).
+           decode steps per jitted call, one fetch of the tokens per call)
+           and per --decode-attention value (model.decode_attention: the
+           xla reference, or pallas_gpu reading the cache in place).
 
 Reports generated tokens/s (the median of --repeats timed runs) and the
 ratio to the loop, in one run. Each
@@ -35,6 +38,8 @@ largest level, in prompt tokens/s.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import os
 import platform
 import statistics
@@ -131,10 +136,16 @@ def main():
   p.add_argument(
     "--profile",
     metavar="DIR",
-    help="also trace one more run at the largest level per --decode-steps value into "
-    "DIR/steps<K>-c<level> and print its time by op (bench/op_profile.py)",
+    help="also trace one more run at the largest level per --decode-attention and "
+    "--decode-steps value into DIR/<attention>-steps<K>-c<level> and print its time by op "
+    "(bench/op_profile.py)",
   )
   p.add_argument("--decode-steps", default="1,8", help="engine decode steps per call, comma list")
+  p.add_argument(
+    "--decode-attention",
+    default="xla",
+    help="decode steps' attention (model.decode_attention), comma list: xla, pallas_gpu",
+  )
   p.add_argument("--loop-requests", type=int, default=0, help="loop baseline requests; 0: all")
   p.add_argument("--prefill-len", type=int, default=0, help="also time prefill at this length")
   p.add_argument("--bandwidth", type=float, default=None, help="bytes/s; default by device")
@@ -148,6 +159,7 @@ def main():
     op_profile.expose_ops(op_profile.hlo_dir_of(args.profile))
   levels = [int(c) for c in args.concurrency.split(",")]
   steps_per_call = [int(k) for k in args.decode_steps.split(",")]
+  backends = args.decode_attention.split(",")
   cfg = config.preset(args.preset, dtype=args.dtype, param_dtype=args.dtype)
   model = vlm.create_model(cfg, 0)
   tok = Tokenizer.default()
@@ -216,13 +228,14 @@ def main():
         + [
           {
             "mode": "engine",
+            "decode_attention": backend,
             "decode_steps_per_call": k,
             "concurrent_requests": c,
             "generated_tokens_per_s": tps,
             "vs_loop": tps / loop_tps,
             "bandwidth_bound": bound(c),
           }
-          for k, c, tps in rows
+          for backend, k, c, tps in rows
         ],
         "tokens_agreeing_with_loop": agree,
       },
@@ -230,7 +243,9 @@ def main():
 
   buckets = sorted({bucket, capacity} | ({args.prefill_len} if args.prefill_len else set()))
   rows, prefill_tps, agree = [], None, args.new_tokens
-  for k in steps_per_call:
+  for k, backend in itertools.product(steps_per_call, backends):
+    # decode_step reads the choice from the model's config (models/decode.py).
+    model.cfg = dataclasses.replace(model.cfg, decode_attention=backend)
     engine = engine_lib.Engine(
       model,
       tok,
@@ -248,14 +263,15 @@ def main():
         t = time.perf_counter()
         tokens = run_engine(engine, seqs[:n], args.new_tokens, c)
         runs.append(tokens / (time.perf_counter() - t))
-      rows.append((k, c, statistics.median(runs)))
+      rows.append((backend, k, c, statistics.median(runs)))
       print(
-        f"measured: {k} decode steps per call, {c} concurrent: {rows[-1][2]:,.0f} tokens/s",
+        f"measured: {backend}, {k} decode steps per call, {c} concurrent: "
+        f"{rows[-1][3]:,.0f} tokens/s",
         flush=True,
       )
       save(partial=True)
     if args.profile:  # the largest level once more, traced apart from the timed runs
-      trace_dir = os.path.join(args.profile, f"steps{k}-c{levels[-1]}")
+      trace_dir = os.path.join(args.profile, f"{backend}-steps{k}-c{levels[-1]}")
       with op_profile.capture(trace_dir):
         run_engine(engine, seqs[: max(args.requests, levels[-1])], args.new_tokens, levels[-1])
       where = "device" if jax.default_backend() == "gpu" else "host"
@@ -295,8 +311,10 @@ def main():
     return f"{bound(c):,.0f} | {tps / bound(c):.0%}" if bandwidth else "- | -"
 
   print(f"| loop (one at a time) | 1 | 1 | {loop_tps:,.0f} | 1.00x | {of_bound(1, loop_tps)} |")
-  for k, c, tps in rows:
-    print(f"| engine | {k} | {c} | {tps:,.0f} | {tps / loop_tps:.2f}x | {of_bound(c, tps)} |")
+  for backend, k, c, tps in rows:
+    print(
+      f"| engine, {backend} | {k} | {c} | {tps:,.0f} | {tps / loop_tps:.2f}x | {of_bound(c, tps)} |"
+    )
   if prefill_tps:
     print(f"prefill: {levels[-1]} x {args.prefill_len} tokens, {prefill_tps:,.0f} tokens/s")
   save()

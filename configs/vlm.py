@@ -245,6 +245,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # skips the masked blocks of packed rows; else the XLA reference), "xla",
   # "xla_blocked", or a GPU kernel ("cudnn", "pallas_gpu", "tokamax_gpu").
   c.model.attention_backend = "auto"
+  # The rollout engine's decode steps (models/decode.py): "xla", the
+  # reference, or "pallas_gpu", a kernel reading the KV cache in place (one
+  # device per engine).
+  c.model.decode_attention = "xla"
   # What each decoder/vision layer keeps for the backward pass
   # (models/layers.py REMAT_POLICIES): "none", "full" (28+ layers' activations
   # do not fit otherwise), "save_dots" (keeps the projections' outputs:

@@ -162,6 +162,7 @@ class Model:
   dtype: str
   param_dtype: str
   attention_backend: str
+  decode_attention: str
   remat: str
   logprob_vocab_chunk: int
   mrope_text_after_vision: str

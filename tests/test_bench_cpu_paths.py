@@ -31,7 +31,7 @@ CASES = {
       and r["partial"] is False
       and {row["decode_steps_per_call"] for row in r["rows"]} == {1, 3}
     ),
-    {"steps1-c4": "$engine.py", "steps3-c4": "$engine.py"},
+    {"xla-steps1-c4": "$engine.py", "xla-steps3-c4": "$engine.py"},
   ),
   "mfu": (
     "--preset tiny --layers 2 --rows 2 --row-tokens 512 --seq-tokens 256 --image-side 16 "

@@ -91,6 +91,7 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype; "bfloat16" on GPU
   param_dtype: str = "float32"
   attention_backend: str = "auto"  # fluxjax/models/attention/: auto, xla, xla_blocked, cudnn, ...
+  decode_attention: str = "xla"  # the engine's decode steps: xla, pallas_gpu (models/decode.py)
   # What each scanned layer keeps for the backward pass (layers.REMAT_POLICIES):
   # "none", "full" (recompute everything), "save_dots", "save_dots_attention".
   remat: str = "none"

@@ -184,6 +184,29 @@ def prefill(
   return _head_logits(model, last_1D)[0], cache
 
 
+DECODE_ATTENTION = ("xla", "pallas_gpu")
+
+
+def _cache_attention(backend: str, q_SNH, cache: KVCache, layer, lengths_S, window: int):
+  """[S, 1, N, H]: the first S slots' queries against their cached keys.
+
+  `xla` (the reference) slices the window out of the cache for two batched
+  dots; `pallas_gpu` reads the cache in place, each slot only up to its
+  length (models/attention/pallas_decode.py; the cache on one device).
+  """
+  if backend == "xla":
+    s = q_SNH.shape[0]
+    keys, values = cache.keys(layer, s, window), cache.values(layer, s, window)
+    return attn_lib.decode_attention(q_SNH, keys, values, lengths_S)
+  if backend == "pallas_gpu":
+    from fluxjax.models.attention import pallas_decode  # loads Triton's lowering on use
+
+    return pallas_decode.cache_decode_attention(
+      q_SNH, cache.k_LSKCH, cache.v_LSKCH, cache.dtype, layer, lengths_S, window
+    )
+  raise ValueError(f"unknown model.decode_attention {backend!r}; available: {DECODE_ATTENTION}")
+
+
 def decode_step(
   model: vlm.Qwen25VL,
   cache: KVCache,
@@ -222,9 +245,9 @@ def decode_step(
 
     def attend(q, k, v):
       written = cache.write_tokens(i, lengths_S, k[:, 0], v[:, 0])
-      # One query per slot: a flash kernel gains nothing at query length 1.
-      keys, values = written.keys(i, s, c), written.values(i, s, c)
-      return attn_lib.decode_attention(q[:, 0], keys, values, lengths_S), written
+      return _cache_attention(
+        model.cfg.decode_attention, q[:, 0], written, i, lengths_S, c
+      ), written
 
     return layer.block(x, cos, sin, attend)
 

@@ -148,6 +148,7 @@ def validate(config) -> Validated:
     dtype=settings.model.dtype,
     param_dtype=settings.model.param_dtype,
     attention_backend=settings.model.attention_backend,
+    decode_attention=settings.model.decode_attention,
     remat=settings.model.remat,
     logprob_vocab_chunk=settings.model.logprob_vocab_chunk,
     mrope_text_after_vision=settings.model.mrope_text_after_vision,

@@ -233,6 +233,11 @@ class Engine:
       raise ValueError(f"prefill bucket {self.buckets[-1]} exceeds capacity {capacity}")
     self._graphdef, self._state = nnx.split(model)
     cache_sharding = _cache_sharding(self._state, decode.cache_shape(model, num_slots, capacity))
+    if cache_sharding is not None and self.cfg.decode_attention != "xla":
+      raise ValueError(
+        f"model.decode_attention={self.cfg.decode_attention!r} reads the cache on one device; "
+        f"this engine's model spans {cache_sharding.mesh.size} devices: use xla"
+      )
     self._cache = decode.init_cache(model, num_slots, capacity, cache_sharding)
     # A prefix of the slots is every device's only while the slot axis is whole.
     spec = tuple(cache_sharding.spec) if cache_sharding is not None else ()

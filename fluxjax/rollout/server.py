@@ -25,7 +25,7 @@ from aiohttp import web
 from flax import nnx
 
 from fluxjax.models import config as config_lib
-from fluxjax.models import hf_load, processor, vlm
+from fluxjax.models import decode, hf_load, processor, vlm
 from fluxjax.models import tokenizer as tokenizer_lib
 from fluxjax.models.tokenizer import Tokenizer
 from fluxjax.rollout import engine as engine_lib
@@ -170,7 +170,7 @@ class RolloutServer:
     """Builds the model and engine, then warms up (runs in a thread)."""
     try:
       a = self.args
-      overrides = {"dtype": a.dtype, "param_dtype": a.dtype}
+      overrides = {"dtype": a.dtype, "param_dtype": a.dtype, "decode_attention": a.decode_attention}
       tokenizer = tokenizer_lib.resolve(a.tokenizer_path, a.model_path)
       base = (
         config_lib.load_hf_config(a.model_path, **overrides)
@@ -581,6 +581,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     "so that a call's cost does not fall with the slots it runs (default 0: off)",
   )
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  p.add_argument(
+    "--decode-attention",
+    default="xla",
+    choices=decode.DECODE_ATTENTION,
+    help="decode steps' attention: the xla reference or pallas_gpu (models/decode.py)",
+  )
   p.add_argument("--weight-version", default="default")
   p.add_argument(
     "--max-request-bytes",

@@ -1,0 +1,121 @@
+"""Decode attention read in place from the engine's KV cache: a Pallas kernel, Triton lowering.
+
+The `pallas_gpu` choice of `model.decode_attention` (the `xla` reference is
+`xla.decode_attention`). The reference attends over a window sliced out of the
+cache, and XLA:GPU copies that window out of the cache for its batched dots
+every layer and step; this kernel reads the cache where it lies, and for each
+slot only the blocks up to its length, not the whole window.
+
+One program per (slot, kv head): its query heads (padded to a Triton tile of
+at least 16 rows) against the slot's keys and values, block by block with an
+online softmax in fp32, the probabilities rounded to the cache dtype for the
+second product as the reference does. The cache holds the bits of its dtype
+(`decode.KVCache`); the kernel views them as that dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from fluxjax.models.attention.pallas import _LOG2_E, _MASK_VALUE, _dot, _dot_nt
+
+# Keys per block: a power of two (Triton's tiles) that few short contexts waste.
+BLOCK_K = 64
+# Triton's dot wants at least 16 rows: a kv head's query heads are padded to it.
+MIN_ROWS = 16
+
+
+def _kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, *, dtype, window, block_k, scale):
+  slot, head = pl.program_id(0), pl.program_id(1)
+  layer, length = layer_ref[0], lengths_ref[slot]
+  capacity = k_ref.shape[3]
+  q = q_ref[...]
+  rows = q.shape[0]
+
+  def block(ref, start):
+    keys = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+    view = ref.at[layer, slot, head, pl.ds(start, block_k), :]
+    bits = plgpu.load(view, mask=(keys < capacity)[:, None], other=0)
+    return lax.bitcast_convert_type(bits, dtype), keys
+
+  def body(j, carry):
+    acc, m, denom = carry
+    start = pl.multiple_of(j * block_k, block_k)
+    k, keys = block(k_ref, start)
+    visible = ((keys <= length) & (keys < window))[None, :]
+    s = jnp.where(visible, _dot_nt(q, k) * scale, _MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)
+    v, _ = block(v_ref, start)
+    acc = acc * alpha[:, None] + _dot(p.astype(dtype), v)
+    return acc, m_new, denom * alpha + p.sum(axis=-1)
+
+  # Keys 0..length are visible: the blocks holding them, within the window.
+  blocks = jnp.minimum(length // block_k + 1, pl.cdiv(window, block_k))
+  init = (
+    jnp.zeros((rows, q.shape[1]), jnp.float32),
+    jnp.full((rows,), _MASK_VALUE, jnp.float32),
+    jnp.zeros((rows,), jnp.float32),
+  )
+  acc, _, denom = lax.fori_loop(0, blocks, body, init)
+  o_ref[...] = (acc / jnp.maximum(denom, 1e-30)[:, None]).astype(o_ref.dtype)
+
+
+def cache_decode_attention(
+  q_SNH: jax.Array,
+  k_LSKCH: jax.Array,
+  v_LSKCH: jax.Array,
+  dtype,
+  layer: jax.Array,
+  lengths_S: jax.Array,
+  window: int,
+  *,
+  block_k: int = BLOCK_K,
+  num_warps: int = 4,
+  interpret: bool = False,
+) -> jax.Array:
+  """`xla.decode_attention` of the first S slots, read from the cache in place.
+
+  Args:
+    q_SNH: one query per slot, [S, N, H].
+    k_LSKCH, v_LSKCH: the whole cache's bits, [L, slots, K, C, H] (unsigned
+      integers of `dtype`'s width).
+    dtype: what the bits hold.
+    layer: the layer to read (a traced int: the decoder scan's index).
+    lengths_S: the query of slot s sits at cache index lengths_S[s] and sees
+      keys 0..that index (min(that, window - 1)).
+    window: static; at most this many leading cache entries are read.
+    interpret: run in Pallas interpret mode (any backend: the CPU tests).
+
+  Returns [S, 1, N, H] in `dtype`.
+  """
+  s, n, h = q_SNH.shape
+  kv_heads = k_LSKCH.shape[2]
+  if n % kv_heads:
+    raise ValueError(f"{n} query heads do not group over {kv_heads} kv heads")
+  groups = n // kv_heads
+  rows = max(MIN_ROWS, pl.next_power_of_2(groups))
+  q = q_SNH.astype(dtype).reshape(s, kv_heads, groups, h)
+  q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - groups), (0, 0)))
+  whole = pl.BlockSpec()  # the whole array: the kernel picks its blocks
+  tile = pl.BlockSpec((None, None, rows, h), lambda i, j: (i, j, 0, 0))
+  out = pl.pallas_call(
+    functools.partial(
+      _kernel, dtype=jnp.dtype(dtype), window=window, block_k=block_k, scale=h**-0.5 * _LOG2_E
+    ),
+    grid=(s, kv_heads),
+    in_specs=[whole, whole, tile, whole, whole],
+    out_specs=tile,
+    out_shape=jax.ShapeDtypeStruct(q.shape, dtype),
+    compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+    interpret=interpret,
+    name="cache_decode_attention",
+  )(jnp.asarray(layer, jnp.int32).reshape(1), lengths_S.astype(jnp.int32), q, k_LSKCH, v_LSKCH)
+  return out[:, :, :groups].reshape(s, 1, n, h)

@@ -29,6 +29,11 @@ quiet() { grep -v "^E11\|onstant\|XLA_FLAGS\|^$\|file a bug\|^  %\|This isn't"; 
 
 run() { [ "${1:-1}" != 0 ]; }
 
+since kernels
+# The decode kernel compiled by Triton against the xla reference (interpret mode on CPUs).
+FLUXJAX_PALLAS_INTERPRET=0 timeout 90 python3 -m pytest -q -n 0 -p no:cacheprovider --noconftest \
+  -k reads_the_cache tests/test_attention_pallas_decode.py 2>&1 | tail -15 | tee "$OUT/kernels.log"
+
 since decode
 run "${1:-150}" && timeout "${1:-150}" python3 bench/rollout.py --preset 3b --dtype bfloat16 --slots 256 \
   --concurrency "${CONCURRENCY:-1,32,256}" --requests 4 --loop-requests 1 --new-tokens 128 --prefill-len 1024 \

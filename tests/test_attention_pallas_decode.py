@@ -38,7 +38,8 @@ def _cache(dtype, layers=3, slots=5, kv_heads=2, capacity=75, head_dim=32, seed=
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("window", [75, 40])
-def test_the_kernel_reads_the_cache_as_the_reference_attends_the_window(dtype, window):
+@pytest.mark.parametrize("split_keys", [None, 32])  # one program per slot and head, or 2-3
+def test_the_kernel_reads_the_cache_as_the_reference_attends_the_window(dtype, window, split_keys):
   cache = _cache(dtype)
   slots, heads = 4, 6  # the first 4 of 5 slots; 3 query heads per kv head
   q = jnp.asarray(np.random.default_rng(1).normal(size=(slots, heads, 32)), dtype)
@@ -59,6 +60,7 @@ def test_the_kernel_reads_the_cache_as_the_reference_attends_the_window(dtype, w
     lengths,
     window,
     block_k=16,
+    split_keys=split_keys,
     interpret=INTERPRET,
   )
   assert got.shape == want.shape == (slots, 1, heads, 32) and got.dtype == want.dtype

@@ -6,11 +6,14 @@ cache, and XLA:GPU copies that window out of the cache for its batched dots
 every layer and step; this kernel reads the cache where it lies, and for each
 slot only the blocks up to its length, not the whole window.
 
-One program per (slot, kv head): its query heads (padded to a Triton tile of
-at least 16 rows) against the slot's keys and values, block by block with an
-online softmax in fp32, the probabilities rounded to the cache dtype for the
-second product as the reference does. The cache holds the bits of its dtype
-(`decode.KVCache`); the kernel views them as that dtype.
+One program per (slot, kv head, split): its query heads (padded to a Triton
+tile of at least 16 rows) against one split of the slot's keys and values,
+block by block with an online softmax in fp32, the probabilities rounded to
+the cache dtype for the second product as the reference does. Long windows
+split over several programs (flash-decoding), so that a few slots with long
+contexts still fill the GPU; the splits' partial sums are combined after.
+The cache holds the bits of its dtype (`decode.KVCache`); the kernel views
+them as that dtype.
 """
 
 from __future__ import annotations
@@ -29,10 +32,28 @@ from fluxjax.models.attention.pallas import _LOG2_E, _MASK_VALUE, _dot, _dot_nt
 BLOCK_K = 64
 # Triton's dot wants at least 16 rows: a kv head's query heads are padded to it.
 MIN_ROWS = 16
+# Keys per split (a multiple of BLOCK_K), and the most splits of one window.
+SPLIT_KEYS = 1024
+MAX_SPLITS = 16
 
 
-def _kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, *, dtype, window, block_k, scale):
-  slot, head = pl.program_id(0), pl.program_id(1)
+def _kernel(
+  layer_ref,
+  lengths_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  o_ref,
+  m_ref,
+  denom_ref,
+  *,
+  dtype,
+  window,
+  block_k,
+  split_blocks,
+  scale,
+):
+  slot, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   layer, length = layer_ref[0], lengths_ref[slot]
   capacity = k_ref.shape[3]
   q = q_ref[...]
@@ -57,15 +78,17 @@ def _kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, *, dtype, window
     acc = acc * alpha[:, None] + _dot(p.astype(dtype), v)
     return acc, m_new, denom * alpha + p.sum(axis=-1)
 
-  # Keys 0..length are visible: the blocks holding them, within the window.
+  # Keys 0..length are visible: the blocks holding them, within the window,
+  # that fall in this program's split.
   blocks = jnp.minimum(length // block_k + 1, pl.cdiv(window, block_k))
+  first = split * split_blocks
   init = (
     jnp.zeros((rows, q.shape[1]), jnp.float32),
     jnp.full((rows,), _MASK_VALUE, jnp.float32),
     jnp.zeros((rows,), jnp.float32),
   )
-  acc, _, denom = lax.fori_loop(0, blocks, body, init)
-  o_ref[...] = (acc / jnp.maximum(denom, 1e-30)[:, None]).astype(o_ref.dtype)
+  acc, m, denom = lax.fori_loop(first, jnp.minimum(blocks, first + split_blocks), body, init)
+  o_ref[...], m_ref[...], denom_ref[...] = acc, m, denom
 
 
 def cache_decode_attention(
@@ -78,6 +101,7 @@ def cache_decode_attention(
   window: int,
   *,
   block_k: int = BLOCK_K,
+  split_keys: int | None = None,
   num_warps: int = 4,
   interpret: bool = False,
 ) -> jax.Array:
@@ -92,6 +116,8 @@ def cache_decode_attention(
     lengths_S: the query of slot s sits at cache index lengths_S[s] and sees
       keys 0..that index (min(that, window - 1)).
     window: static; at most this many leading cache entries are read.
+    split_keys: keys per program (SPLIT_KEYS; a multiple of block_k): windows
+      longer than it split over up to MAX_SPLITS programs per slot and head.
     interpret: run in Pallas interpret mode (any backend: the CPU tests).
 
   Returns [S, 1, N, H] in `dtype`.
@@ -104,18 +130,44 @@ def cache_decode_attention(
   rows = max(MIN_ROWS, pl.next_power_of_2(groups))
   q = q_SNH.astype(dtype).reshape(s, kv_heads, groups, h)
   q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - groups), (0, 0)))
+  split_keys = split_keys or SPLIT_KEYS
+  splits = min(MAX_SPLITS, pl.cdiv(window, split_keys))
+  split_blocks = pl.cdiv(pl.cdiv(window, block_k), splits)
   whole = pl.BlockSpec()  # the whole array: the kernel picks its blocks
-  tile = pl.BlockSpec((None, None, rows, h), lambda i, j: (i, j, 0, 0))
-  out = pl.pallas_call(
+  part = (s, kv_heads, splits, rows)
+  acc, m, denom = pl.pallas_call(
     functools.partial(
-      _kernel, dtype=jnp.dtype(dtype), window=window, block_k=block_k, scale=h**-0.5 * _LOG2_E
+      _kernel,
+      dtype=jnp.dtype(dtype),
+      window=window,
+      block_k=block_k,
+      split_blocks=split_blocks,
+      scale=h**-0.5 * _LOG2_E,
     ),
-    grid=(s, kv_heads),
-    in_specs=[whole, whole, tile, whole, whole],
-    out_specs=tile,
-    out_shape=jax.ShapeDtypeStruct(q.shape, dtype),
+    grid=(s, kv_heads, splits),
+    in_specs=[
+      whole,
+      whole,
+      pl.BlockSpec((None, None, rows, h), lambda i, j, p: (i, j, 0, 0)),
+      whole,
+      whole,
+    ],
+    out_specs=[
+      pl.BlockSpec((None, None, None, rows, h), lambda i, j, p: (i, j, p, 0, 0)),
+      pl.BlockSpec((None, None, None, rows), lambda i, j, p: (i, j, p, 0)),
+      pl.BlockSpec((None, None, None, rows), lambda i, j, p: (i, j, p, 0)),
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct((*part, h), jnp.float32),
+      jax.ShapeDtypeStruct(part, jnp.float32),
+      jax.ShapeDtypeStruct(part, jnp.float32),
+    ],
     compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
     interpret=interpret,
     name="cache_decode_attention",
   )(jnp.asarray(layer, jnp.int32).reshape(1), lengths_S.astype(jnp.int32), q, k_LSKCH, v_LSKCH)
-  return out[:, :, :groups].reshape(s, 1, n, h)
+  # The splits' online-softmax states, rescaled to their common max (a split
+  # with no visible key has denominator 0 and weighs nothing).
+  weight = jnp.exp2(m - m.max(axis=2, keepdims=True))
+  out = (acc * weight[..., None]).sum(axis=2) / (denom * weight).sum(axis=2)[..., None]
+  return out[:, :, :groups].astype(dtype).reshape(s, 1, n, h)

@@ -85,7 +85,9 @@ def build(cfg, args, device) -> Built:
   plan = strategy.plan([len(s) for s in seqs], mesh.size)
   patches = args.image_side**2 * (args.row_tokens // args.seq_tokens)
   host = batch_lib.materialize(plan, seqs, cfg, patches)
-  tx = train_step.make_optimizer(config_args.load_config(arg="tiny").optim)
+  optim = config_args.load_config(arg="tiny").optim
+  optim.refuse_nonfinite = args.refuse_nonfinite or optim.refuse_nonfinite
+  tx = train_step.make_optimizer(optim)
   model = sharded.create_sharded_model(cfg, mesh, log_table=False, max_replicated_bytes=1 << 40)
   graphdef, state, shardings = train_step.create_train_state(model, tx, mesh)
   with jax.set_mesh(mesh):
@@ -94,7 +96,11 @@ def build(cfg, args, device) -> Built:
       mesh, plan, graphdef, shardings.params, train_step.policy_gradient_loss
     )
     step = train_step.make_train_step(
-      graphdef, tx, state_shardings=shardings, accumulate_fn=accumulate
+      graphdef,
+      tx,
+      state_shardings=shardings,
+      accumulate_fn=accumulate,
+      check_state=train_step.checks_state(optim),
     )
     t = time.perf_counter()
     compiled = step.lower(state, batch).compile()
@@ -168,6 +174,12 @@ def main() -> None:
   p.add_argument("--row-tokens", type=int, default=8192)
   p.add_argument("--seq-tokens", type=int, default=2048)
   p.add_argument("--image-side", type=int, default=32, help="image side in patches")
+  p.add_argument(
+    "--refuse-nonfinite",
+    choices=train_step.REFUSE_NONFINITE,
+    help="optim.refuse_nonfinite (default: configs/vlm.py's): state keeps the updated state "
+    "beside the old until known finite, inputs updates in place",
+  )
   p.add_argument(
     "--remat",
     default="full,save_dots,save_dots_attention",

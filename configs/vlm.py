@@ -633,6 +633,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optim.b2 = 0.999
   c.optim.eps = 1e-8
   c.optim.weight_decay = 0.0
+  # An update is refused (the state kept) when it is not finite: "state"
+  # checks the loss, the gradient norm and the updated parameters and
+  # moments, which then sit beside the old ones in device memory until known
+  # finite (one more copy of the fp32 state and AdamW moments); "inputs"
+  # checks the loss and gradient norm only and updates in place
+  # (train_step.apply_update says what it leaves to the publisher's check).
+  c.optim.refuse_nonfinite = "state"
   # Once lr_scale_steps[i] optimizer updates are done (one per RL step, or
   # rl.updates_per_batch), the schedule's lr is multiplied by lr_scales[i]
   # (cumulatively): a step change mid-run, e.g. (75,) and (3.0,) triple it

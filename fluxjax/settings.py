@@ -181,6 +181,7 @@ class Optim:
   weight_decay: float
   lr_scale_steps: tuple[int, ...]
   lr_scales: tuple[float, ...]
+  refuse_nonfinite: str
 
 
 @dataclasses.dataclass(frozen=True)

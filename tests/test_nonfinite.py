@@ -75,6 +75,43 @@ def test_an_update_that_makes_parameters_nonfinite_is_refused_under_sharding(dev
     guard.observe(3, jax.device_get(m))
 
 
+def test_an_update_checked_on_its_inputs_only_applies_in_place():
+  # optim.refuse_nonfinite = "inputs": no copy of the state beside the old
+  # (XLA's memory analysis), non-finite gradients still refused, and the
+  # one case it leaves to the publisher, an overflowing learning rate, applies.
+  sums = {"tokens": jnp.float32(4.0)}
+
+  def compiled(lr, check_state, start=1.0):
+    params = {"w": jnp.full((1 << 20,), start, jnp.float32)}  # 4 MiB; 12 with AdamW's moments
+    tx = optax.adamw(lr)
+    state = train_step.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+    step = jax.jit(
+      lambda s, g: train_step.apply_update(tx, s, jnp.float32(0.5), g, sums, check_state),
+      donate_argnums=0,
+    )
+    return state, step.lower(state, params).compile()
+
+  state_bytes = 3 * (4 << 20)
+  temps = {c: compiled(1e-3, c)[1].memory_analysis().temp_size_in_bytes for c in (True, False)}
+  assert temps[True] >= state_bytes and temps[False] < (1 << 20), temps
+  for grad, lr, start, applied in (
+    (jnp.nan, 1e-3, 1.0, False),
+    (1.0, 1e-3, 1.0, True),
+    (-1.0, 1e38, 3e38, True),  # finite inputs: it applies, and 3e38 + 1e38 overflows
+  ):
+    grads = {"w": jnp.full((1 << 20,), grad, jnp.float32)}
+    state, step = compiled(lr, False, start)
+    before = np.asarray(state.params["w"]).copy()
+    new, m = step(state, grads)
+    assert float(m["nonfinite"]) == (0.0 if applied else 1.0) and int(new.step) == int(applied)
+    assert np.array_equal(np.asarray(new.params["w"]), before) != applied
+  assert not np.isfinite(np.asarray(new.params["w"])).all()
+  with pytest.raises(ValueError, match=r"optim\.refuse_nonfinite must be one of"):
+    train_step.checks_state(
+      dataclasses.replace(Settings.of(tiny_run_config(2)).optim, refuse_nonfinite="all")
+    )
+
+
 @pytest.fixture(scope="module")
 def model(tiny_model):
   return tiny_model

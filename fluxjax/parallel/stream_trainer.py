@@ -82,6 +82,7 @@ class StreamTrainer:
     updates_per_batch: int = 1,
     loss_normalizer: float | None = None,
     sequence_slots: int = 0,
+    check_state: bool = True,
   ):
     if updates_per_batch < 1:
       raise ValueError(f"updates_per_batch must be >= 1, got {updates_per_batch}")
@@ -96,7 +97,7 @@ class StreamTrainer:
     self.loss_fn = loss_fn
     self._state = state
     self._ref_params = ref_params
-    self._apply = train_step.make_stream_apply(tx, state_shardings, loss_normalizer)
+    self._apply = train_step.make_stream_apply(tx, state_shardings, loss_normalizer, check_state)
     # A compiled `add` per plan layout (flex levels change shapes).
     self._layouts = LayoutSteps(
       model_cfg,

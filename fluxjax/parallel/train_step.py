@@ -48,6 +48,19 @@ class TrainState:
   step: jax.Array
 
 
+# What an update must leave finite to apply (`optim.refuse_nonfinite`).
+REFUSE_NONFINITE = ("state", "inputs")
+
+
+def checks_state(optim: settings_lib.Optim) -> bool:
+  """Whether `apply_update` checks the updated state too (`optim.refuse_nonfinite`)."""
+  if optim.refuse_nonfinite not in REFUSE_NONFINITE:
+    raise ValueError(
+      f"optim.refuse_nonfinite must be one of {REFUSE_NONFINITE}, got {optim.refuse_nonfinite!r}"
+    )
+  return optim.refuse_nonfinite == "state"
+
+
 def make_optimizer(optim: settings_lib.Optim) -> optax.GradientTransformation:
   """AdamW with global-norm clipping and `lr_schedule`'s learning rate."""
   return optax.chain(
@@ -241,6 +254,7 @@ def make_train_step(
   batch_shardings=None,
   accumulate_fn=None,
   on_trace: Callable[[], None] | None = None,
+  check_state: bool = True,
 ):
   """Builds the jitted step.
 
@@ -253,6 +267,7 @@ def make_train_step(
     accumulate_fn: (params, batch) -> (loss, grads, sums), e.g. a strategy's
       minibatch-sync accumulation; default: `accumulate` with `attention_fn`.
     on_trace: called each time the step is traced (tests count compilations).
+    check_state: `apply_update`'s.
   """
 
   def step(state: TrainState, batch: TrainBatch):
@@ -265,7 +280,7 @@ def make_train_step(
       loss, grads, sums = accumulate(
         graphdef, state.params, batch, loss_fn, attention_fn, param_shardings
       )
-    return apply_update(tx, state, loss, grads, sums)
+    return apply_update(tx, state, loss, grads, sums, check_state)
 
   shardings = state_shardings is not None
   return jax.jit(
@@ -293,7 +308,9 @@ def all_finite(tree) -> jax.Array:
   return jnp.isfinite(jnp.stack(sums).sum()) if sums else jnp.bool_(True)
 
 
-def apply_update(tx: optax.GradientTransformation, state: TrainState, loss, grads, sums):
+def apply_update(
+  tx: optax.GradientTransformation, state: TrainState, loss, grads, sums, check_state: bool = True
+):
   """One optimizer update from normalized gradients; metrics are token means
   (per-sequence sums, when the batch has sequence slots, stay sums).
 
@@ -307,16 +324,33 @@ def apply_update(tx: optax.GradientTransformation, state: TrainState, loss, grad
   the run (`NonFiniteGuard`). The checks are reductions on device; a
   conditional then returns the new or the old state (an elementwise select
   over the whole state compiles 2-3x slower on XLA:CPU).
+
+  The state check holds the new parameters and moments beside the old until
+  they are known finite: one more copy of them in device memory. With
+  `check_state` False only the loss and gradient norm decide, before the
+  update, which then applies in place. From a finite state, clipped finite
+  gradients keep AdamW's moments finite; only a learning rate near the
+  float32 range can still overflow a parameter, and the publisher's check
+  of the logits stops such a policy before it is served.
   """
   grad_norm = optax.tree.norm(grads)
   inputs_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  state_finite = all_finite((params, opt_state))
-  finite = inputs_finite & state_finite
-  params, opt_state = jax.lax.cond(
-    finite, lambda: (params, opt_state), lambda: (state.params, state.opt_state)
-  )
+
+  def updated():
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    return optax.apply_updates(state.params, updates), opt_state
+
+  def unchanged():
+    return state.params, state.opt_state
+
+  if check_state:
+    params, opt_state = updated()
+    state_finite = all_finite((params, opt_state))
+    finite = inputs_finite & state_finite
+    params, opt_state = jax.lax.cond(finite, lambda: (params, opt_state), unchanged)
+  else:
+    state_finite, finite = jnp.bool_(True), inputs_finite
+    params, opt_state = jax.lax.cond(finite, updated, unchanged)
   sums = dict(sums)
   per_sequence = sums.pop(PER_SEQUENCE, None)
   tokens = jnp.maximum(sums.pop("tokens"), 1.0)
@@ -481,7 +515,10 @@ def make_stream_add(
 
 
 def make_stream_apply(
-  tx: optax.GradientTransformation, state_shardings, normalizer: float | None = None
+  tx: optax.GradientTransformation,
+  state_shardings,
+  normalizer: float | None = None,
+  check_state: bool = True,
 ):
   """`apply(state, acc) -> (state, metrics)`: normalize the sums and update once.
 
@@ -494,7 +531,7 @@ def make_stream_apply(
     weights = jnp.maximum(sums["tokens"], 1.0)
     divisor = weights if normalizer is None else jnp.float32(normalizer)
     grads = jax.tree.map(lambda g: g / divisor, grads)
-    return apply_update(tx, state, loss / divisor, grads, sums)
+    return apply_update(tx, state, loss / divisor, grads, sums, check_state)
 
   # Only the state is donated: the accumulator has no output of its shapes left
   # to alias once the state takes the parameter-shaped ones.

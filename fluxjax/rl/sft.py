@@ -193,6 +193,7 @@ class Trainer:
   ):
     self.policy = policy
     self.tx = train_step.make_optimizer(optim)
+    self._check_state = train_step.checks_state(optim)
     # A copy: the step donates its state, and the run's parameters must stay
     # valid (the rollout engine may hold them) until `finish` replaces them.
     params = jax.tree.map(lambda x: x.copy(), policy.state.params)
@@ -208,7 +209,11 @@ class Trainer:
     p = self.policy
     accumulate = p.strategy.accumulate_fn(p.mesh, plan, p.graphdef, self.shardings.params, nll_loss)
     return train_step.make_train_step(
-      p.graphdef, self.tx, state_shardings=self.shardings, accumulate_fn=accumulate
+      p.graphdef,
+      self.tx,
+      state_shardings=self.shardings,
+      accumulate_fn=accumulate,
+      check_state=self._check_state,
     )
 
   def batch(self, seqs: Sequence[batch_lib.TrainSequence]):

@@ -210,6 +210,7 @@ class PolicyWorker:
         settings.rl.loss_agg_mode, responses_per_step, settings.rl.max_new_tokens
       ),
       sequence_slots=responses_per_step if settings.coordinator.response_records else 0,
+      check_state=train_step.checks_state(settings.optim),
     )
     self.ckpt = checkpoint_lib.Checkpointer(workdir, save_every=settings.checkpoint.every)
     self.rng = jax.random.key(settings.seed)

@@ -8,6 +8,9 @@
 #
 #   bash bench/gpu_runs.sh [decode_s] [grpo_s] [mfu_s]       # on the device machine
 #
+# The defaults (140, 220 + 40, 100, and 60 for the kernel check) fit one
+# 600 s device call with the wheels' install.
+#
 # A limit of 0 skips that run; CONCURRENCY (default 1,32,256) picks decode's levels,
 # and DECODE_PROFILE=1 traces decode at the largest (rollout.py --profile).
 #
@@ -31,11 +34,11 @@ run() { [ "${1:-1}" != 0 ]; }
 
 since kernels
 # The decode kernel compiled by Triton against the xla reference (interpret mode on CPUs).
-FLUXJAX_PALLAS_INTERPRET=0 timeout 90 python3 -m pytest -q -n 0 -p no:cacheprovider --noconftest \
+FLUXJAX_PALLAS_INTERPRET=0 timeout 60 python3 -m pytest -q -n 0 -p no:cacheprovider --noconftest \
   -k reads_the_cache tests/test_attention_pallas_decode.py 2>&1 | tail -15 | tee "$OUT/kernels.log"
 
 since decode
-run "${1:-150}" && timeout "${1:-150}" python3 bench/rollout.py --preset 3b --dtype bfloat16 --slots 256 \
+run "${1:-140}" && timeout "${1:-140}" python3 bench/rollout.py --preset 3b --dtype bfloat16 --slots 256 \
   --concurrency "${CONCURRENCY:-1,32,256}" --requests 4 --loop-requests 1 --new-tokens 128 --prefill-len 1024 \
   --decode-steps 8,1 --decode-attention xla,pallas_gpu --repeats 3 ${DECODE_PROFILE:+--profile /tmp/prof_r} --json "$OUT/rollout.json" > "$OUT/rollout.log" 2>&1
 quiet < "$OUT/rollout.log" | tail -70
@@ -48,10 +51,10 @@ since grpo
 # slots the cache's 19 GB ran out of memory in the update. Rows of 16k tokens
 # hold the longest sequence the context allows (a 16,256-token prompt and its
 # 128 new tokens) at half the activations of 32k.
-run "${2:-240}" && {
+run "${2:-220}" && {
 wd=/dev/shm/fluxjax-grpo; rm -rf "$wd"
-# -k: SIGTERM first (the run checkpoints its step and stops), SIGKILL 60 s later.
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout -k 60 "${2:-240}" python3 -m fluxjax.train \
+# -k: SIGTERM first (the run checkpoints its step and stops), SIGKILL 40 s later.
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout -k 40 "${2:-220}" python3 -m fluxjax.train \
   --config=configs/vlm.py:qwen25_vl_3b --workdir="$wd" \
   --config.rollout.backend=embedded --config.rollout.launch="()" \
   --config.total_steps=5 --config.rl.prompts_per_step=4 --config.rl.max_new_tokens=128 \
@@ -64,7 +67,7 @@ quiet < "$OUT/grpo.log" | tail -25
 }
 
 since mfu
-run "${3:-150}" && timeout "${3:-150}" python3 bench/mfu.py --layers 8 --rows 2 --row-tokens 16384 \
+run "${3:-100}" && timeout "${3:-100}" python3 bench/mfu.py --layers 8 --rows 2 --row-tokens 16384 \
   --seq-tokens 4096 --remat save_dots --attention pallas_gpu --reps 3 --profile /tmp/prof_m \
   --json "$OUT/mfu.json" > "$OUT/mfu.log" 2>&1
 quiet < "$OUT/mfu.log" | tail -40

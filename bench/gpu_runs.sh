@@ -8,8 +8,11 @@
 #
 #   bash bench/gpu_runs.sh [decode_s] [grpo_s] [mfu_s]       # on the device machine
 #
-# The defaults (140, 220 + 40, 100, and 60 for the kernel check) fit one
-# 600 s device call with the wheels' install.
+# The defaults (60 for the kernel check and 140, 220 + 40, 100) fit one
+# 600 s device call with the wheels' install. Two calls back to back (the
+# machine stays warm between them) give decode its twelve rows (2 attention
+# backends x 2 steps per call x 3 levels): `bash bench/gpu_runs.sh 300 0 0`,
+# then `bash bench/gpu_runs.sh 0 220 100`.
 #
 # A limit of 0 skips that run; CONCURRENCY (default 1,32,256) picks decode's levels,
 # and DECODE_PROFILE=1 traces decode at the largest (rollout.py --profile).
@@ -32,16 +35,16 @@ quiet() { grep -v "^E11\|onstant\|XLA_FLAGS\|^$\|file a bug\|^  %\|This isn't"; 
 
 run() { [ "${1:-1}" != 0 ]; }
 
-since kernels
+since decode
+run "${1:-140}" && {
 # The decode kernel compiled by Triton against the xla reference (interpret mode on CPUs).
 FLUXJAX_PALLAS_INTERPRET=0 timeout 60 python3 -m pytest -q -n 0 -p no:cacheprovider --noconftest \
   -k reads_the_cache tests/test_attention_pallas_decode.py 2>&1 | tail -15 | tee "$OUT/kernels.log"
-
-since decode
-run "${1:-140}" && timeout "${1:-140}" python3 bench/rollout.py --preset 3b --dtype bfloat16 --slots 256 \
+timeout "${1:-140}" python3 bench/rollout.py --preset 3b --dtype bfloat16 --slots 256 \
   --concurrency "${CONCURRENCY:-1,32,256}" --requests 4 --loop-requests 1 --new-tokens 128 --prefill-len 1024 \
-  --decode-steps 8,1 --decode-attention xla,pallas_gpu --repeats 3 ${DECODE_PROFILE:+--profile /tmp/prof_r} --json "$OUT/rollout.json" > "$OUT/rollout.log" 2>&1
+  --decode-steps 8,1 --decode-attention xla,pallas_gpu --repeats 2 ${DECODE_PROFILE:+--profile /tmp/prof_r} --json "$OUT/rollout.json" > "$OUT/rollout.log" 2>&1
 quiet < "$OUT/rollout.log" | tail -70
+}
 
 since grpo
 # Memory at 0.92 of 141 GB: the engine's bf16 copy (7.5 GB) and cache (16 slots

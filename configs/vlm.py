@@ -67,7 +67,6 @@ _CPU = dict(
   logprob_vocab_chunk=128,
   strategy="packed_dp",
   capacity=256,
-  patch_capacity=4096,
   balance_vision=False,
   backend="embedded",
   context_length=256,
@@ -97,7 +96,6 @@ _GPU_FLEET = dict(
   logprob_vocab_chunk=8192,
   strategy="flex_ulysses",
   capacity=16384,
-  patch_capacity=16384,
   balance_vision=True,
   backend="sglang",
   context_length=8192,
@@ -301,7 +299,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sharding.capacity = v.capacity
   # Static buffer sizes the step compiles for (largest = capacity); () = powers of 2.
   c.sharding.capacity_buckets = ()
-  c.sharding.patch_capacity = v.patch_capacity
+  # (Vision buffers need no setting: each takes the smallest power of two,
+  # from 256 patches, that holds its device's images and frames.)
   # "layer": FSDP gathers/reduces per layer (LB-Micro for packed_dp); "minibatch":
   # ODC's relaxation: gather once, each device runs its own microbatches,
   # reduce-scatter once (LB-Mini for packed_dp).
@@ -680,7 +679,6 @@ def _smoke(c: ml_collections.ConfigDict) -> None:
   # Tokens per device: 2048 keeps a CPU step of the 7b smoke model short;
   # prompts are then bounded by the trainer's longest sequence.
   c.sharding.capacity = min(c.sharding.capacity, 2048)
-  c.sharding.patch_capacity = min(c.sharding.patch_capacity, 4096)
   c.sft.steps, c.sft.eval_every = 4, 0
   if c.rollout.backend == "sglang" and not (c.rollout.urls or c.rollout.router_url):
     c.rollout.launch = c.rollout.launch or ("fluxjax.rollout.server",)

@@ -302,7 +302,6 @@ class Sharding:
   sync: str
   capacity: int
   capacity_buckets: tuple[int, ...]
-  patch_capacity: int
   balance_vision: bool
   max_replicated_bytes: int
 

@@ -38,7 +38,6 @@ SIZES = {
   "sft.steps",
   "sft.eval_every",
   "sharding.capacity",
-  "sharding.patch_capacity",
   "rollout.launch",
   "data.vision.image_min_pixels",
   "data.vision.image_max_pixels",

@@ -66,6 +66,20 @@ def test_the_kernel_reads_the_cache_as_the_reference_attends_the_window(dtype, w
   assert got.shape == want.shape == (slots, 1, heads, 32) and got.dtype == want.dtype
   tol = 1e-5 if dtype == "float32" else 2e-2
   np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=tol, atol=tol)
+  # A slot that sees no key (a negative length: nothing cached) reads zeros, not NaN.
+  none = pallas_decode.cache_decode_attention(
+    q,
+    cache.k_LSKCH,
+    cache.v_LSKCH,
+    cache.dtype,
+    layer,
+    lengths.at[0].set(-1),
+    window,
+    block_k=16,
+    split_keys=split_keys,
+    interpret=INTERPRET,
+  )
+  assert not np.asarray(none[0], np.float32).any() and np.isfinite(np.float32(none)).all()
 
 
 def test_a_decode_step_with_the_kernel_gives_the_reference_logits_and_cache(monkeypatch):

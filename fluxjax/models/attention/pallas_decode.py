@@ -167,7 +167,9 @@ def cache_decode_attention(
     name="cache_decode_attention",
   )(jnp.asarray(layer, jnp.int32).reshape(1), lengths_S.astype(jnp.int32), q, k_LSKCH, v_LSKCH)
   # The splits' online-softmax states, rescaled to their common max (a split
-  # with no visible key has denominator 0 and weighs nothing).
+  # with no visible key has denominator 0 and weighs nothing; a query that
+  # sees no key at all, as `pallas.py`'s, returns zeros).
   weight = jnp.exp2(m - m.max(axis=2, keepdims=True))
-  out = (acc * weight[..., None]).sum(axis=2) / (denom * weight).sum(axis=2)[..., None]
+  denom = jnp.maximum((denom * weight).sum(axis=2), 1e-30)
+  out = (acc * weight[..., None]).sum(axis=2) / denom[..., None]
   return out[:, :, :groups].astype(dtype).reshape(s, 1, n, h)

@@ -238,11 +238,15 @@ def test_the_fleet_modifier_runs_rollout_on_launched_servers_behind_a_router(arg
     assert c[section].to_dict() == base[section].to_dict(), section
 
 
-def test_the_decode_steps_per_call_reach_our_server_and_are_checked():
+def test_the_decode_steps_and_attention_reach_our_server_and_are_checked():
   c = config_args.load_config(arg="qwen25_vl_7b,smoke,fleet")
   cmd = factory.server_command(Settings.of(c))
   flag = cmd.index("--num-continuous-decode-steps")
   assert cmd[flag + 1] == str(c.rollout.num_continuous_decode_steps) == "8"
+  # So does the decode attention the run chose.
+  c.model.decode_attention = "pallas_gpu"
+  cmd = factory.server_command(Settings.of(c))
+  assert cmd[cmd.index("--decode-attention") + 1] == "pallas_gpu"
   c.rollout.num_continuous_decode_steps = 0
   with pytest.raises(ValueError, match=r"rollout\.num_continuous_decode_steps must be 1 or more"):
     factory.check_config(Settings.of(c).rollout)

@@ -70,7 +70,7 @@ def server_command(settings: settings_lib.Settings) -> list[str]:
   """`python -m fluxjax.rollout.server` serving a run config's model.
 
   The same checkpoint (`model.hf_path`, else random weights of the preset),
-  tokenizer, compute dtype, seed, slots, context and vision preprocessing
+  tokenizer, compute dtype, decode attention, seed, slots, context and vision preprocessing
   limits as the run (the trainer and the server must preprocess media
   alike: the prompt's pad counts come from it; pass settings whose limits
   `loop.validate` resolved); `launch_servers` adds --host and --port. For
@@ -83,6 +83,7 @@ def server_command(settings: settings_lib.Settings) -> list[str]:
   if model.tokenizer_path:
     cmd += ["--tokenizer-path", os.path.abspath(model.tokenizer_path)]
   cmd += ["--preset", model.preset, "--dtype", model.dtype]
+  cmd += ["--decode-attention", model.decode_attention]
   cmd += ["--seed", str(settings.seed), "--num-slots", str(settings.rollout.num_slots)]
   cmd += ["--context-length", str(settings.rollout.context_length)]
   steps = settings.rollout.num_continuous_decode_steps

@@ -349,8 +349,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # call's dispatch and the host's fetch of its tokens are paid once per this
   # many tokens, and a request that stops inside a call holds its slot to the
   # call's end. The tiny job's train step dominates, so it takes 1; the GPU
-  # variants take 8, since one call per token was host-bound on an H200
-  # (bench/README.md rollout.py; 8 is not yet measured on a GPU).
+  # variants take 8: on an H200 it gave the 3B engine 1.06-1.26x the tokens/s
+  # of one step a call (bench/README.md, rollout.py).
   c.rollout.num_continuous_decode_steps = v.decode_steps
   # Embedded engine placement: 0 runs it on the trainer's mesh (one process)
   # or on all of process 0's devices (several processes); k > 0 runs it on

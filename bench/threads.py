@@ -76,7 +76,9 @@ def main() -> None:
   p.add_argument("--deadline", type=float, default=300.0, help="seconds per phase")
   p.add_argument("--json", metavar="PATH")
   args = p.parse_args()
-  batch_args = argparse.Namespace(rows=2, row_tokens=512, seq_tokens=256, image_side=8)
+  batch_args = argparse.Namespace(
+    rows=2, row_tokens=512, seq_tokens=256, image_side=8, refuse_nonfinite=None
+  )
   device = jax.devices()[0]
   base = config_lib.preset(args.preset)
   cfg = base.replace(dtype="bfloat16" if device.platform == "gpu" else "float32")

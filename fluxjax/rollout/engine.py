@@ -76,14 +76,6 @@ DECODE_SLOTS_MIN = 8
 DECODE_WINDOW_MIN = 256
 
 
-def _buckets(capacity: int, smallest: int = 16) -> list[int]:
-  out, b = [], smallest
-  while b < capacity:
-    out.append(b)
-    b *= 2
-  return out + [capacity]
-
-
 def _cache_sharding(state: nnx.State, shape) -> jax.sharding.NamedSharding | None:
   """The KV cache's layout on the parameters' mesh; None for a one-device model."""
   for leaf in jax.tree.leaves(state):
@@ -228,12 +220,12 @@ class Engine:
     self.capacity = capacity
     self.weight_version = weight_version
     self.deltas_applied = 0  # weight updates read as a delta (load_weights_from_disk)
-    self.buckets = sorted(prefill_buckets or _buckets(capacity))
+    self.buckets = sorted(prefill_buckets or plan_lib.default_buckets(capacity, 16))
     if self.buckets[-1] > capacity:
       raise ValueError(f"prefill bucket {self.buckets[-1]} exceeds capacity {capacity}")
     self._graphdef, self._state = nnx.split(model)
     cache_sharding = _cache_sharding(self._state, decode.cache_shape(model, num_slots, capacity))
-    if cache_sharding is not None and self.cfg.decode_attention != "xla":
+    if cache_sharding is not None and self.cfg.decode_attention == "pallas_gpu":
       raise ValueError(
         f"model.decode_attention={self.cfg.decode_attention!r} reads the cache on one device; "
         f"this engine's model spans {cache_sharding.mesh.size} devices: use xla"
@@ -242,8 +234,10 @@ class Engine:
     # A prefix of the slots is every device's only while the slot axis is whole.
     spec = tuple(cache_sharding.spec) if cache_sharding is not None else ()
     slots_split = len(spec) > 1 and spec[1] is not None
-    self._slot_buckets = [num_slots] if slots_split else _buckets(num_slots, DECODE_SLOTS_MIN)
-    self._windows = _buckets(capacity, DECODE_WINDOW_MIN)
+    self._slot_buckets = (
+      [num_slots] if slots_split else list(plan_lib.default_buckets(num_slots, DECODE_SLOTS_MIN))
+    )
+    self._windows = list(plan_lib.default_buckets(capacity, DECODE_WINDOW_MIN))
     self._rng = np.random.default_rng(seed)
     self.eos_ids = frozenset({self.cfg.eos_token_id, *tokenizer.eos_ids})
     # Host-side slot state.

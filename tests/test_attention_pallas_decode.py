@@ -82,6 +82,15 @@ def test_the_kernel_reads_the_cache_as_the_reference_attends_the_window(dtype, w
   assert not np.asarray(none[0], np.float32).any() and np.isfinite(np.float32(none)).all()
 
 
+def test_a_head_dim_triton_cannot_tile_is_refused_by_name():
+  cache = _cache("float32", head_dim=24)
+  q = jnp.zeros((2, 6, 24), jnp.float32)
+  with pytest.raises(ValueError, match=r"head_dim 24 is not a power of 2.*decode_attention=xla"):
+    pallas_decode.cache_decode_attention(
+      q, cache.k_LSKCH, cache.v_LSKCH, cache.dtype, 0, jnp.zeros(2, jnp.int32), 16, interpret=True
+    )
+
+
 def test_a_decode_step_with_the_kernel_gives_the_reference_logits_and_cache(monkeypatch):
   # model.decode_attention picks the kernel inside decode_step's layer scan
   # (a traced layer index); the same weights give the same step.

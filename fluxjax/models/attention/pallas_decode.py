@@ -124,6 +124,11 @@ def cache_decode_attention(
   """
   s, n, h = q_SNH.shape
   kv_heads = k_LSKCH.shape[2]
+  if h & (h - 1):
+    raise ValueError(
+      f"head_dim {h} is not a power of 2: Triton loads whole power-of-2 tiles and the kernel "
+      "reads the cache in place, unpadded; use model.decode_attention=xla"
+    )
   if n % kv_heads:
     raise ValueError(f"{n} query heads do not group over {kv_heads} kv heads")
   groups = n // kv_heads

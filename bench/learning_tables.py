@@ -424,12 +424,16 @@ def _speed_row(arm: str, pairs: list, key: str, target: float, margin: float) ->
   for clock in ("step_s", "clock_s"):
     times = [(tta(r, clock), tta(b, clock)) for r, b in pairs]
     ratios[clock] = [b / t for t, b in times if t and b is not None]
-  test = tost([r["end"][key] - b["end"][key] for r, b in pairs], margin)
   hit = [t for t in reached if t is not None]
-  fmt = lambda v: f"{statistics.fmean(v):.2f}x +- {t_interval(v):.2f}" if v else "-"
-  return (
+  row = (
     f"| {arm} | {len(pairs)} | {statistics.fmean(r['end'][key] for r, _ in pairs):.3f} | "
     f"{len(hit)}/{len(pairs)} | {statistics.fmean(hit) if hit else float('nan'):.0f} | "
+  )
+  if arm == "sync":  # the baseline: nothing to compare it with
+    return row + "- | - | - | - | - |"
+  test = tost([r["end"][key] - b["end"][key] for r, b in pairs], margin)
+  fmt = lambda v: f"{statistics.fmean(v):.2f}x +- {t_interval(v):.2f}" if v else "-"
+  return row + (
     f"{fmt(ratios['step_s'])} | {fmt(ratios['clock_s'])} | {test.mean:+.3f} "
     f"[{test.low:+.3f}, {test.high:+.3f}] | {test.p:.3f} | {'yes' if test.equivalent else 'no'} |"
   )

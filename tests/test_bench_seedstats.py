@@ -164,6 +164,10 @@ def test_speed_table_reads_time_to_accuracy_and_equivalence(capsys):
   assert cells[3] == "4/4" and cells[4] == "20"
   assert cells[5].startswith("2.00x") and cells[6].startswith("2.00x")
   assert cells[-1] == "yes"
+  # sync is the baseline: its row compares with nothing.
+  sync_rows = [line for line in out.splitlines() if line.startswith("| sync |")]
+  sync_rows = [line for line in sync_rows if line.count("|") == 11]  # not the front's
+  assert len(sync_rows) == 2 and all(line.endswith("| - | - | - | - | - |") for line in sync_rows)
 
 
 def test_speed_table_says_where_each_arms_steps_went(capsys):

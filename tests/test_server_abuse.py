@@ -193,6 +193,26 @@ def test_control_endpoints_refuse_wrong_types(url):
   assert_serving(url)  # nothing was paused or aborted on the way
 
 
+def test_weight_endpoints_refuse_a_bad_body_in_their_own_shape(url):
+  """An endpoint whose refusal is SGLang's {success, message} (openapi.py)
+  refuses a body that is not JSON in that shape too, not the generic error:
+  a trainer reads `success` from every answer of these."""
+  spec = openapi.build_spec(server.VERSION)
+  shaped = [
+    path
+    for path, ops in spec["paths"].items()
+    if "post" in ops
+    and ops["post"]["responses"].get("400", {}).get("content", {}).get("application/json", {})
+    == {"schema": {"$ref": "#/components/schemas/UpdateWeightsResult"}}
+  ]
+  assert "/destroy_weights_update_group" in shaped and len(shaped) >= 4, shaped
+  for path in shaped:
+    status, out, _ = http(url, path, b"\x00")
+    assert status == 400 and out["success"] is False, (path, out)
+    assert "not valid JSON" in out["message"], (path, out)
+  assert_serving(url)
+
+
 def test_unknown_path_is_404_and_wrong_method_405_in_json(url):
   status, out, _ = http(url, "/v1/no_such_endpoint")
   assert status == 404 and "/v1/no_such_endpoint is not an endpoint" in error_message(out)

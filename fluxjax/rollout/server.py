@@ -436,7 +436,10 @@ class RolloutServer:
 
   async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
     self._ready()
-    name = weight_protocol.parse_group_name(await self._json_body(request))
+    try:
+      name = weight_protocol.parse_group_name(await self._json_body(request))
+    except ProtocolError as e:
+      return _update_result(False, f"Failed to destroy custom process group: {e}")
     group = self._weight_groups.pop(name, None)
     if group is None:
       return _update_result(False, "The group to be destroyed does not exist.")

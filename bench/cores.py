@@ -51,6 +51,16 @@ def use_server(config, urls) -> None:
     config.rollout.backend, config.rollout.urls = "sglang", tuple(urls)
 
 
+def cpu_seconds(pid: int) -> float:
+  """CPU seconds a process has used, all its threads (0 once it is gone)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      fields = f.read().rsplit(")", 1)[1].split()
+  except (FileNotFoundError, ProcessLookupError):
+    return 0.0
+  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Throttle:
   """Runs processes `duty` of every `period_s`; `stop()` resumes them for good."""
 
@@ -61,6 +71,7 @@ class Throttle:
     self._duty = duty
     self._run_s, self._stop_s = duty * period_s, (1 - duty) * period_s
     self._stopped_total = 0.0
+    self._cpu_start = {pid: cpu_seconds(pid) for pid in self._pids}
     self._started = time.monotonic()
     self._done = threading.Event()
     self._thread = threading.Thread(target=self._cycle, name="rollout-throttle", daemon=True)
@@ -78,11 +89,17 @@ class Throttle:
       self._signal(signal.SIGSTOP)
       t = time.monotonic()
       # A late wake-up (a loaded machine) lets the processes run past their
-      # share; the stop that follows is lengthened until the share is back.
-      ran = (t - self._started) - self._stopped_total
+      # share, and so does a stop that lands late (a signal to a process on
+      # another virtual CPU can take half a millisecond): the stop that
+      # follows is lengthened until the share is back, by whichever of the
+      # time not stopped and the CPU the busiest process used is larger.
+      ran = max((t - self._started) - self._stopped_total, self._cpu_used())
       self._done.wait(max(self._stop_s, ran / self._duty - (t - self._started)))
       self._signal(signal.SIGCONT)
       self._stopped_total += time.monotonic() - t
+
+  def _cpu_used(self) -> float:
+    return max(cpu_seconds(pid) - start for pid, start in self._cpu_start.items())
 
   def achieved(self) -> float:
     """The share of time since the start the processes were allowed to run."""

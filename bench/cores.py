@@ -99,7 +99,7 @@ class Throttle:
       self._stopped_total += time.monotonic() - t
 
   def _cpu_used(self) -> float:
-    return max(cpu_seconds(pid) - start for pid, start in self._cpu_start.items())
+    return max((cpu_seconds(pid) - start for pid, start in self._cpu_start.items()), default=0.0)
 
   def achieved(self) -> float:
     """The share of time since the start the processes were allowed to run."""

@@ -29,12 +29,12 @@ def test_a_throttled_process_runs_its_duty_and_runs_freely_after():
     released = time.monotonic()
     achieved = throttle.stop()
     _, used = _stat(busy.pid)
-    elapsed = time.monotonic() - start
-    used -= before
+    read = time.monotonic()
+    elapsed, used = read - start, used - before
     # Outside the throttle the process ran freely: from the first reading to
     # the throttle's start, and from its release to the second reading (which
     # a loaded machine can delay by tens of milliseconds).
-    unthrottled = (throttled - start) + (start + elapsed - released)
+    unthrottled = (throttled - start) + (read - released)
     time.sleep(0.1)
     state, _ = _stat(busy.pid)
   finally:

@@ -70,8 +70,10 @@ class EngineRequest:
     return len(self.prompt)
 
 
-# Decode buckets (one program each): slots in powers of 2 from the smallest,
-# cache entries read (the window) in powers of 2 from the smallest.
+# Prefill buckets (prompt lengths) and decode buckets (one program each): slots
+# in powers of 2 from the smallest, cache entries read (the window) in powers
+# of 2 from the smallest.
+PREFILL_LEN_MIN = 16
 DECODE_SLOTS_MIN = 8
 DECODE_WINDOW_MIN = 256
 
@@ -220,7 +222,7 @@ class Engine:
     self.capacity = capacity
     self.weight_version = weight_version
     self.deltas_applied = 0  # weight updates read as a delta (load_weights_from_disk)
-    self.buckets = sorted(prefill_buckets or plan_lib.default_buckets(capacity, 16))
+    self.buckets = sorted(prefill_buckets or plan_lib.default_buckets(capacity, PREFILL_LEN_MIN))
     if self.buckets[-1] > capacity:
       raise ValueError(f"prefill bucket {self.buckets[-1]} exceeds capacity {capacity}")
     self._graphdef, self._state = nnx.split(model)

@@ -32,6 +32,8 @@ Process i does ACTION_i:
             bf16 tensor>`. Process k prints what its gathers brought it for
             v3 and for the broadcast: `written<k>=` and `broadcast<k>=`
             `<bytes>,<the largest gather's bytes>`.
+
+Each record is printed on a line of its own (`report`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,14 @@ import traceback
 DISTRIBUTED_FLAG = "--config.distributed."
 SUM_SIZE = 16
 CHANNEL_BIG = 10240
+
+
+def report(record: str) -> None:
+  """Prints `record` to stdout on a line of its own: gloo (in jaxlib) prints
+  from C to the same pipe, and a line it has not finished would otherwise
+  take the record in."""
+  sys.stdout.write(f"\n{record}\n")
+  sys.stdout.flush()
 
 
 def start_distributed(flags: dict[str, str]) -> None:
@@ -80,13 +90,13 @@ def distributed_sum(flags: dict[str, str]) -> None:
   array = jax.make_array_from_callback((SUM_SIZE,), sharding, lambda index: values[index])
   total = jax.jit(jnp.sum)(array)
   if jax.process_index() == 0:
-    print(f"sum={float(total)}", flush=True)
+    report(f"sum={float(total)}")
     # A hybrid mesh: each data replica is one process's devices.
     from fluxjax.sharding import mesh as mesh_lib
 
     hybrid = mesh_lib.make_mesh(2, -1)
     owners = [sorted({d.process_index for d in row.flat}) for row in hybrid.devices]
-    print("hybrid=" + ";".join(",".join(map(str, o)) for o in owners), flush=True)
+    report("hybrid=" + ";".join(",".join(map(str, o)) for o in owners))
   leader_channel(array)
 
 
@@ -106,7 +116,7 @@ def leader_channel(array) -> None:
     received = [channel.recv(), channel.recv()]
     assert received[0] == ("small", (1, "two")), received[0]
     np.testing.assert_array_equal(received[1][1][0], big)
-    print("ops=" + ",".join(f"{name}:{len(args)}" for name, args in received), flush=True)
+    report("ops=" + ",".join(f"{name}:{len(args)}" for name, args in received))
   # The gather is a collective: once it is done on the leader, the follower
   # has read both ops (as a run's leader forgets after an update).
   local = jax.sharding.SingleDeviceSharding(multihost.leader_devices()[0])
@@ -129,8 +139,8 @@ def leader_channel(array) -> None:
     return
   assert gathered["x"].sharding == local and gathered["w"].sharding == by_rows
   np.testing.assert_array_equal(np.asarray(gathered["w"]), w_values)
-  print("gathered=" + ",".join(str(int(v)) for v in np.asarray(gathered["x"])), flush=True)
-  print(f"received={gather.COUNTS.received_bytes}", flush=True)
+  report("gathered=" + ",".join(str(int(v)) for v in np.asarray(gathered["x"])))
+  report(f"received={gather.COUNTS.received_bytes}")
   channel.forget_through(last)
   from jax._src.distributed import global_state
 
@@ -196,7 +206,7 @@ def fleet_publish(flags: dict[str, str], root: str) -> None:
     try:
       publish.write_checkpoint(model, root, 4)
     except OSError as e:
-      print(f"refused={e}", flush=True)
+      report(f"refused={e}")
   else:
     publish.take_part(model, "disk", root, 4)
   hf_export.ShardWriter = writer
@@ -212,7 +222,7 @@ def fleet_publish(flags: dict[str, str], root: str) -> None:
   hf_export.ShardWriter = writer
   gather.COUNTS.reset()
   if leader:
-    print(f"digest={bf16_digest(model)}", flush=True)
+    report(f"digest={bf16_digest(model)}")
   else:
     publish.take_part(model, "distributed", root, 7)
   print_counts("broadcast")
@@ -225,7 +235,7 @@ def print_counts(what: str) -> None:
   from fluxjax.sharding import gather
 
   c = gather.COUNTS
-  print(f"{what}{jax.process_index()}={c.host_bytes},{c.largest}", flush=True)
+  report(f"{what}{jax.process_index()}={c.host_bytes},{c.largest}")
 
 
 def deferred_publish(model, root: str, version: int) -> None:
@@ -239,9 +249,9 @@ def deferred_publish(model, root: str, version: int) -> None:
     feed, written = publish.deferred_write(model, root, version, deltas=True)
     feed.finish(lambda n: None)  # the other process runs every gather in order
     try:
-      print(f"deferred={written.result(timeout=60)}", flush=True)
+      report(f"deferred={written.result(timeout=60)}")
     except OSError as e:
-      print(f"refused={e}", flush=True)
+      report(f"refused={e}")
   else:
     part = publish.take_part(model, "disk", root, version, deltas=True, defer=True)
     part.take(part.remaining)

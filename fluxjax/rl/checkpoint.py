@@ -16,7 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-ITEMS = ("state", "rng", "coordinator", "data")
+# The items of a checkpoint and how each is written: the PRNG key data as a
+# one-leaf pytree (Orbax's array handler warns at every save of a one-process run).
+_HANDLERS = {
+  "state": ocp.StandardCheckpointHandler,
+  "rng": ocp.StandardCheckpointHandler,
+  "coordinator": ocp.JsonCheckpointHandler,
+  "data": ocp.JsonCheckpointHandler,
+}
+ITEMS = tuple(_HANDLERS)
+_ARRAY_HANDLER = "ArrayCheckpointHandler"
 
 
 class CheckpointWriteError(RuntimeError):
@@ -50,7 +59,11 @@ class Checkpointer:
       # Temporary folders of saves that were killed or failed; cleared before the first save.
       cleanup_tmp_directories=True,
     )
-    self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+    self.manager = ocp.CheckpointManager(
+      self.directory,
+      options=options,
+      item_handlers={name: handler() for name, handler in _HANDLERS.items()},
+    )
     self._writing: int | None = None  # the step whose write may still be in the background
 
   def latest_step(self) -> int | None:
@@ -91,7 +104,7 @@ class Checkpointer:
     self.wait()
     args = ocp.args.Composite(
       state=ocp.args.StandardSave(state),
-      rng=ocp.args.ArraySave(np.asarray(jax.random.key_data(rng))),
+      rng=ocp.args.StandardSave({"key_data": np.asarray(jax.random.key_data(rng))}),
       coordinator=ocp.args.JsonSave(coordinator),
       data=ocp.args.JsonSave(data),
     )
@@ -121,17 +134,24 @@ class Checkpointer:
         f"no checkpoint of step {step} in {self.directory}; it keeps steps "
         f"{', '.join(map(str, kept)) or 'none'}"
       )
-    out = self.manager.restore(
-      step,
-      args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state),
-        rng=ocp.args.ArrayRestore(),
-        coordinator=ocp.args.JsonRestore(),
-        data=ocp.args.JsonRestore(),
-      ),
-    )
-    rng = jax.random.wrap_key_data(jnp.asarray(out.rng))
+    array_key = self.manager.metadata(step).item_handlers["rng"].endswith(_ARRAY_HANDLER)
+    items = {
+      "state": ocp.args.StandardRestore(abstract_state),
+      "coordinator": ocp.args.JsonRestore(),
+      "data": ocp.args.JsonRestore(),
+    }
+    if not array_key:
+      items["rng"] = ocp.args.StandardRestore()
+    out = self.manager.restore(step, args=ocp.args.Composite(**items))
+    key_data = self._array_key_data(step) if array_key else out.rng["key_data"]
+    rng = jax.random.wrap_key_data(jnp.asarray(key_data))
     return step, out.state, rng, out.coordinator, out.data
+
+  def _array_key_data(self, step: int) -> np.ndarray:
+    """Step `step`'s PRNG key data written as an Orbax array item (`ocp.args.ArraySave`)."""
+    with ocp.Checkpointer(ocp.ArrayCheckpointHandler()) as checkpointer:
+      path = os.path.join(self.directory, str(step), "rng")
+      return np.asarray(checkpointer.restore(path, args=ocp.args.ArrayRestore()))
 
   def wait(self) -> None:
     """Blocks until background saves are on disk (call before exiting).
